@@ -1,0 +1,236 @@
+//! Process configuration from the environment (DESIGN.md §4). Bad values never stop the
+//! job: each produces one warning naming the valid values, and the default is used.
+
+use crate::ops::Toggle;
+use std::path::PathBuf;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    /// `TORCHFUSE=0`: load, register nothing.
+    pub active: bool,
+    /// Toggles enabled by `TORCHFUSE_OPS`, indexed by `Toggle::index`.
+    pub ops: [bool; Toggle::ALL.len()],
+    pub log_filter: String,
+    pub log_file: Option<PathBuf>,
+    pub cache_dir: PathBuf,
+    /// Problems found while parsing, logged once logging is up.
+    pub warnings: Vec<String>,
+}
+
+pub const DEFAULT_LOG_FILTER: &str = "warn";
+
+impl Config {
+    pub fn from_env() -> Config {
+        Config::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// Parses from any variable lookup, so tests need not touch the process environment.
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Config {
+        let mut warnings = Vec::new();
+
+        let active = match get("TORCHFUSE").as_deref().map(str::trim) {
+            None | Some("") | Some("1") => true,
+            Some("0") => false,
+            Some(other) => {
+                warnings.push(format!(
+                    "TORCHFUSE={other:?} is not valid (use 0 or 1); using 1"
+                ));
+                true
+            }
+        };
+
+        let ops = parse_ops(get("TORCHFUSE_OPS").as_deref(), &mut warnings);
+
+        let log_filter = match get("TORCHFUSE_LOG") {
+            Some(f) if !f.trim().is_empty() => {
+                let f = f.trim().to_string();
+                if tracing_subscriber::EnvFilter::try_new(&f).is_ok() {
+                    f
+                } else {
+                    warnings.push(format!(
+                        "TORCHFUSE_LOG={f:?} is not a valid filter (use warn, info, debug, \
+                         trace or target=level); using {DEFAULT_LOG_FILTER}"
+                    ));
+                    DEFAULT_LOG_FILTER.to_string()
+                }
+            }
+            _ => DEFAULT_LOG_FILTER.to_string(),
+        };
+
+        let log_file = get("TORCHFUSE_LOG_FILE")
+            .filter(|s| !s.trim().is_empty())
+            .map(PathBuf::from);
+
+        let cache_dir = get("TORCHFUSE_CACHE_DIR")
+            .filter(|s| !s.trim().is_empty())
+            .map(PathBuf::from)
+            .or_else(|| {
+                get("XDG_CACHE_HOME")
+                    .filter(|s| !s.is_empty())
+                    .map(|x| PathBuf::from(x).join("torchfuse"))
+            })
+            .or_else(|| {
+                get("HOME")
+                    .filter(|s| !s.is_empty())
+                    .map(|h| PathBuf::from(h).join(".cache").join("torchfuse"))
+            })
+            .unwrap_or_else(|| std::env::temp_dir().join("torchfuse-cache"));
+
+        Config {
+            active,
+            ops,
+            log_filter,
+            log_file,
+            cache_dir,
+            warnings,
+        }
+    }
+
+    pub fn op_enabled(&self, t: Toggle) -> bool {
+        self.active && self.ops[t.index()]
+    }
+}
+
+fn valid_names() -> String {
+    let names: Vec<&str> = Toggle::ALL.iter().map(|t| t.name()).collect();
+    format!("all, none, {}", names.join(", "))
+}
+
+/// `all`, `none`, a comma list (`layer_norm,adam`), or removals (`-sdpa`), applied left to
+/// right; a list that starts with a removal starts from `all`.
+fn parse_ops(value: Option<&str>, warnings: &mut Vec<String>) -> [bool; Toggle::ALL.len()] {
+    let all = [true; Toggle::ALL.len()];
+    let Some(value) = value.map(str::trim).filter(|v| !v.is_empty()) else {
+        return all;
+    };
+    let tokens: Vec<&str> = value
+        .split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .collect();
+    let mut ops = if tokens.first().is_some_and(|t| t.starts_with('-')) {
+        all
+    } else {
+        [false; Toggle::ALL.len()]
+    };
+    for token in tokens {
+        let (remove, name) = match token.strip_prefix('-') {
+            Some(rest) => (true, rest.trim()),
+            None => (false, token),
+        };
+        match (name, Toggle::from_name(name)) {
+            ("all", _) => ops = [!remove; Toggle::ALL.len()],
+            ("none", _) => ops = [remove; Toggle::ALL.len()],
+            (_, Some(t)) => ops[t.index()] = !remove,
+            (_, None) => warnings.push(format!(
+                "TORCHFUSE_OPS: unknown op {name:?} ignored (valid: {})",
+                valid_names()
+            )),
+        }
+    }
+    ops
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn cfg(vars: &[(&str, &str)]) -> Config {
+        let map: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Config::from_lookup(|k| map.get(k).cloned())
+    }
+
+    fn enabled(c: &Config) -> Vec<&'static str> {
+        Toggle::ALL
+            .into_iter()
+            .filter(|t| c.op_enabled(*t))
+            .map(Toggle::name)
+            .collect()
+    }
+
+    #[test]
+    fn defaults_enable_everything_quietly() {
+        let c = cfg(&[("HOME", "/home/u")]);
+        assert!(c.active);
+        assert_eq!(enabled(&c).len(), Toggle::ALL.len());
+        assert_eq!(c.log_filter, "warn");
+        assert_eq!(c.log_file, None);
+        assert_eq!(c.cache_dir, PathBuf::from("/home/u/.cache/torchfuse"));
+        assert!(c.warnings.is_empty());
+    }
+
+    #[test]
+    fn torchfuse_zero_disables_all_ops() {
+        let c = cfg(&[("TORCHFUSE", "0"), ("TORCHFUSE_OPS", "layer_norm")]);
+        assert!(!c.active);
+        assert!(enabled(&c).is_empty());
+    }
+
+    #[test]
+    fn bad_master_switch_warns_and_stays_on() {
+        let c = cfg(&[("TORCHFUSE", "yes")]);
+        assert!(c.active);
+        assert_eq!(c.warnings.len(), 1);
+        assert!(c.warnings[0].contains("use 0 or 1"));
+    }
+
+    #[test]
+    fn op_lists_and_removals() {
+        assert_eq!(
+            enabled(&cfg(&[("TORCHFUSE_OPS", "layer_norm, adam")])),
+            vec!["layer_norm", "adam"]
+        );
+        assert_eq!(
+            enabled(&cfg(&[("TORCHFUSE_OPS", "-sdpa")])),
+            vec!["layer_norm", "rms_norm", "embedding", "adam"]
+        );
+        assert_eq!(
+            enabled(&cfg(&[("TORCHFUSE_OPS", "-sdpa,-adam")])),
+            vec!["layer_norm", "rms_norm", "embedding"]
+        );
+        assert_eq!(
+            enabled(&cfg(&[("TORCHFUSE_OPS", "all,-embedding")])),
+            vec!["layer_norm", "rms_norm", "adam", "sdpa"]
+        );
+        assert!(enabled(&cfg(&[("TORCHFUSE_OPS", "none")])).is_empty());
+        assert_eq!(enabled(&cfg(&[("TORCHFUSE_OPS", "")])).len(), 5);
+    }
+
+    #[test]
+    fn unknown_op_names_warn_with_the_valid_ones() {
+        let c = cfg(&[("TORCHFUSE_OPS", "layer_norm,attention")]);
+        assert_eq!(enabled(&c), vec!["layer_norm"]);
+        assert_eq!(c.warnings.len(), 1);
+        assert!(c.warnings[0].contains("\"attention\""));
+        assert!(c.warnings[0].contains("rms_norm, embedding, adam, sdpa"));
+    }
+
+    #[test]
+    fn log_settings() {
+        let c = cfg(&[
+            ("TORCHFUSE_LOG", "torchfuse=trace"),
+            ("TORCHFUSE_LOG_FILE", "/tmp/tf.log"),
+        ]);
+        assert_eq!(c.log_filter, "torchfuse=trace");
+        assert_eq!(c.log_file, Some(PathBuf::from("/tmp/tf.log")));
+        let bad = cfg(&[("TORCHFUSE_LOG", "torchfuse=loud")]);
+        assert_eq!(bad.log_filter, "warn");
+        assert_eq!(bad.warnings.len(), 1);
+    }
+
+    #[test]
+    fn cache_dir_precedence() {
+        let c = cfg(&[
+            ("TORCHFUSE_CACHE_DIR", "/c"),
+            ("XDG_CACHE_HOME", "/x"),
+            ("HOME", "/h"),
+        ]);
+        assert_eq!(c.cache_dir, PathBuf::from("/c"));
+        let c = cfg(&[("XDG_CACHE_HOME", "/x"), ("HOME", "/h")]);
+        assert_eq!(c.cache_dir, PathBuf::from("/x/torchfuse"));
+    }
+}

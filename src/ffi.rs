@@ -1,0 +1,324 @@
+//! Load-time registration and every `extern "C"` entry point the C++ glue calls.
+//!
+//! Each entry point catches panics: a bug in torchfuse makes the call go to stock (with one
+//! warning), never unwinds into PyTorch.
+
+use crate::config::Config;
+use crate::ops::{Entry, Toggle};
+use crate::registry::StockReason;
+use crate::stats::{self, Outcome};
+use crate::tensor::{borrow, describe, into_raw};
+use once_cell::sync::OnceCell;
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+const FUSED: i32 = 1;
+const STOCK: i32 = 0;
+
+extern "C" {
+    fn torchfuse_cxx_register(entry: u32, err: *mut c_char, err_len: usize) -> i32;
+    fn torchfuse_cxx_define_control_ops(err: *mut c_char, err_len: usize) -> i32;
+}
+
+static CONFIG: OnceCell<Config> = OnceCell::new();
+
+pub fn config() -> &'static Config {
+    CONFIG.get_or_init(Config::from_env)
+}
+
+/// Overrides registered with the dispatcher, per toggle.
+static REGISTERED: [AtomicBool; Toggle::ALL.len()] = [const { AtomicBool::new(false) }; Toggle::ALL.len()];
+/// Run-time switch (`torch.ops.torchfuse.set_enabled`), per toggle.
+static RUNTIME_ENABLED: [AtomicBool; Toggle::ALL.len()] = [const { AtomicBool::new(true) }; Toggle::ALL.len()];
+/// One internal-error warning per entry.
+static PANIC_WARNED: [AtomicBool; Entry::ALL.len()] = [const { AtomicBool::new(false) }; Entry::ALL.len()];
+
+#[repr(C)]
+pub struct TfLaunch {
+    pub device: i32,
+    pub stream: *mut c_void,
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".to_string())
+}
+
+fn warn_internal_error(entry: Entry, payload: &(dyn std::any::Any + Send)) {
+    if !PANIC_WARNED[entry as usize].swap(true, Ordering::Relaxed) {
+        tracing::warn!(
+            "internal error in {}: {}; stock PyTorch serves this call (warned once)",
+            entry.aten_name(),
+            panic_message(payload)
+        );
+    }
+}
+
+pub fn warn_once_launch_failure(kernel: &str, error: &str) {
+    static WARNED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    let mut warned = WARNED.lock().unwrap_or_else(|p| p.into_inner());
+    if !warned.iter().any(|k| k == kernel) {
+        warned.push(kernel.to_string());
+        tracing::warn!("launching {kernel} failed: {error}; stock serves its calls");
+    }
+}
+
+fn active(toggle: Toggle) -> bool {
+    RUNTIME_ENABLED[toggle.index()].load(Ordering::Relaxed)
+}
+
+// ------------------------------------------------------------------ registration
+
+/// Reads the config, sets up logging and registers the enabled overrides. Idempotent.
+pub fn init() {
+    static DONE: std::sync::Once = std::sync::Once::new();
+    DONE.call_once(|| {
+        if let Err(payload) = catch_unwind(register_all) {
+            eprintln!(
+                "torchfuse: initialisation failed ({}); PyTorch runs unchanged",
+                panic_message(&*payload)
+            );
+        }
+    });
+}
+
+fn cxx_error(buf: &[u8]) -> String {
+    CStr::from_bytes_until_nul(buf)
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+fn register_all() {
+    let config = config();
+    crate::logging::init(config);
+    let mut err = [0u8; 1024];
+    // SAFETY: err is a writable buffer of the given length.
+    if unsafe { torchfuse_cxx_define_control_ops(err.as_mut_ptr().cast(), err.len()) } != 0 {
+        tracing::warn!("torch.ops.torchfuse control ops unavailable: {}", cxx_error(&err));
+    }
+    if !config.active {
+        tracing::info!("TORCHFUSE=0: loaded, nothing registered");
+        return;
+    }
+    if let Err(e) = crate::registry::REGISTRY.as_ref() {
+        tracing::warn!("kernel registry is invalid ({e}); every call goes to stock");
+    }
+    let mut registered = Vec::new();
+    for toggle in Toggle::ALL.into_iter().filter(|t| config.op_enabled(*t)) {
+        let mut ok = true;
+        for entry in toggle.entries() {
+            // SAFETY: as above.
+            if unsafe { torchfuse_cxx_register(entry as u32, err.as_mut_ptr().cast(), err.len()) } != 0 {
+                ok = false;
+                tracing::warn!("could not override {}: {}; stock serves it", entry.aten_name(), cxx_error(&err));
+            }
+        }
+        if ok {
+            REGISTERED[toggle.index()].store(true, Ordering::Relaxed);
+            registered.push(toggle.name());
+        }
+    }
+    tracing::info!("overrides registered for: {}", if registered.is_empty() { "none".to_string() } else { registered.join(", ") });
+    // SAFETY: registering a plain extern "C" fn; this library is never unloaded.
+    unsafe {
+        libc::atexit(at_exit);
+    }
+}
+
+extern "C" fn at_exit() {
+    let _ = catch_unwind(|| {
+        if tracing::enabled!(tracing::Level::INFO) {
+            if let Some(table) = stats::summary_table() {
+                tracing::info!("{table}");
+            }
+        }
+    });
+}
+
+#[cfg(not(test))]
+#[ctor::ctor]
+fn on_load() {
+    init();
+}
+
+// ------------------------------------------------------------------ op entry points
+
+/// # Safety
+/// Pointers are as shim.cpp passes them: valid `at::Tensor`s (or null for absent optional
+/// ones), `normalized_shape` with `normalized_ndim` elements, `out` with room for 3.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_layer_norm_fwd(
+    launch: *const TfLaunch,
+    input: *const c_void,
+    normalized_shape: *const i64,
+    normalized_ndim: usize,
+    weight: *const c_void,
+    bias: *const c_void,
+    eps: f64,
+    out: *mut *mut c_void,
+) -> i32 {
+    let entry = Entry::NativeLayerNorm;
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        let input = borrow(input)?;
+        let described = describe(Some(&input));
+        let outcome = if !active(entry.toggle()) {
+            Err(StockReason::DisabledAtRuntime)
+        } else {
+            let shape = std::slice::from_raw_parts(normalized_shape, normalized_ndim);
+            let (weight, bias) = (borrow(weight), borrow(bias));
+            crate::layer_norm::forward(
+                (*launch).device,
+                (*launch).stream,
+                &input,
+                shape,
+                weight.as_deref(),
+                bias.as_deref(),
+                eps,
+            )
+        };
+        Some((described, outcome))
+    }));
+    match result {
+        Ok(Some(((dtype, shape), Ok(fwd)))) => {
+            stats::record(entry, Outcome::Fused(fwd.kernel), dtype, &shape);
+            *out.add(0) = into_raw(fwd.y);
+            *out.add(1) = into_raw(fwd.mean);
+            *out.add(2) = into_raw(fwd.rstd);
+            FUSED
+        }
+        Ok(Some(((dtype, shape), Err(reason)))) => {
+            stats::record(entry, Outcome::Stock(reason), dtype, &shape);
+            STOCK
+        }
+        Ok(None) => STOCK,
+        Err(payload) => {
+            warn_internal_error(entry, &*payload);
+            STOCK
+        }
+    }
+}
+
+/// Records a call that stock serves because torchfuse has no kernel for it yet.
+///
+/// # Safety
+/// `primary` is null or a valid `at::Tensor`.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_passthrough(entry: u32, primary: *const c_void, list_len: i64) {
+    let Some(entry) = Entry::from_u32(entry) else {
+        return;
+    };
+    if let Err(payload) = catch_unwind(AssertUnwindSafe(|| {
+        let tensor = borrow(primary);
+        let (dtype, mut shape) = describe(tensor.as_deref());
+        if list_len >= 0 {
+            shape = vec![list_len];
+        }
+        let reason = if active(entry.toggle()) {
+            StockReason::NoKernelYet
+        } else {
+            StockReason::DisabledAtRuntime
+        };
+        stats::record(entry, Outcome::Stock(reason), dtype, &shape);
+    })) {
+        warn_internal_error(entry, &*payload);
+    }
+}
+
+/// The SDPA backend choice: stock's answer unless torchfuse takes the call.
+///
+/// # Safety
+/// Tensor pointers are valid `at::Tensor`s.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_sdp_choice(
+    query: *const c_void,
+    _key: *const c_void,
+    _value: *const c_void,
+    _has_mask: bool,
+    _dropout_p: f64,
+    _is_causal: bool,
+    _enable_gqa: bool,
+    stock_choice: i64,
+) -> i64 {
+    torchfuse_rs_passthrough(Entry::SdpChoice as u32, query, -1);
+    stock_choice
+}
+
+// ------------------------------------------------------------------ control
+
+/// # Safety
+/// `msg` points to `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_torch_warning(msg: *const c_char, len: usize) {
+    let _ = catch_unwind(|| {
+        let bytes = std::slice::from_raw_parts(msg.cast::<u8>(), len);
+        tracing::debug!("torch: {}", String::from_utf8_lossy(bytes));
+    });
+}
+
+/// 1: the op now runs through torchfuse; 0: it does not (disabled, or never registered);
+/// -1: unknown name.
+///
+/// # Safety
+/// `name` points to `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_set_enabled(name: *const c_char, len: usize, enabled: bool) -> i32 {
+    catch_unwind(|| {
+        let bytes = std::slice::from_raw_parts(name.cast::<u8>(), len);
+        let Some(toggle) = std::str::from_utf8(bytes).ok().and_then(Toggle::from_name) else {
+            return -1;
+        };
+        RUNTIME_ENABLED[toggle.index()].store(enabled, Ordering::Relaxed);
+        let registered = REGISTERED[toggle.index()].load(Ordering::Relaxed);
+        if enabled && !registered {
+            tracing::warn!(
+                "set_enabled({}, True): not registered in this process (TORCHFUSE / TORCHFUSE_OPS), stock keeps serving it",
+                toggle.name()
+            );
+        }
+        tracing::info!("{} {}", toggle.name(), if enabled && registered { "enabled" } else { "disabled" });
+        i32::from(enabled && registered)
+    })
+    .unwrap_or(-1)
+}
+
+fn enabled_map() -> Vec<(&'static str, bool)> {
+    Toggle::ALL
+        .iter()
+        .map(|t| {
+            (
+                t.name(),
+                REGISTERED[t.index()].load(Ordering::Relaxed) && active(*t),
+            )
+        })
+        .collect()
+}
+
+/// JSON of the calls so far; free with `torchfuse_rs_free_string`.
+#[no_mangle]
+pub extern "C" fn torchfuse_rs_stats_json() -> *mut c_char {
+    catch_unwind(|| {
+        CString::new(stats::to_json(&enabled_map()))
+            .map(CString::into_raw)
+            .unwrap_or(std::ptr::null_mut())
+    })
+    .unwrap_or(std::ptr::null_mut())
+}
+
+/// # Safety
+/// `s` came from `torchfuse_rs_stats_json` and is freed once.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_free_string(s: *mut c_char) {
+    if !s.is_null() {
+        drop(CString::from_raw(s));
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn torchfuse_rs_reset_stats() {
+    let _ = catch_unwind(stats::reset);
+}

@@ -1,0 +1,342 @@
+// Thin marshalling between PyTorch's dispatcher and the Rust core (src/ffi.rs).
+//
+// Every override here does three things only: hand the call's arguments to Rust, take back
+// the tensors Rust produced, or, when Rust answers "stock", call PyTorch's own CUDA kernel
+// with the unchanged arguments. All decisions (enabled?, which kernel?, why stock?) and all
+// logging live in Rust. No C++ exception crosses into Rust and no Rust panic crosses back:
+// the Rust entry points catch panics and answer "stock".
+
+#include <ATen/ATen.h>
+#include <ATen/CUDAFunctions.h>
+#include <ATen/native/transformers/attention.h>
+#include <ATen/ops/_fused_sdp_choice_native.h>
+#include <ATen/ops/embedding_compositeexplicitautograd_dispatch.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+namespace {
+
+// Must match `Entry` in src/ops.rs.
+enum Entry : uint32_t {
+  kNativeLayerNorm = 0,
+  kNativeLayerNormBackward = 1,
+  kFusedRmsNorm = 2,
+  kFusedRmsNormBackward = 3,
+  kEmbedding = 4,
+  kEmbeddingDenseBackward = 5,
+  kFusedAdam = 6,
+  kFusedAdamTensorLr = 7,
+  kFusedAdamw = 8,
+  kFusedAdamwTensorLr = 9,
+  kSdpChoice = 10,
+  kFlashAttention = 11,
+  kFlashAttentionBackward = 12,
+};
+
+constexpr int32_t kFused = 1;
+
+struct TfLaunch {
+  int32_t device;
+  void* stream;
+};
+
+}  // namespace
+
+extern "C" {
+// Implemented in Rust. Tensors are borrowed for the duration of the call; tensors written to
+// `out` are owned by the caller (heap `at::Tensor`s allocated through tch).
+int32_t torchfuse_rs_layer_norm_fwd(const TfLaunch* launch, const at::Tensor* input,
+                                    const int64_t* normalized_shape, size_t normalized_ndim,
+                                    const at::Tensor* weight, const at::Tensor* bias, double eps,
+                                    at::Tensor** out);
+void torchfuse_rs_passthrough(uint32_t entry, const at::Tensor* primary, int64_t list_len);
+int64_t torchfuse_rs_sdp_choice(const at::Tensor* query, const at::Tensor* key,
+                                const at::Tensor* value, bool has_mask, double dropout_p,
+                                bool is_causal, bool enable_gqa, int64_t stock_choice);
+void torchfuse_rs_torch_warning(const char* msg, size_t len);
+int32_t torchfuse_rs_set_enabled(const char* name, size_t len, bool enabled);
+char* torchfuse_rs_stats_json(void);
+void torchfuse_rs_reset_stats(void);
+void torchfuse_rs_free_string(char* s);
+}
+
+namespace {
+
+const at::Tensor* optional_ptr(const std::optional<at::Tensor>& t) {
+  return (t.has_value() && t->defined()) ? &*t : nullptr;
+}
+
+at::Tensor take(at::Tensor* owned) {
+  at::Tensor t = std::move(*owned);
+  delete owned;
+  return t;
+}
+
+// PyTorch's current stream on the tensor's device, through the device-generic interface (no
+// CUDA headers needed here).
+TfLaunch launch_for(const at::Tensor& t) {
+  const c10::Stream stream =
+      c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(t.device());
+  return TfLaunch{static_cast<int32_t>(t.device().index()), stream.native_handle()};
+}
+
+// Takes the `n` outputs Rust produced; false (and nothing leaked) if any is missing.
+template <size_t N>
+bool take_all(at::Tensor* (&out)[N], at::Tensor (&dst)[N]) {
+  bool complete = true;
+  for (size_t i = 0; i < N; ++i) complete = complete && out[i] != nullptr;
+  for (size_t i = 0; i < N; ++i) {
+    if (out[i] == nullptr) continue;
+    at::Tensor t = take(out[i]);
+    if (complete) dst[i] = std::move(t);
+  }
+  return complete;
+}
+
+// ---------------------------------------------------------------- layer_norm
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> native_layer_norm(
+    const at::Tensor& input, at::IntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps) {
+  {
+    const c10::DeviceGuard guard(input.device());
+    TfLaunch launch = launch_for(input);
+    at::Tensor* out[3] = {nullptr, nullptr, nullptr};
+    if (torchfuse_rs_layer_norm_fwd(&launch, &input, normalized_shape.data(),
+                                    normalized_shape.size(), optional_ptr(weight),
+                                    optional_ptr(bias), eps, out) == kFused) {
+      at::Tensor r[3];
+      if (take_all(out, r)) return {r[0], r[1], r[2]};
+    }
+  }
+  return at::cuda::native_layer_norm(input, normalized_shape, weight, bias, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> native_layer_norm_backward(
+    const at::Tensor& grad_out, const at::Tensor& input, at::IntArrayRef normalized_shape,
+    const at::Tensor& mean, const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask) {
+  torchfuse_rs_passthrough(kNativeLayerNormBackward, &input, -1);
+  return at::cuda::native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd,
+                                              weight, bias, output_mask);
+}
+
+// ---------------------------------------------------------------- rms_norm
+
+std::tuple<at::Tensor, at::Tensor> fused_rms_norm(const at::Tensor& input,
+                                                  at::IntArrayRef normalized_shape,
+                                                  const std::optional<at::Tensor>& weight,
+                                                  std::optional<double> eps) {
+  torchfuse_rs_passthrough(kFusedRmsNorm, &input, -1);
+  return at::cuda::_fused_rms_norm(input, normalized_shape, weight, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_rms_norm_backward(
+    const at::Tensor& grad_out, const at::Tensor& input, at::IntArrayRef normalized_shape,
+    const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
+    std::array<bool, 2> output_mask) {
+  torchfuse_rs_passthrough(kFusedRmsNormBackward, &input, -1);
+  return at::cuda::_fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight,
+                                            output_mask);
+}
+
+// ---------------------------------------------------------------- embedding
+
+at::Tensor embedding(const at::Tensor& weight, const at::Tensor& indices, int64_t padding_idx,
+                     bool scale_grad_by_freq, bool sparse) {
+  torchfuse_rs_passthrough(kEmbedding, &weight, -1);
+  return at::compositeexplicitautograd::embedding(weight, indices, padding_idx,
+                                                  scale_grad_by_freq, sparse);
+}
+
+at::Tensor embedding_dense_backward(const at::Tensor& grad_output, const at::Tensor& indices,
+                                    int64_t num_weights, int64_t padding_idx,
+                                    bool scale_grad_by_freq) {
+  torchfuse_rs_passthrough(kEmbeddingDenseBackward, &grad_output, -1);
+  return at::cuda::embedding_dense_backward(grad_output, indices, num_weights, padding_idx,
+                                            scale_grad_by_freq);
+}
+
+// ---------------------------------------------------------------- adam / adamw
+
+const at::Tensor* first_or_null(at::TensorList list) {
+  return list.empty() ? nullptr : &list[0];
+}
+
+#define TORCHFUSE_ADAM_PARAMS                                                              \
+  at::TensorList self, at::TensorList grads, at::TensorList exp_avgs,                      \
+      at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList state_steps
+#define TORCHFUSE_ADAM_TAIL                                                                \
+  double beta1, double beta2, double weight_decay, double eps, bool amsgrad, bool maximize, \
+      const std::optional<at::Tensor>&grad_scale, const std::optional<at::Tensor>&found_inf
+#define TORCHFUSE_ADAM_ARGS(lr)                                                          \
+  self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr, beta1, beta2, \
+      weight_decay, eps, amsgrad, maximize, grad_scale, found_inf
+
+void fused_adam(TORCHFUSE_ADAM_PARAMS, double lr, TORCHFUSE_ADAM_TAIL) {
+  torchfuse_rs_passthrough(kFusedAdam, first_or_null(self), self.size());
+  at::cuda::_fused_adam_(TORCHFUSE_ADAM_ARGS(lr));
+}
+void fused_adam_tensor_lr(TORCHFUSE_ADAM_PARAMS, const at::Tensor& lr, TORCHFUSE_ADAM_TAIL) {
+  torchfuse_rs_passthrough(kFusedAdamTensorLr, first_or_null(self), self.size());
+  at::cuda::_fused_adam_(TORCHFUSE_ADAM_ARGS(lr));
+}
+void fused_adamw(TORCHFUSE_ADAM_PARAMS, double lr, TORCHFUSE_ADAM_TAIL) {
+  torchfuse_rs_passthrough(kFusedAdamw, first_or_null(self), self.size());
+  at::cuda::_fused_adamw_(TORCHFUSE_ADAM_ARGS(lr));
+}
+void fused_adamw_tensor_lr(TORCHFUSE_ADAM_PARAMS, const at::Tensor& lr, TORCHFUSE_ADAM_TAIL) {
+  torchfuse_rs_passthrough(kFusedAdamwTensorLr, first_or_null(self), self.size());
+  at::cuda::_fused_adamw_(TORCHFUSE_ADAM_ARGS(lr));
+}
+
+// ---------------------------------------------------------------- sdpa
+
+int64_t sdp_choice(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                   const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
+                   std::optional<double> scale, bool enable_gqa) {
+  // Stock's choice first: it applies the user's backend flags and raises stock's errors.
+  const int64_t stock = at::native::_fused_sdp_choice_cuda(query, key, value, attn_mask,
+                                                           dropout_p, is_causal, scale, enable_gqa);
+  return torchfuse_rs_sdp_choice(&query, &key, &value, optional_ptr(attn_mask) != nullptr,
+                                 dropout_p, is_causal, enable_gqa, stock);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::SymInt, c10::SymInt, at::Tensor,
+           at::Tensor, at::Tensor>
+flash_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                double dropout_p, bool is_causal, bool return_debug_mask,
+                std::optional<double> scale) {
+  torchfuse_rs_passthrough(kFlashAttention, &query, -1);
+  return at::cuda::_scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
+                                                       return_debug_mask, scale);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+    const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
+    const at::Tensor& cum_seq_q, const at::Tensor& cum_seq_k, int64_t max_q, int64_t max_k,
+    double dropout_p, bool is_causal, const at::Tensor& philox_seed,
+    const at::Tensor& philox_offset, std::optional<double> scale) {
+  torchfuse_rs_passthrough(kFlashAttentionBackward, &query, -1);
+  return at::cuda::_scaled_dot_product_flash_attention_backward(
+      grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+      is_causal, philox_seed, philox_offset, scale);
+}
+
+// ---------------------------------------------------------------- control ops
+
+bool control_set_enabled(c10::string_view op, bool enabled) {
+  const int32_t r = torchfuse_rs_set_enabled(op.data(), op.size(), enabled);
+  TORCH_CHECK(r >= 0, "torchfuse.set_enabled: unknown op '", std::string(op),
+              "' (valid: layer_norm, rms_norm, embedding, adam, sdpa)");
+  return r == 1;
+}
+
+std::string control_stats() {
+  char* json = torchfuse_rs_stats_json();
+  if (json == nullptr) return "{}";
+  std::string s(json);
+  torchfuse_rs_free_string(json);
+  return s;
+}
+
+void control_reset_stats() { torchfuse_rs_reset_stats(); }
+
+// Sends the dispatcher's "Overriding a previously registered kernel" warnings to our log.
+class WarningsToLog : public c10::WarningHandler {
+ public:
+  void process(const c10::Warning& warning) override {
+    const std::string& msg = warning.msg();
+    torchfuse_rs_torch_warning(msg.data(), msg.size());
+  }
+};
+
+// The source location the dispatcher shows in `_dispatch_dump` for our kernels.
+constexpr const char* kRegistrationFile = "torchfuse/src/glue/shim.cpp";
+
+torch::Library& aten_cuda_library() {
+  static torch::Library* lib = new torch::Library(torch::Library::IMPL, "aten",
+                                                  c10::DispatchKey::CUDA, kRegistrationFile, 0);
+  return *lib;
+}
+
+void register_entry(uint32_t entry) {
+  torch::Library& m = aten_cuda_library();
+  switch (entry) {
+    case kNativeLayerNorm: m.impl("native_layer_norm", TORCH_FN(native_layer_norm)); break;
+    case kNativeLayerNormBackward:
+      m.impl("native_layer_norm_backward", TORCH_FN(native_layer_norm_backward));
+      break;
+    case kFusedRmsNorm: m.impl("_fused_rms_norm", TORCH_FN(fused_rms_norm)); break;
+    case kFusedRmsNormBackward:
+      m.impl("_fused_rms_norm_backward", TORCH_FN(fused_rms_norm_backward));
+      break;
+    case kEmbedding: m.impl("embedding", TORCH_FN(embedding)); break;
+    case kEmbeddingDenseBackward:
+      m.impl("embedding_dense_backward", TORCH_FN(embedding_dense_backward));
+      break;
+    case kFusedAdam: m.impl("_fused_adam_", TORCH_FN(fused_adam)); break;
+    case kFusedAdamTensorLr: m.impl("_fused_adam_.tensor_lr", TORCH_FN(fused_adam_tensor_lr)); break;
+    case kFusedAdamw: m.impl("_fused_adamw_", TORCH_FN(fused_adamw)); break;
+    case kFusedAdamwTensorLr:
+      m.impl("_fused_adamw_.tensor_lr", TORCH_FN(fused_adamw_tensor_lr));
+      break;
+    case kSdpChoice: at::native::_fused_sdp_choice_stub.set_cuda_dispatch_ptr(&sdp_choice); break;
+    case kFlashAttention:
+      m.impl("_scaled_dot_product_flash_attention", TORCH_FN(flash_attention));
+      break;
+    case kFlashAttentionBackward:
+      m.impl("_scaled_dot_product_flash_attention_backward", TORCH_FN(flash_attention_backward));
+      break;
+    default: TORCH_CHECK(false, "torchfuse: unknown entry ", entry);
+  }
+}
+
+void write_error(const std::exception& e, char* err, size_t err_len) {
+  if (err == nullptr || err_len == 0) return;
+  std::strncpy(err, e.what(), err_len - 1);
+  err[err_len - 1] = '\0';
+}
+
+}  // namespace
+
+extern "C" {
+
+// Registers one aten entry at the CUDA key. 0 on success; otherwise the message is in `err`.
+__attribute__((visibility("default"))) int32_t torchfuse_cxx_register(uint32_t entry, char* err,
+                                                                       size_t err_len) {
+  try {
+    WarningsToLog handler;
+    c10::WarningUtils::WarningHandlerGuard guard(&handler);
+    register_entry(entry);
+    return 0;
+  } catch (const std::exception& e) {
+    write_error(e, err, err_len);
+    return 1;
+  }
+}
+
+// Defines the `torch.ops.torchfuse` control namespace.
+__attribute__((visibility("default"))) int32_t torchfuse_cxx_define_control_ops(char* err,
+                                                                                size_t err_len) {
+  try {
+    static torch::Library* lib =
+        new torch::Library(torch::Library::DEF, "torchfuse", std::nullopt, kRegistrationFile, 0);
+    lib->def("set_enabled(str op, bool enabled) -> bool", &control_set_enabled);
+    lib->def("stats() -> str", &control_stats);
+    lib->def("reset_stats() -> ()", &control_reset_stats);
+    return 0;
+  } catch (const std::exception& e) {
+    write_error(e, err, err_len);
+    return 1;
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,366 @@
+//! Kernel runtime: NVRTC (from torch's own CUDA wheels) compiles `kernels/*.cu` for the
+//! device's exact architecture to CUBIN, a disk cache keeps the result across processes, and
+//! modules are loaded per device in the primary context that PyTorch uses.
+//!
+//! Any failure here (no NVRTC, a compile error, a module that will not load) is reported once
+//! and remembered: the variant is unusable for the rest of the process and stock serves it.
+
+use crate::registry::{DType, Variant};
+use cudarc::driver::{CudaContext, CudaFunction};
+use cudarc::nvrtc::sys as nvrtc_sys;
+use once_cell::sync::{Lazy, OnceCell};
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::{c_char, CString};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+/// The directory holding `torch/` (site-packages), found from the loaded libtorch.
+pub fn torch_site_packages() -> Option<PathBuf> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .find(|p| p.ends_with("/libtorch_cpu.so"))
+        .and_then(|p| Path::new(p).parent()?.parent()?.parent().map(Path::to_path_buf))
+}
+
+/// torch's CUDA 13 wheels put NVRTC and the CUDA headers here.
+fn nvidia_root() -> Option<PathBuf> {
+    torch_site_packages().map(|s| s.join("nvidia").join("cu13"))
+}
+
+/// Loads torch's NVRTC by absolute path (builtins first, which NVRTC dlopens by bare name),
+/// so cudarc's later bare-name open finds it already in the process.
+fn nvrtc_ready() -> Result<(), String> {
+    static READY: OnceCell<Result<(), String>> = OnceCell::new();
+    READY
+        .get_or_init(|| {
+            let mut opened = Vec::new();
+            if let Some(lib) = nvidia_root().map(|r| r.join("lib")) {
+                for name in ["libnvrtc-builtins.so.13.0", "libnvrtc.so.13"] {
+                    let path = lib.join(name);
+                    if path.exists() {
+                        // SAFETY: NVRTC's initialisers have no preconditions.
+                        match unsafe { libloading::Library::new(&path) } {
+                            Ok(l) => opened.push(l),
+                            Err(e) => tracing::debug!("cannot open {path:?}: {e}"),
+                        }
+                    }
+                }
+            }
+            // Kept open for the life of the process.
+            std::mem::forget(opened);
+            // SAFETY: only probes for the library; cudarc panics later if it is missing.
+            if unsafe { nvrtc_sys::is_culib_present() } {
+                Ok(())
+            } else {
+                let msg = "NVRTC (libnvrtc.so.13) not found next to torch or on the library path; \
+                           torchfuse cannot compile kernels, stock PyTorch kernels serve every call";
+                tracing::warn!("{msg}");
+                Err(msg.to_string())
+            }
+        })
+        .clone()
+}
+
+/// `sm_90a` for Hopper (its arch-specific features), `sm_XY` otherwise.
+pub fn arch_for(sm: u32) -> String {
+    if sm == 90 {
+        "sm_90a".to_string()
+    } else {
+        format!("sm_{sm}")
+    }
+}
+
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in parts {
+        for &b in (part.len() as u64).to_le_bytes().iter().chain(part.iter()) {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}
+
+fn nvrtc_version() -> (i32, i32) {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: plain out-parameters; only called once NVRTC is loaded.
+    unsafe {
+        let _ = nvrtc_sys::nvrtcVersion(&mut major, &mut minor);
+    }
+    (major, minor)
+}
+
+/// Everything that determines a CUBIN: source, headers, options, architecture, NVRTC.
+pub fn cache_key(source: &str, options: &[String], arch: &str) -> u64 {
+    let (major, minor) = nvrtc_version();
+    let mut parts: Vec<&[u8]> = vec![source.as_bytes(), arch.as_bytes()];
+    let version = format!("nvrtc {major}.{minor} torchfuse {}", env!("CARGO_PKG_VERSION"));
+    parts.push(version.as_bytes());
+    let headers: Vec<(&str, &str)> = crate::sources::headers().collect();
+    for (name, text) in &headers {
+        parts.push(name.as_bytes());
+        parts.push(text.as_bytes());
+    }
+    for o in options {
+        parts.push(o.as_bytes());
+    }
+    fnv1a(&parts)
+}
+
+const CACHE_MAGIC: &[u8; 8] = b"TFCUBIN\x01";
+const CACHE_HEADER: usize = 32;
+
+/// A cached CUBIN, or None if the file is missing, truncated, foreign or corrupt.
+pub fn read_cached(path: &Path, key: u64) -> Option<Vec<u8>> {
+    let bytes = std::fs::read(path).ok()?;
+    if bytes.len() < CACHE_HEADER || &bytes[..8] != CACHE_MAGIC {
+        return None;
+    }
+    let word = |i: usize| u64::from_le_bytes(bytes[i..i + 8].try_into().unwrap_or([0; 8]));
+    let payload = &bytes[CACHE_HEADER..];
+    (word(8) == key && word(16) == payload.len() as u64 && word(24) == fnv1a(&[payload]))
+        .then(|| payload.to_vec())
+}
+
+/// Writes atomically (temp file + rename), so a reader never sees a partial file.
+pub fn write_cached(path: &Path, key: u64, payload: &[u8]) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let mut bytes = Vec::with_capacity(CACHE_HEADER + payload.len());
+    bytes.extend_from_slice(CACHE_MAGIC);
+    bytes.extend_from_slice(&key.to_le_bytes());
+    bytes.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    bytes.extend_from_slice(&fnv1a(&[payload]).to_le_bytes());
+    bytes.extend_from_slice(payload);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let tmp = path.with_extension(format!("tmp.{}.{nanos}", std::process::id()));
+    std::fs::write(&tmp, &bytes)?;
+    std::fs::rename(&tmp, path).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
+}
+
+/// NVRTC options for one variant and dtype.
+pub fn compile_options(params: &BTreeMap<String, i64>, dtype: DType, arch: &str) -> Vec<String> {
+    let mut options = vec![
+        format!("--gpu-architecture={arch}"),
+        "-std=c++17".to_string(),
+        format!("-DTF_DTYPE={}", dtype.kernel_code()),
+    ];
+    options.extend(params.iter().map(|(k, v)| format!("-DTF_{k}={v}")));
+    options
+}
+
+/// Compiles `source` to a CUBIN with NVRTC (no disk cache).
+pub fn nvrtc_compile(source_name: &str, options: &[String]) -> Result<Vec<u8>, String> {
+    nvrtc_ready()?;
+    let source = crate::sources::kernel_source(source_name)
+        .ok_or_else(|| format!("no kernel source {source_name}"))?;
+    let cstr = |s: &str| CString::new(s).map_err(|e| e.to_string());
+    let src = cstr(source)?;
+    let name = cstr(source_name)?;
+    let headers: Vec<(CString, CString)> = crate::sources::headers()
+        .map(|(n, t)| Ok((cstr(n)?, cstr(t)?)))
+        .collect::<Result<_, String>>()?;
+    let header_texts: Vec<*const c_char> = headers.iter().map(|(_, t)| t.as_ptr()).collect();
+    let header_names: Vec<*const c_char> = headers.iter().map(|(n, _)| n.as_ptr()).collect();
+    let opts: Vec<CString> = options.iter().map(|o| cstr(o)).collect::<Result<_, _>>()?;
+    let opt_ptrs: Vec<*const c_char> = opts.iter().map(|o| o.as_ptr()).collect();
+
+    // SAFETY: every pointer outlives the program; the program is destroyed on every path.
+    unsafe {
+        let mut prog = std::ptr::null_mut();
+        nvrtc_sys::nvrtcCreateProgram(
+            &mut prog,
+            src.as_ptr(),
+            name.as_ptr(),
+            headers.len() as i32,
+            header_texts.as_ptr(),
+            header_names.as_ptr(),
+        )
+        .result()
+        .map_err(|e| format!("nvrtcCreateProgram: {e}"))?;
+        let compiled = nvrtc_sys::nvrtcCompileProgram(prog, opt_ptrs.len() as i32, opt_ptrs.as_ptr());
+        let result = if compiled == nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
+            let mut size = 0usize;
+            let mut cubin = Vec::new();
+            nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size)
+                .result()
+                .and_then(|_| {
+                    cubin.resize(size, 0u8);
+                    nvrtc_sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut c_char).result()
+                })
+                .map(|_| cubin)
+                .map_err(|e| format!("nvrtcGetCUBIN: {e}"))
+        } else {
+            let log = cudarc::nvrtc::result::get_program_log(prog)
+                .map(|l| {
+                    let bytes: Vec<u8> = l.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+                    String::from_utf8_lossy(&bytes).into_owned()
+                })
+                .unwrap_or_default();
+            Err(format!("{source_name} {options:?}: {compiled:?}\n{log}"))
+        };
+        let _ = nvrtc_sys::nvrtcDestroyProgram(&mut prog);
+        result
+    }
+}
+
+/// A CUBIN for `variant` at `dtype` and `arch`, from the disk cache or freshly compiled.
+pub fn cubin(variant: &Variant, dtype: DType, arch: &str, cache_dir: &Path) -> Result<Vec<u8>, String> {
+    nvrtc_ready()?;
+    let source = crate::sources::kernel_source(&variant.source)
+        .ok_or_else(|| format!("no kernel source {}", variant.source))?;
+    let options = compile_options(&variant.params, dtype, arch);
+    let key = cache_key(source, &options, arch);
+    let path = cache_dir.join(format!("{key:016x}-{arch}.cubin"));
+    if let Some(bytes) = read_cached(&path, key) {
+        tracing::debug!("{} {} {arch}: cubin from cache {path:?}", variant.name, dtype.name());
+        return Ok(bytes);
+    }
+    let started = std::time::Instant::now();
+    let bytes = nvrtc_compile(&variant.source, &options)?;
+    tracing::debug!(
+        "{} {} {arch}: compiled in {:.0} ms",
+        variant.name,
+        dtype.name(),
+        started.elapsed().as_secs_f64() * 1e3
+    );
+    if let Err(e) = write_cached(&path, key, &bytes) {
+        tracing::debug!("cannot write kernel cache {path:?}: {e}");
+    }
+    Ok(bytes)
+}
+
+/// A GPU as torchfuse uses it: PyTorch's primary context and the SM version.
+pub struct Device {
+    pub ctx: Arc<CudaContext>,
+    pub sm: u32,
+    pub arch: String,
+}
+
+static DEVICES: Lazy<Mutex<HashMap<i32, Result<Arc<Device>, String>>>> =
+    Lazy::new(|| Mutex::new(HashMap::new()));
+
+pub fn device(ordinal: i32) -> Result<Arc<Device>, String> {
+    let mut devices = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
+    devices
+        .entry(ordinal)
+        .or_insert_with(|| {
+            // SAFETY: probe only.
+            if !unsafe { cudarc::driver::sys::is_culib_present() } {
+                return Err("libcuda.so.1 not found".to_string());
+            }
+            let ordinal = usize::try_from(ordinal).map_err(|e| e.to_string())?;
+            let ctx = CudaContext::new(ordinal).map_err(|e| format!("cuda context: {e}"))?;
+            // torchfuse allocates nothing through cudarc: PyTorch orders its own memory.
+            // SAFETY: no cudarc allocations exist.
+            unsafe { ctx.disable_event_tracking() };
+            let (major, minor) = ctx
+                .compute_capability()
+                .map_err(|e| format!("compute capability: {e}"))?;
+            let sm = (major * 10 + minor) as u32;
+            Ok(Arc::new(Device {
+                ctx,
+                sm,
+                arch: arch_for(sm),
+            }))
+        })
+        .clone()
+}
+
+type FunctionKey = (usize, DType, i32);
+static FUNCTIONS: Lazy<Mutex<HashMap<FunctionKey, Option<CudaFunction>>>> =
+    Lazy::new(|| Mutex::new(HashMap::new()));
+
+/// The loaded kernel for registry variant `index`, or None (reported once) if it cannot be had.
+pub fn function(index: usize, variant: &Variant, dtype: DType, ordinal: i32, device: &Device) -> Option<CudaFunction> {
+    let mut functions = FUNCTIONS.lock().unwrap_or_else(|p| p.into_inner());
+    functions
+        .entry((index, dtype, ordinal))
+        .or_insert_with(|| {
+            let loaded = cubin(variant, dtype, &device.arch, &crate::ffi::config().cache_dir)
+                .and_then(|bytes| {
+                    let module = device
+                        .ctx
+                        .load_module(cudarc::nvrtc::Ptx::from_binary(bytes))
+                        .map_err(|e| format!("loading module: {e}"))?;
+                    module
+                        .load_function(&variant.entry)
+                        .map_err(|e| format!("kernel {}: {e}", variant.entry))
+                });
+            match loaded {
+                Ok(f) => {
+                    tracing::debug!("{} {} ready on cuda:{ordinal}", variant.name, dtype.name());
+                    Some(f)
+                }
+                Err(e) => {
+                    if nvrtc_ready().is_ok() {
+                        tracing::warn!(
+                            "kernel {} ({}) unusable on cuda:{ordinal} ({}): {e}; stock serves its calls",
+                            variant.name,
+                            dtype.name(),
+                            device.arch
+                        );
+                    }
+                    None
+                }
+            }
+        })
+        .clone()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_round_trip_and_rejections() {
+        let dir = std::env::temp_dir().join(format!("torchfuse-cache-test-{}", std::process::id()));
+        let path = dir.join("k.cubin");
+        let payload = b"not really a cubin, but bytes".to_vec();
+        write_cached(&path, 42, &payload).unwrap();
+        assert_eq!(read_cached(&path, 42), Some(payload.clone()));
+        // Another key's file is foreign.
+        assert_eq!(read_cached(&path, 43), None);
+        // Truncated.
+        let full = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &full[..full.len() - 3]).unwrap();
+        assert_eq!(read_cached(&path, 42), None);
+        // Same length, one byte flipped.
+        let mut flipped = full.clone();
+        let last = flipped.len() - 1;
+        flipped[last] ^= 1;
+        std::fs::write(&path, &flipped).unwrap();
+        assert_eq!(read_cached(&path, 42), None);
+        // Not ours at all.
+        std::fs::write(&path, b"\x7fELF").unwrap();
+        assert_eq!(read_cached(&path, 42), None);
+        // A rewrite replaces it.
+        write_cached(&path, 42, &payload).unwrap();
+        assert_eq!(read_cached(&path, 42), Some(payload));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn cache_key_depends_on_every_input() {
+        let o = |s: &str| vec![s.to_string()];
+        let base = cache_key("src", &o("-DA=1"), "sm_90a");
+        assert_eq!(base, cache_key("src", &o("-DA=1"), "sm_90a"));
+        assert_ne!(base, cache_key("src2", &o("-DA=1"), "sm_90a"));
+        assert_ne!(base, cache_key("src", &o("-DA=2"), "sm_90a"));
+        assert_ne!(base, cache_key("src", &o("-DA=1"), "sm_80"));
+    }
+
+    #[test]
+    fn arch_names() {
+        assert_eq!(arch_for(90), "sm_90a");
+        assert_eq!(arch_for(80), "sm_80");
+        assert_eq!(arch_for(89), "sm_89");
+    }
+}

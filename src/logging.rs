@@ -1,0 +1,67 @@
+//! `tracing` set-up: every line carries the process id and, under torchrun, the rank, so
+//! the logs of ranks and DataLoader workers can be told apart.
+
+use crate::config::Config;
+use std::fmt;
+use std::fs::OpenOptions;
+use std::sync::Mutex;
+use tracing::{Event, Subscriber};
+use tracing_subscriber::fmt::format::Writer;
+use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
+use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::EnvFilter;
+
+struct ProcessTagged {
+    rank: Option<String>,
+}
+
+impl<S, N> FormatEvent<S, N> for ProcessTagged
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &FmtContext<'_, S, N>,
+        mut writer: Writer<'_>,
+        event: &Event<'_>,
+    ) -> fmt::Result {
+        // The pid is read per line: forked DataLoader workers must not inherit the parent's.
+        write!(writer, "torchfuse[pid={}", std::process::id())?;
+        if let Some(rank) = &self.rank {
+            write!(writer, " rank={rank}")?;
+        }
+        write!(writer, "] {} ", event.metadata().level())?;
+        ctx.field_format().format_fields(writer.by_ref(), event)?;
+        writeln!(writer)
+    }
+}
+
+/// Installs the subscriber; returns false if another one was already installed (then the
+/// existing one keeps working and this is harmless).
+pub fn init(config: &Config) -> bool {
+    let filter = EnvFilter::try_new(&config.log_filter)
+        .unwrap_or_else(|_| EnvFilter::new(crate::config::DEFAULT_LOG_FILTER));
+    let format = ProcessTagged {
+        rank: std::env::var("RANK").ok().filter(|r| !r.is_empty()),
+    };
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .event_format(format);
+    let file = config.log_file.as_ref().and_then(|path| {
+        OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(|e| eprintln!("torchfuse: cannot open TORCHFUSE_LOG_FILE {path:?}: {e}; logging to stderr"))
+            .ok()
+    });
+    let installed = match file {
+        Some(f) => builder.with_writer(Mutex::new(f)).try_init().is_ok(),
+        None => builder.with_writer(std::io::stderr).try_init().is_ok(),
+    };
+    for w in &config.warnings {
+        tracing::warn!("{w}");
+    }
+    installed
+}

@@ -1,0 +1,49 @@
+//! Kernel sources and registry data, built into the library so a copied `.so` is complete.
+
+pub const KERNEL_SOURCES: &[(&str, &str)] = &[
+    ("common.cuh", include_str!("../kernels/common.cuh")),
+    ("layer_norm.cu", include_str!("../kernels/layer_norm.cu")),
+];
+
+pub const REGISTRY_FILES: &[(&str, &str)] =
+    &[("layer_norm.toml", include_str!("../registry/layer_norm.toml"))];
+
+pub fn kernel_source(name: &str) -> Option<&'static str> {
+    KERNEL_SOURCES
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, s)| *s)
+}
+
+/// Headers every kernel compilation may `#include`.
+pub fn headers() -> impl Iterator<Item = (&'static str, &'static str)> {
+    KERNEL_SOURCES
+        .iter()
+        .copied()
+        .filter(|(n, _)| n.ends_with(".cuh"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn files_in(dir: &str) -> Vec<String> {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
+        let mut names: Vec<String> = std::fs::read_dir(path)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn every_file_in_kernels_and_registry_is_built_in() {
+        let mut kernels: Vec<String> = KERNEL_SOURCES.iter().map(|(n, _)| n.to_string()).collect();
+        kernels.sort();
+        assert_eq!(files_in("kernels"), kernels);
+        let mut registry: Vec<String> = REGISTRY_FILES.iter().map(|(n, _)| n.to_string()).collect();
+        registry.sort();
+        assert_eq!(files_in("registry"), registry);
+    }
+}
