@@ -364,3 +364,42 @@ mod tests {
         assert_eq!(arch_for(89), "sm_89");
     }
 }
+
+#[cfg(test)]
+mod nvrtc_tests {
+    use super::*;
+    use crate::registry::REGISTRY;
+
+    /// Every registry variant compiles, for every dtype it claims, for sm_80 and sm_90a.
+    /// Needs torch's NVRTC (the test binary links libtorch, so it is found next to it).
+    #[test]
+    fn every_variant_compiles_for_sm80_and_sm90a() {
+        // Make sure libtorch is mapped (it is linked, but the linker may defer it).
+        let _ = tch::Tensor::zeros([1], (tch::Kind::Float, tch::Device::Cpu));
+        if let Err(e) = nvrtc_ready() {
+            panic!("NVRTC unavailable: {e}");
+        }
+        let registry = REGISTRY.as_ref().expect("registry");
+        let mut compiled = 0;
+        for variant in registry.variants() {
+            for &dtype in &variant.dtypes {
+                for arch in ["sm_80", "sm_90a"] {
+                    let options = compile_options(&variant.params, dtype, arch);
+                    let cubin = nvrtc_compile(&variant.source, &options)
+                        .unwrap_or_else(|e| panic!("{} {} {arch}: {e}", variant.name, dtype.name()));
+                    assert_eq!(&cubin[..4], b"\x7fELF", "{} is not a CUBIN", variant.name);
+                    compiled += 1;
+                }
+            }
+        }
+        assert!(compiled >= 2 * registry.variants().len());
+    }
+
+    #[test]
+    fn a_compile_error_is_an_error_not_a_panic() {
+        let _ = tch::Tensor::zeros([1], (tch::Kind::Float, tch::Device::Cpu));
+        let options = vec!["--gpu-architecture=sm_90a".to_string(), "-DTF_DTYPE=7".to_string()];
+        let err = nvrtc_compile("layer_norm.cu", &options).unwrap_err();
+        assert!(err.contains("TF_DTYPE must be"), "{err}");
+    }
+}

@@ -1,0 +1,7 @@
+# Sourced by the scripts: the project's Python environment (created by scripts/setup).
+# TORCHFUSE_VENV overrides where it lives; the default is outside the work tree so a fresh
+# clone (CI) reuses it on the same machine.
+TORCHFUSE_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+TORCHFUSE_TORCH_VERSION=2.11.0
+TORCHFUSE_VENV="${TORCHFUSE_VENV:-$HOME/.cache/torchfuse/venv-torch$TORCHFUSE_TORCH_VERSION}"
+export TORCHFUSE_ROOT TORCHFUSE_VENV

@@ -1,0 +1,99 @@
+"""Which aten kernels torchfuse registers, per configuration (runs without a GPU: the
+dispatcher table is the same on CPU-only machines)."""
+import json
+
+import pytest
+
+from conftest import check, run_python
+
+# Every aten op torchfuse overrides at the CUDA key, by toggle (DESIGN.md §2).
+OPS = {
+    "layer_norm": ["native_layer_norm", "native_layer_norm_backward"],
+    "rms_norm": ["_fused_rms_norm", "_fused_rms_norm_backward"],
+    "embedding": ["embedding", "embedding_dense_backward"],
+    "adam": ["_fused_adam_", "_fused_adam_.tensor_lr", "_fused_adamw_", "_fused_adamw_.tensor_lr"],
+    "sdpa": ["_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"],
+}
+ALL_ATEN = [op for ops in OPS.values() for op in ops]
+
+DUMP = """
+import json, torch
+ours = {}
+for op in %r:
+    lines = torch._C._dispatch_dump("aten::" + op).splitlines()
+    cuda = [l for l in lines if l.startswith("CUDA:")]
+    ours[op] = any("torchfuse" in l for l in cuda)
+print("RESULT " + json.dumps(ours))
+""" % (ALL_ATEN,)
+
+
+def registered(proc):
+    check(proc)
+    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
+    return {op for op, ours in json.loads(line[7:]).items() if ours}
+
+
+def test_stock_torch_has_none_of_ours():
+    assert registered(run_python(DUMP)) == set()
+
+
+def test_all_ops_registered_by_default():
+    assert registered(run_python(DUMP, load_library=True)) == set(ALL_ATEN)
+
+
+@pytest.mark.parametrize("setting,expected", [
+    ("layer_norm", ["layer_norm"]),
+    ("layer_norm,adam", ["layer_norm", "adam"]),
+    ("-sdpa", ["layer_norm", "rms_norm", "embedding", "adam"]),
+    ("none", []),
+])
+def test_torchfuse_ops_selects_exactly_those(setting, expected):
+    want = {op for t in expected for op in OPS[t]}
+    assert registered(run_python(DUMP, load_library=True, TORCHFUSE_OPS=setting)) == want
+
+
+def test_torchfuse_zero_registers_nothing():
+    assert registered(run_python(DUMP, load_library=True, TORCHFUSE="0")) == set()
+
+
+def test_unknown_op_name_warns_once_and_keeps_the_rest():
+    proc = run_python(DUMP, load_library=True, TORCHFUSE_OPS="layer_norm,atention")
+    assert registered(proc) == set(OPS["layer_norm"])
+    warnings = [l for l in proc.stderr.splitlines() if "WARN" in l]
+    assert len(warnings) == 1, proc.stderr
+    assert "atention" in warnings[0] and "rms_norm" in warnings[0]
+
+
+def test_override_warning_goes_to_our_debug_log_not_stderr():
+    quiet = check(run_python("pass", load_library=True))
+    assert "Overriding a previously registered kernel" not in quiet.stderr
+    assert quiet.stderr.strip() == "", quiet.stderr
+    loud = check(run_python("pass", load_library=True, TORCHFUSE_LOG="debug"))
+    assert "DEBUG torch: " in loud.stderr and "Overriding" in loud.stderr
+
+
+def test_control_ops_from_python():
+    code = """
+import json, torch
+stats = json.loads(torch.ops.torchfuse.stats())
+print("ENABLED", stats["enabled"])
+print("OFF", torch.ops.torchfuse.set_enabled("layer_norm", False))
+print("ON", torch.ops.torchfuse.set_enabled("layer_norm", True))
+print("NOTREG", torch.ops.torchfuse.set_enabled("adam", True))
+try:
+    torch.ops.torchfuse.set_enabled("attention", True)
+except RuntimeError as e:
+    print("ERR", e)
+"""
+    out = check(run_python(code, load_library=True, TORCHFUSE_OPS="layer_norm")).stdout
+    assert "'layer_norm': True" in out and "'adam': False" in out
+    assert "OFF False" in out and "ON True" in out and "NOTREG False" in out
+    assert "ERR torchfuse.set_enabled: unknown op 'attention'" in out
+
+
+def test_log_file_and_process_tag(tmp_path):
+    log = tmp_path / "tf.log"
+    check(run_python("pass", load_library=True, TORCHFUSE_LOG="info", TORCHFUSE_LOG_FILE=log, RANK=3))
+    text = log.read_text()
+    assert "rank=3" in text and "pid=" in text
+    assert "overrides registered for: layer_norm, rms_norm, embedding, adam, sdpa" in text
