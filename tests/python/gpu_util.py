@@ -1,0 +1,53 @@
+"""Helpers for GPU tests that run torchfuse inside the test process."""
+import json
+import os
+
+import torch
+
+from conftest import MAIN_LIB
+
+_loaded = False
+
+# DESIGN.md §5 floors for ‖out − ref‖ / ‖ref‖.
+FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def load_torchfuse():
+    global _loaded
+    if not _loaded:
+        torch.ops.load_library(str(MAIN_LIB))
+        _loaded = True
+
+
+def stats():
+    return json.loads(torch.ops.torchfuse.stats())
+
+
+class enabled:
+    """Context manager: torchfuse on or off for one toggle."""
+
+    def __init__(self, op, on):
+        self.op, self.on = op, on
+
+    def __enter__(self):
+        torch.ops.torchfuse.set_enabled(self.op, self.on)
+
+    def __exit__(self, *exc):
+        torch.ops.torchfuse.set_enabled(self.op, True)
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    denom = ref.norm().item()
+    diff = (out - ref).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def poison_allocator(nbytes, device="cuda"):
+    """Fills soon-to-be-reused allocator blocks with NaN, so unwritten outputs show up."""
+    t = torch.full((max(nbytes // 4, 1) + 1024,), float("nan"), device=device)
+    del t
+
+
+def fresh_seed():
+    return int.from_bytes(os.urandom(4), "little")

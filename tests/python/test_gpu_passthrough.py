@@ -1,0 +1,110 @@
+"""Ops without a kernel yet: the override must hand every call to stock unchanged and count
+it as `stock: no kernel yet`."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from conftest import requires_cuda
+from gpu_util import enabled, fresh_seed, load_torchfuse, stats
+
+pytestmark = requires_cuda
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torchfuse_loaded():
+    load_torchfuse()
+
+
+def no_kernel_yet(op):
+    return stats()["ops"].get(op, {}).get("stock_reasons", {}).get("no kernel yet", 0)
+
+
+def both(toggle, fn):
+    """fn() with torchfuse on, then off, from the same fresh random seed."""
+    seed = fresh_seed()
+    out = []
+    for on in (True, False):
+        torch.manual_seed(seed)
+        with enabled(toggle, on):
+            out.append(fn())
+    torch.cuda.synchronize()
+    return out
+
+
+def assert_same(a, b, exact=True):
+    for x, y in zip(a, b):
+        if exact:
+            assert torch.equal(x, y)
+        else:
+            torch.testing.assert_close(x, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_fwd_bwd(dtype):
+    def fn():
+        x = torch.randn(64, 512, device="cuda", dtype=dtype, requires_grad=True)
+        w = torch.randn(512, device="cuda", dtype=dtype, requires_grad=True)
+        y = F.rms_norm(x, (512,), w, 1e-6)
+        y.float().square().sum().backward()
+        return y.detach(), x.grad, w.grad
+    before = (no_kernel_yet("_fused_rms_norm"), no_kernel_yet("_fused_rms_norm_backward"))
+    on, off = both("rms_norm", fn)
+    assert_same(on, off)
+    assert no_kernel_yet("_fused_rms_norm") == before[0] + 1
+    assert no_kernel_yet("_fused_rms_norm_backward") == before[1] + 1
+
+
+def test_embedding_fwd_bwd():
+    def fn():
+        emb = torch.nn.Embedding(1000, 64, padding_idx=3).cuda()
+        idx = torch.randint(0, 1000, (8, 33), device="cuda")
+        y = emb(idx)
+        y.square().sum().backward()
+        return y.detach(), emb.weight.grad
+    before = (no_kernel_yet("embedding"), no_kernel_yet("embedding_dense_backward"))
+    on, off = both("embedding", fn)
+    assert_same(on, off, exact=False)
+    assert no_kernel_yet("embedding") == before[0] + 1
+    assert no_kernel_yet("embedding_dense_backward") == before[1] + 1
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
+@pytest.mark.parametrize("tensor_lr", [False, True])
+def test_fused_adam_step(cls, tensor_lr):
+    def fn():
+        params = [torch.randn(s, device="cuda", requires_grad=True) for s in ((64, 33), (7,), (1,))]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        lr = torch.tensor(1e-3, device="cuda") if tensor_lr else 1e-3
+        opt = cls(params, lr=lr, weight_decay=0.01, fused=True)
+        for _ in range(3):
+            opt.step()
+        return [p.detach() for p in params] + [opt.state[p]["exp_avg_sq"] for p in params]
+    name = ("_fused_adamw_" if cls is torch.optim.AdamW else "_fused_adam_") + (".tensor_lr" if tensor_lr else "")
+    before = no_kernel_yet(name)
+    on, off = both("adam", fn)
+    assert_same(on, off)
+    assert no_kernel_yet(name) == before + 3
+
+
+@pytest.mark.parametrize("backend", [None, SDPBackend.FLASH_ATTENTION])
+def test_sdpa_fwd_bwd(backend):
+    def fn():
+        q, k, v = (torch.randn(2, 4, 128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        if backend is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            with sdpa_kernel(backend):
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o.float().square().sum().backward()
+        return o.detach(), q.grad, k.grad, v.grad
+    before = {op: no_kernel_yet(op) for op in ("sdpa backend choice", "_scaled_dot_product_flash_attention",
+                                               "_scaled_dot_product_flash_attention_backward")}
+    on, off = both("sdpa", fn)
+    assert_same(on, off, exact=False)
+    assert no_kernel_yet("sdpa backend choice") == before["sdpa backend choice"] + 1
+    if backend == SDPBackend.FLASH_ATTENTION:
+        for op in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"):
+            assert no_kernel_yet(op) == before[op] + 1

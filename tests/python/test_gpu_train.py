@@ -1,0 +1,33 @@
+"""The unchanged training script under LD_PRELOAD on the GPU: substitutions are logged and
+the loss follows stock's."""
+import re
+import subprocess
+import sys
+
+from conftest import PRELOAD_LIB, ROOT, clean_env, requires_cuda
+
+pytestmark = requires_cuda
+
+
+def losses(stdout):
+    return [float(m.group(1)) for m in re.finditer(r"^step +\d+ loss ([0-9.]+)$", stdout, re.M)]
+
+
+def test_training_under_preload_matches_stock():
+    args = [sys.executable, str(ROOT / "scripts" / "train_gpt.py"), "--steps", "40"]
+    stock = subprocess.run(args, env=clean_env(), capture_output=True, text=True, timeout=600)
+    ours = subprocess.run(args, env=clean_env(LD_PRELOAD=PRELOAD_LIB, TORCHFUSE_LOG="info"),
+                          capture_output=True, text=True, timeout=600)
+    assert stock.returncode == 0, stock.stderr
+    assert ours.returncode == 0, ours.stderr
+    a, b = losses(stock.stdout), losses(ours.stdout)
+    assert len(a) == len(b) >= 4
+    for s, o in zip(a, b):
+        assert abs(s - o) <= 0.02 * s, (a, b)
+    assert b[-1] < 0.8 * b[0], "the model did not learn"
+    log = ours.stderr
+    # Autocast runs layer_norm in fp32: the pilot kernel serves it.
+    assert re.search(r"native_layer_norm f32 \[16, 128, 256\] -> kernel ln_fwd_\w+", log), log
+    assert "native_layer_norm_backward f32 [16, 128, 256] -> stock (no kernel yet)" in log
+    assert "substitution summary" in log
+    print(log[-3000:])
