@@ -29,11 +29,14 @@ pub fn config() -> &'static Config {
 }
 
 /// Overrides registered with the dispatcher, per toggle.
-static REGISTERED: [AtomicBool; Toggle::ALL.len()] = [const { AtomicBool::new(false) }; Toggle::ALL.len()];
+static REGISTERED: [AtomicBool; Toggle::ALL.len()] =
+    [const { AtomicBool::new(false) }; Toggle::ALL.len()];
 /// Run-time switch (`torch.ops.torchfuse.set_enabled`), per toggle.
-static RUNTIME_ENABLED: [AtomicBool; Toggle::ALL.len()] = [const { AtomicBool::new(true) }; Toggle::ALL.len()];
+static RUNTIME_ENABLED: [AtomicBool; Toggle::ALL.len()] =
+    [const { AtomicBool::new(true) }; Toggle::ALL.len()];
 /// One internal-error warning per entry.
-static PANIC_WARNED: [AtomicBool; Entry::ALL.len()] = [const { AtomicBool::new(false) }; Entry::ALL.len()];
+static PANIC_WARNED: [AtomicBool; Entry::ALL.len()] =
+    [const { AtomicBool::new(false) }; Entry::ALL.len()];
 
 #[repr(C)]
 pub struct TfLaunch {
@@ -49,10 +52,14 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "unknown panic".to_string())
 }
 
+/// Where the last panic happened (the panic hook records it; no thread-locals involved).
+static LAST_PANIC: Mutex<String> = Mutex::new(String::new());
+
 fn warn_internal_error(entry: Entry, payload: &(dyn std::any::Any + Send)) {
     if !PANIC_WARNED[entry as usize].swap(true, Ordering::Relaxed) {
+        let location = LAST_PANIC.lock().map(|l| l.clone()).unwrap_or_default();
         tracing::warn!(
-            "internal error in {}: {}; stock PyTorch serves this call (warned once)",
+            "internal error in {} ({} at {location}); stock PyTorch serves this call (warned once)",
             entry.aten_name(),
             panic_message(payload)
         );
@@ -96,10 +103,19 @@ fn cxx_error(buf: &[u8]) -> String {
 fn register_all() {
     let config = config();
     crate::logging::init(config);
+    // Panics are caught at every entry point and reported once through the log; the default
+    // hook would also print them to the user's stderr.
+    std::panic::set_hook(Box::new(|info| {
+        let location = info.location().map(|l| l.to_string()).unwrap_or_default();
+        *LAST_PANIC.lock().unwrap_or_else(|p| p.into_inner()) = location;
+    }));
     let mut err = [0u8; 1024];
     // SAFETY: err is a writable buffer of the given length.
     if unsafe { torchfuse_cxx_define_control_ops(err.as_mut_ptr().cast(), err.len()) } != 0 {
-        tracing::warn!("torch.ops.torchfuse control ops unavailable: {}", cxx_error(&err));
+        tracing::warn!(
+            "torch.ops.torchfuse control ops unavailable: {}",
+            cxx_error(&err)
+        );
     }
     if !config.active {
         tracing::info!("TORCHFUSE=0: loaded, nothing registered");
@@ -113,9 +129,15 @@ fn register_all() {
         let mut ok = true;
         for entry in toggle.entries() {
             // SAFETY: as above.
-            if unsafe { torchfuse_cxx_register(entry as u32, err.as_mut_ptr().cast(), err.len()) } != 0 {
+            if unsafe { torchfuse_cxx_register(entry as u32, err.as_mut_ptr().cast(), err.len()) }
+                != 0
+            {
                 ok = false;
-                tracing::warn!("could not override {}: {}; stock serves it", entry.aten_name(), cxx_error(&err));
+                tracing::warn!(
+                    "could not override {}: {}; stock serves it",
+                    entry.aten_name(),
+                    cxx_error(&err)
+                );
             }
         }
         if ok {
@@ -123,7 +145,14 @@ fn register_all() {
             registered.push(toggle.name());
         }
     }
-    tracing::info!("overrides registered for: {}", if registered.is_empty() { "none".to_string() } else { registered.join(", ") });
+    tracing::info!(
+        "overrides registered for: {}",
+        if registered.is_empty() {
+            "none".to_string()
+        } else {
+            registered.join(", ")
+        }
+    );
     // SAFETY: registering a plain extern "C" fn; this library is never unloaded.
     unsafe {
         libc::atexit(at_exit);
@@ -132,9 +161,9 @@ fn register_all() {
 
 extern "C" fn at_exit() {
     let _ = catch_unwind(|| {
-        if tracing::enabled!(tracing::Level::INFO) {
+        if crate::logging::info_enabled() {
             if let Some(table) = stats::summary_table() {
-                tracing::info!("{table}");
+                crate::logging::write_at_exit(config(), &table);
             }
         }
     });
@@ -208,7 +237,11 @@ pub unsafe extern "C" fn torchfuse_rs_layer_norm_fwd(
 /// # Safety
 /// `primary` is null or a valid `at::Tensor`.
 #[no_mangle]
-pub unsafe extern "C" fn torchfuse_rs_passthrough(entry: u32, primary: *const c_void, list_len: i64) {
+pub unsafe extern "C" fn torchfuse_rs_passthrough(
+    entry: u32,
+    primary: *const c_void,
+    list_len: i64,
+) {
     let Some(entry) = Entry::from_u32(entry) else {
         return;
     };
@@ -266,7 +299,11 @@ pub unsafe extern "C" fn torchfuse_rs_torch_warning(msg: *const c_char, len: usi
 /// # Safety
 /// `name` points to `len` bytes.
 #[no_mangle]
-pub unsafe extern "C" fn torchfuse_rs_set_enabled(name: *const c_char, len: usize, enabled: bool) -> i32 {
+pub unsafe extern "C" fn torchfuse_rs_set_enabled(
+    name: *const c_char,
+    len: usize,
+    enabled: bool,
+) -> i32 {
     catch_unwind(|| {
         let bytes = std::slice::from_raw_parts(name.cast::<u8>(), len);
         let Some(toggle) = std::str::from_utf8(bytes).ok().and_then(Toggle::from_name) else {
@@ -316,6 +353,11 @@ pub unsafe extern "C" fn torchfuse_rs_free_string(s: *mut c_char) {
     if !s.is_null() {
         drop(CString::from_raw(s));
     }
+}
+
+#[no_mangle]
+pub extern "C" fn torchfuse_rs_serve_below_thresholds(serve: bool) {
+    crate::registry::SERVE_BELOW_THRESHOLDS.store(serve, Ordering::Relaxed);
 }
 
 #[no_mangle]

@@ -20,7 +20,13 @@ pub fn torch_site_packages() -> Option<PathBuf> {
     maps.lines()
         .filter_map(|l| l.split_whitespace().nth(5))
         .find(|p| p.ends_with("/libtorch_cpu.so"))
-        .and_then(|p| Path::new(p).parent()?.parent()?.parent().map(Path::to_path_buf))
+        .and_then(|p| {
+            Path::new(p)
+                .parent()?
+                .parent()?
+                .parent()
+                .map(Path::to_path_buf)
+        })
 }
 
 /// torch's CUDA 13 wheels put NVRTC and the CUDA headers here.
@@ -95,7 +101,10 @@ fn nvrtc_version() -> (i32, i32) {
 pub fn cache_key(source: &str, options: &[String], arch: &str) -> u64 {
     let (major, minor) = nvrtc_version();
     let mut parts: Vec<&[u8]> = vec![source.as_bytes(), arch.as_bytes()];
-    let version = format!("nvrtc {major}.{minor} torchfuse {}", env!("CARGO_PKG_VERSION"));
+    let version = format!(
+        "nvrtc {major}.{minor} torchfuse {}",
+        env!("CARGO_PKG_VERSION")
+    );
     parts.push(version.as_bytes());
     let headers: Vec<(&str, &str)> = crate::sources::headers().collect();
     for (name, text) in &headers {
@@ -185,7 +194,8 @@ pub fn nvrtc_compile(source_name: &str, options: &[String]) -> Result<Vec<u8>, S
         )
         .result()
         .map_err(|e| format!("nvrtcCreateProgram: {e}"))?;
-        let compiled = nvrtc_sys::nvrtcCompileProgram(prog, opt_ptrs.len() as i32, opt_ptrs.as_ptr());
+        let compiled =
+            nvrtc_sys::nvrtcCompileProgram(prog, opt_ptrs.len() as i32, opt_ptrs.as_ptr());
         let result = if compiled == nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
             let mut size = 0usize;
             let mut cubin = Vec::new();
@@ -200,7 +210,11 @@ pub fn nvrtc_compile(source_name: &str, options: &[String]) -> Result<Vec<u8>, S
         } else {
             let log = cudarc::nvrtc::result::get_program_log(prog)
                 .map(|l| {
-                    let bytes: Vec<u8> = l.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+                    let bytes: Vec<u8> = l
+                        .iter()
+                        .take_while(|&&c| c != 0)
+                        .map(|&c| c as u8)
+                        .collect();
                     String::from_utf8_lossy(&bytes).into_owned()
                 })
                 .unwrap_or_default();
@@ -212,7 +226,12 @@ pub fn nvrtc_compile(source_name: &str, options: &[String]) -> Result<Vec<u8>, S
 }
 
 /// A CUBIN for `variant` at `dtype` and `arch`, from the disk cache or freshly compiled.
-pub fn cubin(variant: &Variant, dtype: DType, arch: &str, cache_dir: &Path) -> Result<Vec<u8>, String> {
+pub fn cubin(
+    variant: &Variant,
+    dtype: DType,
+    arch: &str,
+    cache_dir: &Path,
+) -> Result<Vec<u8>, String> {
     nvrtc_ready()?;
     let source = crate::sources::kernel_source(&variant.source)
         .ok_or_else(|| format!("no kernel source {}", variant.source))?;
@@ -220,7 +239,11 @@ pub fn cubin(variant: &Variant, dtype: DType, arch: &str, cache_dir: &Path) -> R
     let key = cache_key(source, &options, arch);
     let path = cache_dir.join(format!("{key:016x}-{arch}.cubin"));
     if let Some(bytes) = read_cached(&path, key) {
-        tracing::debug!("{} {} {arch}: cubin from cache {path:?}", variant.name, dtype.name());
+        tracing::debug!(
+            "{} {} {arch}: cubin from cache {path:?}",
+            variant.name,
+            dtype.name()
+        );
         return Ok(bytes);
     }
     let started = std::time::Instant::now();
@@ -244,8 +267,8 @@ pub struct Device {
     pub arch: String,
 }
 
-static DEVICES: Lazy<Mutex<HashMap<i32, Result<Arc<Device>, String>>>> =
-    Lazy::new(|| Mutex::new(HashMap::new()));
+type DeviceSlot = Result<Arc<Device>, String>;
+static DEVICES: Lazy<Mutex<HashMap<i32, DeviceSlot>>> = Lazy::new(|| Mutex::new(HashMap::new()));
 
 pub fn device(ordinal: i32) -> Result<Arc<Device>, String> {
     let mut devices = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
@@ -279,7 +302,13 @@ static FUNCTIONS: Lazy<Mutex<HashMap<FunctionKey, Option<CudaFunction>>>> =
     Lazy::new(|| Mutex::new(HashMap::new()));
 
 /// The loaded kernel for registry variant `index`, or None (reported once) if it cannot be had.
-pub fn function(index: usize, variant: &Variant, dtype: DType, ordinal: i32, device: &Device) -> Option<CudaFunction> {
+pub fn function(
+    index: usize,
+    variant: &Variant,
+    dtype: DType,
+    ordinal: i32,
+    device: &Device,
+) -> Option<CudaFunction> {
     let mut functions = FUNCTIONS.lock().unwrap_or_else(|p| p.into_inner());
     functions
         .entry((index, dtype, ordinal))
@@ -385,8 +414,9 @@ mod nvrtc_tests {
             for &dtype in &variant.dtypes {
                 for arch in ["sm_80", "sm_90a"] {
                     let options = compile_options(&variant.params, dtype, arch);
-                    let cubin = nvrtc_compile(&variant.source, &options)
-                        .unwrap_or_else(|e| panic!("{} {} {arch}: {e}", variant.name, dtype.name()));
+                    let cubin = nvrtc_compile(&variant.source, &options).unwrap_or_else(|e| {
+                        panic!("{} {} {arch}: {e}", variant.name, dtype.name())
+                    });
                     assert_eq!(&cubin[..4], b"\x7fELF", "{} is not a CUBIN", variant.name);
                     compiled += 1;
                 }
@@ -398,7 +428,10 @@ mod nvrtc_tests {
     #[test]
     fn a_compile_error_is_an_error_not_a_panic() {
         let _ = tch::Tensor::zeros([1], (tch::Kind::Float, tch::Device::Cpu));
-        let options = vec!["--gpu-architecture=sm_90a".to_string(), "-DTF_DTYPE=7".to_string()];
+        let options = vec![
+            "--gpu-architecture=sm_90a".to_string(),
+            "-DTF_DTYPE=7".to_string(),
+        ];
         let err = nvrtc_compile("layer_norm.cu", &options).unwrap_err();
         assert!(err.contains("TF_DTYPE must be"), "{err}");
     }

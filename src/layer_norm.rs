@@ -19,11 +19,17 @@ pub fn validate_variant(v: &Variant) -> Result<(), String> {
     let rows = get("ROWS_PER_BLOCK")?;
     let ept = get("ELEMS_PER_THREAD")?;
     if tpr <= 0 || tpr % 32 != 0 || rows <= 0 || tpr * rows > 1024 {
-        return Err(format!("{}: THREADS_PER_ROW {tpr} x ROWS_PER_BLOCK {rows} is not a valid CTA", v.name));
+        return Err(format!(
+            "{}: THREADS_PER_ROW {tpr} x ROWS_PER_BLOCK {rows} is not a valid CTA",
+            v.name
+        ));
     }
     // 8 = elements of the narrowest dtype in one 16-byte vector.
     if ept <= 0 || ept % 8 != 0 {
-        return Err(format!("{}: ELEMS_PER_THREAD {ept} must be a positive multiple of 8", v.name));
+        return Err(format!(
+            "{}: ELEMS_PER_THREAD {ept} must be a positive multiple of 8",
+            v.name
+        ));
     }
     if tpr * ept < v.hidden[1] {
         return Err(format!(
@@ -44,7 +50,7 @@ pub struct Forward {
 }
 
 fn is_16_byte_aligned(t: &Tensor) -> bool {
-    (t.data_ptr() as usize) % 16 == 0
+    (t.data_ptr() as usize).is_multiple_of(16)
 }
 
 /// Runs `native_layer_norm` with a fused kernel when the registry has one for this call.
@@ -68,7 +74,8 @@ pub fn forward(
     if shape[axis..] != *normalized_shape {
         return Err(StockReason::InvalidInput);
     }
-    let device = Device::Cuda(usize::try_from(device_index).map_err(|_| StockReason::InvalidInput)?);
+    let device =
+        Device::Cuda(usize::try_from(device_index).map_err(|_| StockReason::InvalidInput)?);
     for param in [weight, bias].into_iter().flatten() {
         if param.size() != normalized_shape || param.device() != input.device() {
             return Err(StockReason::InvalidInput);
@@ -88,7 +95,9 @@ pub fn forward(
         tracing::debug!("cuda:{device_index} unavailable to torchfuse: {e}");
         StockReason::KernelUnavailable
     })?;
-    let registry = REGISTRY.as_ref().map_err(|_| StockReason::KernelUnavailable)?;
+    let registry = REGISTRY
+        .as_ref()
+        .map_err(|_| StockReason::KernelUnavailable)?;
     let index = registry.select(&Request {
         op: KernelOp::LayerNormFwd,
         dtype,
@@ -110,11 +119,14 @@ pub fn forward(
     let x = input.contiguous();
     let weight = weight.map(Tensor::contiguous);
     let bias = bias.map(Tensor::contiguous);
-    let y = Tensor::f_empty(&shape, (input.kind(), device)).map_err(|_| StockReason::InternalError)?;
+    let y =
+        Tensor::f_empty(&shape, (input.kind(), device)).map_err(|_| StockReason::InternalError)?;
     let mut stat_shape = shape[..axis].to_vec();
     stat_shape.extend(std::iter::repeat_n(1, normalized_shape.len()));
-    let mean = Tensor::f_empty(&stat_shape, (Kind::Float, device)).map_err(|_| StockReason::InternalError)?;
-    let rstd = Tensor::f_empty(&stat_shape, (Kind::Float, device)).map_err(|_| StockReason::InternalError)?;
+    let mean = Tensor::f_empty(&stat_shape, (Kind::Float, device))
+        .map_err(|_| StockReason::InternalError)?;
+    let rstd = Tensor::f_empty(&stat_shape, (Kind::Float, device))
+        .map_err(|_| StockReason::InternalError)?;
 
     let vec_elems = (16 / dtype.size_bytes()) as i64;
     let vectorized = cols % vec_elems == 0
@@ -123,13 +135,21 @@ pub fn forward(
             .flatten()
             .all(is_16_byte_aligned);
     let ptr = |t: Option<&Tensor>| t.map_or(0u64, |t| t.data_ptr() as u64);
-    let (x_ptr, w_ptr, b_ptr, y_ptr) = (ptr(Some(&x)), ptr(weight.as_ref()), ptr(bias.as_ref()), ptr(Some(&y)));
+    let (x_ptr, w_ptr, b_ptr, y_ptr) = (
+        ptr(Some(&x)),
+        ptr(weight.as_ref()),
+        ptr(bias.as_ref()),
+        ptr(Some(&y)),
+    );
     let (mean_ptr, rstd_ptr) = (ptr(Some(&mean)), ptr(Some(&rstd)));
     let eps = eps as f32;
     let vectorized = i32::from(vectorized);
 
     // SAFETY: `stream` is PyTorch's current stream of this device, alive for the call.
-    let stream = unsafe { gpu.ctx.wrap_borrowed_stream(stream as cudarc::driver::sys::CUstream) };
+    let stream = unsafe {
+        gpu.ctx
+            .wrap_borrowed_stream(stream as cudarc::driver::sys::CUstream)
+    };
     let config = LaunchConfig {
         grid_dim: (blocks, 1, 1),
         block_dim: (threads_per_row as u32, rows_per_block as u32, 1),

@@ -4,6 +4,8 @@
 use crate::config::Config;
 use std::fmt;
 use std::fs::OpenOptions;
+use std::io::Write as _;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use tracing::{Event, Subscriber};
 use tracing_subscriber::fmt::format::Writer;
@@ -13,6 +15,40 @@ use tracing_subscriber::EnvFilter;
 
 struct ProcessTagged {
     rank: Option<String>,
+}
+
+fn rank() -> Option<String> {
+    std::env::var("RANK").ok().filter(|r| !r.is_empty())
+}
+
+fn tag() -> String {
+    match rank() {
+        Some(rank) => format!("torchfuse[pid={} rank={rank}]", std::process::id()),
+        None => format!("torchfuse[pid={}]", std::process::id()),
+    }
+}
+
+static INFO_ENABLED: AtomicBool = AtomicBool::new(false);
+
+/// Whether the filter lets info lines through (read once at init: `tracing` itself is not
+/// usable at process exit, when thread-locals are already gone).
+pub fn info_enabled() -> bool {
+    INFO_ENABLED.load(Ordering::Relaxed)
+}
+
+/// Writes an info line to the log sink without `tracing`, for use at process exit.
+pub fn write_at_exit(config: &Config, text: &str) {
+    let line = format!("{} INFO {text}\n", tag());
+    let written = config.log_file.as_ref().is_some_and(|path| {
+        OpenOptions::new()
+            .append(true)
+            .open(path)
+            .and_then(|mut f| f.write_all(line.as_bytes()))
+            .is_ok()
+    });
+    if !written {
+        let _ = std::io::stderr().write_all(line.as_bytes());
+    }
 }
 
 impl<S, N> FormatEvent<S, N> for ProcessTagged
@@ -42,9 +78,7 @@ where
 pub fn init(config: &Config) -> bool {
     let filter = EnvFilter::try_new(&config.log_filter)
         .unwrap_or_else(|_| EnvFilter::new(crate::config::DEFAULT_LOG_FILTER));
-    let format = ProcessTagged {
-        rank: std::env::var("RANK").ok().filter(|r| !r.is_empty()),
-    };
+    let format = ProcessTagged { rank: rank() };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .event_format(format);
@@ -53,7 +87,11 @@ pub fn init(config: &Config) -> bool {
             .create(true)
             .append(true)
             .open(path)
-            .map_err(|e| eprintln!("torchfuse: cannot open TORCHFUSE_LOG_FILE {path:?}: {e}; logging to stderr"))
+            .map_err(|e| {
+                eprintln!(
+                    "torchfuse: cannot open TORCHFUSE_LOG_FILE {path:?}: {e}; logging to stderr"
+                )
+            })
             .ok()
     });
     let installed = match file {
@@ -63,5 +101,6 @@ pub fn init(config: &Config) -> bool {
     for w in &config.warnings {
         tracing::warn!("{w}");
     }
+    INFO_ENABLED.store(tracing::enabled!(tracing::Level::INFO), Ordering::Relaxed);
     installed
 }

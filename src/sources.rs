@@ -5,8 +5,10 @@ pub const KERNEL_SOURCES: &[(&str, &str)] = &[
     ("layer_norm.cu", include_str!("../kernels/layer_norm.cu")),
 ];
 
-pub const REGISTRY_FILES: &[(&str, &str)] =
-    &[("layer_norm.toml", include_str!("../registry/layer_norm.toml"))];
+pub const REGISTRY_FILES: &[(&str, &str)] = &[(
+    "layer_norm.toml",
+    include_str!("../registry/layer_norm.toml"),
+)];
 
 pub fn kernel_source(name: &str) -> Option<&'static str> {
     KERNEL_SOURCES

@@ -100,11 +100,7 @@ pub fn summary_table() -> Option<String> {
         return None;
     }
     let mut out = String::from("substitution summary\n");
-    let _ = writeln!(
-        out,
-        "  {:<46} {:>9} {:>9}  detail",
-        "op", "fused", "stock"
-    );
+    let _ = writeln!(out, "  {:<46} {:>9} {:>9}  detail", "op", "fused", "stock");
     for (entry, outcomes) in &s.counts {
         let fused: u64 = outcomes
             .iter()
@@ -162,7 +158,10 @@ mod tests {
         assert_eq!(ln["stock"], 1);
         assert_eq!(ln["kernels"]["ln_a"], 2);
         assert_eq!(ln["stock_reasons"]["unsupported dtype"], 1);
-        assert_eq!(json["ops"]["_fused_adam_"]["stock_reasons"]["no kernel yet"], 1);
+        assert_eq!(
+            json["ops"]["_fused_adam_"]["stock_reasons"]["no kernel yet"],
+            1
+        );
         assert_eq!(json["enabled"]["adam"], true);
         let table = summary_table().unwrap();
         assert!(table.contains("native_layer_norm"));

@@ -44,13 +44,22 @@ fn own_directory() -> Option<std::path::PathBuf> {
         return None;
     }
     // SAFETY: dli_fname is a NUL-terminated path owned by the loader.
-    let path = unsafe { CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned();
-    std::path::Path::new(&path).parent().map(|p| p.to_path_buf())
+    let path = unsafe { CStr::from_ptr(info.dli_fname) }
+        .to_string_lossy()
+        .into_owned();
+    std::path::Path::new(&path)
+        .parent()
+        .map(|p| p.to_path_buf())
 }
 
 fn torch_is_loaded(dlopen: DlopenFn) -> bool {
     // SAFETY: RTLD_NOLOAD only looks the name up among loaded objects.
-    let handle = unsafe { dlopen(c"libtorch_cpu.so".as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_LAZY) };
+    let handle = unsafe {
+        dlopen(
+            c"libtorch_cpu.so".as_ptr(),
+            libc::RTLD_NOLOAD | libc::RTLD_LAZY,
+        )
+    };
     if handle.is_null() {
         return false;
     }
@@ -61,7 +70,9 @@ fn torch_is_loaded(dlopen: DlopenFn) -> bool {
 
 fn load_main_library() {
     let Some(dir) = own_directory() else {
-        eprintln!("torchfuse: cannot find the preload library's directory; running without torchfuse");
+        eprintln!(
+            "torchfuse: cannot find the preload library's directory; running without torchfuse"
+        );
         return;
     };
     let path = dir.join(MAIN_LIBRARY);
@@ -69,7 +80,10 @@ fn load_main_library() {
     match unsafe { libloading::Library::new(&path) } {
         // Never unloaded: the dispatcher holds pointers into it.
         Ok(lib) => std::mem::forget(lib),
-        Err(e) => eprintln!("torchfuse: cannot load {}: {e}; running without torchfuse", path.display()),
+        Err(e) => eprintln!(
+            "torchfuse: cannot load {}: {e}; running without torchfuse",
+            path.display()
+        ),
     }
 }
 

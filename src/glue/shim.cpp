@@ -63,6 +63,7 @@ void torchfuse_rs_torch_warning(const char* msg, size_t len);
 int32_t torchfuse_rs_set_enabled(const char* name, size_t len, bool enabled);
 char* torchfuse_rs_stats_json(void);
 void torchfuse_rs_reset_stats(void);
+void torchfuse_rs_serve_below_thresholds(bool serve);
 void torchfuse_rs_free_string(char* s);
 }
 
@@ -249,6 +250,8 @@ std::string control_stats() {
 
 void control_reset_stats() { torchfuse_rs_reset_stats(); }
 
+void control_serve_below_thresholds(bool serve) { torchfuse_rs_serve_below_thresholds(serve); }
+
 // Sends the dispatcher's "Overriding a previously registered kernel" warnings to our log.
 class WarningsToLog : public c10::WarningHandler {
  public:
@@ -332,6 +335,8 @@ __attribute__((visibility("default"))) int32_t torchfuse_cxx_define_control_ops(
     lib->def("set_enabled(str op, bool enabled) -> bool", &control_set_enabled);
     lib->def("stats() -> str", &control_stats);
     lib->def("reset_stats() -> ()", &control_reset_stats);
+    // Test hook: kernels also serve shapes below their measured thresholds.
+    lib->def("_serve_below_thresholds(bool serve) -> ()", &control_serve_below_thresholds);
     return 0;
   } catch (const std::exception& e) {
     write_error(e, err, err_len);

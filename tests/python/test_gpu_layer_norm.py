@@ -63,10 +63,25 @@ def torchfuse_loaded():
     load_torchfuse()
 
 
+@pytest.fixture
+def all_shapes():
+    """Kernels serve small shapes too (where the registry would send them to stock)."""
+    torch.ops.torchfuse._serve_below_thresholds(True)
+    yield
+    torch.ops.torchfuse._serve_below_thresholds(False)
+
+
+def has_variant(dtype, hidden):
+    # registry/layer_norm.toml: no 16-bit variant for 1025..2048 (stock is faster), none past 32768.
+    if hidden > 32768:
+        return False
+    return not (dtype != torch.float32 and 1025 <= hidden <= 2048)
+
+
 HIDDEN = [1, 3, 17, 64, 127, 768, 1000, 1023, 1024, 1025, 2047, 3072, 4096, 5000, 8192, 12288, 16384, 20000, 32768]
 
 
-def test_random_cases():
+def test_random_cases(all_shapes):
     seed = fresh_seed()
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -80,14 +95,14 @@ def test_random_cases():
         b = torch.randn(hidden, device="cuda", dtype=dtype) if rng.random() < 0.7 else None
         eps = rng.choice([1e-5, 1e-6, 1e-2])
         try:
-            check_case(x, (hidden,), w, b, eps)
+            check_case(x, (hidden,), w, b, eps, expect_fused=has_variant(dtype, hidden))
         except AssertionError as e:
             raise AssertionError(f"seed {seed} case {case}: {dtype} {list(x.shape)} w={w is not None} "
                                  f"b={b is not None} eps={eps}: {e}") from e
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_non_contiguous_3d_and_multi_dim_shapes(dtype):
+def test_non_contiguous_3d_and_multi_dim_shapes(dtype, all_shapes):
     torch.manual_seed(fresh_seed())
     base = torch.randn(8, 1030, 40, device="cuda", dtype=dtype)
     x = base.transpose(1, 2)[:, :, :1000]  # [8, 40, 1000], non-contiguous
@@ -103,7 +118,7 @@ def test_non_contiguous_3d_and_multi_dim_shapes(dtype):
     check_case(z, (768,), None, None, 1e-5)
 
 
-def test_nan_and_inf_propagate_like_stock():
+def test_nan_and_inf_propagate_like_stock(all_shapes):
     x = torch.randn(4, 256, device="cuda")
     x[1, 7] = float("nan")
     x[2, 9] = float("inf")
@@ -118,6 +133,8 @@ def test_nan_and_inf_propagate_like_stock():
     (lambda: torch.randn(64, 128, device="cuda", dtype=torch.float64), (128,), "unsupported dtype"),
     (lambda: torch.randn(4, 65536, device="cuda"), (65536,), "no variant for this shape"),
     (lambda: torch.randn(0, 128, device="cuda"), (128,), "empty input"),
+    (lambda: torch.randn(64, 768, device="cuda"), (768,), "stock is faster at this shape"),
+    (lambda: torch.randn(16384, 2048, device="cuda", dtype=torch.bfloat16), (2048,), "no variant for this shape"),
 ])
 def test_fallbacks_are_stock_and_logged(x, shape, why):
     x = x()
@@ -143,6 +160,12 @@ def test_mixed_dtype_matches_stock_either_way():
         assert torch.equal(outcomes[0][1], outcomes[1][1])
     else:
         assert outcomes[0][1] == outcomes[1][1]
+
+
+def test_large_shapes_are_served_without_the_hook():
+    for dtype, shape in ((torch.float32, (8192, 768)), (torch.bfloat16, (16384, 768)), (torch.float32, (4096, 4096))):
+        x = torch.randn(*shape, device="cuda", dtype=dtype)
+        check_case(x, shape[1:], torch.randn(shape[1], device="cuda", dtype=dtype), None, 1e-5)
 
 
 def test_bad_input_gets_stocks_error():
