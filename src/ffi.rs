@@ -204,6 +204,7 @@ pub unsafe extern "C" fn torchfuse_rs_layer_norm_fwd(
                 (*launch).device,
                 (*launch).stream,
                 &input,
+                &described.1,
                 shape,
                 weight.as_deref(),
                 bias.as_deref(),

@@ -54,18 +54,20 @@ fn is_16_byte_aligned(t: &Tensor) -> bool {
 }
 
 /// Runs `native_layer_norm` with a fused kernel when the registry has one for this call.
+/// `shape` is `input.size()`, which the caller has already read for its log line.
+#[allow(clippy::too_many_arguments)]
 pub fn forward(
     device_index: i32,
     stream: *mut c_void,
     input: &Tensor,
+    shape: &[i64],
     normalized_shape: &[i64],
     weight: Option<&Tensor>,
     bias: Option<&Tensor>,
     eps: f64,
 ) -> Result<Forward, StockReason> {
-    let dtype = dtype_of(input.f_kind().map_err(|_| StockReason::UnsupportedDtype)?)
-        .ok_or(StockReason::UnsupportedDtype)?;
-    let shape = input.size();
+    let kind = input.f_kind().map_err(|_| StockReason::UnsupportedDtype)?;
+    let dtype = dtype_of(kind).ok_or(StockReason::UnsupportedDtype)?;
     let axis = shape
         .len()
         .checked_sub(normalized_shape.len())
@@ -80,7 +82,7 @@ pub fn forward(
         if param.size() != normalized_shape || param.device() != input.device() {
             return Err(StockReason::InvalidInput);
         }
-        if param.f_kind().ok() != input.f_kind().ok() {
+        if param.f_kind().ok() != Some(kind) {
             return Err(StockReason::MixedDtypes);
         }
     }
@@ -119,8 +121,7 @@ pub fn forward(
     let x = input.contiguous();
     let weight = weight.map(Tensor::contiguous);
     let bias = bias.map(Tensor::contiguous);
-    let y =
-        Tensor::f_empty(&shape, (input.kind(), device)).map_err(|_| StockReason::InternalError)?;
+    let y = Tensor::f_empty(shape, (kind, device)).map_err(|_| StockReason::InternalError)?;
     let mut stat_shape = shape[..axis].to_vec();
     stat_shape.extend(std::iter::repeat_n(1, normalized_shape.len()));
     let mean = Tensor::f_empty(&stat_shape, (Kind::Float, device))
