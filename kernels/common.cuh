@@ -1,54 +1,91 @@
 // Helpers shared by torchfuse kernels.
 //
-// NVRTC 13 ships no CUDA headers, so nothing here includes one: the storage type and its
-// fp32 conversions are chosen by TF_DTYPE (0 = f32, 1 = bf16, 2 = f16) and written with the
-// PTX conversions of sm_80+ (round to nearest even, as PyTorch's own casts do). 16-byte
-// accesses go through tf_raw16 so every vector load/store is a single 128-bit instruction.
+// NVRTC 13 ships no CUDA headers, so nothing here includes one. Storage types are tagged
+// structs (tf_bf16, tf_f16 hold the raw bits) so overloads tell them apart; conversions are the
+// PTX instructions of sm_80+ (round to nearest even, as PyTorch's own casts do). A kernel's
+// element type is chosen at compile time by a type code (0 = f32, 1 = bf16, 2 = f16).
+// 16-byte accesses go through tf_raw16 so every vector load/store is one 128-bit instruction.
 #pragma once
 
 typedef long long tf_i64;
-typedef unsigned short tf_u16;
 
 struct alignas(16) tf_raw16 {
   unsigned int w[4];
 };
 
-#if TF_DTYPE == 0
-typedef float tf_storage;
-__device__ __forceinline__ float tf_to_float(tf_storage v) { return v; }
-__device__ __forceinline__ tf_storage tf_from_float(float v) { return v; }
-#elif TF_DTYPE == 1
-typedef tf_u16 tf_storage;
-__device__ __forceinline__ float tf_to_float(tf_storage v) {
-  return __uint_as_float(static_cast<unsigned int>(v) << 16);
+struct tf_bf16 {
+  unsigned short bits;
+};
+struct tf_f16 {
+  unsigned short bits;
+};
+
+__device__ __forceinline__ float tf_float(float v) { return v; }
+__device__ __forceinline__ float tf_float(tf_bf16 v) {
+  return __uint_as_float(static_cast<unsigned int>(v.bits) << 16);
 }
-__device__ __forceinline__ tf_storage tf_from_float(float v) {
-  tf_u16 r;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
-  return r;
-}
-#elif TF_DTYPE == 2
-typedef tf_u16 tf_storage;
-__device__ __forceinline__ float tf_to_float(tf_storage v) {
+__device__ __forceinline__ float tf_float(tf_f16 v) {
   float r;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(v));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(v.bits));
   return r;
 }
-__device__ __forceinline__ tf_storage tf_from_float(float v) {
-  tf_u16 r;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
-  return r;
+
+template <typename T>
+struct tf_convert;
+template <>
+struct tf_convert<float> {
+  static __device__ __forceinline__ float from(float v) { return v; }
+};
+template <>
+struct tf_convert<tf_bf16> {
+  static __device__ __forceinline__ tf_bf16 from(float v) {
+    tf_bf16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(v));
+    return r;
+  }
+};
+template <>
+struct tf_convert<tf_f16> {
+  static __device__ __forceinline__ tf_f16 from(float v) {
+    tf_f16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(v));
+    return r;
+  }
+};
+template <typename T>
+__device__ __forceinline__ T tf_cast(float v) {
+  return tf_convert<T>::from(v);
 }
-#else
+
+template <int CODE>
+struct tf_type_of;
+template <>
+struct tf_type_of<0> {
+  typedef float type;
+};
+template <>
+struct tf_type_of<1> {
+  typedef tf_bf16 type;
+};
+template <>
+struct tf_type_of<2> {
+  typedef tf_f16 type;
+};
+
+#if !defined(TF_DTYPE) || TF_DTYPE < 0 || TF_DTYPE > 2
 #error "TF_DTYPE must be 0 (f32), 1 (bf16) or 2 (f16)"
 #endif
+// The kernel's main element type (activations).
+typedef tf_type_of<TF_DTYPE>::type tf_storage;
 
-// Elements of the storage type in one 16-byte access.
+// Elements of the main type in one 16-byte access.
 #define TF_VEC (16 / static_cast<int>(sizeof(tf_storage)))
 
-union tf_vec {
+// 16 bytes seen as elements of T.
+template <typename T>
+union tf_pack {
   tf_raw16 raw;
-  tf_storage e[TF_VEC];
+  T e[16 / sizeof(T)];
 };
 
 // Butterfly sum over a full warp: the same order on every call, every lane gets the total.

@@ -4,6 +4,7 @@
 //! warning), never unwinds into PyTorch.
 
 use crate::config::Config;
+use crate::norm::{BackwardCall, ForwardCall, Launch, NormKind};
 use crate::ops::{Entry, Toggle};
 use crate::registry::StockReason;
 use crate::stats::{self, Outcome};
@@ -13,6 +14,7 @@ use std::ffi::{c_char, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
+use tch::Tensor;
 
 const FUSED: i32 = 1;
 const STOCK: i32 = 0;
@@ -177,51 +179,42 @@ fn on_load() {
 
 // ------------------------------------------------------------------ op entry points
 
+/// What a fused call hands back: up to three outputs (None = an undefined tensor).
+struct Served {
+    outputs: [Option<Tensor>; 3],
+    kernel: &'static str,
+}
+
+/// Runs `body` for one call of `entry` unless the op is switched off, records the outcome,
+/// and writes the outputs to `out` (three slots) when a kernel served the call.
+///
 /// # Safety
-/// Pointers are as shim.cpp passes them: valid `at::Tensor`s (or null for absent optional
-/// ones), `normalized_shape` with `normalized_ndim` elements, `out` with room for 3.
-#[no_mangle]
-pub unsafe extern "C" fn torchfuse_rs_layer_norm_fwd(
-    launch: *const TfLaunch,
-    input: *const c_void,
-    normalized_shape: *const i64,
-    normalized_ndim: usize,
-    weight: *const c_void,
-    bias: *const c_void,
-    eps: f64,
+/// `primary` is a valid `at::Tensor`; `out` has room for three pointers.
+unsafe fn serve(
+    entry: Entry,
+    primary: *const c_void,
     out: *mut *mut c_void,
+    body: impl FnOnce(&Tensor, &[i64]) -> Result<Served, StockReason>,
 ) -> i32 {
-    let entry = Entry::NativeLayerNorm;
     let result = catch_unwind(AssertUnwindSafe(|| {
-        let input = borrow(input)?;
-        let described = describe(Some(&input));
-        let outcome = if !active(entry.toggle()) {
-            Err(StockReason::DisabledAtRuntime)
+        let primary = borrow(primary)?;
+        let (dtype, shape) = describe(Some(&primary));
+        let outcome = if active(entry.toggle()) {
+            body(&primary, &shape)
         } else {
-            let shape = std::slice::from_raw_parts(normalized_shape, normalized_ndim);
-            let (weight, bias) = (borrow(weight), borrow(bias));
-            crate::layer_norm::forward(
-                (*launch).device,
-                (*launch).stream,
-                &input,
-                &described.1,
-                shape,
-                weight.as_deref(),
-                bias.as_deref(),
-                eps,
-            )
+            Err(StockReason::DisabledAtRuntime)
         };
-        Some((described, outcome))
+        Some((dtype, shape, outcome))
     }));
     match result {
-        Ok(Some(((dtype, shape), Ok(fwd)))) => {
-            stats::record(entry, Outcome::Fused(fwd.kernel), dtype, &shape);
-            *out.add(0) = into_raw(fwd.y);
-            *out.add(1) = into_raw(fwd.mean);
-            *out.add(2) = into_raw(fwd.rstd);
+        Ok(Some((dtype, shape, Ok(served)))) => {
+            stats::record(entry, Outcome::Fused(served.kernel), dtype, &shape);
+            for (i, t) in served.outputs.into_iter().enumerate() {
+                *out.add(i) = t.map_or(std::ptr::null_mut(), into_raw);
+            }
             FUSED
         }
-        Ok(Some(((dtype, shape), Err(reason)))) => {
+        Ok(Some((dtype, shape, Err(reason)))) => {
             stats::record(entry, Outcome::Stock(reason), dtype, &shape);
             STOCK
         }
@@ -231,6 +224,121 @@ pub unsafe extern "C" fn torchfuse_rs_layer_norm_fwd(
             STOCK
         }
     }
+}
+
+fn norm_kind(rms: bool) -> NormKind {
+    if rms {
+        NormKind::Rms
+    } else {
+        NormKind::Layer
+    }
+}
+
+/// `native_layer_norm` (rms = false: outputs y, mean, rstd) or `_fused_rms_norm` (rms = true:
+/// outputs y, rstd).
+///
+/// # Safety
+/// Pointers are as shim.cpp passes them: valid `at::Tensor`s (or null for absent optional
+/// ones), `normalized_shape` with `normalized_ndim` elements, `out` with room for 3.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_norm_fwd(
+    rms: bool,
+    launch: *const TfLaunch,
+    input: *const c_void,
+    normalized_shape: *const i64,
+    normalized_ndim: usize,
+    weight: *const c_void,
+    bias: *const c_void,
+    eps: f64,
+    has_eps: bool,
+    out: *mut *mut c_void,
+) -> i32 {
+    let kind = norm_kind(rms);
+    let entry = if rms {
+        Entry::FusedRmsNorm
+    } else {
+        Entry::NativeLayerNorm
+    };
+    serve(entry, input, out, |input, shape| {
+        let (weight, bias) = (borrow(weight), borrow(bias));
+        let call = ForwardCall {
+            kind,
+            input,
+            shape,
+            normalized_shape: std::slice::from_raw_parts(normalized_shape, normalized_ndim),
+            weight: weight.as_deref(),
+            bias: bias.as_deref(),
+            eps: has_eps.then_some(eps),
+        };
+        let launch = Launch {
+            device: (*launch).device,
+            stream: (*launch).stream,
+        };
+        let fwd = crate::norm::forward(launch, &call)?;
+        Ok(Served {
+            outputs: match kind {
+                NormKind::Layer => [Some(fwd.y), fwd.mean, Some(fwd.rstd)],
+                NormKind::Rms => [Some(fwd.y), Some(fwd.rstd), None],
+            },
+            kernel: fwd.kernel,
+        })
+    })
+}
+
+/// `native_layer_norm_backward` (outputs dx, dweight, dbias) or `_fused_rms_norm_backward`
+/// (outputs dx, dweight). `output_mask` bit i asks for output i. Outputs not asked for are
+/// null (undefined tensors).
+///
+/// # Safety
+/// As `torchfuse_rs_norm_fwd`; `mean` is null for RMSNorm.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_norm_bwd(
+    rms: bool,
+    launch: *const TfLaunch,
+    grad_out: *const c_void,
+    input: *const c_void,
+    normalized_shape: *const i64,
+    normalized_ndim: usize,
+    mean: *const c_void,
+    rstd: *const c_void,
+    weight: *const c_void,
+    bias: *const c_void,
+    output_mask: u32,
+    out: *mut *mut c_void,
+) -> i32 {
+    let kind = norm_kind(rms);
+    let entry = if rms {
+        Entry::FusedRmsNormBackward
+    } else {
+        Entry::NativeLayerNormBackward
+    };
+    serve(entry, input, out, |input, shape| {
+        let (grad_out, mean, weight, bias) =
+            (borrow(grad_out), borrow(mean), borrow(weight), borrow(bias));
+        let rstd = borrow(rstd).ok_or(StockReason::InvalidInput)?;
+        let grad_out = grad_out.ok_or(StockReason::InvalidInput)?;
+        let call = BackwardCall {
+            kind,
+            grad_out: &grad_out,
+            input,
+            shape,
+            normalized_shape: std::slice::from_raw_parts(normalized_shape, normalized_ndim),
+            mean: mean.as_deref(),
+            rstd: &rstd,
+            weight: weight.as_deref(),
+            bias: bias.as_deref(),
+            output_mask: [0, 1, 2].map(|bit| output_mask & (1 << bit) != 0),
+        };
+        let launch = Launch {
+            device: (*launch).device,
+            stream: (*launch).stream,
+        };
+        let bwd = crate::norm::backward(launch, &call)?;
+        Ok(Served {
+            outputs: [bwd.dx, bwd.dweight, bwd.dbias],
+            kernel: bwd.kernel,
+        })
+    })
 }
 
 /// Records a call that stock serves because torchfuse has no kernel for it yet.
@@ -354,6 +462,21 @@ pub unsafe extern "C" fn torchfuse_rs_free_string(s: *mut c_char) {
     if !s.is_null() {
         drop(CString::from_raw(s));
     }
+}
+
+/// Benchmark hook: an empty name clears the forced variant.
+///
+/// # Safety
+/// `name` points to `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_force_variant(name: *const c_char, len: usize) {
+    let _ = catch_unwind(|| {
+        let bytes = std::slice::from_raw_parts(name.cast::<u8>(), len);
+        let name = String::from_utf8_lossy(bytes).into_owned();
+        *crate::registry::FORCED_VARIANT
+            .write()
+            .unwrap_or_else(|p| p.into_inner()) = (!name.is_empty()).then_some(name);
+    });
 }
 
 #[no_mangle]

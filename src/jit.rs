@@ -5,7 +5,7 @@
 //! Any failure here (no NVRTC, a compile error, a module that will not load) is reported once
 //! and remembered: the variant is unusable for the rest of the process and stock serves it.
 
-use crate::registry::{DType, Variant};
+use crate::registry::{DType, KernelOp, Variant};
 use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::sys as nvrtc_sys;
 use once_cell::sync::{Lazy, OnceCell};
@@ -154,13 +154,19 @@ pub fn write_cached(path: &Path, key: u64, payload: &[u8]) -> std::io::Result<()
     })
 }
 
-/// NVRTC options for one variant and dtype.
-pub fn compile_options(params: &BTreeMap<String, i64>, dtype: DType, arch: &str) -> Vec<String> {
+/// NVRTC options for one variant of `op` at `dtype`.
+pub fn compile_options(
+    op: KernelOp,
+    params: &BTreeMap<String, i64>,
+    dtype: DType,
+    arch: &str,
+) -> Vec<String> {
     let mut options = vec![
         format!("--gpu-architecture={arch}"),
         "-std=c++17".to_string(),
         format!("-DTF_DTYPE={}", dtype.kernel_code()),
     ];
+    options.extend(op.defines().iter().map(|d| d.to_string()));
     options.extend(params.iter().map(|(k, v)| format!("-DTF_{k}={v}")));
     options
 }
@@ -235,7 +241,7 @@ pub fn cubin(
     nvrtc_ready()?;
     let source = crate::sources::kernel_source(&variant.source)
         .ok_or_else(|| format!("no kernel source {}", variant.source))?;
-    let options = compile_options(&variant.params, dtype, arch);
+    let options = compile_options(variant.op, &variant.params, dtype, arch);
     let key = cache_key(source, &options, arch);
     let path = cache_dir.join(format!("{key:016x}-{arch}.cubin"));
     if let Some(bytes) = read_cached(&path, key) {
@@ -265,6 +271,7 @@ pub struct Device {
     pub ctx: Arc<CudaContext>,
     pub sm: u32,
     pub arch: String,
+    pub multiprocessors: u32,
 }
 
 type DeviceSlot = Result<Arc<Device>, String>;
@@ -288,30 +295,55 @@ pub fn device(ordinal: i32) -> Result<Arc<Device>, String> {
                 .compute_capability()
                 .map_err(|e| format!("compute capability: {e}"))?;
             let sm = (major * 10 + minor) as u32;
+            let multiprocessors = ctx
+                .attribute(
+                    cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                )
+                .map_err(|e| format!("multiprocessor count: {e}"))?;
             Ok(Arc::new(Device {
                 ctx,
                 sm,
                 arch: arch_for(sm),
+                multiprocessors: u32::try_from(multiprocessors).unwrap_or(1).max(1),
             }))
         })
         .clone()
 }
 
-type FunctionKey = (usize, DType, i32);
-static FUNCTIONS: Lazy<Mutex<HashMap<FunctionKey, Option<CudaFunction>>>> =
+/// The loaded kernels of one variant at one dtype on one device, in `KernelOp::entries` order.
+pub struct Kernels {
+    pub functions: Vec<CudaFunction>,
+    /// CTAs of each function that fit on one multiprocessor at once, for its block size.
+    resident: Vec<OnceCell<u32>>,
+}
+
+impl Kernels {
+    /// How many CTAs of `block_threads` threads of function `i` fit on one SM (at least 1).
+    pub fn resident_per_sm(&self, i: usize, block_threads: u32) -> u32 {
+        *self.resident[i].get_or_init(|| {
+            self.functions[i]
+                .occupancy_max_active_blocks_per_multiprocessor(block_threads, 0, None)
+                .unwrap_or(1)
+                .max(1)
+        })
+    }
+}
+
+type KernelsKey = (usize, DType, i32);
+static KERNELS: Lazy<Mutex<HashMap<KernelsKey, Option<Arc<Kernels>>>>> =
     Lazy::new(|| Mutex::new(HashMap::new()));
 
-/// The loaded kernel for registry variant `index`, or None (reported once) if it cannot be had.
-pub fn function(
+/// The loaded kernels for registry variant `index`, or None (reported once) if they cannot be
+/// had.
+pub fn kernels(
     index: usize,
     variant: &Variant,
     dtype: DType,
     ordinal: i32,
     device: &Device,
-) -> Option<CudaFunction> {
-    let mut functions = FUNCTIONS.lock().unwrap_or_else(|p| p.into_inner());
-    functions
-        .entry((index, dtype, ordinal))
+) -> Option<Arc<Kernels>> {
+    let mut all = KERNELS.lock().unwrap_or_else(|p| p.into_inner());
+    all.entry((index, dtype, ordinal))
         .or_insert_with(|| {
             let loaded = cubin(variant, dtype, &device.arch, &crate::ffi::config().cache_dir)
                 .and_then(|bytes| {
@@ -319,14 +351,25 @@ pub fn function(
                         .ctx
                         .load_module(cudarc::nvrtc::Ptx::from_binary(bytes))
                         .map_err(|e| format!("loading module: {e}"))?;
-                    module
-                        .load_function(&variant.entry)
-                        .map_err(|e| format!("kernel {}: {e}", variant.entry))
+                    variant
+                        .op
+                        .entries()
+                        .iter()
+                        .map(|entry| {
+                            module
+                                .load_function(entry)
+                                .map_err(|e| format!("kernel {entry}: {e}"))
+                        })
+                        .collect::<Result<Vec<_>, String>>()
                 });
             match loaded {
-                Ok(f) => {
+                Ok(functions) => {
                     tracing::debug!("{} {} ready on cuda:{ordinal}", variant.name, dtype.name());
-                    Some(f)
+                    let resident = functions.iter().map(|_| OnceCell::new()).collect();
+                    Some(Arc::new(Kernels {
+                        functions,
+                        resident,
+                    }))
                 }
                 Err(e) => {
                     if nvrtc_ready().is_ok() {
@@ -409,19 +452,44 @@ mod nvrtc_tests {
             panic!("NVRTC unavailable: {e}");
         }
         let registry = REGISTRY.as_ref().expect("registry");
-        let mut compiled = 0;
-        for variant in registry.variants() {
-            for &dtype in &variant.dtypes {
-                for arch in ["sm_80", "sm_90a"] {
-                    let options = compile_options(&variant.params, dtype, arch);
-                    let cubin = nvrtc_compile(&variant.source, &options).unwrap_or_else(|e| {
-                        panic!("{} {} {arch}: {e}", variant.name, dtype.name())
-                    });
-                    assert_eq!(&cubin[..4], b"\x7fELF", "{} is not a CUBIN", variant.name);
-                    compiled += 1;
-                }
-            }
-        }
+        let jobs: Vec<(&Variant, DType, &str)> = registry
+            .variants()
+            .iter()
+            .flat_map(|v| v.dtypes.iter().map(move |&d| (v, d)))
+            .flat_map(|(v, d)| ["sm_80", "sm_90a"].map(|arch| (v, d, arch)))
+            .collect();
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let compiled: usize = std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    scope.spawn(|| {
+                        let mut done = 0;
+                        while let Some(&(variant, dtype, arch)) =
+                            jobs.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+                        {
+                            let options = compile_options(variant.op, &variant.params, dtype, arch);
+                            let cubin =
+                                nvrtc_compile(&variant.source, &options).unwrap_or_else(|e| {
+                                    panic!("{} {} {arch}: {e}", variant.name, dtype.name())
+                                });
+                            assert_eq!(&cubin[..4], b"\x7fELF", "{} is not a CUBIN", variant.name);
+                            for entry in variant.op.entries() {
+                                assert!(
+                                    cubin.windows(entry.len()).any(|w| w == entry.as_bytes()),
+                                    "{} {arch}: no kernel {entry}",
+                                    variant.name
+                                );
+                            }
+                            done += 1;
+                        }
+                        done
+                    })
+                })
+                .collect();
+            workers.into_iter().map(|w| w.join().expect("worker")).sum()
+        });
+        assert_eq!(compiled, jobs.len());
         assert!(compiled >= 2 * registry.variants().len());
     }
 
@@ -432,7 +500,7 @@ mod nvrtc_tests {
             "--gpu-architecture=sm_90a".to_string(),
             "-DTF_DTYPE=7".to_string(),
         ];
-        let err = nvrtc_compile("layer_norm.cu", &options).unwrap_err();
+        let err = nvrtc_compile("norm.cu", &options).unwrap_err();
         assert!(err.contains("TF_DTYPE must be"), "{err}");
     }
 }

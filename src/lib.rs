@@ -9,8 +9,8 @@
 pub mod config;
 pub mod ffi;
 pub mod jit;
-pub mod layer_norm;
 pub mod logging;
+pub mod norm;
 pub mod ops;
 pub mod registry;
 pub mod sources;

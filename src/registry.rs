@@ -11,6 +11,10 @@ use std::sync::RwLock;
 /// measured `min_rows` too, so tests reach the kernels on small inputs.
 pub static SERVE_BELOW_THRESHOLDS: AtomicBool = AtomicBool::new(false);
 
+/// Benchmark hook (`torch.ops.torchfuse._force_variant`): calls of the named variant's op go
+/// to that variant whenever it can serve them (thresholds ignored), and to stock otherwise.
+pub static FORCED_VARIANT: RwLock<Option<String>> = RwLock::new(None);
+
 /// Why a call went to PyTorch's own kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum StockReason {
@@ -22,6 +26,7 @@ pub enum StockReason {
     NoVariantForShape,
     NotFasterHere,
     EmptyInput,
+    NothingRequested,
     InvalidInput,
     KernelUnavailable,
     LaunchFailed,
@@ -39,6 +44,7 @@ impl std::fmt::Display for StockReason {
             StockReason::NoVariantForShape => "no variant for this shape",
             StockReason::NotFasterHere => "stock is faster at this shape",
             StockReason::EmptyInput => "empty input",
+            StockReason::NothingRequested => "no output requested",
             StockReason::InvalidInput => "input stock rejects",
             StockReason::KernelUnavailable => "kernel unavailable",
             StockReason::LaunchFailed => "kernel launch failed",
@@ -88,6 +94,32 @@ impl DType {
 pub enum KernelOp {
     #[serde(rename = "layer_norm_fwd")]
     LayerNormFwd,
+    #[serde(rename = "layer_norm_bwd")]
+    LayerNormBwd,
+    #[serde(rename = "rms_norm_fwd")]
+    RmsNormFwd,
+    #[serde(rename = "rms_norm_bwd")]
+    RmsNormBwd,
+}
+
+impl KernelOp {
+    /// The `extern "C"` kernels of the variant's source this op launches.
+    pub fn entries(self) -> &'static [&'static str] {
+        match self {
+            KernelOp::LayerNormFwd | KernelOp::RmsNormFwd => &["norm_fwd"],
+            KernelOp::LayerNormBwd | KernelOp::RmsNormBwd => &["norm_bwd", "norm_bwd_reduce"],
+        }
+    }
+
+    /// Preprocessor definitions the op adds to the variant's own parameters.
+    pub fn defines(self) -> &'static [&'static str] {
+        match self {
+            KernelOp::LayerNormFwd => &["-DTF_NORM_FWD=1", "-DTF_RMS=0"],
+            KernelOp::LayerNormBwd => &["-DTF_NORM_BWD=1", "-DTF_RMS=0"],
+            KernelOp::RmsNormFwd => &["-DTF_NORM_FWD=1", "-DTF_RMS=1"],
+            KernelOp::RmsNormBwd => &["-DTF_NORM_BWD=1", "-DTF_RMS=1"],
+        }
+    }
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -97,8 +129,6 @@ pub struct Variant {
     pub op: KernelOp,
     /// File in `kernels/`.
     pub source: String,
-    /// `extern "C"` kernel name in that file.
-    pub entry: String,
     pub dtypes: Vec<DType>,
     /// Inclusive range of SM versions (major * 10 + minor).
     pub sm: [u32; 2],
@@ -112,6 +142,10 @@ pub struct Variant {
     /// Compile-time parameters, passed to NVRTC as `-DTF_<NAME>=<value>`.
     #[serde(default)]
     pub params: BTreeMap<String, i64>,
+    /// Loaded from `TORCHFUSE_REGISTRY_EXTRA` (benchmark sweeps): served only when forced by
+    /// name (`torch.ops.torchfuse._force_variant`), never chosen on its own.
+    #[serde(skip)]
+    pub sweep_only: bool,
 }
 
 #[derive(Deserialize)]
@@ -142,11 +176,26 @@ type CandidateKey = (KernelOp, DType, i64, u32);
 
 impl Registry {
     pub fn parse(files: &[(&str, &str)]) -> Result<Registry, String> {
+        Registry::parse_with_sweep(files, None)
+    }
+
+    /// `sweep`: (name, text) of a file of benchmark-only variants.
+    pub fn parse_with_sweep(
+        files: &[(&str, &str)],
+        sweep: Option<(&str, &str)>,
+    ) -> Result<Registry, String> {
         let mut variants = Vec::new();
         for (name, text) in files {
             let file: RegistryFile =
                 toml::from_str(text).map_err(|e| format!("registry/{name}: {e}"))?;
             variants.extend(file.variant);
+        }
+        if let Some((name, text)) = sweep {
+            let file: RegistryFile = toml::from_str(text).map_err(|e| format!("{name}: {e}"))?;
+            variants.extend(file.variant.into_iter().map(|mut v| {
+                v.sweep_only = true;
+                v
+            }));
         }
         let mut names = std::collections::HashSet::new();
         for v in &variants {
@@ -166,7 +215,10 @@ impl Registry {
                 return Err(format!("{}: no kernel source {}", v.name, v.source));
             }
             match v.op {
-                KernelOp::LayerNormFwd => crate::layer_norm::validate_variant(v)?,
+                KernelOp::LayerNormFwd
+                | KernelOp::LayerNormBwd
+                | KernelOp::RmsNormFwd
+                | KernelOp::RmsNormBwd => crate::norm::validate_variant(v)?,
             }
         }
         Ok(Registry {
@@ -191,7 +243,7 @@ impl Registry {
         sm: u32,
     ) -> Result<Vec<usize>, StockReason> {
         let of_op: Vec<usize> = (0..self.variants.len())
-            .filter(|&i| self.variants[i].op == op)
+            .filter(|&i| self.variants[i].op == op && !self.variants[i].sweep_only)
             .collect();
         let with_dtype: Vec<usize> = of_op
             .into_iter()
@@ -220,8 +272,30 @@ impl Registry {
         Ok(fits)
     }
 
+    /// The forced variant for `req` (benchmark hook), if one is forced for its op.
+    fn forced(&self, req: &Request) -> Option<Result<usize, StockReason>> {
+        let forced = FORCED_VARIANT.read().unwrap_or_else(|p| p.into_inner());
+        let name = forced.as_deref()?;
+        let index = self
+            .variants
+            .iter()
+            .position(|v| v.name == name && v.op == req.op)?;
+        let v = &self.variants[index];
+        let fits = v.dtypes.contains(&req.dtype)
+            && (v.sm[0]..=v.sm[1]).contains(&req.sm)
+            && (v.hidden[0]..=v.hidden[1]).contains(&req.hidden);
+        Some(if fits {
+            Ok(index)
+        } else {
+            Err(StockReason::NoVariantForShape)
+        })
+    }
+
     /// The variant (index) that serves `req`, or why stock does.
     pub fn select(&self, req: &Request) -> Result<usize, StockReason> {
+        if let Some(forced) = self.forced(req) {
+            return forced;
+        }
         let key = (req.op, req.dtype, req.hidden, req.sm);
         let cached = self
             .candidates
@@ -249,8 +323,19 @@ impl Registry {
 }
 
 /// The registry built into this library.
-pub static REGISTRY: Lazy<Result<Registry, String>> =
-    Lazy::new(|| Registry::parse(crate::sources::REGISTRY_FILES));
+/// With `TORCHFUSE_REGISTRY_EXTRA=<file.toml>`, that file's variants are added as sweep-only.
+pub static REGISTRY: Lazy<Result<Registry, String>> = Lazy::new(|| {
+    let extra = std::env::var_os("TORCHFUSE_REGISTRY_EXTRA").map(std::path::PathBuf::from);
+    match extra {
+        None => Registry::parse(crate::sources::REGISTRY_FILES),
+        Some(path) => {
+            let text = std::fs::read_to_string(&path)
+                .map_err(|e| format!("TORCHFUSE_REGISTRY_EXTRA {path:?}: {e}"))?;
+            let name = path.display().to_string();
+            Registry::parse_with_sweep(crate::sources::REGISTRY_FILES, Some((&name, &text)))
+        }
+    }
+});
 
 #[cfg(test)]
 mod tests {
@@ -260,8 +345,7 @@ mod tests {
 [[variant]]
 name = "small"
 op = "layer_norm_fwd"
-source = "layer_norm.cu"
-entry = "layer_norm_fwd"
+source = "norm.cu"
 dtypes = ["f32", "bf16"]
 sm = [80, 90]
 hidden = [1, 1024]
@@ -272,8 +356,7 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
 [[variant]]
 name = "small_sm90"
 op = "layer_norm_fwd"
-source = "layer_norm.cu"
-entry = "layer_norm_fwd"
+source = "norm.cu"
 dtypes = ["bf16"]
 sm = [90, 90]
 hidden = [512, 1024]
@@ -345,13 +428,133 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
         assert!(Registry::parse(&[("w.toml", &too_wide)])
             .unwrap_err()
             .contains("holds 1024"));
-        let no_source = SAMPLE.replace("source = \"layer_norm.cu\"", "source = \"missing.cu\"");
+        let no_source = SAMPLE.replace("source = \"norm.cu\"", "source = \"missing.cu\"");
         assert!(Registry::parse(&[("s.toml", &no_source)])
             .unwrap_err()
             .contains("missing.cu"));
         assert!(Registry::parse(&[("u.toml", &unknown)]).is_err());
-        let op = SAMPLE.replace("op = \"layer_norm_fwd\"\nsource = \"layer_norm.cu\"\nentry = \"layer_norm_fwd\"\ndtypes = [\"f32\", \"bf16\"]", "op = \"softmax\"\nsource = \"layer_norm.cu\"\nentry = \"layer_norm_fwd\"\ndtypes = [\"f32\", \"bf16\"]");
+        let op = SAMPLE.replacen("op = \"layer_norm_fwd\"", "op = \"softmax\"", 1);
         assert!(Registry::parse(&[("o.toml", &op)]).is_err());
+    }
+
+    /// The built-in registry answers a table of calls as measured (registry/norm.toml).
+    #[test]
+    fn built_in_registry_routes_a_table_of_calls() {
+        let r = REGISTRY.as_ref().expect("built-in registry");
+        let pick = |op, dtype, hidden, rows, sm| {
+            r.select(&Request {
+                op,
+                dtype,
+                hidden,
+                rows,
+                sm,
+            })
+            .map(|i| r.variant(i).name.clone())
+        };
+        use KernelOp::*;
+        let served = [
+            (LayerNormFwd, DType::BF16, 768, 16384, "ln_fwd_16bit_h768"),
+            (LayerNormFwd, DType::F16, 1000, 16384, "ln_fwd_16bit_h1024"),
+            (LayerNormFwd, DType::F32, 4096, 16384, "ln_fwd_f32_h4096"),
+            (LayerNormBwd, DType::BF16, 8192, 8192, "ln_bwd_16bit_h8192"),
+            (LayerNormBwd, DType::F32, 16384, 4096, "ln_bwd_f32_h16384"),
+            (RmsNormFwd, DType::BF16, 4096, 16384, "rms_fwd_16bit_h4096"),
+            (RmsNormBwd, DType::F32, 768, 16384, "rms_bwd_f32_h768"),
+            (RmsNormBwd, DType::BF16, 2048, 16384, "rms_bwd_16bit_h2048"),
+        ];
+        for (op, dtype, hidden, rows, prefix) in served {
+            let name =
+                pick(op, dtype, hidden, rows, 90).unwrap_or_else(|e| panic!("{prefix}: {e}"));
+            assert!(
+                name.starts_with(prefix),
+                "{op:?} {dtype:?} {hidden}: {name}"
+            );
+            // sm_80 runs the same variants.
+            assert_eq!(pick(op, dtype, hidden, rows, 80), Ok(name));
+        }
+        let stock = [
+            // Launch-bound: stock is as fast.
+            (
+                LayerNormFwd,
+                DType::BF16,
+                768,
+                512,
+                StockReason::NotFasterHere,
+            ),
+            (
+                LayerNormBwd,
+                DType::BF16,
+                768,
+                2048,
+                StockReason::NotFasterHere,
+            ),
+            // Measured no faster than stock.
+            (
+                RmsNormFwd,
+                DType::F32,
+                1024,
+                16384,
+                StockReason::NoVariantForShape,
+            ),
+            (
+                RmsNormFwd,
+                DType::BF16,
+                2048,
+                16384,
+                StockReason::NoVariantForShape,
+            ),
+            // Rows wider than 32768: stock (spills measured at 65536).
+            (
+                LayerNormFwd,
+                DType::F32,
+                65536,
+                2048,
+                StockReason::NoVariantForShape,
+            ),
+            (
+                RmsNormBwd,
+                DType::BF16,
+                65536,
+                2048,
+                StockReason::NoVariantForShape,
+            ),
+            (
+                LayerNormFwd,
+                DType::BF16,
+                768,
+                16384,
+                StockReason::UnsupportedSm,
+            ),
+        ];
+        for (i, (op, dtype, hidden, rows, reason)) in stock.into_iter().enumerate() {
+            let sm = if i == stock.len() - 1 { 75 } else { 90 };
+            assert_eq!(
+                pick(op, dtype, hidden, rows, sm),
+                Err(reason),
+                "{op:?} {dtype:?} {hidden}x{rows}"
+            );
+        }
+    }
+
+    #[test]
+    fn sweep_variants_serve_only_when_forced() {
+        let sweep = SAMPLE
+            .replace("name = \"small\"", "name = \"cand\"")
+            .replace("name = \"small_sm90\"", "name = \"cand2\"");
+        let r =
+            Registry::parse_with_sweep(&[("sample.toml", SAMPLE)], Some(("sweep.toml", &sweep)))
+                .unwrap();
+        let q = req(DType::F32, 768, 4096, 90);
+        assert_eq!(r.variant(r.select(&q).unwrap()).name, "small");
+        *FORCED_VARIANT.write().unwrap() = Some("cand".into());
+        assert_eq!(r.variant(r.select(&q).unwrap()).name, "cand");
+        // Forced but unable to serve this call: stock, not another variant.
+        assert_eq!(
+            r.select(&req(DType::F32, 2048, 4096, 90)),
+            Err(StockReason::NoVariantForShape)
+        );
+        *FORCED_VARIANT.write().unwrap() = None;
+        assert_eq!(r.variant(r.select(&q).unwrap()).name, "small");
     }
 
     #[test]

@@ -2,13 +2,10 @@
 
 pub const KERNEL_SOURCES: &[(&str, &str)] = &[
     ("common.cuh", include_str!("../kernels/common.cuh")),
-    ("layer_norm.cu", include_str!("../kernels/layer_norm.cu")),
+    ("norm.cu", include_str!("../kernels/norm.cu")),
 ];
 
-pub const REGISTRY_FILES: &[(&str, &str)] = &[(
-    "layer_norm.toml",
-    include_str!("../registry/layer_norm.toml"),
-)];
+pub const REGISTRY_FILES: &[(&str, &str)] = &[("norm.toml", include_str!("../registry/norm.toml"))];
 
 pub fn kernel_source(name: &str) -> Option<&'static str> {
     KERNEL_SOURCES

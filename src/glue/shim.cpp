@@ -16,6 +16,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -51,10 +52,17 @@ struct TfLaunch {
 extern "C" {
 // Implemented in Rust. Tensors are borrowed for the duration of the call; tensors written to
 // `out` are owned by the caller (heap `at::Tensor`s allocated through tch).
-int32_t torchfuse_rs_layer_norm_fwd(const TfLaunch* launch, const at::Tensor* input,
-                                    const int64_t* normalized_shape, size_t normalized_ndim,
-                                    const at::Tensor* weight, const at::Tensor* bias, double eps,
-                                    at::Tensor** out);
+// rms = false: native_layer_norm (out: y, mean, rstd); true: _fused_rms_norm (out: y, rstd).
+int32_t torchfuse_rs_norm_fwd(bool rms, const TfLaunch* launch, const at::Tensor* input,
+                              const int64_t* normalized_shape, size_t normalized_ndim,
+                              const at::Tensor* weight, const at::Tensor* bias, double eps,
+                              bool has_eps, at::Tensor** out);
+// out: dx, dweight, dbias; null = not requested (undefined).
+int32_t torchfuse_rs_norm_bwd(bool rms, const TfLaunch* launch, const at::Tensor* grad_out,
+                              const at::Tensor* input, const int64_t* normalized_shape,
+                              size_t normalized_ndim, const at::Tensor* mean,
+                              const at::Tensor* rstd, const at::Tensor* weight,
+                              const at::Tensor* bias, uint32_t output_mask, at::Tensor** out);
 void torchfuse_rs_passthrough(uint32_t entry, const at::Tensor* primary, int64_t list_len);
 int64_t torchfuse_rs_sdp_choice(const at::Tensor* query, const at::Tensor* key,
                                 const at::Tensor* value, bool has_mask, double dropout_p,
@@ -64,6 +72,7 @@ int32_t torchfuse_rs_set_enabled(const char* name, size_t len, bool enabled);
 char* torchfuse_rs_stats_json(void);
 void torchfuse_rs_reset_stats(void);
 void torchfuse_rs_serve_below_thresholds(bool serve);
+void torchfuse_rs_force_variant(const char* name, size_t len);
 void torchfuse_rs_free_string(char* s);
 }
 
@@ -87,17 +96,19 @@ TfLaunch launch_for(const at::Tensor& t) {
   return TfLaunch{static_cast<int32_t>(t.device().index()), stream.native_handle()};
 }
 
-// Takes the `n` outputs Rust produced; false (and nothing leaked) if any is missing.
+// The outputs Rust produced (a null slot is an undefined tensor: an output not requested).
+std::array<at::Tensor, 3> take_outputs(at::Tensor* (&out)[3]) {
+  std::array<at::Tensor, 3> r;
+  for (size_t i = 0; i < 3; ++i)
+    if (out[i] != nullptr) r[i] = take(out[i]);
+  return r;
+}
+
 template <size_t N>
-bool take_all(at::Tensor* (&out)[N], at::Tensor (&dst)[N]) {
-  bool complete = true;
-  for (size_t i = 0; i < N; ++i) complete = complete && out[i] != nullptr;
-  for (size_t i = 0; i < N; ++i) {
-    if (out[i] == nullptr) continue;
-    at::Tensor t = take(out[i]);
-    if (complete) dst[i] = std::move(t);
-  }
-  return complete;
+uint32_t mask_bits(const std::array<bool, N>& mask) {
+  uint32_t bits = 0;
+  for (size_t i = 0; i < N; ++i) bits |= mask[i] ? (1u << i) : 0u;
+  return bits;
 }
 
 // ---------------------------------------------------------------- layer_norm
@@ -107,13 +118,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> native_layer_norm(
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps) {
   {
     const c10::DeviceGuard guard(input.device());
-    TfLaunch launch = launch_for(input);
+    const TfLaunch launch = launch_for(input);
     at::Tensor* out[3] = {nullptr, nullptr, nullptr};
-    if (torchfuse_rs_layer_norm_fwd(&launch, &input, normalized_shape.data(),
-                                    normalized_shape.size(), optional_ptr(weight),
-                                    optional_ptr(bias), eps, out) == kFused) {
-      at::Tensor r[3];
-      if (take_all(out, r)) return {r[0], r[1], r[2]};
+    if (torchfuse_rs_norm_fwd(false, &launch, &input, normalized_shape.data(),
+                              normalized_shape.size(), optional_ptr(weight), optional_ptr(bias),
+                              eps, true, out) == kFused) {
+      auto r = take_outputs(out);
+      return {r[0], r[1], r[2]};
     }
   }
   return at::cuda::native_layer_norm(input, normalized_shape, weight, bias, eps);
@@ -123,7 +134,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> native_layer_norm_backward(
     const at::Tensor& grad_out, const at::Tensor& input, at::IntArrayRef normalized_shape,
     const at::Tensor& mean, const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask) {
-  torchfuse_rs_passthrough(kNativeLayerNormBackward, &input, -1);
+  {
+    const c10::DeviceGuard guard(input.device());
+    const TfLaunch launch = launch_for(input);
+    at::Tensor* out[3] = {nullptr, nullptr, nullptr};
+    if (torchfuse_rs_norm_bwd(false, &launch, &grad_out, &input, normalized_shape.data(),
+                              normalized_shape.size(), &mean, &rstd, optional_ptr(weight),
+                              optional_ptr(bias), mask_bits(output_mask), out) == kFused) {
+      auto r = take_outputs(out);
+      return {r[0], r[1], r[2]};
+    }
+  }
   return at::cuda::native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd,
                                               weight, bias, output_mask);
 }
@@ -134,7 +155,17 @@ std::tuple<at::Tensor, at::Tensor> fused_rms_norm(const at::Tensor& input,
                                                   at::IntArrayRef normalized_shape,
                                                   const std::optional<at::Tensor>& weight,
                                                   std::optional<double> eps) {
-  torchfuse_rs_passthrough(kFusedRmsNorm, &input, -1);
+  {
+    const c10::DeviceGuard guard(input.device());
+    const TfLaunch launch = launch_for(input);
+    at::Tensor* out[3] = {nullptr, nullptr, nullptr};
+    if (torchfuse_rs_norm_fwd(true, &launch, &input, normalized_shape.data(),
+                              normalized_shape.size(), optional_ptr(weight), nullptr,
+                              eps.value_or(0.0), eps.has_value(), out) == kFused) {
+      auto r = take_outputs(out);
+      return {r[0], r[1]};
+    }
+  }
   return at::cuda::_fused_rms_norm(input, normalized_shape, weight, eps);
 }
 
@@ -142,7 +173,17 @@ std::tuple<at::Tensor, at::Tensor> fused_rms_norm_backward(
     const at::Tensor& grad_out, const at::Tensor& input, at::IntArrayRef normalized_shape,
     const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
     std::array<bool, 2> output_mask) {
-  torchfuse_rs_passthrough(kFusedRmsNormBackward, &input, -1);
+  {
+    const c10::DeviceGuard guard(input.device());
+    const TfLaunch launch = launch_for(input);
+    at::Tensor* out[3] = {nullptr, nullptr, nullptr};
+    if (torchfuse_rs_norm_bwd(true, &launch, &grad_out, &input, normalized_shape.data(),
+                              normalized_shape.size(), nullptr, &rstd, optional_ptr(weight),
+                              nullptr, mask_bits(output_mask), out) == kFused) {
+      auto r = take_outputs(out);
+      return {r[0], r[1]};
+    }
+  }
   return at::cuda::_fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight,
                                             output_mask);
 }
@@ -252,6 +293,10 @@ void control_reset_stats() { torchfuse_rs_reset_stats(); }
 
 void control_serve_below_thresholds(bool serve) { torchfuse_rs_serve_below_thresholds(serve); }
 
+void control_force_variant(c10::string_view name) {
+  torchfuse_rs_force_variant(name.data(), name.size());
+}
+
 // Sends the dispatcher's "Overriding a previously registered kernel" warnings to our log.
 class WarningsToLog : public c10::WarningHandler {
  public:
@@ -337,6 +382,8 @@ __attribute__((visibility("default"))) int32_t torchfuse_cxx_define_control_ops(
     lib->def("reset_stats() -> ()", &control_reset_stats);
     // Test hook: kernels also serve shapes below their measured thresholds.
     lib->def("_serve_below_thresholds(bool serve) -> ()", &control_serve_below_thresholds);
+    // Benchmark hook: serve the named variant's op with it ("" clears).
+    lib->def("_force_variant(str name) -> ()", &control_force_variant);
     return 0;
   } catch (const std::exception& e) {
     write_error(e, err, err_len);

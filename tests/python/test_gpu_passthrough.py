@@ -40,21 +40,6 @@ def assert_same(a, b, exact=True):
             torch.testing.assert_close(x, y)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_fwd_bwd(dtype):
-    def fn():
-        x = torch.randn(64, 512, device="cuda", dtype=dtype, requires_grad=True)
-        w = torch.randn(512, device="cuda", dtype=dtype, requires_grad=True)
-        y = F.rms_norm(x, (512,), w, 1e-6)
-        y.float().square().sum().backward()
-        return y.detach(), x.grad, w.grad
-    before = (no_kernel_yet("_fused_rms_norm"), no_kernel_yet("_fused_rms_norm_backward"))
-    on, off = both("rms_norm", fn)
-    assert_same(on, off)
-    assert no_kernel_yet("_fused_rms_norm") == before[0] + 1
-    assert no_kernel_yet("_fused_rms_norm_backward") == before[1] + 1
-
-
 def test_embedding_fwd_bwd():
     def fn():
         emb = torch.nn.Embedding(1000, 64, padding_idx=3).cuda()

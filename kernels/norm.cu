@@ -1,0 +1,410 @@
+// LayerNorm and RMSNorm (TF_RMS=1), forward and backward: native_layer_norm[_backward],
+// _fused_rms_norm[_backward].
+//
+// Layout: a row is owned by TF_THREADS_PER_ROW threads (one warp, or a whole CTA for wide
+// rows), TF_ROWS_PER_BLOCK rows per CTA. Thread tx owns the columns (it*TPR + tx)*VEC + j, the
+// same columns on every row, read with 16-byte loads. The grid is persistent (at most what
+// fits on the GPU at once) and strides over groups of rows.
+//
+// Forward, one pass over memory: the row is kept in registers in its storage type (16 B per
+// chunk), so x is read once and y written once. Statistics are exact two-level fp32 sums over
+// the registers (mean, then the sum of squared deviations), not Welford: with the row in
+// registers the second sum costs no memory traffic and is more accurate. With TF_PREFETCH the
+// next row's loads are issued before the current row's reductions, so the memory system stays
+// busy while a warp reduces.
+//
+// Backward, one pass over x and dy: each thread computes dx for its columns of a row and keeps
+// running fp32 sums of dy*xhat (dgamma) and dy (dbeta) for the same columns in registers
+// across all rows it visits. At the end the CTA writes one fp32 partial row per quantity;
+// norm_bwd_reduce sums the partial rows column by column in a fixed order.
+//
+// Determinism: every reduction (warp butterfly, per-warp partials from shared memory, the
+// CTA's rows, the partial rows) runs in a fixed order that depends only on the shape and the
+// grid size, which depends only on the shape, the variant and the GPU. Results are bitwise
+// reproducible run to run.
+//
+// Compile-time parameters (registry/norm.toml): TF_DTYPE (every tensor but the fp32 statistics), TF_RMS,
+// TF_THREADS_PER_ROW (a multiple of 32), TF_ROWS_PER_BLOCK, TF_ELEMS_PER_THREAD (a multiple of
+// TF_VEC), TF_PREFETCH, TF_MIN_BLOCKS (CTAs per SM the register budget must allow). The op
+// picks the kernels: TF_NORM_FWD (norm_fwd) or TF_NORM_BWD (norm_bwd, norm_bwd_reduce). A variant serves rows of at most TF_THREADS_PER_ROW *
+// TF_ELEMS_PER_THREAD elements. Run-time `vectorized` = every pointer 16-byte aligned and
+// cols % TF_VEC == 0; otherwise the same columns are accessed element by element.
+#include "common.cuh"
+
+#ifndef TF_RMS
+#define TF_RMS 0
+#endif
+#ifndef TF_PREFETCH
+#define TF_PREFETCH 0
+#endif
+
+// weight, bias and their grads. Stock's CUDA norms require them in the activations' dtype
+// (a float32 weight with bf16 input is an error there), so they share the storage type.
+typedef tf_storage tf_param;
+
+#define TPR TF_THREADS_PER_ROW
+#define RPB TF_ROWS_PER_BLOCK
+#define VEC TF_VEC
+#define ITERS (TF_ELEMS_PER_THREAD / VEC)
+#define WARPS_PER_ROW (TPR / 32)
+#define BLOCK_COLS (TPR * TF_ELEMS_PER_THREAD)
+#ifndef TF_MIN_BLOCKS
+#define TF_MIN_BLOCKS 1
+#endif
+
+__device__ __forceinline__ int chunk_col(int it) {
+  return (it * TPR + static_cast<int>(threadIdx.x)) * VEC;
+}
+
+// Sums K values over the threads of one row; every thread of the row gets the totals.
+template <int K>
+__device__ __forceinline__ void row_sum(float (&v)[K], float (*scratch)[WARPS_PER_ROW][2]) {
+#pragma unroll
+  for (int k = 0; k < K; ++k) v[k] = tf_warp_sum(v[k]);
+#if WARPS_PER_ROW > 1
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 == 0) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) scratch[threadIdx.y][warp][k] = v[k];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS_PER_ROW; ++w) total += scratch[threadIdx.y][w][k];
+    v[k] = total;
+  }
+  __syncthreads();  // scratch is reused by the next reduction
+#endif
+}
+
+// The VEC elements of type T at col0.. as raw bits; zero bits (0.0) past the end of the row.
+template <typename T>
+__device__ __forceinline__ tf_raw16 load_raw(const T* __restrict__ p, int col0, int cols,
+                                             bool vectorized) {
+  tf_pack<T> u;
+  if (vectorized && col0 < cols) {
+    u.raw = *reinterpret_cast<const tf_raw16*>(p + col0);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 16 / static_cast<int>(sizeof(T)); ++j) {
+      if (col0 + j < cols) {
+        u.e[j] = p[col0 + j];
+      } else {
+        u.e[j] = T{};
+      }
+    }
+  }
+  return u.raw;
+}
+
+__device__ __forceinline__ float unpack(const tf_raw16& raw, int j) {
+  tf_pack<tf_storage> u;
+  u.raw = raw;
+  return tf_float(u.e[j]);
+}
+
+// VEC parameters (weight or bias) at col0.. as floats; `fill` where absent, 0 past the end.
+__device__ __forceinline__ void load_params(const tf_param* __restrict__ p, int col0, int cols,
+                                            bool vectorized, float fill, float (&out)[VEC]) {
+  if (p == nullptr) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) out[j] = fill;
+    return;
+  }
+  tf_pack<tf_param> u;
+  u.raw = load_raw(p, col0, cols, vectorized);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) out[j] = tf_float(u.e[j]);
+}
+
+template <typename T>
+__device__ __forceinline__ void store_row_chunk(T* __restrict__ p, int col0, int cols,
+                                                bool vectorized, const float (&v)[VEC]) {
+  tf_pack<T> u;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) u.e[j] = tf_cast<T>(v[j]);
+  if (vectorized) {
+    *reinterpret_cast<tf_raw16*>(p + col0) = u.raw;
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j)
+      if (col0 + j < cols) p[col0 + j] = u.e[j];
+  }
+}
+
+__device__ __forceinline__ void load_row(tf_raw16 (&chunks)[ITERS], const tf_storage* __restrict__ p,
+                                         int cols, bool vectorized) {
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) chunks[it] = load_raw(p, chunk_col(it), cols, vectorized);
+}
+
+#if TF_NORM_FWD
+extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
+    norm_fwd(const tf_storage* __restrict__ x, const tf_param* __restrict__ weight,
+             const tf_param* __restrict__ bias, tf_storage* __restrict__ y,
+             float* __restrict__ mean_out, float* __restrict__ rstd_out, tf_i64 rows, int cols,
+             float eps, int vectorized) {
+  __shared__ float scratch[RPB][WARPS_PER_ROW][2];
+  const tf_i64 groups = (rows + RPB - 1) / RPB;
+  const tf_i64 stride = gridDim.x;
+  const float inv_cols = 1.f / static_cast<float>(cols);
+  const bool vec = vectorized != 0;
+
+  tf_raw16 cur[ITERS];
+  tf_i64 row = static_cast<tf_i64>(blockIdx.x) * RPB + threadIdx.y;
+  // Threads of a missing row still take part in the CTA barriers; they read and write nothing.
+  load_row(cur, x + (row < rows ? row * cols : 0), row < rows ? cols : 0, vec);
+
+  for (tf_i64 group = blockIdx.x; group < groups; group += stride) {
+    row = group * RPB + threadIdx.y;
+    const bool row_ok = row < rows;
+    const tf_i64 offset = row_ok ? row * cols : 0;
+#if TF_PREFETCH
+    tf_raw16 next[ITERS];
+    const tf_i64 next_row = row + stride * RPB;
+    load_row(next, x + (next_row < rows ? next_row * cols : 0), next_row < rows ? cols : 0, vec);
+#endif
+
+#if TF_RMS
+    const float mean = 0.f;
+    float sums[1] = {0.f};
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float v = unpack(cur[it], j);
+        sums[0] += v * v;
+      }
+    row_sum(sums, scratch);
+    const float rstd = rsqrtf(sums[0] * inv_cols + eps);
+#else
+    float sums[1] = {0.f};
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) sums[0] += unpack(cur[it], j);
+    row_sum(sums, scratch);
+    const float mean = sums[0] * inv_cols;
+    float squares[1] = {0.f};
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int col0 = chunk_col(it);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float d = unpack(cur[it], j) - mean;
+        squares[0] += (col0 + j < cols) ? d * d : 0.f;
+      }
+    }
+    row_sum(squares, scratch);
+    const float rstd = rsqrtf(squares[0] * inv_cols + eps);
+#endif
+
+    if (row_ok) {
+      tf_storage* __restrict__ yr = y + offset;
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it) {
+        const int col0 = chunk_col(it);
+        if (col0 >= cols) break;
+        float w[VEC], b[VEC], out[VEC];
+        load_params(weight, col0, cols, vec, 1.f, w);
+        load_params(bias, col0, cols, vec, 0.f, b);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) out[j] = (unpack(cur[it], j) - mean) * rstd * w[j] + b[j];
+        store_row_chunk(yr, col0, cols, vec, out);
+      }
+      if (threadIdx.x == 0) {
+#if !TF_RMS
+        mean_out[row] = mean;
+#endif
+        rstd_out[row] = rstd;
+      }
+    }
+#if TF_PREFETCH
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) cur[it] = next[it];
+#else
+    const tf_i64 next_row = row + stride * RPB;
+    if (group + stride < groups)
+      load_row(cur, x + (next_row < rows ? next_row * cols : 0), next_row < rows ? cols : 0, vec);
+#endif
+  }
+}
+
+#endif  // TF_NORM_FWD
+
+#if TF_NORM_BWD
+// Sums the CTA's rows of `acc` in a fixed order (row 0 of the CTA, then 1, ...) and writes
+// them as row blockIdx.x of `partial`. Called by every thread of the CTA.
+__device__ __forceinline__ void write_partial(float (&acc)[ITERS][VEC], float* __restrict__ partial,
+                                              int cols, bool vec, float (*block_sum)[BLOCK_COLS]) {
+#if RPB > 1
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it)
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) block_sum[threadIdx.y][chunk_col(it) + j] = acc[it][j];
+  __syncthreads();
+  if (threadIdx.y == 0) {
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        float total = 0.f;
+#pragma unroll
+        for (int r = 0; r < RPB; ++r) total += block_sum[r][chunk_col(it) + j];
+        acc[it][j] = total;
+      }
+  }
+  __syncthreads();  // block_sum is reused for the next quantity
+#endif
+  if (threadIdx.y != 0) return;
+  float* __restrict__ dst = partial + static_cast<tf_i64>(blockIdx.x) * cols;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int col0 = chunk_col(it);
+    if (col0 >= cols) break;
+    if (vec) {
+#pragma unroll
+      for (int part = 0; part < VEC / 4; ++part) {
+        tf_pack<float> u;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) u.e[j] = acc[it][part * 4 + j];
+        *reinterpret_cast<tf_raw16*>(dst + col0 + part * 4) = u.raw;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j)
+        if (col0 + j < cols) dst[col0 + j] = acc[it][j];
+    }
+  }
+}
+
+// dx (when dx != nullptr) and this CTA's partial sums of dgamma (dw_partial) and dbeta
+// (db_partial, LayerNorm only), one fp32 row of `cols` each at row blockIdx.x.
+extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
+    norm_bwd(const tf_storage* __restrict__ dy, const tf_storage* __restrict__ x,
+             const float* __restrict__ mean, const float* __restrict__ rstd,
+             const tf_param* __restrict__ weight, tf_storage* __restrict__ dx,
+             float* __restrict__ dw_partial, float* __restrict__ db_partial, tf_i64 rows,
+             int cols, int vectorized) {
+  __shared__ float scratch[RPB][WARPS_PER_ROW][2];
+  const tf_i64 groups = (rows + RPB - 1) / RPB;
+  const float inv_cols = 1.f / static_cast<float>(cols);
+  const bool vec = vectorized != 0;
+
+  float acc_w[ITERS][VEC];
+#if !TF_RMS
+  float acc_b[ITERS][VEC];
+#endif
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it)
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      acc_w[it][j] = 0.f;
+#if !TF_RMS
+      acc_b[it][j] = 0.f;
+#endif
+    }
+
+  for (tf_i64 group = blockIdx.x; group < groups; group += gridDim.x) {
+    const tf_i64 row = group * RPB + threadIdx.y;
+    const bool row_ok = row < rows;
+    const int active_cols = row_ok ? cols : 0;
+    const tf_i64 offset = row_ok ? row * cols : 0;
+    tf_raw16 xs[ITERS], dys[ITERS];
+    load_row(xs, x + offset, active_cols, vec);
+    load_row(dys, dy + offset, active_cols, vec);
+    // Past the row's end dy is 0, so every product below that involves dy is 0 there too.
+#if TF_RMS
+    const float mu = 0.f;
+#else
+    const float mu = row_ok ? mean[row] : 0.f;
+#endif
+    const float rs = row_ok ? rstd[row] : 0.f;
+
+    float sums[2] = {0.f, 0.f};  // sum(g), sum(g * xhat), g = dy * w
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int col0 = chunk_col(it);
+      float w[VEC];
+      load_params(weight, col0, active_cols, vec, 1.f, w);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float d = unpack(dys[it], j);
+        const float xhat = (unpack(xs[it], j) - mu) * rs;
+        const float g = d * w[j];
+        sums[0] += g;
+        sums[1] += g * xhat;
+        acc_w[it][j] += d * xhat;
+#if !TF_RMS
+        acc_b[it][j] += d;
+#endif
+      }
+    }
+    if (dx == nullptr) continue;  // uniform across the CTA: no barrier is skipped by some only
+    row_sum(sums, scratch);
+#if TF_RMS
+    const float mean_g = 0.f;
+#else
+    const float mean_g = sums[0] * inv_cols;
+#endif
+    const float mean_gx = sums[1] * inv_cols;
+    if (!row_ok) continue;
+    tf_storage* __restrict__ dxr = dx + offset;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int col0 = chunk_col(it);
+      if (col0 >= cols) break;
+      float w[VEC], out[VEC];
+      load_params(weight, col0, cols, vec, 1.f, w);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float xhat = (unpack(xs[it], j) - mu) * rs;
+        out[j] = rs * (unpack(dys[it], j) * w[j] - mean_g - xhat * mean_gx);
+      }
+      store_row_chunk(dxr, col0, cols, vec, out);
+    }
+  }
+
+#if RPB > 1
+  __shared__ float block_sum[RPB][BLOCK_COLS];
+#else
+  float (*block_sum)[BLOCK_COLS] = nullptr;
+#endif
+  if (dw_partial != nullptr) write_partial(acc_w, dw_partial, cols, vec, block_sum);
+#if !TF_RMS
+  if (db_partial != nullptr) write_partial(acc_b, db_partial, cols, vec, block_sum);
+#endif
+}
+
+// dweight / dbias from the partial rows of norm_bwd: column c sums partial rows 0..groups-1 in
+// a fixed order (thread slice y takes rows y, y + 32, ...; the slices are then added 0..31).
+// Block (32, 32); grid ceil(cols / 32). Either output may be null.
+extern "C" __global__ void __launch_bounds__(1024)
+    norm_bwd_reduce(const float* __restrict__ dw_partial, const float* __restrict__ db_partial,
+                    int groups, int cols, tf_param* __restrict__ dw, tf_param* __restrict__ db) {
+  __shared__ float slices[32][33];
+  const int col = blockIdx.x * 32 + threadIdx.x;
+  const float* partials[2] = {dw_partial, db_partial};
+  tf_param* outs[2] = {dw, db};
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    if (outs[q] == nullptr) continue;  // uniform across the CTA
+    float s = 0.f;
+    if (col < cols) {
+      for (int g = threadIdx.y; g < groups; g += 32)
+        s += partials[q][static_cast<tf_i64>(g) * cols + col];
+    }
+    slices[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < cols) {
+      float total = 0.f;
+#pragma unroll
+      for (int y = 0; y < 32; ++y) total += slices[y][threadIdx.x];
+      outs[q][col] = tf_cast<tf_param>(total);
+    }
+    __syncthreads();
+  }
+}
+#endif  // TF_NORM_BWD

@@ -1,0 +1,477 @@
+//! LayerNorm and RMSNorm, forward and backward, through kernels/norm.cu, or why stock runs a
+//! call. Calls stock would reject are sent to stock so the user gets stock's error.
+
+use crate::jit::{self, Kernels};
+use crate::registry::{DType, KernelOp, Request, StockReason, Variant, REGISTRY};
+use crate::tensor::dtype_of;
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use std::ffi::c_void;
+use std::sync::Arc;
+use tch::{Device, Kind, Tensor};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NormKind {
+    Layer,
+    Rms,
+}
+
+const PARAMS: [&str; 5] = [
+    "THREADS_PER_ROW",
+    "ROWS_PER_BLOCK",
+    "ELEMS_PER_THREAD",
+    "PREFETCH",
+    "MIN_BLOCKS",
+];
+
+/// Static shared memory a CTA of norm_bwd may use (the CUDA limit without opting in).
+const STATIC_SMEM_LIMIT: i64 = 48 * 1024;
+
+/// The launch shape a variant's parameters give.
+#[derive(Clone, Copy, Debug)]
+struct Geometry {
+    threads_per_row: u32,
+    rows_per_block: u32,
+}
+
+fn geometry(v: &Variant) -> Geometry {
+    // validate_variant guarantees both exist and fit in a CTA.
+    let get = |k: &str| v.params.get(k).copied().unwrap_or(1).clamp(1, 1024) as u32;
+    Geometry {
+        threads_per_row: get("THREADS_PER_ROW"),
+        rows_per_block: get("ROWS_PER_BLOCK"),
+    }
+}
+
+/// Compile-time parameters every norm variant must set, and their limits.
+pub fn validate_variant(v: &Variant) -> Result<(), String> {
+    if let Some(unknown) = v.params.keys().find(|k| !PARAMS.contains(&k.as_str())) {
+        return Err(format!("{}: unknown param {unknown}", v.name));
+    }
+    let get = |k: &str| {
+        v.params
+            .get(k)
+            .copied()
+            .ok_or_else(|| format!("{}: missing param {k}", v.name))
+    };
+    let tpr = get("THREADS_PER_ROW")?;
+    let rows = get("ROWS_PER_BLOCK")?;
+    let ept = get("ELEMS_PER_THREAD")?;
+    if tpr <= 0 || tpr % 32 != 0 || rows <= 0 || tpr * rows > 1024 {
+        return Err(format!(
+            "{}: THREADS_PER_ROW {tpr} x ROWS_PER_BLOCK {rows} is not a valid CTA",
+            v.name
+        ));
+    }
+    // 8 = elements of the narrowest dtype in one 16-byte vector.
+    if ept <= 0 || ept % 8 != 0 {
+        return Err(format!(
+            "{}: ELEMS_PER_THREAD {ept} must be a positive multiple of 8",
+            v.name
+        ));
+    }
+    if !matches!(v.params.get("PREFETCH"), None | Some(0) | Some(1)) {
+        return Err(format!("{}: PREFETCH must be 0 or 1", v.name));
+    }
+    if v.params
+        .get("MIN_BLOCKS")
+        .is_some_and(|&b| !(1..=32).contains(&b))
+    {
+        return Err(format!("{}: MIN_BLOCKS must be in 1..=32", v.name));
+    }
+    if tpr * ept < v.hidden[1] {
+        return Err(format!(
+            "{}: holds {} elements per row but claims hidden up to {}",
+            v.name,
+            tpr * ept,
+            v.hidden[1]
+        ));
+    }
+    let backward = matches!(v.op, KernelOp::LayerNormBwd | KernelOp::RmsNormBwd);
+    if backward && rows > 1 && rows * tpr * ept * 4 > STATIC_SMEM_LIMIT {
+        return Err(format!(
+            "{}: the CTA's dgamma partials need {} bytes of shared memory (limit {STATIC_SMEM_LIMIT})",
+            v.name,
+            rows * tpr * ept * 4
+        ));
+    }
+    Ok(())
+}
+
+/// Where a call runs: PyTorch's device index and current stream.
+#[derive(Clone, Copy)]
+pub struct Launch {
+    pub device: i32,
+    pub stream: *mut c_void,
+}
+
+/// A checked call: its dtype, rows x cols, and the statistics' keepdim shape.
+struct Layout {
+    kind: Kind,
+    dtype: DType,
+    device: Device,
+    rows: i64,
+    cols: i64,
+    cols_i32: i32,
+    stat_shape: Vec<i64>,
+}
+
+/// The checks stock makes (or a subset that sends everything stock would reject to stock).
+fn layout(
+    input: &Tensor,
+    shape: &[i64],
+    normalized_shape: &[i64],
+    launch: Launch,
+    params: &[Option<&Tensor>],
+) -> Result<Layout, StockReason> {
+    let kind = input.f_kind().map_err(|_| StockReason::UnsupportedDtype)?;
+    let dtype = dtype_of(kind).ok_or(StockReason::UnsupportedDtype)?;
+    let axis = shape
+        .len()
+        .checked_sub(normalized_shape.len())
+        .filter(|_| !normalized_shape.is_empty())
+        .ok_or(StockReason::InvalidInput)?;
+    if shape[axis..] != *normalized_shape {
+        return Err(StockReason::InvalidInput);
+    }
+    let device =
+        Device::Cuda(usize::try_from(launch.device).map_err(|_| StockReason::InvalidInput)?);
+    for param in params.iter().flatten() {
+        if param.size() != normalized_shape || param.device() != input.device() {
+            return Err(StockReason::InvalidInput);
+        }
+        if param.f_kind().ok() != Some(kind) {
+            return Err(StockReason::MixedDtypes);
+        }
+    }
+    let cols: i64 = normalized_shape.iter().product();
+    let rows: i64 = shape[..axis].iter().product();
+    if cols == 0 || rows == 0 {
+        return Err(StockReason::EmptyInput);
+    }
+    let cols_i32 = i32::try_from(cols).map_err(|_| StockReason::NoVariantForShape)?;
+    let mut stat_shape = shape[..axis].to_vec();
+    stat_shape.extend(std::iter::repeat_n(1, normalized_shape.len()));
+    Ok(Layout {
+        kind,
+        dtype,
+        device,
+        rows,
+        cols,
+        cols_i32,
+        stat_shape,
+    })
+}
+
+/// The registry's variant for this call and its loaded kernels.
+fn choose(
+    op: KernelOp,
+    l: &Layout,
+    launch: Launch,
+) -> Result<(&'static Variant, Arc<Kernels>, Arc<jit::Device>), StockReason> {
+    let gpu = jit::device(launch.device).map_err(|e| {
+        tracing::debug!("cuda:{} unavailable to torchfuse: {e}", launch.device);
+        StockReason::KernelUnavailable
+    })?;
+    let registry = REGISTRY
+        .as_ref()
+        .map_err(|_| StockReason::KernelUnavailable)?;
+    let index = registry.select(&Request {
+        op,
+        dtype: l.dtype,
+        hidden: l.cols,
+        rows: l.rows,
+        sm: gpu.sm,
+    })?;
+    let variant = registry.variant(index);
+    let kernels = jit::kernels(index, variant, l.dtype, launch.device, &gpu)
+        .ok_or(StockReason::KernelUnavailable)?;
+    Ok((variant, kernels, gpu))
+}
+
+/// Persistent grid: every group of rows, but no more CTAs than fit on the GPU at once.
+fn persistent_grid(
+    rows: i64,
+    g: Geometry,
+    kernels: &Kernels,
+    gpu: &jit::Device,
+) -> Result<u32, StockReason> {
+    let groups = (rows + i64::from(g.rows_per_block) - 1) / i64::from(g.rows_per_block);
+    let resident = kernels.resident_per_sm(0, g.threads_per_row * g.rows_per_block);
+    let full = i64::from(resident) * i64::from(gpu.multiprocessors);
+    u32::try_from(groups.min(full)).map_err(|_| StockReason::NoVariantForShape)
+}
+
+fn aligned(tensors: &[Option<&Tensor>]) -> bool {
+    tensors
+        .iter()
+        .flatten()
+        .all(|t| (t.data_ptr() as usize).is_multiple_of(16))
+}
+
+fn ptr(t: Option<&Tensor>) -> u64 {
+    t.map_or(0, |t| t.data_ptr() as u64)
+}
+
+fn empty(shape: &[i64], kind: Kind, device: Device) -> Result<Tensor, StockReason> {
+    Tensor::f_empty(shape, (kind, device)).map_err(|_| StockReason::InternalError)
+}
+
+fn launch_failed(variant: &Variant, e: cudarc::driver::DriverError) -> StockReason {
+    crate::ffi::warn_once_launch_failure(&variant.name, &e.to_string());
+    StockReason::LaunchFailed
+}
+
+pub struct Forward {
+    pub y: Tensor,
+    /// LayerNorm only.
+    pub mean: Option<Tensor>,
+    pub rstd: Tensor,
+    pub kernel: &'static str,
+}
+
+pub struct ForwardCall<'a> {
+    pub kind: NormKind,
+    pub input: &'a Tensor,
+    /// `input.size()`, already read by the caller for its log line.
+    pub shape: &'a [i64],
+    pub normalized_shape: &'a [i64],
+    pub weight: Option<&'a Tensor>,
+    /// LayerNorm only.
+    pub bias: Option<&'a Tensor>,
+    /// None: RMSNorm's default, float32's machine epsilon (stock's choice for these dtypes).
+    pub eps: Option<f64>,
+}
+
+/// `native_layer_norm` / `_fused_rms_norm` with a fused kernel when the registry has one.
+pub fn forward(launch: Launch, call: &ForwardCall) -> Result<Forward, StockReason> {
+    let l = layout(
+        call.input,
+        call.shape,
+        call.normalized_shape,
+        launch,
+        &[call.weight, call.bias],
+    )?;
+    let op = match call.kind {
+        NormKind::Layer => KernelOp::LayerNormFwd,
+        NormKind::Rms => KernelOp::RmsNormFwd,
+    };
+    let (variant, kernels, gpu) = choose(op, &l, launch)?;
+    let g = geometry(variant);
+    let grid = persistent_grid(l.rows, g, &kernels, &gpu)?;
+
+    let x = call.input.contiguous();
+    let weight = call.weight.map(Tensor::contiguous);
+    let bias = call.bias.map(Tensor::contiguous);
+    let y = empty(call.shape, l.kind, l.device)?;
+    let mean = match call.kind {
+        NormKind::Layer => Some(empty(&l.stat_shape, Kind::Float, l.device)?),
+        NormKind::Rms => None,
+    };
+    let rstd = empty(&l.stat_shape, Kind::Float, l.device)?;
+
+    let vec_elems = (16 / l.dtype.size_bytes()) as i64;
+    let vectorized = i32::from(
+        l.cols % vec_elems == 0 && aligned(&[Some(&x), Some(&y), weight.as_ref(), bias.as_ref()]),
+    );
+    let (x_ptr, w_ptr, b_ptr, y_ptr) = (
+        ptr(Some(&x)),
+        ptr(weight.as_ref()),
+        ptr(bias.as_ref()),
+        ptr(Some(&y)),
+    );
+    let (mean_ptr, rstd_ptr) = (ptr(mean.as_ref()), ptr(Some(&rstd)));
+    let eps = call.eps.unwrap_or(f64::from(f32::EPSILON)) as f32;
+
+    // SAFETY: `stream` is PyTorch's current stream of this device, alive for the call.
+    let stream = unsafe {
+        gpu.ctx
+            .wrap_borrowed_stream(launch.stream as cudarc::driver::sys::CUstream)
+    };
+    let config = LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (g.threads_per_row, g.rows_per_block, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut args = stream.launch_builder(&kernels.functions[0]);
+    args.arg(&x_ptr)
+        .arg(&w_ptr)
+        .arg(&b_ptr)
+        .arg(&y_ptr)
+        .arg(&mean_ptr)
+        .arg(&rstd_ptr)
+        .arg(&l.rows)
+        .arg(&l.cols_i32)
+        .arg(&eps)
+        .arg(&vectorized);
+    // SAFETY: argument types and order match norm_fwd; x and y hold rows x cols elements of the
+    // kernel's dtype, weight and bias cols, mean (LayerNorm only) and rstd rows fp32 values;
+    // all live until the stream is done with them (PyTorch's allocator orders reuse on it).
+    unsafe { args.launch(config) }.map_err(|e| launch_failed(variant, e))?;
+    Ok(Forward {
+        y,
+        mean,
+        rstd,
+        kernel: variant.name.as_str(),
+    })
+}
+
+pub struct Backward {
+    pub dx: Option<Tensor>,
+    pub dweight: Option<Tensor>,
+    pub dbias: Option<Tensor>,
+    pub kernel: &'static str,
+}
+
+pub struct BackwardCall<'a> {
+    pub kind: NormKind,
+    pub grad_out: &'a Tensor,
+    pub input: &'a Tensor,
+    /// `input.size()`.
+    pub shape: &'a [i64],
+    pub normalized_shape: &'a [i64],
+    /// LayerNorm only.
+    pub mean: Option<&'a Tensor>,
+    pub rstd: &'a Tensor,
+    pub weight: Option<&'a Tensor>,
+    /// LayerNorm only.
+    pub bias: Option<&'a Tensor>,
+    /// dx, dweight, dbias (RMSNorm: the third is false).
+    pub output_mask: [bool; 3],
+}
+
+fn statistic_ok(stat: &Tensor, rows: i64, input: &Tensor) -> bool {
+    stat.f_kind().ok() == Some(Kind::Float)
+        && stat.numel() == usize::try_from(rows).unwrap_or(usize::MAX)
+        && stat.device() == input.device()
+}
+
+/// `native_layer_norm_backward` / `_fused_rms_norm_backward`: one pass over x and dy.
+pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Backward, StockReason> {
+    let [want_dx, want_dw, want_db] = call.output_mask;
+    let want_db = want_db && call.kind == NormKind::Layer;
+    // Stock raises for a gradient of a missing parameter.
+    if (want_dw && call.weight.is_none()) || (want_db && call.bias.is_none()) {
+        return Err(StockReason::InvalidInput);
+    }
+    if !(want_dx || want_dw || want_db) {
+        return Err(StockReason::NothingRequested);
+    }
+    let l = layout(
+        call.input,
+        call.shape,
+        call.normalized_shape,
+        launch,
+        &[call.weight, call.bias],
+    )?;
+    if call.grad_out.size() != call.shape
+        || call.grad_out.f_kind().ok() != Some(l.kind)
+        || call.grad_out.device() != call.input.device()
+        || !statistic_ok(call.rstd, l.rows, call.input)
+        || (call.kind == NormKind::Layer
+            && !call
+                .mean
+                .is_some_and(|m| statistic_ok(m, l.rows, call.input)))
+    {
+        return Err(StockReason::InvalidInput);
+    }
+    let op = match call.kind {
+        NormKind::Layer => KernelOp::LayerNormBwd,
+        NormKind::Rms => KernelOp::RmsNormBwd,
+    };
+    let (variant, kernels, gpu) = choose(op, &l, launch)?;
+    let g = geometry(variant);
+    let grid = persistent_grid(l.rows, g, &kernels, &gpu)?;
+
+    let dy = call.grad_out.contiguous();
+    let x = call.input.contiguous();
+    let mean = call.mean.map(Tensor::contiguous);
+    let rstd = call.rstd.contiguous();
+    let weight = call.weight.map(Tensor::contiguous);
+    let dx = want_dx
+        .then(|| empty(call.shape, l.kind, l.device))
+        .transpose()?;
+    let partial_shape = [i64::from(grid), l.cols];
+    let dw_partial = want_dw
+        .then(|| empty(&partial_shape, Kind::Float, l.device))
+        .transpose()?;
+    let db_partial = want_db
+        .then(|| empty(&partial_shape, Kind::Float, l.device))
+        .transpose()?;
+    let dweight = want_dw
+        .then(|| empty(call.normalized_shape, l.kind, l.device))
+        .transpose()?;
+    let dbias = want_db
+        .then(|| empty(call.normalized_shape, l.kind, l.device))
+        .transpose()?;
+
+    let vec_elems = (16 / l.dtype.size_bytes()) as i64;
+    let vectorized = i32::from(
+        l.cols % vec_elems == 0 && aligned(&[Some(&dy), Some(&x), weight.as_ref(), dx.as_ref()]),
+    );
+    let (dy_ptr, x_ptr, mean_ptr, rstd_ptr, w_ptr, dx_ptr) = (
+        ptr(Some(&dy)),
+        ptr(Some(&x)),
+        ptr(mean.as_ref()),
+        ptr(Some(&rstd)),
+        ptr(weight.as_ref()),
+        ptr(dx.as_ref()),
+    );
+    let (dwp_ptr, dbp_ptr) = (ptr(dw_partial.as_ref()), ptr(db_partial.as_ref()));
+    let (dw_ptr, db_ptr) = (ptr(dweight.as_ref()), ptr(dbias.as_ref()));
+    let groups = i32::try_from(grid).map_err(|_| StockReason::NoVariantForShape)?;
+
+    // SAFETY: `stream` is PyTorch's current stream of this device, alive for the call.
+    let stream = unsafe {
+        gpu.ctx
+            .wrap_borrowed_stream(launch.stream as cudarc::driver::sys::CUstream)
+    };
+    let mut args = stream.launch_builder(&kernels.functions[0]);
+    args.arg(&dy_ptr)
+        .arg(&x_ptr)
+        .arg(&mean_ptr)
+        .arg(&rstd_ptr)
+        .arg(&w_ptr)
+        .arg(&dx_ptr)
+        .arg(&dwp_ptr)
+        .arg(&dbp_ptr)
+        .arg(&l.rows)
+        .arg(&l.cols_i32)
+        .arg(&vectorized);
+    let config = LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (g.threads_per_row, g.rows_per_block, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: argument types and order match norm_bwd; dy, x and dx hold rows x cols elements
+    // of the kernel's dtype, mean/rstd rows fp32 values, weight cols elements, the partials
+    // grid x cols fp32 values; null pointers are the outputs not requested. All live until the
+    // stream is done with them.
+    unsafe { args.launch(config) }.map_err(|e| launch_failed(variant, e))?;
+
+    if want_dw || want_db {
+        let column_blocks =
+            u32::try_from((l.cols + 31) / 32).map_err(|_| StockReason::NoVariantForShape)?;
+        let mut args = stream.launch_builder(&kernels.functions[1]);
+        args.arg(&dwp_ptr)
+            .arg(&dbp_ptr)
+            .arg(&groups)
+            .arg(&l.cols_i32)
+            .arg(&dw_ptr)
+            .arg(&db_ptr);
+        let config = LaunchConfig {
+            grid_dim: (column_blocks, 1, 1),
+            block_dim: (32, 32, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument types and order match norm_bwd_reduce; the partials hold
+        // groups x cols fp32 values written by the launch before on the same stream, dweight
+        // and dbias cols elements (or null when not requested).
+        unsafe { args.launch(config) }.map_err(|e| launch_failed(variant, e))?;
+    }
+    Ok(Backward {
+        dx,
+        dweight,
+        dbias,
+        kernel: variant.name.as_str(),
+    })
+}
