@@ -333,7 +333,9 @@ extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
       for (int j = 0; j < VEC; ++j) {
         const float d = unpack(dys[it], j);
         const float xhat = (unpack(xs[it], j) - mu) * rs;
-        const float g = d * w[j];
+        // Rounded once and reused below, never fused into an FMA there: a row of one element
+        // must give dx = 0 exactly, as stock does (g - mean(g) cancels only if g is the same).
+        const float g = __fmul_rn(d, w[j]);
         sums[0] += g;
         sums[1] += g * xhat;
         acc_w[it][j] += d * xhat;
@@ -361,7 +363,7 @@ extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const float xhat = (unpack(xs[it], j) - mu) * rs;
-        out[j] = rs * (unpack(dys[it], j) * w[j] - mean_g - xhat * mean_gx);
+        out[j] = rs * (__fmul_rn(unpack(dys[it], j), w[j]) - mean_g - xhat * mean_gx);
       }
       store_row_chunk(dxr, col0, cols, vec, out);
     }
