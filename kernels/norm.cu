@@ -140,6 +140,15 @@ __device__ __forceinline__ void load_row(tf_raw16 (&chunks)[ITERS], const tf_sto
   for (int it = 0; it < ITERS; ++it) chunks[it] = load_raw(p, chunk_col(it), cols, vectorized);
 }
 
+// Row `row` of x into `chunks`, or zeros (and no memory access) when the row does not exist:
+// threads of a missing row still take part in the CTA's barriers.
+__device__ __forceinline__ void load_row_or_zeros(tf_raw16 (&chunks)[ITERS],
+                                                  const tf_storage* __restrict__ x, tf_i64 row,
+                                                  tf_i64 rows, int cols, bool vectorized) {
+  const bool exists = row < rows;
+  load_row(chunks, x + (exists ? row * cols : 0), exists ? cols : 0, vectorized);
+}
+
 #if TF_NORM_FWD
 extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
     norm_fwd(const tf_storage* __restrict__ x, const tf_param* __restrict__ weight,
@@ -154,8 +163,7 @@ extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
 
   tf_raw16 cur[ITERS];
   tf_i64 row = static_cast<tf_i64>(blockIdx.x) * RPB + threadIdx.y;
-  // Threads of a missing row still take part in the CTA barriers; they read and write nothing.
-  load_row(cur, x + (row < rows ? row * cols : 0), row < rows ? cols : 0, vec);
+  load_row_or_zeros(cur, x, row, rows, cols, vec);
 
   for (tf_i64 group = blockIdx.x; group < groups; group += stride) {
     row = group * RPB + threadIdx.y;
@@ -164,7 +172,7 @@ extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
 #if TF_PREFETCH
     tf_raw16 next[ITERS];
     const tf_i64 next_row = row + stride * RPB;
-    load_row(next, x + (next_row < rows ? next_row * cols : 0), next_row < rows ? cols : 0, vec);
+    load_row_or_zeros(next, x, next_row, rows, cols, vec);
 #endif
 
 #if TF_RMS
@@ -227,7 +235,7 @@ extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
 #else
     const tf_i64 next_row = row + stride * RPB;
     if (group + stride < groups)
-      load_row(cur, x + (next_row < rows ? next_row * cols : 0), next_row < rows ? cols : 0, vec);
+      load_row_or_zeros(cur, x, next_row, rows, cols, vec);
 #endif
   }
 }

@@ -4,7 +4,8 @@
 //! warning), never unwinds into PyTorch.
 
 use crate::config::Config;
-use crate::norm::{BackwardCall, ForwardCall, Launch, NormKind};
+use crate::jit::Launch;
+use crate::norm::{BackwardCall, ForwardCall, NormKind};
 use crate::ops::{Entry, Toggle};
 use crate::registry::StockReason;
 use crate::stats::{self, Outcome};
@@ -39,12 +40,6 @@ static RUNTIME_ENABLED: [AtomicBool; Toggle::ALL.len()] =
 /// One internal-error warning per entry.
 static PANIC_WARNED: [AtomicBool; Entry::ALL.len()] =
     [const { AtomicBool::new(false) }; Entry::ALL.len()];
-
-#[repr(C)]
-pub struct TfLaunch {
-    pub device: i32,
-    pub stream: *mut c_void,
-}
 
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     payload
@@ -243,7 +238,7 @@ fn norm_kind(rms: bool) -> NormKind {
 #[no_mangle]
 pub unsafe extern "C" fn torchfuse_rs_norm_fwd(
     rms: bool,
-    launch: *const TfLaunch,
+    launch: *const Launch,
     input: *const c_void,
     normalized_shape: *const i64,
     normalized_ndim: usize,
@@ -270,11 +265,7 @@ pub unsafe extern "C" fn torchfuse_rs_norm_fwd(
             bias: bias.as_deref(),
             eps: has_eps.then_some(eps),
         };
-        let launch = Launch {
-            device: (*launch).device,
-            stream: (*launch).stream,
-        };
-        let fwd = crate::norm::forward(launch, &call)?;
+        let fwd = crate::norm::forward(*launch, &call)?;
         Ok(Served {
             outputs: match kind {
                 NormKind::Layer => [Some(fwd.y), fwd.mean, Some(fwd.rstd)],
@@ -294,7 +285,7 @@ pub unsafe extern "C" fn torchfuse_rs_norm_fwd(
 #[no_mangle]
 pub unsafe extern "C" fn torchfuse_rs_norm_bwd(
     rms: bool,
-    launch: *const TfLaunch,
+    launch: *const Launch,
     grad_out: *const c_void,
     input: *const c_void,
     normalized_shape: *const i64,
@@ -329,11 +320,7 @@ pub unsafe extern "C" fn torchfuse_rs_norm_bwd(
             bias: bias.as_deref(),
             output_mask: [0, 1, 2].map(|bit| output_mask & (1 << bit) != 0),
         };
-        let launch = Launch {
-            device: (*launch).device,
-            stream: (*launch).stream,
-        };
-        let bwd = crate::norm::backward(launch, &call)?;
+        let bwd = crate::norm::backward(*launch, &call)?;
         Ok(Served {
             outputs: [bwd.dx, bwd.dweight, bwd.dbias],
             kernel: bwd.kernel,

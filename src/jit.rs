@@ -266,6 +266,14 @@ pub fn cubin(
     Ok(bytes)
 }
 
+/// Where a call runs: PyTorch's device index and current stream (`TfLaunch` in shim.cpp).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Launch {
+    pub device: i32,
+    pub stream: *mut std::ffi::c_void,
+}
+
 /// A GPU as torchfuse uses it: PyTorch's primary context and the SM version.
 pub struct Device {
     pub ctx: Arc<CudaContext>,

@@ -1,11 +1,10 @@
 //! LayerNorm and RMSNorm, forward and backward, through kernels/norm.cu, or why stock runs a
 //! call. Calls stock would reject are sent to stock so the user gets stock's error.
 
-use crate::jit::{self, Kernels};
+use crate::jit::{self, Kernels, Launch};
 use crate::registry::{DType, KernelOp, Request, StockReason, Variant, REGISTRY};
 use crate::tensor::dtype_of;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
-use std::ffi::c_void;
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 
@@ -13,6 +12,17 @@ use tch::{Device, Kind, Tensor};
 pub enum NormKind {
     Layer,
     Rms,
+}
+
+impl NormKind {
+    fn kernel_op(self, backward: bool) -> KernelOp {
+        match (self, backward) {
+            (NormKind::Layer, false) => KernelOp::LayerNormFwd,
+            (NormKind::Layer, true) => KernelOp::LayerNormBwd,
+            (NormKind::Rms, false) => KernelOp::RmsNormFwd,
+            (NormKind::Rms, true) => KernelOp::RmsNormBwd,
+        }
+    }
 }
 
 const PARAMS: [&str; 5] = [
@@ -97,13 +107,6 @@ pub fn validate_variant(v: &Variant) -> Result<(), String> {
     Ok(())
 }
 
-/// Where a call runs: PyTorch's device index and current stream.
-#[derive(Clone, Copy)]
-pub struct Launch {
-    pub device: i32,
-    pub stream: *mut c_void,
-}
-
 /// A checked call: its dtype, rows x cols, and the statistics' keepdim shape.
 struct Layout {
     kind: Kind,
@@ -162,12 +165,17 @@ fn layout(
     })
 }
 
-/// The registry's variant for this call and its loaded kernels.
-fn choose(
-    op: KernelOp,
-    l: &Layout,
-    launch: Launch,
-) -> Result<(&'static Variant, Arc<Kernels>, Arc<jit::Device>), StockReason> {
+/// What serves a call: the registry's variant, its loaded kernels, and the launch shape.
+struct Plan {
+    variant: &'static Variant,
+    kernels: Arc<Kernels>,
+    gpu: Arc<jit::Device>,
+    geometry: Geometry,
+    /// Persistent grid: every group of rows, but no more CTAs than fit on the GPU at once.
+    grid: u32,
+}
+
+fn plan(op: KernelOp, l: &Layout, launch: Launch) -> Result<Plan, StockReason> {
     let gpu = jit::device(launch.device).map_err(|e| {
         tracing::debug!("cuda:{} unavailable to torchfuse: {e}", launch.device);
         StockReason::KernelUnavailable
@@ -185,20 +193,55 @@ fn choose(
     let variant = registry.variant(index);
     let kernels = jit::kernels(index, variant, l.dtype, launch.device, &gpu)
         .ok_or(StockReason::KernelUnavailable)?;
-    Ok((variant, kernels, gpu))
-}
-
-/// Persistent grid: every group of rows, but no more CTAs than fit on the GPU at once.
-fn persistent_grid(
-    rows: i64,
-    g: Geometry,
-    kernels: &Kernels,
-    gpu: &jit::Device,
-) -> Result<u32, StockReason> {
-    let groups = (rows + i64::from(g.rows_per_block) - 1) / i64::from(g.rows_per_block);
+    let g = geometry(variant);
+    let groups = (l.rows + i64::from(g.rows_per_block) - 1) / i64::from(g.rows_per_block);
     let resident = kernels.resident_per_sm(0, g.threads_per_row * g.rows_per_block);
     let full = i64::from(resident) * i64::from(gpu.multiprocessors);
-    u32::try_from(groups.min(full)).map_err(|_| StockReason::NoVariantForShape)
+    let grid = u32::try_from(groups.min(full)).map_err(|_| StockReason::NoVariantForShape)?;
+    Ok(Plan {
+        variant,
+        kernels,
+        gpu,
+        geometry: g,
+        grid,
+    })
+}
+
+impl Plan {
+    /// PyTorch's current stream, borrowed for this call.
+    fn stream(&self, launch: Launch) -> Arc<cudarc::driver::CudaStream> {
+        // SAFETY: `launch.stream` is PyTorch's current stream of this device, alive for the call.
+        unsafe {
+            self.gpu
+                .ctx
+                .wrap_borrowed_stream(launch.stream as cudarc::driver::sys::CUstream)
+        }
+    }
+
+    /// One CTA per group of rows, `rows_per_block` rows of `threads_per_row` threads.
+    fn rows_config(&self) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (self.grid, 1, 1),
+            block_dim: (
+                self.geometry.threads_per_row,
+                self.geometry.rows_per_block,
+                1,
+            ),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    fn launch_failed(&self, e: cudarc::driver::DriverError) -> StockReason {
+        crate::ffi::warn_once_launch_failure(&self.variant.name, &e.to_string());
+        StockReason::LaunchFailed
+    }
+}
+
+/// 1 when the kernel may use 16-byte accesses: whole vectors per row and every row tensor
+/// 16-byte aligned.
+fn vectorized(l: &Layout, tensors: &[Option<&Tensor>]) -> i32 {
+    let vec_elems = (16 / l.dtype.size_bytes()) as i64;
+    i32::from(l.cols % vec_elems == 0 && aligned(tensors))
 }
 
 fn aligned(tensors: &[Option<&Tensor>]) -> bool {
@@ -214,11 +257,6 @@ fn ptr(t: Option<&Tensor>) -> u64 {
 
 fn empty(shape: &[i64], kind: Kind, device: Device) -> Result<Tensor, StockReason> {
     Tensor::f_empty(shape, (kind, device)).map_err(|_| StockReason::InternalError)
-}
-
-fn launch_failed(variant: &Variant, e: cudarc::driver::DriverError) -> StockReason {
-    crate::ffi::warn_once_launch_failure(&variant.name, &e.to_string());
-    StockReason::LaunchFailed
 }
 
 pub struct Forward {
@@ -251,13 +289,7 @@ pub fn forward(launch: Launch, call: &ForwardCall) -> Result<Forward, StockReaso
         launch,
         &[call.weight, call.bias],
     )?;
-    let op = match call.kind {
-        NormKind::Layer => KernelOp::LayerNormFwd,
-        NormKind::Rms => KernelOp::RmsNormFwd,
-    };
-    let (variant, kernels, gpu) = choose(op, &l, launch)?;
-    let g = geometry(variant);
-    let grid = persistent_grid(l.rows, g, &kernels, &gpu)?;
+    let plan = plan(call.kind.kernel_op(false), &l, launch)?;
 
     let x = call.input.contiguous();
     let weight = call.weight.map(Tensor::contiguous);
@@ -269,10 +301,7 @@ pub fn forward(launch: Launch, call: &ForwardCall) -> Result<Forward, StockReaso
     };
     let rstd = empty(&l.stat_shape, Kind::Float, l.device)?;
 
-    let vec_elems = (16 / l.dtype.size_bytes()) as i64;
-    let vectorized = i32::from(
-        l.cols % vec_elems == 0 && aligned(&[Some(&x), Some(&y), weight.as_ref(), bias.as_ref()]),
-    );
+    let vectorized = vectorized(&l, &[Some(&x), Some(&y), weight.as_ref(), bias.as_ref()]);
     let (x_ptr, w_ptr, b_ptr, y_ptr) = (
         ptr(Some(&x)),
         ptr(weight.as_ref()),
@@ -282,17 +311,8 @@ pub fn forward(launch: Launch, call: &ForwardCall) -> Result<Forward, StockReaso
     let (mean_ptr, rstd_ptr) = (ptr(mean.as_ref()), ptr(Some(&rstd)));
     let eps = call.eps.unwrap_or(f64::from(f32::EPSILON)) as f32;
 
-    // SAFETY: `stream` is PyTorch's current stream of this device, alive for the call.
-    let stream = unsafe {
-        gpu.ctx
-            .wrap_borrowed_stream(launch.stream as cudarc::driver::sys::CUstream)
-    };
-    let config = LaunchConfig {
-        grid_dim: (grid, 1, 1),
-        block_dim: (g.threads_per_row, g.rows_per_block, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut args = stream.launch_builder(&kernels.functions[0]);
+    let stream = plan.stream(launch);
+    let mut args = stream.launch_builder(&plan.kernels.functions[0]);
     args.arg(&x_ptr)
         .arg(&w_ptr)
         .arg(&b_ptr)
@@ -306,12 +326,12 @@ pub fn forward(launch: Launch, call: &ForwardCall) -> Result<Forward, StockReaso
     // SAFETY: argument types and order match norm_fwd; x and y hold rows x cols elements of the
     // kernel's dtype, weight and bias cols, mean (LayerNorm only) and rstd rows fp32 values;
     // all live until the stream is done with them (PyTorch's allocator orders reuse on it).
-    unsafe { args.launch(config) }.map_err(|e| launch_failed(variant, e))?;
+    unsafe { args.launch(plan.rows_config()) }.map_err(|e| plan.launch_failed(e))?;
     Ok(Forward {
         y,
         mean,
         rstd,
-        kernel: variant.name.as_str(),
+        kernel: plan.variant.name.as_str(),
     })
 }
 
@@ -374,13 +394,7 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Backward, StockRe
     {
         return Err(StockReason::InvalidInput);
     }
-    let op = match call.kind {
-        NormKind::Layer => KernelOp::LayerNormBwd,
-        NormKind::Rms => KernelOp::RmsNormBwd,
-    };
-    let (variant, kernels, gpu) = choose(op, &l, launch)?;
-    let g = geometry(variant);
-    let grid = persistent_grid(l.rows, g, &kernels, &gpu)?;
+    let plan = plan(call.kind.kernel_op(true), &l, launch)?;
 
     let dy = call.grad_out.contiguous();
     let x = call.input.contiguous();
@@ -390,7 +404,7 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Backward, StockRe
     let dx = want_dx
         .then(|| empty(call.shape, l.kind, l.device))
         .transpose()?;
-    let partial_shape = [i64::from(grid), l.cols];
+    let partial_shape = [i64::from(plan.grid), l.cols];
     let dw_partial = want_dw
         .then(|| empty(&partial_shape, Kind::Float, l.device))
         .transpose()?;
@@ -404,10 +418,7 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Backward, StockRe
         .then(|| empty(call.normalized_shape, l.kind, l.device))
         .transpose()?;
 
-    let vec_elems = (16 / l.dtype.size_bytes()) as i64;
-    let vectorized = i32::from(
-        l.cols % vec_elems == 0 && aligned(&[Some(&dy), Some(&x), weight.as_ref(), dx.as_ref()]),
-    );
+    let vectorized = vectorized(&l, &[Some(&dy), Some(&x), weight.as_ref(), dx.as_ref()]);
     let (dy_ptr, x_ptr, mean_ptr, rstd_ptr, w_ptr, dx_ptr) = (
         ptr(Some(&dy)),
         ptr(Some(&x)),
@@ -418,14 +429,10 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Backward, StockRe
     );
     let (dwp_ptr, dbp_ptr) = (ptr(dw_partial.as_ref()), ptr(db_partial.as_ref()));
     let (dw_ptr, db_ptr) = (ptr(dweight.as_ref()), ptr(dbias.as_ref()));
-    let groups = i32::try_from(grid).map_err(|_| StockReason::NoVariantForShape)?;
+    let groups = i32::try_from(plan.grid).map_err(|_| StockReason::NoVariantForShape)?;
 
-    // SAFETY: `stream` is PyTorch's current stream of this device, alive for the call.
-    let stream = unsafe {
-        gpu.ctx
-            .wrap_borrowed_stream(launch.stream as cudarc::driver::sys::CUstream)
-    };
-    let mut args = stream.launch_builder(&kernels.functions[0]);
+    let stream = plan.stream(launch);
+    let mut args = stream.launch_builder(&plan.kernels.functions[0]);
     args.arg(&dy_ptr)
         .arg(&x_ptr)
         .arg(&mean_ptr)
@@ -437,21 +444,16 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Backward, StockRe
         .arg(&l.rows)
         .arg(&l.cols_i32)
         .arg(&vectorized);
-    let config = LaunchConfig {
-        grid_dim: (grid, 1, 1),
-        block_dim: (g.threads_per_row, g.rows_per_block, 1),
-        shared_mem_bytes: 0,
-    };
     // SAFETY: argument types and order match norm_bwd; dy, x and dx hold rows x cols elements
     // of the kernel's dtype, mean/rstd rows fp32 values, weight cols elements, the partials
     // grid x cols fp32 values; null pointers are the outputs not requested. All live until the
     // stream is done with them.
-    unsafe { args.launch(config) }.map_err(|e| launch_failed(variant, e))?;
+    unsafe { args.launch(plan.rows_config()) }.map_err(|e| plan.launch_failed(e))?;
 
     if want_dw || want_db {
         let column_blocks =
             u32::try_from((l.cols + 31) / 32).map_err(|_| StockReason::NoVariantForShape)?;
-        let mut args = stream.launch_builder(&kernels.functions[1]);
+        let mut args = stream.launch_builder(&plan.kernels.functions[1]);
         args.arg(&dwp_ptr)
             .arg(&dbp_ptr)
             .arg(&groups)
@@ -466,12 +468,12 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Backward, StockRe
         // SAFETY: argument types and order match norm_bwd_reduce; the partials hold
         // groups x cols fp32 values written by the launch before on the same stream, dweight
         // and dbias cols elements (or null when not requested).
-        unsafe { args.launch(config) }.map_err(|e| launch_failed(variant, e))?;
+        unsafe { args.launch(config) }.map_err(|e| plan.launch_failed(e))?;
     }
     Ok(Backward {
         dx,
         dweight,
         dbias,
-        kernel: variant.name.as_str(),
+        kernel: plan.variant.name.as_str(),
     })
 }
