@@ -191,11 +191,33 @@ unsafe fn serve(
     out: *mut *mut c_void,
     body: impl FnOnce(&Tensor, &[i64]) -> Result<Served, StockReason>,
 ) -> i32 {
+    let Some(tensor) = borrow(primary) else {
+        return STOCK;
+    };
+    serve_described(
+        entry,
+        || Some(describe(Some(&tensor))),
+        out,
+        |shape| body(&tensor, shape),
+    )
+}
+
+/// `serve` for calls whose log line is not one tensor's: `describe` gives the dtype name and
+/// shape the stats and logs show (None: not a call to serve). `out` may be null when the op
+/// has no outputs (in-place ops).
+///
+/// # Safety
+/// `out` is null or has room for three pointers.
+unsafe fn serve_described(
+    entry: Entry,
+    describe: impl FnOnce() -> Option<(&'static str, Vec<i64>)>,
+    out: *mut *mut c_void,
+    body: impl FnOnce(&[i64]) -> Result<Served, StockReason>,
+) -> i32 {
     let result = catch_unwind(AssertUnwindSafe(|| {
-        let primary = borrow(primary)?;
-        let (dtype, shape) = describe(Some(&primary));
+        let (dtype, shape) = describe()?;
         let outcome = if active(entry.toggle()) {
-            body(&primary, &shape)
+            body(&shape)
         } else {
             Err(StockReason::DisabledAtRuntime)
         };
@@ -204,8 +226,10 @@ unsafe fn serve(
     match result {
         Ok(Some((dtype, shape, Ok(served)))) => {
             stats::record(entry, Outcome::Fused(served.kernel), dtype, &shape);
-            for (i, t) in served.outputs.into_iter().enumerate() {
-                *out.add(i) = t.map_or(std::ptr::null_mut(), into_raw);
+            if !out.is_null() {
+                for (i, t) in served.outputs.into_iter().enumerate() {
+                    *out.add(i) = t.map_or(std::ptr::null_mut(), into_raw);
+                }
             }
             FUSED
         }
@@ -328,6 +352,38 @@ pub unsafe extern "C" fn torchfuse_rs_norm_bwd(
     })
 }
 
+/// `_fused_adam_` / `_fused_adamw_` (either lr overload, `entry` says which): updates the
+/// params and moments in place. 1: done; 0: stock must run the call.
+///
+/// # Safety
+/// `launch` and `call` are valid; `call`'s lists are as `AdamCall::from_c` requires.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_adam(
+    entry: u32,
+    launch: *const Launch,
+    call: *const crate::adam::AdamCallC,
+) -> i32 {
+    let Some(entry) = Entry::from_u32(entry) else {
+        return STOCK;
+    };
+    let (Some(launch), Some(call)) = (launch.as_ref(), call.as_ref()) else {
+        return STOCK;
+    };
+    let call = crate::adam::AdamCall::from_c(call);
+    serve_described(
+        entry,
+        || Some(call.describe()),
+        std::ptr::null_mut(),
+        |_| {
+            let kernel = crate::adam::step(*launch, &call)?;
+            Ok(Served {
+                outputs: [None, None, None],
+                kernel,
+            })
+        },
+    )
+}
+
 /// Records a call that stock serves because torchfuse has no kernel for it yet.
 ///
 /// # Safety
@@ -386,6 +442,18 @@ pub unsafe extern "C" fn torchfuse_rs_torch_warning(msg: *const c_char, len: usi
     let _ = catch_unwind(|| {
         let bytes = std::slice::from_raw_parts(msg.cast::<u8>(), len);
         tracing::debug!("torch: {}", String::from_utf8_lossy(bytes));
+    });
+}
+
+/// A substitution made outside the dispatcher (the launcher's Python hook), logged at info.
+///
+/// # Safety
+/// `msg` points to `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_note(msg: *const c_char, len: usize) {
+    let _ = catch_unwind(|| {
+        let bytes = std::slice::from_raw_parts(msg.cast::<u8>(), len);
+        tracing::info!("{}", String::from_utf8_lossy(bytes));
     });
 }
 

@@ -6,6 +6,7 @@
 //! (`registry/*.toml`); a matching kernel from `kernels/` is compiled by NVRTC and launched on
 //! PyTorch's current stream, anything else runs PyTorch's own kernel with a logged reason.
 
+pub mod adam;
 pub mod config;
 pub mod ffi;
 pub mod jit;

@@ -89,6 +89,9 @@ impl DType {
     }
 }
 
+const ADAM_CAPACITY_DEFINE: &str = "-DTF_ADAM_MAX_TENSORS=500";
+const _: () = assert!(crate::adam::MAX_TENSORS_PER_LAUNCH == 500);
+
 /// A kernel operation the registry knows variants of.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Deserialize)]
 pub enum KernelOp {
@@ -100,6 +103,9 @@ pub enum KernelOp {
     RmsNormFwd,
     #[serde(rename = "rms_norm_bwd")]
     RmsNormBwd,
+    /// `_fused_adam_` / `_fused_adamw_`; a request's `rows` is the step's total elements.
+    #[serde(rename = "adam_step")]
+    AdamStep,
 }
 
 impl KernelOp {
@@ -108,6 +114,7 @@ impl KernelOp {
         match self {
             KernelOp::LayerNormFwd | KernelOp::RmsNormFwd => &["norm_fwd"],
             KernelOp::LayerNormBwd | KernelOp::RmsNormBwd => &["norm_bwd", "norm_bwd_reduce"],
+            KernelOp::AdamStep => &["adam_step"],
         }
     }
 
@@ -118,6 +125,7 @@ impl KernelOp {
             KernelOp::LayerNormBwd => &["-DTF_NORM_BWD=1", "-DTF_RMS=0"],
             KernelOp::RmsNormFwd => &["-DTF_NORM_FWD=1", "-DTF_RMS=1"],
             KernelOp::RmsNormBwd => &["-DTF_NORM_BWD=1", "-DTF_RMS=1"],
+            KernelOp::AdamStep => &[ADAM_CAPACITY_DEFINE],
         }
     }
 }
@@ -132,7 +140,8 @@ pub struct Variant {
     pub dtypes: Vec<DType>,
     /// Inclusive range of SM versions (major * 10 + minor).
     pub sm: [u32; 2],
-    /// Inclusive range of the innermost (normalized/hidden) size.
+    /// Inclusive range of the innermost (normalized/hidden) size; ops without one omit it.
+    #[serde(default = "any_size")]
     pub hidden: [i64; 2],
     /// Below this many rows stock is faster: measured, see the note in the file.
     #[serde(default)]
@@ -146,6 +155,10 @@ pub struct Variant {
     /// name (`torch.ops.torchfuse._force_variant`), never chosen on its own.
     #[serde(skip)]
     pub sweep_only: bool,
+}
+
+fn any_size() -> [i64; 2] {
+    [1, i64::MAX]
 }
 
 #[derive(Deserialize)]
@@ -219,6 +232,7 @@ impl Registry {
                 | KernelOp::LayerNormBwd
                 | KernelOp::RmsNormFwd
                 | KernelOp::RmsNormBwd => crate::norm::validate_variant(v)?,
+                KernelOp::AdamStep => crate::adam::validate_variant(v)?,
             }
         }
         Ok(Registry {

@@ -1,11 +1,15 @@
 //! Kernel sources and registry data, built into the library so a copied `.so` is complete.
 
 pub const KERNEL_SOURCES: &[(&str, &str)] = &[
+    ("adam.cu", include_str!("../kernels/adam.cu")),
     ("common.cuh", include_str!("../kernels/common.cuh")),
     ("norm.cu", include_str!("../kernels/norm.cu")),
 ];
 
-pub const REGISTRY_FILES: &[(&str, &str)] = &[("norm.toml", include_str!("../registry/norm.toml"))];
+pub const REGISTRY_FILES: &[(&str, &str)] = &[
+    ("adam.toml", include_str!("../registry/adam.toml")),
+    ("norm.toml", include_str!("../registry/norm.toml")),
+];
 
 pub fn kernel_source(name: &str) -> Option<&'static str> {
     KERNEL_SOURCES

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -47,6 +48,30 @@ struct TfLaunch {
   void* stream;
 };
 
+// One tensor of an optimizer's lists, described for Rust (`TensorFacts` in src/adam.rs).
+struct TfTensorFacts {
+  void* data;
+  int64_t numel;
+  int16_t dtype;       // c10::ScalarType
+  int16_t device;      // CUDA device index; -1: not a CUDA tensor
+  uint8_t dense;       // strided, non-overlapping and dense
+  uint8_t like_param;  // sizes, and strides of every dim of size > 1, equal to the param's
+  uint8_t unused[2];
+};
+static_assert(sizeof(TfTensorFacts) == 24, "TensorFacts layout");
+
+// An Adam/AdamW call (`AdamCallC` in src/adam.rs).
+struct TfAdamCall {
+  // params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
+  const TfTensorFacts* lists[6];
+  size_t lens[6];
+  const TfTensorFacts* lr_tensor;  // null: `lr` holds the value
+  const TfTensorFacts* grad_scale;
+  const TfTensorFacts* found_inf;
+  double lr, beta1, beta2, weight_decay, eps;
+  bool decoupled, amsgrad, maximize;
+};
+
 }  // namespace
 
 extern "C" {
@@ -63,6 +88,8 @@ int32_t torchfuse_rs_norm_bwd(bool rms, const TfLaunch* launch, const at::Tensor
                               size_t normalized_ndim, const at::Tensor* mean,
                               const at::Tensor* rstd, const at::Tensor* weight,
                               const at::Tensor* bias, uint32_t output_mask, at::Tensor** out);
+// 1: the step ran (params and moments updated in place); 0: stock must run it.
+int32_t torchfuse_rs_adam(uint32_t entry, const TfLaunch* launch, const TfAdamCall* call);
 void torchfuse_rs_passthrough(uint32_t entry, const at::Tensor* primary, int64_t list_len);
 int64_t torchfuse_rs_sdp_choice(const at::Tensor* query, const at::Tensor* key,
                                 const at::Tensor* value, bool has_mask, double dropout_p,
@@ -71,6 +98,7 @@ void torchfuse_rs_torch_warning(const char* msg, size_t len);
 int32_t torchfuse_rs_set_enabled(const char* name, size_t len, bool enabled);
 char* torchfuse_rs_stats_json(void);
 void torchfuse_rs_reset_stats(void);
+void torchfuse_rs_note(const char* msg, size_t len);
 void torchfuse_rs_serve_below_thresholds(bool serve);
 void torchfuse_rs_force_variant(const char* name, size_t len);
 void torchfuse_rs_free_string(char* s);
@@ -207,8 +235,37 @@ at::Tensor embedding_dense_backward(const at::Tensor& grad_output, const at::Ten
 
 // ---------------------------------------------------------------- adam / adamw
 
-const at::Tensor* first_or_null(at::TensorList list) {
-  return list.empty() ? nullptr : &list[0];
+// Stock's rule (check_fast_path_restrictions): same sizes, and the same stride on every dim
+// of size > 1, so both tensors store their elements in the same order.
+bool same_geometry(const at::Tensor& a, const at::Tensor& b) {
+  if (a.sizes() != b.sizes()) return false;
+  const auto sizes = a.sizes();
+  const auto sa = a.strides();
+  const auto sb = b.strides();
+  for (size_t d = 0; d < sizes.size(); ++d)
+    if (sizes[d] != 1 && sa[d] != sb[d]) return false;
+  return true;
+}
+
+TfTensorFacts facts_of(const at::Tensor& t, const at::Tensor* param) {
+  TfTensorFacts f{};
+  if (!t.defined()) return f;
+  const bool cuda = t.is_cuda();
+  f.data = cuda ? t.data_ptr() : nullptr;
+  f.numel = t.numel();
+  f.dtype = static_cast<int16_t>(t.scalar_type());
+  f.device = cuda ? static_cast<int16_t>(t.device().index()) : int16_t{-1};
+  f.dense = t.layout() == at::kStrided && t.is_non_overlapping_and_dense();
+  f.like_param = param != nullptr && same_geometry(t, *param);
+  return f;
+}
+
+std::vector<TfTensorFacts> facts_of(at::TensorList list, at::TensorList params) {
+  std::vector<TfTensorFacts> facts;
+  facts.reserve(list.size());
+  for (size_t i = 0; i < list.size(); ++i)
+    facts.push_back(facts_of(list[i], i < params.size() ? &params[i] : nullptr));
+  return facts;
 }
 
 #define TORCHFUSE_ADAM_PARAMS                                                              \
@@ -221,21 +278,68 @@ const at::Tensor* first_or_null(at::TensorList list) {
   self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr, beta1, beta2, \
       weight_decay, eps, amsgrad, maximize, grad_scale, found_inf
 
-void fused_adam(TORCHFUSE_ADAM_PARAMS, double lr, TORCHFUSE_ADAM_TAIL) {
-  torchfuse_rs_passthrough(kFusedAdam, first_or_null(self), self.size());
-  at::cuda::_fused_adam_(TORCHFUSE_ADAM_ARGS(lr));
+// Hands the step to Rust; true when it ran. `lr_tensor`: the device lr, or null.
+bool adam_in_rust(Entry entry, bool decoupled, const at::Tensor* lr_tensor,
+                  TORCHFUSE_ADAM_PARAMS, double lr, TORCHFUSE_ADAM_TAIL) {
+  const at::TensorList lists[6] = {self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                                   state_steps};
+  std::vector<TfTensorFacts> facts[6];
+  TfAdamCall call{};
+  for (size_t i = 0; i < 6; ++i) {
+    facts[i] = facts_of(lists[i], self);
+    call.lists[i] = facts[i].data();
+    call.lens[i] = facts[i].size();
+  }
+  TfTensorFacts lr_facts{}, scale_facts{}, inf_facts{};
+  if (lr_tensor != nullptr) {
+    lr_facts = facts_of(*lr_tensor, nullptr);
+    call.lr_tensor = &lr_facts;
+  }
+  if (const at::Tensor* t = optional_ptr(grad_scale)) {
+    scale_facts = facts_of(*t, nullptr);
+    call.grad_scale = &scale_facts;
+  }
+  if (const at::Tensor* t = optional_ptr(found_inf)) {
+    inf_facts = facts_of(*t, nullptr);
+    call.found_inf = &inf_facts;
+  }
+  call.lr = lr;
+  call.beta1 = beta1;
+  call.beta2 = beta2;
+  call.weight_decay = weight_decay;
+  call.eps = eps;
+  call.decoupled = decoupled;
+  call.amsgrad = amsgrad;
+  call.maximize = maximize;
+  if (self.empty() || !self[0].is_cuda()) {
+    const TfLaunch none{-1, nullptr};
+    return torchfuse_rs_adam(entry, &none, &call) == kFused;
+  }
+  const c10::DeviceGuard guard(self[0].device());
+  const TfLaunch launch = launch_for(self[0]);
+  return torchfuse_rs_adam(entry, &launch, &call) == kFused;
 }
-void fused_adam_tensor_lr(TORCHFUSE_ADAM_PARAMS, const at::Tensor& lr, TORCHFUSE_ADAM_TAIL) {
-  torchfuse_rs_passthrough(kFusedAdamTensorLr, first_or_null(self), self.size());
-  at::cuda::_fused_adam_(TORCHFUSE_ADAM_ARGS(lr));
+
+void fused_adam(TORCHFUSE_ADAM_PARAMS, double lr, TORCHFUSE_ADAM_TAIL) {
+  if (!adam_in_rust(kFusedAdam, false, nullptr, TORCHFUSE_ADAM_ARGS(lr)))
+    at::cuda::_fused_adam_(TORCHFUSE_ADAM_ARGS(lr));
 }
 void fused_adamw(TORCHFUSE_ADAM_PARAMS, double lr, TORCHFUSE_ADAM_TAIL) {
-  torchfuse_rs_passthrough(kFusedAdamw, first_or_null(self), self.size());
-  at::cuda::_fused_adamw_(TORCHFUSE_ADAM_ARGS(lr));
+  if (!adam_in_rust(kFusedAdamw, true, nullptr, TORCHFUSE_ADAM_ARGS(lr)))
+    at::cuda::_fused_adamw_(TORCHFUSE_ADAM_ARGS(lr));
+}
+// A CPU lr is read on the host, as stock does (its value goes to the float-lr kernel).
+void fused_adam_tensor_lr(TORCHFUSE_ADAM_PARAMS, const at::Tensor& lr, TORCHFUSE_ADAM_TAIL) {
+  const bool host_lr = lr.is_cpu();
+  if (!adam_in_rust(kFusedAdamTensorLr, false, host_lr ? nullptr : &lr,
+                    TORCHFUSE_ADAM_ARGS(host_lr ? lr.item<double>() : 0.0)))
+    at::cuda::_fused_adam_(TORCHFUSE_ADAM_ARGS(lr));
 }
 void fused_adamw_tensor_lr(TORCHFUSE_ADAM_PARAMS, const at::Tensor& lr, TORCHFUSE_ADAM_TAIL) {
-  torchfuse_rs_passthrough(kFusedAdamwTensorLr, first_or_null(self), self.size());
-  at::cuda::_fused_adamw_(TORCHFUSE_ADAM_ARGS(lr));
+  const bool host_lr = lr.is_cpu();
+  if (!adam_in_rust(kFusedAdamwTensorLr, true, host_lr ? nullptr : &lr,
+                    TORCHFUSE_ADAM_ARGS(host_lr ? lr.item<double>() : 0.0)))
+    at::cuda::_fused_adamw_(TORCHFUSE_ADAM_ARGS(lr));
 }
 
 // ---------------------------------------------------------------- sdpa
@@ -290,6 +394,8 @@ std::string control_stats() {
 }
 
 void control_reset_stats() { torchfuse_rs_reset_stats(); }
+
+void control_note(c10::string_view message) { torchfuse_rs_note(message.data(), message.size()); }
 
 void control_serve_below_thresholds(bool serve) { torchfuse_rs_serve_below_thresholds(serve); }
 
@@ -380,6 +486,8 @@ __attribute__((visibility("default"))) int32_t torchfuse_cxx_define_control_ops(
     lib->def("set_enabled(str op, bool enabled) -> bool", &control_set_enabled);
     lib->def("stats() -> str", &control_stats);
     lib->def("reset_stats() -> ()", &control_reset_stats);
+    // The launcher's Python hook reports its substitutions here, to torchfuse's log.
+    lib->def("note(str message) -> ()", &control_note);
     // Test hook: kernels also serve shapes below their measured thresholds.
     lib->def("_serve_below_thresholds(bool serve) -> ()", &control_serve_below_thresholds);
     // Benchmark hook: serve the named variant's op with it ("" clears).

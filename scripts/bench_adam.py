@@ -1,0 +1,273 @@
+"""Adam / AdamW benchmark per DESIGN.md §6: torchfuse's multi-tensor step vs stock's fused
+kernel, and (run under scripts/torchfuse) an unchanged `AdamW(params)` step vs stock's
+default foreach step.
+
+One process; torchfuse toggled at run time (torch.ops.torchfuse.set_enabled); CUDA events
+around each call (host overhead included where the GPU waits for it), warm-up, medians of
+interleaved rounds; fresh random state (never zeros); the parameter sets are 10-40x L2.
+Roofline: copy bandwidth measured in the same run. Bytes per element: read param, grad,
+exp_avg, exp_avg_sq and write param, exp_avg, exp_avg_sq (28 B in fp32, 14 B in bf16).
+
+  --sweep   also time every candidate launch shape (forced by name through
+            TORCHFUSE_REGISTRY_EXTRA + torch.ops.torchfuse._force_variant)
+  --small   also time small steps (launch-bound), for the registry's min_rows
+
+Usage: TORCHFUSE_LIB_DIR=.dev scripts/torchfuse python3 scripts/bench_adam.py --out DIR
+"""
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+from pathlib import Path
+
+SETS = ["gpt2-124M f32", "gpt2-350M f32", "gpt2-124M bf16", "10k-tiny f32"]
+SWEEP = [(t, u) for t in (128, 256, 512) for u in (1, 2, 4)]
+
+
+def gpt2_shapes(n_layer, d, vocab=50257, ctx=1024):
+    shapes = [(vocab, d), (ctx, d)]
+    for _ in range(n_layer):
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,),
+                   (4 * d, d), (d,)]
+    return shapes + [(d,), (d,)]
+
+
+def set_shapes(name):
+    if name.startswith("gpt2-124M"):
+        return gpt2_shapes(12, 768)
+    if name.startswith("gpt2-350M"):
+        return gpt2_shapes(24, 1024)
+    rnd = random.Random(0)
+    return [(rnd.randint(16, 1024),) for _ in range(10000)]
+
+
+def make_state(torch, shapes, dtype):
+    def rand(shape, scale, positive=False):
+        t = torch.randn(shape, device="cuda") * scale
+        return (t.abs() if positive else t).to(dtype)
+
+    return {
+        "params": [rand(s, 1.0) for s in shapes],
+        "grads": [rand(s, 0.1) for s in shapes],
+        "exp_avgs": [rand(s, 0.01) for s in shapes],
+        "exp_avg_sqs": [rand(s, 1e-4, positive=True) for s in shapes],
+        "steps": [torch.tensor(10.0, device="cuda") for _ in shapes],
+    }
+
+
+def timed(torch, fn, reps):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    return samples
+
+
+def copy_bandwidth(torch):
+    a = torch.randn(1 << 28, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    us = statistics.median(timed(torch, lambda: b.copy_(a), 20))
+    del a, b
+    return 2 * (1 << 28) * 4 / (us * 1e-6) / 1e12
+
+
+def sides_median(torch, fn, sides, rounds=5, reps=6):
+    """sides: (label, adam on, forced variant). Interleaved rounds, medians in µs."""
+    times = {label: [] for label, _, _ in sides}
+    for label, on, forced in sides:
+        torch.ops.torchfuse.set_enabled("adam", on)
+        torch.ops.torchfuse._force_variant(forced)
+        timed(torch, fn, 2)
+    for _ in range(rounds):
+        for label, on, forced in sides:
+            torch.ops.torchfuse.set_enabled("adam", on)
+            torch.ops.torchfuse._force_variant(forced)
+            times[label] += timed(torch, fn, reps)
+    torch.ops.torchfuse.set_enabled("adam", True)
+    torch.ops.torchfuse._force_variant("")
+    return {label: statistics.median(t) for label, t in times.items()}
+
+
+def step_fn(torch, state, decoupled):
+    op = torch._fused_adamw_ if decoupled else torch._fused_adam_
+
+    def fn():
+        op(state["params"], state["grads"], state["exp_avgs"], state["exp_avg_sqs"], [],
+           state["steps"], lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8,
+           amsgrad=False, maximize=False, grad_scale=None, found_inf=None)
+    return fn
+
+
+def kernel_used(torch):
+    ops = json.loads(torch.ops.torchfuse.stats())["ops"]
+    kernels = {}
+    for name in ("_fused_adam_", "_fused_adamw_"):
+        kernels.update(ops.get(name, {}).get("kernels", {}))
+    return ",".join(sorted(kernels)) or "stock"
+
+
+def variant_name(dtype, threads, unroll):
+    return f"sweep_adam_{'f32' if dtype == 'f32' else '16bit'}_t{threads}_u{unroll}"
+
+
+def write_sweep_registry(path):
+    lines = []
+    for dtype, dtypes in (("f32", '["f32"]'), ("bf16", '["bf16", "f16"]')):
+        for threads, unroll in SWEEP:
+            lines += ["[[variant]]", f'name = "{variant_name(dtype, threads, unroll)}"',
+                      'op = "adam_step"', 'source = "adam.cu"', f"dtypes = {dtypes}", "sm = [80, 90]",
+                      f"params = {{ THREADS = {threads}, UNROLL = {unroll} }}", ""]
+    Path(path).write_text("\n".join(lines))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--small", action="store_true")
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.sweep:
+        extra = out / "adam-sweep-registry.toml"
+        write_sweep_registry(extra)
+        os.environ["TORCHFUSE_REGISTRY_EXTRA"] = str(extra)  # read when torchfuse loads
+    import torch
+
+    if not hasattr(torch.ops.torchfuse, "stats"):
+        sys.exit("bench_adam: torchfuse is not loaded; run it under scripts/torchfuse")
+    under_launcher = hasattr(torch.optim.Adam.__init__, "__wrapped__")
+    torch.manual_seed(1234)
+    device = torch.cuda.get_device_name()
+    bw = copy_bandwidth(torch)
+    print(f"device: {device}; copy bandwidth {bw:.2f} TB/s", flush=True)
+    rows, lines = [], []
+
+    def pct(us, nbytes):
+        return 100 * nbytes / (us * 1e-6) / (bw * 1e12)
+
+    for set_name in SETS:
+        dtype_name = set_name.split()[1]
+        dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+        shapes = set_shapes(set_name)
+        state = make_state(torch, shapes, dtype)
+        elements = sum(p.numel() for p in state["params"])
+        nbytes = 7 * elements * state["params"][0].element_size()
+        for decoupled in (False, True):
+            op = "AdamW" if decoupled else "Adam"
+            fn = step_fn(torch, state, decoupled)
+            torch.ops.torchfuse.reset_stats()
+            sides = [("stock", False, ""), ("torchfuse", True, "")]
+            if a.sweep and decoupled:
+                sides += [(variant_name(dtype_name, t, u), True, variant_name(dtype_name, t, u))
+                          for t, u in SWEEP]
+            t = sides_median(torch, fn, sides)
+            kernel = kernel_used(torch)
+            row = dict(set=set_name, op=op, tensors=len(shapes), elements=elements, bytes=nbytes,
+                       stock_us=t["stock"], torchfuse_us=t["torchfuse"], kernel=kernel,
+                       speedup=t["stock"] / t["torchfuse"], stock_pct=pct(t["stock"], nbytes),
+                       torchfuse_pct=pct(t["torchfuse"], nbytes),
+                       sweep={k: v for k, v in t.items() if k.startswith("sweep_")})
+            rows.append(row)
+            print(f"{set_name:16s} {op:5s} {len(shapes):6d} tensors {elements/1e6:8.1f}M  stock "
+                  f"{t['stock']:9.1f} us ({row['stock_pct']:3.0f}%)  torchfuse {t['torchfuse']:9.1f} us "
+                  f"({row['torchfuse_pct']:3.0f}%)  {row['speedup']:.2f}x  {kernel}", flush=True)
+            for k, v in row["sweep"].items():
+                print(f"    {k:28s} {v:9.1f} us ({pct(v, nbytes):3.0f}%)  {t['stock'] / v:.2f}x", flush=True)
+        del state
+        torch.cuda.empty_cache()
+
+    small = []
+    if a.small:
+        for n_tensors, numel in [(1, 1024), (1, 16384), (1, 131072), (1, 1 << 20), (10, 1024),
+                                 (100, 1024), (100, 16384), (1000, 1024)]:
+            state = make_state(torch, [(numel,)] * n_tensors, torch.float32)
+            t = sides_median(torch, step_fn(torch, state, True),
+                             [("stock", False, ""), ("torchfuse", True, "")], rounds=5, reps=20)
+            small.append(dict(tensors=n_tensors, numel=numel, elements=n_tensors * numel, **t))
+            print(f"small {n_tensors:5d} x {numel:8d}: stock {t['stock']:7.1f} us  torchfuse "
+                  f"{t['torchfuse']:7.1f} us  {t['stock'] / t['torchfuse']:.2f}x", flush=True)
+
+    launcher = []
+    if under_launcher:
+        # An unchanged `AdamW(params)`: built with torchfuse's adam off, the hook leaves it on
+        # PyTorch's default (foreach) path; built with it on, the hook makes it fused.
+        for set_name in ("gpt2-124M f32", "gpt2-350M f32"):
+            shapes = set_shapes(set_name)
+            params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
+            for prm in params:
+                prm.grad = torch.randn_like(prm) * 0.1
+            torch.ops.torchfuse.set_enabled("adam", False)
+            default = torch.optim.AdamW(params, lr=1e-3)
+            fused_stock = torch.optim.AdamW(params, lr=1e-3, fused=True)
+            torch.ops.torchfuse.set_enabled("adam", True)
+            launched = torch.optim.AdamW(params, lr=1e-3)
+            assert launched.param_groups[0]["fused"] is True and default.param_groups[0]["fused"] is None
+            t = {}
+            cases = [("stock default (foreach)", default, False), ("stock fused=True", fused_stock, False),
+                     ("torchfuse launcher", launched, True)]
+            for label, opt, on in cases:  # warm-up; creates the state
+                torch.ops.torchfuse.set_enabled("adam", on)
+                timed(torch, opt.step, 2)
+            samples = {label: [] for label, _, _ in cases}
+            for _ in range(5):
+                for label, opt, on in cases:
+                    torch.ops.torchfuse.set_enabled("adam", on)
+                    samples[label] += timed(torch, opt.step, 5)
+            torch.ops.torchfuse.set_enabled("adam", True)
+            t = {label: statistics.median(s) for label, s in samples.items()}
+            elements = sum(prm.numel() for prm in params)
+            nbytes = 28 * elements
+            launcher.append(dict(set=set_name, elements=elements, **t))
+            print(f"launcher {set_name}: AdamW(params).step(): stock default {t['stock default (foreach)']:.0f} us "
+                  f"({pct(t['stock default (foreach)'], nbytes):.0f}%), stock fused {t['stock fused=True']:.0f} us, "
+                  f"torchfuse launcher {t['torchfuse launcher']:.0f} us ({pct(t['torchfuse launcher'], nbytes):.0f}%): "
+                  f"{t['stock default (foreach)'] / t['torchfuse launcher']:.2f}x over the default", flush=True)
+            del params, default, fused_stock, launched
+            torch.cuda.empty_cache()
+    else:
+        print("not under scripts/torchfuse: the launcher comparison is skipped", flush=True)
+
+    cmd = "TORCHFUSE_LIB_DIR=.dev scripts/torchfuse python3 scripts/bench_adam.py --out $OUT" + \
+        (" --sweep" if a.sweep else "") + (" --small" if a.small else "")
+    lines += [f"# Adam / AdamW step, {device}, torch {torch.__version__}", "",
+              f"Copy bandwidth (roofline) {bw:.2f} TB/s, measured in the same run. Command: `{cmd}`.",
+              "Bytes: read param, grad, exp_avg, exp_avg_sq + write param, exp_avg, exp_avg_sq "
+              "(7 x element size per parameter). lr 1e-3, weight_decay 0.01, no amsgrad.", "",
+              "| set | op | tensors | params | stock fused µs | torchfuse µs | speed-up | stock % copy | "
+              "torchfuse % copy | kernel |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['set']} | {r['op']} | {r['tensors']} | {r['elements'] / 1e6:.1f}M | "
+                     f"{r['stock_us']:.1f} | {r['torchfuse_us']:.1f} | {r['speedup']:.2f}x | "
+                     f"{r['stock_pct']:.0f}% | {r['torchfuse_pct']:.0f}% | {r['kernel']} |")
+    if launcher:
+        lines += ["", "Unchanged `AdamW(params)` step (`optimizer.step()`, host time included):", "",
+                  "| set | stock default (foreach) µs | stock fused=True µs | torchfuse launcher µs | "
+                  "speed-up over default |", "|---|---:|---:|---:|---:|"]
+        for r in launcher:
+            lines.append(f"| {r['set']} | {r['stock default (foreach)']:.0f} | {r['stock fused=True']:.0f} | "
+                         f"{r['torchfuse launcher']:.0f} | "
+                         f"{r['stock default (foreach)'] / r['torchfuse launcher']:.2f}x |")
+    if small:
+        lines += ["", "Small steps (AdamW f32):", "", "| tensors x numel | stock µs | torchfuse µs | speed-up |",
+                  "|---|---:|---:|---:|"]
+        for r in small:
+            lines.append(f"| {r['tensors']} x {r['numel']} | {r['stock']:.1f} | {r['torchfuse']:.1f} | "
+                         f"{r['stock'] / r['torchfuse']:.2f}x |")
+    (out / "bench_adam.md").write_text("\n".join(lines) + "\n")
+    (out / "bench_adam.json").write_text(json.dumps(dict(device=device, copy_tbps=bw, command=cmd,
+                                                         rows=rows, launcher=launcher, small=small),
+                                                    indent=1))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

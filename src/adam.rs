@@ -1,0 +1,388 @@
+//! Adam and AdamW (`_fused_adam_`, `_fused_adamw_`, float and tensor lr): one multi-tensor
+//! step through kernels/adam.cu, or why stock runs a call.
+//!
+//! The C++ glue describes every tensor of the lists in a `TensorFacts` (pointer, size, dtype,
+//! device, layout), so per-tensor work here is plain memory reads, not calls into libtorch.
+//! Calls stock would reject go to stock, so the user gets stock's error.
+
+use crate::jit::{self, Launch};
+use crate::registry::{DType, KernelOp, Request, StockReason, Variant, REGISTRY};
+use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use std::ffi::c_void;
+
+/// Tensors one launch carries in its parameter space (`TF_ADAM_MAX_TENSORS` in the kernel).
+/// 56 + 64 * 500 bytes fits the 32 KB parameter limit of CUDA 12.1+ on sm_70 and later.
+pub const MAX_TENSORS_PER_LAUNCH: usize = 500;
+
+/// One tensor as shim.cpp describes it (`TfTensorFacts`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct TensorFacts {
+    pub data: *mut c_void,
+    pub numel: i64,
+    /// `c10::ScalarType`.
+    pub dtype: i16,
+    /// CUDA device index; -1 for a tensor not on a CUDA device.
+    pub device: i16,
+    /// Strided, non-overlapping and dense.
+    pub dense: u8,
+    /// Same sizes as the param at its index, and the same strides on every dim of size > 1
+    /// (stock's rule: the element order in memory is then the same).
+    pub like_param: u8,
+    pub unused: [u8; 2],
+}
+
+/// `c10::ScalarType` codes.
+const SCALAR_HALF: i16 = 5;
+const SCALAR_FLOAT: i16 = 6;
+const SCALAR_DOUBLE: i16 = 7;
+const SCALAR_BFLOAT16: i16 = 15;
+
+pub fn dtype_from_scalar_type(code: i16) -> Option<DType> {
+    match code {
+        SCALAR_FLOAT => Some(DType::F32),
+        SCALAR_BFLOAT16 => Some(DType::BF16),
+        SCALAR_HALF => Some(DType::F16),
+        _ => None,
+    }
+}
+
+pub fn scalar_type_name(code: i16) -> &'static str {
+    match dtype_from_scalar_type(code) {
+        Some(d) => d.name(),
+        None if code == SCALAR_DOUBLE => "f64",
+        None => "other",
+    }
+}
+
+/// The call as shim.cpp passes it (`TfAdamCall`).
+#[repr(C)]
+pub struct AdamCallC {
+    /// params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps.
+    pub lists: [*const TensorFacts; 6],
+    pub lens: [usize; 6],
+    /// The `.tensor_lr` overloads' lr on the device; null: `lr` holds the value.
+    pub lr_tensor: *const TensorFacts,
+    pub grad_scale: *const TensorFacts,
+    pub found_inf: *const TensorFacts,
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub weight_decay: f64,
+    pub eps: f64,
+    /// AdamW (`_fused_adamw_`): decay the param, not the gradient.
+    pub decoupled: bool,
+    pub amsgrad: bool,
+    pub maximize: bool,
+}
+
+/// The call's tensor lists, borrowed from the C++ frame.
+pub struct AdamCall<'a> {
+    pub params: &'a [TensorFacts],
+    pub grads: &'a [TensorFacts],
+    pub exp_avgs: &'a [TensorFacts],
+    pub exp_avg_sqs: &'a [TensorFacts],
+    pub max_exp_avg_sqs: &'a [TensorFacts],
+    pub steps: &'a [TensorFacts],
+    pub lr_tensor: Option<&'a TensorFacts>,
+    pub grad_scale: Option<&'a TensorFacts>,
+    pub found_inf: Option<&'a TensorFacts>,
+    pub c: &'a AdamCallC,
+}
+
+impl<'a> AdamCall<'a> {
+    /// # Safety
+    /// Every non-null pointer of `c` points to as many `TensorFacts` as its length says, alive
+    /// for `'a`.
+    pub unsafe fn from_c(c: &'a AdamCallC) -> AdamCall<'a> {
+        let list = |i: usize| -> &'a [TensorFacts] {
+            if c.lists[i].is_null() || c.lens[i] == 0 {
+                &[]
+            } else {
+                std::slice::from_raw_parts(c.lists[i], c.lens[i])
+            }
+        };
+        AdamCall {
+            params: list(0),
+            grads: list(1),
+            exp_avgs: list(2),
+            exp_avg_sqs: list(3),
+            max_exp_avg_sqs: list(4),
+            steps: list(5),
+            lr_tensor: c.lr_tensor.as_ref(),
+            grad_scale: c.grad_scale.as_ref(),
+            found_inf: c.found_inf.as_ref(),
+            c,
+        }
+    }
+
+    /// For logs and stats: the params' dtype, and [tensors, elements].
+    pub fn describe(&self) -> (&'static str, Vec<i64>) {
+        let dtype = self
+            .params
+            .first()
+            .map_or("none", |p| scalar_type_name(p.dtype));
+        let elements = self.params.iter().map(|p| p.numel.max(0)).sum::<i64>();
+        (dtype, vec![self.params.len() as i64, elements])
+    }
+}
+
+const PARAMS: [&str; 3] = ["THREADS", "UNROLL", "MIN_BLOCKS"];
+
+/// Compile-time parameters every Adam variant sets, and their limits.
+pub fn validate_variant(v: &Variant) -> Result<(), String> {
+    if let Some(unknown) = v.params.keys().find(|k| !PARAMS.contains(&k.as_str())) {
+        return Err(format!("{}: unknown param {unknown}", v.name));
+    }
+    let threads = v.params.get("THREADS").copied().unwrap_or(0);
+    if threads < 32 || threads > 1024 || threads % 32 != 0 {
+        return Err(format!(
+            "{}: THREADS {threads} must be a multiple of 32 in 32..=1024",
+            v.name
+        ));
+    }
+    let unroll = v.params.get("UNROLL").copied().unwrap_or(0);
+    if !(1..=8).contains(&unroll) {
+        return Err(format!("{}: UNROLL {unroll} must be in 1..=8", v.name));
+    }
+    if v.params
+        .get("MIN_BLOCKS")
+        .is_some_and(|&b| !(1..=32).contains(&b))
+    {
+        return Err(format!("{}: MIN_BLOCKS must be in 1..=32", v.name));
+    }
+    Ok(())
+}
+
+// Must match TF_ADAM_* in kernels/adam.cu.
+const FLAG_DECOUPLED: u32 = 1;
+const FLAG_AMSGRAD: u32 = 2;
+const FLAG_MAXIMIZE: u32 = 4;
+
+/// `AdamTensor` in kernels/adam.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct AdamTensor {
+    param: u64,
+    grad: u64,
+    exp_avg: u64,
+    exp_avg_sq: u64,
+    max_exp_avg_sq: u64,
+    step: u64,
+    numel: i64,
+    first_unit: u32,
+    unused: u32,
+}
+
+/// `AdamArgs` in kernels/adam.cu: the kernel's only parameter.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AdamArgs {
+    lr: f32,
+    beta1: f32,
+    beta2: f32,
+    weight_decay: f32,
+    eps: f32,
+    flags: u32,
+    tensors: u32,
+    units: u32,
+    lr_ptr: u64,
+    grad_scale: u64,
+    found_inf: u64,
+    t: [AdamTensor; MAX_TENSORS_PER_LAUNCH],
+}
+
+const _: () = assert!(std::mem::size_of::<AdamTensor>() == 64);
+const _: () = assert!(std::mem::size_of::<AdamArgs>() == 56 + 64 * MAX_TENSORS_PER_LAUNCH);
+const _: () = assert!(std::mem::size_of::<AdamArgs>() <= 32764);
+
+// SAFETY: plain old data with the kernel's layout (checked above and by static_asserts in the
+// kernel); passed by value as the kernel's parameter.
+unsafe impl DeviceRepr for AdamArgs {}
+
+/// Same CUDA device as the params, and a 16-bit index that fits.
+fn on_device(t: &TensorFacts, device: i32) -> bool {
+    t.device >= 0 && i32::from(t.device) == device
+}
+
+/// A one-element (at least) fp32 tensor on `device`: what stock reads through a `float*`.
+fn float_scalar_on(t: &TensorFacts, device: i32) -> bool {
+    on_device(t, device) && t.dtype == SCALAR_FLOAT && t.numel >= 1 && !t.data.is_null()
+}
+
+/// The checks stock makes: every tensor of the moment lists like its param (same dtype,
+/// device, sizes and strides, dense); steps, lr, grad_scale and found_inf fp32 on the device.
+/// Whatever fails goes to stock, which raises its own error or does what it does.
+fn check(call: &AdamCall, launch: Launch) -> Result<DType, StockReason> {
+    let n = call.params.len();
+    let first = call.params.first().ok_or(StockReason::EmptyInput)?;
+    let dtype = dtype_from_scalar_type(first.dtype).ok_or(StockReason::UnsupportedDtype)?;
+    let mut lists = vec![call.params, call.grads, call.exp_avgs, call.exp_avg_sqs];
+    if call.c.amsgrad {
+        lists.push(call.max_exp_avg_sqs);
+    }
+    if lists.iter().any(|l| l.len() != n) || call.steps.len() != n {
+        return Err(StockReason::InvalidInput);
+    }
+    let device = launch.device;
+    let like_first = |t: &TensorFacts| {
+        t.dtype == first.dtype && on_device(t, device) && t.dense == 1 && t.like_param == 1
+    };
+    if !lists.iter().all(|l| l.iter().all(like_first)) {
+        return Err(StockReason::InvalidInput);
+    }
+    if !call.steps.iter().all(|s| float_scalar_on(s, device)) {
+        return Err(StockReason::InvalidInput);
+    }
+    let scalars = [call.lr_tensor, call.grad_scale, call.found_inf];
+    if !scalars.iter().flatten().all(|s| float_scalar_on(s, device)) {
+        return Err(StockReason::InvalidInput);
+    }
+    if call.params.iter().all(|p| p.numel == 0) {
+        return Err(StockReason::EmptyInput);
+    }
+    Ok(dtype)
+}
+
+/// Elements one warp handles per unit (`TF_UNIT` in the kernel).
+fn unit_elements(v: &Variant, dtype: DType) -> i64 {
+    let unroll = v.params.get("UNROLL").copied().unwrap_or(1);
+    32 * (16 / dtype.size_bytes() as i64) * unroll
+}
+
+/// Runs the step with a fused kernel when the registry has one; Ok: the kernel's name.
+pub fn step(launch: Launch, call: &AdamCall) -> Result<&'static str, StockReason> {
+    let dtype = check(call, launch)?;
+    let gpu = jit::device(launch.device).map_err(|e| {
+        tracing::debug!("cuda:{} unavailable to torchfuse: {e}", launch.device);
+        StockReason::KernelUnavailable
+    })?;
+    let registry = REGISTRY
+        .as_ref()
+        .map_err(|_| StockReason::KernelUnavailable)?;
+    let elements: i64 = call.params.iter().map(|p| p.numel).sum();
+    let index = registry.select(&Request {
+        op: KernelOp::AdamStep,
+        dtype,
+        hidden: 1,
+        rows: elements,
+        sm: gpu.sm,
+    })?;
+    let variant = registry.variant(index);
+    let kernels = jit::kernels(index, variant, dtype, launch.device, &gpu)
+        .ok_or(StockReason::KernelUnavailable)?;
+    let threads = variant.params.get("THREADS").copied().unwrap_or(256) as u32;
+    let warps_per_block = i64::from(threads / 32);
+    let resident = i64::from(kernels.resident_per_sm(0, threads)) * i64::from(gpu.multiprocessors);
+    let unit = unit_elements(variant, dtype);
+
+    let c = call.c;
+    let mut flags = 0;
+    if c.decoupled {
+        flags |= FLAG_DECOUPLED;
+    }
+    if c.amsgrad {
+        flags |= FLAG_AMSGRAD;
+    }
+    if c.maximize {
+        flags |= FLAG_MAXIMIZE;
+    }
+    let addr = |t: Option<&TensorFacts>| t.map_or(0, |t| t.data as u64);
+    // Boxed: 32 KB is a lot for the stack of whatever thread PyTorch calls us on.
+    let mut args = Box::new(AdamArgs {
+        // Stock casts every hyperparameter to fp32 (its math type) the same way.
+        lr: c.lr as f32,
+        beta1: c.beta1 as f32,
+        beta2: c.beta2 as f32,
+        weight_decay: c.weight_decay as f32,
+        eps: c.eps as f32,
+        flags,
+        tensors: 0,
+        units: 0,
+        lr_ptr: addr(call.lr_tensor),
+        grad_scale: addr(call.grad_scale),
+        found_inf: addr(call.found_inf),
+        t: [AdamTensor::default(); MAX_TENSORS_PER_LAUNCH],
+    });
+    // SAFETY: `launch.stream` is PyTorch's current stream of this device, alive for the call.
+    let stream = unsafe {
+        gpu.ctx
+            .wrap_borrowed_stream(launch.stream as cudarc::driver::sys::CUstream)
+    };
+    let launch_batch = |args: &mut AdamArgs| -> Result<(), StockReason> {
+        if args.tensors == 0 {
+            return Ok(());
+        }
+        let blocks = (i64::from(args.units) + warps_per_block - 1) / warps_per_block;
+        let grid = blocks.min(resident).max(1) as u32;
+        let config = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut builder = stream.launch_builder(&kernels.functions[0]);
+        builder.arg(&*args);
+        // SAFETY: the arguments match the kernel's signature; every pointer is a live tensor
+        // of this call on this device (checked), ordered on PyTorch's stream.
+        unsafe { builder.launch(config) }.map_err(|e| {
+            crate::ffi::warn_once_launch_failure(&variant.name, &e.to_string());
+            StockReason::LaunchFailed
+        })?;
+        args.tensors = 0;
+        args.units = 0;
+        Ok(())
+    };
+    let mut launches = 0usize;
+    for i in 0..call.params.len() {
+        let numel = call.params[i].numel;
+        if numel == 0 {
+            continue;
+        }
+        let units = (numel + unit - 1) / unit;
+        let units = u32::try_from(units).map_err(|_| StockReason::NoVariantForShape)?;
+        let full = args.tensors as usize == MAX_TENSORS_PER_LAUNCH;
+        if full || args.units.checked_add(units).is_none() {
+            launch_or_explain(launch_batch(&mut args), launches)?;
+            launches += 1;
+        }
+        let k = args.tensors as usize;
+        args.t[k] = AdamTensor {
+            param: call.params[i].data as u64,
+            grad: call.grads[i].data as u64,
+            exp_avg: call.exp_avgs[i].data as u64,
+            exp_avg_sq: call.exp_avg_sqs[i].data as u64,
+            max_exp_avg_sq: if c.amsgrad {
+                call.max_exp_avg_sqs[i].data as u64
+            } else {
+                0
+            },
+            step: call.steps[i].data as u64,
+            numel,
+            first_unit: args.units,
+            unused: 0,
+        };
+        args.tensors += 1;
+        args.units += units;
+    }
+    launch_or_explain(launch_batch(&mut args), launches)?;
+    Ok(&variant.name)
+}
+
+/// The first launch of a step may fail over to stock. A later one must not: stock would apply
+/// the earlier batches' update a second time. The same kernel and launch shape that just
+/// launched can only fail now if the CUDA context is broken, which PyTorch's next CUDA call
+/// reports anyway, so the failure is logged as an error and the call counts as served.
+fn launch_or_explain(result: Result<(), StockReason>, earlier: usize) -> Result<(), StockReason> {
+    match result {
+        Err(reason) if earlier == 0 => Err(reason),
+        Err(reason) => {
+            tracing::error!(
+                "Adam step: launch {} of the step failed ({reason}) after {earlier} launches ran; \
+                 the remaining tensors were not updated (the CUDA context is likely broken)",
+                earlier + 1
+            );
+            Ok(())
+        }
+        Ok(()) => Ok(()),
+    }
+}
