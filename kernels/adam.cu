@@ -6,7 +6,8 @@
 // not depend on scheduling.
 //
 // The tensor list travels in the launch's parameter space (`__grid_constant__`, up to 32 KB
-// since CUDA 12.1): up to TF_ADAM_MAX_TENSORS tensors per launch, no device metadata to
+// since CUDA 12.1): up to TF_ADAM_MAX_TENSORS tensors per launch (adam_step_small: 32, for
+// short lists, so they do not pay for copying 32 KB of parameters), no device metadata to
 // allocate or copy, so a step needs no host sync and is CUDA-graph capturable. Each tensor is
 // cut into units of 32 * TF_VEC * TF_UNROLL elements (one warp, TF_UNROLL 16-byte accesses
 // per lane per array); a persistent grid of warps strides over the units of all tensors, and
@@ -15,8 +16,9 @@
 // 4-5 x TF_UNROLL x 512 bytes in flight.
 //
 // The element math is stock's, operation for operation and rounding for rounding (fp32
-// whatever the storage type; the same fused multiply-adds, IEEE division and square root),
-// so with the same inputs the results match stock's fused kernel.
+// whatever the storage type; the same fused multiply-adds, IEEE division and square root):
+// AdamW, and Adam without weight decay, give stock's fused kernel's bits (a GPU test checks);
+// Adam's L2 term differs from stock by a few ulps in a fraction of elements (see there).
 
 #include "common.cuh"
 
@@ -25,6 +27,10 @@
 #endif
 #ifndef TF_MIN_BLOCKS
 #define TF_MIN_BLOCKS 1
+#endif
+// 1: 16-byte accesses carry the streaming cache hint (.cs: data used once, evict first).
+#ifndef TF_STREAMING
+#define TF_STREAMING 0
 #endif
 
 // Flags of AdamArgs::flags; must match src/adam.rs.
@@ -45,7 +51,10 @@ struct AdamTensor {
   unsigned int unused;
 };
 
-// Layout must match `AdamArgs` in src/adam.rs (sizes are checked on both sides).
+// The kernel's only parameter; layout must match `AdamArgs` in src/adam.rs (sizes are
+// checked on both sides). Two capacities: a small step should not pay for copying 32 KB of
+// parameters at launch.
+template <int CAPACITY>
 struct AdamArgs {
   float lr;
   float beta1;
@@ -58,10 +67,14 @@ struct AdamArgs {
   const float* lr_ptr;      // device lr (the .tensor_lr overloads); null: `lr`
   const float* grad_scale;  // GradScaler's scale; null: none
   const float* found_inf;   // 1.0 skips the whole step; null: none
-  AdamTensor t[TF_ADAM_MAX_TENSORS];
+  AdamTensor t[CAPACITY];
 };
+#define TF_ADAM_SMALL_TENSORS 32
 static_assert(sizeof(AdamTensor) == 64, "AdamTensor layout");
-static_assert(sizeof(AdamArgs) == 56 + 64 * TF_ADAM_MAX_TENSORS, "AdamArgs layout");
+static_assert(sizeof(AdamArgs<TF_ADAM_MAX_TENSORS>) == 56 + 64 * TF_ADAM_MAX_TENSORS,
+              "AdamArgs layout");
+static_assert(sizeof(AdamArgs<TF_ADAM_SMALL_TENSORS>) == 56 + 64 * TF_ADAM_SMALL_TENSORS,
+              "AdamArgs layout");
 
 #define TF_UNIT (32 * TF_VEC * TF_UNROLL)
 
@@ -91,6 +104,9 @@ __device__ __forceinline__ void adam_update(float& param, float& grad, float& ex
     if (s.decoupled) {
       param = __fmaf_rn(-__fmul_rn(s.lr, s.weight_decay), param, param);
     } else {
+      // Stock's compiled `grad += param * weight_decay` rounds like neither one FMA nor a
+      // multiply and an add (0.4% and 1.2% of elements differ by a few ulps, measured on the
+      // H100); the single rounding of an FMA is the closer and the more accurate.
       d = __fmaf_rn(param, s.weight_decay, d);
     }
   }
@@ -107,6 +123,28 @@ __device__ __forceinline__ void adam_update(float& param, float& grad, float& ex
   param = __fsub_rn(param, __fdiv_rn(__fmul_rn(s.step_size, exp_avg), denom));
 }
 
+__device__ __forceinline__ tf_raw16 load16(const void* p) {
+#if TF_STREAMING
+  tf_raw16 r;
+  asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.w[0]), "=r"(r.w[1]), "=r"(r.w[2]), "=r"(r.w[3])
+               : "l"(p));
+  return r;
+#else
+  return *reinterpret_cast<const tf_raw16*>(p);
+#endif
+}
+
+__device__ __forceinline__ void store16(void* p, const tf_raw16& v) {
+#if TF_STREAMING
+  asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.w[0]), "r"(v.w[1]),
+               "r"(v.w[2]), "r"(v.w[3])
+               : "memory");
+#else
+  *reinterpret_cast<tf_raw16*>(p) = v;
+#endif
+}
+
 __device__ __forceinline__ bool aligned16(const void* p) {
   return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
 }
@@ -118,11 +156,11 @@ __device__ __forceinline__ void adam_unit_vectorized(const AdamTensor& t, tf_i64
 #pragma unroll
   for (int k = 0; k < TF_UNROLL; ++k) {
     const tf_i64 i = base + static_cast<tf_i64>(k * 32 + lane) * TF_VEC;
-    p[k].raw = *reinterpret_cast<const tf_raw16*>(t.param + i);
-    g[k].raw = *reinterpret_cast<const tf_raw16*>(t.grad + i);
-    m[k].raw = *reinterpret_cast<const tf_raw16*>(t.exp_avg + i);
-    v[k].raw = *reinterpret_cast<const tf_raw16*>(t.exp_avg_sq + i);
-    if (s.amsgrad) vm[k].raw = *reinterpret_cast<const tf_raw16*>(t.max_exp_avg_sq + i);
+    p[k].raw = load16(t.param + i);
+    g[k].raw = load16(t.grad + i);
+    m[k].raw = load16(t.exp_avg + i);
+    v[k].raw = load16(t.exp_avg_sq + i);
+    if (s.amsgrad) vm[k].raw = load16(t.max_exp_avg_sq + i);
   }
 #pragma unroll
   for (int k = 0; k < TF_UNROLL; ++k) {
@@ -144,11 +182,11 @@ __device__ __forceinline__ void adam_unit_vectorized(const AdamTensor& t, tf_i64
 #pragma unroll
   for (int k = 0; k < TF_UNROLL; ++k) {
     const tf_i64 i = base + static_cast<tf_i64>(k * 32 + lane) * TF_VEC;
-    *reinterpret_cast<tf_raw16*>(t.param + i) = p[k].raw;
-    if (s.scale_grad) *reinterpret_cast<tf_raw16*>(t.grad + i) = g[k].raw;
-    *reinterpret_cast<tf_raw16*>(t.exp_avg + i) = m[k].raw;
-    *reinterpret_cast<tf_raw16*>(t.exp_avg_sq + i) = v[k].raw;
-    if (s.amsgrad) *reinterpret_cast<tf_raw16*>(t.max_exp_avg_sq + i) = vm[k].raw;
+    store16(t.param + i, p[k].raw);
+    if (s.scale_grad) store16(t.grad + i, g[k].raw);
+    store16(t.exp_avg + i, m[k].raw);
+    store16(t.exp_avg_sq + i, v[k].raw);
+    if (s.amsgrad) store16(t.max_exp_avg_sq + i, vm[k].raw);
   }
 }
 
@@ -172,8 +210,8 @@ __device__ __forceinline__ void adam_unit_scalar(const AdamTensor& t, tf_i64 bas
   }
 }
 
-extern "C" __global__ void __launch_bounds__(TF_THREADS, TF_MIN_BLOCKS)
-    adam_step(const __grid_constant__ AdamArgs args) {
+template <int CAPACITY>
+__device__ __forceinline__ void adam_step_body(const AdamArgs<CAPACITY>& args) {
   // AMP: a step whose gradients overflowed changes nothing (stock's exact test).
   if (args.found_inf != nullptr && *args.found_inf == 1.0f) return;
 
@@ -224,4 +262,14 @@ extern "C" __global__ void __launch_bounds__(TF_THREADS, TF_MIN_BLOCKS)
       adam_unit_scalar(t, base, lane, s);
     }
   }
+}
+
+extern "C" __global__ void __launch_bounds__(TF_THREADS, TF_MIN_BLOCKS)
+    adam_step(const __grid_constant__ AdamArgs<TF_ADAM_MAX_TENSORS> args) {
+  adam_step_body(args);
+}
+
+extern "C" __global__ void __launch_bounds__(TF_THREADS, TF_MIN_BLOCKS)
+    adam_step_small(const __grid_constant__ AdamArgs<TF_ADAM_SMALL_TENSORS> args) {
+  adam_step_body(args);
 }

@@ -74,6 +74,31 @@ pub struct AdamCallC {
     pub decoupled: bool,
     pub amsgrad: bool,
     pub maximize: bool,
+    /// Written (NUL-terminated) when the call is refused as bad input.
+    pub error: [u8; 512],
+}
+
+/// Lists of different lengths: stock's kernel indexes every list by the params' positions
+/// and reads past the shorter one (a crash, verified on the H100), so this is refused with an
+/// error instead. Only the lists stock reads count (max_exp_avg_sqs under amsgrad).
+pub fn list_length_error(c: &AdamCallC, op: &str) -> Option<String> {
+    let mut names = vec!["params", "grads", "exp_avgs", "exp_avg_sqs"];
+    let mut lens = vec![c.lens[0], c.lens[1], c.lens[2], c.lens[3]];
+    if c.amsgrad {
+        names.push("max_exp_avg_sqs");
+        lens.push(c.lens[4]);
+    }
+    names.push("state_steps");
+    lens.push(c.lens[5]);
+    if lens.iter().all(|&l| l == lens[0]) {
+        return None;
+    }
+    let got: Vec<String> = lens.iter().map(|l| l.to_string()).collect();
+    Some(format!(
+        "{op}: {} must have the same number of tensors, got {}",
+        names.join(", "),
+        got.join(", ")
+    ))
 }
 
 /// The call's tensor lists, borrowed from the C++ frame.
@@ -127,7 +152,7 @@ impl<'a> AdamCall<'a> {
     }
 }
 
-const PARAMS: [&str; 3] = ["THREADS", "UNROLL", "MIN_BLOCKS"];
+const PARAMS: [&str; 4] = ["THREADS", "UNROLL", "MIN_BLOCKS", "STREAMING"];
 
 /// Compile-time parameters every Adam variant sets, and their limits.
 pub fn validate_variant(v: &Variant) -> Result<(), String> {
@@ -135,7 +160,7 @@ pub fn validate_variant(v: &Variant) -> Result<(), String> {
         return Err(format!("{}: unknown param {unknown}", v.name));
     }
     let threads = v.params.get("THREADS").copied().unwrap_or(0);
-    if threads < 32 || threads > 1024 || threads % 32 != 0 {
+    if !(32..=1024).contains(&threads) || threads % 32 != 0 {
         return Err(format!(
             "{}: THREADS {threads} must be a multiple of 32 in 32..=1024",
             v.name
@@ -150,6 +175,9 @@ pub fn validate_variant(v: &Variant) -> Result<(), String> {
         .is_some_and(|&b| !(1..=32).contains(&b))
     {
         return Err(format!("{}: MIN_BLOCKS must be in 1..=32", v.name));
+    }
+    if !matches!(v.params.get("STREAMING"), None | Some(0) | Some(1)) {
+        return Err(format!("{}: STREAMING must be 0 or 1", v.name));
     }
     Ok(())
 }
@@ -174,10 +202,10 @@ struct AdamTensor {
     unused: u32,
 }
 
-/// `AdamArgs` in kernels/adam.cu: the kernel's only parameter.
+/// `AdamArgs<CAPACITY>` in kernels/adam.cu: the kernel's only parameter.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct AdamArgs {
+struct AdamArgs<const CAPACITY: usize> {
     lr: f32,
     beta1: f32,
     beta2: f32,
@@ -189,16 +217,78 @@ struct AdamArgs {
     lr_ptr: u64,
     grad_scale: u64,
     found_inf: u64,
-    t: [AdamTensor; MAX_TENSORS_PER_LAUNCH],
+    t: [AdamTensor; CAPACITY],
 }
 
+/// `TF_ADAM_SMALL_TENSORS`: the capacity of `adam_step_small`.
+const SMALL_TENSORS_PER_LAUNCH: usize = 32;
+
 const _: () = assert!(std::mem::size_of::<AdamTensor>() == 64);
-const _: () = assert!(std::mem::size_of::<AdamArgs>() == 56 + 64 * MAX_TENSORS_PER_LAUNCH);
-const _: () = assert!(std::mem::size_of::<AdamArgs>() <= 32764);
+const _: () = assert!(
+    std::mem::size_of::<AdamArgs<MAX_TENSORS_PER_LAUNCH>>() == 56 + 64 * MAX_TENSORS_PER_LAUNCH
+);
+const _: () = assert!(std::mem::size_of::<AdamArgs<MAX_TENSORS_PER_LAUNCH>>() <= 32764);
+const _: () = assert!(
+    std::mem::size_of::<AdamArgs<SMALL_TENSORS_PER_LAUNCH>>() == 56 + 64 * SMALL_TENSORS_PER_LAUNCH
+);
 
 // SAFETY: plain old data with the kernel's layout (checked above and by static_asserts in the
 // kernel); passed by value as the kernel's parameter.
-unsafe impl DeviceRepr for AdamArgs {}
+unsafe impl<const CAPACITY: usize> DeviceRepr for AdamArgs<CAPACITY> {}
+
+/// What every launch of a step shares.
+#[derive(Clone, Copy)]
+struct StepScalars {
+    lr: f32,
+    beta1: f32,
+    beta2: f32,
+    weight_decay: f32,
+    eps: f32,
+    flags: u32,
+    lr_ptr: u64,
+    grad_scale: u64,
+    found_inf: u64,
+}
+
+impl<const CAPACITY: usize> AdamArgs<CAPACITY> {
+    fn fill(&mut self, scalars: &StepScalars, batch: &[AdamTensor], units: u32) {
+        self.lr = scalars.lr;
+        self.beta1 = scalars.beta1;
+        self.beta2 = scalars.beta2;
+        self.weight_decay = scalars.weight_decay;
+        self.eps = scalars.eps;
+        self.flags = scalars.flags;
+        self.lr_ptr = scalars.lr_ptr;
+        self.grad_scale = scalars.grad_scale;
+        self.found_inf = scalars.found_inf;
+        self.tensors = batch.len() as u32;
+        self.units = units;
+        self.t[..batch.len()].copy_from_slice(batch);
+    }
+
+    fn empty() -> Self {
+        AdamArgs {
+            lr: 0.0,
+            beta1: 0.0,
+            beta2: 0.0,
+            weight_decay: 0.0,
+            eps: 0.0,
+            flags: 0,
+            tensors: 0,
+            units: 0,
+            lr_ptr: 0,
+            grad_scale: 0,
+            found_inf: 0,
+            t: [AdamTensor::default(); CAPACITY],
+        }
+    }
+}
+
+thread_local! {
+    /// The large launch's 32 KB of parameters, reused: the driver copies them at launch.
+    static LARGE_ARGS: std::cell::RefCell<Box<AdamArgs<MAX_TENSORS_PER_LAUNCH>>> =
+        std::cell::RefCell::new(Box::new(AdamArgs::empty()));
+}
 
 /// Same CUDA device as the params, and a 16-bit index that fits.
 fn on_device(t: &TensorFacts, device: i32) -> bool {
@@ -288,8 +378,7 @@ pub fn step(launch: Launch, call: &AdamCall) -> Result<&'static str, StockReason
         flags |= FLAG_MAXIMIZE;
     }
     let addr = |t: Option<&TensorFacts>| t.map_or(0, |t| t.data as u64);
-    // Boxed: 32 KB is a lot for the stack of whatever thread PyTorch calls us on.
-    let mut args = Box::new(AdamArgs {
+    let scalars = StepScalars {
         // Stock casts every hyperparameter to fp32 (its math type) the same way.
         lr: c.lr as f32,
         beta1: c.beta1 as f32,
@@ -297,56 +386,28 @@ pub fn step(launch: Launch, call: &AdamCall) -> Result<&'static str, StockReason
         weight_decay: c.weight_decay as f32,
         eps: c.eps as f32,
         flags,
-        tensors: 0,
-        units: 0,
         lr_ptr: addr(call.lr_tensor),
         grad_scale: addr(call.grad_scale),
         found_inf: addr(call.found_inf),
-        t: [AdamTensor::default(); MAX_TENSORS_PER_LAUNCH],
-    });
-    // SAFETY: `launch.stream` is PyTorch's current stream of this device, alive for the call.
-    let stream = unsafe {
-        gpu.ctx
-            .wrap_borrowed_stream(launch.stream as cudarc::driver::sys::CUstream)
     };
-    let launch_batch = |args: &mut AdamArgs| -> Result<(), StockReason> {
-        if args.tensors == 0 {
-            return Ok(());
-        }
-        let blocks = (i64::from(args.units) + warps_per_block - 1) / warps_per_block;
-        let grid = blocks.min(resident).max(1) as u32;
-        let config = LaunchConfig {
-            grid_dim: (grid, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut builder = stream.launch_builder(&kernels.functions[0]);
-        builder.arg(&*args);
-        // SAFETY: the arguments match the kernel's signature; every pointer is a live tensor
-        // of this call on this device (checked), ordered on PyTorch's stream.
-        unsafe { builder.launch(config) }.map_err(|e| {
-            crate::ffi::warn_once_launch_failure(&variant.name, &e.to_string());
-            StockReason::LaunchFailed
-        })?;
-        args.tensors = 0;
-        args.units = 0;
-        Ok(())
-    };
-    let mut launches = 0usize;
+
+    // Batches of at most MAX_TENSORS_PER_LAUNCH tensors whose units fit in u32.
+    let mut tensors: Vec<AdamTensor> = Vec::with_capacity(call.params.len());
+    let mut batches: Vec<(std::ops::Range<usize>, u32)> = Vec::new();
+    let (mut batch_start, mut units_so_far) = (0usize, 0u32);
     for i in 0..call.params.len() {
         let numel = call.params[i].numel;
         if numel == 0 {
             continue;
         }
-        let units = (numel + unit - 1) / unit;
-        let units = u32::try_from(units).map_err(|_| StockReason::NoVariantForShape)?;
-        let full = args.tensors as usize == MAX_TENSORS_PER_LAUNCH;
-        if full || args.units.checked_add(units).is_none() {
-            launch_or_explain(launch_batch(&mut args), launches)?;
-            launches += 1;
+        let units =
+            u32::try_from((numel + unit - 1) / unit).map_err(|_| StockReason::NoVariantForShape)?;
+        let full = tensors.len() - batch_start == MAX_TENSORS_PER_LAUNCH;
+        if full || units_so_far.checked_add(units).is_none() {
+            batches.push((batch_start..tensors.len(), units_so_far));
+            (batch_start, units_so_far) = (tensors.len(), 0);
         }
-        let k = args.tensors as usize;
-        args.t[k] = AdamTensor {
+        tensors.push(AdamTensor {
             param: call.params[i].data as u64,
             grad: call.grads[i].data as u64,
             exp_avg: call.exp_avgs[i].data as u64,
@@ -358,16 +419,51 @@ pub fn step(launch: Launch, call: &AdamCall) -> Result<&'static str, StockReason
             },
             step: call.steps[i].data as u64,
             numel,
-            first_unit: args.units,
+            first_unit: units_so_far,
             unused: 0,
-        };
-        args.tensors += 1;
-        args.units += units;
+        });
+        units_so_far += units;
     }
-    launch_or_explain(launch_batch(&mut args), launches)?;
+    batches.push((batch_start..tensors.len(), units_so_far));
+
+    // SAFETY: `launch.stream` is PyTorch's current stream of this device, alive for the call.
+    let stream = unsafe {
+        gpu.ctx
+            .wrap_borrowed_stream(launch.stream as cudarc::driver::sys::CUstream)
+    };
+    for (launched, (range, units)) in batches.into_iter().enumerate() {
+        let batch = &tensors[range];
+        let blocks = (i64::from(units) + warps_per_block - 1) / warps_per_block;
+        let config = LaunchConfig {
+            grid_dim: (blocks.min(resident).max(1) as u32, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let result = if batch.len() <= SMALL_TENSORS_PER_LAUNCH {
+            let mut args = AdamArgs::<SMALL_TENSORS_PER_LAUNCH>::empty();
+            args.fill(&scalars, batch, units);
+            let mut builder = stream.launch_builder(&kernels.functions[1]);
+            builder.arg(&args);
+            // SAFETY: the argument matches the kernel's signature; every pointer is a live
+            // tensor of this call on this device (checked), ordered on PyTorch's stream.
+            unsafe { builder.launch(config) }
+        } else {
+            LARGE_ARGS.with_borrow_mut(|args| {
+                args.fill(&scalars, batch, units);
+                let mut builder = stream.launch_builder(&kernels.functions[0]);
+                builder.arg(&**args);
+                // SAFETY: as above; the driver copies the parameters during the call.
+                unsafe { builder.launch(config) }
+            })
+        };
+        let result = result.map(|_| ()).map_err(|e| {
+            crate::ffi::warn_once_launch_failure(&variant.name, &e.to_string());
+            StockReason::LaunchFailed
+        });
+        launch_or_explain(result, launched)?;
+    }
     Ok(&variant.name)
 }
-
 /// The first launch of a step may fail over to stock. A later one must not: stock would apply
 /// the earlier batches' update a second time. The same kernel and launch shape that just
 /// launched can only fail now if the CUDA context is broken, which PyTorch's next CUDA call

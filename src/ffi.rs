@@ -19,6 +19,8 @@ use tch::Tensor;
 
 const FUSED: i32 = 1;
 const STOCK: i32 = 0;
+/// Bad input refused with an error (stock would crash on it).
+const ERROR: i32 = 2;
 
 extern "C" {
     fn torchfuse_cxx_register(entry: u32, err: *mut c_char, err_len: usize) -> i32;
@@ -353,7 +355,8 @@ pub unsafe extern "C" fn torchfuse_rs_norm_bwd(
 }
 
 /// `_fused_adam_` / `_fused_adamw_` (either lr overload, `entry` says which): updates the
-/// params and moments in place. 1: done; 0: stock must run the call.
+/// params and moments in place. 1: done; 0: stock must run the call; 2: refused as bad input
+/// (`call.error` says why; shim.cpp raises it).
 ///
 /// # Safety
 /// `launch` and `call` are valid; `call`'s lists are as `AdamCall::from_c` requires.
@@ -361,15 +364,25 @@ pub unsafe extern "C" fn torchfuse_rs_norm_bwd(
 pub unsafe extern "C" fn torchfuse_rs_adam(
     entry: u32,
     launch: *const Launch,
-    call: *const crate::adam::AdamCallC,
+    call: *mut crate::adam::AdamCallC,
 ) -> i32 {
     let Some(entry) = Entry::from_u32(entry) else {
         return STOCK;
     };
-    let (Some(launch), Some(call)) = (launch.as_ref(), call.as_ref()) else {
+    let (Some(launch), Some(call_c)) = (launch.as_ref(), call.as_mut()) else {
         return STOCK;
     };
-    let call = crate::adam::AdamCall::from_c(call);
+    let refused = catch_unwind(AssertUnwindSafe(|| {
+        crate::adam::list_length_error(call_c, entry.aten_name())
+    }));
+    if let Ok(Some(message)) = refused {
+        let bytes = message.as_bytes();
+        let n = bytes.len().min(call_c.error.len() - 1);
+        call_c.error[..n].copy_from_slice(&bytes[..n]);
+        call_c.error[n] = 0;
+        return ERROR;
+    }
+    let call = crate::adam::AdamCall::from_c(call_c);
     serve_described(
         entry,
         || Some(call.describe()),

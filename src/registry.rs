@@ -114,7 +114,7 @@ impl KernelOp {
         match self {
             KernelOp::LayerNormFwd | KernelOp::RmsNormFwd => &["norm_fwd"],
             KernelOp::LayerNormBwd | KernelOp::RmsNormBwd => &["norm_bwd", "norm_bwd_reduce"],
-            KernelOp::AdamStep => &["adam_step"],
+            KernelOp::AdamStep => &["adam_step", "adam_step_small"],
         }
     }
 

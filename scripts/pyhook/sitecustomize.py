@@ -91,12 +91,13 @@ def _patch_adam(module):
             print(f"torchfuse: optimizer hook skipped ({e!r})", file=sys.stderr)
 
     def load_state_dict(self, state_dict):
-        # A checkpoint from a run without the launcher says fused=None; keep this optimizer
-        # fused (PyTorch then moves the loaded step counts to the device, as fused needs).
+        # The saved groups' foreach/fused flags replace this optimizer's on load. They record
+        # how the saving run was built (often the foreach default); this optimizer was made
+        # fused, and GradScaler already trusts it with its scale, so it stays fused (PyTorch
+        # then moves the loaded step counts to the device, as fused needs).
         if getattr(self, "_torchfuse_made_fused", False) and isinstance(state_dict, dict):
             try:
-                groups = [dict(g, fused=True)
-                          if g.get("fused") is None and g.get("foreach") is None else g
+                groups = [dict(g, fused=True, foreach=None) if not g.get("differentiable") else g
                           for g in state_dict["param_groups"]]
                 state_dict = dict(state_dict, param_groups=groups)
             except Exception as e:

@@ -42,6 +42,7 @@ enum Entry : uint32_t {
 };
 
 constexpr int32_t kFused = 1;
+constexpr int32_t kError = 2;
 
 struct TfLaunch {
   int32_t device;
@@ -70,6 +71,7 @@ struct TfAdamCall {
   const TfTensorFacts* found_inf;
   double lr, beta1, beta2, weight_decay, eps;
   bool decoupled, amsgrad, maximize;
+  char error[512];  // set by Rust when it answers kError
 };
 
 }  // namespace
@@ -88,8 +90,9 @@ int32_t torchfuse_rs_norm_bwd(bool rms, const TfLaunch* launch, const at::Tensor
                               size_t normalized_ndim, const at::Tensor* mean,
                               const at::Tensor* rstd, const at::Tensor* weight,
                               const at::Tensor* bias, uint32_t output_mask, at::Tensor** out);
-// 1: the step ran (params and moments updated in place); 0: stock must run it.
-int32_t torchfuse_rs_adam(uint32_t entry, const TfLaunch* launch, const TfAdamCall* call);
+// 1: the step ran (params and moments updated in place); 0: stock must run it; 2: bad input
+// stock would not survive (call->error says why).
+int32_t torchfuse_rs_adam(uint32_t entry, const TfLaunch* launch, TfAdamCall* call);
 void torchfuse_rs_passthrough(uint32_t entry, const at::Tensor* primary, int64_t list_len);
 int64_t torchfuse_rs_sdp_choice(const at::Tensor* query, const at::Tensor* key,
                                 const at::Tensor* value, bool has_mask, double dropout_p,
@@ -311,13 +314,18 @@ bool adam_in_rust(Entry entry, bool decoupled, const at::Tensor* lr_tensor,
   call.decoupled = decoupled;
   call.amsgrad = amsgrad;
   call.maximize = maximize;
+  int32_t answer;
   if (self.empty() || !self[0].is_cuda()) {
     const TfLaunch none{-1, nullptr};
-    return torchfuse_rs_adam(entry, &none, &call) == kFused;
+    answer = torchfuse_rs_adam(entry, &none, &call);
+  } else {
+    const c10::DeviceGuard guard(self[0].device());
+    const TfLaunch launch = launch_for(self[0]);
+    answer = torchfuse_rs_adam(entry, &launch, &call);
   }
-  const c10::DeviceGuard guard(self[0].device());
-  const TfLaunch launch = launch_for(self[0]);
-  return torchfuse_rs_adam(entry, &launch, &call) == kFused;
+  call.error[sizeof(call.error) - 1] = '\0';
+  TORCH_CHECK(answer != kError, call.error);
+  return answer == kFused;
 }
 
 void fused_adam(TORCHFUSE_ADAM_PARAMS, double lr, TORCHFUSE_ADAM_TAIL) {

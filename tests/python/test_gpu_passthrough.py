@@ -54,25 +54,6 @@ def test_embedding_fwd_bwd():
     assert no_kernel_yet("embedding_dense_backward") == before[1] + 1
 
 
-@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
-@pytest.mark.parametrize("tensor_lr", [False, True])
-def test_fused_adam_step(cls, tensor_lr):
-    def fn():
-        params = [torch.randn(s, device="cuda", requires_grad=True) for s in ((64, 33), (7,), (1,))]
-        for p in params:
-            p.grad = torch.randn_like(p)
-        lr = torch.tensor(1e-3, device="cuda") if tensor_lr else 1e-3
-        opt = cls(params, lr=lr, weight_decay=0.01, fused=True)
-        for _ in range(3):
-            opt.step()
-        return [p.detach() for p in params] + [opt.state[p]["exp_avg_sq"] for p in params]
-    name = ("_fused_adamw_" if cls is torch.optim.AdamW else "_fused_adam_") + (".tensor_lr" if tensor_lr else "")
-    before = no_kernel_yet(name)
-    on, off = both("adam", fn)
-    assert_same(on, off)
-    assert no_kernel_yet(name) == before + 3
-
-
 @pytest.mark.parametrize("backend", [None, SDPBackend.FLASH_ATTENTION])
 def test_sdpa_fwd_bwd(backend):
     def fn():
