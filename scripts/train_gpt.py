@@ -86,7 +86,9 @@ def main():
     torch.manual_seed(a.seed)
     device = torch.device(a.device)
     model = GPT(a.vocab, a.seq, a.d, a.layers, a.heads).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=device.type == "cuda")
+    # As most scripts write it: PyTorch's default (foreach) step, unless scripts/torchfuse's hook
+    # makes it the fused one.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     data = markov_batches(a.vocab, a.batch, a.seq, device, a.seed)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     print(f"training on {device}: {sum(p.numel() for p in model.parameters())/1e6:.2f}M params, "

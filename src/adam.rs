@@ -391,40 +391,7 @@ pub fn step(launch: Launch, call: &AdamCall) -> Result<&'static str, StockReason
         found_inf: addr(call.found_inf),
     };
 
-    // Batches of at most MAX_TENSORS_PER_LAUNCH tensors whose units fit in u32.
-    let mut tensors: Vec<AdamTensor> = Vec::with_capacity(call.params.len());
-    let mut batches: Vec<(std::ops::Range<usize>, u32)> = Vec::new();
-    let (mut batch_start, mut units_so_far) = (0usize, 0u32);
-    for i in 0..call.params.len() {
-        let numel = call.params[i].numel;
-        if numel == 0 {
-            continue;
-        }
-        let units =
-            u32::try_from((numel + unit - 1) / unit).map_err(|_| StockReason::NoVariantForShape)?;
-        let full = tensors.len() - batch_start == MAX_TENSORS_PER_LAUNCH;
-        if full || units_so_far.checked_add(units).is_none() {
-            batches.push((batch_start..tensors.len(), units_so_far));
-            (batch_start, units_so_far) = (tensors.len(), 0);
-        }
-        tensors.push(AdamTensor {
-            param: call.params[i].data as u64,
-            grad: call.grads[i].data as u64,
-            exp_avg: call.exp_avgs[i].data as u64,
-            exp_avg_sq: call.exp_avg_sqs[i].data as u64,
-            max_exp_avg_sq: if c.amsgrad {
-                call.max_exp_avg_sqs[i].data as u64
-            } else {
-                0
-            },
-            step: call.steps[i].data as u64,
-            numel,
-            first_unit: units_so_far,
-            unused: 0,
-        });
-        units_so_far += units;
-    }
-    batches.push((batch_start..tensors.len(), units_so_far));
+    let (tensors, batches) = plan_launches(call, unit)?;
 
     // SAFETY: `launch.stream` is PyTorch's current stream of this device, alive for the call.
     let stream = unsafe {
@@ -464,6 +431,49 @@ pub fn step(launch: Launch, call: &AdamCall) -> Result<&'static str, StockReason
     }
     Ok(&variant.name)
 }
+/// A launch: a range of the step's tensors and the work units they hold.
+type Batch = (std::ops::Range<usize>, u32);
+
+/// The step's non-empty tensors as the kernel sees them, cut into launches of at most
+/// MAX_TENSORS_PER_LAUNCH tensors whose units (of `unit` elements) fit in u32; each tensor's
+/// `first_unit` counts from the start of its launch.
+fn plan_launches(call: &AdamCall, unit: i64) -> Result<(Vec<AdamTensor>, Vec<Batch>), StockReason> {
+    let mut tensors: Vec<AdamTensor> = Vec::with_capacity(call.params.len());
+    let mut batches: Vec<Batch> = Vec::new();
+    let (mut batch_start, mut units_so_far) = (0usize, 0u32);
+    for i in 0..call.params.len() {
+        let numel = call.params[i].numel;
+        if numel == 0 {
+            continue;
+        }
+        let units =
+            u32::try_from((numel + unit - 1) / unit).map_err(|_| StockReason::NoVariantForShape)?;
+        let full = tensors.len() - batch_start == MAX_TENSORS_PER_LAUNCH;
+        if full || units_so_far.checked_add(units).is_none() {
+            batches.push((batch_start..tensors.len(), units_so_far));
+            (batch_start, units_so_far) = (tensors.len(), 0);
+        }
+        tensors.push(AdamTensor {
+            param: call.params[i].data as u64,
+            grad: call.grads[i].data as u64,
+            exp_avg: call.exp_avgs[i].data as u64,
+            exp_avg_sq: call.exp_avg_sqs[i].data as u64,
+            max_exp_avg_sq: if call.c.amsgrad {
+                call.max_exp_avg_sqs[i].data as u64
+            } else {
+                0
+            },
+            step: call.steps[i].data as u64,
+            numel,
+            first_unit: units_so_far,
+            unused: 0,
+        });
+        units_so_far += units;
+    }
+    batches.push((batch_start..tensors.len(), units_so_far));
+    Ok((tensors, batches))
+}
+
 /// The first launch of a step may fail over to stock. A later one must not: stock would apply
 /// the earlier batches' update a second time. The same kernel and launch shape that just
 /// launched can only fail now if the CUDA context is broken, which PyTorch's next CUDA call
@@ -480,5 +490,187 @@ fn launch_or_explain(result: Result<(), StockReason>, earlier: usize) -> Result<
             Ok(())
         }
         Ok(()) => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn facts(numel: i64, dtype: i16, device: i16, addr: usize) -> TensorFacts {
+        TensorFacts {
+            data: addr as *mut c_void,
+            numel,
+            dtype,
+            device,
+            dense: 1,
+            like_param: 1,
+            unused: [0; 2],
+        }
+    }
+
+    /// Owns the fact lists a test call borrows.
+    struct Lists {
+        lists: [Vec<TensorFacts>; 6],
+        c: AdamCallC,
+    }
+
+    impl Lists {
+        fn new(numels: &[i64], dtype: i16) -> Lists {
+            let list = |base: usize| -> Vec<TensorFacts> {
+                numels
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &n)| facts(n, dtype, 0, base + i * 4096))
+                    .collect()
+            };
+            let steps = numels
+                .iter()
+                .enumerate()
+                .map(|(i, _)| facts(1, SCALAR_FLOAT, 0, 0x9000_0000 + i * 16))
+                .collect();
+            Lists {
+                lists: [
+                    list(0x1000_0000),
+                    list(0x2000_0000),
+                    list(0x3000_0000),
+                    list(0x4000_0000),
+                    list(0x5000_0000),
+                    steps,
+                ],
+                c: AdamCallC {
+                    lists: [std::ptr::null(); 6],
+                    lens: [0; 6],
+                    lr_tensor: std::ptr::null(),
+                    grad_scale: std::ptr::null(),
+                    found_inf: std::ptr::null(),
+                    lr: 1e-3,
+                    beta1: 0.9,
+                    beta2: 0.999,
+                    weight_decay: 0.0,
+                    eps: 1e-8,
+                    decoupled: true,
+                    amsgrad: false,
+                    maximize: false,
+                    error: [0; 512],
+                },
+            }
+        }
+
+        fn call(&mut self) -> AdamCall<'_> {
+            for i in 0..6 {
+                self.c.lists[i] = self.lists[i].as_ptr();
+                self.c.lens[i] = self.lists[i].len();
+            }
+            // SAFETY: the lists live as long as self, and lens match.
+            unsafe { AdamCall::from_c(&self.c) }
+        }
+    }
+
+    const CUDA0: Launch = Launch {
+        device: 0,
+        stream: std::ptr::null_mut(),
+    };
+
+    #[test]
+    fn checks_send_what_stock_rejects_or_serves_differently_to_stock() {
+        let mut ok = Lists::new(&[10, 0, 3], SCALAR_FLOAT);
+        assert_eq!(check(&ok.call(), CUDA0), Ok(DType::F32));
+        let mut bf16 = Lists::new(&[10], SCALAR_BFLOAT16);
+        assert_eq!(check(&bf16.call(), CUDA0), Ok(DType::BF16));
+        let mut f64s = Lists::new(&[10], SCALAR_DOUBLE);
+        assert_eq!(
+            check(&f64s.call(), CUDA0),
+            Err(StockReason::UnsupportedDtype)
+        );
+        let mut empty = Lists::new(&[], SCALAR_FLOAT);
+        assert_eq!(check(&empty.call(), CUDA0), Err(StockReason::EmptyInput));
+        let mut all_zero = Lists::new(&[0, 0], SCALAR_FLOAT);
+        assert_eq!(check(&all_zero.call(), CUDA0), Err(StockReason::EmptyInput));
+
+        type Spoil = fn(&mut Lists);
+        let spoilers: [(&str, Spoil); 7] = [
+            ("moment of another dtype", |l| {
+                l.lists[2][1].dtype = SCALAR_BFLOAT16
+            }),
+            ("grad on the CPU", |l| l.lists[1][0].device = -1),
+            ("param on another GPU", |l| l.lists[0][2].device = 1),
+            ("strided moment", |l| l.lists[3][0].dense = 0),
+            ("grad of another shape", |l| l.lists[1][2].like_param = 0),
+            ("f64 step count", |l| l.lists[5][0].dtype = SCALAR_DOUBLE),
+            ("step count on the CPU", |l| l.lists[5][1].device = -1),
+        ];
+        for (what, spoil) in spoilers {
+            let mut l = Lists::new(&[10, 7, 3], SCALAR_FLOAT);
+            spoil(&mut l);
+            assert_eq!(
+                check(&l.call(), CUDA0),
+                Err(StockReason::InvalidInput),
+                "{what}"
+            );
+        }
+        // max_exp_avg_sqs counts only under amsgrad.
+        let mut l = Lists::new(&[10, 7], SCALAR_FLOAT);
+        l.lists[4][0].dtype = SCALAR_HALF;
+        assert_eq!(check(&l.call(), CUDA0), Ok(DType::F32));
+        l.c.amsgrad = true;
+        assert_eq!(check(&l.call(), CUDA0), Err(StockReason::InvalidInput));
+        // GradScaler's tensors and a device lr: fp32 on the params' device.
+        let mut l = Lists::new(&[10], SCALAR_FLOAT);
+        let scale = facts(1, SCALAR_DOUBLE, 0, 0x7000_0000);
+        l.c.grad_scale = &scale;
+        assert_eq!(check(&l.call(), CUDA0), Err(StockReason::InvalidInput));
+        let lr = facts(1, SCALAR_FLOAT, 0, 0x7100_0000);
+        l.c.grad_scale = std::ptr::null();
+        l.c.lr_tensor = &lr;
+        assert_eq!(check(&l.call(), CUDA0), Ok(DType::F32));
+    }
+
+    #[test]
+    fn lists_of_different_lengths_are_refused() {
+        let mut l = Lists::new(&[10, 7, 3], SCALAR_FLOAT);
+        l.lists[3].pop();
+        let _ = l.call();
+        let msg = list_length_error(&l.c, "_fused_adamw_").expect("an error");
+        assert!(msg.contains("got 3, 3, 3, 2, 3"), "{msg}");
+        // Without amsgrad, max_exp_avg_sqs is not read: its length does not matter.
+        let mut l = Lists::new(&[10, 7, 3], SCALAR_FLOAT);
+        l.lists[4].clear();
+        let _ = l.call();
+        assert_eq!(list_length_error(&l.c, "_fused_adam_"), None);
+        l.c.amsgrad = true;
+        assert!(list_length_error(&l.c, "_fused_adam_").is_some());
+    }
+
+    #[test]
+    fn launches_hold_at_most_their_capacity_and_count_units_from_their_start() {
+        let numels: Vec<i64> = (0..1234)
+            .map(|i| if i % 100 == 7 { 0 } else { 1 + i * 3 })
+            .collect();
+        let mut l = Lists::new(&numels, SCALAR_FLOAT);
+        let unit = 256;
+        let (tensors, batches) = plan_launches(&l.call(), unit).expect("plan");
+        let non_empty = numels.iter().filter(|&&n| n > 0).count();
+        assert_eq!(tensors.len(), non_empty);
+        assert_eq!(batches.len(), non_empty.div_ceil(MAX_TENSORS_PER_LAUNCH));
+        let mut covered = 0;
+        for (range, units) in &batches {
+            assert!(range.len() <= MAX_TENSORS_PER_LAUNCH);
+            assert_eq!(range.start, covered);
+            covered = range.end;
+            let mut next = 0u32;
+            for t in &tensors[range.clone()] {
+                assert_eq!(t.first_unit, next);
+                next += ((t.numel + unit - 1) / unit) as u32;
+            }
+            assert_eq!(next, *units);
+        }
+        assert_eq!(covered, tensors.len());
+        // A tensor too large for 32-bit unit counts goes to stock.
+        let mut huge = Lists::new(&[1 << 45], SCALAR_FLOAT);
+        assert_eq!(
+            plan_launches(&huge.call(), 32).err(),
+            Some(StockReason::NoVariantForShape)
+        );
     }
 }

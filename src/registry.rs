@@ -475,6 +475,11 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
             (RmsNormFwd, DType::BF16, 4096, 16384, "rms_fwd_16bit_h4096"),
             (RmsNormBwd, DType::F32, 768, 16384, "rms_bwd_f32_h768"),
             (RmsNormBwd, DType::BF16, 2048, 16384, "rms_bwd_16bit_h2048"),
+            // Adam: any size of step (rows = elements), no threshold (registry/adam.toml).
+            (AdamStep, DType::F32, 1, 1, "adam_f32"),
+            (AdamStep, DType::F32, 1, 354_823_168, "adam_f32"),
+            (AdamStep, DType::BF16, 1, 124_439_808, "adam_16bit"),
+            (AdamStep, DType::F16, 1, 1024, "adam_16bit"),
         ];
         for (op, dtype, hidden, rows, prefix) in served {
             let name =
@@ -548,6 +553,11 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
                 "{op:?} {dtype:?} {hidden}x{rows}"
             );
         }
+        // Pre-Ampere GPUs get stock's Adam (the kernels need sm_80's bf16 conversions).
+        assert_eq!(
+            pick(AdamStep, DType::F32, 1, 1 << 20, 75),
+            Err(StockReason::UnsupportedSm)
+        );
     }
 
     #[test]
