@@ -51,26 +51,32 @@ struct AdamTensor {
   unsigned int unused;
 };
 
-// The kernel's only parameter; layout must match `AdamArgs` in src/adam.rs (sizes are
-// checked on both sides). Two capacities: a small step should not pay for copying 32 KB of
-// parameters at launch.
-template <int CAPACITY>
-struct AdamArgs {
+// What every launch of a step shares; layout must match `StepScalars` in src/adam.rs.
+struct AdamStep {
   float lr;
   float beta1;
   float beta2;
   float weight_decay;
   float eps;
   unsigned int flags;
-  unsigned int tensors;
-  unsigned int units;
   const float* lr_ptr;      // device lr (the .tensor_lr overloads); null: `lr`
   const float* grad_scale;  // GradScaler's scale; null: none
   const float* found_inf;   // 1.0 skips the whole step; null: none
+};
+
+// The kernel's only parameter; layout must match `AdamArgs` in src/adam.rs (sizes are
+// checked on both sides). Two capacities: a small step should not pay for copying 32 KB of
+// parameters at launch.
+template <int CAPACITY>
+struct AdamArgs {
+  AdamStep step;
+  unsigned int tensors;
+  unsigned int units;
   AdamTensor t[CAPACITY];
 };
 #define TF_ADAM_SMALL_TENSORS 32
 static_assert(sizeof(AdamTensor) == 64, "AdamTensor layout");
+static_assert(sizeof(AdamStep) == 48, "AdamStep layout");
 static_assert(sizeof(AdamArgs<TF_ADAM_MAX_TENSORS>) == 56 + 64 * TF_ADAM_MAX_TENSORS,
               "AdamArgs layout");
 static_assert(sizeof(AdamArgs<TF_ADAM_SMALL_TENSORS>) == 56 + 64 * TF_ADAM_SMALL_TENSORS,
@@ -213,19 +219,19 @@ __device__ __forceinline__ void adam_unit_scalar(const AdamTensor& t, tf_i64 bas
 template <int CAPACITY>
 __device__ __forceinline__ void adam_step_body(const AdamArgs<CAPACITY>& args) {
   // AMP: a step whose gradients overflowed changes nothing (stock's exact test).
-  if (args.found_inf != nullptr && *args.found_inf == 1.0f) return;
+  if (args.step.found_inf != nullptr && *args.step.found_inf == 1.0f) return;
 
   AdamScalars s;
-  s.lr = args.lr_ptr != nullptr ? *args.lr_ptr : args.lr;
-  s.beta1 = args.beta1;
-  s.beta2 = args.beta2;
-  s.weight_decay = args.weight_decay;
-  s.eps = args.eps;
-  s.scale_grad = args.grad_scale != nullptr;
-  s.grad_scale = s.scale_grad ? *args.grad_scale : 1.0f;
-  s.decoupled = (args.flags & TF_ADAM_DECOUPLED) != 0;
-  s.amsgrad = (args.flags & TF_ADAM_AMSGRAD) != 0;
-  s.maximize = (args.flags & TF_ADAM_MAXIMIZE) != 0;
+  s.lr = args.step.lr_ptr != nullptr ? *args.step.lr_ptr : args.step.lr;
+  s.beta1 = args.step.beta1;
+  s.beta2 = args.step.beta2;
+  s.weight_decay = args.step.weight_decay;
+  s.eps = args.step.eps;
+  s.scale_grad = args.step.grad_scale != nullptr;
+  s.grad_scale = s.scale_grad ? *args.step.grad_scale : 1.0f;
+  s.decoupled = (args.step.flags & TF_ADAM_DECOUPLED) != 0;
+  s.amsgrad = (args.step.flags & TF_ADAM_AMSGRAD) != 0;
+  s.maximize = (args.step.flags & TF_ADAM_MAXIMIZE) != 0;
 
   const unsigned lane = threadIdx.x & 31u;
   const unsigned warps_per_block = TF_THREADS / 32;

@@ -6,7 +6,7 @@
 //! Calls stock would reject go to stock, so the user gets stock's error.
 
 use crate::jit::{self, Launch};
-use crate::registry::{DType, KernelOp, Request, StockReason, Variant, REGISTRY};
+use crate::registry::{DType, KernelOp, Request, StockReason, Variant};
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use std::ffi::c_void;
 
@@ -206,17 +206,9 @@ struct AdamTensor {
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct AdamArgs<const CAPACITY: usize> {
-    lr: f32,
-    beta1: f32,
-    beta2: f32,
-    weight_decay: f32,
-    eps: f32,
-    flags: u32,
+    step: StepScalars,
     tensors: u32,
     units: u32,
-    lr_ptr: u64,
-    grad_scale: u64,
-    found_inf: u64,
     t: [AdamTensor; CAPACITY],
 }
 
@@ -224,6 +216,7 @@ struct AdamArgs<const CAPACITY: usize> {
 const SMALL_TENSORS_PER_LAUNCH: usize = 32;
 
 const _: () = assert!(std::mem::size_of::<AdamTensor>() == 64);
+const _: () = assert!(std::mem::size_of::<StepScalars>() == 48);
 const _: () = assert!(
     std::mem::size_of::<AdamArgs<MAX_TENSORS_PER_LAUNCH>>() == 56 + 64 * MAX_TENSORS_PER_LAUNCH
 );
@@ -236,8 +229,9 @@ const _: () = assert!(
 // kernel); passed by value as the kernel's parameter.
 unsafe impl<const CAPACITY: usize> DeviceRepr for AdamArgs<CAPACITY> {}
 
-/// What every launch of a step shares.
-#[derive(Clone, Copy)]
+/// What every launch of a step shares (`AdamStep` in kernels/adam.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
 struct StepScalars {
     lr: f32,
     beta1: f32,
@@ -251,16 +245,8 @@ struct StepScalars {
 }
 
 impl<const CAPACITY: usize> AdamArgs<CAPACITY> {
-    fn fill(&mut self, scalars: &StepScalars, batch: &[AdamTensor], units: u32) {
-        self.lr = scalars.lr;
-        self.beta1 = scalars.beta1;
-        self.beta2 = scalars.beta2;
-        self.weight_decay = scalars.weight_decay;
-        self.eps = scalars.eps;
-        self.flags = scalars.flags;
-        self.lr_ptr = scalars.lr_ptr;
-        self.grad_scale = scalars.grad_scale;
-        self.found_inf = scalars.found_inf;
+    fn fill(&mut self, step: &StepScalars, batch: &[AdamTensor], units: u32) {
+        self.step = *step;
         self.tensors = batch.len() as u32;
         self.units = units;
         self.t[..batch.len()].copy_from_slice(batch);
@@ -268,17 +254,9 @@ impl<const CAPACITY: usize> AdamArgs<CAPACITY> {
 
     fn empty() -> Self {
         AdamArgs {
-            lr: 0.0,
-            beta1: 0.0,
-            beta2: 0.0,
-            weight_decay: 0.0,
-            eps: 0.0,
-            flags: 0,
+            step: StepScalars::default(),
             tensors: 0,
             units: 0,
-            lr_ptr: 0,
-            grad_scale: 0,
-            found_inf: 0,
             t: [AdamTensor::default(); CAPACITY],
         }
     }
@@ -343,24 +321,18 @@ fn unit_elements(v: &Variant, dtype: DType) -> i64 {
 /// Runs the step with a fused kernel when the registry has one; Ok: the kernel's name.
 pub fn step(launch: Launch, call: &AdamCall) -> Result<&'static str, StockReason> {
     let dtype = check(call, launch)?;
-    let gpu = jit::device(launch.device).map_err(|e| {
-        tracing::debug!("cuda:{} unavailable to torchfuse: {e}", launch.device);
-        StockReason::KernelUnavailable
-    })?;
-    let registry = REGISTRY
-        .as_ref()
-        .map_err(|_| StockReason::KernelUnavailable)?;
     let elements: i64 = call.params.iter().map(|p| p.numel).sum();
-    let index = registry.select(&Request {
+    let jit::Selected {
+        gpu,
+        variant,
+        kernels,
+    } = jit::select(launch, |sm| Request {
         op: KernelOp::AdamStep,
         dtype,
         hidden: 1,
         rows: elements,
-        sm: gpu.sm,
+        sm,
     })?;
-    let variant = registry.variant(index);
-    let kernels = jit::kernels(index, variant, dtype, launch.device, &gpu)
-        .ok_or(StockReason::KernelUnavailable)?;
     let threads = variant.params.get("THREADS").copied().unwrap_or(256) as u32;
     let warps_per_block = i64::from(threads / 32);
     let resident = i64::from(kernels.resident_per_sm(0, threads)) * i64::from(gpu.multiprocessors);
@@ -393,11 +365,7 @@ pub fn step(launch: Launch, call: &AdamCall) -> Result<&'static str, StockReason
 
     let (tensors, batches) = plan_launches(call, unit)?;
 
-    // SAFETY: `launch.stream` is PyTorch's current stream of this device, alive for the call.
-    let stream = unsafe {
-        gpu.ctx
-            .wrap_borrowed_stream(launch.stream as cudarc::driver::sys::CUstream)
-    };
+    let stream = gpu.stream(launch);
     for (launched, (range, units)) in batches.into_iter().enumerate() {
         let batch = &tensors[range];
         let blocks = (i64::from(units) + warps_per_block - 1) / warps_per_block;
@@ -423,10 +391,9 @@ pub fn step(launch: Launch, call: &AdamCall) -> Result<&'static str, StockReason
                 unsafe { builder.launch(config) }
             })
         };
-        let result = result.map(|_| ()).map_err(|e| {
-            crate::ffi::warn_once_launch_failure(&variant.name, &e.to_string());
-            StockReason::LaunchFailed
-        });
+        let result = result
+            .map(|_| ())
+            .map_err(|e| jit::launch_failed(variant, e));
         launch_or_explain(result, launched)?;
     }
     Ok(&variant.name)

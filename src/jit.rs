@@ -5,7 +5,7 @@
 //! Any failure here (no NVRTC, a compile error, a module that will not load) is reported once
 //! and remembered: the variant is unusable for the rest of the process and stock serves it.
 
-use crate::registry::{DType, KernelOp, Variant};
+use crate::registry::{DType, KernelOp, Request, StockReason, Variant, REGISTRY};
 use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::sys as nvrtc_sys;
 use once_cell::sync::{Lazy, OnceCell};
@@ -282,6 +282,17 @@ pub struct Device {
     pub multiprocessors: u32,
 }
 
+impl Device {
+    /// PyTorch's current stream of `launch`, borrowed for one call.
+    pub fn stream(&self, launch: Launch) -> Arc<cudarc::driver::CudaStream> {
+        // SAFETY: `launch.stream` is PyTorch's current stream of this device, alive for the call.
+        unsafe {
+            self.ctx
+                .wrap_borrowed_stream(launch.stream as cudarc::driver::sys::CUstream)
+        }
+    }
+}
+
 type DeviceSlot = Result<Arc<Device>, String>;
 static DEVICES: Lazy<Mutex<HashMap<i32, DeviceSlot>>> = Lazy::new(|| Mutex::new(HashMap::new()));
 
@@ -395,6 +406,44 @@ pub fn kernels(
         .clone()
 }
 
+/// What serves a call: the launch's GPU, the registry's variant and its loaded kernels.
+pub struct Selected {
+    pub gpu: Arc<Device>,
+    pub variant: &'static Variant,
+    pub kernels: Arc<Kernels>,
+}
+
+/// The registry's variant for `request(sm)` on `launch`'s GPU with its kernels loaded, or why
+/// stock serves the call.
+pub fn select(
+    launch: Launch,
+    request: impl FnOnce(u32) -> Request,
+) -> Result<Selected, StockReason> {
+    let gpu = device(launch.device).map_err(|e| {
+        tracing::debug!("cuda:{} unavailable to torchfuse: {e}", launch.device);
+        StockReason::KernelUnavailable
+    })?;
+    let registry = REGISTRY
+        .as_ref()
+        .map_err(|_| StockReason::KernelUnavailable)?;
+    let req = request(gpu.sm);
+    let index = registry.select(&req)?;
+    let variant = registry.variant(index);
+    let kernels = kernels(index, variant, req.dtype, launch.device, &gpu)
+        .ok_or(StockReason::KernelUnavailable)?;
+    Ok(Selected {
+        gpu,
+        variant,
+        kernels,
+    })
+}
+
+/// A failed launch of `variant`'s kernel: warned once, and stock serves the call.
+pub fn launch_failed(variant: &Variant, e: cudarc::driver::DriverError) -> StockReason {
+    crate::ffi::warn_once_launch_failure(&variant.name, &e.to_string());
+    StockReason::LaunchFailed
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -448,7 +497,6 @@ mod tests {
 #[cfg(test)]
 mod nvrtc_tests {
     use super::*;
-    use crate::registry::REGISTRY;
 
     /// Every registry variant compiles, for every dtype it claims, for sm_80 and sm_90a.
     /// Needs torch's NVRTC (the test binary links libtorch, so it is found next to it).

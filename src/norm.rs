@@ -2,7 +2,7 @@
 //! call. Calls stock would reject are sent to stock so the user gets stock's error.
 
 use crate::jit::{self, Kernels, Launch};
-use crate::registry::{DType, KernelOp, Request, StockReason, Variant, REGISTRY};
+use crate::registry::{DType, KernelOp, Request, StockReason, Variant};
 use crate::tensor::dtype_of;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use std::sync::Arc;
@@ -176,23 +176,17 @@ struct Plan {
 }
 
 fn plan(op: KernelOp, l: &Layout, launch: Launch) -> Result<Plan, StockReason> {
-    let gpu = jit::device(launch.device).map_err(|e| {
-        tracing::debug!("cuda:{} unavailable to torchfuse: {e}", launch.device);
-        StockReason::KernelUnavailable
-    })?;
-    let registry = REGISTRY
-        .as_ref()
-        .map_err(|_| StockReason::KernelUnavailable)?;
-    let index = registry.select(&Request {
+    let jit::Selected {
+        gpu,
+        variant,
+        kernels,
+    } = jit::select(launch, |sm| Request {
         op,
         dtype: l.dtype,
         hidden: l.cols,
         rows: l.rows,
-        sm: gpu.sm,
+        sm,
     })?;
-    let variant = registry.variant(index);
-    let kernels = jit::kernels(index, variant, l.dtype, launch.device, &gpu)
-        .ok_or(StockReason::KernelUnavailable)?;
     let g = geometry(variant);
     let groups = (l.rows + i64::from(g.rows_per_block) - 1) / i64::from(g.rows_per_block);
     let resident = kernels.resident_per_sm(0, g.threads_per_row * g.rows_per_block);
@@ -208,16 +202,6 @@ fn plan(op: KernelOp, l: &Layout, launch: Launch) -> Result<Plan, StockReason> {
 }
 
 impl Plan {
-    /// PyTorch's current stream, borrowed for this call.
-    fn stream(&self, launch: Launch) -> Arc<cudarc::driver::CudaStream> {
-        // SAFETY: `launch.stream` is PyTorch's current stream of this device, alive for the call.
-        unsafe {
-            self.gpu
-                .ctx
-                .wrap_borrowed_stream(launch.stream as cudarc::driver::sys::CUstream)
-        }
-    }
-
     /// One CTA per group of rows, `rows_per_block` rows of `threads_per_row` threads.
     fn rows_config(&self) -> LaunchConfig {
         LaunchConfig {
@@ -232,8 +216,7 @@ impl Plan {
     }
 
     fn launch_failed(&self, e: cudarc::driver::DriverError) -> StockReason {
-        crate::ffi::warn_once_launch_failure(&self.variant.name, &e.to_string());
-        StockReason::LaunchFailed
+        jit::launch_failed(self.variant, e)
     }
 }
 
@@ -311,7 +294,7 @@ pub fn forward(launch: Launch, call: &ForwardCall) -> Result<Forward, StockReaso
     let (mean_ptr, rstd_ptr) = (ptr(mean.as_ref()), ptr(Some(&rstd)));
     let eps = call.eps.unwrap_or(f64::from(f32::EPSILON)) as f32;
 
-    let stream = plan.stream(launch);
+    let stream = plan.gpu.stream(launch);
     let mut args = stream.launch_builder(&plan.kernels.functions[0]);
     args.arg(&x_ptr)
         .arg(&w_ptr)
@@ -431,7 +414,7 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Backward, StockRe
     let (dw_ptr, db_ptr) = (ptr(dweight.as_ref()), ptr(dbias.as_ref()));
     let groups = i32::try_from(plan.grid).map_err(|_| StockReason::NoVariantForShape)?;
 
-    let stream = plan.stream(launch);
+    let stream = plan.gpu.stream(launch);
     let mut args = stream.launch_builder(&plan.kernels.functions[0]);
     args.arg(&dy_ptr)
         .arg(&x_ptr)
