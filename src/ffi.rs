@@ -9,7 +9,7 @@ use crate::norm::{BackwardCall, ForwardCall, NormKind};
 use crate::ops::{Entry, Toggle};
 use crate::registry::StockReason;
 use crate::stats::{self, Outcome};
-use crate::tensor::{borrow, describe, into_raw};
+use crate::tensor::{borrow, describe, into_raw, kind_name};
 use once_cell::sync::OnceCell;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -392,6 +392,85 @@ pub unsafe extern "C" fn torchfuse_rs_adam(
             Ok(Served {
                 outputs: [None, None, None],
                 kernel,
+            })
+        },
+    )
+}
+
+/// The dtype name and shape a call is logged and counted under.
+fn described(dtype_of: &Tensor, shape: Vec<i64>) -> Option<(&'static str, Vec<i64>)> {
+    Some((kind_name(dtype_of.f_kind().ok()), shape))
+}
+
+/// `embedding(weight, indices, ...)`: out[0] = the gathered rows, shape indices + [D].
+///
+/// # Safety
+/// `launch` is valid; `weight` and `indices` are valid `at::Tensor`s; `out` has room for 3.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_embedding(
+    launch: *const Launch,
+    weight: *const c_void,
+    indices: *const c_void,
+    out: *mut *mut c_void,
+) -> i32 {
+    let (Some(launch), Some(weight), Some(indices)) =
+        (launch.as_ref(), borrow(weight), borrow(indices))
+    else {
+        return STOCK;
+    };
+    serve_described(
+        Entry::Embedding,
+        || {
+            let mut shape = indices.size();
+            shape.extend(weight.size().get(1));
+            described(&weight, shape)
+        },
+        out,
+        |_| {
+            let fwd = crate::embedding::forward(*launch, &weight, &indices)?;
+            Ok(Served {
+                outputs: [Some(fwd.output), None, None],
+                kernel: fwd.kernel,
+            })
+        },
+    )
+}
+
+/// `embedding_dense_backward`: out[0] = grad_weight [num_weights, D].
+///
+/// # Safety
+/// As `torchfuse_rs_embedding`, with `grad` and `indices`.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_embedding_backward(
+    launch: *const Launch,
+    grad: *const c_void,
+    indices: *const c_void,
+    num_weights: i64,
+    padding_idx: i64,
+    scale_grad_by_freq: bool,
+    out: *mut *mut c_void,
+) -> i32 {
+    let (Some(launch), Some(grad), Some(indices)) =
+        (launch.as_ref(), borrow(grad), borrow(indices))
+    else {
+        return STOCK;
+    };
+    serve_described(
+        Entry::EmbeddingDenseBackward,
+        || described(&grad, grad.size()),
+        out,
+        |_| {
+            let call = crate::embedding::BackwardCall {
+                grad: &grad,
+                indices: &indices,
+                num_weights,
+                padding_idx,
+                scale_grad_by_freq,
+            };
+            let bwd = crate::embedding::backward(*launch, &call)?;
+            Ok(Served {
+                outputs: [Some(bwd.output), None, None],
+                kernel: bwd.kernel,
             })
         },
     )

@@ -8,6 +8,7 @@
 
 pub mod adam;
 pub mod config;
+pub mod embedding;
 pub mod ffi;
 pub mod jit;
 pub mod logging;

@@ -27,6 +27,7 @@ pub enum StockReason {
     NotFasterHere,
     EmptyInput,
     NothingRequested,
+    ScaleGradByFreq,
     InvalidInput,
     KernelUnavailable,
     LaunchFailed,
@@ -45,6 +46,7 @@ impl std::fmt::Display for StockReason {
             StockReason::NotFasterHere => "stock is faster at this shape",
             StockReason::EmptyInput => "empty input",
             StockReason::NothingRequested => "no output requested",
+            StockReason::ScaleGradByFreq => "scale_grad_by_freq is not served",
             StockReason::InvalidInput => "input stock rejects",
             StockReason::KernelUnavailable => "kernel unavailable",
             StockReason::LaunchFailed => "kernel launch failed",
@@ -106,6 +108,12 @@ pub enum KernelOp {
     /// `_fused_adam_` / `_fused_adamw_`; a request's `rows` is the step's total elements.
     #[serde(rename = "adam_step")]
     AdamStep,
+    /// `embedding`; `hidden` is the embedding width, `rows` the number of indices.
+    #[serde(rename = "embedding_fwd")]
+    EmbeddingFwd,
+    /// `embedding_dense_backward`; as the forward.
+    #[serde(rename = "embedding_bwd")]
+    EmbeddingBwd,
 }
 
 impl KernelOp {
@@ -115,6 +123,13 @@ impl KernelOp {
             KernelOp::LayerNormFwd | KernelOp::RmsNormFwd => &["norm_fwd"],
             KernelOp::LayerNormBwd | KernelOp::RmsNormBwd => &["norm_bwd", "norm_bwd_reduce"],
             KernelOp::AdamStep => &["adam_step", "adam_step_small"],
+            KernelOp::EmbeddingFwd => &["emb_fwd"],
+            KernelOp::EmbeddingBwd => &[
+                "emb_sort_count",
+                "emb_sort_scatter",
+                "emb_bwd_reduce",
+                "emb_bwd_finish",
+            ],
         }
     }
 
@@ -126,6 +141,7 @@ impl KernelOp {
             KernelOp::RmsNormFwd => &["-DTF_NORM_FWD=1", "-DTF_RMS=1"],
             KernelOp::RmsNormBwd => &["-DTF_NORM_BWD=1", "-DTF_RMS=1"],
             KernelOp::AdamStep => &[ADAM_CAPACITY_DEFINE],
+            KernelOp::EmbeddingFwd | KernelOp::EmbeddingBwd => &[],
         }
     }
 }
@@ -233,6 +249,9 @@ impl Registry {
                 | KernelOp::RmsNormFwd
                 | KernelOp::RmsNormBwd => crate::norm::validate_variant(v)?,
                 KernelOp::AdamStep => crate::adam::validate_variant(v)?,
+                KernelOp::EmbeddingFwd | KernelOp::EmbeddingBwd => {
+                    crate::embedding::validate_variant(v)?
+                }
             }
         }
         Ok(Registry {

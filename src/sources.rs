@@ -3,11 +3,13 @@
 pub const KERNEL_SOURCES: &[(&str, &str)] = &[
     ("adam.cu", include_str!("../kernels/adam.cu")),
     ("common.cuh", include_str!("../kernels/common.cuh")),
+    ("embedding.cu", include_str!("../kernels/embedding.cu")),
     ("norm.cu", include_str!("../kernels/norm.cu")),
 ];
 
 pub const REGISTRY_FILES: &[(&str, &str)] = &[
     ("adam.toml", include_str!("../registry/adam.toml")),
+    ("embedding.toml", include_str!("../registry/embedding.toml")),
     ("norm.toml", include_str!("../registry/norm.toml")),
 ];
 

@@ -92,6 +92,13 @@ int32_t torchfuse_rs_norm_bwd(bool rms, const TfLaunch* launch, const at::Tensor
                               const at::Tensor* bias, uint32_t output_mask, at::Tensor** out);
 // 1: the step ran (params and moments updated in place); 0: stock must run it; 2: bad input
 // stock would not survive (call->error says why).
+// embedding: out[0] = the gathered rows; embedding_dense_backward: out[0] = grad_weight.
+int32_t torchfuse_rs_embedding(const TfLaunch* launch, const at::Tensor* weight,
+                               const at::Tensor* indices, at::Tensor** out);
+int32_t torchfuse_rs_embedding_backward(const TfLaunch* launch, const at::Tensor* grad,
+                                        const at::Tensor* indices, int64_t num_weights,
+                                        int64_t padding_idx, bool scale_grad_by_freq,
+                                        at::Tensor** out);
 int32_t torchfuse_rs_adam(uint32_t entry, const TfLaunch* launch, TfAdamCall* call);
 void torchfuse_rs_passthrough(uint32_t entry, const at::Tensor* primary, int64_t list_len);
 int64_t torchfuse_rs_sdp_choice(const at::Tensor* query, const at::Tensor* key,
@@ -223,7 +230,13 @@ std::tuple<at::Tensor, at::Tensor> fused_rms_norm_backward(
 
 at::Tensor embedding(const at::Tensor& weight, const at::Tensor& indices, int64_t padding_idx,
                      bool scale_grad_by_freq, bool sparse) {
-  torchfuse_rs_passthrough(kEmbedding, &weight, -1);
+  if (weight.is_cuda()) {
+    const c10::DeviceGuard guard(weight.device());
+    const TfLaunch launch = launch_for(weight);
+    at::Tensor* out[3] = {nullptr, nullptr, nullptr};
+    if (torchfuse_rs_embedding(&launch, &weight, &indices, out) == kFused)
+      return take_outputs(out)[0];
+  }
   return at::compositeexplicitautograd::embedding(weight, indices, padding_idx,
                                                   scale_grad_by_freq, sparse);
 }
@@ -231,7 +244,14 @@ at::Tensor embedding(const at::Tensor& weight, const at::Tensor& indices, int64_
 at::Tensor embedding_dense_backward(const at::Tensor& grad_output, const at::Tensor& indices,
                                     int64_t num_weights, int64_t padding_idx,
                                     bool scale_grad_by_freq) {
-  torchfuse_rs_passthrough(kEmbeddingDenseBackward, &grad_output, -1);
+  if (grad_output.is_cuda()) {
+    const c10::DeviceGuard guard(grad_output.device());
+    const TfLaunch launch = launch_for(grad_output);
+    at::Tensor* out[3] = {nullptr, nullptr, nullptr};
+    if (torchfuse_rs_embedding_backward(&launch, &grad_output, &indices, num_weights,
+                                        padding_idx, scale_grad_by_freq, out) == kFused)
+      return take_outputs(out)[0];
+  }
   return at::cuda::embedding_dense_backward(grad_output, indices, num_weights, padding_idx,
                                             scale_grad_by_freq);
 }

@@ -40,20 +40,6 @@ def assert_same(a, b, exact=True):
             torch.testing.assert_close(x, y)
 
 
-def test_embedding_fwd_bwd():
-    def fn():
-        emb = torch.nn.Embedding(1000, 64, padding_idx=3).cuda()
-        idx = torch.randint(0, 1000, (8, 33), device="cuda")
-        y = emb(idx)
-        y.square().sum().backward()
-        return y.detach(), emb.weight.grad
-    before = (no_kernel_yet("embedding"), no_kernel_yet("embedding_dense_backward"))
-    on, off = both("embedding", fn)
-    assert_same(on, off, exact=False)
-    assert no_kernel_yet("embedding") == before[0] + 1
-    assert no_kernel_yet("embedding_dense_backward") == before[1] + 1
-
-
 @pytest.mark.parametrize("backend", [None, SDPBackend.FLASH_ATTENTION])
 def test_sdpa_fwd_bwd(backend):
     def fn():

@@ -1,0 +1,728 @@
+// Embedding forward and backward: torch's `embedding` (a gather of table rows) and
+// `embedding_dense_backward` (the scatter-add of grad rows into a dense table gradient).
+//
+// Forward (emb_fwd), one pass: every gathered table element is read once and every output
+// element written once. The output is cut into vectors of TF_VEC elements (16 bytes); each
+// thread loads TF_UNROLL vectors before it stores any, so a warp keeps TF_UNROLL x 512 bytes
+// in flight.
+//
+// Backward, deterministic by construction (no floating-point atomics; every sum has an order
+// fixed by the indices alone, so the result is bitwise identical run to run):
+//  1. A stable LSD radix sort of the (index, token) pairs by index, 1 to 4 passes of up to
+//     9-bit digits (as many bits as the table has rows). A pass is emb_sort_count (a digit
+//     histogram per tile of 2048 tokens) then emb_sort_scatter (each tile recomputes its
+//     digits' global offsets from the histograms, ranks its tokens per warp with ballots, and
+//     writes them to their sorted places). Tokens of one index stay in token order. Keys are
+//     loaded before any is used, so a tile waits for memory once, not once per token.
+//  2. The first emb_sort_count also marks every row some token has in a bitmap; the first
+//     emb_sort_scatter launch has extra CTAs that write the zero rows (unmarked, or
+//     padding_idx) while the sort's few CTAs work, so the bulk of the writes overlaps the sort.
+//  3. emb_bwd_reduce cuts the sorted tokens into chunks of 32. In each chunk a run of equal
+//     indices (a piece) is summed by one warp in token order, in fp32 (4 rows' loads in
+//     flight): a piece that holds all of its row's tokens is written to grad_weight; a piece
+//     cut by a chunk edge is written as an fp32 partial (slot 0: the chunk's first piece,
+//     slot 1: its last), and its row goes on a work list.
+//  4. emb_bwd_finish sums each cut row's partials in chunk order (a whole CTA for rows with
+//     many: warps take fixed strides, then a fixed-order sum over warps) and writes the row.
+// Every row of grad_weight is written exactly once, grad is read once; besides that the sort
+// moves 16 bytes per token per pass and the partials 8 bytes per column per cut row.
+//
+// Bad indices: outside [0, num_weights) they stop the kernel with a device-side assert (the
+// forward, and the first sort pass of the backward), as stock's kernels do. Nothing out of
+// bounds is read or written even if the assert were compiled out: such a token is skipped.
+//
+// Compile-time parameters (registry/embedding.toml): TF_DTYPE (table, output, grads),
+// TF_THREADS and TF_UNROLL (emb_fwd). Run time: `idx64` (int64 or int32 indices),
+// `vectorized` (rows are whole 16-byte vectors and every row pointer 16-byte aligned;
+// otherwise element by element).
+#include "common.cuh"
+
+#ifndef TF_THREADS
+#define TF_THREADS 256
+#endif
+#ifndef TF_UNROLL
+#define TF_UNROLL 4
+#endif
+
+#define VEC TF_VEC
+#define SORT_THREADS 256
+#define SORT_WARPS (SORT_THREADS / 32)
+#define SORT_ITEMS 8
+#define SORT_TILE (SORT_THREADS * SORT_ITEMS)
+#define SORT_WARP_ITEMS (SORT_TILE / SORT_WARPS)
+#define RADIX_MAX 512
+#define CHUNK 32
+#define REDUCE_THREADS 256
+#define REDUCE_WARPS (REDUCE_THREADS / 32)
+#define COMBINE_THREADS 512
+#define COMBINE_WARPS (COMBINE_THREADS / 32)
+
+extern "C" __device__ void __assertfail(const char* message, const char* file, unsigned int line,
+                                        const char* function, unsigned long char_size);
+
+__device__ __noinline__ void index_out_of_range() {
+  __assertfail("index out of range in self (torchfuse embedding: every index must be in "
+               "[0, num_weights))",
+               "embedding.cu", __LINE__, "embedding", 1);
+}
+
+__device__ __forceinline__ long long raw_index(const void* indices, int idx64, tf_i64 i) {
+  return idx64 ? static_cast<const long long*>(indices)[i]
+               : static_cast<long long>(static_cast<const int*>(indices)[i]);
+}
+
+// V elements of tf_storage: one 16-byte access when V == VEC, otherwise element by element.
+template <int V>
+__device__ __forceinline__ void load_vec(const tf_storage* p, float (&v)[V]) {
+  if constexpr (V == VEC) {
+    tf_pack<tf_storage> u;
+    u.raw = *reinterpret_cast<const tf_raw16*>(p);
+#pragma unroll
+    for (int j = 0; j < V; ++j) v[j] = tf_float(u.e[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) v[j] = tf_float(p[j]);
+  }
+}
+
+template <int V>
+__device__ __forceinline__ void store_vec(tf_storage* p, const float (&v)[V]) {
+  if constexpr (V == VEC) {
+    tf_pack<tf_storage> u;
+#pragma unroll
+    for (int j = 0; j < V; ++j) u.e[j] = tf_cast<tf_storage>(v[j]);
+    *reinterpret_cast<tf_raw16*>(p) = u.raw;
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) p[j] = tf_cast<tf_storage>(v[j]);
+  }
+}
+
+// V fp32 values (partials): 16-byte accesses when the vector is a whole number of them.
+template <int V>
+__device__ __forceinline__ void load_f32(const float* p, float (&v)[V]) {
+  if constexpr (V % 4 == 0) {
+#pragma unroll
+    for (int j = 0; j < V; j += 4) {
+      const float4 q = *reinterpret_cast<const float4*>(p + j);
+      v[j] = q.x;
+      v[j + 1] = q.y;
+      v[j + 2] = q.z;
+      v[j + 3] = q.w;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) v[j] = p[j];
+  }
+}
+
+template <int V>
+__device__ __forceinline__ void store_f32(float* p, const float (&v)[V]) {
+  if constexpr (V % 4 == 0) {
+#pragma unroll
+    for (int j = 0; j < V; j += 4)
+      *reinterpret_cast<float4*>(p + j) = make_float4(v[j], v[j + 1], v[j + 2], v[j + 3]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) p[j] = v[j];
+  }
+}
+
+// ------------------------------------------------------------------------------ forward
+
+template <int V>
+__device__ __forceinline__ void gather(const tf_storage* __restrict__ weight, tf_i64 row_stride,
+                                       const void* __restrict__ indices, int idx64,
+                                       tf_i64 tokens, int cols, tf_i64 num_weights,
+                                       tf_storage* __restrict__ out) {
+  const tf_i64 per_row = cols / V;
+  const tf_i64 units = tokens * per_row;
+  const tf_i64 stride = static_cast<tf_i64>(gridDim.x) * blockDim.x;
+  const bool narrow = units <= 0xffffffffll;
+  for (tf_i64 base = static_cast<tf_i64>(blockIdx.x) * blockDim.x + threadIdx.x; base < units;
+       base += stride * TF_UNROLL) {
+    // Indices, then their check, then the rows: every load of a stage is in flight at once
+    // (the assert is a call, which no load may be moved across).
+    long long rows[TF_UNROLL];
+    tf_i64 cs[TF_UNROLL];
+#pragma unroll
+    for (int k = 0; k < TF_UNROLL; ++k) {
+      const tf_i64 u = base + k * stride;
+      rows[k] = 0;
+      cs[k] = 0;
+      if (u < units) {
+        // 32-bit division when it can be: this is the only arithmetic per 16 bytes moved.
+        const tf_i64 t = narrow ? static_cast<tf_i64>(static_cast<unsigned int>(u) /
+                                                      static_cast<unsigned int>(per_row))
+                                : u / per_row;
+        cs[k] = u - t * per_row;
+        rows[k] = raw_index(indices, idx64, t);
+      }
+    }
+    bool bad = false;
+#pragma unroll
+    for (int k = 0; k < TF_UNROLL; ++k) bad |= rows[k] < 0 || rows[k] >= num_weights;
+    if (bad) {
+      index_out_of_range();
+      return;
+    }
+    tf_storage vals[TF_UNROLL][V];
+#pragma unroll
+    for (int k = 0; k < TF_UNROLL; ++k) {
+      if (base + k * stride < units) {
+        const tf_storage* src = weight + rows[k] * row_stride + cs[k] * V;
+        if constexpr (V == VEC) {
+          *reinterpret_cast<tf_raw16*>(vals[k]) = *reinterpret_cast<const tf_raw16*>(src);
+        } else {
+#pragma unroll
+          for (int j = 0; j < V; ++j) vals[k][j] = src[j];
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < TF_UNROLL; ++k) {
+      const tf_i64 u = base + k * stride;
+      if (u < units) {
+        tf_storage* dst = out + u * V;
+        if constexpr (V == VEC) {
+          *reinterpret_cast<tf_raw16*>(dst) = *reinterpret_cast<const tf_raw16*>(vals[k]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < V; ++j) dst[j] = vals[k][j];
+        }
+      }
+    }
+  }
+}
+
+// out[t, :] = weight[indices[t], :] for t < tokens; out is contiguous, weight rows are
+// `row_stride` elements apart (its columns contiguous).
+extern "C" __global__ void __launch_bounds__(TF_THREADS)
+    emb_fwd(const tf_storage* __restrict__ weight, tf_i64 row_stride,
+            const void* __restrict__ indices, int idx64, tf_i64 tokens, int cols,
+            tf_i64 num_weights, tf_storage* __restrict__ out, int vectorized) {
+  if (vectorized) {
+    gather<VEC>(weight, row_stride, indices, idx64, tokens, cols, num_weights, out);
+  } else {
+    gather<1>(weight, row_stride, indices, idx64, tokens, cols, num_weights, out);
+  }
+}
+
+// ------------------------------------------------------------------------------ sort
+
+__device__ __forceinline__ unsigned int lanemask_lt() {
+  unsigned int m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+
+// The sort keys of a thread's SORT_ITEMS tokens first + k * step in this pass: the raw
+// indices on the first pass (checked: an index outside the table asserts), the previous
+// pass's keys after that. All loads are issued before the check. NOT_COUNTED: past the end.
+#define NOT_COUNTED 0xffffffffu
+__device__ __forceinline__ void load_keys(const void* indices, int idx64,
+                                          const unsigned int* keys_in, tf_i64 first, int step,
+                                          tf_i64 n, tf_i64 num_weights,
+                                          unsigned int (&keys)[SORT_ITEMS]) {
+  if (keys_in != nullptr) {
+#pragma unroll
+    for (int k = 0; k < SORT_ITEMS; ++k) {
+      const tf_i64 i = first + k * step;
+      keys[k] = i < n ? keys_in[i] : NOT_COUNTED;
+    }
+    return;
+  }
+  long long raw[SORT_ITEMS];
+#pragma unroll
+  for (int k = 0; k < SORT_ITEMS; ++k) {
+    const tf_i64 i = first + k * step;
+    raw[k] = i < n ? raw_index(indices, idx64, i) : 0;
+  }
+  bool bad = false;
+#pragma unroll
+  for (int k = 0; k < SORT_ITEMS; ++k) {
+    const bool out_of_table = raw[k] < 0 || raw[k] >= num_weights;
+    bad |= out_of_table;
+    keys[k] = first + k * step < n && !out_of_table ? static_cast<unsigned int>(raw[k])
+                                                     : NOT_COUNTED;
+  }
+  if (bad) index_out_of_range();
+}
+
+// The lanes of the warp whose key has the same digit (bits [shift, shift + bits)), and
+// whether this lane's key counts at all: one ballot per digit bit (full-rate instructions;
+// __match_any_sync is much slower when the digits are all different).
+__device__ __forceinline__ unsigned int same_digit(unsigned int key, int shift, int bits,
+                                                   bool& counted) {
+  counted = key != NOT_COUNTED;
+  const unsigned int valid = __ballot_sync(0xffffffffu, counted);
+  unsigned int peers = counted ? valid : ~valid;
+  for (int b = 0; b < bits; ++b) {
+    const bool set = (key >> (shift + b)) & 1u;
+    const unsigned int m = __ballot_sync(0xffffffffu, set);
+    peers &= set ? m : ~m;
+  }
+  return peers;
+}
+
+__device__ __forceinline__ int digit_of(unsigned int key, int shift, int radix) {
+  return static_cast<int>((key >> shift) & (radix - 1));
+}
+
+// hist[tile * radix + digit] = how many of the tile's tokens have that digit. The first pass
+// also sets each token's row bit in `touched` (cleared before the launch).
+extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+    emb_sort_count(const void* __restrict__ indices, int idx64,
+                   const unsigned int* __restrict__ keys_in, tf_i64 n, tf_i64 num_weights,
+                   int shift, int bits, unsigned int* __restrict__ hist,
+                   unsigned int* __restrict__ touched) {
+  __shared__ unsigned int counts[RADIX_MAX];
+  const int radix = 1 << bits;
+  for (int d = threadIdx.x; d < radix; d += SORT_THREADS) counts[d] = 0;
+  unsigned int keys[SORT_ITEMS];
+  load_keys(indices, idx64, keys_in, static_cast<tf_i64>(blockIdx.x) * SORT_TILE + threadIdx.x,
+            SORT_THREADS, n, num_weights, keys);
+  __syncthreads();
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int k = 0; k < SORT_ITEMS; ++k) {
+    bool counted;
+    const unsigned int peers = same_digit(keys[k], shift, bits, counted);
+    // One shared-memory add per distinct digit in the warp (all-equal indices would
+    // otherwise serialize 32 adds on one address).
+    if (counted && lane == __ffs(peers) - 1)
+      atomicAdd(&counts[digit_of(keys[k], shift, radix)], __popc(peers));
+    if (touched != nullptr) {
+      // Runs of one row skip the atomic (all-equal indices would serialize on one word).
+      const unsigned int left = __shfl_up_sync(0xffffffffu, keys[k], 1);
+      if (counted && (lane == 0 || left != keys[k]))
+        atomicOr(&touched[keys[k] >> 5], 1u << (keys[k] & 31));
+    }
+  }
+  __syncthreads();
+  for (int d = threadIdx.x; d < radix; d += SORT_THREADS)
+    hist[static_cast<tf_i64>(blockIdx.x) * radix + d] = counts[d];
+}
+
+// Writes the tile's tokens to their places in the order (digit, token): keys_out/pos_out.
+// pos_in null: the first pass, positions are token numbers.
+__device__ __forceinline__ void sort_scatter(const void* __restrict__ indices, int idx64,
+                     const unsigned int* __restrict__ keys_in,
+                     const unsigned int* __restrict__ pos_in, tf_i64 n, tf_i64 num_weights,
+                     int shift, int bits, const unsigned int* __restrict__ hist, int tiles,
+                     unsigned int* __restrict__ keys_out, unsigned int* __restrict__ pos_out) {
+  // next[w][d]: where warp w writes its next token of digit d.
+  __shared__ unsigned int next[SORT_WARPS][RADIX_MAX];
+  __shared__ unsigned int digit_start[RADIX_MAX];
+  __shared__ unsigned int warp_totals[SORT_WARPS];
+  const int radix = 1 << bits;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int tile = blockIdx.x;
+
+  // Each warp owns a contiguous stretch of the tile, SORT_ITEMS tokens per lane, all loaded
+  // up front.
+  const tf_i64 warp_start =
+      static_cast<tf_i64>(tile) * SORT_TILE + static_cast<tf_i64>(warp) * SORT_WARP_ITEMS;
+  unsigned int keys[SORT_ITEMS];
+  unsigned int pos[SORT_ITEMS];
+  load_keys(indices, idx64, keys_in, warp_start + lane, 32, n, num_weights, keys);
+#pragma unroll
+  for (int k = 0; k < SORT_ITEMS; ++k) {
+    const tf_i64 i = warp_start + k * 32 + lane;
+    pos[k] = pos_in == nullptr ? static_cast<unsigned int>(i) : (i < n ? pos_in[i] : 0u);
+  }
+
+  // 1. The digits' global order: all tokens of smaller digits, then this digit's tokens of
+  //    earlier tiles. Digits are spread over threads two per thread (radix <= 512).
+  unsigned int before_tile[2] = {0, 0};
+  unsigned int total[2] = {0, 0};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int d = threadIdx.x * 2 + h;
+    if (d < radix) {
+#pragma unroll 8
+      for (int j = 0; j < tiles; ++j) {
+        const unsigned int c = hist[static_cast<tf_i64>(j) * radix + d];
+        before_tile[h] += j < tile ? c : 0u;
+        total[h] += c;
+      }
+    }
+  }
+  // Exclusive scan of the totals over digits (thread order = digit order).
+  const unsigned int pair = total[0] + total[1];
+  unsigned int inclusive = pair;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const unsigned int up = __shfl_up_sync(0xffffffffu, inclusive, offset);
+    if (lane >= offset) inclusive += up;
+  }
+  if (lane == 31) warp_totals[warp] = inclusive;
+  for (int d = lane; d < radix; d += 32) next[warp][d] = 0;
+  __syncthreads();
+  unsigned int warp_base = 0;
+  for (int w = 0; w < warp; ++w) warp_base += warp_totals[w];
+  const unsigned int first = warp_base + inclusive - pair;
+  if (threadIdx.x * 2 < radix) digit_start[threadIdx.x * 2] = first + before_tile[0];
+  if (threadIdx.x * 2 + 1 < radix)
+    digit_start[threadIdx.x * 2 + 1] = first + total[0] + before_tile[1];
+
+  // 2. Count the warp's digits, and keep each token's rank among its warp-mates of the same
+  //    digit in the same iteration.
+  unsigned int rank[SORT_ITEMS];
+#pragma unroll
+  for (int k = 0; k < SORT_ITEMS; ++k) {
+    bool counted;
+    const unsigned int peers = same_digit(keys[k], shift, bits, counted);
+    const int digit = digit_of(keys[k], shift, radix);
+    rank[k] = counted ? __popc(peers & lanemask_lt()) : NOT_COUNTED;
+    unsigned int before = 0;
+    if (counted) before = next[warp][digit];
+    __syncwarp();
+    if (counted && lane == __ffs(peers) - 1) next[warp][digit] = before + __popc(peers);
+    if (counted) rank[k] += before;
+    __syncwarp();  // the next leader of this digit may be another lane
+  }
+  __syncthreads();
+
+  // 3. Counts -> each warp's first place per digit (warps in order).
+  for (int d = threadIdx.x; d < radix; d += SORT_THREADS) {
+    unsigned int place = digit_start[d];
+    for (int w = 0; w < SORT_WARPS; ++w) {
+      const unsigned int c = next[w][d];
+      next[w][d] = place;
+      place += c;
+    }
+  }
+  __syncthreads();
+
+  // 4. Scatter: the warp's first place for the digit plus the rank within the warp.
+#pragma unroll
+  for (int k = 0; k < SORT_ITEMS; ++k) {
+    if (rank[k] != NOT_COUNTED) {
+      const unsigned int place = next[warp][digit_of(keys[k], shift, radix)] + rank[k];
+      keys_out[place] = keys[k];
+      pos_out[place] = pos[k];
+    }
+  }
+}
+
+// Zeros for every row no token touches (its bit in `touched` is clear) and for the padding
+// row: warps of blocks from `first_block` on take 32 rows (one bitmap word) at a time.
+template <int V>
+__device__ __forceinline__ void zero_rows(const unsigned int* __restrict__ touched, int cols,
+                                          tf_i64 num_weights, tf_i64 padding_idx,
+                                          int first_block, tf_storage* __restrict__ out) {
+  __shared__ unsigned char zero_list[SORT_WARPS][32];
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const tf_i64 warps = static_cast<tf_i64>(gridDim.x - first_block) * SORT_WARPS;
+  const tf_i64 my_warp = static_cast<tf_i64>(blockIdx.x - first_block) * SORT_WARPS + warp;
+  const tf_i64 per_row = cols / V;
+  float zero[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) zero[j] = 0.f;
+  for (tf_i64 r0 = my_warp * 32; r0 < num_weights; r0 += warps * 32) {
+    const tf_i64 r = r0 + lane;
+    const unsigned int word = touched[r0 >> 5];
+    const bool zero_row = r < num_weights && (r == padding_idx || !((word >> lane) & 1u));
+    const unsigned int mask = __ballot_sync(0xffffffffu, zero_row);
+    if (zero_row) zero_list[warp][__popc(mask & lanemask_lt())] = static_cast<unsigned char>(lane);
+    __syncwarp();
+    const int rows = __popc(mask);
+    if (per_row >= 32) {
+      for (int k = 0; k < rows; ++k) {
+        tf_storage* row = out + (r0 + zero_list[warp][k]) * cols;
+        for (tf_i64 c = lane; c < per_row; c += 32) store_vec<V>(row + c * V, zero);
+      }
+    } else {
+      // Narrow rows: the warp's lanes spread over several rows at once.
+      const int narrow = static_cast<int>(per_row);
+      for (int u = lane; u < rows * narrow; u += 32) {
+        const int k = u / narrow;
+        store_vec<V>(out + (r0 + zero_list[warp][k]) * cols + (u - k * narrow) * V, zero);
+      }
+    }
+    __syncwarp();
+  }
+}
+
+// Pass p of the sort (blocks [0, tiles)); on the first pass the blocks after them write the
+// zero rows meanwhile (`out` non-null), from the bitmap emb_sort_count made.
+extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+    emb_sort_scatter(const void* __restrict__ indices, int idx64,
+                     const unsigned int* __restrict__ keys_in,
+                     const unsigned int* __restrict__ pos_in, tf_i64 n, tf_i64 num_weights,
+                     int shift, int bits, const unsigned int* __restrict__ hist, int tiles,
+                     unsigned int* __restrict__ keys_out, unsigned int* __restrict__ pos_out,
+                     const unsigned int* __restrict__ touched, int cols, tf_i64 padding_idx,
+                     tf_storage* __restrict__ out, int vectorized) {
+  if (static_cast<int>(blockIdx.x) < tiles) {
+    sort_scatter(indices, idx64, keys_in, pos_in, n, num_weights, shift, bits, hist, tiles,
+                 keys_out, pos_out);
+  } else if (vectorized) {
+    zero_rows<VEC>(touched, cols, num_weights, padding_idx, tiles, out);
+  } else {
+    zero_rows<1>(touched, cols, num_weights, padding_idx, tiles, out);
+  }
+}
+
+// ------------------------------------------------------------------------------ backward
+
+// Tokens whose grad rows a lane loads before adding any (emb_bwd_reduce), and the column
+// vectors it takes per row: 16 fp32 accumulators per lane either way.
+#define PIECE_TOKENS 4
+#define PIECE_GROUP (16 / VEC)
+
+// One warp sums the grad rows of sorted tokens [a, b) (their token numbers in `pos`) in
+// order, and writes the sum to `row` (grad_weight) or `partial` (fp32), whichever is set.
+template <int V>
+__device__ __forceinline__ void sum_piece(const tf_storage* __restrict__ grad,
+                                          const unsigned int* pos, int a, int b, int cols,
+                                          tf_storage* row, float* partial, int lane) {
+  constexpr int G = V == VEC ? PIECE_GROUP : 4;
+  const int per_row = cols / V;
+  for (int c0 = lane; c0 < per_row; c0 += 32 * G) {
+    float acc[G][V];
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int j = 0; j < V; ++j) acc[g][j] = 0.f;
+    for (int i = a; i < b; i += PIECE_TOKENS) {
+      tf_storage raw[PIECE_TOKENS][G][V];
+#pragma unroll
+      for (int t = 0; t < PIECE_TOKENS; ++t) {
+        if (i + t < b) {
+          const tf_storage* src = grad + static_cast<tf_i64>(pos[i + t]) * cols;
+#pragma unroll
+          for (int g = 0; g < G; ++g) {
+            const int c = c0 + g * 32;
+            if (c < per_row) {
+              if constexpr (V == VEC) {
+                *reinterpret_cast<tf_raw16*>(raw[t][g]) =
+                    *reinterpret_cast<const tf_raw16*>(src + c * V);
+              } else {
+#pragma unroll
+                for (int j = 0; j < V; ++j) raw[t][g][j] = src[c * V + j];
+              }
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < PIECE_TOKENS; ++t)
+        if (i + t < b)
+#pragma unroll
+          for (int g = 0; g < G; ++g)
+#pragma unroll
+            for (int j = 0; j < V; ++j) acc[g][j] += tf_float(raw[t][g][j]);
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const int c = c0 + g * 32;
+      if (c < per_row) {
+        if (row != nullptr) {
+          store_vec<V>(row + c * V, acc[g]);
+        } else {
+          store_f32<V>(partial + c * V, acc[g]);
+        }
+      }
+    }
+  }
+}
+
+// Block c sums chunk c's pieces (runs of equal indices among sorted tokens [32c, 32c + 32)).
+// A piece holding all of its row's tokens is written to the row; one cut by a chunk edge is
+// written as a partial (slot 0: the chunk's first piece, slot 1: its last). A row cut by chunk
+// edges gets row_first[row] = its first partial (chunk * 2 + slot), written by the piece that
+// starts it, and its last chunk appended to the work list (work[0]: length, work[1..]:
+// chunks) by the piece that ends it.
+template <int V>
+__device__ __forceinline__ void reduce_chunk(const tf_storage* __restrict__ grad,
+                                             const unsigned int* __restrict__ keys,
+                                             const unsigned int* __restrict__ pos, tf_i64 n,
+                                             int cols, tf_i64 num_weights, tf_i64 padding_idx,
+                                             float* __restrict__ partials,
+                                             tf_storage* __restrict__ out,
+                                             unsigned int* __restrict__ row_first,
+                                             unsigned int* __restrict__ work) {
+  __shared__ unsigned int chunk_keys[CHUNK];
+  __shared__ unsigned int chunk_pos[CHUNK];
+  __shared__ int piece_start[CHUNK + 1];
+  __shared__ int pieces;
+  __shared__ unsigned long long key_before, key_after;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const tf_i64 c = blockIdx.x;
+  const tf_i64 a0 = c * CHUNK;
+  const int len = static_cast<int>(min(static_cast<tf_i64>(CHUNK), n - a0));
+  const unsigned long long none = ~0ull;
+  if (warp == 0) {
+    unsigned int key = 0xffffffffu;
+    if (lane < len) {
+      key = keys[a0 + lane];
+      chunk_keys[lane] = key;
+      chunk_pos[lane] = pos[a0 + lane];
+    }
+    const unsigned int prev = __shfl_up_sync(0xffffffffu, key, 1);
+    const bool starts = lane < len && (lane == 0 || key != prev);
+    const unsigned int starts_mask = __ballot_sync(0xffffffffu, starts);
+    if (starts) piece_start[__popc(starts_mask & lanemask_lt())] = lane;
+    if (lane == 0) {
+      pieces = __popc(starts_mask);
+      piece_start[__popc(starts_mask)] = len;
+      key_before = a0 > 0 ? static_cast<unsigned long long>(keys[a0 - 1]) : none;
+      key_after = a0 + CHUNK < n ? static_cast<unsigned long long>(keys[a0 + CHUNK]) : none;
+    }
+  }
+  __syncthreads();
+  for (int p = warp; p < pieces; p += REDUCE_WARPS) {
+    const int a = piece_start[p];
+    const int b = piece_start[p + 1];
+    const unsigned long long key = chunk_keys[a];
+    if (key >= static_cast<unsigned long long>(num_weights) ||
+        static_cast<long long>(key) == padding_idx)
+      continue;
+    // A token number outside the batch can only come from a failed sort: skip the piece.
+    bool valid = true;
+    for (int i = a; i < b; ++i) valid = valid && static_cast<tf_i64>(chunk_pos[i]) < n;
+    if (!valid) continue;
+    const bool from_before = a == 0 && key_before == key;
+    const bool to_after = b == CHUNK && key_after == key;
+    const int slot = a == 0 ? 0 : 1;
+    if (lane == 0) {
+      if (!from_before && to_after) row_first[key] = static_cast<unsigned int>(c * 2 + slot);
+      // The list's order varies run to run; what each entry computes does not.
+      if (from_before && !to_after) work[1 + atomicAdd(&work[0], 1u)] = static_cast<unsigned int>(c);
+    }
+    if (!from_before && !to_after) {
+      sum_piece<V>(grad, chunk_pos, a, b, cols, out + static_cast<tf_i64>(key) * cols, nullptr,
+                   lane);
+    } else {
+      sum_piece<V>(grad, chunk_pos, a, b, cols, nullptr,
+                   partials + (c * 2 + slot) * static_cast<tf_i64>(cols), lane);
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(REDUCE_THREADS, 2)
+    emb_bwd_reduce(const tf_storage* __restrict__ grad, const unsigned int* __restrict__ keys,
+                   const unsigned int* __restrict__ pos, tf_i64 n, int cols, tf_i64 num_weights,
+                   tf_i64 padding_idx, float* __restrict__ partials, tf_storage* __restrict__ out,
+                   unsigned int* __restrict__ row_first,
+                   unsigned int* __restrict__ work, int vectorized) {
+  if (vectorized) {
+    reduce_chunk<VEC>(grad, keys, pos, n, cols, num_weights, padding_idx, partials, out, row_first,
+                      work);
+  } else {
+    reduce_chunk<1>(grad, keys, pos, n, cols, num_weights, padding_idx, partials, out, row_first,
+                    work);
+  }
+}
+
+// Rows cut by chunk edges with more partials than this are summed by a whole CTA, the others
+// by one warp.
+#define HEAVY_PARTIALS 64
+
+// The sum of a cut row's partials for one lane's LC columns at col0, in a fixed order: lanes
+// of `parts` warps (number `part`) take partials part, part + parts, ..., two at a time.
+template <int LC>
+__device__ __forceinline__ void sum_partials(const float* __restrict__ partials, int cols,
+                                             int col0, unsigned int first, tf_i64 count,
+                                             int part, int parts, float (&acc)[LC]) {
+  const tf_i64 first_chunk = first >> 1;
+  const float* base = partials + col0;
+  tf_i64 q = part;
+  for (; q + parts < count; q += 2 * parts) {
+    const tf_i64 s0 = q == 0 ? first : (first_chunk + q) * 2;
+    const tf_i64 s1 = (first_chunk + q + parts) * 2;
+    float v0[LC], v1[LC];
+    load_f32<LC>(base + s0 * cols, v0);
+    load_f32<LC>(base + s1 * cols, v1);
+#pragma unroll
+    for (int j = 0; j < LC; ++j) acc[j] += v0[j];
+#pragma unroll
+    for (int j = 0; j < LC; ++j) acc[j] += v1[j];
+  }
+  if (q < count) {
+    const tf_i64 s0 = q == 0 ? first : (first_chunk + q) * 2;
+    float v0[LC];
+    load_f32<LC>(base + s0 * cols, v0);
+#pragma unroll
+    for (int j = 0; j < LC; ++j) acc[j] += v0[j];
+  }
+}
+
+// After emb_bwd_reduce: the rows cut by chunk edges (the work list), each the sum of its
+// partials in chunk order, heavy ones by a whole CTA (warps take fixed strides, then a
+// fixed-order sum over warps), light ones by one warp.
+template <int LC>
+__device__ __forceinline__ void finish(const unsigned int* __restrict__ keys, int cols,
+                                       const float* __restrict__ partials,
+                                       const unsigned int* __restrict__ row_first,
+                                       const unsigned int* __restrict__ work,
+                                       tf_storage* __restrict__ out) {
+  __shared__ float sums[COMBINE_WARPS][32][LC];
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int tile_cols = 32 * LC;
+  const unsigned int cut_rows = work[0];
+  for (unsigned int e = blockIdx.x; e < cut_rows; e += gridDim.x) {
+    const tf_i64 c = work[1 + e];
+    const unsigned int key = keys[c * CHUNK];
+    const unsigned int first = row_first[key];
+    const tf_i64 count = c - (first >> 1) + 1;
+    if (count <= HEAVY_PARTIALS) continue;  // the same for the whole CTA
+    tf_storage* row = out + static_cast<tf_i64>(key) * cols;
+    for (int t0 = 0; t0 < cols; t0 += tile_cols) {
+      const int col0 = t0 + lane * LC;
+      float acc[LC];
+#pragma unroll
+      for (int j = 0; j < LC; ++j) acc[j] = 0.f;
+      if (col0 < cols) sum_partials<LC>(partials, cols, col0, first, count, warp, COMBINE_WARPS, acc);
+#pragma unroll
+      for (int j = 0; j < LC; ++j) sums[warp][lane][j] = acc[j];
+      __syncthreads();
+      if (warp == 0 && col0 < cols) {
+#pragma unroll
+        for (int j = 0; j < LC; ++j) {
+          float total = sums[0][lane][j];
+          for (int w = 1; w < COMBINE_WARPS; ++w) total += sums[w][lane][j];
+          row[col0 + j] = tf_cast<tf_storage>(total);
+        }
+      }
+      __syncthreads();
+    }
+  }
+  const tf_i64 warps = static_cast<tf_i64>(gridDim.x) * COMBINE_WARPS;
+  const tf_i64 my_warp = static_cast<tf_i64>(blockIdx.x) * COMBINE_WARPS + warp;
+  for (tf_i64 e = my_warp; e < cut_rows; e += warps) {
+    const tf_i64 c = work[1 + e];
+    const unsigned int key = keys[c * CHUNK];
+    const unsigned int first = row_first[key];
+    const tf_i64 count = c - (first >> 1) + 1;
+    if (count > HEAVY_PARTIALS) continue;
+    tf_storage* row = out + static_cast<tf_i64>(key) * cols;
+    for (int col0 = lane * LC; col0 < cols; col0 += tile_cols) {
+      float acc[LC];
+#pragma unroll
+      for (int j = 0; j < LC; ++j) acc[j] = 0.f;
+      sum_partials<LC>(partials, cols, col0, first, count, 0, 1, acc);
+#pragma unroll
+      for (int j = 0; j < LC; ++j) row[col0 + j] = tf_cast<tf_storage>(acc[j]);
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
+    emb_bwd_finish(const unsigned int* __restrict__ keys, int cols,
+                   const float* __restrict__ partials, const unsigned int* __restrict__ row_first,
+                   const unsigned int* __restrict__ work, tf_storage* __restrict__ out,
+                   int vectorized) {
+  // Vectorized: cols is a multiple of VEC (so of 4): a lane's 4 columns are all in the row.
+  if (vectorized) {
+    finish<4>(keys, cols, partials, row_first, work, out);
+  } else {
+    finish<1>(keys, cols, partials, row_first, work, out);
+  }
+}

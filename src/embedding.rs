@@ -1,0 +1,402 @@
+//! Embedding forward (`embedding`) and backward (`embedding_dense_backward`) through
+//! kernels/embedding.cu, or why stock runs a call. Calls stock would reject go to stock, so
+//! the user gets stock's error; out-of-range indices stop our kernels with a device-side
+//! assert, as they stop stock's.
+
+use crate::jit::{self, Launch};
+use crate::registry::{KernelOp, Request, StockReason, Variant};
+use crate::tensor::dtype_of;
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use tch::{Device, Kind, Tensor};
+
+/// Tokens per tile of the radix sort (`SORT_TILE`), its block size, and the widest digit.
+const SORT_TILE: i64 = 2048;
+const SORT_THREADS: u32 = 256;
+const MAX_DIGIT_BITS: u32 = 9;
+/// Sorted tokens per chunk of emb_bwd_reduce (`CHUNK`), and the two kernels' block sizes.
+const CHUNK: i64 = 32;
+const REDUCE_THREADS: u32 = 256;
+const FINISH_THREADS: u32 = 512;
+/// Rows one CTA writing zero rows looks at per sweep (8 warps x 32).
+const ZERO_ROWS_PER_BLOCK: i64 = 256;
+
+/// Compile-time parameters an embedding variant may set, and their limits.
+pub fn validate_variant(v: &Variant) -> Result<(), String> {
+    const PARAMS: [&str; 2] = ["THREADS", "UNROLL"];
+    if let Some(unknown) = v.params.keys().find(|k| !PARAMS.contains(&k.as_str())) {
+        return Err(format!("{}: unknown param {unknown}", v.name));
+    }
+    if v.op == KernelOp::EmbeddingBwd && !v.params.is_empty() {
+        return Err(format!(
+            "{}: the backward's launch shapes are fixed in the kernel; it takes no params",
+            v.name
+        ));
+    }
+    if v.params
+        .get("THREADS")
+        .is_some_and(|&t| !(32..=1024).contains(&t) || t % 32 != 0)
+    {
+        return Err(format!(
+            "{}: THREADS must be a multiple of 32 in 32..=1024",
+            v.name
+        ));
+    }
+    if v.params
+        .get("UNROLL")
+        .is_some_and(|&u| !(1..=8).contains(&u))
+    {
+        return Err(format!("{}: UNROLL must be in 1..=8", v.name));
+    }
+    Ok(())
+}
+
+/// The digits of the backward's radix sort: (passes, bits per pass, bits in all) for a table
+/// of `num_weights` rows. Keys are row numbers, so only as many bits as the last row has.
+pub fn sort_digits(num_weights: i64) -> (u32, u32, u32) {
+    let last = u64::try_from(num_weights.max(1) - 1).unwrap_or(0);
+    let bits = (64 - last.leading_zeros()).max(1);
+    let passes = bits.div_ceil(MAX_DIGIT_BITS);
+    (passes, bits.div_ceil(passes), bits)
+}
+
+fn index_kind(indices: &Tensor) -> Result<bool, StockReason> {
+    match indices.f_kind() {
+        Ok(Kind::Int64) => Ok(true),
+        Ok(Kind::Int) => Ok(false),
+        // Stock raises its own error for other index types.
+        _ => Err(StockReason::InvalidInput),
+    }
+}
+
+fn cuda_device(launch: Launch) -> Result<Device, StockReason> {
+    usize::try_from(launch.device)
+        .map(Device::Cuda)
+        .map_err(|_| StockReason::InvalidInput)
+}
+
+fn empty(shape: &[i64], kind: Kind, device: Device) -> Result<Tensor, StockReason> {
+    Tensor::f_empty(shape, (kind, device)).map_err(|_| StockReason::InternalError)
+}
+
+fn aligned(tensors: &[&Tensor]) -> bool {
+    tensors
+        .iter()
+        .all(|t| (t.data_ptr() as usize).is_multiple_of(16))
+}
+
+fn ptr(t: &Tensor) -> u64 {
+    t.data_ptr() as u64
+}
+
+fn count(n: i64, per: i64) -> Result<u32, StockReason> {
+    u32::try_from((n + per - 1) / per).map_err(|_| StockReason::NoVariantForShape)
+}
+
+pub struct Gathered {
+    pub output: Tensor,
+    pub kernel: &'static str,
+}
+
+/// `embedding(weight, indices, ...)`: rows of `weight` gathered into a new contiguous tensor
+/// of shape `indices.shape + [D]`. padding_idx, scale_grad_by_freq and sparse only concern
+/// the backward.
+pub fn forward(launch: Launch, weight: &Tensor, indices: &Tensor) -> Result<Gathered, StockReason> {
+    let kind = weight.f_kind().map_err(|_| StockReason::UnsupportedDtype)?;
+    let dtype = dtype_of(kind).ok_or(StockReason::UnsupportedDtype)?;
+    let idx64 = index_kind(indices)?;
+    let device = cuda_device(launch)?;
+    let [num_weights, cols] = weight.size()[..] else {
+        return Err(StockReason::InvalidInput);
+    };
+    if indices.device() != device || weight.device() != device {
+        return Err(StockReason::InvalidInput);
+    }
+    let tokens = i64::try_from(indices.numel()).map_err(|_| StockReason::NoVariantForShape)?;
+    if tokens == 0 || cols == 0 {
+        return Err(StockReason::EmptyInput);
+    }
+    if num_weights == 0 {
+        // Every index is out of range: stock's error.
+        return Err(StockReason::InvalidInput);
+    }
+    let strides = weight.stride();
+    if cols > 1 && strides[1] != 1 {
+        return Err(StockReason::NoVariantForShape);
+    }
+    let cols_i32 = i32::try_from(cols).map_err(|_| StockReason::NoVariantForShape)?;
+    let row_stride = strides[0];
+    let jit::Selected {
+        gpu,
+        variant,
+        kernels,
+    } = jit::select(launch, |sm| Request {
+        op: KernelOp::EmbeddingFwd,
+        dtype,
+        hidden: cols,
+        rows: tokens,
+        sm,
+    })?;
+
+    let indices = indices.contiguous();
+    let mut shape = indices.size();
+    shape.push(cols);
+    let output = empty(&shape, kind, device)?;
+    let vec = (16 / dtype.size_bytes()) as i64;
+    let row_bytes_aligned = (row_stride * dtype.size_bytes() as i64) % 16 == 0;
+    let vectorized = i32::from(cols % vec == 0 && row_bytes_aligned && aligned(&[weight, &output]));
+
+    let threads = variant.params.get("THREADS").copied().unwrap_or(256) as u32;
+    let unroll = variant.params.get("UNROLL").copied().unwrap_or(4);
+    let units = tokens * if vectorized == 1 { cols / vec } else { cols };
+    let resident = kernels.resident_per_sm(0, threads) * gpu.multiprocessors;
+    let grid = count(units, i64::from(threads) * unroll)?.clamp(1, resident.max(1));
+
+    let (w_ptr, i_ptr, o_ptr) = (ptr(weight), ptr(&indices), ptr(&output));
+    let idx64 = i32::from(idx64);
+    let stream = gpu.stream(launch);
+    let mut args = stream.launch_builder(&kernels.functions[0]);
+    args.arg(&w_ptr)
+        .arg(&row_stride)
+        .arg(&i_ptr)
+        .arg(&idx64)
+        .arg(&tokens)
+        .arg(&cols_i32)
+        .arg(&num_weights)
+        .arg(&o_ptr)
+        .arg(&vectorized);
+    let config = LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: argument types and order match emb_fwd; weight holds num_weights rows of cols
+    // elements `row_stride` apart, indices `tokens` values of the given width, output tokens x
+    // cols elements; all live until the stream is done with them.
+    unsafe { args.launch(config) }.map_err(|e| jit::launch_failed(variant, e))?;
+    Ok(Gathered {
+        output,
+        kernel: variant.name.as_str(),
+    })
+}
+
+pub struct BackwardCall<'a> {
+    pub grad: &'a Tensor,
+    pub indices: &'a Tensor,
+    pub num_weights: i64,
+    pub padding_idx: i64,
+    pub scale_grad_by_freq: bool,
+}
+
+/// `embedding_dense_backward`: grad_weight [num_weights, D] in grad's dtype; row v is the sum
+/// of the grad rows of the tokens whose index is v (in token order, fp32), zero for untouched
+/// rows and for `padding_idx`. Deterministic.
+pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockReason> {
+    if call.scale_grad_by_freq {
+        return Err(StockReason::ScaleGradByFreq);
+    }
+    let kind = call
+        .grad
+        .f_kind()
+        .map_err(|_| StockReason::UnsupportedDtype)?;
+    let dtype = dtype_of(kind).ok_or(StockReason::UnsupportedDtype)?;
+    let idx64 = index_kind(call.indices)?;
+    let device = cuda_device(launch)?;
+    if call.indices.device() != device || call.grad.device() != device {
+        return Err(StockReason::InvalidInput);
+    }
+    let shape = call.grad.size();
+    let Some(&cols) = shape.last() else {
+        return Err(StockReason::InvalidInput);
+    };
+    let tokens = i64::try_from(call.indices.numel()).map_err(|_| StockReason::InvalidInput)?;
+    // Stock views grad as [tokens, D]; anything else is its error.
+    if i64::try_from(call.grad.numel()).ok() != tokens.checked_mul(cols) {
+        return Err(StockReason::InvalidInput);
+    }
+    if tokens == 0 || cols == 0 || call.num_weights <= 0 {
+        return Err(StockReason::EmptyInput);
+    }
+    // Sorted keys and token numbers are 32-bit.
+    if tokens > i64::from(i32::MAX) || call.num_weights > i64::from(i32::MAX) {
+        return Err(StockReason::NoVariantForShape);
+    }
+    let cols_i32 = i32::try_from(cols).map_err(|_| StockReason::NoVariantForShape)?;
+    let jit::Selected {
+        gpu,
+        variant,
+        kernels,
+    } = jit::select(launch, |sm| Request {
+        op: KernelOp::EmbeddingBwd,
+        dtype,
+        hidden: cols,
+        rows: tokens,
+        sm,
+    })?;
+
+    let grad = call.grad.contiguous();
+    let indices = call.indices.contiguous();
+    let num_weights = call.num_weights;
+    let (passes, digit_bits, bits) = sort_digits(num_weights);
+    let tiles = count(tokens, SORT_TILE)?;
+    let chunks = count(tokens, CHUNK)?;
+    // Two (keys, token numbers) buffers the passes alternate between.
+    let sort_buffers = empty(&[4, tokens], Kind::Int, device)?;
+    let hist = empty(&[i64::from(tiles) << digit_bits], Kind::Int, device)?;
+    let partials = empty(&[i64::from(chunks) * 2, cols], Kind::Float, device)?;
+    // One bit per table row (touched by some token), then the work list of rows cut by chunk
+    // edges (its length, then up to one entry per chunk): cleared here. Each cut row's first
+    // partial goes to row_first.
+    let bitmap_words = (num_weights + 31) / 32;
+    let flags = Tensor::f_zeros([bitmap_words + 1 + i64::from(chunks)], (Kind::Int, device))
+        .map_err(|_| StockReason::InternalError)?;
+    let row_first = empty(&[num_weights], Kind::Int, device)?;
+    let grad_weight = empty(&[num_weights, cols], kind, device)?;
+
+    let vec = (16 / dtype.size_bytes()) as i64;
+    let vectorized = i32::from(cols % vec == 0 && aligned(&[&grad, &grad_weight, &partials]));
+    let buffer = |b: i64| ptr(&sort_buffers) + (b * tokens * 4) as u64;
+    let (grad_ptr, idx_ptr, hist_ptr) = (ptr(&grad), ptr(&indices), ptr(&hist));
+    let (partials_ptr, out_ptr) = (ptr(&partials), ptr(&grad_weight));
+    let touched_ptr = ptr(&flags);
+    let work_ptr = touched_ptr + (bitmap_words * 4) as u64;
+    let row_first_ptr = ptr(&row_first);
+    let idx64 = i32::from(idx64);
+    let tiles_i32 = tiles as i32;
+    let padding_idx = call.padding_idx;
+
+    let stream = gpu.stream(launch);
+    let failed = |e| jit::launch_failed(variant, e);
+    let sort_config = LaunchConfig {
+        grid_dim: (tiles, 1, 1),
+        block_dim: (SORT_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let resident = kernels.resident_per_sm(1, SORT_THREADS) * gpu.multiprocessors;
+    let zero_blocks = count(num_weights, ZERO_ROWS_PER_BLOCK)?.clamp(1, resident.max(1));
+    let (mut keys_in, mut pos_in) = (0u64, 0u64);
+    for pass in 0..passes {
+        let shift = (pass * digit_bits) as i32;
+        let pass_bits = digit_bits.min(bits - pass * digit_bits) as i32;
+        let target = i64::from(pass % 2) * 2;
+        let (keys_out, pos_out) = (buffer(target), buffer(target + 1));
+        let first_pass = pass == 0;
+        let touched = if first_pass { touched_ptr } else { 0 };
+        let mut args = stream.launch_builder(&kernels.functions[0]);
+        args.arg(&idx_ptr)
+            .arg(&idx64)
+            .arg(&keys_in)
+            .arg(&tokens)
+            .arg(&num_weights)
+            .arg(&shift)
+            .arg(&pass_bits)
+            .arg(&hist_ptr)
+            .arg(&touched);
+        // SAFETY: argument types and order match emb_sort_count; indices holds `tokens`
+        // values, keys_in (null on the first pass) `tokens` keys, hist tiles << digit_bits
+        // counters, the bitmap one bit per row (null after the first pass); all live until
+        // the stream is done with them.
+        unsafe { args.launch(sort_config) }.map_err(failed)?;
+        let mut args = stream.launch_builder(&kernels.functions[1]);
+        args.arg(&idx_ptr)
+            .arg(&idx64)
+            .arg(&keys_in)
+            .arg(&pos_in)
+            .arg(&tokens)
+            .arg(&num_weights)
+            .arg(&shift)
+            .arg(&pass_bits)
+            .arg(&hist_ptr)
+            .arg(&tiles_i32)
+            .arg(&keys_out)
+            .arg(&pos_out)
+            .arg(&touched_ptr)
+            .arg(&cols_i32)
+            .arg(&padding_idx)
+            .arg(&out_ptr)
+            .arg(&vectorized);
+        // The first pass's launch also writes the zero rows, on the GPU the sort leaves idle.
+        let config = LaunchConfig {
+            grid_dim: (tiles + if first_pass { zero_blocks } else { 0 }, 1, 1),
+            ..sort_config
+        };
+        // SAFETY: as above for emb_sort_scatter; keys_out and pos_out hold `tokens` values
+        // each and differ from keys_in and pos_in; grad_weight holds num_weights x cols
+        // elements.
+        unsafe { args.launch(config) }.map_err(failed)?;
+        (keys_in, pos_in) = (keys_out, pos_out);
+    }
+
+    let mut args = stream.launch_builder(&kernels.functions[2]);
+    args.arg(&grad_ptr)
+        .arg(&keys_in)
+        .arg(&pos_in)
+        .arg(&tokens)
+        .arg(&cols_i32)
+        .arg(&num_weights)
+        .arg(&padding_idx)
+        .arg(&partials_ptr)
+        .arg(&out_ptr)
+        .arg(&row_first_ptr)
+        .arg(&work_ptr)
+        .arg(&vectorized);
+    let config = LaunchConfig {
+        grid_dim: (chunks, 1, 1),
+        block_dim: (REDUCE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: argument types and order match emb_bwd_reduce; grad holds tokens x cols
+    // elements, keys/pos the sorted `tokens` pairs, partials chunks x 2 x cols fp32 values,
+    // grad_weight num_weights x cols elements, row_first num_weights words, the work list
+    // 1 + chunks words.
+    unsafe { args.launch(config) }.map_err(failed)?;
+    let mut args = stream.launch_builder(&kernels.functions[3]);
+    args.arg(&keys_in)
+        .arg(&cols_i32)
+        .arg(&partials_ptr)
+        .arg(&row_first_ptr)
+        .arg(&work_ptr)
+        .arg(&out_ptr)
+        .arg(&vectorized);
+    // Persistent: the work list's length is only known on the GPU.
+    let finish_blocks = kernels.resident_per_sm(3, FINISH_THREADS) * gpu.multiprocessors;
+    let config = LaunchConfig {
+        grid_dim: (finish_blocks.max(1), 1, 1),
+        block_dim: (FINISH_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: as above for emb_bwd_finish.
+    unsafe { args.launch(config) }.map_err(failed)?;
+    Ok(Gathered {
+        output: grad_weight,
+        kernel: variant.name.as_str(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sort_digits_cover_every_row_number_in_few_passes() {
+        // (rows, passes, bits per pass, bits)
+        let cases = [
+            (1, 1, 1, 1),
+            (2, 1, 1, 1),
+            (512, 1, 9, 9),
+            (513, 2, 5, 10),
+            (32000, 2, 8, 15),
+            (50304, 2, 8, 16),
+            (128256, 2, 9, 17),
+            (1 << 18, 2, 9, 18),
+            ((1 << 18) + 1, 3, 7, 19),
+            (i64::from(i32::MAX), 4, 8, 31),
+        ];
+        for (rows, passes, digit, bits) in cases {
+            assert_eq!(sort_digits(rows), (passes, digit, bits), "{rows} rows");
+            // Every row number fits the passes' digits, and no digit is wider than the
+            // kernel's histograms.
+            assert!(passes * digit >= bits && digit <= MAX_DIGIT_BITS);
+            assert!((rows - 1) >> bits == 0);
+        }
+    }
+}

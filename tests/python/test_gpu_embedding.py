@@ -1,0 +1,303 @@
+"""Embedding forward (a gather: bitwise equal to stock) and embedding_dense_backward
+(against a float64 reference and stock, DESIGN.md §5; bitwise reproducible) through
+torchfuse, over fresh random cases."""
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import check, requires_cuda, run_python
+from gpu_util import FLOOR, enabled, fresh_seed, load_torchfuse, poison_allocator, rel_err, stats
+
+pytestmark = requires_cuda
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torchfuse_loaded():
+    load_torchfuse()
+    # Small random cases must reach the kernels too.
+    torch.ops.torchfuse._serve_below_thresholds(True)
+    yield
+    torch.ops.torchfuse._serve_below_thresholds(False)
+
+
+def fused(op):
+    return stats()["ops"].get(op, {}).get("fused", 0)
+
+
+def stock_reasons(op):
+    return stats()["ops"].get(op, {}).get("stock_reasons", {})
+
+
+def draw_indices(rng, gen, num_weights, shape, kind, dtype=torch.int64):
+    """Indices in [0, num_weights) with the named distribution."""
+    n = 1
+    for s in shape:
+        n *= s
+    if kind == "uniform":
+        flat = torch.randint(0, num_weights, (n,), generator=gen, device="cuda")
+    elif kind == "zipf":  # real text: a few rows take most tokens
+        ranks = torch.arange(1, num_weights + 1, device="cuda", dtype=torch.float64)
+        probs = ranks.pow(-1.1)
+        flat = torch.multinomial(probs / probs.sum(), n, replacement=True, generator=gen)
+    elif kind == "equal":  # every token the same row: the worst case for naive schemes
+        flat = torch.full((n,), rng.randrange(num_weights), device="cuda")
+    elif kind == "few":  # a handful of rows, long runs of each
+        rows = torch.randint(0, num_weights, (min(num_weights, 5),), generator=gen, device="cuda")
+        flat = rows[torch.randint(0, rows.numel(), (n,), generator=gen, device="cuda")]
+    else:
+        raise ValueError(kind)
+    return flat.to(dtype).view(shape)
+
+
+def make_weight(gen, num_weights, dim, dtype, layout):
+    w = torch.randn(num_weights, dim, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
+    if layout == "row_padded":  # rows further apart than their width
+        big = torch.randn(num_weights, dim + 5, generator=gen, device="cuda").to(dtype)
+        big[:, :dim] = w
+        return big[:, :dim]
+    if layout == "misaligned":  # storage offset of one element: not 16-byte aligned
+        flat = torch.empty(num_weights * dim + 1, device="cuda", dtype=dtype)
+        flat[1:].copy_(w.flatten())
+        return flat[1:].view(num_weights, dim)
+    return w
+
+
+def test_forward_random_cases_equal_stock_bitwise():
+    rng = random.Random(fresh_seed())
+    gen = torch.Generator(device="cuda").manual_seed(rng.randrange(2**31))
+    before = fused("embedding")
+    cases = 0
+    for _ in range(80):
+        num_weights = rng.choice([1, 2, 7, 100, 1000, 50304, rng.randrange(1, 70000)])
+        dim = rng.choice([1, 3, 8, 64, 768, 771, 1024, rng.randrange(1, 1100)])
+        dtype = rng.choice(DTYPES)
+        shape = rng.choice([(rng.randrange(1, 3000),), (rng.randrange(1, 9), rng.randrange(1, 600)),
+                            (), (2, 3, 5)])
+        idx_dtype = rng.choice([torch.int64, torch.int32])
+        kind = rng.choice(["uniform", "zipf", "equal", "few"])
+        layout = rng.choice(["contiguous", "contiguous", "row_padded", "misaligned"])
+        weight = make_weight(gen, num_weights, dim, dtype, layout)
+        idx = draw_indices(rng, gen, num_weights, shape, kind, idx_dtype)
+        if rng.random() < 0.2 and idx.dim() == 2:
+            idx = idx.t()  # non-contiguous indices
+        poison_allocator(idx.numel() * dim * 4)
+        ours = F.embedding(idx, weight)
+        with enabled("embedding", False):
+            ref = F.embedding(idx, weight)
+        torch.cuda.synchronize()
+        desc = f"V={num_weights} D={dim} {dtype} {tuple(idx.shape)} {idx_dtype} {kind} {layout}"
+        assert ours.shape == ref.shape and ours.dtype == ref.dtype, desc
+        assert ours.is_contiguous(), desc
+        assert torch.equal(ours, ref), desc
+        cases += 1
+    assert fused("embedding") - before == cases
+
+
+def reference_grad(grad, idx, num_weights, padding_idx):
+    dim = grad.shape[-1]
+    ref = torch.zeros(num_weights, dim, dtype=torch.float64, device="cuda")
+    ref.index_add_(0, idx.reshape(-1).long(), grad.reshape(-1, dim).double())
+    if 0 <= padding_idx < num_weights:
+        ref[padding_idx] = 0
+    return ref
+
+
+def dense_backward(grad, idx, num_weights, padding_idx, on):
+    with enabled("embedding", on):
+        return torch.ops.aten.embedding_dense_backward(grad, idx, num_weights, padding_idx, False)
+
+
+def check_backward(grad, idx, num_weights, padding_idx, desc):
+    poison_allocator(num_weights * grad.shape[-1] * 4)
+    ours = dense_backward(grad, idx, num_weights, padding_idx, True)
+    again = dense_backward(grad, idx, num_weights, padding_idx, True)
+    stock = dense_backward(grad, idx, num_weights, padding_idx, False)
+    torch.cuda.synchronize()
+    ref = reference_grad(grad, idx, num_weights, padding_idx)
+    assert ours.shape == stock.shape and ours.dtype == stock.dtype, desc
+    assert torch.equal(ours, again), f"not reproducible: {desc}"
+    assert not ours.isnan().any(), f"unwritten rows: {desc}"
+    if 0 <= padding_idx < num_weights:
+        assert not ours[padding_idx].any(), desc
+    # Rows no token touches are exactly zero.
+    touched = torch.zeros(num_weights, dtype=torch.bool, device="cuda")
+    touched[idx.reshape(-1).long()] = True
+    assert not ours[~touched].any(), desc
+    err, stock_err = rel_err(ours, ref), rel_err(stock, ref)
+    assert err <= max(2 * stock_err, FLOOR[grad.dtype]), f"{desc}: ours {err:.3g}, stock {stock_err:.3g}"
+
+
+def test_backward_random_cases():
+    rng = random.Random(fresh_seed())
+    gen = torch.Generator(device="cuda").manual_seed(rng.randrange(2**31))
+    before = fused("embedding_dense_backward")
+    cases = 0
+    for _ in range(60):
+        num_weights = rng.choice([1, 2, 33, 513, 5000, 50304, 128256, rng.randrange(1, 300000)])
+        dim = rng.choice([1, 5, 8, 64, 768, 770, rng.randrange(1, 1100)])
+        dtype = rng.choice(DTYPES)
+        tokens = rng.choice([1, 31, 32, 33, 4095, 4097, rng.randrange(1, 20000), rng.randrange(1, 70000)])
+        shape = rng.choice([(tokens,), (max(tokens // 7, 1), 7)])
+        kind = rng.choice(["uniform", "zipf", "equal", "few"])
+        idx = draw_indices(rng, gen, num_weights, shape, kind, rng.choice([torch.int64, torch.int32]))
+        padding_idx = rng.choice([-1, -1, rng.randrange(num_weights), int(idx.reshape(-1)[0])])
+        grad = torch.randn(*idx.shape, dim, generator=gen, device="cuda").to(dtype)
+        desc = f"V={num_weights} D={dim} {dtype} {tuple(idx.shape)} {idx.dtype} {kind} pad={padding_idx}"
+        check_backward(grad, idx, num_weights, padding_idx, desc)
+        cases += 1
+    assert fused("embedding_dense_backward") - before == 2 * cases
+
+
+@pytest.mark.parametrize("kind", ["equal", "few", "zipf"])
+def test_backward_long_runs_cross_many_chunks(kind):
+    """A row's tokens spread over thousands of chunks: the partials path, in fixed order."""
+    rng = random.Random(fresh_seed())
+    gen = torch.Generator(device="cuda").manual_seed(rng.randrange(2**31))
+    for dtype in DTYPES:
+        idx = draw_indices(rng, gen, 50304, (150_000,), kind)
+        grad = torch.randn(150_000, 96, generator=gen, device="cuda").to(dtype)
+        check_backward(grad, idx, 50304, -1, f"{kind} {dtype}")
+
+
+def test_module_autograd_matches_stock():
+    rng = random.Random(fresh_seed())
+    for dtype, padding_idx in [(torch.float32, None), (torch.bfloat16, 3), (torch.float16, 0)]:
+        seed = rng.randrange(2**31)
+        results = []
+        for on in (True, False):
+            torch.manual_seed(seed)
+            emb = torch.nn.Embedding(1000, 64, padding_idx=padding_idx, device="cuda", dtype=dtype)
+            idx = torch.randint(0, 1000, (8, 333), device="cuda")
+            idx[0, :5] = 3
+            with enabled("embedding", on):
+                y = emb(idx)
+                (y.float() * torch.linspace(-1, 1, 64, device="cuda")).square().sum().backward()
+            results.append((y.detach(), emb.weight.grad))
+        (y_on, g_on), (y_off, g_off) = results
+        assert torch.equal(y_on, y_off)
+        torch.testing.assert_close(g_on, g_off, rtol=FLOOR[dtype] * 4, atol=FLOOR[dtype] * 4)
+        if padding_idx is not None:
+            assert not g_on[padding_idx].any()
+
+
+def test_deterministic_mode_runs_our_kernel():
+    torch.use_deterministic_algorithms(True)
+    try:
+        before = fused("embedding_dense_backward")
+        idx = torch.randint(0, 5000, (4096,), device="cuda")
+        grad = torch.randn(4096, 128, device="cuda")
+        a = dense_backward(grad, idx, 5000, -1, True)
+        b = dense_backward(grad, idx, 5000, -1, True)
+        assert torch.equal(a, b)
+        assert fused("embedding_dense_backward") == before + 2
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_empty_and_scalar_indices():
+    weight = torch.randn(10, 3, device="cuda")
+    empty = torch.empty(0, 3, dtype=torch.long, device="cuda")
+    assert F.embedding(empty, weight).shape == (0, 3, 3)
+    scalar = torch.tensor(4, device="cuda")
+    assert torch.equal(F.embedding(scalar, weight), weight[4])
+    grad = torch.empty(0, 3, 3, device="cuda")
+    g = torch.ops.aten.embedding_dense_backward(grad, empty, 10, -1, False)
+    assert g.shape == (10, 3) and not g.any()
+    assert stock_reasons("embedding_dense_backward").get("empty input", 0) >= 1
+
+
+def test_scale_grad_by_freq_goes_to_stock():
+    before = stock_reasons("embedding_dense_backward").get("scale_grad_by_freq is not served", 0)
+    idx = torch.tensor([1, 1, 2], device="cuda")
+    g = torch.ops.aten.embedding_dense_backward(torch.ones(3, 4, device="cuda"), idx, 5, -1, True)
+    assert torch.equal(g[1], torch.ones(4, device="cuda"))  # (1 + 1) / count 2
+    after = stock_reasons("embedding_dense_backward").get("scale_grad_by_freq is not served", 0)
+    assert after == before + 1
+
+
+def test_bad_input_gets_stocks_error():
+    weight = torch.randn(10, 4, device="cuda")
+    with pytest.raises(RuntimeError, match="Long, Int"):
+        F.embedding(torch.tensor([1, 2], device="cuda", dtype=torch.int16), weight)
+    with pytest.raises(RuntimeError, match="must be 2-D"):
+        torch.embedding(torch.randn(10, device="cuda"), torch.tensor([1], device="cuda"))
+    with pytest.raises(RuntimeError):
+        F.embedding(torch.tensor([1, 2]), weight)  # CPU indices, CUDA table
+
+
+def test_cuda_graph_capture():
+    weight = torch.randn(3000, 256, device="cuda", requires_grad=True)
+    idx = torch.randint(0, 3000, (4, 512), device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (compiles the kernels) outside the capture
+        F.embedding(idx, weight).sum().backward()
+    torch.cuda.current_stream().wait_stream(stream)
+    weight.grad = None
+    graph = torch.cuda.CUDAGraph()
+    before = (fused("embedding"), fused("embedding_dense_backward"))
+    with torch.cuda.graph(graph):
+        out = F.embedding(idx, weight)
+        (grad_weight,) = torch.autograd.grad(out.square().sum(), weight)
+    assert (fused("embedding"), fused("embedding_dense_backward")) == (before[0] + 1, before[1] + 1)
+    for _ in range(2):
+        idx.copy_(torch.randint(0, 3000, idx.shape, device="cuda"))
+        weight.data.copy_(torch.randn_like(weight))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, weight[idx])
+        ref = reference_grad(2 * weight[idx].detach(), idx, 3000, -1)
+        assert rel_err(grad_weight, ref) <= 1e-5
+
+
+def test_over_2_31_elements():
+    """64-bit offsets: an output and a grad of more than 2^31 elements."""
+    tokens, dim = 2**21 + 3, 1030  # 2.16e9 elements, bf16: 4.3 GB each
+    weight = torch.randn(70000, dim, device="cuda", dtype=torch.bfloat16)
+    idx = torch.randint(0, 70000, (tokens,), device="cuda")
+    idx[-5:] = 69999
+    out = F.embedding(idx, weight)
+    assert torch.equal(out[-1], weight[69999]) and torch.equal(out[12345], weight[idx[12345]])
+    del out
+    grad = torch.randn(tokens, dim, device="cuda", dtype=torch.bfloat16)
+    g = dense_backward(grad, idx, 70000, -1, True)
+    expect = grad[idx == 69999].float().sum(0)
+    torch.testing.assert_close(g[69999].float(), expect, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("case", ["forward_too_big", "forward_negative", "backward_too_big"])
+def test_out_of_range_index_is_an_error_not_a_value(case):
+    """Stock raises a device-side assert for an index outside the table; so must we (never
+    a value read from outside it). Each case in its own process: the assert ends the CUDA
+    context."""
+    code = f"""
+import json, torch
+import torch.nn.functional as F
+torch.ops.load_library({str(__import__('conftest').MAIN_LIB)!r})
+w = torch.randn(100, 64, device="cuda")
+idx = torch.randint(0, 100, (4096,), device="cuda")
+case = {case!r}
+if case == "forward_too_big":
+    idx[1234] = 100
+    out = F.embedding(idx, w)
+elif case == "forward_negative":
+    idx[17] = -1
+    out = F.embedding(idx, w)
+else:
+    idx[4000] = 100
+    out = torch.ops.aten.embedding_dense_backward(torch.randn(4096, 64, device="cuda"), idx, 100, -1, False)
+try:
+    torch.cuda.synchronize()
+    print("NO ERROR", out.sum().item())
+except RuntimeError as e:
+    print("ERROR", str(e).splitlines()[0])
+print(json.loads(torch.ops.torchfuse.stats())["ops"])
+"""
+    proc = run_python(code)
+    assert "NO ERROR" not in proc.stdout, proc.stdout + proc.stderr
+    assert "device-side assert" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert "torchfuse embedding" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
