@@ -407,8 +407,13 @@ __device__ __forceinline__ void sort_scatter(const void* __restrict__ indices, i
   }
 }
 
+// Column vectors of a row one warp zeroes per work item (4 stores per lane).
+#define ZERO_SLICE (32 * 4)
+
 // Zeros for every row no token touches (its bit in `touched` is clear) and for the padding
-// row: warps of blocks from `first_block` on take 32 rows (one bitmap word) at a time.
+// row. A work item is 32 consecutive rows (one bitmap word) x a slice of ZERO_SLICE column
+// vectors, so wide rows spread over many warps; warps of blocks from `first_block` on take
+// items in turn.
 template <int V>
 __device__ __forceinline__ void zero_rows(const unsigned int* __restrict__ touched, int cols,
                                           tf_i64 num_weights, tf_i64 padding_idx,
@@ -419,12 +424,18 @@ __device__ __forceinline__ void zero_rows(const unsigned int* __restrict__ touch
   const tf_i64 warps = static_cast<tf_i64>(gridDim.x - first_block) * SORT_WARPS;
   const tf_i64 my_warp = static_cast<tf_i64>(blockIdx.x - first_block) * SORT_WARPS + warp;
   const tf_i64 per_row = cols / V;
+  const tf_i64 slices = (per_row + ZERO_SLICE - 1) / ZERO_SLICE;
+  const tf_i64 items = (num_weights + 31) / 32 * slices;
   float zero[V];
 #pragma unroll
   for (int j = 0; j < V; ++j) zero[j] = 0.f;
-  for (tf_i64 r0 = my_warp * 32; r0 < num_weights; r0 += warps * 32) {
+  for (tf_i64 item = my_warp; item < items; item += warps) {
+    const tf_i64 group = item / slices;
+    const tf_i64 c_begin = (item - group * slices) * ZERO_SLICE;
+    const tf_i64 c_end = min(per_row, c_begin + ZERO_SLICE);
+    const tf_i64 r0 = group * 32;
     const tf_i64 r = r0 + lane;
-    const unsigned int word = touched[r0 >> 5];
+    const unsigned int word = touched[group];
     const bool zero_row = r < num_weights && (r == padding_idx || !((word >> lane) & 1u));
     const unsigned int mask = __ballot_sync(0xffffffffu, zero_row);
     if (zero_row) zero_list[warp][__popc(mask & lanemask_lt())] = static_cast<unsigned char>(lane);
@@ -433,10 +444,10 @@ __device__ __forceinline__ void zero_rows(const unsigned int* __restrict__ touch
     if (per_row >= 32) {
       for (int k = 0; k < rows; ++k) {
         tf_storage* row = out + (r0 + zero_list[warp][k]) * cols;
-        for (tf_i64 c = lane; c < per_row; c += 32) store_vec<V>(row + c * V, zero);
+        for (tf_i64 c = c_begin + lane; c < c_end; c += 32) store_vec<V>(row + c * V, zero);
       }
     } else {
-      // Narrow rows: the warp's lanes spread over several rows at once.
+      // Narrow rows (one slice): the warp's lanes spread over several rows at once.
       const int narrow = static_cast<int>(per_row);
       for (int u = lane; u < rows * narrow; u += 32) {
         const int k = u / narrow;

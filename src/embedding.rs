@@ -17,8 +17,10 @@ const MAX_DIGIT_BITS: u32 = 9;
 const CHUNK: i64 = 32;
 const REDUCE_THREADS: u32 = 256;
 const FINISH_THREADS: u32 = 512;
-/// Rows one CTA writing zero rows looks at per sweep (8 warps x 32).
-const ZERO_ROWS_PER_BLOCK: i64 = 256;
+/// Zero-row work items (32 rows x `ZERO_SLICE` column vectors) one CTA of 8 warps takes per
+/// sweep, and the slice (kernel's `ZERO_SLICE`).
+const ZERO_ITEMS_PER_BLOCK: i64 = 8;
+const ZERO_SLICE: i64 = 128;
 
 /// Compile-time parameters an embedding variant may set, and their limits.
 pub fn validate_variant(v: &Variant) -> Result<(), String> {
@@ -272,7 +274,9 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockRe
         shared_mem_bytes: 0,
     };
     let resident = kernels.resident_per_sm(1, SORT_THREADS) * gpu.multiprocessors;
-    let zero_blocks = count(num_weights, ZERO_ROWS_PER_BLOCK)?.clamp(1, resident.max(1));
+    let vectors = if vectorized == 1 { cols / vec } else { cols };
+    let zero_items = (num_weights + 31) / 32 * ((vectors + ZERO_SLICE - 1) / ZERO_SLICE);
+    let zero_blocks = count(zero_items, ZERO_ITEMS_PER_BLOCK)?.clamp(1, resident.max(1));
     let (mut keys_in, mut pos_in) = (0u64, 0u64);
     for pass in 0..passes {
         let shift = (pass * digit_bits) as i32;

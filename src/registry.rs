@@ -7,8 +7,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::RwLock;
 
-/// Test hook (`torch.ops.torchfuse._serve_below_thresholds`): serve shapes below a variant's
-/// measured `min_rows` too, so tests reach the kernels on small inputs.
+/// Test hook (`torch.ops.torchfuse._serve_below_thresholds`): serve shapes outside a variant's
+/// measured `min_rows`..`max_rows` too, so tests reach the kernels on any input.
 pub static SERVE_BELOW_THRESHOLDS: AtomicBool = AtomicBool::new(false);
 
 /// Benchmark hook (`torch.ops.torchfuse._force_variant`): calls of the named variant's op go
@@ -162,6 +162,9 @@ pub struct Variant {
     /// Below this many rows stock is faster: measured, see the note in the file.
     #[serde(default)]
     pub min_rows: i64,
+    /// Above this many rows stock is as fast or faster: measured, see the note in the file.
+    #[serde(default = "any_rows")]
+    pub max_rows: i64,
     #[serde(default)]
     pub priority: i32,
     /// Compile-time parameters, passed to NVRTC as `-DTF_<NAME>=<value>`.
@@ -175,6 +178,10 @@ pub struct Variant {
 
 fn any_size() -> [i64; 2] {
     [1, i64::MAX]
+}
+
+fn any_rows() -> i64 {
+    i64::MAX
 }
 
 #[derive(Deserialize)]
@@ -233,6 +240,9 @@ impl Registry {
             }
             if v.hidden[0] < 1 || v.hidden[0] > v.hidden[1] {
                 return Err(format!("{}: bad hidden range {:?}", v.name, v.hidden));
+            }
+            if v.min_rows > v.max_rows {
+                return Err(format!("{}: min_rows above max_rows", v.name));
             }
             if v.sm[0] > v.sm[1] {
                 return Err(format!("{}: bad sm range {:?}", v.name, v.sm));
@@ -350,7 +360,10 @@ impl Registry {
         let ignore_thresholds = SERVE_BELOW_THRESHOLDS.load(Ordering::Relaxed);
         candidates
             .into_iter()
-            .find(|&i| ignore_thresholds || req.rows >= self.variants[i].min_rows)
+            .find(|&i| {
+                let v = &self.variants[i];
+                ignore_thresholds || (v.min_rows..=v.max_rows).contains(&req.rows)
+            })
             .ok_or(StockReason::NotFasterHere)
     }
 }
@@ -499,6 +512,13 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
             (AdamStep, DType::F32, 1, 354_823_168, "adam_f32"),
             (AdamStep, DType::BF16, 1, 124_439_808, "adam_16bit"),
             (AdamStep, DType::F16, 1, 1024, "adam_16bit"),
+            // Embedding (registry/embedding.toml).
+            (EmbeddingFwd, DType::BF16, 768, 16384, "emb_fwd"),
+            (EmbeddingFwd, DType::F32, 4096, 2048, "emb_fwd"),
+            (EmbeddingBwd, DType::BF16, 768, 16384, "emb_bwd"),
+            (EmbeddingBwd, DType::F32, 4096, 8192, "emb_bwd"),
+            (EmbeddingBwd, DType::F16, 768, 131072, "emb_bwd"),
+            (EmbeddingBwd, DType::F32, 64, 4096, "emb_bwd"),
         ];
         for (op, dtype, hidden, rows, prefix) in served {
             let name =
@@ -555,6 +575,36 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
                 65536,
                 2048,
                 StockReason::NoVariantForShape,
+            ),
+            // Large gathers: stock's index_select is as fast.
+            (
+                EmbeddingFwd,
+                DType::BF16,
+                768,
+                131072,
+                StockReason::NotFasterHere,
+            ),
+            (
+                EmbeddingFwd,
+                DType::F32,
+                4096,
+                16384,
+                StockReason::NotFasterHere,
+            ),
+            // Small backward calls: stock's memset and one small kernel win.
+            (
+                EmbeddingBwd,
+                DType::BF16,
+                768,
+                1024,
+                StockReason::NotFasterHere,
+            ),
+            (
+                EmbeddingBwd,
+                DType::F32,
+                4096,
+                2048,
+                StockReason::NotFasterHere,
             ),
             (
                 LayerNormFwd,
