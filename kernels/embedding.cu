@@ -54,8 +54,8 @@
 #define CHUNK 32
 #define REDUCE_THREADS 256
 #define REDUCE_WARPS (REDUCE_THREADS / 32)
-#define COMBINE_THREADS 512
-#define COMBINE_WARPS (COMBINE_THREADS / 32)
+#define FINISH_THREADS 512
+#define FINISH_WARPS (FINISH_THREADS / 32)
 
 extern "C" __device__ void __assertfail(const char* message, const char* file, unsigned int line,
                                         const char* function, unsigned long char_size);
@@ -71,20 +71,8 @@ __device__ __forceinline__ long long raw_index(const void* indices, int idx64, t
                : static_cast<long long>(static_cast<const int*>(indices)[i]);
 }
 
-// V elements of tf_storage: one 16-byte access when V == VEC, otherwise element by element.
-template <int V>
-__device__ __forceinline__ void load_vec(const tf_storage* p, float (&v)[V]) {
-  if constexpr (V == VEC) {
-    tf_pack<tf_storage> u;
-    u.raw = *reinterpret_cast<const tf_raw16*>(p);
-#pragma unroll
-    for (int j = 0; j < V; ++j) v[j] = tf_float(u.e[j]);
-  } else {
-#pragma unroll
-    for (int j = 0; j < V; ++j) v[j] = tf_float(p[j]);
-  }
-}
-
+// V elements of tf_storage from fp32: one 16-byte store when V == VEC, otherwise element by
+// element.
 template <int V>
 __device__ __forceinline__ void store_vec(tf_storage* p, const float (&v)[V]) {
   if constexpr (V == VEC) {
@@ -673,7 +661,7 @@ __device__ __forceinline__ void finish(const unsigned int* __restrict__ keys, in
                                        const unsigned int* __restrict__ row_first,
                                        const unsigned int* __restrict__ work,
                                        tf_storage* __restrict__ out) {
-  __shared__ float sums[COMBINE_WARPS][32][LC];
+  __shared__ float sums[FINISH_WARPS][32][LC];
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int tile_cols = 32 * LC;
@@ -690,7 +678,7 @@ __device__ __forceinline__ void finish(const unsigned int* __restrict__ keys, in
       float acc[LC];
 #pragma unroll
       for (int j = 0; j < LC; ++j) acc[j] = 0.f;
-      if (col0 < cols) sum_partials<LC>(partials, cols, col0, first, count, warp, COMBINE_WARPS, acc);
+      if (col0 < cols) sum_partials<LC>(partials, cols, col0, first, count, warp, FINISH_WARPS, acc);
 #pragma unroll
       for (int j = 0; j < LC; ++j) sums[warp][lane][j] = acc[j];
       __syncthreads();
@@ -698,15 +686,15 @@ __device__ __forceinline__ void finish(const unsigned int* __restrict__ keys, in
 #pragma unroll
         for (int j = 0; j < LC; ++j) {
           float total = sums[0][lane][j];
-          for (int w = 1; w < COMBINE_WARPS; ++w) total += sums[w][lane][j];
+          for (int w = 1; w < FINISH_WARPS; ++w) total += sums[w][lane][j];
           row[col0 + j] = tf_cast<tf_storage>(total);
         }
       }
       __syncthreads();
     }
   }
-  const tf_i64 warps = static_cast<tf_i64>(gridDim.x) * COMBINE_WARPS;
-  const tf_i64 my_warp = static_cast<tf_i64>(blockIdx.x) * COMBINE_WARPS + warp;
+  const tf_i64 warps = static_cast<tf_i64>(gridDim.x) * FINISH_WARPS;
+  const tf_i64 my_warp = static_cast<tf_i64>(blockIdx.x) * FINISH_WARPS + warp;
   for (tf_i64 e = my_warp; e < cut_rows; e += warps) {
     const tf_i64 c = work[1 + e];
     const unsigned int key = keys[c * CHUNK];
@@ -725,7 +713,7 @@ __device__ __forceinline__ void finish(const unsigned int* __restrict__ keys, in
   }
 }
 
-extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
+extern "C" __global__ void __launch_bounds__(FINISH_THREADS)
     emb_bwd_finish(const unsigned int* __restrict__ keys, int cols,
                    const float* __restrict__ partials, const unsigned int* __restrict__ row_first,
                    const unsigned int* __restrict__ work, tf_storage* __restrict__ out,

@@ -315,7 +315,7 @@ fn check(call: &AdamCall, launch: Launch) -> Result<DType, StockReason> {
 /// Elements one warp handles per unit (`TF_UNIT` in the kernel).
 fn unit_elements(v: &Variant, dtype: DType) -> i64 {
     let unroll = v.params.get("UNROLL").copied().unwrap_or(1);
-    32 * (16 / dtype.size_bytes() as i64) * unroll
+    32 * dtype.vector_elems() * unroll
 }
 
 /// Runs the step with a fused kernel when the registry has one; Ok: the kernel's name.

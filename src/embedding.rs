@@ -5,7 +5,7 @@
 
 use crate::jit::{self, Launch};
 use crate::registry::{KernelOp, Request, StockReason, Variant};
-use crate::tensor::dtype_of;
+use crate::tensor::{aligned16, device_addr, dtype_of, empty};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use tch::{Device, Kind, Tensor};
 
@@ -76,20 +76,6 @@ fn cuda_device(launch: Launch) -> Result<Device, StockReason> {
         .map_err(|_| StockReason::InvalidInput)
 }
 
-fn empty(shape: &[i64], kind: Kind, device: Device) -> Result<Tensor, StockReason> {
-    Tensor::f_empty(shape, (kind, device)).map_err(|_| StockReason::InternalError)
-}
-
-fn aligned(tensors: &[&Tensor]) -> bool {
-    tensors
-        .iter()
-        .all(|t| (t.data_ptr() as usize).is_multiple_of(16))
-}
-
-fn ptr(t: &Tensor) -> u64 {
-    t.data_ptr() as u64
-}
-
 fn count(n: i64, per: i64) -> Result<u32, StockReason> {
     u32::try_from((n + per - 1) / per).map_err(|_| StockReason::NoVariantForShape)
 }
@@ -143,9 +129,10 @@ pub fn forward(launch: Launch, weight: &Tensor, indices: &Tensor) -> Result<Gath
     let mut shape = indices.size();
     shape.push(cols);
     let output = empty(&shape, kind, device)?;
-    let vec = (16 / dtype.size_bytes()) as i64;
+    let vec = dtype.vector_elems();
     let row_bytes_aligned = (row_stride * dtype.size_bytes() as i64) % 16 == 0;
-    let vectorized = i32::from(cols % vec == 0 && row_bytes_aligned && aligned(&[weight, &output]));
+    let vectorized =
+        i32::from(cols % vec == 0 && row_bytes_aligned && aligned16([weight, &output]));
 
     let threads = variant.params.get("THREADS").copied().unwrap_or(256) as u32;
     let unroll = variant.params.get("UNROLL").copied().unwrap_or(4);
@@ -153,7 +140,11 @@ pub fn forward(launch: Launch, weight: &Tensor, indices: &Tensor) -> Result<Gath
     let resident = kernels.resident_per_sm(0, threads) * gpu.multiprocessors;
     let grid = count(units, i64::from(threads) * unroll)?.clamp(1, resident.max(1));
 
-    let (w_ptr, i_ptr, o_ptr) = (ptr(weight), ptr(&indices), ptr(&output));
+    let (w_ptr, i_ptr, o_ptr) = (
+        device_addr(weight),
+        device_addr(&indices),
+        device_addr(&output),
+    );
     let idx64 = i32::from(idx64);
     let stream = gpu.stream(launch);
     let mut args = stream.launch_builder(&kernels.functions[0]);
@@ -254,14 +245,18 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockRe
     let row_first = empty(&[num_weights], Kind::Int, device)?;
     let grad_weight = empty(&[num_weights, cols], kind, device)?;
 
-    let vec = (16 / dtype.size_bytes()) as i64;
-    let vectorized = i32::from(cols % vec == 0 && aligned(&[&grad, &grad_weight, &partials]));
-    let buffer = |b: i64| ptr(&sort_buffers) + (b * tokens * 4) as u64;
-    let (grad_ptr, idx_ptr, hist_ptr) = (ptr(&grad), ptr(&indices), ptr(&hist));
-    let (partials_ptr, out_ptr) = (ptr(&partials), ptr(&grad_weight));
-    let touched_ptr = ptr(&flags);
+    let vec = dtype.vector_elems();
+    let vectorized = i32::from(cols % vec == 0 && aligned16([&grad, &grad_weight, &partials]));
+    let buffer = |b: i64| device_addr(&sort_buffers) + (b * tokens * 4) as u64;
+    let (grad_ptr, idx_ptr, hist_ptr) = (
+        device_addr(&grad),
+        device_addr(&indices),
+        device_addr(&hist),
+    );
+    let (partials_ptr, out_ptr) = (device_addr(&partials), device_addr(&grad_weight));
+    let touched_ptr = device_addr(&flags);
     let work_ptr = touched_ptr + (bitmap_words * 4) as u64;
-    let row_first_ptr = ptr(&row_first);
+    let row_first_ptr = device_addr(&row_first);
     let idx64 = i32::from(idx64);
     let tiles_i32 = tiles as i32;
     let padding_idx = call.padding_idx;

@@ -3,7 +3,7 @@
 
 use crate::jit::{self, Kernels, Launch};
 use crate::registry::{DType, KernelOp, Request, StockReason, Variant};
-use crate::tensor::dtype_of;
+use crate::tensor::{aligned16, device_addr, dtype_of, empty};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
@@ -223,23 +223,12 @@ impl Plan {
 /// 1 when the kernel may use 16-byte accesses: whole vectors per row and every row tensor
 /// 16-byte aligned.
 fn vectorized(l: &Layout, tensors: &[Option<&Tensor>]) -> i32 {
-    let vec_elems = (16 / l.dtype.size_bytes()) as i64;
-    i32::from(l.cols % vec_elems == 0 && aligned(tensors))
+    i32::from(l.cols % l.dtype.vector_elems() == 0 && aligned16(tensors.iter().flatten().copied()))
 }
 
-fn aligned(tensors: &[Option<&Tensor>]) -> bool {
-    tensors
-        .iter()
-        .flatten()
-        .all(|t| (t.data_ptr() as usize).is_multiple_of(16))
-}
-
+/// Kernel argument for an optional tensor: its address, or null.
 fn ptr(t: Option<&Tensor>) -> u64 {
-    t.map_or(0, |t| t.data_ptr() as u64)
-}
-
-fn empty(shape: &[i64], kind: Kind, device: Device) -> Result<Tensor, StockReason> {
-    Tensor::f_empty(shape, (kind, device)).map_err(|_| StockReason::InternalError)
+    t.map_or(0, device_addr)
 }
 
 pub struct Forward {

@@ -81,6 +81,11 @@ impl DType {
         }
     }
 
+    /// Elements in one 16-byte vector (`TF_VEC` in the kernels).
+    pub fn vector_elems(self) -> i64 {
+        (16 / self.size_bytes()) as i64
+    }
+
     /// The value of `TF_DTYPE` the kernels are compiled with.
     pub fn kernel_code(self) -> i64 {
         match self {

@@ -1,11 +1,11 @@
 //! Tensors crossing the C++ boundary: borrowed `at::Tensor*` seen as tch tensors, and owned
 //! results handed back.
 
-use crate::registry::DType;
+use crate::registry::{DType, StockReason};
 use std::ffi::c_void;
 use std::mem::ManuallyDrop;
 use std::ops::Deref;
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 /// An `at::Tensor` owned by the caller, viewed as a tch `Tensor` without taking ownership.
 pub struct Borrowed(ManuallyDrop<Tensor>);
@@ -61,4 +61,21 @@ pub fn describe(t: Option<&Tensor>) -> (&'static str, Vec<i64>) {
         Some(t) => (kind_name(t.f_kind().ok()), t.size()),
         None => ("none", Vec::new()),
     }
+}
+
+/// A new uninitialised tensor from PyTorch's allocator (on its current stream).
+pub fn empty(shape: &[i64], kind: Kind, device: Device) -> Result<Tensor, StockReason> {
+    Tensor::f_empty(shape, (kind, device)).map_err(|_| StockReason::InternalError)
+}
+
+/// Every tensor's data 16-byte aligned (a kernel's 16-byte accesses are legal).
+pub fn aligned16<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> bool {
+    tensors
+        .into_iter()
+        .all(|t| (t.data_ptr() as usize).is_multiple_of(16))
+}
+
+/// The tensor's data address, as a kernel argument.
+pub fn device_addr(t: &Tensor) -> u64 {
+    t.data_ptr() as u64
 }
