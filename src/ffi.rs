@@ -3,6 +3,7 @@
 //! Each entry point catches panics: a bug in torchfuse makes the call go to stock (with one
 //! warning), never unwinds into PyTorch.
 
+use crate::attention::AttentionCallC;
 use crate::config::Config;
 use crate::jit::Launch;
 use crate::norm::{BackwardCall, ForwardCall, NormKind};
@@ -476,53 +477,101 @@ pub unsafe extern "C" fn torchfuse_rs_embedding_backward(
     )
 }
 
-/// Records a call that stock serves because torchfuse has no kernel for it yet.
+/// The SDPA backend choice: 1 (flash, which torchfuse serves) for the calls `plan` takes,
+/// stock's answer otherwise. Only a fused backend of stock's (1 flash, 2 efficient, 3 cuDNN)
+/// is replaced: an error (-1) or a math fallback (0) stays stock's.
 ///
 /// # Safety
-/// `primary` is null or a valid `at::Tensor`.
+/// `launch` and `call` are valid, with valid tensor pointers.
 #[no_mangle]
-pub unsafe extern "C" fn torchfuse_rs_passthrough(
-    entry: u32,
-    primary: *const c_void,
-    list_len: i64,
-) {
-    let Some(entry) = Entry::from_u32(entry) else {
-        return;
+pub unsafe extern "C" fn torchfuse_rs_sdp_choice(
+    launch: *const Launch,
+    call: *const AttentionCallC,
+    stock_choice: i64,
+) -> i64 {
+    const FLASH: i64 = 1;
+    let (Some(launch), Some(call)) = (launch.as_ref(), call.as_ref()) else {
+        return stock_choice;
     };
-    if let Err(payload) = catch_unwind(AssertUnwindSafe(|| {
-        let tensor = borrow(primary);
-        let (dtype, mut shape) = describe(tensor.as_deref());
-        if list_len >= 0 {
-            shape = vec![list_len];
-        }
-        let reason = if active(entry.toggle()) {
-            StockReason::NoKernelYet
-        } else {
-            StockReason::DisabledAtRuntime
-        };
-        stats::record(entry, Outcome::Stock(reason), dtype, &shape);
-    })) {
-        warn_internal_error(entry, &*payload);
+    let answer = serve_described(
+        Entry::SdpChoice,
+        || crate::attention::describe(call),
+        std::ptr::null_mut(),
+        |_| {
+            if !(1..=3).contains(&stock_choice) {
+                return Err(StockReason::AttentionFeature);
+            }
+            let plan = crate::attention::plan(*launch, call)?;
+            Ok(Served {
+                outputs: [None, None, None],
+                kernel: plan.kernel(),
+            })
+        },
+    );
+    if answer == FUSED {
+        FLASH
+    } else {
+        stock_choice
     }
 }
 
-/// The SDPA backend choice: stock's answer unless torchfuse takes the call.
+/// `_scaled_dot_product_flash_attention`: out[0] = output, out[1] = logsumexp.
 ///
 /// # Safety
-/// Tensor pointers are valid `at::Tensor`s.
+/// As `torchfuse_rs_sdp_choice`; `out` has room for 3.
 #[no_mangle]
-pub unsafe extern "C" fn torchfuse_rs_sdp_choice(
-    query: *const c_void,
-    _key: *const c_void,
-    _value: *const c_void,
-    _has_mask: bool,
-    _dropout_p: f64,
-    _is_causal: bool,
-    _enable_gqa: bool,
-    stock_choice: i64,
-) -> i64 {
-    torchfuse_rs_passthrough(Entry::SdpChoice as u32, query, -1);
-    stock_choice
+pub unsafe extern "C" fn torchfuse_rs_flash_fwd(
+    launch: *const Launch,
+    call: *const AttentionCallC,
+    out: *mut *mut c_void,
+) -> i32 {
+    let (Some(launch), Some(call)) = (launch.as_ref(), call.as_ref()) else {
+        return STOCK;
+    };
+    serve_described(
+        Entry::FlashAttention,
+        || crate::attention::describe(call),
+        out,
+        |_| {
+            let plan = crate::attention::plan(*launch, call)?;
+            let (output, lse) = plan.forward(*launch, call)?;
+            Ok(Served {
+                outputs: [Some(output), Some(lse), None],
+                kernel: plan.kernel(),
+            })
+        },
+    )
+}
+
+/// `_scaled_dot_product_flash_attention_backward`: out = dq, dk, dv.
+///
+/// # Safety
+/// As `torchfuse_rs_flash_fwd`; `grad_out`, `output`, `lse` are valid `at::Tensor`s.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_flash_bwd(
+    launch: *const Launch,
+    call: *const AttentionCallC,
+    grad_out: *const c_void,
+    output: *const c_void,
+    lse: *const c_void,
+    out: *mut *mut c_void,
+) -> i32 {
+    let (Some(launch), Some(call)) = (launch.as_ref(), call.as_ref()) else {
+        return STOCK;
+    };
+    serve_described(
+        Entry::FlashAttentionBackward,
+        || crate::attention::describe(call),
+        out,
+        |_| {
+            let plan = crate::attention::plan(*launch, call)?;
+            let [dq, dk, dv] = plan.backward(*launch, call, grad_out, output, lse)?;
+            Ok(Served {
+                outputs: [Some(dq), Some(dk), Some(dv)],
+                kernel: plan.kernel(),
+            })
+        },
+    )
 }
 
 // ------------------------------------------------------------------ control

@@ -334,6 +334,8 @@ pub struct Kernels {
     pub functions: Vec<CudaFunction>,
     /// CTAs of each function that fit on one multiprocessor at once, for its block size.
     resident: Vec<OnceCell<u32>>,
+    /// Dynamic shared memory each function has been allowed (beyond the default 48 KiB).
+    shared_allowed: Vec<std::sync::atomic::AtomicU32>,
 }
 
 impl Kernels {
@@ -345,6 +347,26 @@ impl Kernels {
                 .unwrap_or(1)
                 .max(1)
         })
+    }
+
+    /// Lets function `i` launch with `bytes` of dynamic shared memory (an error if the GPU
+    /// has less per block).
+    pub fn allow_shared_bytes(
+        &self,
+        i: usize,
+        bytes: u32,
+    ) -> Result<(), cudarc::driver::DriverError> {
+        use std::sync::atomic::Ordering;
+        const DEFAULT_LIMIT: u32 = 48 * 1024;
+        if bytes <= DEFAULT_LIMIT || self.shared_allowed[i].load(Ordering::Relaxed) >= bytes {
+            return Ok(());
+        }
+        self.functions[i].set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            i32::try_from(bytes).unwrap_or(i32::MAX),
+        )?;
+        self.shared_allowed[i].fetch_max(bytes, Ordering::Relaxed);
+        Ok(())
     }
 }
 
@@ -385,9 +407,14 @@ pub fn kernels(
                 Ok(functions) => {
                     tracing::debug!("{} {} ready on cuda:{ordinal}", variant.name, dtype.name());
                     let resident = functions.iter().map(|_| OnceCell::new()).collect();
+                    let shared_allowed = functions
+                        .iter()
+                        .map(|_| std::sync::atomic::AtomicU32::new(0))
+                        .collect();
                     Some(Arc::new(Kernels {
                         functions,
                         resident,
+                        shared_allowed,
                     }))
                 }
                 Err(e) => {

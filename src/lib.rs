@@ -7,6 +7,7 @@
 //! PyTorch's current stream, anything else runs PyTorch's own kernel with a logged reason.
 
 pub mod adam;
+pub mod attention;
 pub mod config;
 pub mod embedding;
 pub mod ffi;

@@ -18,7 +18,6 @@ pub static FORCED_VARIANT: RwLock<Option<String>> = RwLock::new(None);
 /// Why a call went to PyTorch's own kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum StockReason {
-    NoKernelYet,
     DisabledAtRuntime,
     UnsupportedDtype,
     MixedDtypes,
@@ -28,6 +27,8 @@ pub enum StockReason {
     EmptyInput,
     NothingRequested,
     ScaleGradByFreq,
+    UserBackendChoice,
+    AttentionFeature,
     InvalidInput,
     KernelUnavailable,
     LaunchFailed,
@@ -37,7 +38,6 @@ pub enum StockReason {
 impl std::fmt::Display for StockReason {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
-            StockReason::NoKernelYet => "no kernel yet",
             StockReason::DisabledAtRuntime => "disabled at run time",
             StockReason::UnsupportedDtype => "unsupported dtype",
             StockReason::MixedDtypes => "mixed input/parameter dtypes",
@@ -47,6 +47,8 @@ impl std::fmt::Display for StockReason {
             StockReason::EmptyInput => "empty input",
             StockReason::NothingRequested => "no output requested",
             StockReason::ScaleGradByFreq => "scale_grad_by_freq is not served",
+            StockReason::UserBackendChoice => "SDPA backends restricted by the user",
+            StockReason::AttentionFeature => "attn_mask, dropout or nested inputs are not served",
             StockReason::InvalidInput => "input stock rejects",
             StockReason::KernelUnavailable => "kernel unavailable",
             StockReason::LaunchFailed => "kernel launch failed",
@@ -119,6 +121,13 @@ pub enum KernelOp {
     /// `embedding_dense_backward`; as the forward.
     #[serde(rename = "embedding_bwd")]
     EmbeddingBwd,
+    /// scaled_dot_product_attention with `is_causal`, forward and backward; `hidden` is the
+    /// head dim, `rows` the longer of the two sequence lengths.
+    #[serde(rename = "attention_causal")]
+    AttentionCausal,
+    /// As `AttentionCausal`, without a mask.
+    #[serde(rename = "attention_full")]
+    AttentionFull,
 }
 
 impl KernelOp {
@@ -135,6 +144,9 @@ impl KernelOp {
                 "emb_bwd_reduce",
                 "emb_bwd_finish",
             ],
+            KernelOp::AttentionCausal | KernelOp::AttentionFull => {
+                &["attn_fwd", "attn_bwd_prep", "attn_bwd_dkdv", "attn_bwd_dq"]
+            }
         }
     }
 
@@ -146,7 +158,10 @@ impl KernelOp {
             KernelOp::RmsNormFwd => &["-DTF_NORM_FWD=1", "-DTF_RMS=1"],
             KernelOp::RmsNormBwd => &["-DTF_NORM_BWD=1", "-DTF_RMS=1"],
             KernelOp::AdamStep => &[ADAM_CAPACITY_DEFINE],
-            KernelOp::EmbeddingFwd | KernelOp::EmbeddingBwd => &[],
+            KernelOp::EmbeddingFwd
+            | KernelOp::EmbeddingBwd
+            | KernelOp::AttentionCausal
+            | KernelOp::AttentionFull => &[],
         }
     }
 }
@@ -266,6 +281,9 @@ impl Registry {
                 KernelOp::AdamStep => crate::adam::validate_variant(v)?,
                 KernelOp::EmbeddingFwd | KernelOp::EmbeddingBwd => {
                     crate::embedding::validate_variant(v)?
+                }
+                KernelOp::AttentionCausal | KernelOp::AttentionFull => {
+                    crate::attention::validate_variant(v)?
                 }
             }
         }

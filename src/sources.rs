@@ -2,6 +2,7 @@
 
 pub const KERNEL_SOURCES: &[(&str, &str)] = &[
     ("adam.cu", include_str!("../kernels/adam.cu")),
+    ("attention.cu", include_str!("../kernels/attention.cu")),
     ("common.cuh", include_str!("../kernels/common.cuh")),
     ("embedding.cu", include_str!("../kernels/embedding.cu")),
     ("norm.cu", include_str!("../kernels/norm.cu")),
@@ -9,6 +10,7 @@ pub const KERNEL_SOURCES: &[(&str, &str)] = &[
 
 pub const REGISTRY_FILES: &[(&str, &str)] = &[
     ("adam.toml", include_str!("../registry/adam.toml")),
+    ("attention.toml", include_str!("../registry/attention.toml")),
     ("embedding.toml", include_str!("../registry/embedding.toml")),
     ("norm.toml", include_str!("../registry/norm.toml")),
 ];

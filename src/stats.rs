@@ -148,7 +148,7 @@ mod tests {
         );
         record(
             Entry::FusedAdam,
-            Outcome::Stock(StockReason::NoKernelYet),
+            Outcome::Stock(StockReason::NotFasterHere),
             "f32",
             &[3],
         );
@@ -159,7 +159,7 @@ mod tests {
         assert_eq!(ln["kernels"]["ln_a"], 2);
         assert_eq!(ln["stock_reasons"]["unsupported dtype"], 1);
         assert_eq!(
-            json["ops"]["_fused_adam_"]["stock_reasons"]["no kernel yet"],
+            json["ops"]["_fused_adam_"]["stock_reasons"]["stock is faster at this shape"],
             1
         );
         assert_eq!(json["enabled"]["adam"], true);

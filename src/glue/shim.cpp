@@ -100,10 +100,31 @@ int32_t torchfuse_rs_embedding_backward(const TfLaunch* launch, const at::Tensor
                                         int64_t padding_idx, bool scale_grad_by_freq,
                                         at::Tensor** out);
 int32_t torchfuse_rs_adam(uint32_t entry, const TfLaunch* launch, TfAdamCall* call);
-void torchfuse_rs_passthrough(uint32_t entry, const at::Tensor* primary, int64_t list_len);
-int64_t torchfuse_rs_sdp_choice(const at::Tensor* query, const at::Tensor* key,
-                                const at::Tensor* value, bool has_mask, double dropout_p,
-                                bool is_causal, bool enable_gqa, int64_t stock_choice);
+// One scaled_dot_product_attention call as the flash backend sees it (`AttentionCallC` in
+// src/attention.rs).
+struct TfAttentionCall {
+  const at::Tensor* query;
+  const at::Tensor* key;
+  const at::Tensor* value;
+  double dropout_p;
+  double scale;
+  bool has_scale;
+  bool is_causal;
+  bool has_mask;
+  bool nested;
+  bool return_debug_mask;
+  bool default_backends;  // the user's SDPA backend flags are PyTorch's defaults
+};
+// The backend the call runs on: `stock_choice` unless torchfuse serves it (1 = flash).
+int64_t torchfuse_rs_sdp_choice(const TfLaunch* launch, const TfAttentionCall* call,
+                                int64_t stock_choice);
+// out[0] = output [B, H, Lq, D], out[1] = logsumexp [B, H, Lq] fp32.
+int32_t torchfuse_rs_flash_fwd(const TfLaunch* launch, const TfAttentionCall* call,
+                               at::Tensor** out);
+// out = dq, dk, dv.
+int32_t torchfuse_rs_flash_bwd(const TfLaunch* launch, const TfAttentionCall* call,
+                               const at::Tensor* grad_out, const at::Tensor* output,
+                               const at::Tensor* logsumexp, at::Tensor** out);
 void torchfuse_rs_torch_warning(const char* msg, size_t len);
 int32_t torchfuse_rs_set_enabled(const char* name, size_t len, bool enabled);
 char* torchfuse_rs_stats_json(void);
@@ -372,14 +393,41 @@ void fused_adamw_tensor_lr(TORCHFUSE_ADAM_PARAMS, const at::Tensor& lr, TORCHFUS
 
 // ---------------------------------------------------------------- sdpa
 
+bool default_sdp_backends() {
+  const at::Context& ctx = at::globalContext();
+  return ctx.userEnabledFlashSDP() && ctx.userEnabledMemEfficientSDP() &&
+         ctx.userEnabledMathSDP() && ctx.userEnabledCuDNNSDP();
+}
+
+TfAttentionCall attention_call(const at::Tensor& query, const at::Tensor& key,
+                               const at::Tensor& value, double dropout_p, bool is_causal,
+                               std::optional<double> scale, bool has_mask,
+                               bool return_debug_mask) {
+  return TfAttentionCall{&query,
+                         &key,
+                         &value,
+                         dropout_p,
+                         scale.value_or(0.0),
+                         scale.has_value(),
+                         is_causal,
+                         has_mask,
+                         query.is_nested() || key.is_nested() || value.is_nested(),
+                         return_debug_mask,
+                         default_sdp_backends()};
+}
+
 int64_t sdp_choice(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
                    std::optional<double> scale, bool enable_gqa) {
   // Stock's choice first: it applies the user's backend flags and raises stock's errors.
   const int64_t stock = at::native::_fused_sdp_choice_cuda(query, key, value, attn_mask,
                                                            dropout_p, is_causal, scale, enable_gqa);
-  return torchfuse_rs_sdp_choice(&query, &key, &value, optional_ptr(attn_mask) != nullptr,
-                                 dropout_p, is_causal, enable_gqa, stock);
+  if (!query.is_cuda()) return stock;
+  const c10::DeviceGuard guard(query.device());
+  const TfLaunch launch = launch_for(query);
+  const TfAttentionCall call = attention_call(query, key, value, dropout_p, is_causal, scale,
+                                              optional_ptr(attn_mask) != nullptr, false);
+  return torchfuse_rs_sdp_choice(&launch, &call, stock);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::SymInt, c10::SymInt, at::Tensor,
@@ -387,7 +435,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::SymInt, c10::Sym
 flash_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                 double dropout_p, bool is_causal, bool return_debug_mask,
                 std::optional<double> scale) {
-  torchfuse_rs_passthrough(kFlashAttention, &query, -1);
+  if (query.is_cuda()) {
+    const c10::DeviceGuard guard(query.device());
+    const TfLaunch launch = launch_for(query);
+    const TfAttentionCall call = attention_call(query, key, value, dropout_p, is_causal, scale,
+                                                false, return_debug_mask);
+    at::Tensor* out[3] = {nullptr, nullptr, nullptr};
+    if (torchfuse_rs_flash_fwd(&launch, &call, out) == kFused) {
+      auto r = take_outputs(out);
+      // The bookkeeping outputs stock's flash returns without dropout: no cumulative lengths,
+      // an unused RNG state, an empty debug mask.
+      const auto u64 = query.options().dtype(at::kUInt64);
+      return {r[0],
+              r[1],
+              at::Tensor(),
+              at::Tensor(),
+              c10::SymInt(query.size(2)),
+              c10::SymInt(key.size(2)),
+              at::empty({2}, u64),
+              at::empty({}, u64),
+              at::empty({0}, query.options())};
+    }
+  }
   return at::cuda::_scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
                                                        return_debug_mask, scale);
 }
@@ -398,7 +467,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
     const at::Tensor& cum_seq_q, const at::Tensor& cum_seq_k, int64_t max_q, int64_t max_k,
     double dropout_p, bool is_causal, const at::Tensor& philox_seed,
     const at::Tensor& philox_offset, std::optional<double> scale) {
-  torchfuse_rs_passthrough(kFlashAttentionBackward, &query, -1);
+  if (query.is_cuda() && !cum_seq_q.defined() && !cum_seq_k.defined()) {
+    const c10::DeviceGuard guard(query.device());
+    const TfLaunch launch = launch_for(query);
+    const TfAttentionCall call =
+        attention_call(query, key, value, dropout_p, is_causal, scale, false, false);
+    at::Tensor* grads[3] = {nullptr, nullptr, nullptr};
+    if (torchfuse_rs_flash_bwd(&launch, &call, &grad_out, &out, &logsumexp, grads) == kFused) {
+      auto r = take_outputs(grads);
+      return {r[0], r[1], r[2]};
+    }
+  }
   return at::cuda::_scaled_dot_product_flash_attention_backward(
       grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
       is_causal, philox_seed, philox_offset, scale);

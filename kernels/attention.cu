@@ -1,0 +1,641 @@
+// Fused attention (scaled_dot_product_attention as the flash backend): forward and backward,
+// bf16/f16, head dims 64 and 128, causal (top-left, Lq == Lk) or not, GQA by head groups.
+//
+// Design (FlashAttention-2's algorithm, written for mma.sync m16n8k16 on sm_80+):
+// - attn_fwd: a CTA owns 16 * FWD_WARPS query rows of one (batch, head), each warp 16 rows
+//   whose Q fragments stay in registers. K/V tiles of FWD_BLOCK_N keys stream through shared
+//   memory, double buffered with cp.async. S = Q K^T and O += P V run on tensor cores with fp32
+//   accumulators; the softmax is online in fp32 (base 2, the scale folded in). The S x S matrix
+//   never exists. One pass over K and V per query block; O and the logsumexp (natural log, fp32,
+//   as stock's flash returns it) are written once.
+// - attn_bwd_prep: delta = rowsum(dO * O) in fp32, one 16-byte chunk per thread.
+// - attn_bwd_dkdv: a CTA owns 16 * BWD_WARPS keys of one (batch, kv head) and walks every query
+//   tile of every query head of its group, recomputing P from the logsumexp; dK and dV stay in
+//   registers (fp32) for the whole walk and are written once. No atomics.
+// - attn_bwd_dq: a CTA owns 16 * BWD_WARPS query rows and walks the key tiles, recomputing P and
+//   dP; dQ stays in registers and is written once. No atomics.
+// Every sum runs in a fixed order, so the backward is bitwise reproducible run to run.
+// Shared-memory tiles are [rows][HEAD_DIM] with 16-byte chunks XOR-swizzled by row, so the
+// ldmatrix reads of 8 rows hit 8 different bank groups.
+#include "common.cuh"
+
+#if TF_DTYPE != 1 && TF_DTYPE != 2
+#error "attention kernels are bf16 (TF_DTYPE=1) or f16 (TF_DTYPE=2)"
+#endif
+#if !defined(TF_HEAD_DIM) || (TF_HEAD_DIM != 64 && TF_HEAD_DIM != 128)
+#error "TF_HEAD_DIM must be 64 or 128"
+#endif
+#ifndef TF_FWD_WARPS
+#define TF_FWD_WARPS 4
+#endif
+#ifndef TF_FWD_BLOCK_N
+#define TF_FWD_BLOCK_N 64
+#endif
+#ifndef TF_BWD_WARPS
+#define TF_BWD_WARPS 4
+#endif
+#ifndef TF_BWD_BLOCK_Q
+#define TF_BWD_BLOCK_Q 64
+#endif
+#ifndef TF_DQ_BLOCK_N
+#define TF_DQ_BLOCK_N 64
+#endif
+
+#define HD TF_HEAD_DIM
+#define FWD_BLOCK_M (16 * TF_FWD_WARPS)
+#define BWD_BLOCK_K (16 * TF_BWD_WARPS)
+#define DQ_BLOCK_M (16 * TF_BWD_WARPS)
+#define CHUNKS_PER_ROW (HD / 8)
+
+static_assert(TF_FWD_BLOCK_N % 16 == 0 && TF_BWD_BLOCK_Q % 16 == 0 && TF_DQ_BLOCK_N % 16 == 0,
+              "tiles are whole k16 steps");
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+#define NEG_INF __int_as_float(0xff800000u)
+
+// ------------------------------------------------------------------ PTX wrappers
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+// 16 bytes global -> shared, zero-filled when !valid (nothing is read then).
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32 (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32 (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// d += a * b: a 16x16 (row), b 16x8 (col), fp32 accumulators.
+__device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#if TF_DTYPE == 1
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// Two floats as one register of two 16-bit values, `lo` in the low half (lower column).
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+  u32 r;
+#if TF_DTYPE == 1
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+  return r;
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+// ------------------------------------------------------------------ tiles in shared memory
+
+// Element offset of (row, col) in a swizzled [rows][HD] tile; col is a multiple of 8.
+__device__ __forceinline__ int swz(int row, int col) {
+  return row * HD + ((((col >> 3) ^ (row & 7))) << 3);
+}
+
+// rows x HD elements from global (row r at base + r * row_stride) into a swizzled tile; rows at
+// or beyond `valid_rows` are zero-filled.
+template <int ROWS, int THREADS>
+__device__ __forceinline__ void load_tile(u16* tile, const u16* base, tf_i64 row_stride,
+                                          int valid_rows, int tid) {
+  const u32 tile_addr = smem_addr(tile);
+#pragma unroll
+  for (int i = tid; i < ROWS * CHUNKS_PER_ROW; i += THREADS) {
+    const int row = i / CHUNKS_PER_ROW;
+    const int col = (i % CHUNKS_PER_ROW) * 8;
+    const bool valid = row < valid_rows;
+    const u16* src = valid ? base + row * row_stride + col : base;
+    cp_async16(tile_addr + swz(row, col) * 2, src, valid);
+  }
+}
+
+// `count` floats (index i at base[i]) into shared memory, zero beyond `valid`.
+template <int COUNT, int THREADS>
+__device__ __forceinline__ void load_row_values(float* dst, const float* base, int valid,
+                                                int tid) {
+  const u32 dst_addr = smem_addr(dst);
+  for (int i = tid; i < COUNT; i += THREADS) {
+    const bool ok = i < valid;
+    cp_async4(dst_addr + i * 4, ok ? base + i : base, ok);
+  }
+}
+
+// A fragments (16 rows x 16 cols) of a warp's rows [row0, row0+16) at k-chunk kc.
+__device__ __forceinline__ void load_a(const u16* tile, int row0, int kc, int lane, u32 (&a)[4]) {
+  const int m = lane >> 3;
+  const int row = row0 + (lane & 7) + ((m & 1) << 3);
+  const int col = kc * 16 + ((m & 2) << 2);
+  ldsm_x4(smem_addr(tile) + swz(row, col) * 2, a);
+}
+
+// B fragments for two n8 tiles when the tile holds B^T (rows = n, cols = k): rows
+// [n0, n0+16), k-chunk kc. b[0..1] serve n tile n0, b[2..3] n tile n0+8.
+__device__ __forceinline__ void load_b_nk(const u16* tile, int n0, int kc, int lane, u32 (&b)[4]) {
+  const int m = lane >> 3;
+  const int row = n0 + (lane & 7) + ((m & 2) << 2);
+  const int col = kc * 16 + ((m & 1) << 3);
+  ldsm_x4(smem_addr(tile) + swz(row, col) * 2, b);
+}
+
+// B fragments when the tile holds B itself (rows = k, cols = n): k rows [k0, k0+16), n cols
+// [n0, n0+16). b[0..1] serve n tile n0, b[2..3] n tile n0+8.
+__device__ __forceinline__ void load_b_kn(const u16* tile, int k0, int n0, int lane, u32 (&b)[4]) {
+  const int m = lane >> 3;
+  const int row = k0 + (lane & 7) + ((m & 1) << 3);
+  const int col = n0 + ((m & 2) << 2);
+  ldsm_x4_t(smem_addr(tile) + swz(row, col) * 2, b);
+}
+
+// The gemms below walk (k-chunk, n-pair) steps with the shared-memory fragments of step s + 2
+// loaded while step s multiplies (a ring of 3), so ldmatrix latency hides behind the mma.
+
+// acc[N/8][4] (+)= A[16 x HD] (fragments in registers) * B where the tile holds B^T [N][HD].
+template <int N>
+__device__ __forceinline__ void gemm_a_regs_nk(float (&acc)[N / 8][4], const u32 (&a)[HD / 16][4],
+                                               const u16* tile, int lane) {
+  constexpr int PAIRS = N / 16, STEPS = (HD / 16) * PAIRS;
+  u32 b[3][4];
+  load_b_nk(tile, 0, 0, lane, b[0]);
+  if (STEPS > 1) load_b_nk(tile, (1 % PAIRS) * 16, 1 / PAIRS, lane, b[1]);
+#pragma unroll
+  for (int s = 0; s < STEPS; ++s) {
+    if (s + 2 < STEPS) load_b_nk(tile, ((s + 2) % PAIRS) * 16, (s + 2) / PAIRS, lane, b[(s + 2) % 3]);
+    const int kc = s / PAIRS, n2 = s % PAIRS;
+    mma16816(acc[2 * n2], a[kc], b[s % 3][0], b[s % 3][1]);
+    mma16816(acc[2 * n2 + 1], a[kc], b[s % 3][2], b[s % 3][3]);
+  }
+}
+
+// acc[N/8][4] (+)= A[16 x HD] (rows row0.. of tile a_tile) * B where b_tile holds B^T [N][HD].
+template <int N>
+__device__ __forceinline__ void gemm_a_smem_nk(float (&acc)[N / 8][4], const u16* a_tile, int row0,
+                                               const u16* b_tile, int lane) {
+  constexpr int PAIRS = N / 16, STEPS = (HD / 16) * PAIRS;
+  u32 a[2][4], b[3][4];
+  load_a(a_tile, row0, 0, lane, a[0]);
+  load_b_nk(b_tile, 0, 0, lane, b[0]);
+  if (STEPS > 1) load_b_nk(b_tile, (1 % PAIRS) * 16, 1 / PAIRS, lane, b[1]);
+#pragma unroll
+  for (int s = 0; s < STEPS; ++s) {
+    const int kc = s / PAIRS, n2 = s % PAIRS;
+    if (n2 == 0 && kc + 1 < HD / 16) load_a(a_tile, row0, kc + 1, lane, a[(kc + 1) & 1]);
+    if (s + 2 < STEPS)
+      load_b_nk(b_tile, ((s + 2) % PAIRS) * 16, (s + 2) / PAIRS, lane, b[(s + 2) % 3]);
+    mma16816(acc[2 * n2], a[kc & 1], b[s % 3][0], b[s % 3][1]);
+    mma16816(acc[2 * n2 + 1], a[kc & 1], b[s % 3][2], b[s % 3][3]);
+  }
+}
+
+// out[HD/8][4] += P[16 x K] (fp32 accumulator layout, converted to 16-bit A fragments) * B,
+// where the tile holds B [K][HD] (rows = the k dimension).
+template <int K>
+__device__ __forceinline__ void gemm_p_kn(float (&out)[HD / 8][4], const float (&p)[K / 8][4],
+                                          const u16* tile, int lane) {
+  constexpr int PAIRS = HD / 16, STEPS = (K / 16) * PAIRS;
+  u32 b[3][4];
+  load_b_kn(tile, 0, 0, lane, b[0]);
+  if (STEPS > 1) load_b_kn(tile, (1 / PAIRS) * 16, (1 % PAIRS) * 16, lane, b[1]);
+  u32 a[4];
+#pragma unroll
+  for (int s = 0; s < STEPS; ++s) {
+    const int kc = s / PAIRS, n2 = s % PAIRS;
+    if (n2 == 0) {
+      a[0] = pack2(p[2 * kc][0], p[2 * kc][1]);
+      a[1] = pack2(p[2 * kc][2], p[2 * kc][3]);
+      a[2] = pack2(p[2 * kc + 1][0], p[2 * kc + 1][1]);
+      a[3] = pack2(p[2 * kc + 1][2], p[2 * kc + 1][3]);
+    }
+    if (s + 2 < STEPS)
+      load_b_kn(tile, ((s + 2) / PAIRS) * 16, ((s + 2) % PAIRS) * 16, lane, b[(s + 2) % 3]);
+    mma16816(out[2 * n2], a, b[s % 3][0], b[s % 3][1]);
+    mma16816(out[2 * n2 + 1], a, b[s % 3][2], b[s % 3][3]);
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void zero(float (&acc)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+}
+
+// A warp's 16 x HD fp32 accumulator, times `mul`, as 16-bit values into global rows
+// [row0, row0 + 16) (those below `valid_rows`), staged through the warp's own 16 rows of
+// `stage` (a swizzled tile) so global stores are 16 bytes wide.
+__device__ __forceinline__ void store_rows(const float (&acc)[HD / 8][4], float mul, u16* stage,
+                                           int stage_row0, u16* out, tf_i64 row_stride,
+                                           int valid_rows, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < HD / 8; ++nt) {
+    const int col = nt * 8;
+    u32* lo = reinterpret_cast<u32*>(stage + swz(stage_row0 + g, col) + 2 * t);
+    u32* hi = reinterpret_cast<u32*>(stage + swz(stage_row0 + g + 8, col) + 2 * t);
+    *lo = pack2(acc[nt][0] * mul, acc[nt][1] * mul);
+    *hi = pack2(acc[nt][2] * mul, acc[nt][3] * mul);
+  }
+  __syncwarp();
+#pragma unroll
+  for (int i = lane; i < 16 * CHUNKS_PER_ROW; i += 32) {
+    const int r = i / CHUNKS_PER_ROW;
+    const int col = (i % CHUNKS_PER_ROW) * 8;
+    if (r < valid_rows) {
+      const tf_raw16 v = *reinterpret_cast<const tf_raw16*>(stage + swz(stage_row0 + r, col));
+      *reinterpret_cast<tf_raw16*>(out + r * row_stride + col) = v;
+    }
+  }
+}
+
+// Strides (elements) of a [B, H, L, HD] operand whose last dimension is contiguous.
+struct Strides {
+  tf_i64 batch, head, row;
+};
+
+__device__ __forceinline__ const u16* at(const void* base, Strides s, int b, int h) {
+  return static_cast<const u16*>(base) + b * s.batch + h * s.head;
+}
+
+// ------------------------------------------------------------------ forward
+
+extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32)
+    attn_fwd(const void* q, Strides qs, const void* k, Strides ks, const void* v, Strides vs,
+             void* o, Strides os, float* lse, int heads, int lq, int lk, int group,
+             float scale_log2, int causal) {
+  constexpr int BM = FWD_BLOCK_M, BN = TF_FWD_BLOCK_N, THREADS = TF_FWD_WARPS * 32;
+  extern __shared__ __align__(128) u16 smem[];
+  u16* q_tile = smem;
+  u16* k_tile = q_tile + BM * HD;  // [2][BN][HD]
+  u16* v_tile = k_tile + 2 * BN * HD;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  // Causal: the longest query blocks first, so the short ones fill the tail.
+  const int mb = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+  const int q0 = mb * BM;
+
+  const u16* qb = at(q, qs, b, h) + q0 * qs.row;
+  const u16* kb = at(k, ks, b, hk);
+  const u16* vb = at(v, vs, b, hk);
+  load_tile<BM, THREADS>(q_tile, qb, qs.row, lq - q0, tid);
+  const int kv_end = causal ? min(lk, q0 + BM) : lk;
+  const int tiles = (kv_end + BN - 1) / BN;
+  load_tile<BN, THREADS>(k_tile, kb, ks.row, kv_end, tid);
+  load_tile<BN, THREADS>(v_tile, vb, vs.row, kv_end, tid);
+  cp_async_commit();
+
+  const int row_lo = q0 + warp * 16 + g;  // this thread's rows: row_lo and row_lo + 8
+  float o_acc[HD / 8][4];
+  zero(o_acc);
+  float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};
+  u32 qf[HD / 16][4];
+
+  for (int j = 0; j < tiles; ++j) {
+    cp_async_wait_all();
+    __syncthreads();
+    if (j == 0) {
+#pragma unroll
+      for (int kc = 0; kc < HD / 16; ++kc) load_a(q_tile, warp * 16, kc, lane, qf[kc]);
+    }
+    const int n0 = j * BN;
+    if (j + 1 < tiles) {
+      const int stage = (j + 1) & 1;
+      load_tile<BN, THREADS>(k_tile + stage * BN * HD, kb + (n0 + BN) * ks.row, ks.row,
+                             kv_end - n0 - BN, tid);
+      load_tile<BN, THREADS>(v_tile + stage * BN * HD, vb + (n0 + BN) * vs.row, vs.row,
+                             kv_end - n0 - BN, tid);
+      cp_async_commit();
+    }
+    // Tiles wholly above this warp's diagonal add nothing.
+    if (causal && n0 > q0 + warp * 16 + 15) continue;
+    const u16* kt = k_tile + (j & 1) * BN * HD;
+    const u16* vt = v_tile + (j & 1) * BN * HD;
+
+    float s[BN / 8][4];
+    zero(s);
+    gemm_a_regs_nk<BN>(s, qf, kt, lane);
+
+    const bool edge = n0 + BN > kv_end || (causal && n0 + BN - 1 > q0 + warp * 16);
+    float tile_max[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[nt][e] * scale_log2;  // before the max: the scale may be negative
+        if (edge) {
+          const int col = n0 + nt * 8 + 2 * t + (e & 1);
+          const int row = row_lo + (e >> 1) * 8;
+          if (col >= kv_end || (causal && col > row)) x = NEG_INF;
+        }
+        s[nt][e] = x;
+        tile_max[e >> 1] = fmaxf(tile_max[e >> 1], x);
+      }
+    }
+    float alpha[2], m_use[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+      const float m_new = fmaxf(m_run[r], tile_max[r]);
+      m_use[r] = m_new == NEG_INF ? 0.f : m_new;
+      alpha[r] = fast_exp2(m_run[r] - m_use[r]);
+      m_run[r] = m_new;
+    }
+    float row_sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float p = fast_exp2(s[nt][e] - m_use[e >> 1]);
+        s[nt][e] = p;
+        row_sum[e >> 1] += p;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + row_sum[r];
+#pragma unroll
+    for (int nt = 0; nt < HD / 8; ++nt) {
+      o_acc[nt][0] *= alpha[0];
+      o_acc[nt][1] *= alpha[0];
+      o_acc[nt][2] *= alpha[1];
+      o_acc[nt][3] *= alpha[1];
+    }
+    gemm_p_kn<BN>(o_acc, s, vt, lane);
+  }
+
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+    inv[r] = 1.f / l_run[r];
+  }
+#pragma unroll
+  for (int nt = 0; nt < HD / 8; ++nt) {
+    o_acc[nt][0] *= inv[0];
+    o_acc[nt][1] *= inv[0];
+    o_acc[nt][2] *= inv[1];
+    o_acc[nt][3] *= inv[1];
+  }
+  if (t == 0) {
+    float* lse_row = lse + (static_cast<tf_i64>(b) * heads + h) * lq;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row_lo + r * 8;
+      if (row < lq) lse_row[row] = (m_run[r] + log2f(l_run[r])) * LN2;
+    }
+  }
+  // The warp's own rows of the Q tile are free now (its Q fragments are in registers).
+  u16* ob = static_cast<u16*>(o) + b * os.batch + h * os.head + (q0 + warp * 16) * os.row;
+  store_rows(o_acc, 1.f, q_tile, warp * 16, ob, os.row, lq - q0 - warp * 16, lane);
+}
+
+// ------------------------------------------------------------------ backward
+
+// delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] in fp32; `rows` = B * H * Lq.
+extern "C" __global__ void __launch_bounds__(256)
+    attn_bwd_prep(const void* o, Strides os, const void* dout, Strides ds, float* delta,
+                  int heads, int lq, tf_i64 rows) {
+  const tf_i64 chunk = static_cast<tf_i64>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const tf_i64 row = chunk / CHUNKS_PER_ROW;
+  const int col = static_cast<int>(chunk % CHUNKS_PER_ROW) * 8;
+  float acc = 0.f;
+  if (row < rows) {
+    const int i = static_cast<int>(row % lq);
+    const tf_i64 bh = row / lq;
+    const int h = static_cast<int>(bh % heads);
+    const int b = static_cast<int>(bh / heads);
+    tf_pack<tf_storage> a, c;
+    a.raw = *reinterpret_cast<const tf_raw16*>(at(o, os, b, h) + i * os.row + col);
+    c.raw = *reinterpret_cast<const tf_raw16*>(at(dout, ds, b, h) + i * ds.row + col);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc += tf_float(a.e[e]) * tf_float(c.e[e]);
+  }
+  // The chunks of one row are adjacent lanes (CHUNKS_PER_ROW divides 32).
+#pragma unroll
+  for (int offset = CHUNKS_PER_ROW / 2; offset > 0; offset >>= 1)
+    acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+  if (row < rows && col == 0) delta[row] = acc;
+}
+
+// dK, dV for 16 * BWD_WARPS keys of one (batch, kv head). lse and delta are [B, H, Lq] fp32.
+extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32)
+    attn_bwd_dkdv(const void* q, Strides qs, const void* k, Strides ks, const void* v, Strides vs,
+                  const void* dout, Strides dos, const float* lse, const float* delta,
+                  void* dk, Strides dks, void* dv, Strides dvs, int heads, int lq, int lk,
+                  int group, float scale_log2, float scale, int causal) {
+  constexpr int BK = BWD_BLOCK_K, BQ = TF_BWD_BLOCK_Q, THREADS = TF_BWD_WARPS * 32;
+  extern __shared__ __align__(128) u16 smem[];
+  u16* k_tile = smem;                   // [BK][HD]
+  u16* v_tile = k_tile + BK * HD;       // [BK][HD]
+  u16* q_tile = v_tile + BK * HD;       // [2][BQ][HD]
+  u16* do_tile = q_tile + 2 * BQ * HD;  // [2][BQ][HD]
+  float* lse_tile = reinterpret_cast<float*>(do_tile + 2 * BQ * HD);  // [2][BQ]
+  float* delta_tile = lse_tile + 2 * BQ;                              // [2][BQ]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int nb = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int hk = blockIdx.y, b = blockIdx.z;
+  const int k0 = nb * BK;
+
+  load_tile<BK, THREADS>(k_tile, at(k, ks, b, hk) + k0 * ks.row, ks.row, lk - k0, tid);
+  load_tile<BK, THREADS>(v_tile, at(v, vs, b, hk) + k0 * vs.row, vs.row, lk - k0, tid);
+
+  // Query tiles: every head of the group, from the first tile that reaches this key block.
+  const int q_first = causal ? (k0 / BQ) : 0;
+  const int q_tiles_per_head = max(0, (lq + BQ - 1) / BQ - q_first);
+  const int tiles = q_tiles_per_head * group;
+  auto issue = [&](int it, int stage) {
+    const int h = hk * group + it / q_tiles_per_head;
+    const int qt0 = (q_first + it % q_tiles_per_head) * BQ;
+    load_tile<BQ, THREADS>(q_tile + stage * BQ * HD, at(q, qs, b, h) + qt0 * qs.row, qs.row,
+                           lq - qt0, tid);
+    load_tile<BQ, THREADS>(do_tile + stage * BQ * HD, at(dout, dos, b, h) + qt0 * dos.row,
+                           dos.row, lq - qt0, tid);
+    const tf_i64 row_base = (static_cast<tf_i64>(b) * heads + h) * lq + qt0;
+    load_row_values<BQ, THREADS>(lse_tile + stage * BQ, lse + row_base, lq - qt0, tid);
+    load_row_values<BQ, THREADS>(delta_tile + stage * BQ, delta + row_base, lq - qt0, tid);
+  };
+  if (tiles > 0) issue(0, 0);
+  cp_async_commit();
+
+  float dk_acc[HD / 8][4], dv_acc[HD / 8][4];
+  zero(dk_acc);
+  zero(dv_acc);
+  const int key_lo = k0 + warp * 16 + g;  // this thread's keys: key_lo and key_lo + 8
+
+  for (int it = 0; it < tiles; ++it) {
+    cp_async_wait_all();
+    __syncthreads();
+    const int stage = it & 1;
+    if (it + 1 < tiles) {
+      issue(it + 1, stage ^ 1);
+      cp_async_commit();
+    }
+    const int qt0 = (q_first + it % q_tiles_per_head) * BQ;
+    if (causal && qt0 + BQ - 1 < k0 + warp * 16) continue;  // all queries before these keys
+    const u16* qt = q_tile + stage * BQ * HD;
+    const u16* dot = do_tile + stage * BQ * HD;
+    const float* lse_s = lse_tile + stage * BQ;
+    const float* delta_s = delta_tile + stage * BQ;
+
+    // S^T = K Q^T and dP^T = V dO^T, rows = this warp's 16 keys, cols = BQ queries.
+    float st[BQ / 8][4], dpt[BQ / 8][4];
+    zero(st);
+    zero(dpt);
+    gemm_a_smem_nk<BQ>(st, k_tile, warp * 16, qt, lane);
+    gemm_a_smem_nk<BQ>(dpt, v_tile, warp * 16, dot, lane);
+
+    const bool edge = causal && qt0 < k0 + warp * 16 + 15;
+#pragma unroll
+    for (int nt = 0; nt < BQ / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qc = nt * 8 + 2 * t + (e & 1);
+        float p = fast_exp2(fmaf(st[nt][e], scale_log2, -lse_s[qc] * LOG2E));
+        if (edge && key_lo + (e >> 1) * 8 > qt0 + qc) p = 0.f;
+        st[nt][e] = p;
+        dpt[nt][e] = p * (dpt[nt][e] - delta_s[qc]);
+      }
+    }
+    gemm_p_kn<BQ>(dv_acc, st, dot, lane);
+    gemm_p_kn<BQ>(dk_acc, dpt, qt, lane);
+  }
+  cp_async_wait_all();  // nothing in flight lands on the K/V tiles below
+
+  // K and V tiles: each warp's own 16 rows are free once its last gemm is done.
+  const int valid = lk - k0 - warp * 16;
+  u16* dkb = static_cast<u16*>(dk) + b * dks.batch + hk * dks.head + (k0 + warp * 16) * dks.row;
+  u16* dvb = static_cast<u16*>(dv) + b * dvs.batch + hk * dvs.head + (k0 + warp * 16) * dvs.row;
+  store_rows(dk_acc, scale, k_tile, warp * 16, dkb, dks.row, valid, lane);
+  store_rows(dv_acc, 1.f, v_tile, warp * 16, dvb, dvs.row, valid, lane);
+}
+
+// dQ for 16 * BWD_WARPS query rows of one (batch, head).
+extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32)
+    attn_bwd_dq(const void* q, Strides qs, const void* k, Strides ks, const void* v, Strides vs,
+                const void* dout, Strides dos, const float* lse, const float* delta, void* dq,
+                Strides dqs, int heads, int lq, int lk, int group, float scale_log2, float scale,
+                int causal) {
+  constexpr int BM = DQ_BLOCK_M, BN = TF_DQ_BLOCK_N, THREADS = TF_BWD_WARPS * 32;
+  extern __shared__ __align__(128) u16 smem[];
+  u16* q_tile = smem;                  // [BM][HD]
+  u16* do_tile = q_tile + BM * HD;     // [BM][HD]
+  u16* k_tile = do_tile + BM * HD;     // [2][BN][HD]
+  u16* v_tile = k_tile + 2 * BN * HD;  // [2][BN][HD]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int mb = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+  const int q0 = mb * BM;
+
+  load_tile<BM, THREADS>(q_tile, at(q, qs, b, h) + q0 * qs.row, qs.row, lq - q0, tid);
+  load_tile<BM, THREADS>(do_tile, at(dout, dos, b, h) + q0 * dos.row, dos.row, lq - q0, tid);
+  const int kv_end = causal ? min(lk, q0 + BM) : lk;
+  const int tiles = (kv_end + BN - 1) / BN;
+  const u16* kb = at(k, ks, b, hk);
+  const u16* vb = at(v, vs, b, hk);
+  load_tile<BN, THREADS>(k_tile, kb, ks.row, kv_end, tid);
+  load_tile<BN, THREADS>(v_tile, vb, vs.row, kv_end, tid);
+  cp_async_commit();
+
+  const int row_lo = q0 + warp * 16 + g;
+  const tf_i64 row_base = (static_cast<tf_i64>(b) * heads + h) * lq;
+  float lse2[2], dlt[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row_lo + r * 8;
+    lse2[r] = row < lq ? lse[row_base + row] * LOG2E : 0.f;
+    dlt[r] = row < lq ? delta[row_base + row] : 0.f;
+  }
+  float dq_acc[HD / 8][4];
+  zero(dq_acc);
+  u32 qf[HD / 16][4], dof[HD / 16][4];
+
+  for (int j = 0; j < tiles; ++j) {
+    cp_async_wait_all();
+    __syncthreads();
+    if (j == 0) {
+#pragma unroll
+      for (int kc = 0; kc < HD / 16; ++kc) {
+        load_a(q_tile, warp * 16, kc, lane, qf[kc]);
+        load_a(do_tile, warp * 16, kc, lane, dof[kc]);
+      }
+    }
+    const int n0 = j * BN;
+    if (j + 1 < tiles) {
+      const int stage = (j + 1) & 1;
+      load_tile<BN, THREADS>(k_tile + stage * BN * HD, kb + (n0 + BN) * ks.row, ks.row,
+                             kv_end - n0 - BN, tid);
+      load_tile<BN, THREADS>(v_tile + stage * BN * HD, vb + (n0 + BN) * vs.row, vs.row,
+                             kv_end - n0 - BN, tid);
+      cp_async_commit();
+    }
+    if (causal && n0 > q0 + warp * 16 + 15) continue;
+    const u16* kt = k_tile + (j & 1) * BN * HD;
+    const u16* vt = v_tile + (j & 1) * BN * HD;
+
+    float s[BN / 8][4], dp[BN / 8][4];
+    zero(s);
+    zero(dp);
+    gemm_a_regs_nk<BN>(s, qf, kt, lane);
+    gemm_a_regs_nk<BN>(dp, dof, vt, lane);
+    const bool edge = n0 + BN > kv_end || (causal && n0 + BN - 1 > q0 + warp * 16);
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        float p = fast_exp2(fmaf(s[nt][e], scale_log2, -lse2[r]));
+        if (edge) {
+          const int col = n0 + nt * 8 + 2 * t + (e & 1);
+          if (col >= kv_end || (causal && col > row_lo + r * 8)) p = 0.f;
+        }
+        s[nt][e] = p * (dp[nt][e] - dlt[r]);
+      }
+    }
+    gemm_p_kn<BN>(dq_acc, s, kt, lane);
+  }
+
+  u16* dqb = static_cast<u16*>(dq) + b * dqs.batch + h * dqs.head + (q0 + warp * 16) * dqs.row;
+  store_rows(dq_acc, scale, q_tile, warp * 16, dqb, dqs.row, lq - q0 - warp * 16, lane);
+}

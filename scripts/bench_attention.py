@@ -1,0 +1,167 @@
+"""scaled_dot_product_attention benchmark per DESIGN.md §6 (issue 6): torchfuse's kernels vs
+stock's default choice and each of stock's backends (flash, efficient, cuDNN), forward and
+forward+backward, in one process (torch.ops.torchfuse.set_enabled), CUDA events, warm-up,
+medians of interleaved rounds, fresh random inputs rotated. The roofline is the bf16 matmul
+peak measured in the same run. FLOPs: forward 4·B·H·S²·D (halved when causal), forward plus
+backward 3.5 times that.
+
+  --small  also the small shapes the registry's thresholds come from
+  --quick  the GPT-2 shape only (a smoke run)
+"""
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from bench_norm import timed_loop
+
+# (B, H, S, D, causal) of issue 6.
+SHAPES = [(8, 12, 1024, 64, True), (16, 12, 512, 64, True), (4, 16, 2048, 128, True),
+          (2, 32, 4096, 128, True), (8, 16, 1024, 128, False), (1, 16, 8192, 128, True)]
+SMALL = [(1, 12, 128, 64, True), (4, 12, 256, 64, True), (8, 12, 512, 64, False),
+         (2, 16, 256, 128, True), (4, 16, 512, 128, False), (8, 12, 2048, 64, True),
+         (4, 12, 4096, 64, True), (2, 16, 4096, 128, False)]
+BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION}
+ATEN_FWD = "_scaled_dot_product_flash_attention"
+
+
+def matmul_peak():
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    us = statistics.median(timed_loop(lambda: a @ b, [()], 20))
+    return 2 * n ** 3 / (us * 1e-6) / 1e12
+
+
+def flops(b, h, s, d, causal):
+    f = 4 * b * h * s * s * d
+    return f / 2 if causal else f
+
+
+def make_inputs(b, h, s, d, count, gen):
+    sets = []
+    for _ in range(count):
+        # The [B, S, H, D] -> [B, H, S, D] views a transformer's projections give.
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+                   .transpose(1, 2).requires_grad_(True) for _ in range(3))
+        dout = torch.randn(b, s, h, d, device="cuda", generator=gen,
+                           dtype=torch.bfloat16).transpose(1, 2)
+        sets.append((q, k, v, dout))
+    return sets
+
+
+def fused_count():
+    return json.loads(torch.ops.torchfuse.stats())["ops"].get(ATEN_FWD, {}).get("fused", 0)
+
+
+def measure(shape, gen, rounds, reps):
+    b, h, s, d, causal = shape
+    inputs = make_inputs(b, h, s, d, 2, gen)
+
+    def fwd(q, k, v, dout):
+        with torch.no_grad():
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def fwd_bwd(q, k, v, dout):
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        torch.autograd.grad(o, (q, k, v), dout)
+
+    # side -> (torchfuse on, serve below thresholds, stock backend restriction or None)
+    sides = {"kernel": (True, True, None), "stock": (False, False, None)}
+    sides.update({name: (False, False, be) for name, be in BACKENDS.items()})
+    results = {}
+    for phase, fn in (("fwd", fwd), ("fwdbwd", fwd_bwd)):
+        times = {name: [] for name in sides}
+        usable = dict.fromkeys(sides, True)
+
+        def run(name, count):
+            on, below, backend = sides[name]
+            torch.ops.torchfuse.set_enabled("sdpa", on)
+            torch.ops.torchfuse._serve_below_thresholds(below)
+            if backend is None:
+                return timed_loop(fn, inputs, count)
+            with sdpa_kernel(backend):
+                return timed_loop(fn, inputs, count)
+
+        for name in sides:  # warm-up (compiles our kernels); a backend may refuse the shape
+            try:
+                run(name, 2)
+            except RuntimeError as e:
+                usable[name] = False
+                print(f"  {name} unavailable at {shape}: {str(e).splitlines()[0]}")
+        for _ in range(rounds):
+            for name in sides:
+                if usable[name]:
+                    times[name] += run(name, reps)
+        torch.ops.torchfuse.set_enabled("sdpa", True)
+        torch.ops.torchfuse._serve_below_thresholds(False)
+        results[phase] = {n: statistics.median(t) for n, t in times.items() if t}
+    # Does the registry (thresholds applied) route this shape to our kernel?
+    before = fused_count()
+    with torch.no_grad():
+        q, k, v, _ = inputs[0]
+        F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    results["routed_to_kernel"] = fused_count() > before
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lib-dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    torch.ops.load_library(str(Path(args.lib_dir) / "libtorchfuse.so"))
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() & 0xFFFFFFFF)
+    peak = matmul_peak()
+    device = torch.cuda.get_device_name()
+    print(f"device: {device}; bf16 matmul peak {peak:.0f} TFLOP/s (8192^3, same run)")
+    shapes = SHAPES[:1] if args.quick else SHAPES + (SMALL if args.small else [])
+    rows = []
+    for shape in shapes:
+        r = measure(shape, gen, rounds=3 if args.quick else 5, reps=5)
+        f = flops(*shape[:4], shape[4])
+        for phase, mult in (("fwd", 1.0), ("fwdbwd", 3.5)):
+            t = r[phase]
+            routed = t["kernel"] if r["routed_to_kernel"] else t["stock"]
+            row = {"shape": list(shape), "phase": phase, "us": t, "routed_us": routed,
+                   "routed_to_kernel": r["routed_to_kernel"],
+                   "tflops": {n: mult * f / (us * 1e-6) / 1e12 for n, us in t.items()}}
+            rows.append(row)
+            b, h, s, d, causal = shape
+            name = f"B{b} H{h} S{s} D{d} {'causal' if causal else 'full'}"
+            parts = " ".join(f"{n} {us:8.1f}us {row['tflops'][n]:4.0f}TF ({100 * row['tflops'][n] / peak:3.0f}%)"
+                             for n, us in t.items())
+            print(f"{phase:6s} {name:28s} x{t['stock'] / t['kernel']:.2f} vs stock, routed x{t['stock'] / routed:.2f} | {parts}",
+                  flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_attention.json").write_text(json.dumps(
+        {"device": device, "matmul_peak_tflops": peak, "rows": rows}, indent=1))
+    lines = [f"# scaled_dot_product_attention on {device}", "",
+             f"bf16 matmul peak measured in the same run: {peak:.0f} TFLOP/s. "
+             "`kernel` = torchfuse's kernel; `stock` = stock's default choice; ratio = stock / kernel; "
+             "`routed` = what torchfuse runs after the registry's thresholds.", "",
+             "| shape | phase | kernel µs (% peak) | stock µs (% peak) | kernel vs stock | routed vs stock | flash µs | efficient µs | cudnn µs |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        b, h, s, d, causal = row["shape"]
+        t, tf = row["us"], row["tflops"]
+        def cell(n):
+            return f"{t[n]:.1f} ({100 * tf[n] / peak:.0f}%)" if n in t else "n/a"
+        lines.append(f"| B{b} H{h} S{s} D{d} {'causal' if causal else 'full'} | {row['phase']} | "
+                     f"{cell('kernel')} | {cell('stock')} | {t['stock'] / t['kernel']:.2f}x | "
+                     f"{t['stock'] / row['routed_us']:.2f}x | {cell('flash')} | {cell('efficient')} | {cell('cudnn')} |")
+    (out / "bench_attention.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,595 @@
+//! scaled_dot_product_attention through kernels/attention.cu: the backend choice (we answer
+//! "flash" for the calls our registry takes) and the flash backend's forward and backward.
+//!
+//! `plan` is the one decision: a pure function of the call (shapes, dtype, flags, strides) and
+//! the registry, so the backend choice, the forward and the backward always agree. Its outputs
+//! have stock flash's formats (output [B, H, Lq, D] as a transposed [B, Lq, H, D] tensor, fp32
+//! logsumexp [B, H, Lq] in natural log), so a forward of ours and a backward of stock's (or the
+//! reverse, after a fallback) still fit together.
+
+use crate::jit::{self, Launch};
+use crate::registry::{DType, KernelOp, Request, StockReason, Variant};
+use crate::tensor::{aligned16, borrow, device_addr, dtype_of, empty};
+use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use std::ffi::c_void;
+use tch::{Device, Kind, Tensor};
+
+/// `TfAttentionCall` in shim.cpp.
+#[repr(C)]
+pub struct AttentionCallC {
+    pub query: *const c_void,
+    pub key: *const c_void,
+    pub value: *const c_void,
+    pub dropout_p: f64,
+    pub scale: f64,
+    pub has_scale: bool,
+    pub is_causal: bool,
+    pub has_mask: bool,
+    pub nested: bool,
+    pub return_debug_mask: bool,
+    pub default_backends: bool,
+}
+
+/// Strides (elements) of a [B, H, L, D] operand for the kernels (`Strides` in attention.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct Strides {
+    batch: i64,
+    head: i64,
+    row: i64,
+}
+
+// SAFETY: plain old data, laid out as the kernel's struct.
+unsafe impl DeviceRepr for Strides {}
+
+impl Strides {
+    fn of(t: &Tensor) -> Strides {
+        let s = t.stride();
+        Strides {
+            batch: s[0],
+            head: s[1],
+            row: s[2],
+        }
+    }
+}
+
+/// Kernel launch shapes a variant may set, and their allowed values.
+const PARAMS: [(&str, &[i64]); 6] = [
+    ("HEAD_DIM", &[64, 128]),
+    ("FWD_WARPS", &[2, 4, 8]),
+    ("FWD_BLOCK_N", &[32, 64, 128]),
+    ("BWD_WARPS", &[2, 4, 8]),
+    ("BWD_BLOCK_Q", &[16, 32, 64, 128]),
+    ("DQ_BLOCK_N", &[16, 32, 64, 128]),
+];
+const DEFAULTS: [i64; 6] = [0, 4, 64, 4, 64, 64];
+
+pub fn validate_variant(v: &Variant) -> Result<(), String> {
+    if let Some(unknown) = v
+        .params
+        .keys()
+        .find(|k| !PARAMS.iter().any(|(p, _)| p == k))
+    {
+        return Err(format!("{}: unknown param {unknown}", v.name));
+    }
+    for (name, allowed) in PARAMS {
+        if let Some(value) = v.params.get(name) {
+            if !allowed.contains(value) {
+                return Err(format!("{}: {name} must be one of {allowed:?}", v.name));
+            }
+        }
+    }
+    let Some(&head_dim) = v.params.get("HEAD_DIM") else {
+        return Err(format!("{}: HEAD_DIM is required", v.name));
+    };
+    if v.hidden != [head_dim, head_dim] {
+        return Err(format!(
+            "{}: hidden must be [{head_dim}, {head_dim}] (the head dim)",
+            v.name
+        ));
+    }
+    if v.dtypes.contains(&DType::F32) {
+        return Err(format!("{}: attention kernels are bf16/f16 only", v.name));
+    }
+    if v.sm[0] < 80 {
+        return Err(format!("{}: mma.sync bf16 needs sm_80 or newer", v.name));
+    }
+    Ok(())
+}
+
+/// A variant's launch shapes.
+#[derive(Clone, Copy, Debug)]
+struct Shapes {
+    head_dim: i64,
+    fwd_warps: i64,
+    fwd_block_n: i64,
+    bwd_warps: i64,
+    bwd_block_q: i64,
+    dq_block_n: i64,
+}
+
+impl Shapes {
+    fn of(v: &Variant) -> Shapes {
+        let p = |i: usize| v.params.get(PARAMS[i].0).copied().unwrap_or(DEFAULTS[i]);
+        Shapes {
+            head_dim: p(0),
+            fwd_warps: p(1),
+            fwd_block_n: p(2),
+            bwd_warps: p(3),
+            bwd_block_q: p(4),
+            dq_block_n: p(5),
+        }
+    }
+    fn fwd_block_m(&self) -> i64 {
+        16 * self.fwd_warps
+    }
+    fn bwd_rows(&self) -> i64 {
+        16 * self.bwd_warps
+    }
+    /// Dynamic shared memory of each kernel, as attention.cu lays it out.
+    fn fwd_smem(&self) -> u32 {
+        ((self.fwd_block_m() + 4 * self.fwd_block_n) * self.head_dim * 2) as u32
+    }
+    fn dkdv_smem(&self) -> u32 {
+        ((2 * self.bwd_rows() + 4 * self.bwd_block_q) * self.head_dim * 2
+            + 4 * self.bwd_block_q * 4) as u32
+    }
+    fn dq_smem(&self) -> u32 {
+        ((2 * self.bwd_rows() + 4 * self.dq_block_n) * self.head_dim * 2) as u32
+    }
+}
+
+/// Index of each kernel in `KernelOp::entries` order.
+const FWD: usize = 0;
+const PREP: usize = 1;
+const DKDV: usize = 2;
+const DQ: usize = 3;
+
+/// A call torchfuse serves, with everything the launches need.
+pub struct Plan {
+    selected: jit::Selected,
+    shapes: Shapes,
+    kind: Kind,
+    device: Device,
+    batch: i64,
+    heads: i64,
+    kv_heads: i64,
+    lq: i64,
+    lk: i64,
+    scale: f64,
+    causal: bool,
+}
+
+impl Plan {
+    pub fn kernel(&self) -> &'static str {
+        self.selected.variant.name.as_str()
+    }
+}
+
+/// The call's q, k, v as borrowed tensors.
+struct Operands {
+    q: crate::tensor::Borrowed,
+    k: crate::tensor::Borrowed,
+    v: crate::tensor::Borrowed,
+}
+
+/// # Safety
+/// The call's tensor pointers are valid `at::Tensor`s.
+unsafe fn operands(call: &AttentionCallC) -> Option<Operands> {
+    Some(Operands {
+        q: borrow(call.query)?,
+        k: borrow(call.key)?,
+        v: borrow(call.value)?,
+    })
+}
+
+/// dtype name and q's shape, for logs and stats.
+///
+/// # Safety
+/// As `operands`.
+pub unsafe fn describe(call: &AttentionCallC) -> Option<(&'static str, Vec<i64>)> {
+    let q = borrow(call.query)?;
+    Some(crate::tensor::describe(Some(&q)))
+}
+
+/// Last dimension contiguous, 16-byte aligned rows, and a 16-byte aligned start.
+fn kernel_layout(t: &Tensor) -> bool {
+    let s = t.stride();
+    s.len() == 4 && s[3] == 1 && s[..3].iter().all(|x| x % 8 == 0) && aligned16([t])
+}
+
+/// Whether torchfuse serves this call, and how: the one decision behind the backend choice,
+/// the forward and the backward.
+///
+/// # Safety
+/// As `operands`.
+pub unsafe fn plan(launch: Launch, call: &AttentionCallC) -> Result<Plan, StockReason> {
+    if !call.default_backends {
+        return Err(StockReason::UserBackendChoice);
+    }
+    if call.has_mask || call.dropout_p != 0.0 || call.return_debug_mask || call.nested {
+        return Err(StockReason::AttentionFeature);
+    }
+    let ops = operands(call).ok_or(StockReason::InvalidInput)?;
+    let (q, k, v) = (&*ops.q, &*ops.k, &*ops.v);
+    let kind = q.f_kind().map_err(|_| StockReason::UnsupportedDtype)?;
+    let dtype = match dtype_of(kind) {
+        Some(d @ (DType::BF16 | DType::F16)) => d,
+        _ => return Err(StockReason::UnsupportedDtype),
+    };
+    if k.f_kind().ok() != Some(kind) || v.f_kind().ok() != Some(kind) {
+        return Err(StockReason::MixedDtypes);
+    }
+    let device = usize::try_from(launch.device)
+        .map(Device::Cuda)
+        .map_err(|_| StockReason::InvalidInput)?;
+    if [q, k, v].iter().any(|t| t.device() != device) {
+        return Err(StockReason::InvalidInput);
+    }
+    let (qs, ks, vs) = (q.size(), k.size(), v.size());
+    let ([b, h, lq, d], [bk, hk, lk, dk], [bv, hv, lv, dv]) = (&qs[..], &ks[..], &vs[..]) else {
+        return Err(StockReason::NoVariantForShape);
+    };
+    if bk != b || bv != b || hv != hk || lv != lk || dk != d || dv != d {
+        return Err(StockReason::InvalidInput);
+    }
+    if [*b, *h, *hk, *lq, *lk, *d].contains(&0) {
+        return Err(StockReason::EmptyInput);
+    }
+    if h % hk != 0 {
+        return Err(StockReason::InvalidInput);
+    }
+    // Top-left causal masks are only the flash backend's when the lengths agree.
+    if call.is_causal && lq != lk {
+        return Err(StockReason::NoVariantForShape);
+    }
+    // Grid dimensions and 32-bit row indices in the kernels.
+    if *b > 65_535 || *h > 65_535 || *lq > i64::from(i32::MAX) / 2 || *lk > i64::from(i32::MAX) / 2
+    {
+        return Err(StockReason::NoVariantForShape);
+    }
+    if ![q, k, v].iter().all(|t| kernel_layout(t)) {
+        return Err(StockReason::NoVariantForShape);
+    }
+    let scale = if call.has_scale {
+        call.scale
+    } else {
+        1.0 / (*d as f64).sqrt()
+    };
+    if !scale.is_finite() {
+        return Err(StockReason::InvalidInput);
+    }
+    let op = if call.is_causal {
+        KernelOp::AttentionCausal
+    } else {
+        KernelOp::AttentionFull
+    };
+    let selected = jit::select(launch, |sm| Request {
+        op,
+        dtype,
+        hidden: *d,
+        rows: *lq.max(lk),
+        sm,
+    })?;
+    let shapes = Shapes::of(selected.variant);
+    Ok(Plan {
+        selected,
+        shapes,
+        kind,
+        device,
+        batch: *b,
+        heads: *h,
+        kv_heads: *hk,
+        lq: *lq,
+        lk: *lk,
+        scale,
+        causal: call.is_causal,
+    })
+}
+
+fn blocks(n: i64, per: i64) -> u32 {
+    u32::try_from((n + per - 1) / per).unwrap_or(u32::MAX)
+}
+
+fn dim_u32(n: i64) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+/// [B, L, H, D] storage seen as [B, H, L, D], the layout stock's flash returns.
+fn heads_major(
+    batch: i64,
+    len: i64,
+    heads: i64,
+    d: i64,
+    kind: Kind,
+    device: Device,
+) -> Result<Tensor, StockReason> {
+    Ok(empty(&[batch, len, heads, d], kind, device)?.transpose(1, 2))
+}
+
+impl Plan {
+    fn launch_config(
+        &self,
+        kernel: usize,
+        grid: (u32, u32, u32),
+        threads: i64,
+        smem: u32,
+    ) -> Result<LaunchConfig, StockReason> {
+        let k = &self.selected.kernels;
+        k.allow_shared_bytes(kernel, smem)
+            .map_err(|e| jit::launch_failed(self.selected.variant, e))?;
+        Ok(LaunchConfig {
+            grid_dim: grid,
+            block_dim: (threads as u32, 1, 1),
+            shared_mem_bytes: smem,
+        })
+    }
+
+    fn group(&self) -> i32 {
+        (self.heads / self.kv_heads) as i32
+    }
+
+    fn scale_log2(&self) -> f32 {
+        (self.scale * std::f64::consts::LOG2_E) as f32
+    }
+
+    /// Output [B, H, Lq, D] and logsumexp [B, H, Lq] (fp32, natural log).
+    ///
+    /// # Safety
+    /// `call` is the call this plan was made for.
+    pub unsafe fn forward(
+        &self,
+        launch: Launch,
+        call: &AttentionCallC,
+    ) -> Result<(Tensor, Tensor), StockReason> {
+        let ops = operands(call).ok_or(StockReason::InvalidInput)?;
+        let (q, k, v) = (&*ops.q, &*ops.k, &*ops.v);
+        let d = self.shapes.head_dim;
+        let out = heads_major(self.batch, self.lq, self.heads, d, self.kind, self.device)?;
+        let lse = empty(&[self.batch, self.heads, self.lq], Kind::Float, self.device)?;
+        let s = &self.shapes;
+        let config = self.launch_config(
+            FWD,
+            (
+                blocks(self.lq, s.fwd_block_m()),
+                dim_u32(self.heads),
+                dim_u32(self.batch),
+            ),
+            32 * s.fwd_warps,
+            s.fwd_smem(),
+        )?;
+        let (qp, kp, vp, op, lp) = (
+            device_addr(q),
+            device_addr(k),
+            device_addr(v),
+            device_addr(&out),
+            device_addr(&lse),
+        );
+        let (qs, ks, vs, os) = (
+            Strides::of(q),
+            Strides::of(k),
+            Strides::of(v),
+            Strides::of(&out),
+        );
+        let (heads, lq, lk, group) = (
+            self.heads as i32,
+            self.lq as i32,
+            self.lk as i32,
+            self.group(),
+        );
+        let (scale_log2, causal) = (self.scale_log2(), i32::from(self.causal));
+        let stream = self.selected.gpu.stream(launch);
+        let mut args = stream.launch_builder(&self.selected.kernels.functions[FWD]);
+        args.arg(&qp)
+            .arg(&qs)
+            .arg(&kp)
+            .arg(&ks)
+            .arg(&vp)
+            .arg(&vs)
+            .arg(&op)
+            .arg(&os)
+            .arg(&lp)
+            .arg(&heads)
+            .arg(&lq)
+            .arg(&lk)
+            .arg(&group)
+            .arg(&scale_log2)
+            .arg(&causal);
+        // SAFETY: arguments match attn_fwd; q/k/v/out are [B, H(k), L, D] with the given
+        // strides and 16-byte aligned rows, lse [B, H, Lq] contiguous; all outlive the launch.
+        unsafe { args.launch(config) }.map_err(|e| jit::launch_failed(self.selected.variant, e))?;
+        Ok((out, lse))
+    }
+
+    /// dq, dk, dv in the layouts stock's flash backward returns.
+    ///
+    /// # Safety
+    /// As `forward`; `grad_out`, `output`, `lse` are valid `at::Tensor`s.
+    pub unsafe fn backward(
+        &self,
+        launch: Launch,
+        call: &AttentionCallC,
+        grad_out: *const c_void,
+        output: *const c_void,
+        lse: *const c_void,
+    ) -> Result<[Tensor; 3], StockReason> {
+        let ops = operands(call).ok_or(StockReason::InvalidInput)?;
+        let (q, k, v) = (&*ops.q, &*ops.k, &*ops.v);
+        let (Some(dout), Some(out), Some(lse)) = (borrow(grad_out), borrow(output), borrow(lse))
+        else {
+            return Err(StockReason::InvalidInput);
+        };
+        let q_shape = q.size();
+        for t in [&*dout, &*out] {
+            if t.size() != q_shape
+                || t.f_kind().ok() != Some(self.kind)
+                || t.device() != self.device
+            {
+                return Err(StockReason::InvalidInput);
+            }
+            if !kernel_layout(t) {
+                return Err(StockReason::NoVariantForShape);
+            }
+        }
+        if lse.size() != [self.batch, self.heads, self.lq]
+            || lse.f_kind().ok() != Some(Kind::Float)
+            || lse.device() != self.device
+        {
+            return Err(StockReason::InvalidInput);
+        }
+        let lse = lse.contiguous();
+        let d = self.shapes.head_dim;
+        let s = &self.shapes;
+        let delta = empty(&[self.batch, self.heads, self.lq], Kind::Float, self.device)?;
+        let dq = heads_major(self.batch, self.lq, self.heads, d, self.kind, self.device)?;
+        let dk = heads_major(
+            self.batch,
+            self.lk,
+            self.kv_heads,
+            d,
+            self.kind,
+            self.device,
+        )?;
+        let dv = heads_major(
+            self.batch,
+            self.lk,
+            self.kv_heads,
+            d,
+            self.kind,
+            self.device,
+        )?;
+
+        let rows = self.batch * self.heads * self.lq;
+        let prep = self.launch_config(PREP, (blocks(rows * (d / 8), 256), 1, 1), 256, 0)?;
+        let dkdv = self.launch_config(
+            DKDV,
+            (
+                blocks(self.lk, s.bwd_rows()),
+                dim_u32(self.kv_heads),
+                dim_u32(self.batch),
+            ),
+            32 * s.bwd_warps,
+            s.dkdv_smem(),
+        )?;
+        let dq_config = self.launch_config(
+            DQ,
+            (
+                blocks(self.lq, s.bwd_rows()),
+                dim_u32(self.heads),
+                dim_u32(self.batch),
+            ),
+            32 * s.bwd_warps,
+            s.dq_smem(),
+        )?;
+        let (qp, kp, vp) = (device_addr(q), device_addr(k), device_addr(v));
+        let (op, dop, lp, deltap) = (
+            device_addr(&out),
+            device_addr(&dout),
+            device_addr(&lse),
+            device_addr(&delta),
+        );
+        let (dqp, dkp, dvp) = (device_addr(&dq), device_addr(&dk), device_addr(&dv));
+        let (qs, ks, vs, os, dos) = (
+            Strides::of(q),
+            Strides::of(k),
+            Strides::of(v),
+            Strides::of(&out),
+            Strides::of(&dout),
+        );
+        let (dqs, dks, dvs) = (Strides::of(&dq), Strides::of(&dk), Strides::of(&dv));
+        let (heads, lq, lk, group) = (
+            self.heads as i32,
+            self.lq as i32,
+            self.lk as i32,
+            self.group(),
+        );
+        let (scale_log2, scale, causal) =
+            (self.scale_log2(), self.scale as f32, i32::from(self.causal));
+        let stream = self.selected.gpu.stream(launch);
+        let functions = &self.selected.kernels.functions;
+        let failed = |e| jit::launch_failed(self.selected.variant, e);
+
+        let mut args = stream.launch_builder(&functions[PREP]);
+        args.arg(&op)
+            .arg(&os)
+            .arg(&dop)
+            .arg(&dos)
+            .arg(&deltap)
+            .arg(&heads)
+            .arg(&lq)
+            .arg(&rows);
+        // SAFETY: arguments match attn_bwd_prep; out and grad_out are [B, H, Lq, D] with the
+        // given strides, delta [B, H, Lq] contiguous.
+        unsafe { args.launch(prep) }.map_err(failed)?;
+
+        let mut args = stream.launch_builder(&functions[DKDV]);
+        args.arg(&qp)
+            .arg(&qs)
+            .arg(&kp)
+            .arg(&ks)
+            .arg(&vp)
+            .arg(&vs)
+            .arg(&dop)
+            .arg(&dos)
+            .arg(&lp)
+            .arg(&deltap)
+            .arg(&dkp)
+            .arg(&dks)
+            .arg(&dvp)
+            .arg(&dvs)
+            .arg(&heads)
+            .arg(&lq)
+            .arg(&lk)
+            .arg(&group)
+            .arg(&scale_log2)
+            .arg(&scale)
+            .arg(&causal);
+        // SAFETY: arguments match attn_bwd_dkdv; shapes as checked above.
+        unsafe { args.launch(dkdv) }.map_err(failed)?;
+
+        let mut args = stream.launch_builder(&functions[DQ]);
+        args.arg(&qp)
+            .arg(&qs)
+            .arg(&kp)
+            .arg(&ks)
+            .arg(&vp)
+            .arg(&vs)
+            .arg(&dop)
+            .arg(&dos)
+            .arg(&lp)
+            .arg(&deltap)
+            .arg(&dqp)
+            .arg(&dqs)
+            .arg(&heads)
+            .arg(&lq)
+            .arg(&lk)
+            .arg(&group)
+            .arg(&scale_log2)
+            .arg(&scale)
+            .arg(&causal);
+        // SAFETY: arguments match attn_bwd_dq; shapes as checked above.
+        unsafe { args.launch(dq_config) }.map_err(failed)?;
+        Ok([dq, dk, dv])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::REGISTRY;
+
+    #[test]
+    fn shared_memory_fits_an_sm90_block_for_every_variant() {
+        let registry = REGISTRY.as_ref().expect("registry");
+        for v in registry
+            .variants()
+            .iter()
+            .filter(|v| matches!(v.op, KernelOp::AttentionCausal | KernelOp::AttentionFull))
+        {
+            let s = Shapes::of(v);
+            for bytes in [s.fwd_smem(), s.dkdv_smem(), s.dq_smem()] {
+                assert!(bytes <= 227 * 1024, "{}: {bytes} bytes", v.name);
+            }
+        }
+    }
+}

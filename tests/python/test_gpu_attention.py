@@ -1,0 +1,244 @@
+"""scaled_dot_product_attention through torchfuse's flash-style kernels: forward output and
+logsumexp, and all three grads, against a float64 reference and stock (DESIGN.md §5) on fresh
+random shapes; bitwise reproducible backward; routing of what we do not serve back to stock."""
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from conftest import requires_cuda
+from gpu_util import FLOOR, enabled, fresh_seed, load_torchfuse, poison_allocator, rel_err, stats
+
+pytestmark = requires_cuda
+
+FLASH = "_scaled_dot_product_flash_attention"
+FLASH_BWD = "_scaled_dot_product_flash_attention_backward"
+CHOICE = "sdpa backend choice"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torchfuse_loaded():
+    load_torchfuse()
+    torch.ops.torchfuse._serve_below_thresholds(True)
+    yield
+    torch.ops.torchfuse._serve_below_thresholds(False)
+
+
+def fused(op):
+    return stats()["ops"].get(op, {}).get("fused", 0)
+
+
+def stock_reasons(op):
+    return stats()["ops"].get(op, {}).get("stock_reasons", {})
+
+
+def make_qkv(gen, b, h, hk, lq, lk, d, dtype, layout):
+    """q [b, h, lq, d], k/v [b, hk, lk, d]; `layout` "bhld" (contiguous) or "blhd" (the
+    transposed view a transformer's projections give)."""
+    def one(heads, length):
+        if layout == "bhld":
+            t = torch.randn(b, heads, length, d, generator=gen, device="cuda")
+        else:
+            t = torch.randn(b, length, heads, d, generator=gen, device="cuda").transpose(1, 2)
+        return t.to(dtype)
+    return one(h, lq), one(hk, lk), one(hk, lk)
+
+
+def reference(q, k, v, causal, scale, dout):
+    """float64 output, logsumexp and grads."""
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    ke, ve = k64.repeat_interleave(group, 1), v64.repeat_interleave(group, 1)
+    s = (q64 @ ke.transpose(-1, -2)) * scale
+    if causal:
+        lq, lk = q.shape[2], k.shape[2]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    out = torch.softmax(s, -1) @ ve
+    out.backward(dout.double())
+    return out.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
+
+
+def sdpa_fwd_bwd(q, k, v, causal, scale, dout):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    gqa = q.shape[1] != k.shape[1]
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+    o.backward(dout)
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+def bound(stock_err, floor):
+    """DESIGN.md §5: within twice stock's error or the floor. Where stock's own result is not
+    finite (seen from cuDNN on valid inputs), ours must meet the floor."""
+    return max(2 * stock_err, floor) if math.isfinite(stock_err) else floor
+
+
+def draw_case(rng):
+    d = rng.choice([64, 128])
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    b = rng.randint(1, 3)
+    hk = rng.choice([1, 2, 3])
+    h = hk * rng.choice([1, 1, 2, 4])
+    causal = rng.random() < 0.5
+    lq = rng.choice([1, 7, 16, 63, 64, 65, 100, 127, 128, 129, 200, 255, 257, 384, 511, 640])
+    lk = lq if causal else rng.choice([1, 9, 31, 64, 65, 130, 256, 300, 513, 700])
+    scale = rng.choice([None, None, 0.05, 0.3, -0.1])
+    layout = rng.choice(["bhld", "blhd"])
+    return b, h, hk, lq, lk, d, dtype, causal, scale, layout
+
+
+def test_forward_and_grads_match_reference_and_stock_on_random_cases():
+    rng = random.Random(fresh_seed())
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed())
+    served_before = (fused(FLASH), fused(FLASH_BWD))
+    cases = 48
+    for _ in range(cases):
+        b, h, hk, lq, lk, d, dtype, causal, scale, layout = case = draw_case(rng)
+        q, k, v = make_qkv(gen, b, h, hk, lq, lk, d, dtype, layout)
+        dout = torch.randn(b, h, lq, d, generator=gen, device="cuda").to(dtype)
+        eff_scale = scale if scale is not None else d ** -0.5
+        ref = reference(q, k, v, causal, eff_scale, dout)
+        poison_allocator(q.numel() * 16)
+        ours = sdpa_fwd_bwd(q, k, v, causal, scale, dout)
+        with enabled("sdpa", False):
+            stock = sdpa_fwd_bwd(q, k, v, causal, scale, dout)
+        for name, o, s, r in zip(["out", "dq", "dk", "dv"], ours, stock, [ref[0], *ref[2:]]):
+            assert o.shape == s.shape and o.dtype == s.dtype, (case, name)
+            assert torch.isfinite(o).all(), (case, name)
+            err, stock_err = rel_err(o, r), rel_err(s, r)
+            assert err <= bound(stock_err, FLOOR[dtype]), (case, name, err, stock_err)
+        # logsumexp, through the flash op itself (ours, then stock's flash).
+        lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=eff_scale)[1] if h == hk else None
+        if lse is not None:
+            assert lse.dtype == torch.float32 and lse.shape == (b, h, lq)
+            with enabled("sdpa", False):
+                stock_lse = torch.ops.aten._scaled_dot_product_flash_attention(
+                    q, k, v, 0.0, causal, False, scale=eff_scale)[1]
+            err, stock_err = rel_err(lse, ref[1]), rel_err(stock_lse, ref[1])
+            assert err <= bound(stock_err, 1e-5), (case, "lse", err, stock_err)
+    served_after = (fused(FLASH), fused(FLASH_BWD))
+    assert served_after[0] - served_before[0] >= cases
+    assert served_after[1] - served_before[1] == cases
+
+
+def test_flash_op_outputs_have_stock_formats():
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed())
+    q, k, v = make_qkv(gen, 2, 4, 4, 130, 130, 64, torch.bfloat16, "blhd")
+    before = fused(FLASH)
+    ours = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=0.125)
+    assert fused(FLASH) == before + 1
+    with enabled("sdpa", False):
+        stock = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=0.125)
+    assert len(ours) == len(stock) == 9
+    for i, (a, s) in enumerate(zip(ours, stock)):
+        if isinstance(s, torch.Tensor):
+            assert isinstance(a, torch.Tensor), i
+            assert (a.dtype, a.shape, a.device) == (s.dtype, s.shape, s.device), i
+        else:
+            assert a == s, i
+    assert ours[0].stride() == stock[0].stride()
+    assert ours[1].stride() == stock[1].stride()
+
+
+def test_backward_is_bitwise_reproducible():
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed())
+    for d, causal, hk in [(64, True, 4), (128, False, 2), (64, False, 1)]:
+        q, k, v = make_qkv(gen, 2, 4, hk, 333, 333, d, torch.bfloat16, "blhd")
+        dout = torch.randn(2, 4, 333, d, generator=gen, device="cuda").to(torch.bfloat16)
+        first = sdpa_fwd_bwd(q, k, v, causal, None, dout)
+        for _ in range(2):
+            again = sdpa_fwd_bwd(q, k, v, causal, None, dout)
+            for a, b in zip(first, again):
+                assert torch.equal(a, b)
+
+
+def test_what_we_do_not_serve_goes_to_stock_with_its_reason():
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed())
+    q, k, v = make_qkv(gen, 1, 2, 2, 64, 64, 64, torch.bfloat16, "bhld")
+
+    def reasons_after(fn):
+        before = dict(stock_reasons(CHOICE))
+        fn()
+        after = stock_reasons(CHOICE)
+        return {r: n - before.get(r, 0) for r, n in after.items() if n != before.get(r, 0)}
+
+    mask = torch.ones(64, 64, dtype=torch.bool, device="cuda").tril()
+    assert "attn_mask, dropout or nested inputs are not served" in reasons_after(
+        lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    assert "attn_mask, dropout or nested inputs are not served" in reasons_after(
+        lambda: F.scaled_dot_product_attention(q, k, v, dropout_p=0.1))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        before = fused(FLASH)
+        assert "SDPA backends restricted by the user" in reasons_after(
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        assert fused(FLASH) == before
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        assert "SDPA backends restricted by the user" in reasons_after(
+            lambda: F.scaled_dot_product_attention(q, k, v))
+    q96, k96, v96 = make_qkv(gen, 1, 2, 2, 64, 64, 96, torch.bfloat16, "bhld")
+    assert "no variant for this shape" in reasons_after(
+        lambda: F.scaled_dot_product_attention(q96, k96, v96))
+    with enabled("sdpa", False):
+        before = fused(FLASH)
+        F.scaled_dot_product_attention(q, k, v)
+        assert fused(FLASH) == before
+    # Causal with Lq != Lk (top-left mask): not the flash backend's, stock decides.
+    qs = q[:, :, :32]
+    out = F.scaled_dot_product_attention(qs, k, v, is_causal=True)
+    with enabled("sdpa", False):
+        ref = F.scaled_dot_product_attention(qs, k, v, is_causal=True)
+    assert torch.equal(out, ref)
+
+
+def test_stock_errors_are_kept():
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed())
+    q, k, v = make_qkv(gen, 1, 4, 3, 64, 64, 64, torch.bfloat16, "bhld")
+    with pytest.raises(RuntimeError) as ours:
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    with enabled("sdpa", False), pytest.raises(RuntimeError) as stock:
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert str(ours.value).splitlines()[0] == str(stock.value).splitlines()[0]
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln = torch.nn.LayerNorm(dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, c = x.shape
+        q, k, v = self.qkv(self.ln(x)).split(c, dim=2)
+        q, k, v = (t.view(b, s, self.heads, c // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.proj(y.transpose(1, 2).reshape(b, s, c))
+
+
+@pytest.mark.parametrize("mode", ["autocast", "bf16"])
+def test_transformer_block_autograd_matches_stock(mode):
+    torch.manual_seed(fresh_seed())
+    dim, heads = 768, 12
+    block = Block(dim, heads).cuda()
+    if mode == "bf16":
+        block = block.to(torch.bfloat16)
+    x = torch.randn(4, 256, dim, device="cuda", dtype=next(block.parameters()).dtype)
+    results = []
+    before = fused(FLASH_BWD)
+    for on in (True, False):
+        block.zero_grad()
+        with enabled("sdpa", on), torch.autocast("cuda", torch.bfloat16, enabled=mode == "autocast"):
+            loss = block(x).float().square().mean()
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in block.parameters()]))
+    assert fused(FLASH_BWD) == before + 1
+    (loss_on, grads_on), (loss_off, grads_off) = results
+    torch.testing.assert_close(loss_on, loss_off, rtol=1e-2, atol=1e-3)
+    for a, b in zip(grads_on, grads_off):
+        assert rel_err(a, b) < 3e-2
