@@ -2,17 +2,18 @@
 // bf16/f16, head dims 64 and 128, causal (top-left, Lq == Lk) or not, GQA by head groups.
 //
 // Design (FlashAttention-2's algorithm, written for mma.sync m16n8k16 on sm_80+):
-// - attn_fwd: a CTA owns 16 * FWD_WARPS query rows of one (batch, head), each warp 16 rows
-//   whose Q fragments stay in registers. K/V tiles of FWD_BLOCK_N keys stream through shared
+// - attn_fwd: a CTA owns 16 * FWD_M_TILES * FWD_WARPS query rows of one (batch, head), each
+//   warp 16 * FWD_M_TILES rows whose Q fragments stay in registers (each K/V fragment read from
+//   shared memory feeds FWD_M_TILES mma). K/V tiles of FWD_BLOCK_N keys stream through shared
 //   memory, double buffered with cp.async. S = Q K^T and O += P V run on tensor cores with fp32
 //   accumulators; the softmax is online in fp32 (base 2, the scale folded in). The S x S matrix
 //   never exists. One pass over K and V per query block; O and the logsumexp (natural log, fp32,
 //   as stock's flash returns it) are written once.
 // - attn_bwd_prep: delta = rowsum(dO * O) in fp32, one 16-byte chunk per thread.
-// - attn_bwd_dkdv: a CTA owns 16 * BWD_WARPS keys of one (batch, kv head) and walks every query
+// - attn_bwd_dkdv: a CTA owns 16 * BWD_M_TILES * BWD_WARPS keys of one (batch, kv head) and walks every query
 //   tile of every query head of its group, recomputing P from the logsumexp; dK and dV stay in
 //   registers (fp32) for the whole walk and are written once. No atomics.
-// - attn_bwd_dq: a CTA owns 16 * BWD_WARPS query rows and walks the key tiles, recomputing P and
+// - attn_bwd_dq: a CTA owns 16 * BWD_M_TILES * BWD_WARPS query rows and walks the key tiles, recomputing P and
 //   dP; dQ stays in registers and is written once. No atomics.
 // Every sum runs in a fixed order, so the backward is bitwise reproducible run to run.
 // Shared-memory tiles are [rows][HEAD_DIM] with 16-byte chunks XOR-swizzled by row, so the
@@ -40,11 +41,26 @@
 #ifndef TF_DQ_BLOCK_N
 #define TF_DQ_BLOCK_N 64
 #endif
+#ifndef TF_FWD_M_TILES
+#define TF_FWD_M_TILES 1
+#endif
+#ifndef TF_BWD_M_TILES
+#define TF_BWD_M_TILES 1
+#endif
+// CTAs per SM the register allocation must allow (__launch_bounds__'s second argument).
+#ifndef TF_FWD_MIN_BLOCKS
+#define TF_FWD_MIN_BLOCKS 1
+#endif
+#ifndef TF_BWD_MIN_BLOCKS
+#define TF_BWD_MIN_BLOCKS 1
+#endif
 
 #define HD TF_HEAD_DIM
-#define FWD_BLOCK_M (16 * TF_FWD_WARPS)
-#define BWD_BLOCK_K (16 * TF_BWD_WARPS)
-#define DQ_BLOCK_M (16 * TF_BWD_WARPS)
+#define FWD_MT TF_FWD_M_TILES
+#define BWD_MT TF_BWD_M_TILES
+#define FWD_BLOCK_M (16 * FWD_MT * TF_FWD_WARPS)
+#define BWD_BLOCK_K (16 * BWD_MT * TF_BWD_WARPS)
+#define DQ_BLOCK_M (16 * BWD_MT * TF_BWD_WARPS)
 #define CHUNKS_PER_ROW (HD / 8)
 
 static_assert(TF_FWD_BLOCK_N % 16 == 0 && TF_BWD_BLOCK_Q % 16 == 0 && TF_DQ_BLOCK_N % 16 == 0,
@@ -158,39 +174,52 @@ __device__ __forceinline__ void load_row_values(float* dst, const float* base, i
   }
 }
 
-// A fragments (16 rows x 16 cols) of a warp's rows [row0, row0+16) at k-chunk kc.
-__device__ __forceinline__ void load_a(const u16* tile, int row0, int kc, int lane, u32 (&a)[4]) {
-  const int m = lane >> 3;
-  const int row = row0 + (lane & 7) + ((m & 1) << 3);
-  const int col = kc * 16 + ((m & 2) << 2);
-  ldsm_x4(smem_addr(tile) + swz(row, col) * 2, a);
+// A lane's part of an ldmatrix.x4, as a byte offset into a swizzled tile whose first row is a
+// multiple of 8: `a` for A fragments and for B stored k-major (both .x4 matrix order: rows
+// 0-7, rows 8-15, then the next 8 columns), `nk` for B stored n-major (rows 0-7 at columns
+// 0-7 and 8-15, then rows 8-15). Computed once per kernel: a fragment at (row0, 16-column
+// chunk c) is then `tile + ((offset ^ (c << 5)) + row0 * row bytes)`, because the swizzle XORs
+// chunk bits that the lane's row (row & 7 == lane & 7) fixes.
+struct Lane {
+  u32 a, nk;
+};
+__device__ __forceinline__ u32 lane_offset(int row, int sub_chunk) {
+  return (row * HD + ((sub_chunk ^ (row & 7)) << 3)) * 2;
+}
+__device__ __forceinline__ Lane lane_offsets(int lane) {
+  const int m = lane >> 3, r = lane & 7;
+  return Lane{lane_offset(r + ((m & 1) << 3), m >> 1), lane_offset(r + ((m >> 1) << 3), m & 1)};
+}
+__device__ __forceinline__ u32 frag_addr(const u16* tile, u32 offset, int row0, int chunk16) {
+  return smem_addr(tile) + ((offset ^ (chunk16 << 5)) + row0 * (HD * 2));
+}
+
+// A fragments (16 rows x 16 cols) of rows [row0, row0+16) at k-chunk kc.
+__device__ __forceinline__ void load_a(const u16* tile, int row0, int kc, Lane lane, u32 (&a)[4]) {
+  ldsm_x4(frag_addr(tile, lane.a, row0, kc), a);
 }
 
 // B fragments for two n8 tiles when the tile holds B^T (rows = n, cols = k): rows
 // [n0, n0+16), k-chunk kc. b[0..1] serve n tile n0, b[2..3] n tile n0+8.
-__device__ __forceinline__ void load_b_nk(const u16* tile, int n0, int kc, int lane, u32 (&b)[4]) {
-  const int m = lane >> 3;
-  const int row = n0 + (lane & 7) + ((m & 2) << 2);
-  const int col = kc * 16 + ((m & 1) << 3);
-  ldsm_x4(smem_addr(tile) + swz(row, col) * 2, b);
+__device__ __forceinline__ void load_b_nk(const u16* tile, int n0, int kc, Lane lane, u32 (&b)[4]) {
+  ldsm_x4(frag_addr(tile, lane.nk, n0, kc), b);
 }
 
 // B fragments when the tile holds B itself (rows = k, cols = n): k rows [k0, k0+16), n cols
 // [n0, n0+16). b[0..1] serve n tile n0, b[2..3] n tile n0+8.
-__device__ __forceinline__ void load_b_kn(const u16* tile, int k0, int n0, int lane, u32 (&b)[4]) {
-  const int m = lane >> 3;
-  const int row = k0 + (lane & 7) + ((m & 1) << 3);
-  const int col = n0 + ((m & 2) << 2);
-  ldsm_x4_t(smem_addr(tile) + swz(row, col) * 2, b);
+__device__ __forceinline__ void load_b_kn(const u16* tile, int k0, int n0, Lane lane, u32 (&b)[4]) {
+  ldsm_x4_t(frag_addr(tile, lane.a, k0, n0 >> 4), b);
 }
 
 // The gemms below walk (k-chunk, n-pair) steps with the shared-memory fragments of step s + 2
-// loaded while step s multiplies (a ring of 3), so ldmatrix latency hides behind the mma.
+// loaded while step s multiplies (a ring of 3), so ldmatrix latency hides behind the mma. A
+// warp owns MT row tiles of 16: every B fragment feeds MT mma pairs.
 
-// acc[N/8][4] (+)= A[16 x HD] (fragments in registers) * B where the tile holds B^T [N][HD].
-template <int N>
-__device__ __forceinline__ void gemm_a_regs_nk(float (&acc)[N / 8][4], const u32 (&a)[HD / 16][4],
-                                               const u16* tile, int lane) {
+// acc[MT][N/8][4] (+)= A[MT x 16 x HD] (fragments in registers) * B, the tile holding B^T [N][HD].
+template <int MT, int N>
+__device__ __forceinline__ void gemm_a_regs_nk(float (&acc)[MT][N / 8][4],
+                                               const u32 (&a)[MT][HD / 16][4], const u16* tile,
+                                               Lane lane) {
   constexpr int PAIRS = N / 16, STEPS = (HD / 16) * PAIRS;
   u32 b[3][4];
   load_b_nk(tile, 0, 0, lane, b[0]);
@@ -199,61 +228,81 @@ __device__ __forceinline__ void gemm_a_regs_nk(float (&acc)[N / 8][4], const u32
   for (int s = 0; s < STEPS; ++s) {
     if (s + 2 < STEPS) load_b_nk(tile, ((s + 2) % PAIRS) * 16, (s + 2) / PAIRS, lane, b[(s + 2) % 3]);
     const int kc = s / PAIRS, n2 = s % PAIRS;
-    mma16816(acc[2 * n2], a[kc], b[s % 3][0], b[s % 3][1]);
-    mma16816(acc[2 * n2 + 1], a[kc], b[s % 3][2], b[s % 3][3]);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      mma16816(acc[mt][2 * n2], a[mt][kc], b[s % 3][0], b[s % 3][1]);
+      mma16816(acc[mt][2 * n2 + 1], a[mt][kc], b[s % 3][2], b[s % 3][3]);
+    }
   }
 }
 
-// acc[N/8][4] (+)= A[16 x HD] (rows row0.. of tile a_tile) * B where b_tile holds B^T [N][HD].
-template <int N>
-__device__ __forceinline__ void gemm_a_smem_nk(float (&acc)[N / 8][4], const u16* a_tile, int row0,
-                                               const u16* b_tile, int lane) {
+// acc[MT][N/8][4] (+)= A (rows row0 + 16 mt.. of a_tile) * B, b_tile holding B^T [N][HD].
+template <int MT, int N>
+__device__ __forceinline__ void gemm_a_smem_nk(float (&acc)[MT][N / 8][4], const u16* a_tile,
+                                               int row0, const u16* b_tile, Lane lane) {
   constexpr int PAIRS = N / 16, STEPS = (HD / 16) * PAIRS;
-  u32 a[2][4], b[3][4];
-  load_a(a_tile, row0, 0, lane, a[0]);
+  u32 a[2][MT][4], b[3][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) load_a(a_tile, row0 + 16 * mt, 0, lane, a[0][mt]);
   load_b_nk(b_tile, 0, 0, lane, b[0]);
   if (STEPS > 1) load_b_nk(b_tile, (1 % PAIRS) * 16, 1 / PAIRS, lane, b[1]);
 #pragma unroll
   for (int s = 0; s < STEPS; ++s) {
     const int kc = s / PAIRS, n2 = s % PAIRS;
-    if (n2 == 0 && kc + 1 < HD / 16) load_a(a_tile, row0, kc + 1, lane, a[(kc + 1) & 1]);
+    if (n2 == 0 && kc + 1 < HD / 16) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        load_a(a_tile, row0 + 16 * mt, kc + 1, lane, a[(kc + 1) & 1][mt]);
+    }
     if (s + 2 < STEPS)
       load_b_nk(b_tile, ((s + 2) % PAIRS) * 16, (s + 2) / PAIRS, lane, b[(s + 2) % 3]);
-    mma16816(acc[2 * n2], a[kc & 1], b[s % 3][0], b[s % 3][1]);
-    mma16816(acc[2 * n2 + 1], a[kc & 1], b[s % 3][2], b[s % 3][3]);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      mma16816(acc[mt][2 * n2], a[kc & 1][mt], b[s % 3][0], b[s % 3][1]);
+      mma16816(acc[mt][2 * n2 + 1], a[kc & 1][mt], b[s % 3][2], b[s % 3][3]);
+    }
   }
 }
 
-// out[HD/8][4] += P[16 x K] (fp32 accumulator layout, converted to 16-bit A fragments) * B,
-// where the tile holds B [K][HD] (rows = the k dimension).
-template <int K>
-__device__ __forceinline__ void gemm_p_kn(float (&out)[HD / 8][4], const float (&p)[K / 8][4],
-                                          const u16* tile, int lane) {
+// out[MT][HD/8][4] += P[MT x 16 x K] (fp32 accumulator layout, converted to 16-bit A
+// fragments) * B, where the tile holds B [K][HD] (rows = the k dimension).
+template <int MT, int K>
+__device__ __forceinline__ void gemm_p_kn(float (&out)[MT][HD / 8][4],
+                                          const float (&p)[MT][K / 8][4], const u16* tile,
+                                          Lane lane) {
   constexpr int PAIRS = HD / 16, STEPS = (K / 16) * PAIRS;
   u32 b[3][4];
   load_b_kn(tile, 0, 0, lane, b[0]);
   if (STEPS > 1) load_b_kn(tile, (1 / PAIRS) * 16, (1 % PAIRS) * 16, lane, b[1]);
-  u32 a[4];
+  u32 a[MT][4];
 #pragma unroll
   for (int s = 0; s < STEPS; ++s) {
     const int kc = s / PAIRS, n2 = s % PAIRS;
     if (n2 == 0) {
-      a[0] = pack2(p[2 * kc][0], p[2 * kc][1]);
-      a[1] = pack2(p[2 * kc][2], p[2 * kc][3]);
-      a[2] = pack2(p[2 * kc + 1][0], p[2 * kc + 1][1]);
-      a[3] = pack2(p[2 * kc + 1][2], p[2 * kc + 1][3]);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        a[mt][0] = pack2(p[mt][2 * kc][0], p[mt][2 * kc][1]);
+        a[mt][1] = pack2(p[mt][2 * kc][2], p[mt][2 * kc][3]);
+        a[mt][2] = pack2(p[mt][2 * kc + 1][0], p[mt][2 * kc + 1][1]);
+        a[mt][3] = pack2(p[mt][2 * kc + 1][2], p[mt][2 * kc + 1][3]);
+      }
     }
     if (s + 2 < STEPS)
       load_b_kn(tile, ((s + 2) / PAIRS) * 16, ((s + 2) % PAIRS) * 16, lane, b[(s + 2) % 3]);
-    mma16816(out[2 * n2], a, b[s % 3][0], b[s % 3][1]);
-    mma16816(out[2 * n2 + 1], a, b[s % 3][2], b[s % 3][3]);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      mma16816(out[mt][2 * n2], a[mt], b[s % 3][0], b[s % 3][1]);
+      mma16816(out[mt][2 * n2 + 1], a[mt], b[s % 3][2], b[s % 3][3]);
+    }
   }
 }
 
-template <int N>
-__device__ __forceinline__ void zero(float (&acc)[N][4]) {
+template <int MT, int N>
+__device__ __forceinline__ void zero(float (&acc)[MT][N][4]) {
 #pragma unroll
-  for (int i = 0; i < N; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int i = 0; i < N; ++i) acc[m][i][0] = acc[m][i][1] = acc[m][i][2] = acc[m][i][3] = 0.f;
 }
 
 // A warp's 16 x HD fp32 accumulator, times `mul`, as 16-bit values into global rows
@@ -283,6 +332,17 @@ __device__ __forceinline__ void store_rows(const float (&acc)[HD / 8][4], float 
   }
 }
 
+// store_rows for a warp's MT row tiles.
+template <int MT>
+__device__ __forceinline__ void store_tiles(const float (&acc)[MT][HD / 8][4], float mul,
+                                            u16* stage, int stage_row0, u16* out,
+                                            tf_i64 row_stride, int valid_rows, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+    store_rows(acc[mt], mul, stage, stage_row0 + 16 * mt, out + 16 * mt * row_stride, row_stride,
+               valid_rows - 16 * mt, lane);
+}
+
 // Strides (elements) of a [B, H, L, HD] operand whose last dimension is contiguous.
 struct Strides {
   tf_i64 batch, head, row;
@@ -294,11 +354,12 @@ __device__ __forceinline__ const u16* at(const void* base, Strides s, int b, int
 
 // ------------------------------------------------------------------ forward
 
-extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32)
+extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCKS)
     attn_fwd(const void* q, Strides qs, const void* k, Strides ks, const void* v, Strides vs,
              void* o, Strides os, float* lse, int heads, int lq, int lk, int group,
              float scale_log2, int causal) {
   constexpr int BM = FWD_BLOCK_M, BN = TF_FWD_BLOCK_N, THREADS = TF_FWD_WARPS * 32;
+  constexpr int MT = FWD_MT, WARP_ROWS = 16 * MT;
   extern __shared__ __align__(128) u16 smem[];
   u16* q_tile = smem;
   u16* k_tile = q_tile + BM * HD;  // [2][BN][HD]
@@ -306,10 +367,11 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
+  const Lane fl = lane_offsets(lane);
   // Causal: the longest query blocks first, so the short ones fill the tail.
   const int mb = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
-  const int q0 = mb * BM;
+  const int q0 = mb * BM, w0 = q0 + warp * WARP_ROWS;  // first row of the CTA, of the warp
 
   const u16* qb = at(q, qs, b, h) + q0 * qs.row;
   const u16* kb = at(k, ks, b, hk);
@@ -321,18 +383,23 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32)
   load_tile<BN, THREADS>(v_tile, vb, vs.row, kv_end, tid);
   cp_async_commit();
 
-  const int row_lo = q0 + warp * 16 + g;  // this thread's rows: row_lo and row_lo + 8
-  float o_acc[HD / 8][4];
+  float o_acc[MT][HD / 8][4];
   zero(o_acc);
-  float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};
-  u32 qf[HD / 16][4];
+  float m_run[MT][2], l_run[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+    m_run[mt][0] = m_run[mt][1] = NEG_INF, l_run[mt][0] = l_run[mt][1] = 0.f;
+  u32 qf[MT][HD / 16][4];
 
   for (int j = 0; j < tiles; ++j) {
     cp_async_wait_all();
     __syncthreads();
     if (j == 0) {
 #pragma unroll
-      for (int kc = 0; kc < HD / 16; ++kc) load_a(q_tile, warp * 16, kc, lane, qf[kc]);
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int kc = 0; kc < HD / 16; ++kc)
+          load_a(q_tile, warp * WARP_ROWS + 16 * mt, kc, fl, qf[mt][kc]);
     }
     const int n0 = j * BN;
     if (j + 1 < tiles) {
@@ -344,87 +411,88 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32)
       cp_async_commit();
     }
     // Tiles wholly above this warp's diagonal add nothing.
-    if (causal && n0 > q0 + warp * 16 + 15) continue;
+    if (causal && n0 > w0 + WARP_ROWS - 1) continue;
     const u16* kt = k_tile + (j & 1) * BN * HD;
     const u16* vt = v_tile + (j & 1) * BN * HD;
 
-    float s[BN / 8][4];
+    float s[MT][BN / 8][4];
     zero(s);
-    gemm_a_regs_nk<BN>(s, qf, kt, lane);
+    gemm_a_regs_nk<MT, BN>(s, qf, kt, fl);
 
-    const bool edge = n0 + BN > kv_end || (causal && n0 + BN - 1 > q0 + warp * 16);
-    float tile_max[2] = {NEG_INF, NEG_INF};
+    const bool edge = n0 + BN > kv_end || (causal && n0 + BN - 1 > w0);
 #pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
+    for (int mt = 0; mt < MT; ++mt) {
+      float tile_max[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[nt][e] * scale_log2;  // before the max: the scale may be negative
-        if (edge) {
-          const int col = n0 + nt * 8 + 2 * t + (e & 1);
-          const int row = row_lo + (e >> 1) * 8;
-          if (col >= kv_end || (causal && col > row)) x = NEG_INF;
+      for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = s[mt][nt][e] * scale_log2;  // before the max: the scale may be negative
+          if (edge) {
+            const int col = n0 + nt * 8 + 2 * t + (e & 1);
+            const int row = w0 + 16 * mt + g + (e >> 1) * 8;
+            if (col >= kv_end || (causal && col > row)) x = NEG_INF;
+          }
+          s[mt][nt][e] = x;
+          tile_max[e >> 1] = fmaxf(tile_max[e >> 1], x);
         }
-        s[nt][e] = x;
-        tile_max[e >> 1] = fmaxf(tile_max[e >> 1], x);
+      }
+      float alpha[2], m_use[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+        const float m_new = fmaxf(m_run[mt][r], tile_max[r]);
+        m_use[r] = m_new == NEG_INF ? 0.f : m_new;
+        alpha[r] = fast_exp2(m_run[mt][r] - m_use[r]);
+        m_run[mt][r] = m_new;
+      }
+      float row_sum[2] = {0.f, 0.f};
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float p = fast_exp2(s[mt][nt][e] - m_use[e >> 1]);
+          s[mt][nt][e] = p;
+          row_sum[e >> 1] += p;
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) l_run[mt][r] = l_run[mt][r] * alpha[r] + row_sum[r];
+#pragma unroll
+      for (int nt = 0; nt < HD / 8; ++nt) {
+        o_acc[mt][nt][0] *= alpha[0];
+        o_acc[mt][nt][1] *= alpha[0];
+        o_acc[mt][nt][2] *= alpha[1];
+        o_acc[mt][nt][3] *= alpha[1];
       }
     }
-    float alpha[2], m_use[2];
+    gemm_p_kn<MT, BN>(o_acc, s, vt, fl);
+  }
+
+  float* lse_row = lse + (static_cast<tf_i64>(b) * heads + h) * lq;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    float inv[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-      const float m_new = fmaxf(m_run[r], tile_max[r]);
-      m_use[r] = m_new == NEG_INF ? 0.f : m_new;
-      alpha[r] = fast_exp2(m_run[r] - m_use[r]);
-      m_run[r] = m_new;
+      l_run[mt][r] += __shfl_xor_sync(0xffffffffu, l_run[mt][r], 1);
+      l_run[mt][r] += __shfl_xor_sync(0xffffffffu, l_run[mt][r], 2);
+      inv[r] = 1.f / l_run[mt][r];
+      const int row = w0 + 16 * mt + g + r * 8;
+      if (t == 0 && row < lq) lse_row[row] = (m_run[mt][r] + log2f(l_run[mt][r])) * LN2;
     }
-    float row_sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float p = fast_exp2(s[nt][e] - m_use[e >> 1]);
-        s[nt][e] = p;
-        row_sum[e >> 1] += p;
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + row_sum[r];
 #pragma unroll
     for (int nt = 0; nt < HD / 8; ++nt) {
-      o_acc[nt][0] *= alpha[0];
-      o_acc[nt][1] *= alpha[0];
-      o_acc[nt][2] *= alpha[1];
-      o_acc[nt][3] *= alpha[1];
-    }
-    gemm_p_kn<BN>(o_acc, s, vt, lane);
-  }
-
-  float inv[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
-    inv[r] = 1.f / l_run[r];
-  }
-#pragma unroll
-  for (int nt = 0; nt < HD / 8; ++nt) {
-    o_acc[nt][0] *= inv[0];
-    o_acc[nt][1] *= inv[0];
-    o_acc[nt][2] *= inv[1];
-    o_acc[nt][3] *= inv[1];
-  }
-  if (t == 0) {
-    float* lse_row = lse + (static_cast<tf_i64>(b) * heads + h) * lq;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = row_lo + r * 8;
-      if (row < lq) lse_row[row] = (m_run[r] + log2f(l_run[r])) * LN2;
+      o_acc[mt][nt][0] *= inv[0];
+      o_acc[mt][nt][1] *= inv[0];
+      o_acc[mt][nt][2] *= inv[1];
+      o_acc[mt][nt][3] *= inv[1];
     }
   }
   // The warp's own rows of the Q tile are free now (its Q fragments are in registers).
-  u16* ob = static_cast<u16*>(o) + b * os.batch + h * os.head + (q0 + warp * 16) * os.row;
-  store_rows(o_acc, 1.f, q_tile, warp * 16, ob, os.row, lq - q0 - warp * 16, lane);
+  u16* ob = static_cast<u16*>(o) + b * os.batch + h * os.head + w0 * os.row;
+  store_tiles<MT>(o_acc, 1.f, q_tile, warp * WARP_ROWS, ob, os.row, lq - w0, lane);
 }
 
 // ------------------------------------------------------------------ backward
@@ -455,13 +523,14 @@ extern "C" __global__ void __launch_bounds__(256)
   if (row < rows && col == 0) delta[row] = acc;
 }
 
-// dK, dV for 16 * BWD_WARPS keys of one (batch, kv head). lse and delta are [B, H, Lq] fp32.
-extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32)
+// dK, dV for BWD_BLOCK_K keys of one (batch, kv head). lse and delta are [B, H, Lq] fp32.
+extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32, TF_BWD_MIN_BLOCKS)
     attn_bwd_dkdv(const void* q, Strides qs, const void* k, Strides ks, const void* v, Strides vs,
                   const void* dout, Strides dos, const float* lse, const float* delta,
                   void* dk, Strides dks, void* dv, Strides dvs, int heads, int lq, int lk,
                   int group, float scale_log2, float scale, int causal) {
   constexpr int BK = BWD_BLOCK_K, BQ = TF_BWD_BLOCK_Q, THREADS = TF_BWD_WARPS * 32;
+  constexpr int MT = BWD_MT, WARP_KEYS = 16 * MT;
   extern __shared__ __align__(128) u16 smem[];
   u16* k_tile = smem;                   // [BK][HD]
   u16* v_tile = k_tile + BK * HD;       // [BK][HD]
@@ -472,9 +541,10 @@ extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
+  const Lane fl = lane_offsets(lane);
   const int nb = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int hk = blockIdx.y, b = blockIdx.z;
-  const int k0 = nb * BK;
+  const int k0 = nb * BK, w0 = k0 + warp * WARP_KEYS;  // first key of the CTA, of the warp
 
   load_tile<BK, THREADS>(k_tile, at(k, ks, b, hk) + k0 * ks.row, ks.row, lk - k0, tid);
   load_tile<BK, THREADS>(v_tile, at(v, vs, b, hk) + k0 * vs.row, vs.row, lk - k0, tid);
@@ -497,10 +567,9 @@ extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32)
   if (tiles > 0) issue(0, 0);
   cp_async_commit();
 
-  float dk_acc[HD / 8][4], dv_acc[HD / 8][4];
+  float dk_acc[MT][HD / 8][4], dv_acc[MT][HD / 8][4];
   zero(dk_acc);
   zero(dv_acc);
-  const int key_lo = k0 + warp * 16 + g;  // this thread's keys: key_lo and key_lo + 8
 
   for (int it = 0; it < tiles; ++it) {
     cp_async_wait_all();
@@ -511,51 +580,56 @@ extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32)
       cp_async_commit();
     }
     const int qt0 = (q_first + it % q_tiles_per_head) * BQ;
-    if (causal && qt0 + BQ - 1 < k0 + warp * 16) continue;  // all queries before these keys
+    if (causal && qt0 + BQ - 1 < w0) continue;  // all these queries come before the warp's keys
     const u16* qt = q_tile + stage * BQ * HD;
     const u16* dot = do_tile + stage * BQ * HD;
     const float* lse_s = lse_tile + stage * BQ;
     const float* delta_s = delta_tile + stage * BQ;
 
-    // S^T = K Q^T and dP^T = V dO^T, rows = this warp's 16 keys, cols = BQ queries.
-    float st[BQ / 8][4], dpt[BQ / 8][4];
+    // S^T = K Q^T and dP^T = V dO^T: rows = the warp's keys, cols = BQ queries. Query rows at
+    // or beyond lq are zero in Q and dO (and their lse, delta), so they add nothing below.
+    float st[MT][BQ / 8][4], dpt[MT][BQ / 8][4];
     zero(st);
     zero(dpt);
-    gemm_a_smem_nk<BQ>(st, k_tile, warp * 16, qt, lane);
-    gemm_a_smem_nk<BQ>(dpt, v_tile, warp * 16, dot, lane);
+    gemm_a_smem_nk<MT, BQ>(st, k_tile, warp * WARP_KEYS, qt, fl);
+    gemm_a_smem_nk<MT, BQ>(dpt, v_tile, warp * WARP_KEYS, dot, fl);
 
-    const bool edge = causal && qt0 < k0 + warp * 16 + 15;
+    const bool edge = causal && qt0 < w0 + WARP_KEYS - 1;
 #pragma unroll
-    for (int nt = 0; nt < BQ / 8; ++nt) {
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int qc = nt * 8 + 2 * t + (e & 1);
-        float p = fast_exp2(fmaf(st[nt][e], scale_log2, -lse_s[qc] * LOG2E));
-        if (edge && key_lo + (e >> 1) * 8 > qt0 + qc) p = 0.f;
-        st[nt][e] = p;
-        dpt[nt][e] = p * (dpt[nt][e] - delta_s[qc]);
+      for (int nt = 0; nt < BQ / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qc = nt * 8 + 2 * t + (e & 1);
+          float p = fast_exp2(fmaf(st[mt][nt][e], scale_log2, -lse_s[qc] * LOG2E));
+          if (edge && w0 + 16 * mt + g + (e >> 1) * 8 > qt0 + qc) p = 0.f;
+          st[mt][nt][e] = p;
+          dpt[mt][nt][e] = p * (dpt[mt][nt][e] - delta_s[qc]);
+        }
       }
     }
-    gemm_p_kn<BQ>(dv_acc, st, dot, lane);
-    gemm_p_kn<BQ>(dk_acc, dpt, qt, lane);
+    gemm_p_kn<MT, BQ>(dv_acc, st, dot, fl);
+    gemm_p_kn<MT, BQ>(dk_acc, dpt, qt, fl);
   }
   cp_async_wait_all();  // nothing in flight lands on the K/V tiles below
 
-  // K and V tiles: each warp's own 16 rows are free once its last gemm is done.
-  const int valid = lk - k0 - warp * 16;
-  u16* dkb = static_cast<u16*>(dk) + b * dks.batch + hk * dks.head + (k0 + warp * 16) * dks.row;
-  u16* dvb = static_cast<u16*>(dv) + b * dvs.batch + hk * dvs.head + (k0 + warp * 16) * dvs.row;
-  store_rows(dk_acc, scale, k_tile, warp * 16, dkb, dks.row, valid, lane);
-  store_rows(dv_acc, 1.f, v_tile, warp * 16, dvb, dvs.row, valid, lane);
+  // K and V tiles: each warp's own rows are free once its last gemm is done.
+  const int valid = lk - w0;
+  u16* dkb = static_cast<u16*>(dk) + b * dks.batch + hk * dks.head + w0 * dks.row;
+  u16* dvb = static_cast<u16*>(dv) + b * dvs.batch + hk * dvs.head + w0 * dvs.row;
+  store_tiles<MT>(dk_acc, scale, k_tile, warp * WARP_KEYS, dkb, dks.row, valid, lane);
+  store_tiles<MT>(dv_acc, 1.f, v_tile, warp * WARP_KEYS, dvb, dvs.row, valid, lane);
 }
 
-// dQ for 16 * BWD_WARPS query rows of one (batch, head).
-extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32)
+// dQ for DQ_BLOCK_M query rows of one (batch, head).
+extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32, TF_BWD_MIN_BLOCKS)
     attn_bwd_dq(const void* q, Strides qs, const void* k, Strides ks, const void* v, Strides vs,
                 const void* dout, Strides dos, const float* lse, const float* delta, void* dq,
                 Strides dqs, int heads, int lq, int lk, int group, float scale_log2, float scale,
                 int causal) {
   constexpr int BM = DQ_BLOCK_M, BN = TF_DQ_BLOCK_N, THREADS = TF_BWD_WARPS * 32;
+  constexpr int MT = BWD_MT, WARP_ROWS = 16 * MT;
   extern __shared__ __align__(128) u16 smem[];
   u16* q_tile = smem;                  // [BM][HD]
   u16* do_tile = q_tile + BM * HD;     // [BM][HD]
@@ -564,9 +638,10 @@ extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
+  const Lane fl = lane_offsets(lane);
   const int mb = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
-  const int q0 = mb * BM;
+  const int q0 = mb * BM, w0 = q0 + warp * WARP_ROWS;
 
   load_tile<BM, THREADS>(q_tile, at(q, qs, b, h) + q0 * qs.row, qs.row, lq - q0, tid);
   load_tile<BM, THREADS>(do_tile, at(dout, dos, b, h) + q0 * dos.row, dos.row, lq - q0, tid);
@@ -578,27 +653,32 @@ extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32)
   load_tile<BN, THREADS>(v_tile, vb, vs.row, kv_end, tid);
   cp_async_commit();
 
-  const int row_lo = q0 + warp * 16 + g;
   const tf_i64 row_base = (static_cast<tf_i64>(b) * heads + h) * lq;
-  float lse2[2], dlt[2];
+  float lse2[MT][2], dlt[MT][2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row_lo + r * 8;
-    lse2[r] = row < lq ? lse[row_base + row] * LOG2E : 0.f;
-    dlt[r] = row < lq ? delta[row_base + row] : 0.f;
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = w0 + 16 * mt + g + r * 8;
+      lse2[mt][r] = row < lq ? lse[row_base + row] * LOG2E : 0.f;
+      dlt[mt][r] = row < lq ? delta[row_base + row] : 0.f;
+    }
   }
-  float dq_acc[HD / 8][4];
+  float dq_acc[MT][HD / 8][4];
   zero(dq_acc);
-  u32 qf[HD / 16][4], dof[HD / 16][4];
+  u32 qf[MT][HD / 16][4], dof[MT][HD / 16][4];
 
   for (int j = 0; j < tiles; ++j) {
     cp_async_wait_all();
     __syncthreads();
     if (j == 0) {
 #pragma unroll
-      for (int kc = 0; kc < HD / 16; ++kc) {
-        load_a(q_tile, warp * 16, kc, lane, qf[kc]);
-        load_a(do_tile, warp * 16, kc, lane, dof[kc]);
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int kc = 0; kc < HD / 16; ++kc) {
+          load_a(q_tile, warp * WARP_ROWS + 16 * mt, kc, fl, qf[mt][kc]);
+          load_a(do_tile, warp * WARP_ROWS + 16 * mt, kc, fl, dof[mt][kc]);
+        }
       }
     }
     const int n0 = j * BN;
@@ -610,32 +690,35 @@ extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32)
                              kv_end - n0 - BN, tid);
       cp_async_commit();
     }
-    if (causal && n0 > q0 + warp * 16 + 15) continue;
+    if (causal && n0 > w0 + WARP_ROWS - 1) continue;
     const u16* kt = k_tile + (j & 1) * BN * HD;
     const u16* vt = v_tile + (j & 1) * BN * HD;
 
-    float s[BN / 8][4], dp[BN / 8][4];
+    float s[MT][BN / 8][4], dp[MT][BN / 8][4];
     zero(s);
     zero(dp);
-    gemm_a_regs_nk<BN>(s, qf, kt, lane);
-    gemm_a_regs_nk<BN>(dp, dof, vt, lane);
-    const bool edge = n0 + BN > kv_end || (causal && n0 + BN - 1 > q0 + warp * 16);
+    gemm_a_regs_nk<MT, BN>(s, qf, kt, fl);
+    gemm_a_regs_nk<MT, BN>(dp, dof, vt, fl);
+    const bool edge = n0 + BN > kv_end || (causal && n0 + BN - 1 > w0);
 #pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1;
-        float p = fast_exp2(fmaf(s[nt][e], scale_log2, -lse2[r]));
-        if (edge) {
-          const int col = n0 + nt * 8 + 2 * t + (e & 1);
-          if (col >= kv_end || (causal && col > row_lo + r * 8)) p = 0.f;
+      for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1;
+          float p = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -lse2[mt][r]));
+          if (edge) {
+            const int col = n0 + nt * 8 + 2 * t + (e & 1);
+            if (col >= kv_end || (causal && col > w0 + 16 * mt + g + r * 8)) p = 0.f;
+          }
+          s[mt][nt][e] = p * (dp[mt][nt][e] - dlt[mt][r]);
         }
-        s[nt][e] = p * (dp[nt][e] - dlt[r]);
       }
     }
-    gemm_p_kn<BN>(dq_acc, s, kt, lane);
+    gemm_p_kn<MT, BN>(dq_acc, s, kt, fl);
   }
 
-  u16* dqb = static_cast<u16*>(dq) + b * dqs.batch + h * dqs.head + (q0 + warp * 16) * dqs.row;
-  store_rows(dq_acc, scale, q_tile, warp * 16, dqb, dqs.row, lq - q0 - warp * 16, lane);
+  u16* dqb = static_cast<u16*>(dq) + b * dqs.batch + h * dqs.head + w0 * dqs.row;
+  store_tiles<MT>(dq_acc, scale, q_tile, warp * WARP_ROWS, dqb, dqs.row, lq - w0, lane);
 }

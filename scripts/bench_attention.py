@@ -7,9 +7,13 @@ backward 3.5 times that.
 
   --small  also the small shapes the registry's thresholds come from
   --quick  the GPT-2 shape only (a smoke run)
+  --sweep  also time the launch-shape candidates of SWEEP (forced by name through
+           TORCHFUSE_REGISTRY_EXTRA + torch.ops.torchfuse._force_variant); the results are what
+           registry/attention.toml's params come from
 """
 import argparse
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -28,6 +32,39 @@ SMALL = [(1, 12, 128, 64, True), (4, 12, 256, 64, True), (8, 12, 512, 64, False)
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION}
 ATEN_FWD = "_scaled_dot_product_flash_attention"
+# Launch-shape candidates per head dim (kernels/attention.cu parameters).
+SWEEP = {
+    64: [dict(FWD_M_TILES=1, FWD_BLOCK_N=64, BWD_BLOCK_Q=64, DQ_BLOCK_N=64),
+         dict(FWD_M_TILES=2, FWD_BLOCK_N=64, BWD_BLOCK_Q=64, DQ_BLOCK_N=64, FWD_MIN_BLOCKS=2),
+         dict(FWD_M_TILES=1, FWD_BLOCK_N=64, FWD_MIN_BLOCKS=3, BWD_BLOCK_Q=64, DQ_BLOCK_N=64,
+              BWD_MIN_BLOCKS=2),
+         dict(FWD_WARPS=8, FWD_BLOCK_N=64, BWD_WARPS=8, BWD_BLOCK_Q=64, DQ_BLOCK_N=64),
+         dict(FWD_BLOCK_N=128, BWD_BLOCK_Q=32, DQ_BLOCK_N=32, BWD_MIN_BLOCKS=3),
+         dict(FWD_M_TILES=2, FWD_BLOCK_N=32, FWD_MIN_BLOCKS=2, BWD_M_TILES=2, BWD_BLOCK_Q=32,
+              DQ_BLOCK_N=32, BWD_MIN_BLOCKS=2),
+         dict(FWD_M_TILES=2, FWD_BLOCK_N=64, FWD_MIN_BLOCKS=2, BWD_WARPS=8, BWD_BLOCK_Q=32,
+              DQ_BLOCK_N=32)],
+    128: [dict(FWD_BLOCK_N=64, BWD_BLOCK_Q=32, DQ_BLOCK_N=32),
+          dict(FWD_WARPS=8, FWD_BLOCK_N=64, BWD_WARPS=8, BWD_BLOCK_Q=32, DQ_BLOCK_N=32),
+          dict(FWD_BLOCK_N=32, FWD_MIN_BLOCKS=2, BWD_BLOCK_Q=16, DQ_BLOCK_N=16, BWD_MIN_BLOCKS=2)],
+}
+
+
+def sweep_name(d, causal, i):
+    return f"sweep_attn_d{d}_{'causal' if causal else 'full'}_{i}"
+
+
+def write_sweep_registry(path):
+    lines = []
+    for d, candidates in SWEEP.items():
+        for causal in (True, False):
+            for i, params in enumerate(candidates):
+                body = ", ".join(f"{k} = {v}" for k, v in {"HEAD_DIM": d, **params}.items())
+                lines += ["[[variant]]", f'name = "{sweep_name(d, causal, i)}"',
+                          f'op = "attention_{"causal" if causal else "full"}"',
+                          'source = "attention.cu"', 'dtypes = ["bf16", "f16"]', "sm = [80, 90]",
+                          f"hidden = [{d}, {d}]", f"params = {{ {body} }}", ""]
+    Path(path).write_text("\n".join(lines))
 
 
 def matmul_peak():
@@ -61,7 +98,7 @@ def fused_count():
     return json.loads(torch.ops.torchfuse.stats())["ops"].get(ATEN_FWD, {}).get("fused", 0)
 
 
-def measure(shape, gen, rounds, reps):
+def measure(shape, gen, rounds, reps, sweep):
     b, h, s, d, causal = shape
     inputs = make_inputs(b, h, s, d, 2, gen)
 
@@ -73,18 +110,41 @@ def measure(shape, gen, rounds, reps):
         o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         torch.autograd.grad(o, (q, k, v), dout)
 
-    # side -> (torchfuse on, serve below thresholds, stock backend restriction or None)
-    sides = {"kernel": (True, True, None), "stock": (False, False, None)}
-    sides.update({name: (False, False, be) for name, be in BACKENDS.items()})
+    # side -> (torchfuse on, serve below thresholds, stock backend restriction, forced variant)
+    sides = {"kernel": (True, True, None, ""), "stock": (False, False, None, "")}
+    sides.update({name: (False, False, be, "") for name, be in BACKENDS.items()})
+    if sweep:
+        for i in range(len(SWEEP[d])):
+            sides[f"sweep{i}"] = (True, True, None, sweep_name(d, causal, i))
     results = {}
+    # A timing of a wrong kernel is worthless: every torchfuse side is checked against stock.
+    q, k, v, dout = inputs[0]
+
+    def grads():
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return (o, *torch.autograd.grad(o, (q, k, v), dout))
+
+    torch.ops.torchfuse.set_enabled("sdpa", False)
+    expected = grads()
+    for name, (on, below, _, forced) in sides.items():
+        if on:
+            torch.ops.torchfuse.set_enabled("sdpa", True)
+            torch.ops.torchfuse._serve_below_thresholds(below)
+            torch.ops.torchfuse._force_variant(forced)
+            got = grads()
+            worst = max(((a.float() - e.float()).norm() / e.float().norm()).item()
+                        for a, e in zip(got, expected))
+            if not worst < 2e-2:
+                print(f"  WRONG: {name} at {shape}: relative difference to stock {worst:.3g}")
     for phase, fn in (("fwd", fwd), ("fwdbwd", fwd_bwd)):
         times = {name: [] for name in sides}
         usable = dict.fromkeys(sides, True)
 
         def run(name, count):
-            on, below, backend = sides[name]
+            on, below, backend, forced = sides[name]
             torch.ops.torchfuse.set_enabled("sdpa", on)
             torch.ops.torchfuse._serve_below_thresholds(below)
+            torch.ops.torchfuse._force_variant(forced)
             if backend is None:
                 return timed_loop(fn, inputs, count)
             with sdpa_kernel(backend):
@@ -102,6 +162,7 @@ def measure(shape, gen, rounds, reps):
                     times[name] += run(name, reps)
         torch.ops.torchfuse.set_enabled("sdpa", True)
         torch.ops.torchfuse._serve_below_thresholds(False)
+        torch.ops.torchfuse._force_variant("")
         results[phase] = {n: statistics.median(t) for n, t in times.items() if t}
     # Does the registry (thresholds applied) route this shape to our kernel?
     before = fused_count()
@@ -118,7 +179,13 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
+    if args.sweep:
+        extra = Path(args.out) / "attention_sweep.toml"
+        extra.parent.mkdir(parents=True, exist_ok=True)
+        write_sweep_registry(extra)
+        os.environ["TORCHFUSE_REGISTRY_EXTRA"] = str(extra)
     torch.ops.load_library(str(Path(args.lib_dir) / "libtorchfuse.so"))
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() & 0xFFFFFFFF)
     peak = matmul_peak()
@@ -127,7 +194,7 @@ def main():
     shapes = SHAPES[:1] if args.quick else SHAPES + (SMALL if args.small else [])
     rows = []
     for shape in shapes:
-        r = measure(shape, gen, rounds=3 if args.quick else 5, reps=5)
+        r = measure(shape, gen, rounds=3 if args.quick else 5, reps=5, sweep=args.sweep)
         f = flops(*shape[:4], shape[4])
         for phase, mult in (("fwd", 1.0), ("fwdbwd", 3.5)):
             t = r[phase]

@@ -54,15 +54,20 @@ impl Strides {
 }
 
 /// Kernel launch shapes a variant may set, and their allowed values.
-const PARAMS: [(&str, &[i64]); 6] = [
+const PARAMS: [(&str, &[i64]); 10] = [
     ("HEAD_DIM", &[64, 128]),
     ("FWD_WARPS", &[2, 4, 8]),
     ("FWD_BLOCK_N", &[32, 64, 128]),
     ("BWD_WARPS", &[2, 4, 8]),
     ("BWD_BLOCK_Q", &[16, 32, 64, 128]),
     ("DQ_BLOCK_N", &[16, 32, 64, 128]),
+    ("FWD_M_TILES", &[1, 2]),
+    ("BWD_M_TILES", &[1, 2]),
+    ("FWD_MIN_BLOCKS", &[1, 2, 3, 4]),
+    ("BWD_MIN_BLOCKS", &[1, 2, 3, 4]),
 ];
-const DEFAULTS: [i64; 6] = [0, 4, 64, 4, 64, 64];
+/// The kernel's defaults for parameters a variant leaves out (HEAD_DIM is required).
+const DEFAULTS: [i64; 10] = [0, 4, 64, 4, 64, 64, 1, 1, 1, 1];
 
 pub fn validate_variant(v: &Variant) -> Result<(), String> {
     if let Some(unknown) = v
@@ -106,6 +111,8 @@ struct Shapes {
     bwd_warps: i64,
     bwd_block_q: i64,
     dq_block_n: i64,
+    fwd_m_tiles: i64,
+    bwd_m_tiles: i64,
 }
 
 impl Shapes {
@@ -118,13 +125,17 @@ impl Shapes {
             bwd_warps: p(3),
             bwd_block_q: p(4),
             dq_block_n: p(5),
+            fwd_m_tiles: p(6),
+            bwd_m_tiles: p(7),
         }
     }
+    /// Query rows of a forward CTA.
     fn fwd_block_m(&self) -> i64 {
-        16 * self.fwd_warps
+        16 * self.fwd_m_tiles * self.fwd_warps
     }
+    /// Keys of a dK/dV CTA, query rows of a dQ CTA.
     fn bwd_rows(&self) -> i64 {
-        16 * self.bwd_warps
+        16 * self.bwd_m_tiles * self.bwd_warps
     }
     /// Dynamic shared memory of each kernel, as attention.cu lays it out.
     fn fwd_smem(&self) -> u32 {
@@ -268,7 +279,7 @@ pub unsafe fn plan(launch: Launch, call: &AttentionCallC) -> Result<Plan, StockR
         op,
         dtype,
         hidden: *d,
-        rows: *lq.max(lk),
+        rows: score_elements(*b, *h, *lq, *lk),
         sm,
     })?;
     let shapes = Shapes::of(selected.variant);
@@ -285,6 +296,15 @@ pub unsafe fn plan(launch: Launch, call: &AttentionCallC) -> Result<Plan, StockR
         scale,
         causal: call.is_causal,
     })
+}
+
+/// The registry's size of an attention call: B * H * Lq * Lk, the elements of the score
+/// matrices (the work, whatever the batch/length split), saturating.
+pub fn score_elements(batch: i64, heads: i64, lq: i64, lk: i64) -> i64 {
+    batch
+        .saturating_mul(heads)
+        .saturating_mul(lq)
+        .saturating_mul(lk)
 }
 
 fn blocks(n: i64, per: i64) -> u32 {

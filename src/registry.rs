@@ -122,7 +122,7 @@ pub enum KernelOp {
     #[serde(rename = "embedding_bwd")]
     EmbeddingBwd,
     /// scaled_dot_product_attention with `is_causal`, forward and backward; `hidden` is the
-    /// head dim, `rows` the longer of the two sequence lengths.
+    /// head dim, `rows` the score elements B * H * Lq * Lk.
     #[serde(rename = "attention_causal")]
     AttentionCausal,
     /// As `AttentionCausal`, without a mask.
@@ -542,6 +542,22 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
             (EmbeddingBwd, DType::F32, 4096, 8192, "emb_bwd"),
             (EmbeddingBwd, DType::F16, 768, 131072, "emb_bwd"),
             (EmbeddingBwd, DType::F32, 64, 4096, "emb_bwd"),
+            // Attention: small causal calls (rows = B*H*Lq*Lk), registry/attention.toml.
+            (
+                AttentionCausal,
+                DType::BF16,
+                64,
+                12 * 128 * 128,
+                "attn_d64_causal",
+            ),
+            (
+                AttentionCausal,
+                DType::F16,
+                128,
+                32 * 256 * 256,
+                "attn_d128_causal",
+            ),
+            (AttentionCausal, DType::BF16, 64, 1 << 22, "attn_d64_causal"),
         ];
         for (op, dtype, hidden, rows, prefix) in served {
             let name =
@@ -628,6 +644,36 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
                 4096,
                 2048,
                 StockReason::NotFasterHere,
+            ),
+            // Attention: stock's cuDNN is faster on every larger call, and at every
+            // non-causal one measured.
+            (
+                AttentionCausal,
+                DType::BF16,
+                64,
+                96 * 1024 * 1024,
+                StockReason::NotFasterHere,
+            ),
+            (
+                AttentionFull,
+                DType::BF16,
+                128,
+                16 * 128 * 128,
+                StockReason::NotFasterHere,
+            ),
+            (
+                AttentionCausal,
+                DType::F32,
+                64,
+                16 * 128 * 128,
+                StockReason::UnsupportedDtype,
+            ),
+            (
+                AttentionCausal,
+                DType::BF16,
+                96,
+                16 * 128 * 128,
+                StockReason::NoVariantForShape,
             ),
             (
                 LayerNormFwd,

@@ -242,3 +242,23 @@ def test_transformer_block_autograd_matches_stock(mode):
     torch.testing.assert_close(loss_on, loss_off, rtol=1e-2, atol=1e-3)
     for a, b in zip(grads_on, grads_off):
         assert rel_err(a, b) < 3e-2
+
+
+def test_registry_thresholds_route_small_causal_calls_only():
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed())
+    torch.ops.torchfuse._serve_below_thresholds(False)
+    try:
+        small = make_qkv(gen, 1, 12, 12, 128, 128, 64, torch.bfloat16, "blhd")
+        before = fused(FLASH)
+        F.scaled_dot_product_attention(*small, is_causal=True)
+        assert fused(FLASH) == before + 1
+        served = fused(FLASH)
+        large = make_qkv(gen, 8, 12, 12, 1024, 1024, 64, torch.bfloat16, "blhd")
+        before = dict(stock_reasons(CHOICE))
+        F.scaled_dot_product_attention(*large, is_causal=True)
+        after = stock_reasons(CHOICE)
+        key = "stock is faster at this shape"
+        assert after.get(key, 0) == before.get(key, 0) + 1
+        assert fused(FLASH) == served
+    finally:
+        torch.ops.torchfuse._serve_below_thresholds(True)
