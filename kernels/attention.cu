@@ -348,6 +348,25 @@ struct Strides {
   tf_i64 batch, head, row;
 };
 
+// The call's sizes and softmax constants (`Problem` in src/attention.rs). `group` = query heads
+// per kv head; `scale_log2` = scale * log2(e).
+struct Problem {
+  int heads, lq, lk, group;
+  float scale_log2, scale;
+  int causal;
+};
+
+// Keys [n0, n0 + BN) of K and V into `stage` of the double-buffered K/V tiles (keys at or
+// beyond kv_end zero-filled), as one cp.async group.
+template <int BN, int THREADS>
+__device__ __forceinline__ void issue_kv_tile(u16* k_tile, u16* v_tile, int stage, const u16* kb,
+                                              tf_i64 k_row, const u16* vb, tf_i64 v_row, int n0,
+                                              int kv_end, int tid) {
+  load_tile<BN, THREADS>(k_tile + stage * BN * HD, kb + n0 * k_row, k_row, kv_end - n0, tid);
+  load_tile<BN, THREADS>(v_tile + stage * BN * HD, vb + n0 * v_row, v_row, kv_end - n0, tid);
+  cp_async_commit();
+}
+
 __device__ __forceinline__ const u16* at(const void* base, Strides s, int b, int h) {
   return static_cast<const u16*>(base) + b * s.batch + h * s.head;
 }
@@ -356,8 +375,9 @@ __device__ __forceinline__ const u16* at(const void* base, Strides s, int b, int
 
 extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCKS)
     attn_fwd(const void* q, Strides qs, const void* k, Strides ks, const void* v, Strides vs,
-             void* o, Strides os, float* lse, int heads, int lq, int lk, int group,
-             float scale_log2, int causal) {
+             void* o, Strides os, float* lse, Problem pb) {
+  const int heads = pb.heads, lq = pb.lq, lk = pb.lk, group = pb.group, causal = pb.causal;
+  const float scale_log2 = pb.scale_log2;
   constexpr int BM = FWD_BLOCK_M, BN = TF_FWD_BLOCK_N, THREADS = TF_FWD_WARPS * 32;
   constexpr int MT = FWD_MT, WARP_ROWS = 16 * MT;
   extern __shared__ __align__(128) u16 smem[];
@@ -379,9 +399,7 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCK
   load_tile<BM, THREADS>(q_tile, qb, qs.row, lq - q0, tid);
   const int kv_end = causal ? min(lk, q0 + BM) : lk;
   const int tiles = (kv_end + BN - 1) / BN;
-  load_tile<BN, THREADS>(k_tile, kb, ks.row, kv_end, tid);
-  load_tile<BN, THREADS>(v_tile, vb, vs.row, kv_end, tid);
-  cp_async_commit();
+  issue_kv_tile<BN, THREADS>(k_tile, v_tile, 0, kb, ks.row, vb, vs.row, 0, kv_end, tid);
 
   float o_acc[MT][HD / 8][4];
   zero(o_acc);
@@ -402,14 +420,9 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCK
           load_a(q_tile, warp * WARP_ROWS + 16 * mt, kc, fl, qf[mt][kc]);
     }
     const int n0 = j * BN;
-    if (j + 1 < tiles) {
-      const int stage = (j + 1) & 1;
-      load_tile<BN, THREADS>(k_tile + stage * BN * HD, kb + (n0 + BN) * ks.row, ks.row,
-                             kv_end - n0 - BN, tid);
-      load_tile<BN, THREADS>(v_tile + stage * BN * HD, vb + (n0 + BN) * vs.row, vs.row,
-                             kv_end - n0 - BN, tid);
-      cp_async_commit();
-    }
+    if (j + 1 < tiles)
+      issue_kv_tile<BN, THREADS>(k_tile, v_tile, (j + 1) & 1, kb, ks.row, vb, vs.row, n0 + BN,
+                                 kv_end, tid);
     // Tiles wholly above this warp's diagonal add nothing.
     if (causal && n0 > w0 + WARP_ROWS - 1) continue;
     const u16* kt = k_tile + (j & 1) * BN * HD;
@@ -527,8 +540,9 @@ extern "C" __global__ void __launch_bounds__(256)
 extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32, TF_BWD_MIN_BLOCKS)
     attn_bwd_dkdv(const void* q, Strides qs, const void* k, Strides ks, const void* v, Strides vs,
                   const void* dout, Strides dos, const float* lse, const float* delta,
-                  void* dk, Strides dks, void* dv, Strides dvs, int heads, int lq, int lk,
-                  int group, float scale_log2, float scale, int causal) {
+                  void* dk, Strides dks, void* dv, Strides dvs, Problem pb) {
+  const int heads = pb.heads, lq = pb.lq, lk = pb.lk, group = pb.group, causal = pb.causal;
+  const float scale_log2 = pb.scale_log2;
   constexpr int BK = BWD_BLOCK_K, BQ = TF_BWD_BLOCK_Q, THREADS = TF_BWD_WARPS * 32;
   constexpr int MT = BWD_MT, WARP_KEYS = 16 * MT;
   extern __shared__ __align__(128) u16 smem[];
@@ -618,7 +632,7 @@ extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32, TF_BWD_MIN_BLOCK
   const int valid = lk - w0;
   u16* dkb = static_cast<u16*>(dk) + b * dks.batch + hk * dks.head + w0 * dks.row;
   u16* dvb = static_cast<u16*>(dv) + b * dvs.batch + hk * dvs.head + w0 * dvs.row;
-  store_tiles<MT>(dk_acc, scale, k_tile, warp * WARP_KEYS, dkb, dks.row, valid, lane);
+  store_tiles<MT>(dk_acc, pb.scale, k_tile, warp * WARP_KEYS, dkb, dks.row, valid, lane);
   store_tiles<MT>(dv_acc, 1.f, v_tile, warp * WARP_KEYS, dvb, dvs.row, valid, lane);
 }
 
@@ -626,8 +640,9 @@ extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32, TF_BWD_MIN_BLOCK
 extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32, TF_BWD_MIN_BLOCKS)
     attn_bwd_dq(const void* q, Strides qs, const void* k, Strides ks, const void* v, Strides vs,
                 const void* dout, Strides dos, const float* lse, const float* delta, void* dq,
-                Strides dqs, int heads, int lq, int lk, int group, float scale_log2, float scale,
-                int causal) {
+                Strides dqs, Problem pb) {
+  const int heads = pb.heads, lq = pb.lq, lk = pb.lk, group = pb.group, causal = pb.causal;
+  const float scale_log2 = pb.scale_log2;
   constexpr int BM = DQ_BLOCK_M, BN = TF_DQ_BLOCK_N, THREADS = TF_BWD_WARPS * 32;
   constexpr int MT = BWD_MT, WARP_ROWS = 16 * MT;
   extern __shared__ __align__(128) u16 smem[];
@@ -649,9 +664,7 @@ extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32, TF_BWD_MIN_BLOCK
   const int tiles = (kv_end + BN - 1) / BN;
   const u16* kb = at(k, ks, b, hk);
   const u16* vb = at(v, vs, b, hk);
-  load_tile<BN, THREADS>(k_tile, kb, ks.row, kv_end, tid);
-  load_tile<BN, THREADS>(v_tile, vb, vs.row, kv_end, tid);
-  cp_async_commit();
+  issue_kv_tile<BN, THREADS>(k_tile, v_tile, 0, kb, ks.row, vb, vs.row, 0, kv_end, tid);
 
   const tf_i64 row_base = (static_cast<tf_i64>(b) * heads + h) * lq;
   float lse2[MT][2], dlt[MT][2];
@@ -682,14 +695,9 @@ extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32, TF_BWD_MIN_BLOCK
       }
     }
     const int n0 = j * BN;
-    if (j + 1 < tiles) {
-      const int stage = (j + 1) & 1;
-      load_tile<BN, THREADS>(k_tile + stage * BN * HD, kb + (n0 + BN) * ks.row, ks.row,
-                             kv_end - n0 - BN, tid);
-      load_tile<BN, THREADS>(v_tile + stage * BN * HD, vb + (n0 + BN) * vs.row, vs.row,
-                             kv_end - n0 - BN, tid);
-      cp_async_commit();
-    }
+    if (j + 1 < tiles)
+      issue_kv_tile<BN, THREADS>(k_tile, v_tile, (j + 1) & 1, kb, ks.row, vb, vs.row, n0 + BN,
+                                 kv_end, tid);
     if (causal && n0 > w0 + WARP_ROWS - 1) continue;
     const u16* kt = k_tile + (j & 1) * BN * HD;
     const u16* vt = v_tile + (j & 1) * BN * HD;
@@ -720,5 +728,5 @@ extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32, TF_BWD_MIN_BLOCK
   }
 
   u16* dqb = static_cast<u16*>(dq) + b * dqs.batch + h * dqs.head + w0 * dqs.row;
-  store_tiles<MT>(dq_acc, scale, q_tile, warp * WARP_ROWS, dqb, dqs.row, lq - w0, lane);
+  store_tiles<MT>(dq_acc, pb.scale, q_tile, warp * WARP_ROWS, dqb, dqs.row, lq - w0, lane);
 }

@@ -42,6 +42,24 @@ struct Strides {
 // SAFETY: plain old data, laid out as the kernel's struct.
 unsafe impl DeviceRepr for Strides {}
 
+/// The call's sizes and softmax constants (`Problem` in attention.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct Problem {
+    heads: i32,
+    lq: i32,
+    lk: i32,
+    /// Query heads per kv head.
+    group: i32,
+    /// scale * log2(e): the kernels' softmax is base 2.
+    scale_log2: f32,
+    scale: f32,
+    causal: i32,
+}
+
+// SAFETY: plain old data, laid out as the kernel's struct.
+unsafe impl DeviceRepr for Problem {}
+
 impl Strides {
     fn of(t: &Tensor) -> Strides {
         let s = t.stride();
@@ -345,12 +363,17 @@ impl Plan {
         })
     }
 
-    fn group(&self) -> i32 {
-        (self.heads / self.kv_heads) as i32
-    }
-
-    fn scale_log2(&self) -> f32 {
-        (self.scale * std::f64::consts::LOG2_E) as f32
+    /// `plan` bounds the sizes to i32.
+    fn problem(&self) -> Problem {
+        Problem {
+            heads: self.heads as i32,
+            lq: self.lq as i32,
+            lk: self.lk as i32,
+            group: (self.heads / self.kv_heads) as i32,
+            scale_log2: (self.scale * std::f64::consts::LOG2_E) as f32,
+            scale: self.scale as f32,
+            causal: i32::from(self.causal),
+        }
     }
 
     /// Output [B, H, Lq, D] and logsumexp [B, H, Lq] (fp32, natural log).
@@ -391,13 +414,7 @@ impl Plan {
             Strides::of(v),
             Strides::of(&out),
         );
-        let (heads, lq, lk, group) = (
-            self.heads as i32,
-            self.lq as i32,
-            self.lk as i32,
-            self.group(),
-        );
-        let (scale_log2, causal) = (self.scale_log2(), i32::from(self.causal));
+        let problem = self.problem();
         let stream = self.selected.gpu.stream(launch);
         let mut args = stream.launch_builder(&self.selected.kernels.functions[FWD]);
         args.arg(&qp)
@@ -409,12 +426,7 @@ impl Plan {
             .arg(&op)
             .arg(&os)
             .arg(&lp)
-            .arg(&heads)
-            .arg(&lq)
-            .arg(&lk)
-            .arg(&group)
-            .arg(&scale_log2)
-            .arg(&causal);
+            .arg(&problem);
         // SAFETY: arguments match attn_fwd; q/k/v/out are [B, H(k), L, D] with the given
         // strides and 16-byte aligned rows, lse [B, H, Lq] contiguous; all outlive the launch.
         unsafe { args.launch(config) }.map_err(|e| jit::launch_failed(self.selected.variant, e))?;
@@ -462,22 +474,17 @@ impl Plan {
         let s = &self.shapes;
         let delta = empty(&[self.batch, self.heads, self.lq], Kind::Float, self.device)?;
         let dq = heads_major(self.batch, self.lq, self.heads, d, self.kind, self.device)?;
-        let dk = heads_major(
-            self.batch,
-            self.lk,
-            self.kv_heads,
-            d,
-            self.kind,
-            self.device,
-        )?;
-        let dv = heads_major(
-            self.batch,
-            self.lk,
-            self.kv_heads,
-            d,
-            self.kind,
-            self.device,
-        )?;
+        let kv_grad = || {
+            heads_major(
+                self.batch,
+                self.lk,
+                self.kv_heads,
+                d,
+                self.kind,
+                self.device,
+            )
+        };
+        let (dk, dv) = (kv_grad()?, kv_grad()?);
 
         let rows = self.batch * self.heads * self.lq;
         let prep = self.launch_config(PREP, (blocks(rows * (d / 8), 256), 1, 1), 256, 0)?;
@@ -517,14 +524,7 @@ impl Plan {
             Strides::of(&dout),
         );
         let (dqs, dks, dvs) = (Strides::of(&dq), Strides::of(&dk), Strides::of(&dv));
-        let (heads, lq, lk, group) = (
-            self.heads as i32,
-            self.lq as i32,
-            self.lk as i32,
-            self.group(),
-        );
-        let (scale_log2, scale, causal) =
-            (self.scale_log2(), self.scale as f32, i32::from(self.causal));
+        let problem = self.problem();
         let stream = self.selected.gpu.stream(launch);
         let functions = &self.selected.kernels.functions;
         let failed = |e| jit::launch_failed(self.selected.variant, e);
@@ -535,8 +535,8 @@ impl Plan {
             .arg(&dop)
             .arg(&dos)
             .arg(&deltap)
-            .arg(&heads)
-            .arg(&lq)
+            .arg(&problem.heads)
+            .arg(&problem.lq)
             .arg(&rows);
         // SAFETY: arguments match attn_bwd_prep; out and grad_out are [B, H, Lq, D] with the
         // given strides, delta [B, H, Lq] contiguous.
@@ -557,13 +557,7 @@ impl Plan {
             .arg(&dks)
             .arg(&dvp)
             .arg(&dvs)
-            .arg(&heads)
-            .arg(&lq)
-            .arg(&lk)
-            .arg(&group)
-            .arg(&scale_log2)
-            .arg(&scale)
-            .arg(&causal);
+            .arg(&problem);
         // SAFETY: arguments match attn_bwd_dkdv; shapes as checked above.
         unsafe { args.launch(dkdv) }.map_err(failed)?;
 
@@ -580,13 +574,7 @@ impl Plan {
             .arg(&deltap)
             .arg(&dqp)
             .arg(&dqs)
-            .arg(&heads)
-            .arg(&lq)
-            .arg(&lk)
-            .arg(&group)
-            .arg(&scale_log2)
-            .arg(&scale)
-            .arg(&causal);
+            .arg(&problem);
         // SAFETY: arguments match attn_bwd_dq; shapes as checked above.
         unsafe { args.launch(dq_config) }.map_err(failed)?;
         Ok([dq, dk, dv])

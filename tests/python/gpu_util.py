@@ -23,6 +23,16 @@ def stats():
     return json.loads(torch.ops.torchfuse.stats())
 
 
+def fused_count(op):
+    """Calls of aten `op` a torchfuse kernel served so far."""
+    return stats()["ops"].get(op, {}).get("fused", 0)
+
+
+def stock_reasons(op):
+    """{reason: calls} of aten `op` that went to stock so far."""
+    return stats()["ops"].get(op, {}).get("stock_reasons", {})
+
+
 class enabled:
     """Context manager: torchfuse on or off for one toggle."""
 

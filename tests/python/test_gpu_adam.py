@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import requires_cuda
-from gpu_util import enabled, fresh_seed, load_torchfuse, rel_err, stats
+from gpu_util import enabled, fresh_seed, fused_count, load_torchfuse, rel_err, stats
 
 pytestmark = requires_cuda
 
@@ -456,7 +456,7 @@ def test_fp32_steps_are_bitwise_identical_to_stock(cls, tensor_lr, amsgrad, maxi
         return [t for p in params for t in (p.detach(), *opt.state[p].values())]
 
     name = ("_fused_adamw_" if cls is torch.optim.AdamW else "_fused_adam_") + (".tensor_lr" if tensor_lr else "")
-    before = stats()["ops"].get(name, {}).get("fused", 0)
+    before = fused_count(name)
     ours = fn()
     assert stats()["ops"][name]["fused"] == before + 3
     with enabled("adam", False):

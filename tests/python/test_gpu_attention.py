@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from conftest import requires_cuda
-from gpu_util import FLOOR, enabled, fresh_seed, load_torchfuse, poison_allocator, rel_err, stats
+from gpu_util import (FLOOR, enabled, fresh_seed, fused_count, load_torchfuse, poison_allocator,
+                      rel_err, stock_reasons)
 
 pytestmark = requires_cuda
 
@@ -25,14 +26,6 @@ def torchfuse_loaded():
     torch.ops.torchfuse._serve_below_thresholds(True)
     yield
     torch.ops.torchfuse._serve_below_thresholds(False)
-
-
-def fused(op):
-    return stats()["ops"].get(op, {}).get("fused", 0)
-
-
-def stock_reasons(op):
-    return stats()["ops"].get(op, {}).get("stock_reasons", {})
 
 
 def make_qkv(gen, b, h, hk, lq, lk, d, dtype, layout):
@@ -94,7 +87,7 @@ def draw_case(rng):
 def test_forward_and_grads_match_reference_and_stock_on_random_cases():
     rng = random.Random(fresh_seed())
     gen = torch.Generator(device="cuda").manual_seed(fresh_seed())
-    served_before = (fused(FLASH), fused(FLASH_BWD))
+    served_before = (fused_count(FLASH), fused_count(FLASH_BWD))
     cases = 48
     for _ in range(cases):
         b, h, hk, lq, lk, d, dtype, causal, scale, layout = case = draw_case(rng)
@@ -121,7 +114,7 @@ def test_forward_and_grads_match_reference_and_stock_on_random_cases():
                     q, k, v, 0.0, causal, False, scale=eff_scale)[1]
             err, stock_err = rel_err(lse, ref[1]), rel_err(stock_lse, ref[1])
             assert err <= bound(stock_err, 1e-5), (case, "lse", err, stock_err)
-    served_after = (fused(FLASH), fused(FLASH_BWD))
+    served_after = (fused_count(FLASH), fused_count(FLASH_BWD))
     assert served_after[0] - served_before[0] >= cases
     assert served_after[1] - served_before[1] == cases
 
@@ -129,9 +122,9 @@ def test_forward_and_grads_match_reference_and_stock_on_random_cases():
 def test_flash_op_outputs_have_stock_formats():
     gen = torch.Generator(device="cuda").manual_seed(fresh_seed())
     q, k, v = make_qkv(gen, 2, 4, 4, 130, 130, 64, torch.bfloat16, "blhd")
-    before = fused(FLASH)
+    before = fused_count(FLASH)
     ours = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=0.125)
-    assert fused(FLASH) == before + 1
+    assert fused_count(FLASH) == before + 1
     with enabled("sdpa", False):
         stock = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=0.125)
     assert len(ours) == len(stock) == 9
@@ -173,10 +166,10 @@ def test_what_we_do_not_serve_goes_to_stock_with_its_reason():
     assert "attn_mask, dropout or nested inputs are not served" in reasons_after(
         lambda: F.scaled_dot_product_attention(q, k, v, dropout_p=0.1))
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        before = fused(FLASH)
+        before = fused_count(FLASH)
         assert "SDPA backends restricted by the user" in reasons_after(
             lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
-        assert fused(FLASH) == before
+        assert fused_count(FLASH) == before
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
         assert "SDPA backends restricted by the user" in reasons_after(
             lambda: F.scaled_dot_product_attention(q, k, v))
@@ -184,9 +177,9 @@ def test_what_we_do_not_serve_goes_to_stock_with_its_reason():
     assert "no variant for this shape" in reasons_after(
         lambda: F.scaled_dot_product_attention(q96, k96, v96))
     with enabled("sdpa", False):
-        before = fused(FLASH)
+        before = fused_count(FLASH)
         F.scaled_dot_product_attention(q, k, v)
-        assert fused(FLASH) == before
+        assert fused_count(FLASH) == before
     # Causal with Lq != Lk (top-left mask): not the flash backend's, stock decides.
     qs = q[:, :, :32]
     out = F.scaled_dot_product_attention(qs, k, v, is_causal=True)
@@ -230,14 +223,14 @@ def test_transformer_block_autograd_matches_stock(mode):
         block = block.to(torch.bfloat16)
     x = torch.randn(4, 256, dim, device="cuda", dtype=next(block.parameters()).dtype)
     results = []
-    before = fused(FLASH_BWD)
+    before = fused_count(FLASH_BWD)
     for on in (True, False):
         block.zero_grad()
         with enabled("sdpa", on), torch.autocast("cuda", torch.bfloat16, enabled=mode == "autocast"):
             loss = block(x).float().square().mean()
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in block.parameters()]))
-    assert fused(FLASH_BWD) == before + 1
+    assert fused_count(FLASH_BWD) == before + 1
     (loss_on, grads_on), (loss_off, grads_off) = results
     torch.testing.assert_close(loss_on, loss_off, rtol=1e-2, atol=1e-3)
     for a, b in zip(grads_on, grads_off):
@@ -249,16 +242,16 @@ def test_registry_thresholds_route_small_causal_calls_only():
     torch.ops.torchfuse._serve_below_thresholds(False)
     try:
         small = make_qkv(gen, 1, 12, 12, 128, 128, 64, torch.bfloat16, "blhd")
-        before = fused(FLASH)
+        before = fused_count(FLASH)
         F.scaled_dot_product_attention(*small, is_causal=True)
-        assert fused(FLASH) == before + 1
-        served = fused(FLASH)
+        assert fused_count(FLASH) == before + 1
+        served = fused_count(FLASH)
         large = make_qkv(gen, 8, 12, 12, 1024, 1024, 64, torch.bfloat16, "blhd")
         before = dict(stock_reasons(CHOICE))
         F.scaled_dot_product_attention(*large, is_causal=True)
         after = stock_reasons(CHOICE)
         key = "stock is faster at this shape"
         assert after.get(key, 0) == before.get(key, 0) + 1
-        assert fused(FLASH) == served
+        assert fused_count(FLASH) == served
     finally:
         torch.ops.torchfuse._serve_below_thresholds(True)

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import check, requires_cuda, run_python
-from gpu_util import FLOOR, enabled, fresh_seed, load_torchfuse, poison_allocator, rel_err, stats
+from gpu_util import (FLOOR, enabled, fresh_seed, fused_count, load_torchfuse, poison_allocator,
+                      rel_err, stock_reasons)
 
 pytestmark = requires_cuda
 
@@ -22,14 +23,6 @@ def torchfuse_loaded():
     torch.ops.torchfuse._serve_below_thresholds(True)
     yield
     torch.ops.torchfuse._serve_below_thresholds(False)
-
-
-def fused(op):
-    return stats()["ops"].get(op, {}).get("fused", 0)
-
-
-def stock_reasons(op):
-    return stats()["ops"].get(op, {}).get("stock_reasons", {})
 
 
 def draw_indices(rng, gen, num_weights, shape, kind, dtype=torch.int64):
@@ -69,7 +62,7 @@ def make_weight(gen, num_weights, dim, dtype, layout):
 def test_forward_random_cases_equal_stock_bitwise():
     rng = random.Random(fresh_seed())
     gen = torch.Generator(device="cuda").manual_seed(rng.randrange(2**31))
-    before = fused("embedding")
+    before = fused_count("embedding")
     cases = 0
     for _ in range(80):
         num_weights = rng.choice([1, 2, 7, 100, 1000, 50304, rng.randrange(1, 70000)])
@@ -94,7 +87,7 @@ def test_forward_random_cases_equal_stock_bitwise():
         assert ours.is_contiguous(), desc
         assert torch.equal(ours, ref), desc
         cases += 1
-    assert fused("embedding") - before == cases
+    assert fused_count("embedding") - before == cases
 
 
 def reference_grad(grad, idx, num_weights, padding_idx):
@@ -134,7 +127,7 @@ def check_backward(grad, idx, num_weights, padding_idx, desc):
 def test_backward_random_cases():
     rng = random.Random(fresh_seed())
     gen = torch.Generator(device="cuda").manual_seed(rng.randrange(2**31))
-    before = fused("embedding_dense_backward")
+    before = fused_count("embedding_dense_backward")
     cases = 0
     for _ in range(60):
         num_weights = rng.choice([1, 2, 33, 513, 5000, 50304, 128256, rng.randrange(1, 300000)])
@@ -149,7 +142,7 @@ def test_backward_random_cases():
         desc = f"V={num_weights} D={dim} {dtype} {tuple(idx.shape)} {idx.dtype} {kind} pad={padding_idx}"
         check_backward(grad, idx, num_weights, padding_idx, desc)
         cases += 1
-    assert fused("embedding_dense_backward") - before == 2 * cases
+    assert fused_count("embedding_dense_backward") - before == 2 * cases
 
 
 @pytest.mark.parametrize("kind", ["equal", "few", "zipf"])
@@ -187,13 +180,13 @@ def test_module_autograd_matches_stock():
 def test_deterministic_mode_runs_our_kernel():
     torch.use_deterministic_algorithms(True)
     try:
-        before = fused("embedding_dense_backward")
+        before = fused_count("embedding_dense_backward")
         idx = torch.randint(0, 5000, (4096,), device="cuda")
         grad = torch.randn(4096, 128, device="cuda")
         a = dense_backward(grad, idx, 5000, -1, True)
         b = dense_backward(grad, idx, 5000, -1, True)
         assert torch.equal(a, b)
-        assert fused("embedding_dense_backward") == before + 2
+        assert fused_count("embedding_dense_backward") == before + 2
     finally:
         torch.use_deterministic_algorithms(False)
 
@@ -239,11 +232,11 @@ def test_cuda_graph_capture():
     torch.cuda.current_stream().wait_stream(stream)
     weight.grad = None
     graph = torch.cuda.CUDAGraph()
-    before = (fused("embedding"), fused("embedding_dense_backward"))
+    before = (fused_count("embedding"), fused_count("embedding_dense_backward"))
     with torch.cuda.graph(graph):
         out = F.embedding(idx, weight)
         (grad_weight,) = torch.autograd.grad(out.square().sum(), weight)
-    assert (fused("embedding"), fused("embedding_dense_backward")) == (before[0] + 1, before[1] + 1)
+    assert (fused_count("embedding"), fused_count("embedding_dense_backward")) == (before[0] + 1, before[1] + 1)
     for _ in range(2):
         idx.copy_(torch.randint(0, 3000, idx.shape, device="cuda"))
         weight.data.copy_(torch.randn_like(weight))

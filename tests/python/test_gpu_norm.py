@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import ROOT, requires_cuda
-from gpu_util import FLOOR, enabled, fresh_seed, load_torchfuse, poison_allocator, rel_err, stats
+from gpu_util import (FLOOR, enabled, fresh_seed, fused_count, load_torchfuse, poison_allocator,
+                      rel_err, stats, stock_reasons)
 
 pytestmark = requires_cuda
 
@@ -37,10 +38,6 @@ def all_shapes():
     torch.ops.torchfuse._serve_below_thresholds(True)
     yield
     torch.ops.torchfuse._serve_below_thresholds(False)
-
-
-def fused_count(aten):
-    return stats()["ops"].get(aten, {}).get("fused", 0)
 
 
 # ---------------------------------------------------------------- references (float64)
@@ -294,7 +291,7 @@ def test_fallbacks_are_stock_and_logged(kind):
     if below is not None:
         cases.append(below + ("stock is faster at this shape",))
     for x, shape, why in cases:
-        before = stats()["ops"].get(ATEN_FWD[kind], {}).get("stock_reasons", {}).get(why, 0)
+        before = stock_reasons(ATEN_FWD[kind]).get(why, 0)
         ours = call_fwd(kind, x, shape, None, None, 1e-5, True)
         stock = call_fwd(kind, x, shape, None, None, 1e-5, False)
         after = stats()["ops"][ATEN_FWD[kind]]["stock_reasons"].get(why, 0)
