@@ -15,6 +15,9 @@
 //   registers (fp32) for the whole walk and are written once. No atomics.
 // - attn_bwd_dq: a CTA owns 16 * BWD_M_TILES * BWD_WARPS query rows and walks the key tiles, recomputing P and
 //   dP; dQ stays in registers and is written once. No atomics.
+// - With TF_FWD_WGMMA (sm_90a), attn_fwd is the same algorithm on Hopper's warpgroup MMA: a
+//   CTA of 1-2 warpgroups of 64 query rows, both gemms reading their shared-memory operands
+//   through wgmma descriptors (see its section below).
 // Every sum runs in a fixed order, so the backward is bitwise reproducible run to run.
 // Shared-memory tiles are [rows][HEAD_DIM] with 16-byte chunks XOR-swizzled by row, so the
 // ldmatrix reads of 8 rows hit 8 different bank groups.
@@ -53,6 +56,10 @@
 #endif
 #ifndef TF_BWD_MIN_BLOCKS
 #define TF_BWD_MIN_BLOCKS 1
+#endif
+// 1: the forward is the warpgroup-MMA kernel (sm_90a), 0: the mma.sync one.
+#ifndef TF_FWD_WGMMA
+#define TF_FWD_WGMMA 0
 #endif
 
 #define HD TF_HEAD_DIM
@@ -371,6 +378,291 @@ __device__ __forceinline__ const u16* at(const void* base, Strides s, int b, int
   return static_cast<const u16*>(base) + b * s.batch + h * s.head;
 }
 
+#if TF_FWD_WGMMA
+// ------------------------------------------------------------------ forward, warpgroup MMA
+//
+// sm_90a only. A CTA is TF_FWD_WARPS / 4 warpgroups, each owning 64 query rows. Both gemms
+// are wgmma.mma_async with operands in shared memory: S = Q K^T reads Q and K (k-major), and
+// O += P V takes P from registers (the S accumulators converted to 16-bit, the same lane
+// layout as mma.sync's A fragments) and V from shared memory (n-major, transposed by the
+// instruction). Tiles use the layout the descriptors describe (wg_off): column blocks of 64
+// elements, each [rows][64] with 128-byte rows and the 128-byte swizzle, on 1024-byte
+// boundaries. Measured with a probe on the H100: k-major operands take SBO = 1024 (the stride
+// of 8-row groups), LBO unused, and a k16 step adds 32 bytes to the start address; the n-major
+// V takes LBO = the stride of its 64-column blocks and SBO = 1024, a k16 step is 16 rows.
+// Softmax, masking, the logsumexp and the output stores are the mma.sync kernel's.
+
+#if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "TF_FWD_WGMMA needs sm_90a (warpgroup MMA)"
+#endif
+#if TF_FWD_M_TILES != 1 || TF_FWD_WARPS % 4 != 0
+#error "a warpgroup forward has one 64-row tile per warpgroup (FWD_WARPS 4 or 8, FWD_M_TILES 1)"
+#endif
+#if TF_DTYPE == 1
+#define WG_AB "bf16"
+#else
+#define WG_AB "f16"
+#endif
+typedef unsigned long long u64;
+
+__device__ __forceinline__ int wg_off(int row, int col, int rows) {
+  return (col >> 6) * rows * 64 + row * 64 + ((((col & 63) >> 3) ^ (row & 7)) << 3) + (col & 7);
+}
+
+// A shared-memory matrix descriptor with the 128-byte swizzle.
+__device__ __forceinline__ u64 wg_desc(u32 addr, u32 lbo, u32 sbo) {
+  return static_cast<u64>((addr & 0x3FFFF) >> 4) | (static_cast<u64>(lbo >> 4) << 16) |
+         (static_cast<u64>(sbo >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit_and_wait() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// This thread's cp.async writes, complete, made visible to wgmma's (async proxy) reads.
+__device__ __forceinline__ void fence_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// d (+)= A * B^T, m64nNk16: A and B k-major in shared memory (accumulate = 0 overwrites d).
+template <int N>
+__device__ void wg_ss(float (&d)[N / 2], u64 a, u64 b, int accumulate);
+// d += A * B, m64nNk16: A in registers (mma.sync A-fragment layout), B n-major in shared memory.
+template <int N>
+__device__ void wg_rs_mn(float (&d)[N / 2], const u32 (&a)[4], u64 b);
+
+template <>
+__device__ __forceinline__ void wg_ss<64>(float (&d)[32], u64 a, u64 b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_AB "." WG_AB " {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+      "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+template <>
+__device__ __forceinline__ void wg_rs_mn<64>(float (&d)[32], const u32 (&a)[4], u64 b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_AB "." WG_AB " {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+      "}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
+
+template <>
+__device__ __forceinline__ void wg_ss<128>(float (&d)[64], u64 a, u64 b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." WG_AB "." WG_AB " {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+      "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+template <>
+__device__ __forceinline__ void wg_rs_mn<128>(float (&d)[64], const u32 (&a)[4], u64 b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." WG_AB "." WG_AB " {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+      "}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
+
+// rows x HD elements from global (row r at base + r * row_stride) into a wg_off tile of
+// `ROWS` rows; rows at or beyond `valid_rows` are zero-filled.
+template <int ROWS, int THREADS>
+__device__ __forceinline__ void load_tile_wg(u16* tile, const u16* base, tf_i64 row_stride,
+                                             int valid_rows, int tid) {
+  const u32 tile_addr = smem_addr(tile);
+#pragma unroll
+  for (int i = tid; i < ROWS * CHUNKS_PER_ROW; i += THREADS) {
+    const int row = i / CHUNKS_PER_ROW;
+    const int col = (i % CHUNKS_PER_ROW) * 8;
+    const bool valid = row < valid_rows;
+    const u16* src = valid ? base + row * row_stride + col : base;
+    cp_async16(tile_addr + wg_off(row, col, ROWS) * 2, src, valid);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCKS)
+    attn_fwd(const void* q, Strides qs, const void* k, Strides ks, const void* v, Strides vs,
+             void* o, Strides os, float* lse, Problem pb) {
+  const int heads = pb.heads, lq = pb.lq, lk = pb.lk, group = pb.group, causal = pb.causal;
+  const float scale_log2 = pb.scale_log2;
+  constexpr int BM = FWD_BLOCK_M, BN = TF_FWD_BLOCK_N, THREADS = TF_FWD_WARPS * 32;
+  extern __shared__ __align__(1024) unsigned char smem_bytes[];
+  // The swizzle repeats every 1024 bytes of shared address: tiles start on that boundary (the
+  // launch asks for 1024 bytes of slack).
+  u16* q_tile = reinterpret_cast<u16*>(smem_bytes + ((1024 - (smem_addr(smem_bytes) & 1023)) & 1023));
+  u16* k_tile = q_tile + BM * HD;  // [2][BN * HD]
+  u16* v_tile = k_tile + 2 * BN * HD;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wg = warp >> 2, wg_warp = warp & 3;
+  const int g = lane >> 2, t = lane & 3;
+  const int mb = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+  const int q0 = mb * BM, w0 = q0 + wg * 64;        // first row of the CTA, of the warpgroup
+  const int r0 = w0 + 16 * wg_warp + g;             // this thread's rows: r0 and r0 + 8
+
+  const u16* qb = at(q, qs, b, h) + q0 * qs.row;
+  const u16* kb = at(k, ks, b, hk);
+  const u16* vb = at(v, vs, b, hk);
+  load_tile_wg<BM, THREADS>(q_tile, qb, qs.row, lq - q0, tid);
+  const int kv_end = causal ? min(lk, q0 + BM) : lk;
+  const int tiles = (kv_end + BN - 1) / BN;
+  auto issue = [&](int stage, int n0) {
+    load_tile_wg<BN, THREADS>(k_tile + stage * BN * HD, kb + n0 * ks.row, ks.row, kv_end - n0, tid);
+    load_tile_wg<BN, THREADS>(v_tile + stage * BN * HD, vb + n0 * vs.row, vs.row, kv_end - n0, tid);
+    cp_async_commit();
+  };
+  issue(0, 0);
+
+  const u32 q_addr = smem_addr(q_tile) + wg * 64 * 128;
+  const u32 k_addr = smem_addr(k_tile), v_addr = smem_addr(v_tile);
+  float o_acc[HD / 2];
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) o_acc[i] = 0.f;
+  float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};
+
+  for (int j = 0; j < tiles; ++j) {
+    cp_async_wait_all();
+    fence_async_shared();
+    __syncthreads();
+    const int n0 = j * BN;
+    if (j + 1 < tiles) issue((j + 1) & 1, n0 + BN);
+    // Tiles wholly above this warpgroup's diagonal add nothing (uniform per warpgroup).
+    if (causal && n0 > w0 + 63) continue;
+    const u32 stage_bytes = (j & 1) * BN * HD * 2;
+
+    float s[BN / 2];
+    wg_fence();
+#pragma unroll
+    for (int kc = 0; kc < HD / 16; ++kc) {
+      const u32 step = (kc & 3) * 32;  // k16 steps within a 64-column block
+      const u64 da = wg_desc(q_addr + (kc >> 2) * BM * 128 + step, 16, 1024);
+      const u64 db = wg_desc(k_addr + stage_bytes + (kc >> 2) * BN * 128 + step, 16, 1024);
+      wg_ss<BN>(s, da, db, kc > 0);
+    }
+    wg_commit_and_wait();
+
+    const bool edge = n0 + BN > kv_end || (causal && n0 + BN - 1 > w0);
+    float tile_max[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[4 * i + e] * scale_log2;  // before the max: the scale may be negative
+        if (edge) {
+          const int col = n0 + 8 * i + 2 * t + (e & 1);
+          const int row = r0 + (e >> 1) * 8;
+          if (col >= kv_end || (causal && col > row)) x = NEG_INF;
+        }
+        s[4 * i + e] = x;
+        tile_max[e >> 1] = fmaxf(tile_max[e >> 1], x);
+      }
+    }
+    float alpha[2], m_use[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+      const float m_new = fmaxf(m_run[r], tile_max[r]);
+      m_use[r] = m_new == NEG_INF ? 0.f : m_new;
+      alpha[r] = fast_exp2(m_run[r] - m_use[r]);
+      m_run[r] = m_new;
+    }
+    float row_sum[2] = {0.f, 0.f};
+    u32 p[BN / 16][4];
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i) {
+      float e4[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        e4[e] = fast_exp2(s[4 * i + e] - m_use[e >> 1]);
+        row_sum[e >> 1] += e4[e];
+      }
+      // Columns 8i.. are the low (i even) or high (i odd) half of k16 step i / 2.
+      p[i >> 1][(i & 1) * 2] = pack2(e4[0], e4[1]);
+      p[i >> 1][(i & 1) * 2 + 1] = pack2(e4[2], e4[3]);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + row_sum[r];
+#pragma unroll
+    for (int i = 0; i < HD / 8; ++i) {
+      o_acc[4 * i] *= alpha[0];
+      o_acc[4 * i + 1] *= alpha[0];
+      o_acc[4 * i + 2] *= alpha[1];
+      o_acc[4 * i + 3] *= alpha[1];
+    }
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+      wg_rs_mn<HD>(o_acc, p[kk], wg_desc(v_addr + stage_bytes + kk * 16 * 128, BN * 128, 1024));
+    wg_commit_and_wait();
+  }
+
+  float* lse_row = lse + (static_cast<tf_i64>(b) * heads + h) * lq;
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+    inv[r] = 1.f / l_run[r];
+    const int row = r0 + r * 8;
+    if (t == 0 && row < lq) lse_row[row] = (m_run[r] + log2f(l_run[r])) * LN2;
+  }
+  float out[HD / 8][4];
+#pragma unroll
+  for (int i = 0; i < HD / 8; ++i) {
+    out[i][0] = o_acc[4 * i] * inv[0];
+    out[i][1] = o_acc[4 * i + 1] * inv[0];
+    out[i][2] = o_acc[4 * i + 2] * inv[1];
+    out[i][3] = o_acc[4 * i + 3] * inv[1];
+  }
+  // Every warpgroup is past its last read of the K/V tiles: they stage the output rows.
+  __syncthreads();
+  const int warp_row0 = w0 + 16 * wg_warp;
+  u16* ob = static_cast<u16*>(o) + b * os.batch + h * os.head + warp_row0 * os.row;
+  store_rows(out, 1.f, k_tile, warp * 16, ob, os.row, lq - warp_row0, lane);
+}
+
+#else  // mma.sync forward
+
 // ------------------------------------------------------------------ forward
 
 extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCKS)
@@ -507,6 +799,8 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCK
   u16* ob = static_cast<u16*>(o) + b * os.batch + h * os.head + w0 * os.row;
   store_tiles<MT>(o_acc, 1.f, q_tile, warp * WARP_ROWS, ob, os.row, lq - w0, lane);
 }
+
+#endif  // TF_FWD_WGMMA
 
 // ------------------------------------------------------------------ backward
 

@@ -43,10 +43,21 @@ SWEEP = {
          dict(FWD_M_TILES=2, FWD_BLOCK_N=32, FWD_MIN_BLOCKS=2, BWD_M_TILES=2, BWD_BLOCK_Q=32,
               DQ_BLOCK_N=32, BWD_MIN_BLOCKS=2),
          dict(FWD_M_TILES=2, FWD_BLOCK_N=64, FWD_MIN_BLOCKS=2, BWD_WARPS=8, BWD_BLOCK_Q=32,
-              DQ_BLOCK_N=32)],
+              DQ_BLOCK_N=32),
+         # Warpgroup MMA forward (sm_90a), the backward as the registry's.
+         dict(FWD_WGMMA=1, FWD_WARPS=4, FWD_BLOCK_N=128, FWD_MIN_BLOCKS=2),
+         dict(FWD_WGMMA=1, FWD_WARPS=4, FWD_BLOCK_N=128, FWD_MIN_BLOCKS=3),
+         dict(FWD_WGMMA=1, FWD_WARPS=4, FWD_BLOCK_N=64, FWD_MIN_BLOCKS=3),
+         dict(FWD_WGMMA=1, FWD_WARPS=8, FWD_BLOCK_N=64, FWD_MIN_BLOCKS=2),
+         dict(FWD_WGMMA=1, FWD_WARPS=8, FWD_BLOCK_N=128)],
     128: [dict(FWD_BLOCK_N=64, BWD_BLOCK_Q=32, DQ_BLOCK_N=32),
           dict(FWD_WARPS=8, FWD_BLOCK_N=64, BWD_WARPS=8, BWD_BLOCK_Q=32, DQ_BLOCK_N=32),
-          dict(FWD_BLOCK_N=32, FWD_MIN_BLOCKS=2, BWD_BLOCK_Q=16, DQ_BLOCK_N=16, BWD_MIN_BLOCKS=2)],
+          dict(FWD_BLOCK_N=32, FWD_MIN_BLOCKS=2, BWD_BLOCK_Q=16, DQ_BLOCK_N=16, BWD_MIN_BLOCKS=2),
+          dict(FWD_WGMMA=1, FWD_WARPS=4, FWD_BLOCK_N=64, BWD_BLOCK_Q=32, DQ_BLOCK_N=32),
+          dict(FWD_WGMMA=1, FWD_WARPS=4, FWD_BLOCK_N=64, FWD_MIN_BLOCKS=2, BWD_BLOCK_Q=32,
+               DQ_BLOCK_N=32),
+          dict(FWD_WGMMA=1, FWD_WARPS=8, FWD_BLOCK_N=64, BWD_BLOCK_Q=32, DQ_BLOCK_N=32),
+          dict(FWD_WGMMA=1, FWD_WARPS=4, FWD_BLOCK_N=128, BWD_BLOCK_Q=32, DQ_BLOCK_N=32)],
 }
 
 
@@ -62,7 +73,8 @@ def write_sweep_registry(path):
                 body = ", ".join(f"{k} = {v}" for k, v in {"HEAD_DIM": d, **params}.items())
                 lines += ["[[variant]]", f'name = "{sweep_name(d, causal, i)}"',
                           f'op = "attention_{"causal" if causal else "full"}"',
-                          'source = "attention.cu"', 'dtypes = ["bf16", "f16"]', "sm = [80, 90]",
+                          'source = "attention.cu"', 'dtypes = ["bf16", "f16"]',
+                          "sm = [90, 90]" if params.get("FWD_WGMMA") else "sm = [80, 90]",
                           f"hidden = [{d}, {d}]", f"params = {{ {body} }}", ""]
     Path(path).write_text("\n".join(lines))
 

@@ -72,7 +72,7 @@ impl Strides {
 }
 
 /// Kernel launch shapes a variant may set, and their allowed values.
-const PARAMS: [(&str, &[i64]); 10] = [
+const PARAMS: [(&str, &[i64]); 11] = [
     ("HEAD_DIM", &[64, 128]),
     ("FWD_WARPS", &[2, 4, 8]),
     ("FWD_BLOCK_N", &[32, 64, 128]),
@@ -83,9 +83,10 @@ const PARAMS: [(&str, &[i64]); 10] = [
     ("BWD_M_TILES", &[1, 2]),
     ("FWD_MIN_BLOCKS", &[1, 2, 3, 4]),
     ("BWD_MIN_BLOCKS", &[1, 2, 3, 4]),
+    ("FWD_WGMMA", &[0, 1]),
 ];
 /// The kernel's defaults for parameters a variant leaves out (HEAD_DIM is required).
-const DEFAULTS: [i64; 10] = [0, 4, 64, 4, 64, 64, 1, 1, 1, 1];
+const DEFAULTS: [i64; 11] = [0, 4, 64, 4, 64, 64, 1, 1, 1, 1, 0];
 
 pub fn validate_variant(v: &Variant) -> Result<(), String> {
     if let Some(unknown) = v
@@ -117,6 +118,25 @@ pub fn validate_variant(v: &Variant) -> Result<(), String> {
     if v.sm[0] < 80 {
         return Err(format!("{}: mma.sync bf16 needs sm_80 or newer", v.name));
     }
+    let shapes = Shapes::of(v);
+    if shapes.fwd_wgmma {
+        // wgmma is an sm_90a feature: arch-specific, so no other SM runs it.
+        if v.sm != [90, 90] {
+            return Err(format!("{}: FWD_WGMMA needs sm = [90, 90]", v.name));
+        }
+        // The output is staged through the K/V tiles: 16 rows per warp must fit in them.
+        if shapes.fwd_m_tiles != 1
+            || shapes.fwd_warps % 4 != 0
+            || shapes.fwd_block_n < 64
+            || 16 * shapes.fwd_warps > 2 * shapes.fwd_block_n
+        {
+            return Err(format!(
+                "{}: FWD_WGMMA takes FWD_WARPS 4 or 8, FWD_M_TILES 1, FWD_BLOCK_N 64 or 128 \
+                 (and 16 * FWD_WARPS <= 2 * FWD_BLOCK_N)",
+                v.name
+            ));
+        }
+    }
     Ok(())
 }
 
@@ -131,6 +151,8 @@ struct Shapes {
     dq_block_n: i64,
     fwd_m_tiles: i64,
     bwd_m_tiles: i64,
+    /// The forward is the warpgroup-MMA kernel (sm_90a).
+    fwd_wgmma: bool,
 }
 
 impl Shapes {
@@ -145,6 +167,7 @@ impl Shapes {
             dq_block_n: p(5),
             fwd_m_tiles: p(6),
             bwd_m_tiles: p(7),
+            fwd_wgmma: p(10) == 1,
         }
     }
     /// Query rows of a forward CTA.
@@ -157,7 +180,9 @@ impl Shapes {
     }
     /// Dynamic shared memory of each kernel, as attention.cu lays it out.
     fn fwd_smem(&self) -> u32 {
-        ((self.fwd_block_m() + 4 * self.fwd_block_n) * self.head_dim * 2) as u32
+        // The warpgroup kernel's tiles start on a 1024-byte boundary: slack to align them.
+        let align = if self.fwd_wgmma { 1024 } else { 0 };
+        ((self.fwd_block_m() + 4 * self.fwd_block_n) * self.head_dim * 2 + align) as u32
     }
     fn dkdv_smem(&self) -> u32 {
         ((2 * self.bwd_rows() + 4 * self.bwd_block_q) * self.head_dim * 2
