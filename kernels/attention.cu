@@ -61,6 +61,10 @@
 #ifndef TF_FWD_WGMMA
 #define TF_FWD_WGMMA 0
 #endif
+// K/V tiles in flight in the warpgroup forward (a ring of this many stages).
+#ifndef TF_FWD_STAGES
+#define TF_FWD_STAGES 2
+#endif
 
 #define HD TF_HEAD_DIM
 #define FWD_MT TF_FWD_M_TILES
@@ -100,6 +104,11 @@ __device__ __forceinline__ void cp_async4(u32 dst, const void* src, bool valid) 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
 __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+// Until at most N of this thread's cp.async groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 __device__ __forceinline__ void ldsm_x4(u32 addr, u32 (&r)[4]) {
@@ -390,6 +399,8 @@ __device__ __forceinline__ const u16* at(const void* base, Strides s, int b, int
 // boundaries. Measured with a probe on the H100: k-major operands take SBO = 1024 (the stride
 // of 8-row groups), LBO unused, and a k16 step adds 32 bytes to the start address; the n-major
 // V takes LBO = the stride of its 64-column blocks and SBO = 1024, a k16 step is 16 rows.
+// K/V tiles stream through a ring of TF_FWD_STAGES stages (cp.async by every thread, one CTA
+// barrier per key tile); the two gemms of consecutive tiles overlap the softmax (below).
 // Softmax, masking, the logsumexp and the output stores are the mma.sync kernel's.
 
 #if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -416,9 +427,19 @@ __device__ __forceinline__ u64 wg_desc(u32 addr, u32 lbo, u32 sbo) {
 }
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit_and_wait() {
+__device__ __forceinline__ void wg_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// Until at most N of this warpgroup's committed groups are still running (in commit order).
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Registers a wgmma wrote, pinned after the wait: no use of them moves above it.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 // This thread's cp.async writes, complete, made visible to wgmma's (async proxy) reads.
 __device__ __forceinline__ void fence_async_shared() {
@@ -528,8 +549,9 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCK
   // The swizzle repeats every 1024 bytes of shared address: tiles start on that boundary (the
   // launch asks for 1024 bytes of slack).
   u16* q_tile = reinterpret_cast<u16*>(smem_bytes + ((1024 - (smem_addr(smem_bytes) & 1023)) & 1023));
-  u16* k_tile = q_tile + BM * HD;  // [2][BN * HD]
-  u16* v_tile = k_tile + 2 * BN * HD;
+  constexpr int NS = TF_FWD_STAGES;
+  u16* k_tile = q_tile + BM * HD;  // [NS][BN * HD]
+  u16* v_tile = k_tile + NS * BN * HD;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wg = warp >> 2, wg_warp = warp & 3;
@@ -545,12 +567,18 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCK
   load_tile_wg<BM, THREADS>(q_tile, qb, qs.row, lq - q0, tid);
   const int kv_end = causal ? min(lk, q0 + BM) : lk;
   const int tiles = (kv_end + BN - 1) / BN;
-  auto issue = [&](int stage, int n0) {
+  auto load_k = [&](int stage, int n0) {
     load_tile_wg<BN, THREADS>(k_tile + stage * BN * HD, kb + n0 * ks.row, ks.row, kv_end - n0, tid);
-    load_tile_wg<BN, THREADS>(v_tile + stage * BN * HD, vb + n0 * vs.row, vs.row, kv_end - n0, tid);
-    cp_async_commit();
   };
-  issue(0, 0);
+  auto load_v = [&](int stage, int n0) {
+    load_tile_wg<BN, THREADS>(v_tile + stage * BN * HD, vb + n0 * vs.row, vs.row, kv_end - n0, tid);
+  };
+  // The loads of step s (below) for s = 1 - NS .. -1: K_0 .. K_{NS-2}, V_0 .. V_{NS-3}.
+  for (int step = 1 - NS; step < 0; ++step) {
+    if (step - 1 + NS < tiles) load_k((step - 1 + NS) % NS, (step - 1 + NS) * BN);
+    if (step - 2 + NS >= 0 && step - 2 + NS < tiles) load_v((step - 2 + NS) % NS, (step - 2 + NS) * BN);
+    cp_async_commit();
+  }
 
   const u32 q_addr = smem_addr(q_tile) + wg * 64 * 128;
   const u32 k_addr = smem_addr(k_tile), v_addr = smem_addr(v_tile);
@@ -559,27 +587,48 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCK
   for (int i = 0; i < HD / 2; ++i) o_acc[i] = 0.f;
   float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};
 
-  for (int j = 0; j < tiles; ++j) {
-    cp_async_wait_all();
+  // Software pipeline (FlashAttention-3's intra-warpgroup overlap): step j issues
+  // S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back, so the tensor cores work on the
+  // second while the warpgroup runs the softmax of the first; O is rescaled and P_j packed
+  // once O += P_{j-1} V_{j-1} has completed. Every wgmma sits on control flow that depends on
+  // the CTA alone: ptxas serializes all of them otherwise (C7520). So a warpgroup also takes
+  // the key tiles wholly above its diagonal (the mask zeroes them): at most one per CTA.
+  float s[BN / 2];
+  u32 p[BN / 16][4];
+  float alpha[2];
+  // Step j's start: K_j and V_{j-1} (loaded during step j + 1 - NS, one group per step) are
+  // in place. After the barrier every warpgroup is past step j - 1, so K_{j-1}'s and
+  // V_{j-2}'s stages are free for K_{j-1+NS} and V_{j-2+NS}.
+  auto begin_step = [&](int j) {
+    cp_async_wait<NS - 2>();
     fence_async_shared();
     __syncthreads();
-    const int n0 = j * BN;
-    if (j + 1 < tiles) issue((j + 1) & 1, n0 + BN);
-    // Tiles wholly above this warpgroup's diagonal add nothing (uniform per warpgroup).
-    if (causal && n0 > w0 + 63) continue;
-    const u32 stage_bytes = (j & 1) * BN * HD * 2;
-
-    float s[BN / 2];
-    wg_fence();
+    if (j - 1 + NS < tiles) load_k((j - 1 + NS) % NS, (j - 1 + NS) * BN);
+    if (j - 2 + NS < tiles) load_v((j - 2 + NS) % NS, (j - 2 + NS) * BN);
+    cp_async_commit();
+  };
+  auto issue_s = [&](int j) {
+    const u32 k_stage = k_addr + (j % NS) * BN * HD * 2;
 #pragma unroll
     for (int kc = 0; kc < HD / 16; ++kc) {
       const u32 step = (kc & 3) * 32;  // k16 steps within a 64-column block
       const u64 da = wg_desc(q_addr + (kc >> 2) * BM * 128 + step, 16, 1024);
-      const u64 db = wg_desc(k_addr + stage_bytes + (kc >> 2) * BN * 128 + step, 16, 1024);
+      const u64 db = wg_desc(k_stage + (kc >> 2) * BN * 128 + step, 16, 1024);
       wg_ss<BN>(s, da, db, kc > 0);
     }
-    wg_commit_and_wait();
-
+    wg_commit();
+  };
+  auto issue_pv = [&](int j) {  // O += P_j V_j
+    const u32 v_stage = v_addr + (j % NS) * BN * HD * 2;
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+      wg_rs_mn<HD>(o_acc, p[kk], wg_desc(v_stage + kk * 16 * 128, BN * 128, 1024));
+    wg_commit();
+  };
+  // Masks S_j, updates the running max and sum, leaves exp2(S_j - max) in s and the O
+  // rescale factor in alpha.
+  auto softmax = [&](int j) {
+    const int n0 = j * BN;
     const bool edge = n0 + BN > kv_end || (causal && n0 + BN - 1 > w0);
     float tile_max[2] = {NEG_INF, NEG_INF};
 #pragma unroll
@@ -596,7 +645,7 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCK
         tile_max[e >> 1] = fmaxf(tile_max[e >> 1], x);
       }
     }
-    float alpha[2], m_use[2];
+    float m_use[2], row_sum[2] = {0.f, 0.f};
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
@@ -606,22 +655,40 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCK
       alpha[r] = fast_exp2(m_run[r] - m_use[r]);
       m_run[r] = m_new;
     }
-    float row_sum[2] = {0.f, 0.f};
-    u32 p[BN / 16][4];
 #pragma unroll
-    for (int i = 0; i < BN / 8; ++i) {
-      float e4[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        e4[e] = fast_exp2(s[4 * i + e] - m_use[e >> 1]);
-        row_sum[e >> 1] += e4[e];
-      }
-      // Columns 8i.. are the low (i even) or high (i odd) half of k16 step i / 2.
-      p[i >> 1][(i & 1) * 2] = pack2(e4[0], e4[1]);
-      p[i >> 1][(i & 1) * 2 + 1] = pack2(e4[2], e4[3]);
+    for (int i = 0; i < BN / 2; ++i) {
+      s[i] = fast_exp2(s[i] - m_use[(i >> 1) & 1]);
+      row_sum[(i >> 1) & 1] += s[i];
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + row_sum[r];
+  };
+  // Columns 8i.. of S are the low (i even) or high (i odd) half of k16 step i / 2.
+  auto pack_p = [&]() {
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i) {
+      p[i >> 1][(i & 1) * 2] = pack2(s[4 * i], s[4 * i + 1]);
+      p[i >> 1][(i & 1) * 2 + 1] = pack2(s[4 * i + 2], s[4 * i + 3]);
+    }
+  };
+
+  begin_step(0);
+  wg_fence();
+  issue_s(0);
+  wg_wait<0>();
+  fence_regs(s);
+  softmax(0);
+  pack_p();
+  for (int j = 1; j < tiles; ++j) {
+    begin_step(j);
+    wg_fence();
+    issue_s(j);
+    issue_pv(j - 1);
+    wg_wait<1>();
+    fence_regs(s);
+    softmax(j);
+    wg_wait<0>();
+    fence_regs(o_acc);
 #pragma unroll
     for (int i = 0; i < HD / 8; ++i) {
       o_acc[4 * i] *= alpha[0];
@@ -629,12 +696,13 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCK
       o_acc[4 * i + 2] *= alpha[1];
       o_acc[4 * i + 3] *= alpha[1];
     }
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk)
-      wg_rs_mn<HD>(o_acc, p[kk], wg_desc(v_addr + stage_bytes + kk * 16 * 128, BN * 128, 1024));
-    wg_commit_and_wait();
+    pack_p();
   }
+  begin_step(tiles);
+  wg_fence();
+  issue_pv(tiles - 1);
+  wg_wait<0>();
+  fence_regs(o_acc);
 
   float* lse_row = lse + (static_cast<tf_i64>(b) * heads + h) * lq;
   float inv[2];

@@ -7,6 +7,7 @@ backward 3.5 times that.
 
   --small  also the small shapes the registry's thresholds come from
   --quick  the GPT-2 shape only (a smoke run)
+  --fwd-only  time the forward only
   --sweep  also time the launch-shape candidates of SWEEP (forced by name through
            TORCHFUSE_REGISTRY_EXTRA + torch.ops.torchfuse._force_variant); the results are what
            registry/attention.toml's params come from
@@ -46,18 +47,21 @@ SWEEP = {
               DQ_BLOCK_N=32),
          # Warpgroup MMA forward (sm_90a), the backward as the registry's.
          dict(FWD_WGMMA=1, FWD_WARPS=4, FWD_BLOCK_N=128, FWD_MIN_BLOCKS=2),
-         dict(FWD_WGMMA=1, FWD_WARPS=4, FWD_BLOCK_N=128, FWD_MIN_BLOCKS=3),
-         dict(FWD_WGMMA=1, FWD_WARPS=4, FWD_BLOCK_N=64, FWD_MIN_BLOCKS=3),
-         dict(FWD_WGMMA=1, FWD_WARPS=8, FWD_BLOCK_N=64, FWD_MIN_BLOCKS=2),
-         dict(FWD_WGMMA=1, FWD_WARPS=8, FWD_BLOCK_N=128)],
+         dict(FWD_WGMMA=1, FWD_WARPS=4, FWD_BLOCK_N=128, FWD_MIN_BLOCKS=2, FWD_STAGES=3),
+         dict(FWD_WGMMA=1, FWD_WARPS=4, FWD_BLOCK_N=64, FWD_MIN_BLOCKS=3, FWD_STAGES=4),
+         dict(FWD_WGMMA=1, FWD_WARPS=8, FWD_BLOCK_N=64, FWD_MIN_BLOCKS=2, FWD_STAGES=3),
+         dict(FWD_WGMMA=1, FWD_WARPS=8, FWD_BLOCK_N=128, FWD_STAGES=3)],
     128: [dict(FWD_BLOCK_N=64, BWD_BLOCK_Q=32, DQ_BLOCK_N=32),
           dict(FWD_WARPS=8, FWD_BLOCK_N=64, BWD_WARPS=8, BWD_BLOCK_Q=32, DQ_BLOCK_N=32),
           dict(FWD_BLOCK_N=32, FWD_MIN_BLOCKS=2, BWD_BLOCK_Q=16, DQ_BLOCK_N=16, BWD_MIN_BLOCKS=2),
-          dict(FWD_WGMMA=1, FWD_WARPS=4, FWD_BLOCK_N=64, BWD_BLOCK_Q=32, DQ_BLOCK_N=32),
-          dict(FWD_WGMMA=1, FWD_WARPS=4, FWD_BLOCK_N=64, FWD_MIN_BLOCKS=2, BWD_BLOCK_Q=32,
-               DQ_BLOCK_N=32),
           dict(FWD_WGMMA=1, FWD_WARPS=8, FWD_BLOCK_N=64, BWD_BLOCK_Q=32, DQ_BLOCK_N=32),
-          dict(FWD_WGMMA=1, FWD_WARPS=4, FWD_BLOCK_N=128, BWD_BLOCK_Q=32, DQ_BLOCK_N=32)],
+          dict(FWD_WGMMA=1, FWD_WARPS=8, FWD_BLOCK_N=64, FWD_STAGES=3, BWD_BLOCK_Q=32,
+               DQ_BLOCK_N=32),
+          dict(FWD_WGMMA=1, FWD_WARPS=8, FWD_BLOCK_N=64, FWD_STAGES=4, BWD_BLOCK_Q=32,
+               DQ_BLOCK_N=32),
+          dict(FWD_WGMMA=1, FWD_WARPS=4, FWD_BLOCK_N=64, FWD_STAGES=3, BWD_BLOCK_Q=32,
+               DQ_BLOCK_N=32),
+          dict(FWD_WGMMA=1, FWD_WARPS=8, FWD_BLOCK_N=128, BWD_BLOCK_Q=32, DQ_BLOCK_N=32)],
 }
 
 
@@ -110,7 +114,7 @@ def fused_count():
     return json.loads(torch.ops.torchfuse.stats())["ops"].get(ATEN_FWD, {}).get("fused", 0)
 
 
-def measure(shape, gen, rounds, reps, sweep):
+def measure(shape, gen, rounds, reps, sweep, phases):
     b, h, s, d, causal = shape
     inputs = make_inputs(b, h, s, d, 2, gen)
 
@@ -149,6 +153,8 @@ def measure(shape, gen, rounds, reps, sweep):
             if not worst < 2e-2:
                 print(f"  WRONG: {name} at {shape}: relative difference to stock {worst:.3g}")
     for phase, fn in (("fwd", fwd), ("fwdbwd", fwd_bwd)):
+        if phase not in phases:
+            continue
         times = {name: [] for name in sides}
         usable = dict.fromkeys(sides, True)
 
@@ -192,7 +198,9 @@ def main():
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--fwd-only", action="store_true", help="time the forward only")
     args = parser.parse_args()
+    phases = ("fwd",) if args.fwd_only else ("fwd", "fwdbwd")
     if args.sweep:
         extra = Path(args.out) / "attention_sweep.toml"
         extra.parent.mkdir(parents=True, exist_ok=True)
@@ -206,9 +214,12 @@ def main():
     shapes = SHAPES[:1] if args.quick else SHAPES + (SMALL if args.small else [])
     rows = []
     for shape in shapes:
-        r = measure(shape, gen, rounds=3 if args.quick else 5, reps=5, sweep=args.sweep)
+        r = measure(shape, gen, rounds=3 if args.quick else 5, reps=5, sweep=args.sweep,
+                    phases=phases)
         f = flops(*shape[:4], shape[4])
         for phase, mult in (("fwd", 1.0), ("fwdbwd", 3.5)):
+            if phase not in r:
+                continue
             t = r[phase]
             routed = t["kernel"] if r["routed_to_kernel"] else t["stock"]
             row = {"shape": list(shape), "phase": phase, "us": t, "routed_us": routed,

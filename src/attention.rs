@@ -72,7 +72,7 @@ impl Strides {
 }
 
 /// Kernel launch shapes a variant may set, and their allowed values.
-const PARAMS: [(&str, &[i64]); 11] = [
+const PARAMS: [(&str, &[i64]); 12] = [
     ("HEAD_DIM", &[64, 128]),
     ("FWD_WARPS", &[2, 4, 8]),
     ("FWD_BLOCK_N", &[32, 64, 128]),
@@ -84,9 +84,10 @@ const PARAMS: [(&str, &[i64]); 11] = [
     ("FWD_MIN_BLOCKS", &[1, 2, 3, 4]),
     ("BWD_MIN_BLOCKS", &[1, 2, 3, 4]),
     ("FWD_WGMMA", &[0, 1]),
+    ("FWD_STAGES", &[2, 3, 4]),
 ];
 /// The kernel's defaults for parameters a variant leaves out (HEAD_DIM is required).
-const DEFAULTS: [i64; 11] = [0, 4, 64, 4, 64, 64, 1, 1, 1, 1, 0];
+const DEFAULTS: [i64; 12] = [0, 4, 64, 4, 64, 64, 1, 1, 1, 1, 0, 2];
 
 pub fn validate_variant(v: &Variant) -> Result<(), String> {
     if let Some(unknown) = v
@@ -124,18 +125,23 @@ pub fn validate_variant(v: &Variant) -> Result<(), String> {
         if v.sm != [90, 90] {
             return Err(format!("{}: FWD_WGMMA needs sm = [90, 90]", v.name));
         }
-        // The output is staged through the K/V tiles: 16 rows per warp must fit in them.
+        // The output is staged through the K tiles: 16 rows per warp must fit in them.
         if shapes.fwd_m_tiles != 1
             || shapes.fwd_warps % 4 != 0
             || shapes.fwd_block_n < 64
-            || 16 * shapes.fwd_warps > 2 * shapes.fwd_block_n
+            || 16 * shapes.fwd_warps > shapes.fwd_stages * shapes.fwd_block_n
         {
             return Err(format!(
                 "{}: FWD_WGMMA takes FWD_WARPS 4 or 8, FWD_M_TILES 1, FWD_BLOCK_N 64 or 128 \
-                 (and 16 * FWD_WARPS <= 2 * FWD_BLOCK_N)",
+                 (and 16 * FWD_WARPS <= FWD_STAGES * FWD_BLOCK_N)",
                 v.name
             ));
         }
+    } else if shapes.fwd_stages != 2 {
+        return Err(format!(
+            "{}: FWD_STAGES is the warpgroup forward's (FWD_WGMMA = 1)",
+            v.name
+        ));
     }
     Ok(())
 }
@@ -153,6 +159,8 @@ struct Shapes {
     bwd_m_tiles: i64,
     /// The forward is the warpgroup-MMA kernel (sm_90a).
     fwd_wgmma: bool,
+    /// K/V stages of the warpgroup forward's ring (the mma.sync forward double-buffers).
+    fwd_stages: i64,
 }
 
 impl Shapes {
@@ -168,6 +176,7 @@ impl Shapes {
             fwd_m_tiles: p(6),
             bwd_m_tiles: p(7),
             fwd_wgmma: p(10) == 1,
+            fwd_stages: p(11),
         }
     }
     /// Query rows of a forward CTA.
@@ -182,7 +191,8 @@ impl Shapes {
     fn fwd_smem(&self) -> u32 {
         // The warpgroup kernel's tiles start on a 1024-byte boundary: slack to align them.
         let align = if self.fwd_wgmma { 1024 } else { 0 };
-        ((self.fwd_block_m() + 4 * self.fwd_block_n) * self.head_dim * 2 + align) as u32
+        ((self.fwd_block_m() + 2 * self.fwd_stages * self.fwd_block_n) * self.head_dim * 2 + align)
+            as u32
     }
     fn dkdv_smem(&self) -> u32 {
         ((2 * self.bwd_rows() + 4 * self.bwd_block_q) * self.head_dim * 2
