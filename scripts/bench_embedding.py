@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from bench_norm import copy_bandwidth, run_timings
+from bench_norm import copy_bandwidth, graph_timings, run_timings
 
 # (V, D, T) of issue 4.
 CASES = [(50304, 768, 16384), (128256, 4096, 8192), (32000, 4096, 16384), (50304, 768, 131072)]
@@ -64,6 +64,8 @@ def main():
     p.add_argument("--small", action="store_true")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--graph", action="store_true",
+                   help="also GPU time per call from CUDA-graph replays (stock's backward syncs: not capturable)")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -111,6 +113,11 @@ def main():
                                stock_us=t["stock"], torchfuse_us=t["torchfuse"],
                                speedup=t["stock"] / t["torchfuse"], stock_pct_copy=pct(t["stock"]),
                                torchfuse_pct_copy=pct(t["torchfuse"]), kernel=kernel)
+                    if a.graph:
+                        # Stock's backward synchronizes with the host: never captured.
+                        g = graph_timings("embedding", fn, inputs, sides[:2] if op == "fwd" else sides[1:2])
+                        row.update({f"{side}_graph_us": us for side, us in g.items()})
+                        row.update({f"{side}_graph_pct_copy": pct(us) for side, us in g.items()})
                     if len(sides) > 2:
                         row["candidates"] = {k: v for k, v in t.items() if k.startswith("sweep_")}
                         best = min(row["candidates"].items(), key=lambda kv: kv[1])
@@ -118,24 +125,32 @@ def main():
                     rows.append(row)
                     print(f"{op} {row['dtype']:9s} {dist:8s} V{num_weights:<7d} D{dim:<5d} T{tokens:<7d} "
                           f"stock {t['stock']:8.1f} us ({row['stock_pct_copy']:3.0f}%)  torchfuse "
-                          f"{t['torchfuse']:8.1f} us ({row['torchfuse_pct_copy']:3.0f}%)  x{row['speedup']:.2f}  [{kernel}]",
+                          f"{t['torchfuse']:8.1f} us ({row['torchfuse_pct_copy']:3.0f}%)  x{row['speedup']:.2f}  [{kernel}]"
+                          + (f"  graph: torchfuse {row['torchfuse_graph_us']:.1f} us ({row['torchfuse_graph_pct_copy']:.0f}%)"
+                             if "torchfuse_graph_us" in row else ""),
                           flush=True)
                     del inputs
             del weight
             torch.cuda.empty_cache()
 
-    flags = " ".join(f for f, on in (("--small", a.small), ("--quick", a.quick), ("--sweep", a.sweep)) if on)
+    flags = " ".join(f for f, on in (("--small", a.small), ("--quick", a.quick), ("--sweep", a.sweep),
+                                      ("--graph", a.graph)) if on)
     meta = dict(device=device, torch=torch.__version__, copy_tb_s=bw,
                 command=f"TORCHFUSE_BENCH=embedding scripts/bench .dev $OUT  (scripts/bench_embedding.py {flags})")
     (out / "bench_embedding.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     lines = [f"Embedding ops, {device}, torch {torch.__version__}, copy bandwidth {bw:.2f} TB/s measured in "
              "the same run. Bytes: fwd = T·D read + T·D written; bwd = T·D read + V·D written.", "",
+             "Per call: back-to-back calls timed with events; graph: torchfuse's calls replayed from a CUDA graph "
+             "(GPU time only; stock's backward synchronizes with the host, so it cannot be captured).", "",
              "| op | dtype | indices | V | D | T | stock µs | torchfuse µs | speed-up | stock % of copy "
-             "| torchfuse % of copy | kernel |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| torchfuse % of copy | graph: torchfuse µs | graph: torchfuse % of copy | kernel |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
+        graph = (f"{r['torchfuse_graph_us']:.1f} | {r['torchfuse_graph_pct_copy']:.0f}%"
+                 if "torchfuse_graph_us" in r else "– | –")
         lines.append(f"| {r['op']} | {r['dtype']} | {r['dist']} | {r['V']} | {r['D']} | {r['T']} | {r['stock_us']:.1f} | "
                      f"{r['torchfuse_us']:.1f} | {r['speedup']:.2f}x | {r['stock_pct_copy']:.0f}% | "
-                     f"{r['torchfuse_pct_copy']:.0f}% | {r['kernel']} |")
+                     f"{r['torchfuse_pct_copy']:.0f}% | {graph} | {r['kernel']} |")
     (out / "bench_embedding.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -156,6 +156,46 @@ def run_timings(toggle, fn, inputs, sides, rounds=5, reps=8):
     return {label: statistics.median(t) for label, t in times.items()}
 
 
+def graph_timings(toggle, fn, inputs, sides, rounds=5, reps=10):
+    """GPU time per call without the host in the way (METHOD.md: many small launches): each
+    side's calls over all input sets captured once in a CUDA graph, replays timed with events,
+    interleaved rounds, medians. Sides whose calls cannot be captured are left out."""
+    graphs = {}
+    for label, on, forced in sides:
+        torch.ops.torchfuse.set_enabled(toggle, on)
+        torch.ops.torchfuse._force_variant(forced)
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for args in inputs:
+                    fn(*args)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for args in inputs:
+                    fn(*args)
+            graphs[label] = graph
+        except RuntimeError as e:
+            print(f"  {label}: no graph ({str(e).splitlines()[0]})", flush=True)
+    torch.ops.torchfuse.set_enabled(toggle, True)
+    torch.ops.torchfuse._force_variant("")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = {label: [] for label in graphs}
+    for graph in graphs.values():
+        graph.replay()
+    for _ in range(rounds):
+        for label, graph in graphs.items():
+            for _ in range(reps):
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times[label].append(start.elapsed_time(end) * 1e3 / len(inputs))
+    del graphs
+    return {label: statistics.median(t) for label, t in times.items()}
+
+
 def compiled_forward_us(op, h, inputs):
     import torch.nn.functional as F
     if op == "ln_fwd":
@@ -186,6 +226,8 @@ def main():
     p.add_argument("--compile", action="store_true")
     p.add_argument("--ops", default=",".join(OPS))
     p.add_argument("--small", action="store_true", help="also the launch-bound shapes")
+    p.add_argument("--graph", action="store_true",
+                   help="also GPU time per call from CUDA-graph replays (no host gaps)")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -230,6 +272,13 @@ def main():
                            stock_pct_copy=pct(t["stock"]), torchfuse_pct_copy=pct(t["torchfuse"]), kernel=kernel)
                 if a.sweep:
                     row["candidates"] = {k: v for k, v in t.items() if k.startswith("sweep_")}
+                if a.graph:
+                    g = graph_timings(toggle, fn, inputs, sides[:2])
+                    if len(g) == 2:
+                        row.update(stock_graph_us=g["stock"], torchfuse_graph_us=g["torchfuse"],
+                                   graph_speedup=g["stock"] / g["torchfuse"],
+                                   stock_graph_pct_copy=pct(g["stock"]),
+                                   torchfuse_graph_pct_copy=pct(g["torchfuse"]))
                 if a.compile and op.endswith("fwd"):
                     torch.ops.torchfuse.set_enabled(toggle, False)
                     row["compile_us"] = compiled_forward_us(op, h, inputs)
@@ -242,6 +291,10 @@ def main():
                     extra = f"  best {best[0]} {best[1]:.1f} us (x{t['stock'] / best[1]:.2f})"
                 if row.get("compile_us"):
                     extra += f"  compile {row['compile_us']:.1f} us"
+                if row.get("torchfuse_graph_us"):
+                    extra += (f"  graph: stock {row['stock_graph_us']:.1f} us ({row['stock_graph_pct_copy']:.0f}%)"
+                              f" torchfuse {row['torchfuse_graph_us']:.1f} us ({row['torchfuse_graph_pct_copy']:.0f}%)"
+                              f" x{row['graph_speedup']:.2f}")
                 print(f"{op:7s} {row['dtype']:9s} {row['shape']:>11s}  stock {t['stock']:8.1f} us ({row['stock_pct_copy']:3.0f}%)"
                       f"  torchfuse {t['torchfuse']:8.1f} us ({row['torchfuse_pct_copy']:3.0f}%)  x{row['speedup']:.2f}"
                       f"  [{kernel}]{extra}", flush=True)
@@ -250,16 +303,23 @@ def main():
 
     meta = dict(device=device, torch=torch.__version__, copy_tb_s=bw,
                 command="scripts/bench .dev $OUT  (scripts/bench_norm.py " + " ".join(
-                    f for f, on in (("--sweep", a.sweep), ("--compile", a.compile), ("--small", a.small)) if on) + ")")
+                    f for f, on in (("--sweep", a.sweep), ("--compile", a.compile), ("--small", a.small),
+                                    ("--graph", a.graph)) if on) + ")")
     (out / "bench_norm.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     lines = [f"LayerNorm / RMSNorm ops, {device}, torch {torch.__version__}, copy bandwidth {bw:.2f} TB/s "
              "measured in the same run. Bytes: fwd = read x + write y; bwd = read x + read dy + write dx.", "",
+             "Per call: back-to-back calls timed with events (the host's time to issue a call counts where it "
+             "exceeds the GPU's); graph: the same calls replayed from a CUDA graph (GPU time only).", "",
              "| op | dtype | rows x hidden | stock µs | torchfuse µs | speed-up | stock % of copy | torchfuse % of copy "
-             "| torch.compile µs | kernel |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+             "| graph: stock µs | graph: torchfuse µs | graph: speed-up | graph: torchfuse % of copy "
+             "| torch.compile µs | kernel |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         comp = f"{r['compile_us']:.1f}" if r.get("compile_us") else "–"
+        graph = (f"{r['stock_graph_us']:.1f} | {r['torchfuse_graph_us']:.1f} | {r['graph_speedup']:.2f}x | "
+                 f"{r['torchfuse_graph_pct_copy']:.0f}%") if r.get("torchfuse_graph_us") else "– | – | – | –"
         lines.append(f"| {r['op']} | {r['dtype']} | {r['shape']} | {r['stock_us']:.1f} | {r['torchfuse_us']:.1f} | "
-                     f"{r['speedup']:.2f}x | {r['stock_pct_copy']:.0f}% | {r['torchfuse_pct_copy']:.0f}% | {comp} | {r['kernel']} |")
+                     f"{r['speedup']:.2f}x | {r['stock_pct_copy']:.0f}% | {r['torchfuse_pct_copy']:.0f}% | {graph} | "
+                     f"{comp} | {r['kernel']} |")
     (out / "bench_norm.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

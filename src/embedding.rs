@@ -232,37 +232,61 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockRe
     let (passes, digit_bits, bits) = sort_digits(num_weights);
     let tiles = count(tokens, SORT_TILE)?;
     let chunks = count(tokens, CHUNK)?;
-    // Two (keys, token numbers) buffers the passes alternate between.
-    let sort_buffers = empty(&[4, tokens], Kind::Int, device)?;
-    let hist = empty(&[i64::from(tiles) << digit_bits], Kind::Int, device)?;
-    let partials = empty(&[i64::from(chunks) * 2, cols], Kind::Float, device)?;
-    // One bit per table row (touched by some token), then the work list of rows cut by chunk
-    // edges (its length, then up to one entry per chunk): cleared here. Each cut row's first
-    // partial goes to row_first.
+    // One workspace allocation for the scratch (each allocation through PyTorch costs
+    // microseconds of host time, which decides small calls):
+    // - partials: two fp32 rows per chunk;
+    // - two (keys, token numbers) buffers the sort passes alternate between;
+    // - the sort's digit histograms, one row per tile;
+    // - one bit per table row (touched by some token), then the work list of rows cut by
+    //   chunk edges (its length, then up to one entry per chunk): zeroed below;
+    // - each cut row's first partial.
     let bitmap_words = (num_weights + 31) / 32;
-    let flags = Tensor::f_zeros([bitmap_words + 1 + i64::from(chunks)], (Kind::Int, device))
-        .map_err(|_| StockReason::InternalError)?;
-    let row_first = empty(&[num_weights], Kind::Int, device)?;
+    let flag_words = bitmap_words + 1 + i64::from(chunks);
+    let regions = [
+        i64::from(chunks) * 2 * cols * 4,
+        4 * tokens * 4,
+        (i64::from(tiles) << digit_bits) * 4,
+        flag_words * 4,
+        num_weights * 4,
+    ];
+    let mut offsets = [0i64; 5];
+    let mut total = 0i64;
+    for (offset, bytes) in offsets.iter_mut().zip(regions) {
+        *offset = total;
+        total += (bytes + 15) / 16 * 16;
+    }
+    let workspace = empty(&[total], Kind::Uint8, device)?;
     let grad_weight = empty(&[num_weights, cols], kind, device)?;
+    let base = device_addr(&workspace);
+    let at = |region: usize| base + offsets[region] as u64;
+    let (partials_ptr, sort_ptr, hist_ptr, touched_ptr, row_first_ptr) =
+        (at(0), at(1), at(2), at(3), at(4));
 
     let vec = dtype.vector_elems();
-    let vectorized = i32::from(cols % vec == 0 && aligned16([&grad, &grad_weight, &partials]));
-    let buffer = |b: i64| device_addr(&sort_buffers) + (b * tokens * 4) as u64;
-    let (grad_ptr, idx_ptr, hist_ptr) = (
-        device_addr(&grad),
-        device_addr(&indices),
-        device_addr(&hist),
-    );
-    let (partials_ptr, out_ptr) = (device_addr(&partials), device_addr(&grad_weight));
-    let touched_ptr = device_addr(&flags);
+    // The workspace is 16-byte aligned (PyTorch's allocator) and so is every region.
+    let vectorized = i32::from(cols % vec == 0 && aligned16([&grad, &grad_weight, &workspace]));
+    let buffer = |b: i64| sort_ptr + (b * tokens * 4) as u64;
+    let (grad_ptr, idx_ptr) = (device_addr(&grad), device_addr(&indices));
+    let out_ptr = device_addr(&grad_weight);
     let work_ptr = touched_ptr + (bitmap_words * 4) as u64;
-    let row_first_ptr = device_addr(&row_first);
     let idx64 = i32::from(idx64);
     let tiles_i32 = tiles as i32;
     let padding_idx = call.padding_idx;
 
     let stream = gpu.stream(launch);
     let failed = |e| jit::launch_failed(variant, e);
+    gpu.ctx.bind_to_thread().map_err(failed)?;
+    // SAFETY: the flags region lies inside the workspace, which lives until the stream is done
+    // with it; the memset is ordered on PyTorch's stream before the launches below.
+    unsafe {
+        cudarc::driver::result::memset_d8_async(
+            touched_ptr,
+            0,
+            (flag_words * 4) as usize,
+            stream.cu_stream(),
+        )
+    }
+    .map_err(failed)?;
     let sort_config = LaunchConfig {
         grid_dim: (tiles, 1, 1),
         block_dim: (SORT_THREADS, 1, 1),
