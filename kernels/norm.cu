@@ -16,7 +16,9 @@
 // Backward, one pass over x and dy: each thread computes dx for its columns of a row and keeps
 // running fp32 sums of dy*xhat (dgamma) and dy (dbeta) for the same columns in registers
 // across all rows it visits. At the end the CTA writes one fp32 partial row per quantity;
-// norm_bwd_reduce sums the partial rows column by column in a fixed order.
+// norm_bwd_reduce sums the partial rows column by column in a fixed order. Variants with 64 or
+// more accumulators per thread (BWD_WIDE) re-read the weight from L1 every row, rather than
+// holding it in registers, and load x and dy past L1 so the weight stays there.
 //
 // Determinism: every reduction (warp butterfly, per-warp partials from shared memory, the
 // CTA's rows, the partial rows) runs in a fixed order that depends only on the shape and the
@@ -79,13 +81,41 @@ __device__ __forceinline__ void row_sum(float (&v)[K], float (*scratch)[WARPS_PE
 #endif
 }
 
+// 16 bytes that are read once (a row of x or dy): not kept in L1, where they would evict the
+// weight and bias every row reads again.
+__device__ __forceinline__ tf_raw16 load_once16(const void* p) {
+  tf_raw16 r;
+  asm("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(r.w[0]), "=r"(r.w[1]), "=r"(r.w[2]), "=r"(r.w[3])
+      : "l"(p));
+  return r;
+}
+
+// 16 bytes of weight or bias, read again for every row from L1. Volatile, so the compiler
+// does not hoist every row's loads out of the row loop and keep all of them in registers
+// (the backward's wide variants spilled for that).
+__device__ __forceinline__ tf_raw16 load_param16(const void* p) {
+  tf_raw16 r;
+  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.w[0]), "=r"(r.w[1]), "=r"(r.w[2]), "=r"(r.w[3])
+               : "l"(p));
+  return r;
+}
+
 // The VEC elements of type T at col0.. as raw bits; zero bits (0.0) past the end of the row.
-template <typename T>
+// ONCE: the data is read once (no L1 allocation); PARAM: weight or bias (load_param16).
+template <bool ONCE = false, bool PARAM = false, typename T>
 __device__ __forceinline__ tf_raw16 load_raw(const T* __restrict__ p, int col0, int cols,
                                              bool vectorized) {
   tf_pack<T> u;
   if (vectorized && col0 < cols) {
-    u.raw = *reinterpret_cast<const tf_raw16*>(p + col0);
+    if constexpr (ONCE) {
+      u.raw = load_once16(p + col0);
+    } else if constexpr (PARAM) {
+      u.raw = load_param16(p + col0);
+    } else {
+      u.raw = *reinterpret_cast<const tf_raw16*>(p + col0);
+    }
   } else {
 #pragma unroll
     for (int j = 0; j < 16 / static_cast<int>(sizeof(T)); ++j) {
@@ -106,6 +136,8 @@ __device__ __forceinline__ float unpack(const tf_raw16& raw, int j) {
 }
 
 // VEC parameters (weight or bias) at col0.. as floats; `fill` where absent, 0 past the end.
+// RELOAD: read from L1 for every row (load_param16) instead of being kept in registers.
+template <bool RELOAD = false>
 __device__ __forceinline__ void load_params(const tf_param* __restrict__ p, int col0, int cols,
                                             bool vectorized, float fill, float (&out)[VEC]) {
   if (p == nullptr) {
@@ -114,7 +146,7 @@ __device__ __forceinline__ void load_params(const tf_param* __restrict__ p, int 
     return;
   }
   tf_pack<tf_param> u;
-  u.raw = load_raw(p, col0, cols, vectorized);
+  u.raw = load_raw<false, RELOAD>(p, col0, cols, vectorized);
 #pragma unroll
   for (int j = 0; j < VEC; ++j) out[j] = tf_float(u.e[j]);
 }
@@ -134,10 +166,12 @@ __device__ __forceinline__ void store_row_chunk(T* __restrict__ p, int col0, int
   }
 }
 
+// ONCE: the row bypasses L1 (load_once16).
+template <bool ONCE = false>
 __device__ __forceinline__ void load_row(tf_raw16 (&chunks)[ITERS], const tf_storage* __restrict__ p,
                                          int cols, bool vectorized) {
 #pragma unroll
-  for (int it = 0; it < ITERS; ++it) chunks[it] = load_raw(p, chunk_col(it), cols, vectorized);
+  for (int it = 0; it < ITERS; ++it) chunks[it] = load_raw<ONCE>(p, chunk_col(it), cols, vectorized);
 }
 
 // Row `row` of x into `chunks`, or zeros (and no memory access) when the row does not exist:
@@ -243,6 +277,11 @@ extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
 #endif  // TF_NORM_FWD
 
 #if TF_NORM_BWD
+// Variants whose fp32 dgamma (and dbeta) accumulators reach 64 per thread: ptxas hoisted the
+// weight loads out of the row loop and spilled (LayerNorm at 16384 columns ran at 44% of copy).
+// They read the weight from L1 every row and stream x and dy past L1 so the weight stays there.
+#define BWD_WIDE (TF_ELEMS_PER_THREAD * (TF_RMS ? 1 : 2) >= 64)
+
 // Sums the CTA's rows of `acc` in a fixed order (row 0 of the CTA, then 1, ...) and writes
 // them as row blockIdx.x of `partial`. Called by every thread of the CTA.
 __device__ __forceinline__ void write_partial(float (&acc)[ITERS][VEC], float* __restrict__ partial,
@@ -321,8 +360,8 @@ extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
     const int active_cols = row_ok ? cols : 0;
     const tf_i64 offset = row_ok ? row * cols : 0;
     tf_raw16 xs[ITERS], dys[ITERS];
-    load_row(xs, x + offset, active_cols, vec);
-    load_row(dys, dy + offset, active_cols, vec);
+    load_row<BWD_WIDE>(xs, x + offset, active_cols, vec);
+    load_row<BWD_WIDE>(dys, dy + offset, active_cols, vec);
     // Past the row's end dy is 0, so every product below that involves dy is 0 there too.
 #if TF_RMS
     const float mu = 0.f;
@@ -336,7 +375,7 @@ extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
     for (int it = 0; it < ITERS; ++it) {
       const int col0 = chunk_col(it);
       float w[VEC];
-      load_params(weight, col0, active_cols, vec, 1.f, w);
+      load_params<BWD_WIDE>(weight, col0, active_cols, vec, 1.f, w);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const float d = unpack(dys[it], j);
@@ -367,7 +406,7 @@ extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
       const int col0 = chunk_col(it);
       if (col0 >= cols) break;
       float w[VEC], out[VEC];
-      load_params(weight, col0, cols, vec, 1.f, w);
+      load_params<BWD_WIDE>(weight, col0, cols, vec, 1.f, w);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const float xhat = (unpack(xs[it], j) - mu) * rs;
