@@ -29,7 +29,9 @@ SHAPES = [(8, 12, 1024, 64, True), (16, 12, 512, 64, True), (4, 16, 2048, 128, T
           (2, 32, 4096, 128, True), (8, 16, 1024, 128, False), (1, 16, 8192, 128, True)]
 SMALL = [(1, 12, 128, 64, True), (4, 12, 256, 64, True), (8, 12, 512, 64, False),
          (2, 16, 256, 128, True), (4, 16, 512, 128, False), (8, 12, 2048, 64, True),
-         (4, 12, 4096, 64, True), (2, 16, 4096, 128, False)]
+         (4, 12, 4096, 64, True), (2, 16, 4096, 128, False),
+         (1, 12, 128, 64, False), (4, 12, 256, 64, False), (2, 16, 256, 128, False),
+         (1, 16, 512, 128, False)]
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION}
 ATEN_FWD = "_scaled_dot_product_flash_attention"

@@ -558,6 +558,20 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
                 "attn_d128_causal",
             ),
             (AttentionCausal, DType::BF16, 64, 1 << 22, "attn_d64_causal"),
+            (
+                AttentionFull,
+                DType::BF16,
+                64,
+                12 * 128 * 128,
+                "attn_d64_full",
+            ),
+            (
+                AttentionFull,
+                DType::F16,
+                128,
+                16 * 512 * 512,
+                "attn_d128_full",
+            ),
         ];
         for (op, dtype, hidden, rows, prefix) in served {
             let name =
@@ -651,8 +665,7 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
                 2048,
                 StockReason::NotFasterHere,
             ),
-            // Attention: stock's cuDNN is faster on every larger call, and at every
-            // non-causal one measured.
+            // Attention: stock's cuDNN is faster on every larger call, masked or not.
             (
                 AttentionCausal,
                 DType::BF16,
@@ -664,7 +677,7 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
                 AttentionFull,
                 DType::BF16,
                 128,
-                16 * 128 * 128,
+                4 * 16 * 512 * 512,
                 StockReason::NotFasterHere,
             ),
             (

@@ -237,18 +237,19 @@ def test_transformer_block_autograd_matches_stock(mode):
         assert rel_err(a, b) < 3e-2
 
 
-def test_registry_thresholds_route_small_causal_calls_only():
+@pytest.mark.parametrize("causal", [True, False])
+def test_registry_thresholds_route_small_calls_only(causal):
     gen = torch.Generator(device="cuda").manual_seed(fresh_seed())
     torch.ops.torchfuse._serve_below_thresholds(False)
     try:
         small = make_qkv(gen, 1, 12, 12, 128, 128, 64, torch.bfloat16, "blhd")
         before = fused_count(FLASH)
-        F.scaled_dot_product_attention(*small, is_causal=True)
+        F.scaled_dot_product_attention(*small, is_causal=causal)
         assert fused_count(FLASH) == before + 1
         served = fused_count(FLASH)
         large = make_qkv(gen, 8, 12, 12, 1024, 1024, 64, torch.bfloat16, "blhd")
         before = dict(stock_reasons(CHOICE))
-        F.scaled_dot_product_attention(*large, is_causal=True)
+        F.scaled_dot_product_attention(*large, is_causal=causal)
         after = stock_reasons(CHOICE)
         key = "stock is faster at this shape"
         assert after.get(key, 0) == before.get(key, 0) + 1
