@@ -163,9 +163,16 @@ __device__ __forceinline__ int swz(int row, int col) {
   return row * HD + ((((col >> 3) ^ (row & 7))) << 3);
 }
 
-// rows x HD elements from global (row r at base + r * row_stride) into a swizzled tile; rows at
-// or beyond `valid_rows` are zero-filled.
-template <int ROWS, int THREADS>
+// Element offset of (row, col) in a warpgroup-MMA tile of `rows` rows (the layout its
+// descriptors describe): column blocks of 64 elements, each [rows][64] with 128-byte rows and
+// the 128-byte swizzle. For HD = 64 it is swz's layout.
+__device__ __forceinline__ int wg_off(int row, int col, int rows) {
+  return (col >> 6) * rows * 64 + row * 64 + ((((col & 63) >> 3) ^ (row & 7)) << 3) + (col & 7);
+}
+
+// rows x HD elements from global (row r at base + r * row_stride) into a swizzled tile (the
+// warpgroup layout with WG); rows at or beyond `valid_rows` are zero-filled.
+template <int ROWS, int THREADS, bool WG = false>
 __device__ __forceinline__ void load_tile(u16* tile, const u16* base, tf_i64 row_stride,
                                           int valid_rows, int tid) {
   const u32 tile_addr = smem_addr(tile);
@@ -175,7 +182,7 @@ __device__ __forceinline__ void load_tile(u16* tile, const u16* base, tf_i64 row
     const int col = (i % CHUNKS_PER_ROW) * 8;
     const bool valid = row < valid_rows;
     const u16* src = valid ? base + row * row_stride + col : base;
-    cp_async16(tile_addr + swz(row, col) * 2, src, valid);
+    cp_async16(tile_addr + (WG ? wg_off(row, col, ROWS) : swz(row, col)) * 2, src, valid);
   }
 }
 
@@ -416,10 +423,6 @@ __device__ __forceinline__ const u16* at(const void* base, Strides s, int b, int
 #endif
 typedef unsigned long long u64;
 
-__device__ __forceinline__ int wg_off(int row, int col, int rows) {
-  return (col >> 6) * rows * 64 + row * 64 + ((((col & 63) >> 3) ^ (row & 7)) << 3) + (col & 7);
-}
-
 // A shared-memory matrix descriptor with the 128-byte swizzle.
 __device__ __forceinline__ u64 wg_desc(u32 addr, u32 lbo, u32 sbo) {
   return static_cast<u64>((addr & 0x3FFFF) >> 4) | (static_cast<u64>(lbo >> 4) << 16) |
@@ -523,22 +526,6 @@ __device__ __forceinline__ void wg_rs_mn<128>(float (&d)[64], const u32 (&a)[4],
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
 }
 
-// rows x HD elements from global (row r at base + r * row_stride) into a wg_off tile of
-// `ROWS` rows; rows at or beyond `valid_rows` are zero-filled.
-template <int ROWS, int THREADS>
-__device__ __forceinline__ void load_tile_wg(u16* tile, const u16* base, tf_i64 row_stride,
-                                             int valid_rows, int tid) {
-  const u32 tile_addr = smem_addr(tile);
-#pragma unroll
-  for (int i = tid; i < ROWS * CHUNKS_PER_ROW; i += THREADS) {
-    const int row = i / CHUNKS_PER_ROW;
-    const int col = (i % CHUNKS_PER_ROW) * 8;
-    const bool valid = row < valid_rows;
-    const u16* src = valid ? base + row * row_stride + col : base;
-    cp_async16(tile_addr + wg_off(row, col, ROWS) * 2, src, valid);
-  }
-}
-
 extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCKS)
     attn_fwd(const void* q, Strides qs, const void* k, Strides ks, const void* v, Strides vs,
              void* o, Strides os, float* lse, Problem pb) {
@@ -564,14 +551,16 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCK
   const u16* qb = at(q, qs, b, h) + q0 * qs.row;
   const u16* kb = at(k, ks, b, hk);
   const u16* vb = at(v, vs, b, hk);
-  load_tile_wg<BM, THREADS>(q_tile, qb, qs.row, lq - q0, tid);
+  load_tile<BM, THREADS, true>(q_tile, qb, qs.row, lq - q0, tid);
   const int kv_end = causal ? min(lk, q0 + BM) : lk;
   const int tiles = (kv_end + BN - 1) / BN;
   auto load_k = [&](int stage, int n0) {
-    load_tile_wg<BN, THREADS>(k_tile + stage * BN * HD, kb + n0 * ks.row, ks.row, kv_end - n0, tid);
+    load_tile<BN, THREADS, true>(k_tile + stage * BN * HD, kb + n0 * ks.row, ks.row,
+                                 kv_end - n0, tid);
   };
   auto load_v = [&](int stage, int n0) {
-    load_tile_wg<BN, THREADS>(v_tile + stage * BN * HD, vb + n0 * vs.row, vs.row, kv_end - n0, tid);
+    load_tile<BN, THREADS, true>(v_tile + stage * BN * HD, vb + n0 * vs.row, vs.row,
+                                 kv_end - n0, tid);
   };
   // The loads of step s (below) for s = 1 - NS .. -1: K_0 .. K_{NS-2}, V_0 .. V_{NS-3}.
   for (int step = 1 - NS; step < 0; ++step) {
