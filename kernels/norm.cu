@@ -27,7 +27,7 @@
 //
 // Compile-time parameters (registry/norm.toml): TF_DTYPE (every tensor but the fp32 statistics), TF_RMS,
 // TF_THREADS_PER_ROW (a multiple of 32), TF_ROWS_PER_BLOCK, TF_ELEMS_PER_THREAD (a multiple of
-// TF_VEC), TF_PREFETCH, TF_MIN_BLOCKS (CTAs per SM the register budget must allow). The op
+// TF_VEC), TF_PREFETCH, TF_STREAM, TF_MIN_BLOCKS (CTAs per SM the register budget must allow). The op
 // picks the kernels: TF_NORM_FWD (norm_fwd) or TF_NORM_BWD (norm_bwd, norm_bwd_reduce). A variant serves rows of at most TF_THREADS_PER_ROW *
 // TF_ELEMS_PER_THREAD elements. Run-time `vectorized` = every pointer 16-byte aligned and
 // cols % TF_VEC == 0; otherwise the same columns are accessed element by element.
@@ -38,6 +38,11 @@
 #endif
 #ifndef TF_PREFETCH
 #define TF_PREFETCH 0
+#endif
+// Forward: 1 loads x past L1 and re-reads the weight and bias from L1 every row (what the
+// backward's wide variants do, BWD_WIDE below); chosen per variant by measurement.
+#ifndef TF_STREAM
+#define TF_STREAM 0
 #endif
 
 // weight, bias and their grads. Stock's CUDA norms require them in the activations' dtype
@@ -180,7 +185,7 @@ __device__ __forceinline__ void load_row_or_zeros(tf_raw16 (&chunks)[ITERS],
                                                   const tf_storage* __restrict__ x, tf_i64 row,
                                                   tf_i64 rows, int cols, bool vectorized) {
   const bool exists = row < rows;
-  load_row(chunks, x + (exists ? row * cols : 0), exists ? cols : 0, vectorized);
+  load_row<TF_STREAM>(chunks, x + (exists ? row * cols : 0), exists ? cols : 0, vectorized);
 }
 
 #if TF_NORM_FWD
@@ -250,8 +255,8 @@ extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
         const int col0 = chunk_col(it);
         if (col0 >= cols) break;
         float w[VEC], b[VEC], out[VEC];
-        load_params(weight, col0, cols, vec, 1.f, w);
-        load_params(bias, col0, cols, vec, 0.f, b);
+        load_params<TF_STREAM>(weight, col0, cols, vec, 1.f, w);
+        load_params<TF_STREAM>(bias, col0, cols, vec, 0.f, b);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) out[j] = (unpack(cur[it], j) - mean) * rstd * w[j] + b[j];
         store_row_chunk(yr, col0, cols, vec, out);

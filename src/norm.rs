@@ -25,11 +25,12 @@ impl NormKind {
     }
 }
 
-const PARAMS: [&str; 5] = [
+const PARAMS: [&str; 6] = [
     "THREADS_PER_ROW",
     "ROWS_PER_BLOCK",
     "ELEMS_PER_THREAD",
     "PREFETCH",
+    "STREAM",
     "MIN_BLOCKS",
 ];
 
@@ -79,8 +80,10 @@ pub fn validate_variant(v: &Variant) -> Result<(), String> {
             v.name
         ));
     }
-    if !matches!(v.params.get("PREFETCH"), None | Some(0) | Some(1)) {
-        return Err(format!("{}: PREFETCH must be 0 or 1", v.name));
+    for flag in ["PREFETCH", "STREAM"] {
+        if !matches!(v.params.get(flag), None | Some(0) | Some(1)) {
+            return Err(format!("{}: {flag} must be 0 or 1", v.name));
+        }
     }
     if v.params
         .get("MIN_BLOCKS")
