@@ -621,6 +621,60 @@ mod tests {
     use super::*;
     use crate::registry::REGISTRY;
 
+    fn variant(sm: &str, params: &str) -> Result<crate::registry::Registry, String> {
+        crate::registry::Registry::parse(&[(
+            "t.toml",
+            &format!(
+                "[[variant]]\nname = \"t\"\nop = \"attention_causal\"\nsource = \"attention.cu\"\n\
+                 dtypes = [\"bf16\"]\nsm = {sm}\nhidden = [64, 64]\nparams = {{ HEAD_DIM = 64, {params} }}\n"
+            ),
+        )])
+    }
+
+    #[test]
+    fn warpgroup_variants_are_validated() {
+        let ok = |sm, params| variant(sm, params).map(|_| ());
+        assert_eq!(
+            ok(
+                "[90, 90]",
+                "FWD_WGMMA = 1, FWD_WARPS = 8, FWD_BLOCK_N = 128"
+            ),
+            Ok(())
+        );
+        assert_eq!(ok("[90, 90]", "FWD_WGMMA = 1, FWD_STAGES = 3"), Ok(()));
+        // wgmma is an sm_90a feature: no other SM may claim the variant.
+        let err = ok("[80, 90]", "FWD_WGMMA = 1").unwrap_err();
+        assert!(err.contains("sm = [90, 90]"), "{err}");
+        // One 64-row tile per warpgroup; 16 rows per warp must fit the K ring for the output.
+        for params in [
+            "FWD_WGMMA = 1, FWD_M_TILES = 2",
+            "FWD_WGMMA = 1, FWD_WARPS = 2",
+            "FWD_WGMMA = 1, FWD_BLOCK_N = 32",
+        ] {
+            let err = ok("[90, 90]", params).unwrap_err();
+            assert!(err.contains("FWD_WGMMA takes"), "{params}: {err}");
+        }
+        // The mma.sync forward has its fixed double buffer.
+        let err = ok("[80, 90]", "FWD_STAGES = 3").unwrap_err();
+        assert!(err.contains("FWD_STAGES"), "{err}");
+        assert!(ok("[90, 90]", "FWD_WGMMA = 1, FWD_STAGES = 5").is_err());
+    }
+
+    #[test]
+    fn warpgroup_forward_shared_memory_has_its_ring_and_alignment_slack() {
+        let registry = variant(
+            "[90, 90]",
+            "FWD_WGMMA = 1, FWD_WARPS = 8, FWD_BLOCK_N = 64, FWD_STAGES = 3",
+        )
+        .expect("valid");
+        let s = Shapes::of(registry.variant(0));
+        // Q (128 rows) + 3 stages of K and V (64 rows each), 64 bf16 columns, + 1024 bytes.
+        assert_eq!(s.fwd_smem(), ((128 + 2 * 3 * 64) * 64 * 2 + 1024) as u32);
+        let registry = variant("[80, 90]", "FWD_WARPS = 4, FWD_BLOCK_N = 64").expect("valid");
+        let s = Shapes::of(registry.variant(0));
+        assert_eq!(s.fwd_smem(), ((64 + 4 * 64) * 64 * 2) as u32);
+    }
+
     #[test]
     fn shared_memory_fits_an_sm90_block_for_every_variant() {
         let registry = REGISTRY.as_ref().expect("registry");

@@ -452,3 +452,29 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Backward, StockRe
         kernel: plan.variant.name.as_str(),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    fn parse(params: &str) -> Result<(), String> {
+        crate::registry::Registry::parse(&[(
+            "t.toml",
+            &format!(
+                "[[variant]]\nname = \"t\"\nop = \"layer_norm_fwd\"\nsource = \"norm.cu\"\n\
+                 dtypes = [\"bf16\"]\nsm = [80, 90]\nhidden = [1, 768]\n\
+                 params = {{ THREADS_PER_ROW = 96, ROWS_PER_BLOCK = 1, ELEMS_PER_THREAD = 8{params} }}\n"
+            ),
+        )])
+        .map(|_| ())
+    }
+
+    #[test]
+    fn prefetch_and_stream_are_flags() {
+        assert_eq!(parse(""), Ok(()));
+        assert_eq!(parse(", PREFETCH = 1, STREAM = 1"), Ok(()));
+        for bad in [", STREAM = 2", ", PREFETCH = -1"] {
+            let err = parse(bad).unwrap_err();
+            assert!(err.contains("must be 0 or 1"), "{bad}: {err}");
+        }
+        assert!(parse(", STREEM = 1").unwrap_err().contains("unknown param"));
+    }
+}
