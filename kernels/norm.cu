@@ -39,8 +39,8 @@
 #ifndef TF_PREFETCH
 #define TF_PREFETCH 0
 #endif
-// Forward: 1 loads x past L1 and re-reads the weight and bias from L1 every row (what the
-// backward's wide variants do, BWD_WIDE below); chosen per variant by measurement.
+// 1: x (and dy) are loaded past L1 and the weight and bias re-read from L1 every row (what
+// the backward's wide variants always do, BWD_WIDE below); chosen per variant by measurement.
 #ifndef TF_STREAM
 #define TF_STREAM 0
 #endif
@@ -286,6 +286,8 @@ extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
 // weight loads out of the row loop and spilled (LayerNorm at 16384 columns ran at 44% of copy).
 // They read the weight from L1 every row and stream x and dy past L1 so the weight stays there.
 #define BWD_WIDE (TF_ELEMS_PER_THREAD * (TF_RMS ? 1 : 2) >= 64)
+// The same loads for a variant that asks for them (TF_STREAM, chosen by measurement).
+#define BWD_STREAM (BWD_WIDE || TF_STREAM)
 
 // Sums the CTA's rows of `acc` in a fixed order (row 0 of the CTA, then 1, ...) and writes
 // them as row blockIdx.x of `partial`. Called by every thread of the CTA.
@@ -365,8 +367,8 @@ extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
     const int active_cols = row_ok ? cols : 0;
     const tf_i64 offset = row_ok ? row * cols : 0;
     tf_raw16 xs[ITERS], dys[ITERS];
-    load_row<BWD_WIDE>(xs, x + offset, active_cols, vec);
-    load_row<BWD_WIDE>(dys, dy + offset, active_cols, vec);
+    load_row<BWD_STREAM>(xs, x + offset, active_cols, vec);
+    load_row<BWD_STREAM>(dys, dy + offset, active_cols, vec);
     // Past the row's end dy is 0, so every product below that involves dy is 0 there too.
 #if TF_RMS
     const float mu = 0.f;
@@ -380,7 +382,7 @@ extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
     for (int it = 0; it < ITERS; ++it) {
       const int col0 = chunk_col(it);
       float w[VEC];
-      load_params<BWD_WIDE>(weight, col0, active_cols, vec, 1.f, w);
+      load_params<BWD_STREAM>(weight, col0, active_cols, vec, 1.f, w);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const float d = unpack(dys[it], j);
@@ -411,7 +413,7 @@ extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
       const int col0 = chunk_col(it);
       if (col0 >= cols) break;
       float w[VEC], out[VEC];
-      load_params<BWD_WIDE>(weight, col0, cols, vec, 1.f, w);
+      load_params<BWD_STREAM>(weight, col0, cols, vec, 1.f, w);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const float xhat = (unpack(xs[it], j) - mu) * rs;

@@ -17,10 +17,11 @@ BUCKETS = [(1, 768, 768), (769, 1024, 1024), (1025, 2048, 2048), (2049, 4096, 40
 REGISTRY_OP = {"ln_fwd": "layer_norm_fwd", "ln_bwd": "layer_norm_bwd", "rms_fwd": "rms_norm_fwd",
                "rms_bwd": "rms_norm_bwd"}
 GROUP_DTYPES = {"f32": '["f32"]', "16bit": '["bf16", "f16"]'}
-# Forward buckets whose variant streams x past L1 (STREAM = 1): measured 1.14-1.16x faster as
-# CUDA-graph replays at 16384 x 768 bf16 (docs/bench/h100-norm-stream.txt); other widths and
-# f32 were the same or slower.
-STREAM = {("ln_fwd", "16bit", 768), ("rms_fwd", "16bit", 768)}
+# Buckets whose variant streams x (and dy) past L1 (STREAM = 1): measured faster as CUDA-graph
+# replays at 16384 x 768 bf16 (docs/bench/h100-norm-stream.txt); other widths and f32 were the
+# same or slower.
+STREAM = {("ln_fwd", "16bit", 768), ("rms_fwd", "16bit", 768), ("ln_bwd", "16bit", 768),
+          ("rms_bwd", "16bit", 768)}
 
 
 def main():
