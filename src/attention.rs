@@ -203,6 +203,36 @@ impl Shapes {
     }
 }
 
+/// The arguments attn_bwd_dkdv and attn_bwd_dq both take first: q, k, v, dO (pointers and
+/// strides), then the logsumexp and delta.
+struct BackwardInputs {
+    q: u64,
+    qs: Strides,
+    k: u64,
+    ks: Strides,
+    v: u64,
+    vs: Strides,
+    dout: u64,
+    dos: Strides,
+    lse: u64,
+    delta: u64,
+}
+
+impl BackwardInputs {
+    fn push<'a>(&'a self, args: &mut cudarc::driver::LaunchArgs<'a>) {
+        args.arg(&self.q)
+            .arg(&self.qs)
+            .arg(&self.k)
+            .arg(&self.ks)
+            .arg(&self.v)
+            .arg(&self.vs)
+            .arg(&self.dout)
+            .arg(&self.dos)
+            .arg(&self.lse)
+            .arg(&self.delta);
+    }
+}
+
 /// Index of each kernel in `KernelOp::entries` order.
 const FWD: usize = 0;
 const PREP: usize = 1;
@@ -577,39 +607,27 @@ impl Plan {
         // given strides, delta [B, H, Lq] contiguous.
         unsafe { args.launch(prep) }.map_err(failed)?;
 
+        let inputs = BackwardInputs {
+            q: qp,
+            qs,
+            k: kp,
+            ks,
+            v: vp,
+            vs,
+            dout: dop,
+            dos,
+            lse: lp,
+            delta: deltap,
+        };
         let mut args = stream.launch_builder(&functions[DKDV]);
-        args.arg(&qp)
-            .arg(&qs)
-            .arg(&kp)
-            .arg(&ks)
-            .arg(&vp)
-            .arg(&vs)
-            .arg(&dop)
-            .arg(&dos)
-            .arg(&lp)
-            .arg(&deltap)
-            .arg(&dkp)
-            .arg(&dks)
-            .arg(&dvp)
-            .arg(&dvs)
-            .arg(&problem);
+        inputs.push(&mut args);
+        args.arg(&dkp).arg(&dks).arg(&dvp).arg(&dvs).arg(&problem);
         // SAFETY: arguments match attn_bwd_dkdv; shapes as checked above.
         unsafe { args.launch(dkdv) }.map_err(failed)?;
 
         let mut args = stream.launch_builder(&functions[DQ]);
-        args.arg(&qp)
-            .arg(&qs)
-            .arg(&kp)
-            .arg(&ks)
-            .arg(&vp)
-            .arg(&vs)
-            .arg(&dop)
-            .arg(&dos)
-            .arg(&lp)
-            .arg(&deltap)
-            .arg(&dqp)
-            .arg(&dqs)
-            .arg(&problem);
+        inputs.push(&mut args);
+        args.arg(&dqp).arg(&dqs).arg(&problem);
         // SAFETY: arguments match attn_bwd_dq; shapes as checked above.
         unsafe { args.launch(dq_config) }.map_err(failed)?;
         Ok([dq, dk, dv])
