@@ -2,6 +2,7 @@
 import json
 import os
 
+import pytest
 import torch
 
 from conftest import MAIN_LIB
@@ -17,6 +18,16 @@ def load_torchfuse():
     if not _loaded:
         torch.ops.load_library(str(MAIN_LIB))
         _loaded = True
+
+
+@pytest.fixture(scope="module")
+def torchfuse_below_thresholds():
+    """torchfuse loaded, and calls the registry's thresholds send to stock served by the kernels
+    too (for the module): small random cases must reach the kernels."""
+    load_torchfuse()
+    torch.ops.torchfuse._serve_below_thresholds(True)
+    yield
+    torch.ops.torchfuse._serve_below_thresholds(False)
 
 
 def stats():

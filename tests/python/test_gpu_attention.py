@@ -10,22 +10,14 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from conftest import requires_cuda
-from gpu_util import (FLOOR, enabled, fresh_seed, fused_count, load_torchfuse, poison_allocator,
-                      rel_err, stock_reasons)
+from gpu_util import (FLOOR, enabled, fresh_seed, fused_count, poison_allocator, rel_err,
+                      stock_reasons, torchfuse_below_thresholds)
 
-pytestmark = requires_cuda
+pytestmark = [requires_cuda, pytest.mark.usefixtures("torchfuse_below_thresholds")]
 
 FLASH = "_scaled_dot_product_flash_attention"
 FLASH_BWD = "_scaled_dot_product_flash_attention_backward"
 CHOICE = "sdpa backend choice"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def torchfuse_loaded():
-    load_torchfuse()
-    torch.ops.torchfuse._serve_below_thresholds(True)
-    yield
-    torch.ops.torchfuse._serve_below_thresholds(False)
 
 
 def make_qkv(gen, b, h, hk, lq, lk, d, dtype, layout):

@@ -8,21 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from conftest import check, requires_cuda, run_python
-from gpu_util import (FLOOR, enabled, fresh_seed, fused_count, load_torchfuse, poison_allocator,
-                      rel_err, stock_reasons)
+from gpu_util import (FLOOR, enabled, fresh_seed, fused_count, poison_allocator, rel_err,
+                      stock_reasons, torchfuse_below_thresholds)
 
-pytestmark = requires_cuda
+pytestmark = [requires_cuda, pytest.mark.usefixtures("torchfuse_below_thresholds")]
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def torchfuse_loaded():
-    load_torchfuse()
-    # Small random cases must reach the kernels too.
-    torch.ops.torchfuse._serve_below_thresholds(True)
-    yield
-    torch.ops.torchfuse._serve_below_thresholds(False)
 
 
 def draw_indices(rng, gen, num_weights, shape, kind, dtype=torch.int64):
