@@ -14,16 +14,18 @@
 //     digits' global offsets from the histograms, ranks its tokens per warp with ballots, and
 //     writes them to their sorted places). Tokens of one index stay in token order. Keys are
 //     loaded before any is used, so a tile waits for memory once, not once per token.
-//  2. The first emb_sort_count also marks every row some token has in a bitmap; the first
-//     emb_sort_scatter launch has extra CTAs that write the zero rows (unmarked, or
-//     padding_idx) while the sort's few CTAs work, so the bulk of the writes overlaps the sort.
-//  3. emb_bwd_reduce cuts the sorted tokens into chunks of 32. In each chunk a run of equal
-//     indices (a piece) is summed by one warp in token order, in fp32 (4 rows' loads in
-//     flight): a piece that holds all of its row's tokens is written to grad_weight; a piece
-//     cut by a chunk edge is written as an fp32 partial (slot 0: the chunk's first piece,
-//     slot 1: its last), and its row goes on a work list.
-//  4. emb_bwd_finish sums each cut row's partials in chunk order (a whole CTA for rows with
-//     many: warps take fixed strides, then a fixed-order sum over warps) and writes the row.
+//  2. The first emb_sort_count also marks every row some token has in a bitmap; once the sort
+//     is done, emb_zero_rows writes the zero rows (unmarked, or padding_idx) on a second
+//     stream, beside the reduction, so the two share the memory bandwidth.
+//  3. emb_bwd_reduce cuts the sorted tokens into chunks of 32; a warp takes one chunk x 32
+//     column vectors and walks its tokens in order (8 rows' loads in flight), summing each run
+//     of equal indices in fp32: a run that holds all of its row's tokens is written to
+//     grad_weight; a run cut by a chunk edge is written as an fp32 partial (slot 0: the
+//     chunk's first run, slot 1: its last), and its row goes on a work list. The work per
+//     warp does not depend on how the indices are distributed.
+//  4. emb_bwd_finish sums each cut row's partials in chunk order and writes the row: a warp
+//     per row with few partials, a whole CTA per tile of 128 columns for rows with many
+//     (warps take fixed strides of partials, then a fixed-order sum over warps).
 // Every row of grad_weight is written exactly once, grad is read once; besides that the sort
 // moves 16 bytes per token per pass and the partials 8 bytes per column per cut row.
 //
@@ -272,6 +274,14 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
             SORT_THREADS, n, num_weights, keys);
   __syncthreads();
   const int lane = threadIdx.x % 32;
+  // The first pass reads the bitmap words of its rows up front (all loads in flight at once):
+  // a bit already set (the hot rows of skewed indices) skips the atomic.
+  unsigned int seen[SORT_ITEMS];
+  if (touched != nullptr) {
+#pragma unroll
+    for (int k = 0; k < SORT_ITEMS; ++k)
+      seen[k] = __ldcg(&touched[keys[k] != NOT_COUNTED ? keys[k] >> 5 : 0u]);
+  }
 #pragma unroll
   for (int k = 0; k < SORT_ITEMS; ++k) {
     bool counted;
@@ -281,10 +291,11 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     if (counted && lane == __ffs(peers) - 1)
       atomicAdd(&counts[digit_of(keys[k], shift, radix)], __popc(peers));
     if (touched != nullptr) {
-      // Runs of one row skip the atomic (all-equal indices would serialize on one word).
+      // Runs of one row skip the atomic too (all-equal indices would serialize on one word).
       const unsigned int left = __shfl_up_sync(0xffffffffu, keys[k], 1);
-      if (counted && (lane == 0 || left != keys[k]))
-        atomicOr(&touched[keys[k] >> 5], 1u << (keys[k] & 31));
+      const unsigned int bit = 1u << (keys[k] & 31);
+      if (counted && (lane == 0 || left != keys[k]) && !(seen[k] & bit))
+        atomicOr(&touched[keys[k] >> 5], bit);
     }
   }
   __syncthreads();
@@ -400,17 +411,16 @@ __device__ __forceinline__ void sort_scatter(const void* __restrict__ indices, i
 
 // Zeros for every row no token touches (its bit in `touched` is clear) and for the padding
 // row. A work item is 32 consecutive rows (one bitmap word) x a slice of ZERO_SLICE column
-// vectors, so wide rows spread over many warps; warps of blocks from `first_block` on take
-// items in turn.
+// vectors, so wide rows spread over many warps; the grid's warps take items in turn.
 template <int V>
 __device__ __forceinline__ void zero_rows(const unsigned int* __restrict__ touched, int cols,
                                           tf_i64 num_weights, tf_i64 padding_idx,
-                                          int first_block, tf_storage* __restrict__ out) {
+                                          tf_storage* __restrict__ out) {
   __shared__ unsigned char zero_list[SORT_WARPS][32];
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const tf_i64 warps = static_cast<tf_i64>(gridDim.x - first_block) * SORT_WARPS;
-  const tf_i64 my_warp = static_cast<tf_i64>(blockIdx.x - first_block) * SORT_WARPS + warp;
+  const tf_i64 warps = static_cast<tf_i64>(gridDim.x) * SORT_WARPS;
+  const tf_i64 my_warp = static_cast<tf_i64>(blockIdx.x) * SORT_WARPS + warp;
   const tf_i64 per_row = cols / V;
   const tf_i64 slices = (per_row + ZERO_SLICE - 1) / ZERO_SLICE;
   const tf_i64 items = (num_weights + 31) / 32 * slices;
@@ -446,98 +456,93 @@ __device__ __forceinline__ void zero_rows(const unsigned int* __restrict__ touch
   }
 }
 
-// Pass p of the sort (blocks [0, tiles)); on the first pass the blocks after them write the
-// zero rows meanwhile (`out` non-null), from the bitmap emb_sort_count made.
+// Pass p of the sort: one block per tile.
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     emb_sort_scatter(const void* __restrict__ indices, int idx64,
                      const unsigned int* __restrict__ keys_in,
                      const unsigned int* __restrict__ pos_in, tf_i64 n, tf_i64 num_weights,
                      int shift, int bits, const unsigned int* __restrict__ hist, int tiles,
-                     unsigned int* __restrict__ keys_out, unsigned int* __restrict__ pos_out,
-                     const unsigned int* __restrict__ touched, int cols, tf_i64 padding_idx,
-                     tf_storage* __restrict__ out, int vectorized) {
-  if (static_cast<int>(blockIdx.x) < tiles) {
-    sort_scatter(indices, idx64, keys_in, pos_in, n, num_weights, shift, bits, hist, tiles,
-                 keys_out, pos_out);
-  } else if (vectorized) {
-    zero_rows<VEC>(touched, cols, num_weights, padding_idx, tiles, out);
+                     unsigned int* __restrict__ keys_out, unsigned int* __restrict__ pos_out) {
+  sort_scatter(indices, idx64, keys_in, pos_in, n, num_weights, shift, bits, hist, tiles,
+               keys_out, pos_out);
+}
+
+// The zero rows, from the bitmap the first emb_sort_count made. It runs on a second stream
+// beside the sort and the reduction (a small grid, so that they keep most of the GPU).
+extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+    emb_zero_rows(const unsigned int* __restrict__ touched, int cols, tf_i64 num_weights,
+                  tf_i64 padding_idx, tf_storage* __restrict__ out, int vectorized) {
+  if (vectorized) {
+    zero_rows<VEC>(touched, cols, num_weights, padding_idx, out);
   } else {
-    zero_rows<1>(touched, cols, num_weights, padding_idx, tiles, out);
+    zero_rows<1>(touched, cols, num_weights, padding_idx, out);
   }
 }
 
 // ------------------------------------------------------------------------------ backward
 
-// Tokens whose grad rows a lane loads before adding any (emb_bwd_reduce), and the column
-// vectors it takes per row: 16 fp32 accumulators per lane either way.
-#define PIECE_TOKENS 4
-#define PIECE_GROUP (16 / VEC)
+// Sorted tokens a warp of emb_bwd_reduce loads before adding any: one 16-byte vector of each
+// token's grad row per lane.
+#define RUN_LOADS 8
+#define NO_KEY 0xffffffffffffffffull
+// Rows cut by chunk edges with more partials than this are summed by a whole CTA per column
+// tile in emb_bwd_finish, the others by one warp each.
+#define HEAVY_PARTIALS 16
 
-// One warp sums the grad rows of sorted tokens [a, b) (their token numbers in `pos`) in
-// order, and writes the sum to `row` (grad_weight) or `partial` (fp32), whichever is set.
+// One run of equal keys ends in a chunk: where its sum goes. A run wholly inside the chunk is
+// written to its row of grad_weight; one cut by a chunk edge becomes the fp32 partial of slot
+// 0 (the chunk's first run) or 1 (its last), and the row's bookkeeping is done once per chunk
+// (column slice 0): row_first[row] = its first partial (chunk * 2 + slot), written by the run
+// that starts the row, and the row's last chunk appended to the work list by the run that
+// ends it. The list has room for one entry per chunk: light rows (HEAVY_PARTIALS partials or
+// fewer) fill it from the front (work[0] of them, at work[2..]), heavy ones from the back
+// (work[1] of them, at work[2 + chunks - 1] downwards), so the finish finds the heavy rows
+// without reading every entry. A row is heavy when its run already covered the last token of
+// the chunk HEAVY_PARTIALS before this one.
 template <int V>
-__device__ __forceinline__ void sum_piece(const tf_storage* __restrict__ grad,
-                                          const unsigned int* pos, int a, int b, int cols,
-                                          tf_storage* row, float* partial, int lane) {
-  constexpr int G = V == VEC ? PIECE_GROUP : 4;
-  const int per_row = cols / V;
-  for (int c0 = lane; c0 < per_row; c0 += 32 * G) {
-    float acc[G][V];
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-#pragma unroll
-      for (int j = 0; j < V; ++j) acc[g][j] = 0.f;
-    for (int i = a; i < b; i += PIECE_TOKENS) {
-      tf_storage raw[PIECE_TOKENS][G][V];
-#pragma unroll
-      for (int t = 0; t < PIECE_TOKENS; ++t) {
-        if (i + t < b) {
-          const tf_storage* src = grad + static_cast<tf_i64>(pos[i + t]) * cols;
-#pragma unroll
-          for (int g = 0; g < G; ++g) {
-            const int c = c0 + g * 32;
-            if (c < per_row) {
-              if constexpr (V == VEC) {
-                *reinterpret_cast<tf_raw16*>(raw[t][g]) =
-                    *reinterpret_cast<const tf_raw16*>(src + c * V);
-              } else {
-#pragma unroll
-                for (int j = 0; j < V; ++j) raw[t][g][j] = src[c * V + j];
-              }
-            }
-          }
-        }
-      }
-#pragma unroll
-      for (int t = 0; t < PIECE_TOKENS; ++t)
-        if (i + t < b)
-#pragma unroll
-          for (int g = 0; g < G; ++g)
-#pragma unroll
-            for (int j = 0; j < V; ++j) acc[g][j] += tf_float(raw[t][g][j]);
-    }
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const int c = c0 + g * 32;
-      if (c < per_row) {
-        if (row != nullptr) {
-          store_vec<V>(row + c * V, acc[g]);
-        } else {
-          store_f32<V>(partial + c * V, acc[g]);
-        }
+__device__ __forceinline__ void flush_run(unsigned long long key, bool valid, int start, int end,
+                                          int len, unsigned long long key_before,
+                                          unsigned long long key_after, tf_i64 chunk, int col,
+                                          bool in_row, bool bookkeeper, int cols,
+                                          tf_i64 num_weights, tf_i64 padding_idx,
+                                          const float (&acc)[V], float* __restrict__ partials,
+                                          tf_storage* __restrict__ out,
+                                          const unsigned int* __restrict__ keys,
+                                          tf_i64 chunks, unsigned int* __restrict__ row_first,
+                                          unsigned int* __restrict__ work) {
+  if (!valid || key >= static_cast<unsigned long long>(num_weights) ||
+      static_cast<long long>(key) == padding_idx)
+    return;
+  const bool from_before = start == 0 && key_before == key;
+  const bool to_after = end == len && len == CHUNK && key_after == key;
+  if (!from_before && !to_after) {
+    if (in_row) store_vec<V>(out + static_cast<tf_i64>(key) * cols + col * V, acc);
+    return;
+  }
+  const int slot = start == 0 ? 0 : 1;
+  if (in_row) store_f32<V>(partials + (chunk * 2 + slot) * static_cast<tf_i64>(cols) + col * V, acc);
+  if (bookkeeper) {
+    if (!from_before && to_after) row_first[key] = static_cast<unsigned int>(chunk * 2 + slot);
+    // The list's order varies run to run; what each entry computes does not.
+    if (from_before && !to_after) {
+      const bool heavy = chunk >= HEAVY_PARTIALS &&
+                         keys[(chunk - HEAVY_PARTIALS) * CHUNK + CHUNK - 1] == key;
+      if (heavy) {
+        work[2 + chunks - 1 - atomicAdd(&work[1], 1u)] = static_cast<unsigned int>(chunk);
+      } else {
+        work[2 + atomicAdd(&work[0], 1u)] = static_cast<unsigned int>(chunk);
       }
     }
   }
 }
 
-// Block c sums chunk c's pieces (runs of equal indices among sorted tokens [32c, 32c + 32)).
-// A piece holding all of its row's tokens is written to the row; one cut by a chunk edge is
-// written as a partial (slot 0: the chunk's first piece, slot 1: its last). A row cut by chunk
-// edges gets row_first[row] = its first partial (chunk * 2 + slot), written by the piece that
-// starts it, and its last chunk appended to the work list (work[0]: length, work[1..]:
-// chunks) by the piece that ends it.
+// Warp w of the grid takes sorted tokens [32c, 32c + 32) (chunk c) x 32 column vectors (slice
+// s, one per lane): it walks the chunk's tokens in order with RUN_LOADS rows' loads in flight,
+// summing each run of equal keys in fp32 in token order, and hands each finished run to
+// flush_run. The work per warp is the same whatever the runs are, so skewed indices (long
+// runs) keep every warp as busy as uniform ones.
 template <int V>
-__device__ __forceinline__ void reduce_chunk(const tf_storage* __restrict__ grad,
+__device__ __forceinline__ void reduce_slice(const tf_storage* __restrict__ grad,
                                              const unsigned int* __restrict__ keys,
                                              const unsigned int* __restrict__ pos, tf_i64 n,
                                              int cols, tf_i64 num_weights, tf_i64 padding_idx,
@@ -545,118 +550,149 @@ __device__ __forceinline__ void reduce_chunk(const tf_storage* __restrict__ grad
                                              tf_storage* __restrict__ out,
                                              unsigned int* __restrict__ row_first,
                                              unsigned int* __restrict__ work) {
-  __shared__ unsigned int chunk_keys[CHUNK];
-  __shared__ unsigned int chunk_pos[CHUNK];
-  __shared__ int piece_start[CHUNK + 1];
-  __shared__ int pieces;
-  __shared__ unsigned long long key_before, key_after;
-  const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const tf_i64 c = blockIdx.x;
-  const tf_i64 a0 = c * CHUNK;
+  const int per_row = cols / V;
+  const tf_i64 slices = (per_row + 31) / 32;
+  const tf_i64 unit = static_cast<tf_i64>(blockIdx.x) * REDUCE_WARPS + threadIdx.x / 32;
+  const tf_i64 chunk = unit / slices;
+  const int slice = static_cast<int>(unit - chunk * slices);
+  const tf_i64 a0 = chunk * CHUNK;
+  const tf_i64 chunks = (n + CHUNK - 1) / CHUNK;
+  if (a0 >= n) return;
   const int len = static_cast<int>(min(static_cast<tf_i64>(CHUNK), n - a0));
-  const unsigned long long none = ~0ull;
-  if (warp == 0) {
-    unsigned int key = 0xffffffffu;
-    if (lane < len) {
-      key = keys[a0 + lane];
-      chunk_keys[lane] = key;
-      chunk_pos[lane] = pos[a0 + lane];
+  const int col = slice * 32 + lane;
+  const bool in_row = col < per_row;
+  const bool bookkeeper = slice == 0 && lane == 0;
+  const unsigned int my_key = lane < len ? keys[a0 + lane] : 0u;
+  const unsigned int my_pos = lane < len ? pos[a0 + lane] : 0u;
+  const unsigned long long key_before = a0 > 0 ? keys[a0 - 1] : NO_KEY;
+  const unsigned long long key_after = a0 + CHUNK < n ? keys[a0 + CHUNK] : NO_KEY;
+
+  float acc[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) acc[j] = 0.f;
+  unsigned long long run_key = __shfl_sync(0xffffffffu, my_key, 0);
+  int run_start = 0;
+  // A token number outside the batch can only come from a failed sort: its run is dropped.
+  bool run_valid = true;
+  for (int i0 = 0; i0 < len; i0 += RUN_LOADS) {
+    tf_storage raw[RUN_LOADS][V];
+    bool loaded[RUN_LOADS];
+#pragma unroll
+    for (int t = 0; t < RUN_LOADS; ++t) {
+      const unsigned int p = __shfl_sync(0xffffffffu, my_pos, (i0 + t) % 32);
+      loaded[t] = i0 + t < len && static_cast<tf_i64>(p) < n;
+      // Every load is issued, from grad's first vector where there is nothing to load: ptxas
+      // copies a predicated load's result out of its register as soon as it lands when the
+      // destination is otherwise left unset, which keeps one load in flight at a time.
+      const tf_i64 at = loaded[t] && in_row ? static_cast<tf_i64>(p) * cols + col * V : 0;
+      if constexpr (V == VEC) {
+        *reinterpret_cast<tf_raw16*>(raw[t]) = *reinterpret_cast<const tf_raw16*>(grad + at);
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) raw[t][j] = grad[at + j];
+      }
     }
-    const unsigned int prev = __shfl_up_sync(0xffffffffu, key, 1);
-    const bool starts = lane < len && (lane == 0 || key != prev);
-    const unsigned int starts_mask = __ballot_sync(0xffffffffu, starts);
-    if (starts) piece_start[__popc(starts_mask & lanemask_lt())] = lane;
-    if (lane == 0) {
-      pieces = __popc(starts_mask);
-      piece_start[__popc(starts_mask)] = len;
-      key_before = a0 > 0 ? static_cast<unsigned long long>(keys[a0 - 1]) : none;
-      key_after = a0 + CHUNK < n ? static_cast<unsigned long long>(keys[a0 + CHUNK]) : none;
+#pragma unroll
+    for (int t = 0; t < RUN_LOADS; ++t) {
+      const int i = i0 + t;
+      const unsigned long long key = __shfl_sync(0xffffffffu, my_key, i % 32);
+      if (i < len) {
+        if (key != run_key) {
+          flush_run<V>(run_key, run_valid, run_start, i, len, key_before, key_after, chunk, col,
+                       in_row, bookkeeper, cols, num_weights, padding_idx, acc, partials, out,
+                       keys, chunks, row_first, work);
+#pragma unroll
+          for (int j = 0; j < V; ++j) acc[j] = 0.f;
+          run_key = key;
+          run_start = i;
+          run_valid = true;
+        }
+        run_valid = run_valid && loaded[t];
+        if (in_row)
+#pragma unroll
+          for (int j = 0; j < V; ++j) acc[j] += tf_float(raw[t][j]);
+      }
     }
   }
-  __syncthreads();
-  for (int p = warp; p < pieces; p += REDUCE_WARPS) {
-    const int a = piece_start[p];
-    const int b = piece_start[p + 1];
-    const unsigned long long key = chunk_keys[a];
-    if (key >= static_cast<unsigned long long>(num_weights) ||
-        static_cast<long long>(key) == padding_idx)
-      continue;
-    // A token number outside the batch can only come from a failed sort: skip the piece.
-    bool valid = true;
-    for (int i = a; i < b; ++i) valid = valid && static_cast<tf_i64>(chunk_pos[i]) < n;
-    if (!valid) continue;
-    const bool from_before = a == 0 && key_before == key;
-    const bool to_after = b == CHUNK && key_after == key;
-    const int slot = a == 0 ? 0 : 1;
-    if (lane == 0) {
-      if (!from_before && to_after) row_first[key] = static_cast<unsigned int>(c * 2 + slot);
-      // The list's order varies run to run; what each entry computes does not.
-      if (from_before && !to_after) work[1 + atomicAdd(&work[0], 1u)] = static_cast<unsigned int>(c);
-    }
-    if (!from_before && !to_after) {
-      sum_piece<V>(grad, chunk_pos, a, b, cols, out + static_cast<tf_i64>(key) * cols, nullptr,
-                   lane);
-    } else {
-      sum_piece<V>(grad, chunk_pos, a, b, cols, nullptr,
-                   partials + (c * 2 + slot) * static_cast<tf_i64>(cols), lane);
-    }
-  }
+  flush_run<V>(run_key, run_valid, run_start, len, len, key_before, key_after, chunk, col, in_row,
+               bookkeeper, cols, num_weights, padding_idx, acc, partials, out, keys, chunks,
+               row_first, work);
 }
 
-extern "C" __global__ void __launch_bounds__(REDUCE_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(REDUCE_THREADS)
     emb_bwd_reduce(const tf_storage* __restrict__ grad, const unsigned int* __restrict__ keys,
                    const unsigned int* __restrict__ pos, tf_i64 n, int cols, tf_i64 num_weights,
                    tf_i64 padding_idx, float* __restrict__ partials, tf_storage* __restrict__ out,
                    unsigned int* __restrict__ row_first,
                    unsigned int* __restrict__ work, int vectorized) {
   if (vectorized) {
-    reduce_chunk<VEC>(grad, keys, pos, n, cols, num_weights, padding_idx, partials, out, row_first,
+    reduce_slice<VEC>(grad, keys, pos, n, cols, num_weights, padding_idx, partials, out, row_first,
                       work);
   } else {
-    reduce_chunk<1>(grad, keys, pos, n, cols, num_weights, padding_idx, partials, out, row_first,
+    reduce_slice<1>(grad, keys, pos, n, cols, num_weights, padding_idx, partials, out, row_first,
                     work);
   }
 }
 
-// Rows cut by chunk edges with more partials than this are summed by a whole CTA, the others
-// by one warp.
-#define HEAVY_PARTIALS 64
+// Partials a lane of a heavy row's CTA loads before adding any.
+#define FINISH_LOADS 4
+// Column tiles a warp summing a light row loads at once (two partials each).
+#define LIGHT_TILES 4
+
+// The address of partial q of a cut row whose first partial is `first`: after the row's first
+// chunk, its partial is each chunk's first run (slot 0).
+__device__ __forceinline__ tf_i64 partial_slot(unsigned int first, tf_i64 q) {
+  return q == 0 ? first : (static_cast<tf_i64>(first >> 1) + q) * 2;
+}
 
 // The sum of a cut row's partials for one lane's LC columns at col0, in a fixed order: lanes
-// of `parts` warps (number `part`) take partials part, part + parts, ..., two at a time.
+// of `parts` warps (number `part`) take partials part, part + parts, ..., in that order.
 template <int LC>
 __device__ __forceinline__ void sum_partials(const float* __restrict__ partials, int cols,
                                              int col0, unsigned int first, tf_i64 count,
                                              int part, int parts, float (&acc)[LC]) {
-  const tf_i64 first_chunk = first >> 1;
-  const float* base = partials + col0;
-  tf_i64 q = part;
-  for (; q + parts < count; q += 2 * parts) {
-    const tf_i64 s0 = q == 0 ? first : (first_chunk + q) * 2;
-    const tf_i64 s1 = (first_chunk + q + parts) * 2;
-    float v0[LC], v1[LC];
-    load_f32<LC>(base + s0 * cols, v0);
-    load_f32<LC>(base + s1 * cols, v1);
+  for (tf_i64 q0 = part; q0 < count; q0 += FINISH_LOADS * static_cast<tf_i64>(parts)) {
+    float v[FINISH_LOADS][LC];
 #pragma unroll
-    for (int j = 0; j < LC; ++j) acc[j] += v0[j];
+    for (int f = 0; f < FINISH_LOADS; ++f) {
+      // Past the last partial the first is loaded again, unused: see reduce_slice on
+      // predicated loads.
+      const tf_i64 q = q0 + static_cast<tf_i64>(f) * parts;
+      load_f32<LC>(partials + partial_slot(first, q < count ? q : 0) * cols + col0, v[f]);
+    }
 #pragma unroll
-    for (int j = 0; j < LC; ++j) acc[j] += v1[j];
-  }
-  if (q < count) {
-    const tf_i64 s0 = q == 0 ? first : (first_chunk + q) * 2;
-    float v0[LC];
-    load_f32<LC>(base + s0 * cols, v0);
+    for (int f = 0; f < FINISH_LOADS; ++f)
+      if (q0 + static_cast<tf_i64>(f) * parts < count)
 #pragma unroll
-    for (int j = 0; j < LC; ++j) acc[j] += v0[j];
+        for (int j = 0; j < LC; ++j) acc[j] += v[f][j];
   }
 }
 
-// After emb_bwd_reduce: the rows cut by chunk edges (the work list), each the sum of its
-// partials in chunk order, heavy ones by a whole CTA (warps take fixed strides, then a
-// fixed-order sum over warps), light ones by one warp.
+// Entry e of the work list: its row, the row's first partial and how many it has (below 1
+// only after a failed sort: a first partial past the last chunk).
+struct CutRow {
+  unsigned int key, first;
+  tf_i64 count;
+};
+
+__device__ __forceinline__ CutRow cut_row(const unsigned int* __restrict__ keys,
+                                          const unsigned int* __restrict__ row_first,
+                                          const unsigned int* __restrict__ work, tf_i64 e) {
+  const tf_i64 c = work[2 + e];
+  CutRow r;
+  r.key = keys[c * CHUNK];
+  r.first = row_first[r.key];
+  r.count = c - static_cast<tf_i64>(r.first >> 1) + 1;
+  return r;
+}
+
+// After emb_bwd_reduce: each row cut by chunk edges (the work list) is the sum of its partials
+// in chunk order. A light row is one warp's: LIGHT_TILES column tiles at a time, two partials
+// each, all in flight. A heavy row is split into (row, tile of 32 x LC columns) items, each a
+// whole CTA's: warps take fixed strides of partials, then a fixed-order sum over warps.
 template <int LC>
-__device__ __forceinline__ void finish(const unsigned int* __restrict__ keys, int cols,
+__device__ __forceinline__ void finish(const unsigned int* __restrict__ keys, tf_i64 n, int cols,
                                        const float* __restrict__ partials,
                                        const unsigned int* __restrict__ row_first,
                                        const unsigned int* __restrict__ work,
@@ -665,63 +701,89 @@ __device__ __forceinline__ void finish(const unsigned int* __restrict__ keys, in
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int tile_cols = 32 * LC;
-  const unsigned int cut_rows = work[0];
-  for (unsigned int e = blockIdx.x; e < cut_rows; e += gridDim.x) {
-    const tf_i64 c = work[1 + e];
-    const unsigned int key = keys[c * CHUNK];
-    const unsigned int first = row_first[key];
-    const tf_i64 count = c - (first >> 1) + 1;
-    if (count <= HEAVY_PARTIALS) continue;  // the same for the whole CTA
-    tf_storage* row = out + static_cast<tf_i64>(key) * cols;
-    for (int t0 = 0; t0 < cols; t0 += tile_cols) {
-      const int col0 = t0 + lane * LC;
-      float acc[LC];
+  const tf_i64 tiles = (cols + tile_cols - 1) / tile_cols;
+  const tf_i64 light_rows = work[0];
+  const tf_i64 heavy_rows = work[1];
+  const tf_i64 last_entry = (n + CHUNK - 1) / CHUNK - 1;
+  const tf_i64 items = heavy_rows * tiles;
+  for (tf_i64 e = blockIdx.x; e < items; e += gridDim.x) {
+    // 32-bit division where it fits: entries and tiles are each below 2^31, not their product.
+    const tf_i64 h = e <= 0xffffffffll ? static_cast<unsigned int>(e) /
+                                             static_cast<unsigned int>(tiles)
+                                       : e / tiles;
+    const CutRow r = cut_row(keys, row_first, work, last_entry - h);
+    if (r.count < 1) continue;  // the same for the whole CTA
+    const int col0 = static_cast<int>((e - h * tiles) * tile_cols) + lane * LC;
+    float acc[LC];
 #pragma unroll
-      for (int j = 0; j < LC; ++j) acc[j] = 0.f;
-      if (col0 < cols) sum_partials<LC>(partials, cols, col0, first, count, warp, FINISH_WARPS, acc);
+    for (int j = 0; j < LC; ++j) acc[j] = 0.f;
+    if (col0 < cols) sum_partials<LC>(partials, cols, col0, r.first, r.count, warp, FINISH_WARPS, acc);
 #pragma unroll
-      for (int j = 0; j < LC; ++j) sums[warp][lane][j] = acc[j];
-      __syncthreads();
-      if (warp == 0 && col0 < cols) {
+    for (int j = 0; j < LC; ++j) sums[warp][lane][j] = acc[j];
+    __syncthreads();
+    if (warp == 0 && col0 < cols) {
+      tf_storage* row = out + static_cast<tf_i64>(r.key) * cols;
 #pragma unroll
-        for (int j = 0; j < LC; ++j) {
-          float total = sums[0][lane][j];
-          for (int w = 1; w < FINISH_WARPS; ++w) total += sums[w][lane][j];
-          row[col0 + j] = tf_cast<tf_storage>(total);
-        }
+      for (int j = 0; j < LC; ++j) {
+        float total = sums[0][lane][j];
+        for (int w = 1; w < FINISH_WARPS; ++w) total += sums[w][lane][j];
+        row[col0 + j] = tf_cast<tf_storage>(total);
       }
-      __syncthreads();
     }
+    __syncthreads();
   }
   const tf_i64 warps = static_cast<tf_i64>(gridDim.x) * FINISH_WARPS;
-  const tf_i64 my_warp = static_cast<tf_i64>(blockIdx.x) * FINISH_WARPS + warp;
-  for (tf_i64 e = my_warp; e < cut_rows; e += warps) {
-    const tf_i64 c = work[1 + e];
-    const unsigned int key = keys[c * CHUNK];
-    const unsigned int first = row_first[key];
-    const tf_i64 count = c - (first >> 1) + 1;
-    if (count > HEAVY_PARTIALS) continue;
-    tf_storage* row = out + static_cast<tf_i64>(key) * cols;
-    for (int col0 = lane * LC; col0 < cols; col0 += tile_cols) {
-      float acc[LC];
+  for (tf_i64 e = static_cast<tf_i64>(blockIdx.x) * FINISH_WARPS + warp; e < light_rows;
+       e += warps) {
+    const CutRow r = cut_row(keys, row_first, work, e);
+    if (r.count < 1) continue;
+    tf_storage* row = out + static_cast<tf_i64>(r.key) * cols;
+    for (int t0 = lane * LC; t0 < cols; t0 += LIGHT_TILES * tile_cols) {
+      float acc[LIGHT_TILES][LC];
 #pragma unroll
-      for (int j = 0; j < LC; ++j) acc[j] = 0.f;
-      sum_partials<LC>(partials, cols, col0, first, count, 0, 1, acc);
+      for (int t = 0; t < LIGHT_TILES; ++t)
 #pragma unroll
-      for (int j = 0; j < LC; ++j) row[col0 + j] = tf_cast<tf_storage>(acc[j]);
+        for (int j = 0; j < LC; ++j) acc[t][j] = 0.f;
+      for (tf_i64 q0 = 0; q0 < r.count; q0 += 2) {
+        float v[2][LIGHT_TILES][LC];
+#pragma unroll
+        for (int f = 0; f < 2; ++f)
+#pragma unroll
+          for (int t = 0; t < LIGHT_TILES; ++t) {
+            // Every load issued (see reduce_slice): a column past the row reads column 0, a
+            // partial past the last reads the first; neither is added.
+            const int col = t0 + t * tile_cols;
+            const tf_i64 q = q0 + f < r.count ? q0 + f : 0;
+            load_f32<LC>(partials + partial_slot(r.first, q) * cols + (col < cols ? col : 0), v[f][t]);
+          }
+#pragma unroll
+        for (int f = 0; f < 2; ++f)
+          if (q0 + f < r.count)
+#pragma unroll
+            for (int t = 0; t < LIGHT_TILES; ++t)
+#pragma unroll
+              for (int j = 0; j < LC; ++j) acc[t][j] += v[f][t][j];
+      }
+#pragma unroll
+      for (int t = 0; t < LIGHT_TILES; ++t) {
+        const int col = t0 + t * tile_cols;
+        if (col < cols)
+#pragma unroll
+          for (int j = 0; j < LC; ++j) row[col + j] = tf_cast<tf_storage>(acc[t][j]);
+      }
     }
   }
 }
 
-extern "C" __global__ void __launch_bounds__(FINISH_THREADS)
-    emb_bwd_finish(const unsigned int* __restrict__ keys, int cols,
+extern "C" __global__ void __launch_bounds__(FINISH_THREADS, 1)
+    emb_bwd_finish(const unsigned int* __restrict__ keys, tf_i64 n, int cols,
                    const float* __restrict__ partials, const unsigned int* __restrict__ row_first,
                    const unsigned int* __restrict__ work, tf_storage* __restrict__ out,
                    int vectorized) {
   // Vectorized: cols is a multiple of VEC (so of 4): a lane's 4 columns are all in the row.
   if (vectorized) {
-    finish<4>(keys, cols, partials, row_first, work, out);
+    finish<4>(keys, n, cols, partials, row_first, work, out);
   } else {
-    finish<1>(keys, cols, partials, row_first, work, out);
+    finish<1>(keys, n, cols, partials, row_first, work, out);
   }
 }

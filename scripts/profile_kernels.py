@@ -3,10 +3,12 @@ activity) with their mean durations, their sum, and the call's wall time per cal
 events over back-to-back calls (sum << wall means the host or launch gaps decide, not the
 kernels). Stock and torchfuse side by side, fresh random inputs rotated as in the benches.
 
-  python3 scripts/profile_kernels.py --lib-dir .dev [--only embedding,attention,norm]
+  python3 scripts/profile_kernels.py --lib-dir .dev [--only embedding,attention,norm] [--match TEXT]
 """
 import argparse
+import json
 import statistics
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -15,18 +17,22 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+from bench_embedding import draw
 from bench_norm import timed_loop
 
 
 def embedding_cases():
-    for v, d, t in [(50304, 768, 16384), (50304, 768, 1024), (50304, 768, 256), (32000, 4096, 16384)]:
+    cases = [(50304, 768, 16384, kind) for kind in ("uniform", "zipf", "equal")]
+    cases += [(50304, 768, 131072, kind) for kind in ("uniform", "zipf")]
+    cases += [(32000, 4096, 16384, kind) for kind in ("uniform", "zipf")]
+    for v, d, t, kind in cases:
         for dtype in (torch.bfloat16, torch.float32):
-            def make(v=v, d=d, t=t, dtype=dtype):
-                idx = torch.randint(0, v, (t,), device="cuda")
+            def make(v=v, d=d, t=t, dtype=dtype, kind=kind):
+                idx = draw(kind, v, t, None)
                 grad = torch.randn(t, d, device="cuda", dtype=dtype)
                 return idx, grad
             fn = lambda idx, grad, v=v: torch.ops.aten.embedding_dense_backward(grad, idx, v, -1, False)
-            yield f"emb_bwd V{v} D{d} T{t} {str(dtype)[6:]}", "embedding", make, fn
+            yield f"emb_bwd V{v} D{d} T{t} {kind} {str(dtype)[6:]}", "embedding", make, fn
 
 
 def attention_cases():
@@ -65,6 +71,24 @@ def norm_cases():
             yield f"ln_bwd {rows}x{hidden} {str(dtype)[6:]}", "layer_norm", make, bwd
 
 
+def timeline(fn, inputs, calls=6):
+    """The kernels of the last of `calls` back-to-back calls: start (µs from the first), duration
+    and stream, from a chrome trace (shows whether work on two streams overlaps)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            fn(*inputs[i % len(inputs)])
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset")), key=lambda e: e["ts"])
+    per_call = len(kernels) // calls
+    last = kernels[-per_call:] if per_call else []
+    t0 = last[0]["ts"] if last else 0
+    return [(e["ts"] - t0, e["dur"], e.get("args", {}).get("stream", "?"), e["name"]) for e in last]
+
+
 def kernel_means(fn, inputs, calls):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(calls):
@@ -97,6 +121,8 @@ def main():
     p.add_argument("--lib-dir", required=True)
     p.add_argument("--only", default="embedding,attention,norm")
     p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--match", default="", help="only cases whose name contains this")
+    p.add_argument("--timeline", action="store_true", help="also each kernel's start and stream, one call")
     p.add_argument("--no-lib", action="store_true", help="stock only, torchfuse not loaded")
     a = p.parse_args()
     if not a.no_lib:
@@ -106,6 +132,8 @@ def main():
     families = dict(embedding=embedding_cases, attention=attention_cases, norm=norm_cases)
     for family in a.only.split(","):
         for name, toggle, make, fn in families[family]():
+            if a.match not in name:
+                continue
             inputs = [make() for _ in range(4)]
             for side in ((False,) if a.no_lib else (False, True)):
                 if not a.no_lib:
@@ -121,6 +149,9 @@ def main():
                       f"host {host:.1f} us/call")
                 for kname, (us, per_call) in sorted(means.items(), key=lambda kv: -kv[1][0]):
                     print(f"    {us:8.1f} us  x{per_call:.0f}  {kname[:110]}")
+                if a.timeline:
+                    for start, dur, stream, kname in timeline(fn, inputs):
+                        print(f"    at {start:8.1f} us  {dur:7.1f} us  stream {stream}  {kname[:90]}")
             if not a.no_lib:
                 torch.ops.torchfuse.set_enabled(toggle, True)
             del inputs

@@ -6,7 +6,7 @@
 use crate::jit::{self, Launch};
 use crate::registry::{KernelOp, Request, StockReason, Variant};
 use crate::tensor::{aligned16, device_addr, dtype_of, empty};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{DriverError, LaunchConfig, PushKernelArg};
 use tch::{Device, Kind, Tensor};
 
 /// Tokens per tile of the radix sort (`SORT_TILE`), its block size, and the widest digit.
@@ -21,6 +21,9 @@ const FINISH_THREADS: u32 = 512;
 /// sweep, and the slice (kernel's `ZERO_SLICE`).
 const ZERO_ITEMS_PER_BLOCK: i64 = 8;
 const ZERO_SLICE: i64 = 128;
+/// emb_zero_rows' CTAs per multiprocessor: it runs beside the reduction, which keeps the
+/// rest (measured at 1, 2, 4 and 8: 4 is best on the D=4096 tables, the same elsewhere).
+const ZERO_BLOCKS_PER_SM: u32 = 4;
 
 /// Compile-time parameters an embedding variant may set, and their limits.
 pub fn validate_variant(v: &Variant) -> Result<(), String> {
@@ -238,10 +241,11 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockRe
     // - two (keys, token numbers) buffers the sort passes alternate between;
     // - the sort's digit histograms, one row per tile;
     // - one bit per table row (touched by some token), then the work list of rows cut by
-    //   chunk edges (its length, then up to one entry per chunk): zeroed below;
+    //   chunk edges (its two lengths, light and heavy rows, then up to one entry per chunk):
+    //   zeroed below;
     // - each cut row's first partial.
     let bitmap_words = (num_weights + 31) / 32;
-    let flag_words = bitmap_words + 1 + i64::from(chunks);
+    let flag_words = bitmap_words + 2 + i64::from(chunks);
     let regions = [
         i64::from(chunks) * 2 * cols * 4,
         4 * tokens * 4,
@@ -292,103 +296,131 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockRe
         block_dim: (SORT_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let resident = kernels.resident_per_sm(1, SORT_THREADS) * gpu.multiprocessors;
     let vectors = if vectorized == 1 { cols / vec } else { cols };
     let zero_items = (num_weights + 31) / 32 * ((vectors + ZERO_SLICE - 1) / ZERO_SLICE);
-    let zero_blocks = count(zero_items, ZERO_ITEMS_PER_BLOCK)?.clamp(1, resident.max(1));
-    let (mut keys_in, mut pos_in) = (0u64, 0u64);
-    for pass in 0..passes {
-        let shift = (pass * digit_bits) as i32;
-        let pass_bits = digit_bits.min(bits - pass * digit_bits) as i32;
-        let target = i64::from(pass % 2) * 2;
-        let (keys_out, pos_out) = (buffer(target), buffer(target + 1));
-        let first_pass = pass == 0;
-        let touched = if first_pass { touched_ptr } else { 0 };
-        let mut args = stream.launch_builder(&kernels.functions[0]);
-        args.arg(&idx_ptr)
-            .arg(&idx64)
-            .arg(&keys_in)
-            .arg(&tokens)
-            .arg(&num_weights)
-            .arg(&shift)
-            .arg(&pass_bits)
-            .arg(&hist_ptr)
-            .arg(&touched);
-        // SAFETY: argument types and order match emb_sort_count; indices holds `tokens`
-        // values, keys_in (null on the first pass) `tokens` keys, hist tiles << digit_bits
-        // counters, the bitmap one bit per row (null after the first pass); all live until
-        // the stream is done with them.
-        unsafe { args.launch(sort_config) }.map_err(failed)?;
-        let mut args = stream.launch_builder(&kernels.functions[1]);
-        args.arg(&idx_ptr)
-            .arg(&idx64)
-            .arg(&keys_in)
-            .arg(&pos_in)
-            .arg(&tokens)
-            .arg(&num_weights)
-            .arg(&shift)
-            .arg(&pass_bits)
-            .arg(&hist_ptr)
-            .arg(&tiles_i32)
-            .arg(&keys_out)
-            .arg(&pos_out)
-            .arg(&touched_ptr)
+    let zero_blocks =
+        count(zero_items, ZERO_ITEMS_PER_BLOCK)?.clamp(1, ZERO_BLOCKS_PER_SM * gpu.multiprocessors);
+    let zero_config = LaunchConfig {
+        grid_dim: (zero_blocks, 1, 1),
+        ..sort_config
+    };
+    // emb_bwd_reduce: one warp per (chunk, slice of 32 column vectors).
+    let reduce_blocks = count(
+        i64::from(chunks) * ((vectors + 31) / 32),
+        i64::from(REDUCE_THREADS / 32),
+    )?;
+    let zero_rows = |side: &jit::SideStream| {
+        side.fork_from(&stream)?;
+        let mut args = side.stream.launch_builder(&kernels.functions[4]);
+        args.arg(&touched_ptr)
             .arg(&cols_i32)
+            .arg(&num_weights)
             .arg(&padding_idx)
             .arg(&out_ptr)
             .arg(&vectorized);
-        // The first pass's launch also writes the zero rows, on the GPU the sort leaves idle.
-        let config = LaunchConfig {
-            grid_dim: (tiles + if first_pass { zero_blocks } else { 0 }, 1, 1),
-            ..sort_config
-        };
-        // SAFETY: as above for emb_sort_scatter; keys_out and pos_out hold `tokens` values
-        // each and differ from keys_in and pos_in; grad_weight holds num_weights x cols
-        // elements.
-        unsafe { args.launch(config) }.map_err(failed)?;
-        (keys_in, pos_in) = (keys_out, pos_out);
-    }
+        // SAFETY: argument types and order match emb_zero_rows; the bitmap holds one bit per
+        // row and is complete (the launch waits for the first count pass), grad_weight holds
+        // num_weights x cols elements; the caller's stream joins the side stream before either
+        // can be freed.
+        unsafe { args.launch(zero_config) }.map(|_| ())
+    };
+    let sort_and_reduce = |side: &jit::SideStream| -> Result<(), DriverError> {
+        let (mut keys_in, mut pos_in) = (0u64, 0u64);
+        for pass in 0..passes {
+            let shift = (pass * digit_bits) as i32;
+            let pass_bits = digit_bits.min(bits - pass * digit_bits) as i32;
+            let target = i64::from(pass % 2) * 2;
+            let (keys_out, pos_out) = (buffer(target), buffer(target + 1));
+            let touched = if pass == 0 { touched_ptr } else { 0 };
+            let mut args = stream.launch_builder(&kernels.functions[0]);
+            args.arg(&idx_ptr)
+                .arg(&idx64)
+                .arg(&keys_in)
+                .arg(&tokens)
+                .arg(&num_weights)
+                .arg(&shift)
+                .arg(&pass_bits)
+                .arg(&hist_ptr)
+                .arg(&touched);
+            // SAFETY: argument types and order match emb_sort_count; indices holds `tokens`
+            // values, keys_in (null on the first pass) `tokens` keys, hist tiles << digit_bits
+            // counters, the bitmap one bit per row (null after the first pass); all live until
+            // the stream is done with them.
+            unsafe { args.launch(sort_config) }?;
+            let mut args = stream.launch_builder(&kernels.functions[1]);
+            args.arg(&idx_ptr)
+                .arg(&idx64)
+                .arg(&keys_in)
+                .arg(&pos_in)
+                .arg(&tokens)
+                .arg(&num_weights)
+                .arg(&shift)
+                .arg(&pass_bits)
+                .arg(&hist_ptr)
+                .arg(&tiles_i32)
+                .arg(&keys_out)
+                .arg(&pos_out);
+            // SAFETY: as above for emb_sort_scatter; keys_out and pos_out hold `tokens` values
+            // each and differ from keys_in and pos_in.
+            unsafe { args.launch(sort_config) }?;
+            (keys_in, pos_in) = (keys_out, pos_out);
+        }
 
-    let mut args = stream.launch_builder(&kernels.functions[2]);
-    args.arg(&grad_ptr)
-        .arg(&keys_in)
-        .arg(&pos_in)
-        .arg(&tokens)
-        .arg(&cols_i32)
-        .arg(&num_weights)
-        .arg(&padding_idx)
-        .arg(&partials_ptr)
-        .arg(&out_ptr)
-        .arg(&row_first_ptr)
-        .arg(&work_ptr)
-        .arg(&vectorized);
-    let config = LaunchConfig {
-        grid_dim: (chunks, 1, 1),
-        block_dim: (REDUCE_THREADS, 1, 1),
-        shared_mem_bytes: 0,
+        // The zero rows are written beside the reduction. Beside the sort they slow its few
+        // latency-bound CTAs down more than they gain (measured: 96 against 77 us at GPT-2's
+        // shape), and a one-CTA sort on chip is slower still (63 us for 16k tokens).
+        zero_rows(side)?;
+        let mut args = stream.launch_builder(&kernels.functions[2]);
+        args.arg(&grad_ptr)
+            .arg(&keys_in)
+            .arg(&pos_in)
+            .arg(&tokens)
+            .arg(&cols_i32)
+            .arg(&num_weights)
+            .arg(&padding_idx)
+            .arg(&partials_ptr)
+            .arg(&out_ptr)
+            .arg(&row_first_ptr)
+            .arg(&work_ptr)
+            .arg(&vectorized);
+        let config = LaunchConfig {
+            grid_dim: (reduce_blocks, 1, 1),
+            block_dim: (REDUCE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument types and order match emb_bwd_reduce; grad holds tokens x cols
+        // elements, keys/pos the sorted `tokens` pairs, partials chunks x 2 x cols fp32 values,
+        // grad_weight num_weights x cols elements, row_first num_weights words, the work list
+        // 2 + chunks words.
+        unsafe { args.launch(config) }?;
+        let mut args = stream.launch_builder(&kernels.functions[3]);
+        args.arg(&keys_in)
+            .arg(&tokens)
+            .arg(&cols_i32)
+            .arg(&partials_ptr)
+            .arg(&row_first_ptr)
+            .arg(&work_ptr)
+            .arg(&out_ptr)
+            .arg(&vectorized);
+        // Persistent: the work list's length is only known on the GPU.
+        let finish_blocks = kernels.resident_per_sm(3, FINISH_THREADS) * gpu.multiprocessors;
+        let config = LaunchConfig {
+            grid_dim: (finish_blocks.max(1), 1, 1),
+            block_dim: (FINISH_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: as above for emb_bwd_finish.
+        unsafe { args.launch(config) }?;
+        Ok(())
     };
-    // SAFETY: argument types and order match emb_bwd_reduce; grad holds tokens x cols
-    // elements, keys/pos the sorted `tokens` pairs, partials chunks x 2 x cols fp32 values,
-    // grad_weight num_weights x cols elements, row_first num_weights words, the work list
-    // 1 + chunks words.
-    unsafe { args.launch(config) }.map_err(failed)?;
-    let mut args = stream.launch_builder(&kernels.functions[3]);
-    args.arg(&keys_in)
-        .arg(&cols_i32)
-        .arg(&partials_ptr)
-        .arg(&row_first_ptr)
-        .arg(&work_ptr)
-        .arg(&out_ptr)
-        .arg(&vectorized);
-    // Persistent: the work list's length is only known on the GPU.
-    let finish_blocks = kernels.resident_per_sm(3, FINISH_THREADS) * gpu.multiprocessors;
-    let config = LaunchConfig {
-        grid_dim: (finish_blocks.max(1), 1, 1),
-        block_dim: (FINISH_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: as above for emb_bwd_finish.
-    unsafe { args.launch(config) }.map_err(failed)?;
+    gpu.with_side_stream(|side| {
+        let launched = sort_and_reduce(side);
+        // Always: grad_weight and the workspace may be handed back to PyTorch only after the
+        // side stream is done with them, on the error path too.
+        launched.and(side.join_into(&stream))
+    })
+    .and_then(|launched| launched)
+    .map_err(failed)?;
     Ok(Gathered {
         output: grad_weight,
         kernel: variant.name.as_str(),

@@ -6,7 +6,7 @@
 //! and remembered: the variant is unusable for the rest of the process and stock serves it.
 
 use crate::registry::{DType, KernelOp, Request, StockReason, Variant, REGISTRY};
-use cudarc::driver::{CudaContext, CudaFunction};
+use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaStream, DriverError};
 use cudarc::nvrtc::sys as nvrtc_sys;
 use once_cell::sync::{Lazy, OnceCell};
 use std::collections::{BTreeMap, HashMap};
@@ -280,9 +280,60 @@ pub struct Device {
     pub sm: u32,
     pub arch: String,
     pub multiprocessors: u32,
+    side: Mutex<Option<SideStream>>,
+}
+
+/// A second stream of a device, and the two events that fork work onto it from the caller's
+/// stream and join it back: work on it is ordered like the rest of the op, and a CUDA graph
+/// capture of the caller's stream takes it in.
+pub struct SideStream {
+    pub stream: Arc<CudaStream>,
+    fork: CudaEvent,
+    join: CudaEvent,
+}
+
+impl SideStream {
+    fn new(ctx: &Arc<CudaContext>) -> Result<SideStream, DriverError> {
+        Ok(SideStream {
+            stream: ctx.new_stream()?,
+            fork: ctx.new_event(None)?,
+            join: ctx.new_event(None)?,
+        })
+    }
+
+    /// The side stream waits for what `main` has queued so far.
+    pub fn fork_from(&self, main: &CudaStream) -> Result<(), DriverError> {
+        self.fork.record(main)?;
+        self.stream.wait(&self.fork)
+    }
+
+    /// `main` waits for what the side stream has queued so far. Where that cannot be queued,
+    /// the host waits for the side stream instead, so no memory it writes is handed back
+    /// while it still runs.
+    pub fn join_into(&self, main: &CudaStream) -> Result<(), DriverError> {
+        let joined = self
+            .join
+            .record(&self.stream)
+            .and_then(|()| main.wait(&self.join));
+        if joined.is_err() {
+            let _ = self.stream.synchronize();
+        }
+        joined
+    }
 }
 
 impl Device {
+    /// Runs `f` with the device's side stream (made on first use), which no other call uses
+    /// meanwhile: the fork and join events of one call cannot interleave with another's.
+    pub fn with_side_stream<R>(&self, f: impl FnOnce(&SideStream) -> R) -> Result<R, DriverError> {
+        let mut slot = self.side.lock().unwrap_or_else(|p| p.into_inner());
+        let side = match slot.take() {
+            Some(side) => side,
+            None => SideStream::new(&self.ctx)?,
+        };
+        Ok(f(slot.insert(side)))
+    }
+
     /// PyTorch's current stream of `launch`, borrowed for one call.
     pub fn stream(&self, launch: Launch) -> Arc<cudarc::driver::CudaStream> {
         // SAFETY: `launch.stream` is PyTorch's current stream of this device, alive for the call.
@@ -324,6 +375,7 @@ pub fn device(ordinal: i32) -> Result<Arc<Device>, String> {
                 sm,
                 arch: arch_for(sm),
                 multiprocessors: u32::try_from(multiprocessors).unwrap_or(1).max(1),
+                side: Mutex::new(None),
             }))
         })
         .clone()

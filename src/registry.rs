@@ -143,6 +143,7 @@ impl KernelOp {
                 "emb_sort_scatter",
                 "emb_bwd_reduce",
                 "emb_bwd_finish",
+                "emb_zero_rows",
             ],
             KernelOp::AttentionCausal | KernelOp::AttentionFull => {
                 &["attn_fwd", "attn_bwd_prep", "attn_bwd_dkdv", "attn_bwd_dq"]
