@@ -10,7 +10,7 @@
 // fixed by the indices alone, so the result is bitwise identical run to run):
 //  1. A stable LSD radix sort of the (index, token) pairs by index, 1 to 4 passes of up to
 //     9-bit digits (as many bits as the table has rows). A pass is emb_sort_count (a digit
-//     histogram per tile of 2048 tokens) then emb_sort_scatter (each tile recomputes its
+//     histogram per tile of 1024 or 2048 tokens) then emb_sort_scatter (each tile recomputes its
 //     digits' global offsets from the histograms, ranks its tokens per warp with ballots, and
 //     writes them to their sorted places). Tokens of one index stay in token order. Keys are
 //     loaded before any is used, so a tile waits for memory once, not once per token.
@@ -49,9 +49,10 @@
 #define VEC TF_VEC
 #define SORT_THREADS 256
 #define SORT_WARPS (SORT_THREADS / 32)
-#define SORT_ITEMS 8
-#define SORT_TILE (SORT_THREADS * SORT_ITEMS)
-#define SORT_WARP_ITEMS (SORT_TILE / SORT_WARPS)
+// Tokens per thread of a sort tile (the launch picks one: smaller tiles for fewer tokens, so
+// that more CTAs share the latency-bound passes).
+#define SORT_ITEMS_SMALL 4
+#define SORT_ITEMS_LARGE 8
 #define RADIX_MAX 512
 #define CHUNK 32
 #define REDUCE_THREADS 256
@@ -206,31 +207,32 @@ __device__ __forceinline__ unsigned int lanemask_lt() {
   return m;
 }
 
-// The sort keys of a thread's SORT_ITEMS tokens first + k * step in this pass: the raw
+// The sort keys of a thread's ITEMS tokens first + k * step in this pass: the raw
 // indices on the first pass (checked: an index outside the table asserts), the previous
 // pass's keys after that. All loads are issued before the check. NOT_COUNTED: past the end.
 #define NOT_COUNTED 0xffffffffu
+template <int ITEMS>
 __device__ __forceinline__ void load_keys(const void* indices, int idx64,
                                           const unsigned int* keys_in, tf_i64 first, int step,
                                           tf_i64 n, tf_i64 num_weights,
-                                          unsigned int (&keys)[SORT_ITEMS]) {
+                                          unsigned int (&keys)[ITEMS]) {
   if (keys_in != nullptr) {
 #pragma unroll
-    for (int k = 0; k < SORT_ITEMS; ++k) {
+    for (int k = 0; k < ITEMS; ++k) {
       const tf_i64 i = first + k * step;
       keys[k] = i < n ? keys_in[i] : NOT_COUNTED;
     }
     return;
   }
-  long long raw[SORT_ITEMS];
+  long long raw[ITEMS];
 #pragma unroll
-  for (int k = 0; k < SORT_ITEMS; ++k) {
+  for (int k = 0; k < ITEMS; ++k) {
     const tf_i64 i = first + k * step;
     raw[k] = i < n ? raw_index(indices, idx64, i) : 0;
   }
   bool bad = false;
 #pragma unroll
-  for (int k = 0; k < SORT_ITEMS; ++k) {
+  for (int k = 0; k < ITEMS; ++k) {
     const bool out_of_table = raw[k] < 0 || raw[k] >= num_weights;
     bad |= out_of_table;
     keys[k] = first + k * step < n && !out_of_table ? static_cast<unsigned int>(raw[k])
@@ -261,29 +263,30 @@ __device__ __forceinline__ int digit_of(unsigned int key, int shift, int radix) 
 
 // hist[tile * radix + digit] = how many of the tile's tokens have that digit. The first pass
 // also sets each token's row bit in `touched` (cleared before the launch).
-extern "C" __global__ void __launch_bounds__(SORT_THREADS)
-    emb_sort_count(const void* __restrict__ indices, int idx64,
-                   const unsigned int* __restrict__ keys_in, tf_i64 n, tf_i64 num_weights,
-                   int shift, int bits, unsigned int* __restrict__ hist,
-                   unsigned int* __restrict__ touched) {
+template <int ITEMS>
+__device__ __forceinline__ void sort_count(const void* __restrict__ indices, int idx64,
+                                           const unsigned int* __restrict__ keys_in, tf_i64 n,
+                                           tf_i64 num_weights, int shift, int bits,
+                                           unsigned int* __restrict__ hist,
+                                           unsigned int* __restrict__ touched) {
   __shared__ unsigned int counts[RADIX_MAX];
   const int radix = 1 << bits;
   for (int d = threadIdx.x; d < radix; d += SORT_THREADS) counts[d] = 0;
-  unsigned int keys[SORT_ITEMS];
-  load_keys(indices, idx64, keys_in, static_cast<tf_i64>(blockIdx.x) * SORT_TILE + threadIdx.x,
+  unsigned int keys[ITEMS];
+  load_keys(indices, idx64, keys_in, static_cast<tf_i64>(blockIdx.x) * ITEMS * SORT_THREADS + threadIdx.x,
             SORT_THREADS, n, num_weights, keys);
   __syncthreads();
   const int lane = threadIdx.x % 32;
   // The first pass reads the bitmap words of its rows up front (all loads in flight at once):
   // a bit already set (the hot rows of skewed indices) skips the atomic.
-  unsigned int seen[SORT_ITEMS];
+  unsigned int seen[ITEMS];
   if (touched != nullptr) {
 #pragma unroll
-    for (int k = 0; k < SORT_ITEMS; ++k)
+    for (int k = 0; k < ITEMS; ++k)
       seen[k] = __ldcg(&touched[keys[k] != NOT_COUNTED ? keys[k] >> 5 : 0u]);
   }
 #pragma unroll
-  for (int k = 0; k < SORT_ITEMS; ++k) {
+  for (int k = 0; k < ITEMS; ++k) {
     bool counted;
     const unsigned int peers = same_digit(keys[k], shift, bits, counted);
     // One shared-memory add per distinct digit in the warp (all-equal indices would
@@ -303,8 +306,23 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     hist[static_cast<tf_i64>(blockIdx.x) * radix + d] = counts[d];
 }
 
+extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+    emb_sort_count(const void* __restrict__ indices, int idx64,
+                   const unsigned int* __restrict__ keys_in, tf_i64 n, tf_i64 num_weights,
+                   int shift, int bits, unsigned int* __restrict__ hist,
+                   unsigned int* __restrict__ touched, int items) {
+  if (items == SORT_ITEMS_SMALL) {
+    sort_count<SORT_ITEMS_SMALL>(indices, idx64, keys_in, n, num_weights, shift, bits, hist,
+                                 touched);
+  } else {
+    sort_count<SORT_ITEMS_LARGE>(indices, idx64, keys_in, n, num_weights, shift, bits, hist,
+                                 touched);
+  }
+}
+
 // Writes the tile's tokens to their places in the order (digit, token): keys_out/pos_out.
 // pos_in null: the first pass, positions are token numbers.
+template <int ITEMS>
 __device__ __forceinline__ void sort_scatter(const void* __restrict__ indices, int idx64,
                      const unsigned int* __restrict__ keys_in,
                      const unsigned int* __restrict__ pos_in, tf_i64 n, tf_i64 num_weights,
@@ -319,15 +337,15 @@ __device__ __forceinline__ void sort_scatter(const void* __restrict__ indices, i
   const int lane = threadIdx.x % 32;
   const int tile = blockIdx.x;
 
-  // Each warp owns a contiguous stretch of the tile, SORT_ITEMS tokens per lane, all loaded
+  // Each warp owns a contiguous stretch of the tile, ITEMS tokens per lane, all loaded
   // up front.
   const tf_i64 warp_start =
-      static_cast<tf_i64>(tile) * SORT_TILE + static_cast<tf_i64>(warp) * SORT_WARP_ITEMS;
-  unsigned int keys[SORT_ITEMS];
-  unsigned int pos[SORT_ITEMS];
+      static_cast<tf_i64>(tile) * ITEMS * SORT_THREADS + static_cast<tf_i64>(warp) * ITEMS * 32;
+  unsigned int keys[ITEMS];
+  unsigned int pos[ITEMS];
   load_keys(indices, idx64, keys_in, warp_start + lane, 32, n, num_weights, keys);
 #pragma unroll
-  for (int k = 0; k < SORT_ITEMS; ++k) {
+  for (int k = 0; k < ITEMS; ++k) {
     const tf_i64 i = warp_start + k * 32 + lane;
     pos[k] = pos_in == nullptr ? static_cast<unsigned int>(i) : (i < n ? pos_in[i] : 0u);
   }
@@ -368,9 +386,9 @@ __device__ __forceinline__ void sort_scatter(const void* __restrict__ indices, i
 
   // 2. Count the warp's digits, and keep each token's rank among its warp-mates of the same
   //    digit in the same iteration.
-  unsigned int rank[SORT_ITEMS];
+  unsigned int rank[ITEMS];
 #pragma unroll
-  for (int k = 0; k < SORT_ITEMS; ++k) {
+  for (int k = 0; k < ITEMS; ++k) {
     bool counted;
     const unsigned int peers = same_digit(keys[k], shift, bits, counted);
     const int digit = digit_of(keys[k], shift, radix);
@@ -397,7 +415,7 @@ __device__ __forceinline__ void sort_scatter(const void* __restrict__ indices, i
 
   // 4. Scatter: the warp's first place for the digit plus the rank within the warp.
 #pragma unroll
-  for (int k = 0; k < SORT_ITEMS; ++k) {
+  for (int k = 0; k < ITEMS; ++k) {
     if (rank[k] != NOT_COUNTED) {
       const unsigned int place = next[warp][digit_of(keys[k], shift, radix)] + rank[k];
       keys_out[place] = keys[k];
@@ -462,13 +480,19 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
                      const unsigned int* __restrict__ keys_in,
                      const unsigned int* __restrict__ pos_in, tf_i64 n, tf_i64 num_weights,
                      int shift, int bits, const unsigned int* __restrict__ hist, int tiles,
-                     unsigned int* __restrict__ keys_out, unsigned int* __restrict__ pos_out) {
-  sort_scatter(indices, idx64, keys_in, pos_in, n, num_weights, shift, bits, hist, tiles,
-               keys_out, pos_out);
+                     unsigned int* __restrict__ keys_out, unsigned int* __restrict__ pos_out,
+                     int items) {
+  if (items == SORT_ITEMS_SMALL) {
+    sort_scatter<SORT_ITEMS_SMALL>(indices, idx64, keys_in, pos_in, n, num_weights, shift, bits,
+                                   hist, tiles, keys_out, pos_out);
+  } else {
+    sort_scatter<SORT_ITEMS_LARGE>(indices, idx64, keys_in, pos_in, n, num_weights, shift, bits,
+                                   hist, tiles, keys_out, pos_out);
+  }
 }
 
 // The zero rows, from the bitmap the first emb_sort_count made. It runs on a second stream
-// beside the sort and the reduction (a small grid, so that they keep most of the GPU).
+// beside the reduction, with a few CTAs per SM (the reduction keeps the rest).
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     emb_zero_rows(const unsigned int* __restrict__ touched, int cols, tf_i64 num_weights,
                   tf_i64 padding_idx, tf_storage* __restrict__ out, int vectorized) {
