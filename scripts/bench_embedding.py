@@ -9,6 +9,7 @@ rows included).
   --quick  one dtype and distribution per case (a smoke run)
   --sweep  also time forward launch shapes (THREADS x UNROLL, forced by name through
            TORCHFUSE_REGISTRY_EXTRA + torch.ops.torchfuse._force_variant)
+  --serve-all  torchfuse's kernels also below the registry's thresholds (to set them)
 """
 import argparse
 import json
@@ -64,6 +65,8 @@ def main():
     p.add_argument("--small", action="store_true")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--serve-all", action="store_true",
+                   help="serve calls below the registry's row thresholds too (to measure them)")
     p.add_argument("--graph", action="store_true",
                    help="also GPU time per call from CUDA-graph replays (stock's backward syncs: not capturable)")
     a = p.parse_args()
@@ -73,6 +76,8 @@ def main():
         write_sweep_registry(out / "embedding_sweep.toml")
         os.environ["TORCHFUSE_REGISTRY_EXTRA"] = str(out / "embedding_sweep.toml")
     torch.ops.load_library(str(Path(a.lib_dir) / "libtorchfuse.so"))
+    if a.serve_all:
+        torch.ops.torchfuse._serve_below_thresholds(True)
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 50 << 20)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -134,7 +139,7 @@ def main():
             torch.cuda.empty_cache()
 
     flags = " ".join(f for f, on in (("--small", a.small), ("--quick", a.quick), ("--sweep", a.sweep),
-                                      ("--graph", a.graph)) if on)
+                                      ("--serve-all", a.serve_all), ("--graph", a.graph)) if on)
     meta = dict(device=device, torch=torch.__version__, copy_tb_s=bw,
                 command=f"TORCHFUSE_BENCH=embedding scripts/bench .dev $OUT  (scripts/bench_embedding.py {flags})")
     (out / "bench_embedding.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

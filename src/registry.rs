@@ -543,6 +543,8 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
             (EmbeddingBwd, DType::F32, 4096, 8192, "emb_bwd"),
             (EmbeddingBwd, DType::F16, 768, 131072, "emb_bwd"),
             (EmbeddingBwd, DType::F32, 64, 4096, "emb_bwd"),
+            (EmbeddingBwd, DType::BF16, 768, 1024, "emb_bwd"),
+            (EmbeddingBwd, DType::F32, 4096, 2048, "emb_bwd"),
             // Attention: small causal calls (rows = B*H*Lq*Lk), registry/attention.toml.
             (
                 AttentionCausal,
@@ -656,14 +658,14 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
                 EmbeddingBwd,
                 DType::BF16,
                 768,
-                1024,
+                1023,
                 StockReason::NotFasterHere,
             ),
             (
                 EmbeddingBwd,
                 DType::F32,
                 4096,
-                2048,
+                2047,
                 StockReason::NotFasterHere,
             ),
             // Attention: stock's cuDNN is faster on every larger call, masked or not.
