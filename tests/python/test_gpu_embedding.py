@@ -238,6 +238,73 @@ def test_cuda_graph_capture():
         assert rel_err(grad_weight, ref) <= 1e-5
 
 
+def test_zero_rows_are_ordered_before_the_callers_next_op():
+    """The zero rows are written on a second stream: the caller's stream must wait for them
+    before its next op reads the result (here at once, on a non-default stream, over memory
+    the allocator hands back full of NaN)."""
+    rng = random.Random(fresh_seed())
+    gen = torch.Generator(device="cuda").manual_seed(rng.randrange(2**31))
+    num_weights, dim, tokens = 200_000, 1024, 4096  # 819 MB of rows, nearly all zero
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    before = fused_count("embedding_dense_backward")
+    sums = []
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            idx = torch.randint(0, num_weights, (tokens,), generator=gen, device="cuda")
+            grad = torch.randn(tokens, dim, generator=gen, device="cuda")
+            poison_allocator(num_weights * dim * 4)
+            g = torch.ops.aten.embedding_dense_backward(grad, idx, num_weights, -1, False)
+            sums.append(g.sum(1))  # queued right behind the backward on the same stream
+            del g
+    stream.synchronize()
+    assert fused_count("embedding_dense_backward") - before == 3
+    for s in sums:
+        assert not s.isnan().any(), "a zero row was read before it was written"
+
+
+def test_concurrent_calls_from_two_threads_on_two_streams():
+    """Two threads, each on its own stream, share the device's second stream: every result
+    must still be bitwise the one a lone call gives."""
+    import threading
+
+    rng = random.Random(fresh_seed())
+    gen = torch.Generator(device="cuda").manual_seed(rng.randrange(2**31))
+    cases = []
+    for num_weights, dim, tokens, kind in [(50304, 768, 16384, "uniform"), (32000, 256, 20000, "zipf")]:
+        idx = draw_indices(rng, gen, num_weights, (tokens,), kind)
+        grad = torch.randn(tokens, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+        cases.append((grad, idx, num_weights))
+    expected = [dense_backward(grad, idx, v, -1, True) for grad, idx, v in cases]
+    torch.cuda.synchronize()
+    results = [[] for _ in cases]
+    errors = []
+
+    def work(i):
+        try:
+            grad, idx, num_weights = cases[i]
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(8):
+                    results[i].append(torch.ops.aten.embedding_dense_backward(grad, idx, num_weights, -1, False))
+            stream.synchronize()
+        except Exception as e:  # reported below, in the test's thread
+            errors.append(e)
+
+    before = fused_count("embedding_dense_backward")
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert fused_count("embedding_dense_backward") - before == 8 * len(cases)
+    for want, got in zip(expected, results):
+        for g in got:
+            assert torch.equal(g, want)
+
+
 def test_over_2_31_elements():
     """64-bit offsets: an output and a grad of more than 2^31 elements."""
     tokens, dim = 2**21 + 3, 1030  # 2.16e9 elements, bf16: 4.3 GB each
