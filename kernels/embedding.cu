@@ -712,9 +712,11 @@ __device__ __forceinline__ CutRow cut_row(const unsigned int* __restrict__ keys,
 }
 
 // After emb_bwd_reduce: each row cut by chunk edges (the work list) is the sum of its partials
-// in chunk order. A light row is one warp's: LIGHT_TILES column tiles at a time, two partials
-// each, all in flight. A heavy row is split into (row, tile of 32 x LC columns) items, each a
-// whole CTA's: warps take fixed strides of partials, then a fixed-order sum over warps.
+// in chunk order. A light row is split into groups of LIGHT_TILES column tiles, each one
+// warp's, with two partials of every tile in flight (a whole wide row per warp was 8 x 8
+// dependent rounds at 4096 columns). A heavy row is split into (row, tile of 32 x LC columns)
+// items, each a whole CTA's: warps take fixed strides of partials, then a fixed-order sum over
+// warps.
 template <int LC>
 __device__ __forceinline__ void finish(const unsigned int* __restrict__ keys, tf_i64 n, int cols,
                                        const float* __restrict__ partials,
@@ -756,45 +758,51 @@ __device__ __forceinline__ void finish(const unsigned int* __restrict__ keys, tf
     }
     __syncthreads();
   }
+  // Light rows: (row, group of LIGHT_TILES column tiles) items, one warp each.
+  const int group_cols = LIGHT_TILES * tile_cols;
+  const tf_i64 groups = (cols + group_cols - 1) / group_cols;
+  const tf_i64 light_items = light_rows * groups;
   const tf_i64 warps = static_cast<tf_i64>(gridDim.x) * FINISH_WARPS;
-  for (tf_i64 e = static_cast<tf_i64>(blockIdx.x) * FINISH_WARPS + warp; e < light_rows;
+  for (tf_i64 e = static_cast<tf_i64>(blockIdx.x) * FINISH_WARPS + warp; e < light_items;
        e += warps) {
-    const CutRow r = cut_row(keys, row_first, work, e);
+    const tf_i64 entry = e <= 0xffffffffll ? static_cast<unsigned int>(e) /
+                                                 static_cast<unsigned int>(groups)
+                                           : e / groups;
+    const CutRow r = cut_row(keys, row_first, work, entry);
     if (r.count < 1) continue;
     tf_storage* row = out + static_cast<tf_i64>(r.key) * cols;
-    for (int t0 = lane * LC; t0 < cols; t0 += LIGHT_TILES * tile_cols) {
-      float acc[LIGHT_TILES][LC];
+    const int t0 = static_cast<int>((e - entry * groups) * group_cols) + lane * LC;
+    float acc[LIGHT_TILES][LC];
 #pragma unroll
-      for (int t = 0; t < LIGHT_TILES; ++t)
+    for (int t = 0; t < LIGHT_TILES; ++t)
 #pragma unroll
-        for (int j = 0; j < LC; ++j) acc[t][j] = 0.f;
-      for (tf_i64 q0 = 0; q0 < r.count; q0 += 2) {
-        float v[2][LIGHT_TILES][LC];
+      for (int j = 0; j < LC; ++j) acc[t][j] = 0.f;
+    for (tf_i64 q0 = 0; q0 < r.count; q0 += 2) {
+      float v[2][LIGHT_TILES][LC];
 #pragma unroll
-        for (int f = 0; f < 2; ++f)
+      for (int f = 0; f < 2; ++f)
 #pragma unroll
-          for (int t = 0; t < LIGHT_TILES; ++t) {
-            // Every load issued (see reduce_slice): a column past the row reads column 0, a
-            // partial past the last reads the first; neither is added.
-            const int col = t0 + t * tile_cols;
-            const tf_i64 q = q0 + f < r.count ? q0 + f : 0;
-            load_f32<LC>(partials + partial_slot(r.first, q) * cols + (col < cols ? col : 0), v[f][t]);
-          }
+        for (int t = 0; t < LIGHT_TILES; ++t) {
+          // Every load issued (see reduce_slice): a column past the row reads column 0, a
+          // partial past the last reads the first; neither is added.
+          const int col = t0 + t * tile_cols;
+          const tf_i64 q = q0 + f < r.count ? q0 + f : 0;
+          load_f32<LC>(partials + partial_slot(r.first, q) * cols + (col < cols ? col : 0), v[f][t]);
+        }
 #pragma unroll
-        for (int f = 0; f < 2; ++f)
-          if (q0 + f < r.count)
+      for (int f = 0; f < 2; ++f)
+        if (q0 + f < r.count)
 #pragma unroll
-            for (int t = 0; t < LIGHT_TILES; ++t)
+          for (int t = 0; t < LIGHT_TILES; ++t)
 #pragma unroll
-              for (int j = 0; j < LC; ++j) acc[t][j] += v[f][t][j];
-      }
+            for (int j = 0; j < LC; ++j) acc[t][j] += v[f][t][j];
+    }
 #pragma unroll
-      for (int t = 0; t < LIGHT_TILES; ++t) {
-        const int col = t0 + t * tile_cols;
-        if (col < cols)
+    for (int t = 0; t < LIGHT_TILES; ++t) {
+      const int col = t0 + t * tile_cols;
+      if (col < cols)
 #pragma unroll
-          for (int j = 0; j < LC; ++j) row[col + j] = tf_cast<tf_storage>(acc[t][j]);
-      }
+        for (int j = 0; j < LC; ++j) row[col + j] = tf_cast<tf_storage>(acc[t][j]);
     }
   }
 }

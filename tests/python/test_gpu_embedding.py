@@ -116,7 +116,8 @@ def check_backward(grad, idx, num_weights, padding_idx, desc):
 
 
 def test_backward_random_cases():
-    rng = random.Random(fresh_seed())
+    seed = fresh_seed()
+    rng = random.Random(seed)
     gen = torch.Generator(device="cuda").manual_seed(rng.randrange(2**31))
     before = fused_count("embedding_dense_backward")
     cases = 0
@@ -130,7 +131,8 @@ def test_backward_random_cases():
         idx = draw_indices(rng, gen, num_weights, shape, kind, rng.choice([torch.int64, torch.int32]))
         padding_idx = rng.choice([-1, -1, rng.randrange(num_weights), int(idx.reshape(-1)[0])])
         grad = torch.randn(*idx.shape, dim, generator=gen, device="cuda").to(dtype)
-        desc = f"V={num_weights} D={dim} {dtype} {tuple(idx.shape)} {idx.dtype} {kind} pad={padding_idx}"
+        desc = (f"V={num_weights} D={dim} {dtype} {tuple(idx.shape)} {idx.dtype} {kind} pad={padding_idx}"
+                f" (seed {seed})")
         check_backward(grad, idx, num_weights, padding_idx, desc)
         cases += 1
     assert fused_count("embedding_dense_backward") - before == 2 * cases
@@ -139,12 +141,13 @@ def test_backward_random_cases():
 @pytest.mark.parametrize("kind", ["equal", "few", "zipf"])
 def test_backward_long_runs_cross_many_chunks(kind):
     """A row's tokens spread over thousands of chunks: the partials path, in fixed order."""
-    rng = random.Random(fresh_seed())
+    seed = fresh_seed()
+    rng = random.Random(seed)
     gen = torch.Generator(device="cuda").manual_seed(rng.randrange(2**31))
     for dtype in DTYPES:
         idx = draw_indices(rng, gen, 50304, (150_000,), kind)
         grad = torch.randn(150_000, 96, generator=gen, device="cuda").to(dtype)
-        check_backward(grad, idx, 50304, -1, f"{kind} {dtype}")
+        check_backward(grad, idx, 50304, -1, f"{kind} {dtype} (seed {seed})")
 
 
 def test_module_autograd_matches_stock():
