@@ -112,7 +112,18 @@ def check_backward(grad, idx, num_weights, padding_idx, desc):
     touched[idx.reshape(-1).long()] = True
     assert not ours[~touched].any(), desc
     err, stock_err = rel_err(ours, ref), rel_err(stock, ref)
-    assert err <= max(2 * stock_err, FLOOR[grad.dtype]), f"{desc}: ours {err:.3g}, stock {stock_err:.3g}"
+    assert err <= max(2 * stock_err, FLOOR[grad.dtype]), (
+        f"{desc}: ours {err:.3g}, stock {stock_err:.3g}; {worst_row(ours, ref, idx, num_weights)}")
+
+
+def worst_row(ours, ref, idx, num_weights):
+    """Where ours is furthest from the reference: the row, how many tokens it has, and its norms
+    (tells an unwritten or zeroed row from a wrong sum)."""
+    diff = (ours.double() - ref).norm(dim=1)
+    row = int(diff.argmax())
+    tokens = int((idx.reshape(-1).long() == row).sum())
+    return (f"worst row {row} of {num_weights} ({tokens} tokens): |ours| {ours[row].double().norm():.4g}, "
+            f"|ref| {ref[row].norm():.4g}, |diff| {diff[row]:.4g}")
 
 
 def test_backward_random_cases():
