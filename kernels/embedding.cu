@@ -693,6 +693,13 @@ __device__ __forceinline__ void sum_partials(const float* __restrict__ partials,
   }
 }
 
+// e / per for a work item number e: 32-bit division where it fits (the entries and the items
+// per entry are each below 2^31, their product need not be).
+__device__ __forceinline__ tf_i64 item_quotient(tf_i64 e, tf_i64 per) {
+  return e <= 0xffffffffll ? static_cast<unsigned int>(e) / static_cast<unsigned int>(per)
+                           : e / per;
+}
+
 // Entry e of the work list: its row, the row's first partial and how many it has (below 1
 // only after a failed sort: a first partial past the last chunk).
 struct CutRow {
@@ -733,10 +740,7 @@ __device__ __forceinline__ void finish(const unsigned int* __restrict__ keys, tf
   const tf_i64 last_entry = (n + CHUNK - 1) / CHUNK - 1;
   const tf_i64 items = heavy_rows * tiles;
   for (tf_i64 e = blockIdx.x; e < items; e += gridDim.x) {
-    // 32-bit division where it fits: entries and tiles are each below 2^31, not their product.
-    const tf_i64 h = e <= 0xffffffffll ? static_cast<unsigned int>(e) /
-                                             static_cast<unsigned int>(tiles)
-                                       : e / tiles;
+    const tf_i64 h = item_quotient(e, tiles);
     const CutRow r = cut_row(keys, row_first, work, last_entry - h);
     if (r.count < 1) continue;  // the same for the whole CTA
     const int col0 = static_cast<int>((e - h * tiles) * tile_cols) + lane * LC;
@@ -765,9 +769,7 @@ __device__ __forceinline__ void finish(const unsigned int* __restrict__ keys, tf
   const tf_i64 warps = static_cast<tf_i64>(gridDim.x) * FINISH_WARPS;
   for (tf_i64 e = static_cast<tf_i64>(blockIdx.x) * FINISH_WARPS + warp; e < light_items;
        e += warps) {
-    const tf_i64 entry = e <= 0xffffffffll ? static_cast<unsigned int>(e) /
-                                                 static_cast<unsigned int>(groups)
-                                           : e / groups;
+    const tf_i64 entry = item_quotient(e, groups);
     const CutRow r = cut_row(keys, row_first, work, entry);
     if (r.count < 1) continue;
     tf_storage* row = out + static_cast<tf_i64>(r.key) * cols;
