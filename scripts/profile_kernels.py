@@ -71,13 +71,19 @@ def norm_cases():
             yield f"ln_bwd {rows}x{hidden} {str(dtype)[6:]}", "layer_norm", make, bwd
 
 
-def timeline(fn, inputs, calls=6):
-    """The kernels of the last of `calls` back-to-back calls: start (µs from the first), duration
-    and stream, from a chrome trace (shows whether work on two streams overlaps)."""
+def profiled(fn, inputs, calls):
+    """The CUDA activity of `calls` back-to-back calls over the rotated inputs."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(calls):
             fn(*inputs[i % len(inputs)])
         torch.cuda.synchronize()
+    return prof
+
+
+def timeline(fn, inputs, calls=6):
+    """The kernels of the last of `calls` back-to-back calls: start (µs from the first), duration
+    and stream, from a chrome trace (shows whether work on two streams overlaps)."""
+    prof = profiled(fn, inputs, calls)
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
@@ -90,10 +96,7 @@ def timeline(fn, inputs, calls=6):
 
 
 def kernel_means(fn, inputs, calls):
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(calls):
-            fn(*inputs[i % len(inputs)])
-        torch.cuda.synchronize()
+    prof = profiled(fn, inputs, calls)
     total = defaultdict(float)
     count = defaultdict(int)
     for e in prof.events():

@@ -2,6 +2,7 @@
 (against a float64 reference and stock, DESIGN.md §5; bitwise reproducible) through
 torchfuse, over fresh random cases."""
 import random
+import threading
 
 import pytest
 import torch
@@ -280,8 +281,6 @@ def test_zero_rows_are_ordered_before_the_callers_next_op():
 def test_concurrent_calls_from_two_threads_on_two_streams():
     """Two threads, each on its own stream, share the device's second stream: every result
     must still be bitwise the one a lone call gives."""
-    import threading
-
     rng = random.Random(fresh_seed())
     gen = torch.Generator(device="cuda").manual_seed(rng.randrange(2**31))
     cases = []
