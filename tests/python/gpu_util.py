@@ -70,5 +70,18 @@ def poison_allocator(nbytes, device="cuda"):
     del t
 
 
+def garbage_allocator(large_bytes, device="cuda"):
+    """Hands every block the allocator will give out next back full of random bits: its cache
+    emptied, then one large block and the small pool's blocks filled and freed. Scratch or
+    output memory a kernel reads before writing then holds garbage (not NaN or zero, which a
+    wrong result can hide behind)."""
+    torch.cuda.empty_cache()
+    words = max(large_bytes // 4, 1) + (1 << 20)
+    big = torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32, device=device)
+    small = [torch.randint(-(2**31), 2**31 - 1, (1 << 18,), dtype=torch.int32, device=device)
+             for _ in range(32)]
+    del big, small
+
+
 def fresh_seed():
     return int.from_bytes(os.urandom(4), "little")

@@ -1,6 +1,7 @@
 """Embedding forward (a gather: bitwise equal to stock) and embedding_dense_backward
 (against a float64 reference and stock, DESIGN.md §5; bitwise reproducible) through
 torchfuse, over fresh random cases."""
+import os
 import random
 import threading
 
@@ -9,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import check, requires_cuda, run_python
-from gpu_util import (FLOOR, enabled, fresh_seed, fused_count, poison_allocator, rel_err,
-                      stock_reasons, torchfuse_below_thresholds)
+from gpu_util import (FLOOR, enabled, fresh_seed, fused_count, garbage_allocator, poison_allocator,
+                      rel_err, stock_reasons, torchfuse_below_thresholds)
 
 pytestmark = [requires_cuda, pytest.mark.usefixtures("torchfuse_below_thresholds")]
 
@@ -96,9 +97,17 @@ def dense_backward(grad, idx, num_weights, padding_idx, on):
         return torch.ops.aten.embedding_dense_backward(grad, idx, num_weights, padding_idx, False)
 
 
-def check_backward(grad, idx, num_weights, padding_idx, desc):
-    poison_allocator(num_weights * grad.shape[-1] * 4)
+def check_backward(grad, idx, num_weights, padding_idx, desc, garbage=False):
+    """Ours against stock and a float64 reference. garbage: every allocation of both calls
+    starts out as random bits (else the output's starts as NaN)."""
+    out_bytes = num_weights * grad.shape[-1] * 4
+    if garbage:
+        garbage_allocator(2 * out_bytes)
+    else:
+        poison_allocator(out_bytes)
     ours = dense_backward(grad, idx, num_weights, padding_idx, True)
+    if garbage:
+        garbage_allocator(2 * out_bytes)
     again = dense_backward(grad, idx, num_weights, padding_idx, True)
     stock = dense_backward(grad, idx, num_weights, padding_idx, False)
     torch.cuda.synchronize()
@@ -127,13 +136,12 @@ def worst_row(ours, ref, idx, num_weights):
             f"|ref| {ref[row].norm():.4g}, |diff| {diff[row]:.4g}")
 
 
-def test_backward_random_cases():
+def random_backward_cases(cases, garbage):
     seed = fresh_seed()
     rng = random.Random(seed)
     gen = torch.Generator(device="cuda").manual_seed(rng.randrange(2**31))
     before = fused_count("embedding_dense_backward")
-    cases = 0
-    for _ in range(60):
+    for _ in range(cases):
         num_weights = rng.choice([1, 2, 33, 513, 5000, 50304, 128256, rng.randrange(1, 300000)])
         dim = rng.choice([1, 5, 8, 64, 768, 770, rng.randrange(1, 1100)])
         dtype = rng.choice(DTYPES)
@@ -145,9 +153,19 @@ def test_backward_random_cases():
         grad = torch.randn(*idx.shape, dim, generator=gen, device="cuda").to(dtype)
         desc = (f"V={num_weights} D={dim} {dtype} {tuple(idx.shape)} {idx.dtype} {kind} pad={padding_idx}"
                 f" (seed {seed})")
-        check_backward(grad, idx, num_weights, padding_idx, desc)
-        cases += 1
+        check_backward(grad, idx, num_weights, padding_idx, desc, garbage)
     assert fused_count("embedding_dense_backward") - before == 2 * cases
+
+
+def test_backward_random_cases():
+    random_backward_cases(60, garbage=False)
+
+
+def test_backward_reads_nothing_it_did_not_write():
+    """Every allocation of the call (output, sort buffers, partials, work list) starts out as
+    random bits: scratch read before it is written, or an output row left unwritten, shows up
+    as a wrong or irreproducible result. TORCHFUSE_TEST_STRESS=N runs N cases (default 30)."""
+    random_backward_cases(int(os.environ.get("TORCHFUSE_TEST_STRESS", "30")), garbage=True)
 
 
 @pytest.mark.parametrize("kind", ["equal", "few", "zipf"])
