@@ -8,6 +8,8 @@ backward 3.5 times that.
   --small  also the small shapes the registry's thresholds come from
   --quick  the GPT-2 shape only (a smoke run)
   --fwd-only  time the forward only
+  --deterministic  with torch.use_deterministic_algorithms(True): stock's default is then
+           FlashAttention-2 with its deterministic backward (cuDNN's is not deterministic)
   --sweep  also time the launch-shape candidates of SWEEP (forced by name through
            TORCHFUSE_REGISTRY_EXTRA + torch.ops.torchfuse._force_variant); the results are what
            registry/attention.toml's params come from
@@ -201,7 +203,11 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--fwd-only", action="store_true", help="time the forward only")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="torch.use_deterministic_algorithms(True) for the whole run")
     args = parser.parse_args()
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True)
     phases = ("fwd",) if args.fwd_only else ("fwd", "fwdbwd")
     if args.sweep:
         extra = Path(args.out) / "attention_sweep.toml"
@@ -212,7 +218,8 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() & 0xFFFFFFFF)
     peak = matmul_peak()
     device = torch.cuda.get_device_name()
-    print(f"device: {device}; bf16 matmul peak {peak:.0f} TFLOP/s (8192^3, same run)")
+    mode = "; deterministic algorithms" if args.deterministic else ""
+    print(f"device: {device}; bf16 matmul peak {peak:.0f} TFLOP/s (8192^3, same run){mode}")
     shapes = SHAPES[:1] if args.quick else SHAPES + (SMALL if args.small else [])
     rows = []
     for shape in shapes:
@@ -239,7 +246,7 @@ def main():
     (out / "bench_attention.json").write_text(json.dumps(
         {"device": device, "matmul_peak_tflops": peak, "rows": rows}, indent=1))
     lines = [f"# scaled_dot_product_attention on {device}", "",
-             f"bf16 matmul peak measured in the same run: {peak:.0f} TFLOP/s. "
+             f"bf16 matmul peak measured in the same run: {peak:.0f} TFLOP/s{mode}. "
              "`kernel` = torchfuse's kernel; `stock` = stock's default choice; ratio = stock / kernel; "
              "`routed` = what torchfuse runs after the registry's thresholds.", "",
              "| shape | phase | kernel µs (% peak) | stock µs (% peak) | kernel vs stock | routed vs stock | flash µs | efficient µs | cudnn µs |",

@@ -2,10 +2,13 @@
 
 nn.Embedding, nn.LayerNorm, F.scaled_dot_product_attention and AdamW (fused on CUDA, as
 nanoGPT does), bf16 autocast on CUDA. Data: token sequences from a fixed random Markov
-chain, so the loss has something to learn. Prints the loss every few steps and at the end.
+chain, so the loss has something to learn (or, with --data random, uniform random tokens made
+on the device up front, for timing). Prints the loss every few steps and at the end, and the
+median time of the steps after --warmup (CUDA events around each step).
 """
 import argparse
 import math
+import statistics
 import time
 
 import torch
@@ -70,6 +73,17 @@ def markov_batches(vocab, batch, seq, device, seed):
         yield tokens[:, :-1], tokens[:, 1:]
 
 
+def random_batches(vocab, batch, seq, device, seed, count=8):
+    """A few batches of uniform random tokens made up front, cycled: no host work per step."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    made = [torch.randint(0, vocab, (batch, seq + 1), generator=g, device=device) for _ in range(count)]
+    i = 0
+    while True:
+        tokens = made[i % count]
+        i += 1
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=30)
@@ -81,6 +95,8 @@ def main():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", choices=["markov", "random"], default="markov")
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the step time")
     a = p.parse_args()
 
     torch.manual_seed(a.seed)
@@ -89,22 +105,34 @@ def main():
     # As most scripts write it: PyTorch's default (foreach) step, unless scripts/torchfuse's hook
     # makes it the fused one.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    data = markov_batches(a.vocab, a.batch, a.seq, device, a.seed)
+    batches = random_batches if a.data == "random" else markov_batches
+    data = batches(a.vocab, a.batch, a.seq, device, a.seed)
+    timed = device.type == "cuda"
+    events = []
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     print(f"training on {device}: {sum(p.numel() for p in model.parameters())/1e6:.2f}M params, "
           f"{a.steps} steps of {a.batch}x{a.seq} tokens")
     start = time.time()
     for step in range(1, a.steps + 1):
         x, y = next(data)
+        if timed:
+            events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            events[-1][0].record()
         with autocast:
             loss = model(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if timed:
+            events[-1][1].record()
         if step % 10 == 0 or step == 1 or step == a.steps:
             print(f"step {step:4d} loss {loss.item():.6f}")
-    if device.type == "cuda":
+    if timed:
         torch.cuda.synchronize()
+        ms = [start_.elapsed_time(end_) for start_, end_ in events[a.warmup:]]
+        if ms:
+            print(f"step time median {statistics.median(ms):.3f} ms over {len(ms)} steps "
+                  f"({a.batch * a.seq / statistics.median(ms) * 1e3:.0f} tokens/s)")
     print(f"final loss {loss.item():.6f} (uniform would be {math.log(a.vocab):.3f}) in {time.time() - start:.1f}s")
 
 
