@@ -65,6 +65,11 @@
 #ifndef TF_FWD_STAGES
 #define TF_FWD_STAGES 2
 #endif
+// 1 (with TF_FWD_WGMMA): a producer warpgroup loads Q, K and V with the tensor memory
+// accelerator (TMA) and mbarriers; the TF_FWD_WARPS warps only compute.
+#ifndef TF_FWD_TMA
+#define TF_FWD_TMA 0
+#endif
 
 #define HD TF_HEAD_DIM
 #define FWD_MT TF_FWD_M_TILES
@@ -409,6 +414,11 @@ __device__ __forceinline__ const u16* at(const void* base, Strides s, int b, int
 // K/V tiles stream through a ring of TF_FWD_STAGES stages (cp.async by every thread, one CTA
 // barrier per key tile); the two gemms of consecutive tiles overlap the softmax (below).
 // Softmax, masking, the logsumexp and the output stores are the mma.sync kernel's.
+// With TF_FWD_TMA, one more warpgroup is the producer: one of its threads issues a TMA copy
+// per 64-column block of each tile (tensor maps made on the host, the 128-byte swizzle done by
+// the copy), each stage has a "full" mbarrier (the copy's bytes arrived) and an "empty" one
+// (every consumer warpgroup's wgmma reading it completed); the consumers never wait for each
+// other, and the producer gives its registers to them (setmaxnreg).
 
 #if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "TF_FWD_WGMMA needs sm_90a (warpgroup MMA)"
@@ -448,6 +458,47 @@ __device__ __forceinline__ void fence_regs(float (&r)[N]) {
 __device__ __forceinline__ void fence_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
+
+#if TF_FWD_TMA
+// A CUtensorMap, passed by value as a __grid_constant__ kernel parameter.
+struct __align__(64) TmaMap {
+  unsigned long long words[16];
+};
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// The producer's arrival on a full barrier, announcing the bytes its copies will bring.
+__device__ __forceinline__ void mbar_expect_bytes(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Until the barrier's phase with this parity has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  u32 done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// One box of a 4-d tensor map (coordinates innermost first) into shared memory at dst; its
+// bytes complete a transaction on `bar`.
+__device__ __forceinline__ void tma_load(u32 dst, const TmaMap& map, int c0, int c1, int c2,
+                                         int c3, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, "
+      "{%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+      "r"(bar)
+      : "memory");
+}
+#endif
 
 // d (+)= A * B^T, m64nNk16: A and B k-major in shared memory (accumulate = 0 overwrites d).
 template <int N>
@@ -492,12 +543,23 @@ WG_SS(128, WG_ACC64, WG_REGS64, "64", "65", "66")
 WG_RS_MN(64, WG_ACC32, WG_REGS32, "32", "33", "34", "35", "36", "37")
 WG_RS_MN(128, WG_ACC64, WG_REGS64, "64", "65", "66", "67", "68", "69")
 
-extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCKS)
+#if TF_FWD_TMA
+#define FWD_CTA_THREADS (TF_FWD_WARPS * 32 + 128)
+#else
+#define FWD_CTA_THREADS (TF_FWD_WARPS * 32)
+#endif
+
+extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
     attn_fwd(const void* q, Strides qs, const void* k, Strides ks, const void* v, Strides vs,
-             void* o, Strides os, float* lse, Problem pb) {
+             void* o, Strides os, float* lse, Problem pb
+#if TF_FWD_TMA
+             , const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
+             const __grid_constant__ TmaMap v_map
+#endif
+    ) {
   const int heads = pb.heads, lq = pb.lq, lk = pb.lk, group = pb.group, causal = pb.causal;
   const float scale_log2 = pb.scale_log2;
-  constexpr int BM = FWD_BLOCK_M, BN = TF_FWD_BLOCK_N, THREADS = TF_FWD_WARPS * 32;
+  constexpr int BM = FWD_BLOCK_M, BN = TF_FWD_BLOCK_N;
   extern __shared__ __align__(1024) unsigned char smem_bytes[];
   // The swizzle repeats every 1024 bytes of shared address: tiles start on that boundary (the
   // launch asks for 1024 bytes of slack).
@@ -514,12 +576,73 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCK
   const int q0 = mb * BM, w0 = q0 + wg * 64;        // first row of the CTA, of the warpgroup
   const int r0 = w0 + 16 * wg_warp + g;             // this thread's rows: r0 and r0 + 8
 
+  const int kv_end = causal ? min(lk, q0 + BM) : lk;
+  const int tiles = (kv_end + BN - 1) / BN;
+#if TF_FWD_TMA
+  // Barriers after the V ring: Q's, then per stage K full, V full, K empty, V empty.
+  const u32 bars = smem_addr(v_tile + NS * BN * HD);
+  const u32 q_full = bars;
+  auto k_full = [&](int stage) { return bars + 8 * (1 + stage); };
+  auto v_full = [&](int stage) { return bars + 8 * (1 + NS + stage); };
+  auto k_empty = [&](int stage) { return bars + 8 * (1 + 2 * NS + stage); };
+  auto v_empty = [&](int stage) { return bars + 8 * (1 + 3 * NS + stage); };
+  constexpr int CONSUMER_WGS = TF_FWD_WARPS / 4;
+  if (tid == 0) {
+    mbar_init(q_full, 1);
+    for (int st = 0; st < NS; ++st) {
+      mbar_init(k_full(st), 1);
+      mbar_init(v_full(st), 1);
+      mbar_init(k_empty(st), CONSUMER_WGS);
+      mbar_init(v_empty(st), CONSUMER_WGS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (wg == CONSUMER_WGS) {
+    // The producer warpgroup: one thread issues every copy; stage st of tile j is reused once
+    // both consumers are done with tile j - NS.
+#if TF_FWD_WARPS == 8
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+#endif
+    if (wg_warp == 0 && lane == 0) {
+      constexpr u32 TILE_BYTES = BN * HD * 2;
+      mbar_expect_bytes(q_full, BM * HD * 2);
+#pragma unroll
+      for (int c = 0; c < HD / 64; ++c)
+        tma_load(smem_addr(q_tile + c * BM * 64), q_map, c * 64, q0, h, b, q_full);
+      for (int j = 0; j < tiles; ++j) {
+        const int st = j % NS;
+        const u32 reuse = ((j / NS) - 1) & 1;
+        if (j >= NS) mbar_wait(k_empty(st), reuse);
+        mbar_expect_bytes(k_full(st), TILE_BYTES);
+#pragma unroll
+        for (int c = 0; c < HD / 64; ++c)
+          tma_load(smem_addr(k_tile + st * BN * HD + c * BN * 64), k_map, c * 64, j * BN, hk, b,
+                   k_full(st));
+        if (j >= NS) mbar_wait(v_empty(st), reuse);
+        mbar_expect_bytes(v_full(st), TILE_BYTES);
+#pragma unroll
+        for (int c = 0; c < HD / 64; ++c)
+          tma_load(smem_addr(v_tile + st * BN * HD + c * BN * 64), v_map, c * 64, j * BN, hk, b,
+                   v_full(st));
+      }
+    }
+    return;
+  }
+#if TF_FWD_WARPS == 8
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+#endif
+  // One thread per consumer warpgroup tells the producer a stage is free.
+  auto release = [&](u32 bar) {
+    if (wg_warp == 0 && lane == 0) mbar_arrive(bar);
+  };
+  mbar_wait(q_full, 0);
+#else
+  constexpr int THREADS = TF_FWD_WARPS * 32;
   const u16* qb = at(q, qs, b, h) + q0 * qs.row;
   const u16* kb = at(k, ks, b, hk);
   const u16* vb = at(v, vs, b, hk);
   load_tile<BM, THREADS, true>(q_tile, qb, qs.row, lq - q0, tid);
-  const int kv_end = causal ? min(lk, q0 + BM) : lk;
-  const int tiles = (kv_end + BN - 1) / BN;
   auto load_k = [&](int stage, int n0) {
     load_tile<BN, THREADS, true>(k_tile + stage * BN * HD, kb + n0 * ks.row, ks.row,
                                  kv_end - n0, tid);
@@ -534,6 +657,7 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCK
     if (step - 2 + NS >= 0 && step - 2 + NS < tiles) load_v((step - 2 + NS) % NS, (step - 2 + NS) * BN);
     cp_async_commit();
   }
+#endif
 
   const u32 q_addr = smem_addr(q_tile) + wg * 64 * 128;
   const u32 k_addr = smem_addr(k_tile), v_addr = smem_addr(v_tile);
@@ -554,6 +678,13 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCK
   // Step j's start: K_j and V_{j-1} (loaded during step j + 1 - NS, one group per step) are
   // in place. After the barrier every warpgroup is past step j - 1, so K_{j-1}'s and
   // V_{j-2}'s stages are free for K_{j-1+NS} and V_{j-2+NS}.
+#if TF_FWD_TMA
+  // Step j's start: K_j and V_{j-1} have arrived.
+  auto begin_step = [&](int j) {
+    if (j < tiles) mbar_wait(k_full(j % NS), (j / NS) & 1);
+    if (j >= 1) mbar_wait(v_full((j - 1) % NS), ((j - 1) / NS) & 1);
+  };
+#else
   auto begin_step = [&](int j) {
     cp_async_wait<NS - 2>();
     fence_async_shared();
@@ -562,6 +693,7 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCK
     if (j - 2 + NS < tiles) load_v((j - 2 + NS) % NS, (j - 2 + NS) * BN);
     cp_async_commit();
   };
+#endif
   auto issue_s = [&](int j) {
     const u32 k_stage = k_addr + (j % NS) * BN * HD * 2;
 #pragma unroll
@@ -632,6 +764,9 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCK
   issue_s(0);
   wg_wait<0>();
   fence_regs(s);
+#if TF_FWD_TMA
+  release(k_empty(0));
+#endif
   softmax(0);
   pack_p();
   for (int j = 1; j < tiles; ++j) {
@@ -641,9 +776,15 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCK
     issue_pv(j - 1);
     wg_wait<1>();
     fence_regs(s);
+#if TF_FWD_TMA
+    release(k_empty(j % NS));
+#endif
     softmax(j);
     wg_wait<0>();
     fence_regs(o_acc);
+#if TF_FWD_TMA
+    release(v_empty((j - 1) % NS));
+#endif
 #pragma unroll
     for (int i = 0; i < HD / 8; ++i) {
       o_acc[4 * i] *= alpha[0];
@@ -678,7 +819,12 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCK
     out[i][3] = o_acc[4 * i + 3] * inv[1];
   }
   // Every warpgroup is past its last read of the K/V tiles: they stage the output rows.
+#if TF_FWD_TMA
+  // (The producer has left; every copy it issued has landed: the consumers waited for all.)
+  asm volatile("bar.sync 1, %0;\n" ::"n"(TF_FWD_WARPS * 32) : "memory");
+#else
   __syncthreads();
+#endif
   const int warp_row0 = w0 + 16 * wg_warp;
   u16* ob = static_cast<u16*>(o) + b * os.batch + h * os.head + warp_row0 * os.row;
   store_rows(out, 1.f, k_tile, warp * 16, ob, os.row, lq - warp_row0, lane);

@@ -54,7 +54,11 @@ SWEEP = {
          dict(FWD_WGMMA=1, FWD_WARPS=4, FWD_BLOCK_N=128, FWD_MIN_BLOCKS=2, FWD_STAGES=3),
          dict(FWD_WGMMA=1, FWD_WARPS=4, FWD_BLOCK_N=64, FWD_MIN_BLOCKS=3, FWD_STAGES=4),
          dict(FWD_WGMMA=1, FWD_WARPS=8, FWD_BLOCK_N=64, FWD_MIN_BLOCKS=2, FWD_STAGES=3),
-         dict(FWD_WGMMA=1, FWD_WARPS=8, FWD_BLOCK_N=128, FWD_STAGES=3)],
+         dict(FWD_WGMMA=1, FWD_WARPS=8, FWD_BLOCK_N=128, FWD_STAGES=3),
+         # TMA loads by a producer warpgroup (FWD_TMA).
+         dict(FWD_WGMMA=1, FWD_TMA=1, FWD_WARPS=8, FWD_BLOCK_N=128),
+         dict(FWD_WGMMA=1, FWD_TMA=1, FWD_WARPS=8, FWD_BLOCK_N=64, FWD_STAGES=3),
+         dict(FWD_WGMMA=1, FWD_TMA=1, FWD_WARPS=4, FWD_BLOCK_N=128)],
     128: [dict(FWD_BLOCK_N=64, BWD_BLOCK_Q=32, DQ_BLOCK_N=32),
           dict(FWD_WARPS=8, FWD_BLOCK_N=64, BWD_WARPS=8, BWD_BLOCK_Q=32, DQ_BLOCK_N=32),
           dict(FWD_BLOCK_N=32, FWD_MIN_BLOCKS=2, BWD_BLOCK_Q=16, DQ_BLOCK_N=16, BWD_MIN_BLOCKS=2),
@@ -65,7 +69,11 @@ SWEEP = {
                DQ_BLOCK_N=32),
           dict(FWD_WGMMA=1, FWD_WARPS=4, FWD_BLOCK_N=64, FWD_STAGES=3, BWD_BLOCK_Q=32,
                DQ_BLOCK_N=32),
-          dict(FWD_WGMMA=1, FWD_WARPS=8, FWD_BLOCK_N=128, BWD_BLOCK_Q=32, DQ_BLOCK_N=32)],
+          dict(FWD_WGMMA=1, FWD_WARPS=8, FWD_BLOCK_N=128, BWD_BLOCK_Q=32, DQ_BLOCK_N=32),
+          # TMA loads by a producer warpgroup (FWD_TMA).
+          dict(FWD_WGMMA=1, FWD_TMA=1, FWD_WARPS=8, FWD_BLOCK_N=128, BWD_BLOCK_Q=32, DQ_BLOCK_N=32),
+          dict(FWD_WGMMA=1, FWD_TMA=1, FWD_WARPS=8, FWD_BLOCK_N=64, FWD_STAGES=3, BWD_BLOCK_Q=32,
+               DQ_BLOCK_N=32)],
 }
 
 
@@ -118,7 +126,7 @@ def fused_count():
     return json.loads(torch.ops.torchfuse.stats())["ops"].get(ATEN_FWD, {}).get("fused", 0)
 
 
-def measure(shape, gen, rounds, reps, sweep, phases):
+def measure(shape, gen, rounds, reps, sweep, phases, sweep_only=None):
     b, h, s, d, causal = shape
     inputs = make_inputs(b, h, s, d, 2, gen)
 
@@ -135,6 +143,8 @@ def measure(shape, gen, rounds, reps, sweep, phases):
     sides.update({name: (False, False, be, "") for name, be in BACKENDS.items()})
     if sweep:
         for i in range(len(SWEEP[d])):
+            if sweep_only is not None and i not in sweep_only:
+                continue
             sides[f"sweep{i}"] = (True, True, None, sweep_name(d, causal, i))
     results = {}
     # A timing of a wrong kernel is worthless: every torchfuse side is checked against stock.
@@ -202,6 +212,8 @@ def main():
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep-only", default="",
+                        help="with --sweep: only these candidates of SWEEP (comma-separated indices)")
     parser.add_argument("--fwd-only", action="store_true", help="time the forward only")
     parser.add_argument("--deterministic", action="store_true",
                         help="torch.use_deterministic_algorithms(True) for the whole run")
@@ -223,8 +235,9 @@ def main():
     shapes = SHAPES[:1] if args.quick else SHAPES + (SMALL if args.small else [])
     rows = []
     for shape in shapes:
+        only = {int(i) for i in args.sweep_only.split(",")} if args.sweep_only else None
         r = measure(shape, gen, rounds=3 if args.quick else 5, reps=5, sweep=args.sweep,
-                    phases=phases)
+                    phases=phases, sweep_only=only)
         f = flops(*shape[:4], shape[4])
         for phase, mult in (("fwd", 1.0), ("fwdbwd", 3.5)):
             if phase not in r:

@@ -72,7 +72,7 @@ impl Strides {
 }
 
 /// Kernel launch shapes a variant may set, and their allowed values.
-const PARAMS: [(&str, &[i64]); 12] = [
+const PARAMS: [(&str, &[i64]); 13] = [
     ("HEAD_DIM", &[64, 128]),
     ("FWD_WARPS", &[2, 4, 8]),
     ("FWD_BLOCK_N", &[32, 64, 128]),
@@ -85,9 +85,10 @@ const PARAMS: [(&str, &[i64]); 12] = [
     ("BWD_MIN_BLOCKS", &[1, 2, 3, 4]),
     ("FWD_WGMMA", &[0, 1]),
     ("FWD_STAGES", &[2, 3, 4]),
+    ("FWD_TMA", &[0, 1]),
 ];
 /// The kernel's defaults for parameters a variant leaves out (HEAD_DIM is required).
-const DEFAULTS: [i64; 12] = [0, 4, 64, 4, 64, 64, 1, 1, 1, 1, 0, 2];
+const DEFAULTS: [i64; 13] = [0, 4, 64, 4, 64, 64, 1, 1, 1, 1, 0, 2, 0];
 
 pub fn validate_variant(v: &Variant) -> Result<(), String> {
     if let Some(unknown) = v
@@ -137,6 +138,14 @@ pub fn validate_variant(v: &Variant) -> Result<(), String> {
                 v.name
             ));
         }
+        if shapes.fwd_tma && shapes.fwd_min_blocks != 1 {
+            return Err(format!(
+                "{}: FWD_TMA takes FWD_MIN_BLOCKS 1 (its consumers take the producer's registers)",
+                v.name
+            ));
+        }
+    } else if shapes.fwd_tma {
+        return Err(format!("{}: FWD_TMA needs FWD_WGMMA = 1", v.name));
     } else if shapes.fwd_stages != 2 {
         return Err(format!(
             "{}: FWD_STAGES is the warpgroup forward's (FWD_WGMMA = 1)",
@@ -161,6 +170,9 @@ struct Shapes {
     fwd_wgmma: bool,
     /// K/V stages of the warpgroup forward's ring (the mma.sync forward double-buffers).
     fwd_stages: i64,
+    /// The warpgroup forward's loads are TMA copies issued by one more (producer) warpgroup.
+    fwd_tma: bool,
+    fwd_min_blocks: i64,
 }
 
 impl Shapes {
@@ -177,7 +189,13 @@ impl Shapes {
             bwd_m_tiles: p(7),
             fwd_wgmma: p(10) == 1,
             fwd_stages: p(11),
+            fwd_tma: p(12) == 1,
+            fwd_min_blocks: p(8),
         }
+    }
+    /// Threads of a forward CTA: the computing warps, and the producer warpgroup with TMA.
+    fn fwd_threads(&self) -> i64 {
+        32 * self.fwd_warps + if self.fwd_tma { 128 } else { 0 }
     }
     /// Query rows of a forward CTA.
     fn fwd_block_m(&self) -> i64 {
@@ -191,8 +209,15 @@ impl Shapes {
     fn fwd_smem(&self) -> u32 {
         // The warpgroup kernel's tiles start on a 1024-byte boundary: slack to align them.
         let align = if self.fwd_wgmma { 1024 } else { 0 };
-        ((self.fwd_block_m() + 2 * self.fwd_stages * self.fwd_block_n) * self.head_dim * 2 + align)
-            as u32
+        // TMA: after the tiles, one mbarrier for Q and four per stage.
+        let barriers = if self.fwd_tma {
+            8 * (1 + 4 * self.fwd_stages)
+        } else {
+            0
+        };
+        ((self.fwd_block_m() + 2 * self.fwd_stages * self.fwd_block_n) * self.head_dim * 2
+            + align
+            + barriers) as u32
     }
     fn dkdv_smem(&self) -> u32 {
         ((2 * self.bwd_rows() + 4 * self.bwd_block_q) * self.head_dim * 2
@@ -398,6 +423,60 @@ fn dim_u32(n: i64) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
+/// A CUtensorMap (`TmaMap` in attention.cu), passed by value to the kernel.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct TmaMap([u64; 16]);
+
+// SAFETY: plain old data, 128 bytes aligned to 64, as the kernel's parameter.
+unsafe impl DeviceRepr for TmaMap {}
+
+/// The tensor map of a [B, H, L, D] operand (rows 16-byte aligned, D contiguous) for boxes of
+/// 64 columns x `box_rows` rows of one (batch, head), with the 128-byte swizzle the warpgroup
+/// kernels' tiles use. Rows past L read as zeros.
+fn tma_map(t: &Tensor, kind: Kind, box_rows: u32) -> Result<TmaMap, StockReason> {
+    use cudarc::driver::sys;
+    let (size, stride) = (t.size(), t.stride());
+    let element = if kind == Kind::BFloat16 {
+        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    } else {
+        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+    };
+    let dims = [size[3], size[2], size[1], size[0]].map(|d| d as u64);
+    let strides = [stride[2], stride[1], stride[0]].map(|s| (s * 2) as u64);
+    let boxes = [64u32, box_rows, 1, 1];
+    let element_strides = [1u32; 4];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    // SAFETY: the arrays have the rank's lengths (4, and 3 strides); the address is the
+    // tensor's, which outlives the launch the map is for.
+    let result = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            element,
+            4,
+            device_addr(t) as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            element_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if result != sys::CUresult::CUDA_SUCCESS {
+        // The call then goes to stock's flash forward (logged with its reason).
+        tracing::debug!(
+            "attention: cannot describe {size:?} (strides {stride:?}) to TMA: {result:?}"
+        );
+        return Err(StockReason::NoVariantForShape);
+    }
+    // SAFETY: initialised by the successful call above.
+    let map = unsafe { map.assume_init() };
+    Ok(TmaMap(map.opaque))
+}
+
 /// [B, L, H, D] storage seen as [B, H, L, D], the layout stock's flash returns.
 fn heads_major(
     batch: i64,
@@ -463,7 +542,7 @@ impl Plan {
                 dim_u32(self.heads),
                 dim_u32(self.batch),
             ),
-            32 * s.fwd_warps,
+            s.fwd_threads(),
             s.fwd_smem(),
         )?;
         let (qp, kp, vp, op, lp) = (
@@ -492,8 +571,22 @@ impl Plan {
             .arg(&os)
             .arg(&lp)
             .arg(&problem);
+        let maps = if s.fwd_tma {
+            let box_rows = |rows: i64| rows as u32;
+            Some([
+                tma_map(q, self.kind, box_rows(s.fwd_block_m()))?,
+                tma_map(k, self.kind, box_rows(s.fwd_block_n))?,
+                tma_map(v, self.kind, box_rows(s.fwd_block_n))?,
+            ])
+        } else {
+            None
+        };
+        if let Some(maps) = &maps {
+            args.arg(&maps[0]).arg(&maps[1]).arg(&maps[2]);
+        }
         // SAFETY: arguments match attn_fwd; q/k/v/out are [B, H(k), L, D] with the given
-        // strides and 16-byte aligned rows, lse [B, H, Lq] contiguous; all outlive the launch.
+        // strides and 16-byte aligned rows, lse [B, H, Lq] contiguous; the tensor maps describe
+        // q, k and v; all outlive the launch.
         unsafe { args.launch(config) }.map_err(|e| jit::launch_failed(self.selected.variant, e))?;
         Ok((out, lse))
     }
