@@ -70,6 +70,14 @@
 #ifndef TF_FWD_TMA
 #define TF_FWD_TMA 0
 #endif
+// 1 (with TF_FWD_TMA and two computing warpgroups): they take turns issuing their gemms, so
+// one's softmax runs while the other's gemms do.
+#ifndef TF_FWD_PINGPONG
+#define TF_FWD_PINGPONG 0
+#endif
+#if TF_FWD_PINGPONG && !(TF_FWD_TMA && TF_FWD_WARPS == 8)
+#error "FWD_PINGPONG takes FWD_TMA and FWD_WARPS 8"
+#endif
 
 #define HD TF_HEAD_DIM
 #define FWD_MT TF_FWD_M_TILES
@@ -759,9 +767,26 @@ extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
     }
   };
 
+#if TF_FWD_PINGPONG
+  // Named barriers 2 + w: warpgroup w's turn. A turn begins when the other warpgroup has
+  // issued its previous gemms (warpgroup 1 lets warpgroup 0 go first) and ends by letting the
+  // other go; warpgroup 0 takes one more turn at the end, so no arrival is left over.
+  auto turn_begin = [&]() {
+    asm volatile("bar.sync %0, 256;\n" ::"r"(2 + wg) : "memory");
+  };
+  auto turn_end = [&]() {
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(3 - wg) : "memory");
+  };
+  if (wg == 1) turn_end();
+#else
+  auto turn_begin = [&]() {};
+  auto turn_end = [&]() {};
+#endif
   begin_step(0);
+  turn_begin();
   wg_fence();
   issue_s(0);
+  turn_end();
   wg_wait<0>();
   fence_regs(s);
 #if TF_FWD_TMA
@@ -771,9 +796,11 @@ extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
   pack_p();
   for (int j = 1; j < tiles; ++j) {
     begin_step(j);
+    turn_begin();
     wg_fence();
     issue_s(j);
     issue_pv(j - 1);
+    turn_end();
     wg_wait<1>();
     fence_regs(s);
 #if TF_FWD_TMA
@@ -795,8 +822,13 @@ extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
     pack_p();
   }
   begin_step(tiles);
+  turn_begin();
   wg_fence();
   issue_pv(tiles - 1);
+  turn_end();
+#if TF_FWD_PINGPONG
+  if (wg == 0) turn_begin();
+#endif
   wg_wait<0>();
   fence_regs(o_acc);
 

@@ -72,7 +72,7 @@ impl Strides {
 }
 
 /// Kernel launch shapes a variant may set, and their allowed values.
-const PARAMS: [(&str, &[i64]); 13] = [
+const PARAMS: [(&str, &[i64]); 14] = [
     ("HEAD_DIM", &[64, 128]),
     ("FWD_WARPS", &[2, 4, 8]),
     ("FWD_BLOCK_N", &[32, 64, 128]),
@@ -86,9 +86,10 @@ const PARAMS: [(&str, &[i64]); 13] = [
     ("FWD_WGMMA", &[0, 1]),
     ("FWD_STAGES", &[2, 3, 4]),
     ("FWD_TMA", &[0, 1]),
+    ("FWD_PINGPONG", &[0, 1]),
 ];
 /// The kernel's defaults for parameters a variant leaves out (HEAD_DIM is required).
-const DEFAULTS: [i64; 13] = [0, 4, 64, 4, 64, 64, 1, 1, 1, 1, 0, 2, 0];
+const DEFAULTS: [i64; 14] = [0, 4, 64, 4, 64, 64, 1, 1, 1, 1, 0, 2, 0, 0];
 
 pub fn validate_variant(v: &Variant) -> Result<(), String> {
     if let Some(unknown) = v
@@ -138,13 +139,19 @@ pub fn validate_variant(v: &Variant) -> Result<(), String> {
                 v.name
             ));
         }
+        if shapes.fwd_pingpong && !(shapes.fwd_tma && shapes.fwd_warps == 8) {
+            return Err(format!(
+                "{}: FWD_PINGPONG takes FWD_TMA = 1 and FWD_WARPS = 8",
+                v.name
+            ));
+        }
         if shapes.fwd_tma && shapes.fwd_min_blocks != 1 {
             return Err(format!(
                 "{}: FWD_TMA takes FWD_MIN_BLOCKS 1 (its consumers take the producer's registers)",
                 v.name
             ));
         }
-    } else if shapes.fwd_tma {
+    } else if shapes.fwd_tma || shapes.fwd_pingpong {
         return Err(format!("{}: FWD_TMA needs FWD_WGMMA = 1", v.name));
     } else if shapes.fwd_stages != 2 {
         return Err(format!(
@@ -172,6 +179,8 @@ struct Shapes {
     fwd_stages: i64,
     /// The warpgroup forward's loads are TMA copies issued by one more (producer) warpgroup.
     fwd_tma: bool,
+    /// The warpgroup forward's two computing warpgroups take turns issuing their gemms.
+    fwd_pingpong: bool,
     fwd_min_blocks: i64,
 }
 
@@ -190,6 +199,7 @@ impl Shapes {
             fwd_wgmma: p(10) == 1,
             fwd_stages: p(11),
             fwd_tma: p(12) == 1,
+            fwd_pingpong: p(13) == 1,
             fwd_min_blocks: p(8),
         }
     }
