@@ -75,6 +75,13 @@
 #ifndef TF_FWD_PINGPONG
 #define TF_FWD_PINGPONG 0
 #endif
+// 1 (with TF_FWD_TMA): attn_bwd_dkdv on warpgroup MMA, fed by TMA like the forward.
+#ifndef TF_BWD_WGMMA
+#define TF_BWD_WGMMA 0
+#endif
+#if TF_BWD_WGMMA && !TF_FWD_TMA
+#error "BWD_WGMMA takes FWD_TMA (its wgmma and TMA helpers)"
+#endif
 #if TF_FWD_PINGPONG && !(TF_FWD_TMA && TF_FWD_WARPS == 8)
 #error "FWD_PINGPONG takes FWD_TMA and FWD_WARPS 8"
 #endif
@@ -1032,6 +1039,194 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // dK, dV for BWD_BLOCK_K keys of one (batch, kv head). lse and delta are [B, H, Lq] fp32.
+#if TF_BWD_WGMMA
+// ------------------------------------------------------------------ dK/dV, warpgroup MMA
+//
+// sm_90a. A CTA owns 128 keys of one (batch, kv head): two computing warpgroups of 64 keys
+// each, whose K and V rows stay in shared memory, plus a producer warpgroup. The producer's
+// first warp brings K and V once, then each query tile's Q and dO (TMA, a ring of
+// BWD_STAGES stages); its second warp copies the tile's logsumexp and delta rows. Per query
+// tile a computing warpgroup issues S^T = K Q^T and dP^T = V dO^T (shared-memory operands),
+// turns them into P^T and dS^T = P^T (dP^T - delta) in registers, then dV += P^T dO and
+// dK += dS^T Q with P^T and dS^T as register operands; dK and dV stay in fp32 registers
+// for the whole walk and are written once. Query rows past Lq are zeros in Q and dO (TMA
+// fills them), their logsumexp and delta zeros: they add nothing. The order of every sum is
+// fixed: bitwise reproducible.
+#define BWD_STAGES 2
+#define BWD_WG_KEYS 128
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+    attn_bwd_dkdv(const void* q, Strides qs, const void* k, Strides ks, const void* v, Strides vs,
+                  const void* dout, Strides dos, const float* lse, const float* delta,
+                  void* dk, Strides dks, void* dv, Strides dvs, Problem pb,
+                  const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
+                  const __grid_constant__ TmaMap v_map, const __grid_constant__ TmaMap do_map) {
+  const int heads = pb.heads, lq = pb.lq, lk = pb.lk, group = pb.group, causal = pb.causal;
+  const float scale_log2 = pb.scale_log2;
+  constexpr int BK = BWD_WG_KEYS, BQ = TF_BWD_BLOCK_Q, NS = BWD_STAGES;
+  extern __shared__ __align__(1024) unsigned char smem_bytes[];
+  u16* k_tile = reinterpret_cast<u16*>(smem_bytes + ((1024 - (smem_addr(smem_bytes) & 1023)) & 1023));
+  u16* v_tile = k_tile + BK * HD;
+  u16* q_ring = v_tile + BK * HD;         // [NS][BQ * HD]
+  u16* do_ring = q_ring + NS * BQ * HD;   // [NS][BQ * HD]
+  float* lse_ring = reinterpret_cast<float*>(do_ring + NS * BQ * HD);  // [NS][BQ]
+  float* delta_ring = lse_ring + NS * BQ;                              // [NS][BQ]
+  const u32 bars = smem_addr(delta_ring + NS * BQ);
+  const u32 kv_full = bars;
+  auto full = [&](int stage) { return bars + 8 * (1 + stage); };
+  auto empty = [&](int stage) { return bars + 8 * (1 + NS + stage); };
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wg = warp >> 2, wg_warp = warp & 3;
+  const int g = lane >> 2, t = lane & 3;
+  const int nb = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int hk = blockIdx.y, b = blockIdx.z;
+  const int k0 = nb * BK;
+  // Query tiles: every head of the group, from the first tile that reaches this key block.
+  const int q_first = causal ? (k0 / BQ) : 0;
+  const int q_tiles_per_head = max(0, (lq + BQ - 1) / BQ - q_first);
+  const int tiles = q_tiles_per_head * group;
+  auto tile_head = [&](int it) { return hk * group + it / q_tiles_per_head; };
+  auto tile_row = [&](int it) { return (q_first + it % q_tiles_per_head) * BQ; };
+
+  if (tid == 0) {
+    mbar_init(kv_full, 1);
+    for (int st = 0; st < NS; ++st) {
+      mbar_init(full(st), 2);  // the copies' arrival, and the rows' warp
+      mbar_init(empty(st), 2);  // both computing warpgroups
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 2) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+    if (wg_warp == 0 && lane == 0) {
+      mbar_expect_bytes(kv_full, 2 * BK * HD * 2);
+#pragma unroll
+      for (int c = 0; c < HD / 64; ++c) {
+        tma_load(smem_addr(k_tile + c * BK * 64), k_map, c * 64, k0, hk, b, kv_full);
+        tma_load(smem_addr(v_tile + c * BK * 64), v_map, c * 64, k0, hk, b, kv_full);
+      }
+      for (int it = 0; it < tiles; ++it) {
+        const int st = it % NS, h = tile_head(it), qt0 = tile_row(it);
+        if (it >= NS) mbar_wait(empty(st), ((it / NS) - 1) & 1);
+        mbar_expect_bytes(full(st), 2 * BQ * HD * 2);
+#pragma unroll
+        for (int c = 0; c < HD / 64; ++c) {
+          tma_load(smem_addr(q_ring + st * BQ * HD + c * BQ * 64), q_map, c * 64, qt0, h, b,
+                   full(st));
+          tma_load(smem_addr(do_ring + st * BQ * HD + c * BQ * 64), do_map, c * 64, qt0, h, b,
+                   full(st));
+        }
+      }
+    } else if (wg_warp == 1) {
+      for (int it = 0; it < tiles; ++it) {
+        const int st = it % NS, h = tile_head(it), qt0 = tile_row(it);
+        if (it >= NS) mbar_wait(empty(st), ((it / NS) - 1) & 1);
+        const tf_i64 row_base = (static_cast<tf_i64>(b) * heads + h) * lq + qt0;
+        for (int r = lane; r < BQ; r += 32) {
+          const bool ok = qt0 + r < lq;
+          lse_ring[st * BQ + r] = ok ? lse[row_base + r] * LOG2E : 0.f;
+          delta_ring[st * BQ + r] = ok ? delta[row_base + r] : 0.f;
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(full(st));
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+
+  const int w0 = k0 + wg * 64;  // this warpgroup's first key
+  const u32 k_addr = smem_addr(k_tile) + wg * 64 * 128, v_addr = smem_addr(v_tile) + wg * 64 * 128;
+  float dk_acc[HD / 2], dv_acc[HD / 2];
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) dk_acc[i] = dv_acc[i] = 0.f;
+  float st_acc[BQ / 2], dp_acc[BQ / 2];
+  u32 p_frag[BQ / 16][4], ds_frag[BQ / 16][4];
+  mbar_wait(kv_full, 0);
+
+  for (int it = 0; it < tiles; ++it) {
+    const int st = it % NS, qt0 = tile_row(it);
+    mbar_wait(full(st), (it / NS) & 1);
+    const u32 q_stage = smem_addr(q_ring + st * BQ * HD);
+    const u32 do_stage = smem_addr(do_ring + st * BQ * HD);
+    wg_fence();
+#pragma unroll
+    for (int kc = 0; kc < HD / 16; ++kc) {
+      const u32 step = (kc & 3) * 32;
+      wg_ss<BQ>(st_acc, wg_desc(k_addr + (kc >> 2) * BK * 128 + step, 16, 1024),
+                wg_desc(q_stage + (kc >> 2) * BQ * 128 + step, 16, 1024), kc > 0);
+    }
+#pragma unroll
+    for (int kc = 0; kc < HD / 16; ++kc) {
+      const u32 step = (kc & 3) * 32;
+      wg_ss<BQ>(dp_acc, wg_desc(v_addr + (kc >> 2) * BK * 128 + step, 16, 1024),
+                wg_desc(do_stage + (kc >> 2) * BQ * 128 + step, 16, 1024), kc > 0);
+    }
+    wg_commit();
+    wg_wait<0>();
+    fence_regs(st_acc);
+    fence_regs(dp_acc);
+
+    // Rows: keys w0 + 16 wg_warp + g (+ 8); columns: queries qt0 + 8 i + 2 t (+ 1).
+    const float* lse_s = lse_ring + st * BQ;
+    const float* delta_s = delta_ring + st * BQ;
+    const bool edge = causal && qt0 < w0 + 63;
+    const int key0 = w0 + 16 * wg_warp + g;
+#pragma unroll
+    for (int i = 0; i < BQ / 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qc = 8 * i + 2 * t + (e & 1);
+        float p = fast_exp2(fmaf(st_acc[4 * i + e], scale_log2, -lse_s[qc]));
+        if (edge && key0 + (e >> 1) * 8 > qt0 + qc) p = 0.f;
+        st_acc[4 * i + e] = p;
+        dp_acc[4 * i + e] = p * (dp_acc[4 * i + e] - delta_s[qc]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < BQ / 8; ++i) {
+      p_frag[i >> 1][(i & 1) * 2] = pack2(st_acc[4 * i], st_acc[4 * i + 1]);
+      p_frag[i >> 1][(i & 1) * 2 + 1] = pack2(st_acc[4 * i + 2], st_acc[4 * i + 3]);
+      ds_frag[i >> 1][(i & 1) * 2] = pack2(dp_acc[4 * i], dp_acc[4 * i + 1]);
+      ds_frag[i >> 1][(i & 1) * 2 + 1] = pack2(dp_acc[4 * i + 2], dp_acc[4 * i + 3]);
+    }
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; ++kk)
+      wg_rs_mn<HD>(dv_acc, p_frag[kk], wg_desc(do_stage + kk * 16 * 128, BQ * 128, 1024));
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; ++kk)
+      wg_rs_mn<HD>(dk_acc, ds_frag[kk], wg_desc(q_stage + kk * 16 * 128, BQ * 128, 1024));
+    wg_commit();
+    wg_wait<0>();
+    fence_regs(dv_acc);
+    fence_regs(dk_acc);
+    if (wg_warp == 0 && lane == 0) mbar_arrive(empty(st));
+  }
+
+  // Both computing warpgroups are past their last read of K and V: the tiles stage the rows.
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");
+  float out_k[HD / 8][4], out_v[HD / 8][4];
+#pragma unroll
+  for (int i = 0; i < HD / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      out_k[i][e] = dk_acc[4 * i + e];
+      out_v[i][e] = dv_acc[4 * i + e];
+    }
+  const int warp_key0 = w0 + 16 * wg_warp;
+  const int valid = lk - warp_key0;
+  u16* dkb = static_cast<u16*>(dk) + b * dks.batch + hk * dks.head + warp_key0 * dks.row;
+  u16* dvb = static_cast<u16*>(dv) + b * dvs.batch + hk * dvs.head + warp_key0 * dvs.row;
+  store_rows(out_k, pb.scale, k_tile, warp * 16, dkb, dks.row, valid, lane);
+  store_rows(out_v, 1.f, v_tile, warp * 16, dvb, dvs.row, valid, lane);
+}
+
+#else
+
 extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32, TF_BWD_MIN_BLOCKS)
     attn_bwd_dkdv(const void* q, Strides qs, const void* k, Strides ks, const void* v, Strides vs,
                   const void* dout, Strides dos, const float* lse, const float* delta,
@@ -1132,6 +1327,8 @@ extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32, TF_BWD_MIN_BLOCK
 }
 
 // dQ for DQ_BLOCK_M query rows of one (batch, head).
+#endif  // TF_BWD_WGMMA
+
 extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32, TF_BWD_MIN_BLOCKS)
     attn_bwd_dq(const void* q, Strides qs, const void* k, Strides ks, const void* v, Strides vs,
                 const void* dout, Strides dos, const float* lse, const float* delta, void* dq,

@@ -72,7 +72,7 @@ impl Strides {
 }
 
 /// Kernel launch shapes a variant may set, and their allowed values.
-const PARAMS: [(&str, &[i64]); 14] = [
+const PARAMS: [(&str, &[i64]); 15] = [
     ("HEAD_DIM", &[64, 128]),
     ("FWD_WARPS", &[2, 4, 8]),
     ("FWD_BLOCK_N", &[32, 64, 128]),
@@ -87,9 +87,10 @@ const PARAMS: [(&str, &[i64]); 14] = [
     ("FWD_STAGES", &[2, 3, 4]),
     ("FWD_TMA", &[0, 1]),
     ("FWD_PINGPONG", &[0, 1]),
+    ("BWD_WGMMA", &[0, 1]),
 ];
 /// The kernel's defaults for parameters a variant leaves out (HEAD_DIM is required).
-const DEFAULTS: [i64; 14] = [0, 4, 64, 4, 64, 64, 1, 1, 1, 1, 0, 2, 0, 0];
+const DEFAULTS: [i64; 15] = [0, 4, 64, 4, 64, 64, 1, 1, 1, 1, 0, 2, 0, 0, 0];
 
 pub fn validate_variant(v: &Variant) -> Result<(), String> {
     if let Some(unknown) = v
@@ -145,13 +146,19 @@ pub fn validate_variant(v: &Variant) -> Result<(), String> {
                 v.name
             ));
         }
+        if shapes.bwd_wgmma && !(shapes.fwd_tma && shapes.bwd_block_q == 64) {
+            return Err(format!(
+                "{}: BWD_WGMMA takes FWD_TMA = 1 and BWD_BLOCK_Q = 64",
+                v.name
+            ));
+        }
         if shapes.fwd_tma && shapes.fwd_min_blocks != 1 {
             return Err(format!(
                 "{}: FWD_TMA takes FWD_MIN_BLOCKS 1 (its consumers take the producer's registers)",
                 v.name
             ));
         }
-    } else if shapes.fwd_tma || shapes.fwd_pingpong {
+    } else if shapes.fwd_tma || shapes.fwd_pingpong || shapes.bwd_wgmma {
         return Err(format!("{}: FWD_TMA needs FWD_WGMMA = 1", v.name));
     } else if shapes.fwd_stages != 2 {
         return Err(format!(
@@ -182,6 +189,8 @@ struct Shapes {
     /// The warpgroup forward's two computing warpgroups take turns issuing their gemms.
     fwd_pingpong: bool,
     fwd_min_blocks: i64,
+    /// attn_bwd_dkdv is the warpgroup-MMA kernel fed by TMA (128 keys a CTA, 3 warpgroups).
+    bwd_wgmma: bool,
 }
 
 impl Shapes {
@@ -200,6 +209,7 @@ impl Shapes {
             fwd_stages: p(11),
             fwd_tma: p(12) == 1,
             fwd_pingpong: p(13) == 1,
+            bwd_wgmma: p(14) == 1,
             fwd_min_blocks: p(8),
         }
     }
@@ -230,8 +240,31 @@ impl Shapes {
             + barriers) as u32
     }
     fn dkdv_smem(&self) -> u32 {
+        if self.bwd_wgmma {
+            // K and V tiles, 2 stages of Q, dO, logsumexp and delta, 5 mbarriers, and slack to
+            // align the tiles to 1024 bytes.
+            return ((2 * DKDV_WG_KEYS + 4 * self.bwd_block_q) * self.head_dim * 2
+                + 4 * self.bwd_block_q * 4
+                + 8 * 5
+                + 1024) as u32;
+        }
         ((2 * self.bwd_rows() + 4 * self.bwd_block_q) * self.head_dim * 2
             + 4 * self.bwd_block_q * 4) as u32
+    }
+    /// Keys of a dK/dV CTA and its threads.
+    fn dkdv_keys(&self) -> i64 {
+        if self.bwd_wgmma {
+            DKDV_WG_KEYS
+        } else {
+            self.bwd_rows()
+        }
+    }
+    fn dkdv_threads(&self) -> i64 {
+        if self.bwd_wgmma {
+            384
+        } else {
+            32 * self.bwd_warps
+        }
     }
     fn dq_smem(&self) -> u32 {
         ((2 * self.bwd_rows() + 4 * self.dq_block_n) * self.head_dim * 2) as u32
@@ -267,6 +300,9 @@ impl BackwardInputs {
             .arg(&self.delta);
     }
 }
+
+/// Keys of the warpgroup dK/dV kernel's CTA (BWD_WG_KEYS in attention.cu).
+const DKDV_WG_KEYS: i64 = 128;
 
 /// Index of each kernel in `KernelOp::entries` order.
 const FWD: usize = 0;
@@ -659,11 +695,11 @@ impl Plan {
         let dkdv = self.launch_config(
             DKDV,
             (
-                blocks(self.lk, s.bwd_rows()),
+                blocks(self.lk, s.dkdv_keys()),
                 dim_u32(self.kv_heads),
                 dim_u32(self.batch),
             ),
-            32 * s.bwd_warps,
+            s.dkdv_threads(),
             s.dkdv_smem(),
         )?;
         let dq_config = self.launch_config(
@@ -725,7 +761,22 @@ impl Plan {
         let mut args = stream.launch_builder(&functions[DKDV]);
         inputs.push(&mut args);
         args.arg(&dkp).arg(&dks).arg(&dvp).arg(&dvs).arg(&problem);
-        // SAFETY: arguments match attn_bwd_dkdv; shapes as checked above.
+        let maps = if s.bwd_wgmma {
+            let (query_rows, keys) = (s.bwd_block_q as u32, DKDV_WG_KEYS as u32);
+            Some([
+                tma_map(q, self.kind, query_rows)?,
+                tma_map(k, self.kind, keys)?,
+                tma_map(v, self.kind, keys)?,
+                tma_map(&dout, self.kind, query_rows)?,
+            ])
+        } else {
+            None
+        };
+        if let Some(maps) = &maps {
+            args.arg(&maps[0]).arg(&maps[1]).arg(&maps[2]).arg(&maps[3]);
+        }
+        // SAFETY: arguments match attn_bwd_dkdv; shapes as checked above; the tensor maps
+        // describe q, k, v and grad_out.
         unsafe { args.launch(dkdv) }.map_err(failed)?;
 
         let mut args = stream.launch_builder(&functions[DQ]);
