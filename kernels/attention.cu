@@ -1329,6 +1329,163 @@ extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32, TF_BWD_MIN_BLOCK
 // dQ for DQ_BLOCK_M query rows of one (batch, head).
 #endif  // TF_BWD_WGMMA
 
+#if TF_BWD_WGMMA
+// ------------------------------------------------------------------ dQ, warpgroup MMA
+//
+// sm_90a. A CTA owns 128 query rows of one (batch, head): two computing warpgroups of 64 rows
+// whose Q and dO stay in shared memory, plus a producer warpgroup streaming the K/V tiles of
+// the kv head (TMA, a ring of BWD_STAGES stages). Per key tile a computing warpgroup issues
+// S = Q K^T and dP = dO V^T, forms dS = P (dP - delta) in registers, then dQ += dS K with dS
+// as the register operand; dQ stays in fp32 registers and is written once. No atomics.
+#define DQ_WG_ROWS 128
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+    attn_bwd_dq(const void* q, Strides qs, const void* k, Strides ks, const void* v, Strides vs,
+                const void* dout, Strides dos, const float* lse, const float* delta, void* dq,
+                Strides dqs, Problem pb, const __grid_constant__ TmaMap q_map,
+                const __grid_constant__ TmaMap k_map, const __grid_constant__ TmaMap v_map,
+                const __grid_constant__ TmaMap do_map) {
+  const int heads = pb.heads, lq = pb.lq, lk = pb.lk, group = pb.group, causal = pb.causal;
+  const float scale_log2 = pb.scale_log2;
+  constexpr int BM = DQ_WG_ROWS, BN = TF_DQ_BLOCK_N, NS = BWD_STAGES;
+  extern __shared__ __align__(1024) unsigned char smem_bytes[];
+  u16* q_tile = reinterpret_cast<u16*>(smem_bytes + ((1024 - (smem_addr(smem_bytes) & 1023)) & 1023));
+  u16* do_tile = q_tile + BM * HD;
+  u16* k_ring = do_tile + BM * HD;       // [NS][BN * HD]
+  u16* v_ring = k_ring + NS * BN * HD;   // [NS][BN * HD]
+  const u32 bars = smem_addr(v_ring + NS * BN * HD);
+  const u32 qd_full = bars;
+  auto full = [&](int stage) { return bars + 8 * (1 + stage); };
+  auto empty = [&](int stage) { return bars + 8 * (1 + NS + stage); };
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wg = warp >> 2, wg_warp = warp & 3;
+  const int g = lane >> 2, t = lane & 3;
+  const int mb = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+  const int q0 = mb * BM;
+  const int kv_end = causal ? min(lk, q0 + BM) : lk;
+  const int tiles = (kv_end + BN - 1) / BN;
+
+  if (tid == 0) {
+    mbar_init(qd_full, 1);
+    for (int st = 0; st < NS; ++st) {
+      mbar_init(full(st), 1);
+      mbar_init(empty(st), 2);  // both computing warpgroups
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 2) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+    if (wg_warp == 0 && lane == 0) {
+      mbar_expect_bytes(qd_full, 2 * BM * HD * 2);
+#pragma unroll
+      for (int c = 0; c < HD / 64; ++c) {
+        tma_load(smem_addr(q_tile + c * BM * 64), q_map, c * 64, q0, h, b, qd_full);
+        tma_load(smem_addr(do_tile + c * BM * 64), do_map, c * 64, q0, h, b, qd_full);
+      }
+      for (int j = 0; j < tiles; ++j) {
+        const int st = j % NS;
+        if (j >= NS) mbar_wait(empty(st), ((j / NS) - 1) & 1);
+        mbar_expect_bytes(full(st), 2 * BN * HD * 2);
+#pragma unroll
+        for (int c = 0; c < HD / 64; ++c) {
+          tma_load(smem_addr(k_ring + st * BN * HD + c * BN * 64), k_map, c * 64, j * BN, hk, b,
+                   full(st));
+          tma_load(smem_addr(v_ring + st * BN * HD + c * BN * 64), v_map, c * 64, j * BN, hk, b,
+                   full(st));
+        }
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+
+  const int w0 = q0 + wg * 64;               // this warpgroup's first row
+  const int r0 = w0 + 16 * wg_warp + g;      // this thread's rows: r0 and r0 + 8
+  const tf_i64 row_base = (static_cast<tf_i64>(b) * heads + h) * lq;
+  float lse2[2], dlt[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = r0 + r * 8;
+    lse2[r] = row < lq ? lse[row_base + row] * LOG2E : 0.f;
+    dlt[r] = row < lq ? delta[row_base + row] : 0.f;
+  }
+  const u32 q_addr = smem_addr(q_tile) + wg * 64 * 128, do_addr = smem_addr(do_tile) + wg * 64 * 128;
+  float dq_acc[HD / 2];
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) dq_acc[i] = 0.f;
+  float s_acc[BN / 2], dp_acc[BN / 2];
+  u32 ds_frag[BN / 16][4];
+  mbar_wait(qd_full, 0);
+
+  for (int j = 0; j < tiles; ++j) {
+    const int st = j % NS, n0 = j * BN;
+    mbar_wait(full(st), (j / NS) & 1);
+    const u32 k_stage = smem_addr(k_ring + st * BN * HD);
+    const u32 v_stage = smem_addr(v_ring + st * BN * HD);
+    wg_fence();
+#pragma unroll
+    for (int kc = 0; kc < HD / 16; ++kc) {
+      const u32 step = (kc & 3) * 32;
+      wg_ss<BN>(s_acc, wg_desc(q_addr + (kc >> 2) * BM * 128 + step, 16, 1024),
+                wg_desc(k_stage + (kc >> 2) * BN * 128 + step, 16, 1024), kc > 0);
+    }
+#pragma unroll
+    for (int kc = 0; kc < HD / 16; ++kc) {
+      const u32 step = (kc & 3) * 32;
+      wg_ss<BN>(dp_acc, wg_desc(do_addr + (kc >> 2) * BM * 128 + step, 16, 1024),
+                wg_desc(v_stage + (kc >> 2) * BN * 128 + step, 16, 1024), kc > 0);
+    }
+    wg_commit();
+    wg_wait<0>();
+    fence_regs(s_acc);
+    fence_regs(dp_acc);
+    const bool edge = n0 + BN > kv_end || (causal && n0 + BN - 1 > w0);
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        float p = fast_exp2(fmaf(s_acc[4 * i + e], scale_log2, -lse2[r]));
+        if (edge) {
+          const int col = n0 + 8 * i + 2 * t + (e & 1);
+          if (col >= kv_end || (causal && col > r0 + r * 8)) p = 0.f;
+        }
+        s_acc[4 * i + e] = p * (dp_acc[4 * i + e] - dlt[r]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i) {
+      ds_frag[i >> 1][(i & 1) * 2] = pack2(s_acc[4 * i], s_acc[4 * i + 1]);
+      ds_frag[i >> 1][(i & 1) * 2 + 1] = pack2(s_acc[4 * i + 2], s_acc[4 * i + 3]);
+    }
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+      wg_rs_mn<HD>(dq_acc, ds_frag[kk], wg_desc(k_stage + kk * 16 * 128, BN * 128, 1024));
+    wg_commit();
+    wg_wait<0>();
+    fence_regs(dq_acc);
+    if (wg_warp == 0 && lane == 0) mbar_arrive(empty(st));
+  }
+
+  // Both computing warpgroups are past their last read of Q: its tile stages the rows.
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");
+  float out[HD / 8][4];
+#pragma unroll
+  for (int i = 0; i < HD / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) out[i][e] = dq_acc[4 * i + e];
+  const int warp_row0 = w0 + 16 * wg_warp;
+  u16* dqb = static_cast<u16*>(dq) + b * dqs.batch + h * dqs.head + warp_row0 * dqs.row;
+  store_rows(out, pb.scale, q_tile, warp * 16, dqb, dqs.row, lq - warp_row0, lane);
+}
+
+#else
+
 extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32, TF_BWD_MIN_BLOCKS)
     attn_bwd_dq(const void* q, Strides qs, const void* k, Strides ks, const void* v, Strides vs,
                 const void* dout, Strides dos, const float* lse, const float* delta, void* dq,
@@ -1422,3 +1579,4 @@ extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32, TF_BWD_MIN_BLOCK
   u16* dqb = static_cast<u16*>(dq) + b * dqs.batch + h * dqs.head + w0 * dqs.row;
   store_tiles<MT>(dq_acc, pb.scale, q_tile, warp * WARP_ROWS, dqb, dqs.row, lq - w0, lane);
 }
+#endif  // TF_BWD_WGMMA

@@ -61,7 +61,7 @@ SWEEP = {
          dict(FWD_WGMMA=1, FWD_TMA=1, FWD_WARPS=4, FWD_BLOCK_N=128),
          dict(FWD_WGMMA=1, FWD_TMA=1, FWD_PINGPONG=1, FWD_WARPS=8, FWD_BLOCK_N=128),
          dict(FWD_WGMMA=1, FWD_TMA=1, FWD_PINGPONG=1, FWD_WARPS=8, FWD_BLOCK_N=128, FWD_STAGES=3),
-         # The warpgroup dK/dV kernel (BWD_WGMMA).
+         # The warpgroup backward (BWD_WGMMA: dK/dV and dQ).
          dict(FWD_WGMMA=1, FWD_TMA=1, FWD_WARPS=8, FWD_BLOCK_N=128, BWD_WGMMA=1, BWD_BLOCK_Q=64,
               DQ_BLOCK_N=64)],
     128: [dict(FWD_BLOCK_N=64, BWD_BLOCK_Q=32, DQ_BLOCK_N=32),
@@ -83,9 +83,9 @@ SWEEP = {
                DQ_BLOCK_N=32),
           dict(FWD_WGMMA=1, FWD_TMA=1, FWD_PINGPONG=1, FWD_WARPS=8, FWD_BLOCK_N=64, FWD_STAGES=3,
                BWD_BLOCK_Q=32, DQ_BLOCK_N=32),
-          # The warpgroup dK/dV kernel (BWD_WGMMA).
+          # The warpgroup backward (BWD_WGMMA: dK/dV and dQ).
           dict(FWD_WGMMA=1, FWD_TMA=1, FWD_PINGPONG=1, FWD_WARPS=8, FWD_BLOCK_N=128, BWD_WGMMA=1,
-               BWD_BLOCK_Q=64, DQ_BLOCK_N=32)],
+               BWD_BLOCK_Q=64, DQ_BLOCK_N=64)],
 }
 
 

@@ -146,9 +146,11 @@ pub fn validate_variant(v: &Variant) -> Result<(), String> {
                 v.name
             ));
         }
-        if shapes.bwd_wgmma && !(shapes.fwd_tma && shapes.bwd_block_q == 64) {
+        if shapes.bwd_wgmma
+            && !(shapes.fwd_tma && shapes.bwd_block_q == 64 && shapes.dq_block_n == 64)
+        {
             return Err(format!(
-                "{}: BWD_WGMMA takes FWD_TMA = 1 and BWD_BLOCK_Q = 64",
+                "{}: BWD_WGMMA takes FWD_TMA = 1, BWD_BLOCK_Q = 64 and DQ_BLOCK_N = 64",
                 v.name
             ));
         }
@@ -251,7 +253,7 @@ impl Shapes {
         ((2 * self.bwd_rows() + 4 * self.bwd_block_q) * self.head_dim * 2
             + 4 * self.bwd_block_q * 4) as u32
     }
-    /// Keys of a dK/dV CTA and its threads.
+    /// Keys of a dK/dV CTA.
     fn dkdv_keys(&self) -> i64 {
         if self.bwd_wgmma {
             DKDV_WG_KEYS
@@ -259,7 +261,8 @@ impl Shapes {
             self.bwd_rows()
         }
     }
-    fn dkdv_threads(&self) -> i64 {
+    /// Threads of a dK/dV or dQ CTA.
+    fn bwd_threads(&self) -> i64 {
         if self.bwd_wgmma {
             384
         } else {
@@ -267,7 +270,20 @@ impl Shapes {
         }
     }
     fn dq_smem(&self) -> u32 {
+        if self.bwd_wgmma {
+            // Q and dO tiles, 2 stages of K and V, 5 mbarriers, and the alignment slack.
+            return ((2 * DQ_WG_ROWS + 4 * self.dq_block_n) * self.head_dim * 2 + 8 * 5 + 1024)
+                as u32;
+        }
         ((2 * self.bwd_rows() + 4 * self.dq_block_n) * self.head_dim * 2) as u32
+    }
+    /// Query rows of a dQ CTA and its threads.
+    fn dq_rows(&self) -> i64 {
+        if self.bwd_wgmma {
+            DQ_WG_ROWS
+        } else {
+            self.bwd_rows()
+        }
     }
 }
 
@@ -303,6 +319,8 @@ impl BackwardInputs {
 
 /// Keys of the warpgroup dK/dV kernel's CTA (BWD_WG_KEYS in attention.cu).
 const DKDV_WG_KEYS: i64 = 128;
+/// Query rows of the warpgroup dQ kernel's CTA (DQ_WG_ROWS in attention.cu).
+const DQ_WG_ROWS: i64 = 128;
 
 /// Index of each kernel in `KernelOp::entries` order.
 const FWD: usize = 0;
@@ -699,17 +717,17 @@ impl Plan {
                 dim_u32(self.kv_heads),
                 dim_u32(self.batch),
             ),
-            s.dkdv_threads(),
+            s.bwd_threads(),
             s.dkdv_smem(),
         )?;
         let dq_config = self.launch_config(
             DQ,
             (
-                blocks(self.lq, s.bwd_rows()),
+                blocks(self.lq, s.dq_rows()),
                 dim_u32(self.heads),
                 dim_u32(self.batch),
             ),
-            32 * s.bwd_warps,
+            s.bwd_threads(),
             s.dq_smem(),
         )?;
         let (qp, kp, vp) = (device_addr(q), device_addr(k), device_addr(v));
@@ -782,7 +800,22 @@ impl Plan {
         let mut args = stream.launch_builder(&functions[DQ]);
         inputs.push(&mut args);
         args.arg(&dqp).arg(&dqs).arg(&problem);
-        // SAFETY: arguments match attn_bwd_dq; shapes as checked above.
+        let dq_maps = if s.bwd_wgmma {
+            let (rows, keys) = (DQ_WG_ROWS as u32, s.dq_block_n as u32);
+            Some([
+                tma_map(q, self.kind, rows)?,
+                tma_map(k, self.kind, keys)?,
+                tma_map(v, self.kind, keys)?,
+                tma_map(&dout, self.kind, rows)?,
+            ])
+        } else {
+            None
+        };
+        if let Some(maps) = &dq_maps {
+            args.arg(&maps[0]).arg(&maps[1]).arg(&maps[2]).arg(&maps[3]);
+        }
+        // SAFETY: arguments match attn_bwd_dq; shapes as checked above; the tensor maps
+        // describe q, k, v and grad_out.
         unsafe { args.launch(dq_config) }.map_err(failed)?;
         Ok([dq, dk, dv])
     }
