@@ -332,6 +332,7 @@ pub fn step(launch: Launch, call: &AdamCall) -> Result<&'static str, StockReason
         hidden: 1,
         rows: elements,
         sm,
+        deterministic: false,
     })?;
     let threads = variant.params.get("THREADS").copied().unwrap_or(256) as u32;
     let warps_per_block = i64::from(threads / 32);

@@ -28,6 +28,9 @@ pub struct AttentionCallC {
     pub nested: bool,
     pub return_debug_mask: bool,
     pub default_backends: bool,
+    /// Deterministic algorithms are required (not warn-only): stock's default is then
+    /// FlashAttention-2 with its deterministic backward, not cuDNN.
+    pub deterministic: bool,
 }
 
 /// Strides (elements) of a [B, H, L, D] operand for the kernels (`Strides` in attention.cu).
@@ -453,6 +456,7 @@ pub unsafe fn plan(launch: Launch, call: &AttentionCallC) -> Result<Plan, StockR
         hidden: *d,
         rows: score_elements(*b, *h, *lq, *lk),
         sm,
+        deterministic: call.deterministic,
     })?;
     let shapes = Shapes::of(selected.variant);
     Ok(Plan {

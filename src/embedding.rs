@@ -131,6 +131,7 @@ pub fn forward(launch: Launch, weight: &Tensor, indices: &Tensor) -> Result<Gath
         hidden: cols,
         rows: tokens,
         sm,
+        deterministic: false,
     })?;
 
     let indices = indices.contiguous();
@@ -232,6 +233,7 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockRe
         hidden: cols,
         rows: tokens,
         sm,
+        deterministic: false,
     })?;
 
     let grad = call.grad.contiguous();

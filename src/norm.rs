@@ -189,6 +189,7 @@ fn plan(op: KernelOp, l: &Layout, launch: Launch) -> Result<Plan, StockReason> {
         hidden: l.cols,
         rows: l.rows,
         sm,
+        deterministic: false,
     })?;
     let g = geometry(variant);
     let groups = (l.rows + i64::from(g.rows_per_block) - 1) / i64::from(g.rows_per_block);

@@ -186,6 +186,11 @@ pub struct Variant {
     /// Above this many rows stock is as fast or faster: measured, see the note in the file.
     #[serde(default = "any_rows")]
     pub max_rows: i64,
+    /// With deterministic algorithms required, stock's own choice can be slower (attention:
+    /// FlashAttention-2 with its deterministic backward instead of cuDNN); true: measured
+    /// faster than that at every size, so min_rows/max_rows do not apply then.
+    #[serde(default)]
+    pub deterministic_all_rows: bool,
     #[serde(default)]
     pub priority: i32,
     /// Compile-time parameters, passed to NVRTC as `-DTF_<NAME>=<value>`.
@@ -219,6 +224,8 @@ pub struct Request {
     pub hidden: i64,
     pub rows: i64,
     pub sm: u32,
+    /// The user requires deterministic algorithms (see `Variant::deterministic_all_rows`).
+    pub deterministic: bool,
 }
 
 #[derive(Debug)]
@@ -386,7 +393,9 @@ impl Registry {
             .into_iter()
             .find(|&i| {
                 let v = &self.variants[i];
-                ignore_thresholds || (v.min_rows..=v.max_rows).contains(&req.rows)
+                ignore_thresholds
+                    || (req.deterministic && v.deterministic_all_rows)
+                    || (v.min_rows..=v.max_rows).contains(&req.rows)
             })
             .ok_or(StockReason::NotFasterHere)
     }
@@ -442,6 +451,7 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
             hidden,
             rows,
             sm,
+            deterministic: false,
         }
     }
 
@@ -507,6 +517,30 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
         assert!(Registry::parse(&[("o.toml", &op)]).is_err());
     }
 
+    /// Attention on sm 90: large calls go to stock (cuDNN), unless deterministic algorithms
+    /// are required, where stock's choice is slower at every size (registry/attention.toml).
+    #[test]
+    fn deterministic_mode_routes_every_attention_size_on_sm90() {
+        let r = REGISTRY.as_ref().expect("built-in registry");
+        let pick = |rows, deterministic, sm| {
+            r.select(&Request {
+                op: KernelOp::AttentionCausal,
+                dtype: DType::BF16,
+                hidden: 64,
+                rows,
+                sm,
+                deterministic,
+            })
+            .map(|i| r.variant(i).name.clone())
+        };
+        let gpt2 = 8 * 12 * 1024 * 1024;
+        assert_eq!(pick(gpt2, false, 90), Err(StockReason::NotFasterHere));
+        assert_eq!(pick(gpt2, true, 90), Ok("attn_d64_causal_wg".to_string()));
+        assert_eq!(pick(4096, false, 90), Ok("attn_d64_causal_wg".to_string()));
+        // No A100 was measured: sm 80 keeps its thresholds in either mode.
+        assert_eq!(pick(gpt2, true, 80), Err(StockReason::NotFasterHere));
+    }
+
     /// The built-in registry answers a table of calls as measured (registry/norm.toml).
     #[test]
     fn built_in_registry_routes_a_table_of_calls() {
@@ -518,6 +552,7 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
                 hidden,
                 rows,
                 sm,
+                deterministic: false,
             })
             .map(|i| r.variant(i).name.clone())
         };

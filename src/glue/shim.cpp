@@ -114,6 +114,7 @@ struct TfAttentionCall {
   bool nested;
   bool return_debug_mask;
   bool default_backends;  // the user's SDPA backend flags are PyTorch's defaults
+  bool deterministic;     // deterministic algorithms required: stock's choice leaves cuDNN
 };
 // The backend the call runs on: `stock_choice` unless torchfuse serves it (1 = flash).
 int64_t torchfuse_rs_sdp_choice(const TfLaunch* launch, const TfAttentionCall* call,
@@ -399,6 +400,13 @@ bool default_sdp_backends() {
          ctx.userEnabledMathSDP() && ctx.userEnabledCuDNNSDP();
 }
 
+// torch.use_deterministic_algorithms(True) without warn_only: stock's SDPA choice then skips
+// cuDNN (its backward is not deterministic) for flash with its deterministic backward.
+bool deterministic_required() {
+  const at::Context& ctx = at::globalContext();
+  return ctx.deterministicAlgorithms() && !ctx.deterministicAlgorithmsWarnOnly();
+}
+
 TfAttentionCall attention_call(const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& value, double dropout_p, bool is_causal,
                                std::optional<double> scale, bool has_mask,
@@ -413,7 +421,8 @@ TfAttentionCall attention_call(const at::Tensor& query, const at::Tensor& key,
                          has_mask,
                          query.is_nested() || key.is_nested() || value.is_nested(),
                          return_debug_mask,
-                         default_sdp_backends()};
+                         default_sdp_backends(),
+                         deterministic_required()};
 }
 
 int64_t sdp_choice(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,

@@ -248,3 +248,40 @@ def test_registry_thresholds_route_small_calls_only(causal):
         assert fused_count(FLASH) == served
     finally:
         torch.ops.torchfuse._serve_below_thresholds(True)
+
+
+def test_deterministic_mode_routes_large_calls_to_the_kernels():
+    """With torch.use_deterministic_algorithms(True) stock leaves cuDNN (its backward is not
+    deterministic) for FlashAttention-2's deterministic backward, which our kernels beat at every
+    size measured on sm 90: a GPT-2-size call is then served, reproducibly, and matches stock.
+    warn_only keeps cuDNN allowed, and the thresholds apply again."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("deterministic-mode routing is measured on sm 90 only")
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed())
+    q, k, v = make_qkv(gen, 8, 12, 12, 1024, 1024, 64, torch.bfloat16, "blhd")
+    dout = torch.randn(8, 12, 1024, 64, generator=gen, device="cuda").to(torch.bfloat16)
+    torch.ops.torchfuse._serve_below_thresholds(False)
+    try:
+        torch.use_deterministic_algorithms(True)
+        before = (fused_count(FLASH), fused_count(FLASH_BWD))
+        ours = sdpa_fwd_bwd(q, k, v, True, None, dout)
+        assert (fused_count(FLASH), fused_count(FLASH_BWD)) == (before[0] + 1, before[1] + 1)
+        again = sdpa_fwd_bwd(q, k, v, True, None, dout)
+        for a, b in zip(ours, again):
+            assert torch.equal(a, b)
+        with enabled("sdpa", False):
+            stock = sdpa_fwd_bwd(q, k, v, True, None, dout)
+        ref = reference(q, k, v, True, 1 / 8, dout)
+        for name, a, s, r in zip(["out", "dq", "dk", "dv"], ours, stock, (ref[0],) + ref[2:]):
+            err, stock_err = rel_err(a, r), rel_err(s, r)
+            assert err <= bound(stock_err, FLOOR[torch.bfloat16]), (name, err, stock_err)
+
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        before = dict(stock_reasons(CHOICE))
+        with torch.no_grad():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        key = "stock is faster at this shape"
+        assert stock_reasons(CHOICE).get(key, 0) == before.get(key, 0) + 1
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.ops.torchfuse._serve_below_thresholds(True)
