@@ -17,7 +17,14 @@
 //   dP; dQ stays in registers and is written once. No atomics.
 // - With TF_FWD_WGMMA (sm_90a), attn_fwd is the same algorithm on Hopper's warpgroup MMA: a
 //   CTA of 1-2 warpgroups of 64 query rows, both gemms reading their shared-memory operands
-//   through wgmma descriptors (see its section below).
+//   through wgmma descriptors (see its section below); with TF_FWD_TMA a producer warpgroup
+//   loads the tiles with TMA copies and mbarriers, with TF_FWD_PINGPONG the two computing
+//   warpgroups take turns at the tensor cores.
+// - With TF_BWD_WGMMA (sm_90a, with TF_FWD_TMA), attn_bwd_dkdv and attn_bwd_dq are warpgroup-MMA
+//   kernels of the same shape: two computing warpgroups (64 keys, or 64 query rows, each)
+//   whose own operands stay in shared memory, a producer warpgroup streaming the other side's
+//   tiles through a 2-stage ring; every product accumulates in fp32 registers, in a fixed
+//   order, with no atomics.
 // Every sum runs in a fixed order, so the backward is bitwise reproducible run to run.
 // Shared-memory tiles are [rows][HEAD_DIM] with 16-byte chunks XOR-swizzled by row, so the
 // ldmatrix reads of 8 rows hit 8 different bank groups.
