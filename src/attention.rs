@@ -164,7 +164,10 @@ pub fn validate_variant(v: &Variant) -> Result<(), String> {
             ));
         }
     } else if shapes.fwd_tma || shapes.fwd_pingpong || shapes.bwd_wgmma {
-        return Err(format!("{}: FWD_TMA needs FWD_WGMMA = 1", v.name));
+        return Err(format!(
+            "{}: FWD_TMA, FWD_PINGPONG and BWD_WGMMA need FWD_WGMMA = 1",
+            v.name
+        ));
     } else if shapes.fwd_stages != 2 {
         return Err(format!(
             "{}: FWD_STAGES is the warpgroup forward's (FWD_WGMMA = 1)",
@@ -194,7 +197,8 @@ struct Shapes {
     /// The warpgroup forward's two computing warpgroups take turns issuing their gemms.
     fwd_pingpong: bool,
     fwd_min_blocks: i64,
-    /// attn_bwd_dkdv is the warpgroup-MMA kernel fed by TMA (128 keys a CTA, 3 warpgroups).
+    /// attn_bwd_dkdv and attn_bwd_dq are the warpgroup-MMA kernels fed by TMA (128 keys or
+    /// query rows a CTA, 3 warpgroups).
     bwd_wgmma: bool,
 }
 
@@ -280,7 +284,7 @@ impl Shapes {
         }
         ((2 * self.bwd_rows() + 4 * self.dq_block_n) * self.head_dim * 2) as u32
     }
-    /// Query rows of a dQ CTA and its threads.
+    /// Query rows of a dQ CTA.
     fn dq_rows(&self) -> i64 {
         if self.bwd_wgmma {
             DQ_WG_ROWS
@@ -640,11 +644,11 @@ impl Plan {
             .arg(&lp)
             .arg(&problem);
         let maps = if s.fwd_tma {
-            let box_rows = |rows: i64| rows as u32;
+            let (query_rows, keys) = (s.fwd_block_m() as u32, s.fwd_block_n as u32);
             Some([
-                tma_map(q, self.kind, box_rows(s.fwd_block_m()))?,
-                tma_map(k, self.kind, box_rows(s.fwd_block_n))?,
-                tma_map(v, self.kind, box_rows(s.fwd_block_n))?,
+                tma_map(q, self.kind, query_rows)?,
+                tma_map(k, self.kind, keys)?,
+                tma_map(v, self.kind, keys)?,
             ])
         } else {
             None
@@ -755,6 +759,25 @@ impl Plan {
         let functions = &self.selected.kernels.functions;
         let failed = |e| jit::launch_failed(self.selected.variant, e);
 
+        // The warpgroup kernels' tensor maps, before anything is launched: a map the driver
+        // refuses sends the whole backward to stock.
+        let (dkdv_maps, dq_maps) = if s.bwd_wgmma {
+            let maps = |query_rows: i64, keys: i64| -> Result<[TmaMap; 4], StockReason> {
+                let (query_rows, keys) = (query_rows as u32, keys as u32);
+                Ok([
+                    tma_map(q, self.kind, query_rows)?,
+                    tma_map(k, self.kind, keys)?,
+                    tma_map(v, self.kind, keys)?,
+                    tma_map(&dout, self.kind, query_rows)?,
+                ])
+            };
+            (
+                Some(maps(s.bwd_block_q, DKDV_WG_KEYS)?),
+                Some(maps(DQ_WG_ROWS, s.dq_block_n)?),
+            )
+        } else {
+            (None, None)
+        };
         let mut args = stream.launch_builder(&functions[PREP]);
         args.arg(&op)
             .arg(&os)
@@ -783,18 +806,7 @@ impl Plan {
         let mut args = stream.launch_builder(&functions[DKDV]);
         inputs.push(&mut args);
         args.arg(&dkp).arg(&dks).arg(&dvp).arg(&dvs).arg(&problem);
-        let maps = if s.bwd_wgmma {
-            let (query_rows, keys) = (s.bwd_block_q as u32, DKDV_WG_KEYS as u32);
-            Some([
-                tma_map(q, self.kind, query_rows)?,
-                tma_map(k, self.kind, keys)?,
-                tma_map(v, self.kind, keys)?,
-                tma_map(&dout, self.kind, query_rows)?,
-            ])
-        } else {
-            None
-        };
-        if let Some(maps) = &maps {
+        if let Some(maps) = &dkdv_maps {
             args.arg(&maps[0]).arg(&maps[1]).arg(&maps[2]).arg(&maps[3]);
         }
         // SAFETY: arguments match attn_bwd_dkdv; shapes as checked above; the tensor maps
@@ -804,17 +816,6 @@ impl Plan {
         let mut args = stream.launch_builder(&functions[DQ]);
         inputs.push(&mut args);
         args.arg(&dqp).arg(&dqs).arg(&problem);
-        let dq_maps = if s.bwd_wgmma {
-            let (rows, keys) = (DQ_WG_ROWS as u32, s.dq_block_n as u32);
-            Some([
-                tma_map(q, self.kind, rows)?,
-                tma_map(k, self.kind, keys)?,
-                tma_map(v, self.kind, keys)?,
-                tma_map(&dout, self.kind, rows)?,
-            ])
-        } else {
-            None
-        };
         if let Some(maps) = &dq_maps {
             args.arg(&maps[0]).arg(&maps[1]).arg(&maps[2]).arg(&maps[3]);
         }
