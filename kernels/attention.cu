@@ -565,6 +565,53 @@ WG_SS(128, WG_ACC64, WG_REGS64, "64", "65", "66")
 WG_RS_MN(64, WG_ACC32, WG_REGS32, "32", "33", "34", "35", "36", "37")
 WG_RS_MN(128, WG_ACC64, WG_REGS64, "64", "65", "66", "67", "68", "69")
 
+// d = A B^T over the head dim (HD / 16 k16 steps), m64nN: A is the 64 rows at a_addr of a
+// warpgroup tile of a_rows rows, B a whole tile of N rows at b_addr, both k-major. Not
+// committed.
+template <int N>
+__device__ __forceinline__ void wg_gemm_hd(float (&d)[N / 2], u32 a_addr, int a_rows,
+                                           u32 b_addr) {
+#pragma unroll
+  for (int kc = 0; kc < HD / 16; ++kc) {
+    const u32 step = (kc & 3) * 32;  // k16 steps within a 64-column block
+    wg_ss<N>(d, wg_desc(a_addr + (kc >> 2) * a_rows * 128 + step, 16, 1024),
+             wg_desc(b_addr + (kc >> 2) * N * 128 + step, 16, 1024), kc > 0);
+  }
+}
+
+// d += A B over K rows (K / 16 k16 steps), m64nHD: A in registers (frags, as pack_frags
+// leaves them), B the K x HD tile at b_addr, n-major. Not committed.
+template <int K>
+__device__ __forceinline__ void wg_gemm_rs(float (&d)[HD / 2], const u32 (&a)[K / 16][4],
+                                           u32 b_addr) {
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk)
+    wg_rs_mn<HD>(d, a[kk], wg_desc(b_addr + kk * 16 * 128, K * 128, 1024));
+}
+
+// An m64nN accumulator as 16-bit A operands of the next wgmma: columns 8i.. are the low
+// (i even) or high (i odd) half of k16 step i / 2.
+template <int N>
+__device__ __forceinline__ void pack_frags(const float (&acc)[N / 2], u32 (&frag)[N / 16][4]) {
+#pragma unroll
+  for (int i = 0; i < N / 8; ++i) {
+    frag[i >> 1][(i & 1) * 2] = pack2(acc[4 * i], acc[4 * i + 1]);
+    frag[i >> 1][(i & 1) * 2 + 1] = pack2(acc[4 * i + 2], acc[4 * i + 3]);
+  }
+}
+// Two accumulators in one pass (the order ptxas schedules the dK/dV kernel best in).
+template <int N>
+__device__ __forceinline__ void pack_frags(const float (&a)[N / 2], u32 (&a_frag)[N / 16][4],
+                                           const float (&b)[N / 2], u32 (&b_frag)[N / 16][4]) {
+#pragma unroll
+  for (int i = 0; i < N / 8; ++i) {
+    a_frag[i >> 1][(i & 1) * 2] = pack2(a[4 * i], a[4 * i + 1]);
+    a_frag[i >> 1][(i & 1) * 2 + 1] = pack2(a[4 * i + 2], a[4 * i + 3]);
+    b_frag[i >> 1][(i & 1) * 2] = pack2(b[4 * i], b[4 * i + 1]);
+    b_frag[i >> 1][(i & 1) * 2 + 1] = pack2(b[4 * i + 2], b[4 * i + 3]);
+  }
+}
+
 #if TF_FWD_TMA
 #define FWD_CTA_THREADS (TF_FWD_WARPS * 32 + 128)
 #else
@@ -717,21 +764,11 @@ extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
   };
 #endif
   auto issue_s = [&](int j) {
-    const u32 k_stage = k_addr + (j % NS) * BN * HD * 2;
-#pragma unroll
-    for (int kc = 0; kc < HD / 16; ++kc) {
-      const u32 step = (kc & 3) * 32;  // k16 steps within a 64-column block
-      const u64 da = wg_desc(q_addr + (kc >> 2) * BM * 128 + step, 16, 1024);
-      const u64 db = wg_desc(k_stage + (kc >> 2) * BN * 128 + step, 16, 1024);
-      wg_ss<BN>(s, da, db, kc > 0);
-    }
+    wg_gemm_hd<BN>(s, q_addr, BM, k_addr + (j % NS) * BN * HD * 2);
     wg_commit();
   };
   auto issue_pv = [&](int j) {  // O += P_j V_j
-    const u32 v_stage = v_addr + (j % NS) * BN * HD * 2;
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk)
-      wg_rs_mn<HD>(o_acc, p[kk], wg_desc(v_stage + kk * 16 * 128, BN * 128, 1024));
+    wg_gemm_rs<BN>(o_acc, p, v_addr + (j % NS) * BN * HD * 2);
     wg_commit();
   };
   // Masks S_j, updates the running max and sum, leaves exp2(S_j - max) in s and the O
@@ -772,14 +809,7 @@ extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
 #pragma unroll
     for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + row_sum[r];
   };
-  // Columns 8i.. of S are the low (i even) or high (i odd) half of k16 step i / 2.
-  auto pack_p = [&]() {
-#pragma unroll
-    for (int i = 0; i < BN / 8; ++i) {
-      p[i >> 1][(i & 1) * 2] = pack2(s[4 * i], s[4 * i + 1]);
-      p[i >> 1][(i & 1) * 2 + 1] = pack2(s[4 * i + 2], s[4 * i + 3]);
-    }
-  };
+  auto pack_p = [&]() { pack_frags<BN>(s, p); };
 
 #if TF_FWD_PINGPONG
   // Named barriers 2 + w: warpgroup w's turn. A turn begins when the other warpgroup has
@@ -1160,18 +1190,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     const u32 q_stage = smem_addr(q_ring + st * BQ * HD);
     const u32 do_stage = smem_addr(do_ring + st * BQ * HD);
     wg_fence();
-#pragma unroll
-    for (int kc = 0; kc < HD / 16; ++kc) {
-      const u32 step = (kc & 3) * 32;
-      wg_ss<BQ>(st_acc, wg_desc(k_addr + (kc >> 2) * BK * 128 + step, 16, 1024),
-                wg_desc(q_stage + (kc >> 2) * BQ * 128 + step, 16, 1024), kc > 0);
-    }
-#pragma unroll
-    for (int kc = 0; kc < HD / 16; ++kc) {
-      const u32 step = (kc & 3) * 32;
-      wg_ss<BQ>(dp_acc, wg_desc(v_addr + (kc >> 2) * BK * 128 + step, 16, 1024),
-                wg_desc(do_stage + (kc >> 2) * BQ * 128 + step, 16, 1024), kc > 0);
-    }
+    wg_gemm_hd<BQ>(st_acc, k_addr, BK, q_stage);
+    wg_gemm_hd<BQ>(dp_acc, v_addr, BK, do_stage);
     wg_commit();
     wg_wait<0>();
     fence_regs(st_acc);
@@ -1193,20 +1213,10 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         dp_acc[4 * i + e] = p * (dp_acc[4 * i + e] - delta_s[qc]);
       }
     }
-#pragma unroll
-    for (int i = 0; i < BQ / 8; ++i) {
-      p_frag[i >> 1][(i & 1) * 2] = pack2(st_acc[4 * i], st_acc[4 * i + 1]);
-      p_frag[i >> 1][(i & 1) * 2 + 1] = pack2(st_acc[4 * i + 2], st_acc[4 * i + 3]);
-      ds_frag[i >> 1][(i & 1) * 2] = pack2(dp_acc[4 * i], dp_acc[4 * i + 1]);
-      ds_frag[i >> 1][(i & 1) * 2 + 1] = pack2(dp_acc[4 * i + 2], dp_acc[4 * i + 3]);
-    }
+    pack_frags<BQ>(st_acc, p_frag, dp_acc, ds_frag);
     wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < BQ / 16; ++kk)
-      wg_rs_mn<HD>(dv_acc, p_frag[kk], wg_desc(do_stage + kk * 16 * 128, BQ * 128, 1024));
-#pragma unroll
-    for (int kk = 0; kk < BQ / 16; ++kk)
-      wg_rs_mn<HD>(dk_acc, ds_frag[kk], wg_desc(q_stage + kk * 16 * 128, BQ * 128, 1024));
+    wg_gemm_rs<BQ>(dv_acc, p_frag, do_stage);
+    wg_gemm_rs<BQ>(dk_acc, ds_frag, q_stage);
     wg_commit();
     wg_wait<0>();
     fence_regs(dv_acc);
@@ -1434,18 +1444,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     const u32 k_stage = smem_addr(k_ring + st * BN * HD);
     const u32 v_stage = smem_addr(v_ring + st * BN * HD);
     wg_fence();
-#pragma unroll
-    for (int kc = 0; kc < HD / 16; ++kc) {
-      const u32 step = (kc & 3) * 32;
-      wg_ss<BN>(s_acc, wg_desc(q_addr + (kc >> 2) * BM * 128 + step, 16, 1024),
-                wg_desc(k_stage + (kc >> 2) * BN * 128 + step, 16, 1024), kc > 0);
-    }
-#pragma unroll
-    for (int kc = 0; kc < HD / 16; ++kc) {
-      const u32 step = (kc & 3) * 32;
-      wg_ss<BN>(dp_acc, wg_desc(do_addr + (kc >> 2) * BM * 128 + step, 16, 1024),
-                wg_desc(v_stage + (kc >> 2) * BN * 128 + step, 16, 1024), kc > 0);
-    }
+    wg_gemm_hd<BN>(s_acc, q_addr, BM, k_stage);
+    wg_gemm_hd<BN>(dp_acc, do_addr, BM, v_stage);
     wg_commit();
     wg_wait<0>();
     fence_regs(s_acc);
@@ -1464,15 +1464,9 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         s_acc[4 * i + e] = p * (dp_acc[4 * i + e] - dlt[r]);
       }
     }
-#pragma unroll
-    for (int i = 0; i < BN / 8; ++i) {
-      ds_frag[i >> 1][(i & 1) * 2] = pack2(s_acc[4 * i], s_acc[4 * i + 1]);
-      ds_frag[i >> 1][(i & 1) * 2 + 1] = pack2(s_acc[4 * i + 2], s_acc[4 * i + 3]);
-    }
+    pack_frags<BN>(s_acc, ds_frag);
     wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk)
-      wg_rs_mn<HD>(dq_acc, ds_frag[kk], wg_desc(k_stage + kk * 16 * 128, BN * 128, 1024));
+    wg_gemm_rs<BN>(dq_acc, ds_frag, k_stage);
     wg_commit();
     wg_wait<0>();
     fence_regs(dq_acc);
