@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bench_norm import timed_loop
+from bench_common import matmul_peak, timed_loop
 
 # (B, H, S, D, causal) of issue 6.
 SHAPES = [(8, 12, 1024, 64, True), (16, 12, 512, 64, True), (4, 16, 2048, 128, True),
@@ -105,16 +105,6 @@ def write_sweep_registry(path):
                           "sm = [90, 90]" if params.get("FWD_WGMMA") else "sm = [80, 90]",
                           f"hidden = [{d}, {d}]", f"params = {{ {body} }}", ""]
     Path(path).write_text("\n".join(lines))
-
-
-def matmul_peak():
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    us = statistics.median(timed_loop(lambda: a @ b, [()], 20))
-    return 2 * n ** 3 / (us * 1e-6) / 1e12
 
 
 def flops(b, h, s, d, causal):

@@ -14,12 +14,11 @@ rows included).
 import argparse
 import json
 import os
-import statistics
 from pathlib import Path
 
 import torch
 
-from bench_norm import copy_bandwidth, graph_timings, run_timings
+from bench_common import copy_bandwidth, graph_timings, run_timings
 
 # (V, D, T) of issue 4.
 CASES = [(50304, 768, 16384), (128256, 4096, 8192), (32000, 4096, 16384), (50304, 768, 131072)]

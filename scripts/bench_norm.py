@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from bench_common import copy_bandwidth, graph_timings, run_timings, timed_loop
+
 SHAPES = [(16384, 768), (16384, 1024), (16384, 2048), (16384, 4096), (8192, 8192), (4096, 16384),
           (2048, 65536)]
 # Launch-bound sizes, for the registry's min_rows thresholds.
@@ -30,29 +32,6 @@ REGISTRY_OP = {"ln_fwd": "layer_norm_fwd", "ln_bwd": "layer_norm_bwd", "rms_fwd"
                "rms_bwd": "rms_norm_bwd"}
 ATEN = {"ln_fwd": "native_layer_norm", "ln_bwd": "native_layer_norm_backward",
         "rms_fwd": "_fused_rms_norm", "rms_bwd": "_fused_rms_norm_backward"}
-
-
-def timed_loop(fn, inputs, reps):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(reps):
-        start.record()
-        for args in inputs:
-            fn(*args)
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / len(inputs))
-    return samples
-
-
-def copy_bandwidth():
-    a = torch.randn(1 << 28, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    us = statistics.median(timed_loop(lambda: b.copy_(a), [()], 20))
-    del a, b
-    return 2 * (1 << 28) * 4 / (us * 1e-6) / 1e12
 
 
 def candidates(hidden, op):
@@ -137,63 +116,6 @@ def kernels_used(op, before):
     after = json.loads(torch.ops.torchfuse.stats())["ops"].get(ATEN[op], {}).get("kernels", {})
     used = [k for k in after if after[k] != before.get(k, 0)]
     return ",".join(used) or "stock", after
-
-
-def run_timings(toggle, fn, inputs, sides, rounds=5, reps=8):
-    """sides: list of (label, on, forced variant or ""). Interleaved rounds, medians."""
-    times = {label: [] for label, _, _ in sides}
-    for label, on, forced in sides:  # warm-up, includes kernel compile
-        torch.ops.torchfuse.set_enabled(toggle, on)
-        torch.ops.torchfuse._force_variant(forced)
-        timed_loop(fn, inputs, 2)
-    for _ in range(rounds):
-        for label, on, forced in sides:
-            torch.ops.torchfuse.set_enabled(toggle, on)
-            torch.ops.torchfuse._force_variant(forced)
-            times[label] += timed_loop(fn, inputs, reps)
-    torch.ops.torchfuse.set_enabled(toggle, True)
-    torch.ops.torchfuse._force_variant("")
-    return {label: statistics.median(t) for label, t in times.items()}
-
-
-def graph_timings(toggle, fn, inputs, sides, rounds=5, reps=10):
-    """GPU time per call without the host in the way (METHOD.md: many small launches): each
-    side's calls over all input sets captured once in a CUDA graph, replays timed with events,
-    interleaved rounds, medians. Sides whose calls cannot be captured are left out."""
-    graphs = {}
-    for label, on, forced in sides:
-        torch.ops.torchfuse.set_enabled(toggle, on)
-        torch.ops.torchfuse._force_variant(forced)
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for args in inputs:
-                    fn(*args)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for args in inputs:
-                    fn(*args)
-            graphs[label] = graph
-        except RuntimeError as e:
-            print(f"  {label}: no graph ({str(e).splitlines()[0]})", flush=True)
-    torch.ops.torchfuse.set_enabled(toggle, True)
-    torch.ops.torchfuse._force_variant("")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = {label: [] for label in graphs}
-    for graph in graphs.values():
-        graph.replay()
-    for _ in range(rounds):
-        for label, graph in graphs.items():
-            for _ in range(reps):
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times[label].append(start.elapsed_time(end) * 1e3 / len(inputs))
-    del graphs
-    return {label: statistics.median(t) for label, t in times.items()}
 
 
 def compiled_forward_us(op, h, inputs):

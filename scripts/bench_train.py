@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from bench_attention import matmul_peak
+from bench_common import matmul_peak
 
 ROOT = Path(__file__).resolve().parents[1]
 # name -> train_gpt.py arguments

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from bench_embedding import draw
-from bench_norm import timed_loop
+from bench_common import timed_loop
 
 
 def embedding_cases():

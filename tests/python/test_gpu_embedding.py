@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import check, requires_cuda, run_python
+from conftest import requires_cuda, run_python
 from gpu_util import (FLOOR, enabled, fresh_seed, fused_count, garbage_allocator, poison_allocator,
                       rel_err, stock_reasons, torchfuse_below_thresholds)
 

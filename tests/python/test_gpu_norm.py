@@ -5,7 +5,6 @@ import tomllib
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from conftest import ROOT, requires_cuda
 from gpu_util import (FLOOR, enabled, fresh_seed, fused_count, load_torchfuse, poison_allocator,
