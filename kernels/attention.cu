@@ -417,6 +417,25 @@ __device__ __forceinline__ void issue_kv_tile(u16* k_tile, u16* v_tile, int stag
   cp_async_commit();
 }
 
+// The start of key tile j in the mma.sync forward and dQ kernels' loops over double-buffered
+// K/V tiles: waits until tile j has landed (then runs first_tile() on tile 0, once the CTA's
+// other tiles are in place too), issues tile j + 1, and says whether tile j reaches the warp's
+// rows (keys wholly above a causal diagonal add nothing).
+template <int BN, int THREADS, class FirstTile>
+__device__ __forceinline__ bool begin_kv_tile(int j, int tiles, u16* k_tile, u16* v_tile,
+                                              const u16* kb, tf_i64 k_row, const u16* vb,
+                                              tf_i64 v_row, int kv_end, int tid, int causal,
+                                              int warp_last_row, FirstTile first_tile) {
+  cp_async_wait_all();
+  __syncthreads();
+  if (j == 0) first_tile();
+  const int n0 = j * BN;
+  if (j + 1 < tiles)
+    issue_kv_tile<BN, THREADS>(k_tile, v_tile, (j + 1) & 1, kb, k_row, vb, v_row, n0 + BN, kv_end,
+                               tid);
+  return !(causal && n0 > warp_last_row);
+}
+
 __device__ __forceinline__ const u16* at(const void* base, Strides s, int b, int h) {
   return static_cast<const u16*>(base) + b * s.batch + h * s.head;
 }
@@ -946,22 +965,18 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCK
     m_run[mt][0] = m_run[mt][1] = NEG_INF, l_run[mt][0] = l_run[mt][1] = 0.f;
   u32 qf[MT][HD / 16][4];
 
+  auto load_q = [&]() {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int kc = 0; kc < HD / 16; ++kc)
+        load_a(q_tile, warp * WARP_ROWS + 16 * mt, kc, fl, qf[mt][kc]);
+  };
   for (int j = 0; j < tiles; ++j) {
-    cp_async_wait_all();
-    __syncthreads();
-    if (j == 0) {
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int kc = 0; kc < HD / 16; ++kc)
-          load_a(q_tile, warp * WARP_ROWS + 16 * mt, kc, fl, qf[mt][kc]);
-    }
+    if (!begin_kv_tile<BN, THREADS>(j, tiles, k_tile, v_tile, kb, ks.row, vb, vs.row, kv_end, tid,
+                                    causal, w0 + WARP_ROWS - 1, load_q))
+      continue;
     const int n0 = j * BN;
-    if (j + 1 < tiles)
-      issue_kv_tile<BN, THREADS>(k_tile, v_tile, (j + 1) & 1, kb, ks.row, vb, vs.row, n0 + BN,
-                                 kv_end, tid);
-    // Tiles wholly above this warp's diagonal add nothing.
-    if (causal && n0 > w0 + WARP_ROWS - 1) continue;
     const u16* kt = k_tile + (j & 1) * BN * HD;
     const u16* vt = v_tile + (j & 1) * BN * HD;
 
@@ -1531,24 +1546,21 @@ extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32, TF_BWD_MIN_BLOCK
   zero(dq_acc);
   u32 qf[MT][HD / 16][4], dof[MT][HD / 16][4];
 
-  for (int j = 0; j < tiles; ++j) {
-    cp_async_wait_all();
-    __syncthreads();
-    if (j == 0) {
+  auto load_q_do = [&]() {
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int kc = 0; kc < HD / 16; ++kc) {
-          load_a(q_tile, warp * WARP_ROWS + 16 * mt, kc, fl, qf[mt][kc]);
-          load_a(do_tile, warp * WARP_ROWS + 16 * mt, kc, fl, dof[mt][kc]);
-        }
+      for (int kc = 0; kc < HD / 16; ++kc) {
+        load_a(q_tile, warp * WARP_ROWS + 16 * mt, kc, fl, qf[mt][kc]);
+        load_a(do_tile, warp * WARP_ROWS + 16 * mt, kc, fl, dof[mt][kc]);
       }
     }
+  };
+  for (int j = 0; j < tiles; ++j) {
+    if (!begin_kv_tile<BN, THREADS>(j, tiles, k_tile, v_tile, kb, ks.row, vb, vs.row, kv_end, tid,
+                                    causal, w0 + WARP_ROWS - 1, load_q_do))
+      continue;
     const int n0 = j * BN;
-    if (j + 1 < tiles)
-      issue_kv_tile<BN, THREADS>(k_tile, v_tile, (j + 1) & 1, kb, ks.row, vb, vs.row, n0 + BN,
-                                 kv_end, tid);
-    if (causal && n0 > w0 + WARP_ROWS - 1) continue;
     const u16* kt = k_tile + (j & 1) * BN * HD;
     const u16* vt = v_tile + (j & 1) * BN * HD;
 
