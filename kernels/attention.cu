@@ -539,6 +539,26 @@ __device__ __forceinline__ void tma_load(u32 dst, const TmaMap& map, int c0, int
       "r"(bar)
       : "memory");
 }
+// A warpgroup tile of ROWS x HD elements (its 64-column blocks, one copy each) from rows
+// row0.. of head `head`, batch b of a [B, H, L, HD] tensor map; the bytes complete on `bar`.
+template <int ROWS>
+__device__ __forceinline__ void tma_tile(u16* tile, const TmaMap& map, int row0, int head, int b,
+                                         u32 bar) {
+#pragma unroll
+  for (int c = 0; c < HD / 64; ++c)
+    tma_load(smem_addr(tile + c * ROWS * 64), map, c * 64, row0, head, b, bar);
+}
+// Two such tiles at the same rows of two tensor maps (block by block, both on `bar`).
+template <int ROWS>
+__device__ __forceinline__ void tma_tile_pair(u16* tile_a, const TmaMap& map_a, u16* tile_b,
+                                              const TmaMap& map_b, int row0, int head, int b,
+                                              u32 bar) {
+#pragma unroll
+  for (int c = 0; c < HD / 64; ++c) {
+    tma_load(smem_addr(tile_a + c * ROWS * 64), map_a, c * 64, row0, head, b, bar);
+    tma_load(smem_addr(tile_b + c * ROWS * 64), map_b, c * 64, row0, head, b, bar);
+  }
+}
 #endif
 
 // d (+)= A * B^T, m64nNk16: A and B k-major in shared memory (accumulate = 0 overwrites d).
@@ -695,24 +715,16 @@ extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
     if (wg_warp == 0 && lane == 0) {
       constexpr u32 TILE_BYTES = BN * HD * 2;
       mbar_expect_bytes(q_full, BM * HD * 2);
-#pragma unroll
-      for (int c = 0; c < HD / 64; ++c)
-        tma_load(smem_addr(q_tile + c * BM * 64), q_map, c * 64, q0, h, b, q_full);
+      tma_tile<BM>(q_tile, q_map, q0, h, b, q_full);
       for (int j = 0; j < tiles; ++j) {
         const int st = j % NS;
         const u32 reuse = ((j / NS) - 1) & 1;
         if (j >= NS) mbar_wait(k_empty(st), reuse);
         mbar_expect_bytes(k_full(st), TILE_BYTES);
-#pragma unroll
-        for (int c = 0; c < HD / 64; ++c)
-          tma_load(smem_addr(k_tile + st * BN * HD + c * BN * 64), k_map, c * 64, j * BN, hk, b,
-                   k_full(st));
+        tma_tile<BN>(k_tile + st * BN * HD, k_map, j * BN, hk, b, k_full(st));
         if (j >= NS) mbar_wait(v_empty(st), reuse);
         mbar_expect_bytes(v_full(st), TILE_BYTES);
-#pragma unroll
-        for (int c = 0; c < HD / 64; ++c)
-          tma_load(smem_addr(v_tile + st * BN * HD + c * BN * 64), v_map, c * 64, j * BN, hk, b,
-                   v_full(st));
+        tma_tile<BN>(v_tile + st * BN * HD, v_map, j * BN, hk, b, v_full(st));
       }
     }
     return;
@@ -1107,6 +1119,36 @@ extern "C" __global__ void __launch_bounds__(256)
 #define BWD_STAGES 2
 #define BWD_WG_KEYS 128
 
+// The mbarriers of a warpgroup backward kernel, from `base`: one for the tiles the CTA keeps,
+// then per stage of the ring "full" (its tiles have landed) and "empty" (both computing
+// warpgroups are done with it).
+struct BwdRing {
+  u32 base;
+  __device__ __forceinline__ u32 resident() const { return base; }
+  __device__ __forceinline__ u32 full(int stage) const { return base + 8 * (1 + stage); }
+  __device__ __forceinline__ u32 empty(int stage) const {
+    return base + 8 * (1 + BWD_STAGES + stage);
+  }
+  // By one thread, before the CTA's barrier: a full barrier's phase takes `full_arrivals`.
+  __device__ __forceinline__ void init(u32 full_arrivals) const {
+    mbar_init(resident(), 1);
+    for (int st = 0; st < BWD_STAGES; ++st) {
+      mbar_init(full(st), full_arrivals);
+      mbar_init(empty(st), 2);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  // Producer: until iteration it's stage is free (both warpgroups released iteration
+  // it - BWD_STAGES).
+  __device__ __forceinline__ void wait_free(int it) const {
+    if (it >= BWD_STAGES) mbar_wait(empty(it % BWD_STAGES), ((it / BWD_STAGES) - 1) & 1);
+  }
+  // Consumer: until iteration it's tiles have landed.
+  __device__ __forceinline__ void wait_full(int it) const {
+    mbar_wait(full(it % BWD_STAGES), (it / BWD_STAGES) & 1);
+  }
+};
+
 extern "C" __global__ void __launch_bounds__(384, 1)
     attn_bwd_dkdv(const void* q, Strides qs, const void* k, Strides ks, const void* v, Strides vs,
                   const void* dout, Strides dos, const float* lse, const float* delta,
@@ -1123,10 +1165,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   u16* do_ring = q_ring + NS * BQ * HD;   // [NS][BQ * HD]
   float* lse_ring = reinterpret_cast<float*>(do_ring + NS * BQ * HD);  // [NS][BQ]
   float* delta_ring = lse_ring + NS * BQ;                              // [NS][BQ]
-  const u32 bars = smem_addr(delta_ring + NS * BQ);
-  const u32 kv_full = bars;
-  auto full = [&](int stage) { return bars + 8 * (1 + stage); };
-  auto empty = [&](int stage) { return bars + 8 * (1 + NS + stage); };
+  const BwdRing ring{smem_addr(delta_ring + NS * BQ)};  // resident: K and V
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wg = warp >> 2, wg_warp = warp & 3;
@@ -1141,41 +1180,25 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   auto tile_head = [&](int it) { return hk * group + it / q_tiles_per_head; };
   auto tile_row = [&](int it) { return (q_first + it % q_tiles_per_head) * BQ; };
 
-  if (tid == 0) {
-    mbar_init(kv_full, 1);
-    for (int st = 0; st < NS; ++st) {
-      mbar_init(full(st), 2);  // the copies' arrival, and the rows' warp
-      mbar_init(empty(st), 2);  // both computing warpgroups
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  if (tid == 0) ring.init(2);  // the copies' arrival, and the rows' warp
   __syncthreads();
 
   if (wg == 2) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
     if (wg_warp == 0 && lane == 0) {
-      mbar_expect_bytes(kv_full, 2 * BK * HD * 2);
-#pragma unroll
-      for (int c = 0; c < HD / 64; ++c) {
-        tma_load(smem_addr(k_tile + c * BK * 64), k_map, c * 64, k0, hk, b, kv_full);
-        tma_load(smem_addr(v_tile + c * BK * 64), v_map, c * 64, k0, hk, b, kv_full);
-      }
+      mbar_expect_bytes(ring.resident(), 2 * BK * HD * 2);
+      tma_tile_pair<BK>(k_tile, k_map, v_tile, v_map, k0, hk, b, ring.resident());
       for (int it = 0; it < tiles; ++it) {
         const int st = it % NS, h = tile_head(it), qt0 = tile_row(it);
-        if (it >= NS) mbar_wait(empty(st), ((it / NS) - 1) & 1);
-        mbar_expect_bytes(full(st), 2 * BQ * HD * 2);
-#pragma unroll
-        for (int c = 0; c < HD / 64; ++c) {
-          tma_load(smem_addr(q_ring + st * BQ * HD + c * BQ * 64), q_map, c * 64, qt0, h, b,
-                   full(st));
-          tma_load(smem_addr(do_ring + st * BQ * HD + c * BQ * 64), do_map, c * 64, qt0, h, b,
-                   full(st));
-        }
+        ring.wait_free(it);
+        mbar_expect_bytes(ring.full(st), 2 * BQ * HD * 2);
+        tma_tile_pair<BQ>(q_ring + st * BQ * HD, q_map, do_ring + st * BQ * HD, do_map, qt0, h, b,
+                          ring.full(st));
       }
     } else if (wg_warp == 1) {
       for (int it = 0; it < tiles; ++it) {
         const int st = it % NS, h = tile_head(it), qt0 = tile_row(it);
-        if (it >= NS) mbar_wait(empty(st), ((it / NS) - 1) & 1);
+        ring.wait_free(it);
         const tf_i64 row_base = (static_cast<tf_i64>(b) * heads + h) * lq + qt0;
         for (int r = lane; r < BQ; r += 32) {
           const bool ok = qt0 + r < lq;
@@ -1183,7 +1206,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
           delta_ring[st * BQ + r] = ok ? delta[row_base + r] : 0.f;
         }
         __syncwarp();
-        if (lane == 0) mbar_arrive(full(st));
+        if (lane == 0) mbar_arrive(ring.full(st));
       }
     }
     return;
@@ -1197,11 +1220,11 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   for (int i = 0; i < HD / 2; ++i) dk_acc[i] = dv_acc[i] = 0.f;
   float st_acc[BQ / 2], dp_acc[BQ / 2];
   u32 p_frag[BQ / 16][4], ds_frag[BQ / 16][4];
-  mbar_wait(kv_full, 0);
+  mbar_wait(ring.resident(), 0);
 
   for (int it = 0; it < tiles; ++it) {
     const int st = it % NS, qt0 = tile_row(it);
-    mbar_wait(full(st), (it / NS) & 1);
+    ring.wait_full(it);
     const u32 q_stage = smem_addr(q_ring + st * BQ * HD);
     const u32 do_stage = smem_addr(do_ring + st * BQ * HD);
     wg_fence();
@@ -1236,7 +1259,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     wg_wait<0>();
     fence_regs(dv_acc);
     fence_regs(dk_acc);
-    if (wg_warp == 0 && lane == 0) mbar_arrive(empty(st));
+    if (wg_warp == 0 && lane == 0) mbar_arrive(ring.empty(st));
   }
 
   // Both computing warpgroups are past their last read of K and V: the tiles stage the rows.
@@ -1385,10 +1408,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   u16* do_tile = q_tile + BM * HD;
   u16* k_ring = do_tile + BM * HD;       // [NS][BN * HD]
   u16* v_ring = k_ring + NS * BN * HD;   // [NS][BN * HD]
-  const u32 bars = smem_addr(v_ring + NS * BN * HD);
-  const u32 qd_full = bars;
-  auto full = [&](int stage) { return bars + 8 * (1 + stage); };
-  auto empty = [&](int stage) { return bars + 8 * (1 + NS + stage); };
+  const BwdRing ring{smem_addr(v_ring + NS * BN * HD)};  // resident: Q and dO
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wg = warp >> 2, wg_warp = warp & 3;
@@ -1399,36 +1419,20 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   const int kv_end = causal ? min(lk, q0 + BM) : lk;
   const int tiles = (kv_end + BN - 1) / BN;
 
-  if (tid == 0) {
-    mbar_init(qd_full, 1);
-    for (int st = 0; st < NS; ++st) {
-      mbar_init(full(st), 1);
-      mbar_init(empty(st), 2);  // both computing warpgroups
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  if (tid == 0) ring.init(1);
   __syncthreads();
 
   if (wg == 2) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
     if (wg_warp == 0 && lane == 0) {
-      mbar_expect_bytes(qd_full, 2 * BM * HD * 2);
-#pragma unroll
-      for (int c = 0; c < HD / 64; ++c) {
-        tma_load(smem_addr(q_tile + c * BM * 64), q_map, c * 64, q0, h, b, qd_full);
-        tma_load(smem_addr(do_tile + c * BM * 64), do_map, c * 64, q0, h, b, qd_full);
-      }
+      mbar_expect_bytes(ring.resident(), 2 * BM * HD * 2);
+      tma_tile_pair<BM>(q_tile, q_map, do_tile, do_map, q0, h, b, ring.resident());
       for (int j = 0; j < tiles; ++j) {
         const int st = j % NS;
-        if (j >= NS) mbar_wait(empty(st), ((j / NS) - 1) & 1);
-        mbar_expect_bytes(full(st), 2 * BN * HD * 2);
-#pragma unroll
-        for (int c = 0; c < HD / 64; ++c) {
-          tma_load(smem_addr(k_ring + st * BN * HD + c * BN * 64), k_map, c * 64, j * BN, hk, b,
-                   full(st));
-          tma_load(smem_addr(v_ring + st * BN * HD + c * BN * 64), v_map, c * 64, j * BN, hk, b,
-                   full(st));
-        }
+        ring.wait_free(j);
+        mbar_expect_bytes(ring.full(st), 2 * BN * HD * 2);
+        tma_tile_pair<BN>(k_ring + st * BN * HD, k_map, v_ring + st * BN * HD, v_map, j * BN, hk, b,
+                          ring.full(st));
       }
     }
     return;
@@ -1451,11 +1455,11 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   for (int i = 0; i < HD / 2; ++i) dq_acc[i] = 0.f;
   float s_acc[BN / 2], dp_acc[BN / 2];
   u32 ds_frag[BN / 16][4];
-  mbar_wait(qd_full, 0);
+  mbar_wait(ring.resident(), 0);
 
   for (int j = 0; j < tiles; ++j) {
     const int st = j % NS, n0 = j * BN;
-    mbar_wait(full(st), (j / NS) & 1);
+    ring.wait_full(j);
     const u32 k_stage = smem_addr(k_ring + st * BN * HD);
     const u32 v_stage = smem_addr(v_ring + st * BN * HD);
     wg_fence();
@@ -1485,7 +1489,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     wg_commit();
     wg_wait<0>();
     fence_regs(dq_acc);
-    if (wg_warp == 0 && lane == 0) mbar_arrive(empty(st));
+    if (wg_warp == 0 && lane == 0) mbar_arrive(ring.empty(st));
   }
 
   // Both computing warpgroups are past their last read of Q: its tile stages the rows.
