@@ -113,12 +113,6 @@ typedef unsigned short u16;
 
 // ------------------------------------------------------------------ PTX wrappers
 
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-  u32 r;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-  return r;
-}
-
 // 16 bytes global -> shared, zero-filled when !valid (nothing is read then).
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
@@ -505,29 +499,6 @@ __device__ __forceinline__ void fence_async_shared() {
 struct __align__(64) TmaMap {
   unsigned long long words[16];
 };
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-// The producer's arrival on a full barrier, announcing the bytes its copies will bring.
-__device__ __forceinline__ void mbar_expect_bytes(u32 bar, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// Until the barrier's phase with this parity has completed.
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-  u32 done;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
 // One box of a 4-d tensor map (coordinates innermost first) into shared memory at dst; its
 // bytes complete a transaction on `bar`.
 __device__ __forceinline__ void tma_load(u32 dst, const TmaMap& map, int c0, int c1, int c2,

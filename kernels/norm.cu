@@ -20,6 +20,15 @@
 // more accumulators per thread (BWD_WIDE) re-read the weight from L1 every row, rather than
 // holding it in registers, and load x and dy past L1 so the weight stays there.
 //
+// Rows wider than one CTA holds (TF_CLUSTER > 1, sm_90): a thread-block cluster of TF_CLUSTER
+// CTAs owns each row, CTA rank r the columns r * BLOCK_COLS + ..., each with its chunk in
+// registers as above, so memory is still read and written once. A row sum adds the CTA totals
+// through distributed shared memory: every CTA stores its totals into every CTA's shared memory
+// (st.async, counted by an mbarrier), then every thread adds the CLUSTER totals in rank order,
+// so all CTAs of the row get the same bits. LayerNorm's forward exchanges once per row: each
+// CTA's sum and sum of squared deviations from its own mean, combined exactly (Chan et al.).
+// The backward's partial rows are one per cluster (each CTA writes its columns).
+//
 // Determinism: every reduction (warp butterfly, per-warp partials from shared memory, the
 // CTA's rows, the partial rows) runs in a fixed order that depends only on the shape and the
 // grid size, which depends only on the shape, the variant and the GPU. Results are bitwise
@@ -27,8 +36,9 @@
 //
 // Compile-time parameters (registry/norm.toml): TF_DTYPE (every tensor but the fp32 statistics), TF_RMS,
 // TF_THREADS_PER_ROW (a multiple of 32), TF_ROWS_PER_BLOCK, TF_ELEMS_PER_THREAD (a multiple of
-// TF_VEC), TF_PREFETCH, TF_STREAM, TF_MIN_BLOCKS (CTAs per SM the register budget must allow). The op
-// picks the kernels: TF_NORM_FWD (norm_fwd) or TF_NORM_BWD (norm_bwd, norm_bwd_reduce). A variant serves rows of at most TF_THREADS_PER_ROW *
+// TF_VEC), TF_PREFETCH (forward only), TF_STREAM, TF_MIN_BLOCKS (CTAs per SM the register budget must allow),
+// TF_CLUSTER (CTAs per row; > 1 needs TF_ROWS_PER_BLOCK 1 and sm_90). The op
+// picks the kernels: TF_NORM_FWD (norm_fwd) or TF_NORM_BWD (norm_bwd, norm_bwd_reduce). A variant serves rows of at most TF_CLUSTER * TF_THREADS_PER_ROW *
 // TF_ELEMS_PER_THREAD elements. Run-time `vectorized` = every pointer 16-byte aligned and
 // cols % TF_VEC == 0; otherwise the same columns are accessed element by element.
 #include "common.cuh"
@@ -59,13 +69,95 @@ typedef tf_storage tf_param;
 #define TF_MIN_BLOCKS 1
 #endif
 
-__device__ __forceinline__ int chunk_col(int it) {
-  return (it * TPR + static_cast<int>(threadIdx.x)) * VEC;
+#ifndef TF_CLUSTER
+#define TF_CLUSTER 1
+#endif
+#if TF_CLUSTER > 1 && RPB != 1
+#error "TF_CLUSTER > 1 needs TF_ROWS_PER_BLOCK 1"
+#endif
+
+#if TF_CLUSTER > 1
+#define TF_ROW_CTAS __cluster_dims__(TF_CLUSTER, 1, 1)
+// The CTA's place in its row's cluster, the cluster's number, and how many clusters run.
+__device__ __forceinline__ int cluster_rank() {
+  unsigned r;
+  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return static_cast<int>(r);
+}
+__device__ __forceinline__ tf_i64 cluster_index() {
+  unsigned r;
+  asm("mov.u32 %0, %%clusterid.x;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ tf_i64 cluster_count() {
+  unsigned r;
+  asm("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
+  return r;
+}
+// Every thread of every CTA of the cluster arrives and waits (with release/acquire: also an
+// ordering point for memory, so a full barrier is used only at the start and the end).
+__device__ __forceinline__ void cluster_barrier() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+               ::: "memory");
+}
+// A shared-memory address of this CTA (smem_addr) as seen from CTA `rank` of the cluster.
+__device__ __forceinline__ unsigned int cluster_addr(unsigned int local, int rank) {
+  unsigned int remote;
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  return remote;
+}
+// Stores v at a cluster shared-memory address; its 4 bytes complete a transaction on the
+// mbarrier at `bar` (in the same CTA as the address).
+__device__ __forceinline__ void store_to_cta(unsigned int addr, float v, unsigned int bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];"
+               ::"r"(addr), "f"(v), "r"(bar) : "memory");
 }
 
-// Sums K values over the threads of one row; every thread of the row gets the totals.
+// The row totals' exchange between the cluster's CTAs. Each CTA's first thread stores its K
+// values into every CTA's `received[parity][its rank]` (st.async), and every thread waits on
+// its own CTA's mbarrier for the CLUSTER * K * 4 bytes: no cluster-wide barrier, which would
+// also wait for the CTA's outstanding global loads and stores (a release at cluster scope),
+// and cost a memory latency per row. Two slots alternate: a CTA can send the next exchange
+// only after every CTA has sent this one's, which each does after its threads have read
+// the slot's previous contents (a CTA barrier, in cta_row_sum, lies between).
+struct ClusterSums {
+  float (*received)[TF_CLUSTER][2];  // __shared__ [2][TF_CLUSTER][2]
+  unsigned long long* bars;          // __shared__ [2] mbarriers
+  int exchanges;                     // per thread: exchanges so far
+};
+#if WARPS_PER_ROW < 2
+#error "TF_CLUSTER > 1 needs TF_THREADS_PER_ROW >= 64 (cta_row_sum's barrier orders the slots' reuse)"
+#endif
+
+// Called by every thread at the kernel's start.
+__device__ __forceinline__ ClusterSums cluster_sums() {
+  __shared__ float received[2][TF_CLUSTER][2];
+  __shared__ __align__(8) unsigned long long bars[2];
+  if (threadIdx.x == 0) {
+    mbar_init(smem_addr(&bars[0]), 1);
+    mbar_init(smem_addr(&bars[1]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  cluster_barrier();  // every CTA's mbarriers are ready before any CTA sends
+  return ClusterSums{received, bars, 0};
+}
+#else
+#define TF_ROW_CTAS
+__device__ __forceinline__ int cluster_rank() { return 0; }
+__device__ __forceinline__ tf_i64 cluster_index() { return blockIdx.x; }
+__device__ __forceinline__ tf_i64 cluster_count() { return gridDim.x; }
+struct ClusterSums {};
+__device__ __forceinline__ ClusterSums cluster_sums() { return ClusterSums{}; }
+#endif
+
+__device__ __forceinline__ int chunk_col(int it) {
+  return cluster_rank() * BLOCK_COLS + (it * TPR + static_cast<int>(threadIdx.x)) * VEC;
+}
+
+// Sums K values over the threads of one row (one CTA's part of it, with clusters); every
+// thread of the row gets the totals.
 template <int K>
-__device__ __forceinline__ void row_sum(float (&v)[K], float (*scratch)[WARPS_PER_ROW][2]) {
+__device__ __forceinline__ void cta_row_sum(float (&v)[K], float (*scratch)[WARPS_PER_ROW][2]) {
 #pragma unroll
   for (int k = 0; k < K; ++k) v[k] = tf_warp_sum(v[k]);
 #if WARPS_PER_ROW > 1
@@ -83,6 +175,52 @@ __device__ __forceinline__ void row_sum(float (&v)[K], float (*scratch)[WARPS_PE
     v[k] = total;
   }
   __syncthreads();  // scratch is reused by the next reduction
+#endif
+}
+
+#if TF_CLUSTER > 1
+// Every CTA's K values of the row (after cta_row_sum), by rank, in every thread.
+template <int K>
+__device__ __forceinline__ void cluster_gather(const float (&v)[K], ClusterSums& cluster,
+                                               float (&by_rank)[TF_CLUSTER][K]) {
+  const int slot = cluster.exchanges & 1;
+  const unsigned int phase = (cluster.exchanges >> 1) & 1;
+  ++cluster.exchanges;
+  const unsigned int bar = smem_addr(&cluster.bars[slot]);
+  if (threadIdx.x == 0) {
+    mbar_expect_bytes(bar, TF_CLUSTER * K * 4);
+    const unsigned int mine = smem_addr(&cluster.received[slot][cluster_rank()][0]);
+#pragma unroll
+    for (int r = 0; r < TF_CLUSTER; ++r)
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+        store_to_cta(cluster_addr(mine + 4 * k, r), v[k], cluster_addr(bar, r));
+  }
+  mbar_wait(bar, phase);
+#pragma unroll
+  for (int r = 0; r < TF_CLUSTER; ++r)
+#pragma unroll
+    for (int k = 0; k < K; ++k) by_rank[r][k] = cluster.received[slot][r][k];
+}
+#endif
+
+// cta_row_sum over the whole row: with clusters, the CTAs' totals added in rank order.
+template <int K>
+__device__ __forceinline__ void row_sum(float (&v)[K], float (*scratch)[WARPS_PER_ROW][2],
+                                        ClusterSums& cluster) {
+  cta_row_sum(v, scratch);
+#if TF_CLUSTER > 1
+  float by_rank[TF_CLUSTER][K];
+  cluster_gather(v, cluster, by_rank);
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    float total = 0.f;
+#pragma unroll
+    for (int r = 0; r < TF_CLUSTER; ++r) total += by_rank[r][k];
+    v[k] = total;
+  }
+#else
+  (void)cluster;
 #endif
 }
 
@@ -189,22 +327,23 @@ __device__ __forceinline__ void load_row_or_zeros(tf_raw16 (&chunks)[ITERS],
 }
 
 #if TF_NORM_FWD
-extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
+extern "C" __global__ void TF_ROW_CTAS __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
     norm_fwd(const tf_storage* __restrict__ x, const tf_param* __restrict__ weight,
              const tf_param* __restrict__ bias, tf_storage* __restrict__ y,
              float* __restrict__ mean_out, float* __restrict__ rstd_out, tf_i64 rows, int cols,
              float eps, int vectorized) {
   __shared__ float scratch[RPB][WARPS_PER_ROW][2];
+  ClusterSums cluster = cluster_sums();
   const tf_i64 groups = (rows + RPB - 1) / RPB;
-  const tf_i64 stride = gridDim.x;
+  const tf_i64 stride = cluster_count();
   const float inv_cols = 1.f / static_cast<float>(cols);
   const bool vec = vectorized != 0;
 
   tf_raw16 cur[ITERS];
-  tf_i64 row = static_cast<tf_i64>(blockIdx.x) * RPB + threadIdx.y;
+  tf_i64 row = cluster_index() * RPB + threadIdx.y;
   load_row_or_zeros(cur, x, row, rows, cols, vec);
 
-  for (tf_i64 group = blockIdx.x; group < groups; group += stride) {
+  for (tf_i64 group = cluster_index(); group < groups; group += stride) {
     row = group * RPB + threadIdx.y;
     const bool row_ok = row < rows;
     const tf_i64 offset = row_ok ? row * cols : 0;
@@ -224,15 +363,54 @@ extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
         const float v = unpack(cur[it], j);
         sums[0] += v * v;
       }
-    row_sum(sums, scratch);
+    row_sum(sums, scratch, cluster);
     const float rstd = rsqrtf(sums[0] * inv_cols + eps);
+#elif TF_CLUSTER > 1
+    // Each CTA's exact two-pass statistics of its columns, combined across the cluster in one
+    // exchange (Chan et al.): M2 = sum over CTAs of M2_c + n_c (mean_c - mean)^2.
+    float part[2] = {0.f, 0.f};  // this CTA's sum of x, then sum of squared deviations
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) part[0] += unpack(cur[it], j);
+    float local_sum[1] = {part[0]};
+    cta_row_sum(local_sum, scratch);
+    const int local_cols = min(max(cols - cluster_rank() * BLOCK_COLS, 0), BLOCK_COLS);
+    const float local_mean = local_cols > 0 ? local_sum[0] / static_cast<float>(local_cols) : 0.f;
+    part[0] = local_sum[0];
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int col0 = chunk_col(it);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float d = unpack(cur[it], j) - local_mean;
+        part[1] += (col0 + j < cols) ? d * d : 0.f;
+      }
+    }
+    float local_m2[1] = {part[1]};
+    cta_row_sum(local_m2, scratch);
+    part[1] = local_m2[0];
+    float by_rank[TF_CLUSTER][2];
+    cluster_gather(part, cluster, by_rank);
+    float total = 0.f;
+#pragma unroll
+    for (int r = 0; r < TF_CLUSTER; ++r) total += by_rank[r][0];
+    const float mean = total * inv_cols;
+    float m2 = 0.f;
+#pragma unroll
+    for (int r = 0; r < TF_CLUSTER; ++r) {
+      const int n = min(max(cols - r * BLOCK_COLS, 0), BLOCK_COLS);
+      const float d = by_rank[r][0] - static_cast<float>(n) * mean;  // n (mean_r - mean)
+      m2 += n > 0 ? by_rank[r][1] + d * d / static_cast<float>(n) : 0.f;
+    }
+    const float rstd = rsqrtf(m2 * inv_cols + eps);
 #else
     float sums[1] = {0.f};
 #pragma unroll
     for (int it = 0; it < ITERS; ++it)
 #pragma unroll
       for (int j = 0; j < VEC; ++j) sums[0] += unpack(cur[it], j);
-    row_sum(sums, scratch);
+    row_sum(sums, scratch, cluster);
     const float mean = sums[0] * inv_cols;
     float squares[1] = {0.f};
 #pragma unroll
@@ -244,7 +422,7 @@ extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
         squares[0] += (col0 + j < cols) ? d * d : 0.f;
       }
     }
-    row_sum(squares, scratch);
+    row_sum(squares, scratch, cluster);
     const float rstd = rsqrtf(squares[0] * inv_cols + eps);
 #endif
 
@@ -261,7 +439,7 @@ extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
         for (int j = 0; j < VEC; ++j) out[j] = (unpack(cur[it], j) - mean) * rstd * w[j] + b[j];
         store_row_chunk(yr, col0, cols, vec, out);
       }
-      if (threadIdx.x == 0) {
+      if (threadIdx.x == 0 && cluster_rank() == 0) {
 #if !TF_RMS
         mean_out[row] = mean;
 #endif
@@ -277,6 +455,9 @@ extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
       load_row_or_zeros(cur, x, next_row, rows, cols, vec);
 #endif
   }
+#if TF_CLUSTER > 1
+  cluster_barrier();  // the last totals are read from this CTA's shared memory until here
+#endif
 }
 
 #endif  // TF_NORM_FWD
@@ -290,7 +471,7 @@ extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
 #define BWD_STREAM (BWD_WIDE || TF_STREAM)
 
 // Sums the CTA's rows of `acc` in a fixed order (row 0 of the CTA, then 1, ...) and writes
-// them as row blockIdx.x of `partial`. Called by every thread of the CTA.
+// them (its columns) as row cluster_index() of `partial`. Called by every thread of the CTA.
 __device__ __forceinline__ void write_partial(float (&acc)[ITERS][VEC], float* __restrict__ partial,
                                               int cols, bool vec, float (*block_sum)[BLOCK_COLS]) {
 #if RPB > 1
@@ -313,7 +494,7 @@ __device__ __forceinline__ void write_partial(float (&acc)[ITERS][VEC], float* _
   __syncthreads();  // block_sum is reused for the next quantity
 #endif
   if (threadIdx.y != 0) return;
-  float* __restrict__ dst = partial + static_cast<tf_i64>(blockIdx.x) * cols;
+  float* __restrict__ dst = partial + cluster_index() * cols;
 #pragma unroll
   for (int it = 0; it < ITERS; ++it) {
     const int col0 = chunk_col(it);
@@ -335,14 +516,15 @@ __device__ __forceinline__ void write_partial(float (&acc)[ITERS][VEC], float* _
 }
 
 // dx (when dx != nullptr) and this CTA's partial sums of dgamma (dw_partial) and dbeta
-// (db_partial, LayerNorm only), one fp32 row of `cols` each at row blockIdx.x.
-extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
+// (db_partial, LayerNorm only), one fp32 row of `cols` each at row cluster_index().
+extern "C" __global__ void TF_ROW_CTAS __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
     norm_bwd(const tf_storage* __restrict__ dy, const tf_storage* __restrict__ x,
              const float* __restrict__ mean, const float* __restrict__ rstd,
              const tf_param* __restrict__ weight, tf_storage* __restrict__ dx,
              float* __restrict__ dw_partial, float* __restrict__ db_partial, tf_i64 rows,
              int cols, int vectorized) {
   __shared__ float scratch[RPB][WARPS_PER_ROW][2];
+  ClusterSums cluster = cluster_sums();
   const tf_i64 groups = (rows + RPB - 1) / RPB;
   const float inv_cols = 1.f / static_cast<float>(cols);
   const bool vec = vectorized != 0;
@@ -361,7 +543,7 @@ extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
 #endif
     }
 
-  for (tf_i64 group = blockIdx.x; group < groups; group += gridDim.x) {
+  for (tf_i64 group = cluster_index(); group < groups; group += cluster_count()) {
     const tf_i64 row = group * RPB + threadIdx.y;
     const bool row_ok = row < rows;
     const int active_cols = row_ok ? cols : 0;
@@ -399,7 +581,7 @@ extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
       }
     }
     if (dx == nullptr) continue;  // uniform across the CTA: no barrier is skipped by some only
-    row_sum(sums, scratch);
+    row_sum(sums, scratch, cluster);
 #if TF_RMS
     const float mean_g = 0.f;
 #else
@@ -423,6 +605,9 @@ extern "C" __global__ void __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
     }
   }
 
+#if TF_CLUSTER > 1
+  cluster_barrier();  // the last totals are read from this CTA's shared memory until here
+#endif
 #if RPB > 1
   __shared__ float block_sum[RPB][BLOCK_COLS];
 #else

@@ -34,10 +34,33 @@ ATEN = {"ln_fwd": "native_layer_norm", "ln_bwd": "native_layer_norm_backward",
         "rms_fwd": "_fused_rms_norm", "rms_bwd": "_fused_rms_norm_backward"}
 
 
+# Widest row one CTA holds in registers; wider rows are split across a cluster (sm 90).
+CTA_MAX_COLS = 16384
+
+
+def cluster_candidates(hidden, op):
+    """A row split across a cluster of 2, 4 or 8 CTAs (sm 90), each holding a chunk of 4096 to
+    16384 columns with 256, 512 or 1024 threads."""
+    out = []
+    for cluster in (2, 4, 8):
+        chunk = -(-hidden // cluster)
+        if not 4096 <= chunk <= CTA_MAX_COLS:
+            continue
+        for tpr in (256, 512, 1024):
+            ept = -(-chunk // tpr // 8) * 8
+            if not 8 <= ept <= 64 or tpr * ept > chunk * 3 // 2 or (tpr == 1024 and op.endswith("bwd")):
+                continue
+            out.append(dict(THREADS_PER_ROW=tpr, ROWS_PER_BLOCK=1, ELEMS_PER_THREAD=ept,
+                            PREFETCH=int(op.endswith("fwd")), CLUSTER=cluster))
+    return out
+
+
 def candidates(hidden, op):
     """Launch shapes worth trying for one row width: every (threads, elems) that holds the row
     without wasting more than a third, plus the tightest one."""
-    fits = []
+    if hidden > CTA_MAX_COLS:
+        return cluster_candidates(hidden, op)
+    fits, clusters = [], cluster_candidates(hidden, op)
     for tpr in (32, 64, 96, 128, 192, 256, 384, 512, 768, 1024):
         for ept in (8, 16, 24, 32, 48, 64):
             cap = tpr * ept
@@ -55,11 +78,13 @@ def candidates(hidden, op):
         else:
             for pf in (0, 1):
                 out.append(dict(THREADS_PER_ROW=tpr, ROWS_PER_BLOCK=rpb, ELEMS_PER_THREAD=ept, PREFETCH=pf))
-    return out
+    return out + clusters
 
 
 def variant_name(op, p):
-    return f"sweep_{op}_t{p['THREADS_PER_ROW']}x{p['ROWS_PER_BLOCK']}_e{p['ELEMS_PER_THREAD']}_p{p['PREFETCH']}"
+    cluster = f"_c{p['CLUSTER']}" if p.get("CLUSTER", 1) > 1 else ""
+    return (f"sweep_{op}_t{p['THREADS_PER_ROW']}x{p['ROWS_PER_BLOCK']}_e{p['ELEMS_PER_THREAD']}"
+            f"_p{p['PREFETCH']}{cluster}")
 
 
 def write_sweep_registry(path, shapes):
@@ -71,10 +96,11 @@ def write_sweep_registry(path, shapes):
                 if name in seen:
                     continue
                 seen.add(name)
-                cap = p["THREADS_PER_ROW"] * p["ELEMS_PER_THREAD"]
+                cap = p["THREADS_PER_ROW"] * p["ELEMS_PER_THREAD"] * p.get("CLUSTER", 1)
+                sm = "[90, 90]" if p.get("CLUSTER", 1) > 1 else "[80, 90]"
                 params = ", ".join(f"{k} = {v}" for k, v in p.items())
                 lines += ["[[variant]]", f'name = "{name}"', f'op = "{REGISTRY_OP[op]}"', 'source = "norm.cu"',
-                          'dtypes = ["f32", "bf16", "f16"]', "sm = [80, 90]", f"hidden = [1, {cap}]",
+                          'dtypes = ["f32", "bf16", "f16"]', f"sm = {sm}", f"hidden = [1, {cap}]",
                           f"params = {{ {params} }}", ""]
     Path(path).write_text("\n".join(lines))
 
@@ -140,6 +166,42 @@ def liger_forward_us(op, h, dtype, inputs):
         return None
 
 
+def warm_one(job):
+    """One candidate's kernels compiled into the disk cache by a call on a few hundred rows,
+    and its outputs' largest difference from stock's, relative to stock's largest value."""
+    lib_dir, op, h, dtype, name = job
+    torch.ops.load_library(str(Path(lib_dir) / "libtorchfuse.so"))
+    torch.manual_seed(h)
+    args = make_case(op, 300, h, getattr(torch, dtype))
+    fn = op_fn(op, h)
+    toggle = TOGGLE[op.split("_")[0]]
+    torch.ops.torchfuse.set_enabled(toggle, False)
+    stock = fn(*args)
+    torch.ops.torchfuse.set_enabled(toggle, True)
+    torch.ops.torchfuse._force_variant(name)
+    before = json.loads(torch.ops.torchfuse.stats())["ops"].get(ATEN[op], {}).get("kernels", {})
+    ours = fn(*args)
+    if kernels_used(op, before)[0] != name:
+        return name, dtype, float("inf")
+    err = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+              for a, b in zip(ours, stock) if a is not None and a.numel())
+    return name, dtype, err
+
+
+def warm_cache(lib_dir, ops, shapes, jobs):
+    import multiprocessing
+    work = [(lib_dir, op, h, dtype, variant_name(op, c)) for op in ops for _, h in shapes
+            for dtype in ("float32", "bfloat16") for c in candidates(h, op)]
+    work = list({(w[1], w[3], w[4]): w for w in work}.values())
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        checked = pool.map(warm_one, work, chunksize=1)
+    print(f"compiled {len(work)} candidate kernels in {jobs} processes", flush=True)
+    for name, dtype, err in checked:
+        limit = 1e-5 if dtype == "float32" else 2e-2
+        if not err <= limit:
+            print(f"  {name} {dtype}: relative difference from stock {err:.2e} (limit {limit:.0e})", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--lib-dir", required=True)
@@ -150,14 +212,23 @@ def main():
     p.add_argument("--small", action="store_true", help="also the launch-bound shapes")
     p.add_argument("--graph", action="store_true",
                    help="also GPU time per call from CUDA-graph replays (no host gaps)")
+    p.add_argument("--shapes", help="rows x hidden list, e.g. 2048x65536,4096x32768 (default: the issue's)")
+    p.add_argument("--warm-jobs", type=int, default=0,
+                   help="with --sweep: compile the candidates first in this many processes at once "
+                        "(they share TORCHFUSE_CACHE_DIR), instead of one after another")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    shapes = SHAPES + (SMALL if a.small else [])
+    if a.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    else:
+        shapes = SHAPES + (SMALL if a.small else [])
     if a.sweep:
         extra = out / "norm_sweep.toml"
         write_sweep_registry(extra, shapes)
         os.environ["TORCHFUSE_REGISTRY_EXTRA"] = str(extra)
+        if a.warm_jobs:
+            warm_cache(a.lib_dir, a.ops.split(","), shapes, a.warm_jobs)
     torch.ops.load_library(str(Path(a.lib_dir) / "libtorchfuse.so"))
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 50 << 20)

@@ -3,8 +3,14 @@
 Per op, dtype group (f32; bf16 for bf16+f16) and hidden bucket, the fastest candidate at the
 bucket's measured width serves it, if it beats stock by at least MARGIN there; otherwise the
 bucket has no variant and stock serves it (logged as "no variant for this shape").
-Usage: python3 scripts/norm_registry_from_sweep.py SWEEP.json [MIN_ROWS.json] > registry/norm.toml
+Usage: python3 scripts/norm_registry_from_sweep.py SWEEP.json [MIN_ROWS.json [CLUSTER_SWEEP.json ...]]
+       > registry/norm.toml
 MIN_ROWS.json: {"<op> <dtype group> <lo>": min_rows} from the small-shape bench (default 1).
+CLUSTER_SWEEP.json: sweeps with cluster candidates (a row split across CTAs, sm 90 only). In a
+bucket, the fastest of them becomes a second variant, sm 90 only and chosen first there, if it
+beats, by MARGIN, the fastest candidate without clusters in the same run (or, in a sweep of
+cluster candidates only, what its registry served there, which had no cluster variant), both as
+speed-ups over stock in that run.
 """
 import json
 import re
@@ -24,9 +30,34 @@ STREAM = {("ln_fwd", "16bit", 768), ("rms_fwd", "16bit", 768), ("ln_bwd", "16bit
           ("rms_bwd", "16bit", 768)}
 
 
+CANDIDATE = re.compile(r"_t(\d+)x(\d+)_e(\d+)_p(\d)(?:_c(\d))?$")
+
+
+def fastest(row, hi, cluster):
+    """The fastest candidate of `row` (with or without clusters) that holds `hi` columns:
+    (us, tpr, rpb, ept, pf, cluster), or None. The backward has no PREFETCH (candidates with
+    it, from sweeps that tried it, are left out)."""
+    fits = []
+    for k, v in row.get("candidates", {}).items():
+        tpr, rpb, ept, pf, c = CANDIDATE.search(k).groups()
+        c = int(c or 1)
+        if row["op"].endswith("bwd") and pf == "1":
+            continue
+        if (c > 1) == cluster and int(tpr) * int(ept) * c >= hi:
+            fits.append((v, int(tpr), int(rpb), int(ept), int(pf), c))
+    return min(fits) if fits else None
+
+
+def measured_row(rows, op, dtype, width):
+    measured = [r for r in rows if r["op"] == op and r["dtype"] == dtype
+                and int(r["shape"].split("x")[1]) == width and r.get("candidates")]
+    return max(measured, key=lambda r: int(r["shape"].split("x")[0])) if measured else None
+
+
 def main():
     sweep = json.load(open(sys.argv[1]))
     min_rows = json.load(open(sys.argv[2])) if len(sys.argv) > 2 else {}
+    cluster_rows = [r for path in sys.argv[3:] for r in json.load(open(path))["rows"]]
     meta = sweep["meta"]
     out = [f"""# Norm variants (kernels/norm.cu): LayerNorm and RMSNorm, forward and backward.
 #
@@ -39,44 +70,62 @@ def main():
 # checks). `sm`: measured on sm_90; sm_80 runs the same code (compile-tested).
 # `min_rows`: below it stock is as fast (launch-bound, and our host overhead per call shows),
 # from docs/bench/norm-min-rows.json (read off docs/bench/h100-norm-small.txt).
+# Cluster variants (CLUSTER = CTAs per row, sm 90, priority 1): from the cluster sweeps
+# {', '.join(sys.argv[3:]) or '(none)'}.
 """]
     rows = sweep["rows"]
     for op in ("ln_fwd", "ln_bwd", "rms_fwd", "rms_bwd"):
         out.append(f"# ---------------------------------------------------------------- {REGISTRY_OP[op]}\n")
         for group, dtype in (("f32", "float32"), ("16bit", "bfloat16")):
             for lo, hi, width in BUCKETS:
-                measured = [r for r in rows if r["op"] == op and r["dtype"] == dtype
-                            and int(r["shape"].split("x")[1]) == width and r.get("candidates")]
-                if not measured:
+                r = measured_row(rows, op, dtype, width)
+                best = fastest(r, hi, False) if r else None
+                if best:
+                    us, tpr, rpb, ept, pf, _ = best
+                    speedup = r["stock_us"] / us
+                    note = f"{r['shape']} {dtype}: stock {r['stock_us']:.1f} us, this {us:.1f} us ({speedup:.2f}x)"
+                    if speedup < MARGIN:
+                        out.append(f"# {REGISTRY_OP[op]} {group} hidden {lo}..{hi}: stock ({note})\n")
+                    else:
+                        out.append(variant(op, group, lo, hi, min_rows, note, tpr, rpb, ept, pf))
+                cr = measured_row(cluster_rows, op, dtype, width)
+                clustered = fastest(cr, hi, True) if cr else None
+                if not clustered:
                     continue
-                r = max(measured, key=lambda r: int(r["shape"].split("x")[0]))
-                fits = {}
-                for k, v in r["candidates"].items():
-                    tpr, rpb, ept, pf = map(int, re.search(r"_t(\d+)x(\d+)_e(\d+)_p(\d)$", k).groups())
-                    if tpr * ept >= hi:
-                        fits[k] = (v, tpr, rpb, ept, pf)
-                if not fits:
+                us, tpr, rpb, ept, pf, c = clustered
+                speedup = cr["stock_us"] / us
+                # Without clusters in the same run: its fastest candidate, or (a sweep of cluster
+                # candidates only) what its registry served, which had no cluster variant there.
+                plain = fastest(cr, hi, False)
+                served = max(1.0, cr["stock_us"] / (plain[0] if plain else cr["torchfuse_us"]))
+                note = (f"{cr['shape']} {dtype}: stock {cr['stock_us']:.1f} us, this {us:.1f} us ({speedup:.2f}x; "
+                        f"without clusters {served:.2f}x)")
+                if speedup < MARGIN * served:
+                    out.append(f"# {REGISTRY_OP[op]} {group} hidden {lo}..{hi}, sm 90 clusters: no gain ({note})\n")
                     continue
-                name, (us, tpr, rpb, ept, pf) = min(fits.items(), key=lambda kv: kv[1][0])
-                speedup = r["stock_us"] / us
-                note = f"{r['shape']} {dtype}: stock {r['stock_us']:.1f} us, this {us:.1f} us ({speedup:.2f}x)"
-                if speedup < MARGIN:
-                    out.append(f"# {REGISTRY_OP[op]} {group} hidden {lo}..{hi}: stock ({note})\n")
-                    continue
-                mr = min_rows.get(f"{op} {group} {lo}", 1)
-                stream = ", STREAM = 1" if (op, group, hi) in STREAM else ""
-                out.append(f"""[[variant]]
-name = "{op}_{group}_h{hi}_t{tpr}x{rpb}_e{ept}{'_pf' if pf else ''}"
+                out.append(variant(op, group, lo, hi, min_rows, note, tpr, rpb, ept, pf, c))
+    print("\n".join(out))
+
+
+def variant(op, group, lo, hi, min_rows, note, tpr, rpb, ept, pf, cluster=1):
+    mr = min_rows.get(f"{op} {group} {lo}", 1)
+    stream = ", STREAM = 1" if (op, group, hi) in STREAM else ""
+    name = f"{op}_{group}_h{hi}_t{tpr}x{rpb}_e{ept}{'_pf' if pf else ''}"
+    sm, extra = "[80, 90]", ""
+    if cluster > 1:
+        name += f"_c{cluster}"
+        sm, stream, extra = "[90, 90]", f", CLUSTER = {cluster}", "priority = 1\n"
+    return f"""[[variant]]
+name = "{name}"
 op = "{REGISTRY_OP[op]}"
 source = "norm.cu"
 dtypes = {GROUP_DTYPES[group]}
-sm = [80, 90]
+sm = {sm}
 hidden = [{lo}, {hi}]
 min_rows = {mr}
-params = {{ THREADS_PER_ROW = {tpr}, ROWS_PER_BLOCK = {rpb}, ELEMS_PER_THREAD = {ept}, PREFETCH = {pf}{stream} }}
+{extra}params = {{ THREADS_PER_ROW = {tpr}, ROWS_PER_BLOCK = {rpb}, ELEMS_PER_THREAD = {ept}, PREFETCH = {pf}{stream} }}
 # {note}
-""")
-    print("\n".join(out))
+"""
 
 
 if __name__ == "__main__":

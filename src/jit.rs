@@ -386,6 +386,9 @@ pub struct Kernels {
     pub functions: Vec<CudaFunction>,
     /// CTAs of each function that fit on one multiprocessor at once, for its block size.
     resident: Vec<OnceCell<u32>>,
+    /// Clusters of each function (compiled with fixed cluster dimensions) that fit on the GPU
+    /// at once.
+    resident_clusters: Vec<OnceCell<u32>>,
     /// Dynamic shared memory each function has been allowed (beyond the default 48 KiB).
     shared_allowed: Vec<std::sync::atomic::AtomicU32>,
 }
@@ -399,6 +402,36 @@ impl Kernels {
                 .unwrap_or(1)
                 .max(1)
         })
+    }
+
+    /// How many clusters of function `i` (compiled with `__cluster_dims__(cluster, 1, 1)`,
+    /// blocks of `block_threads` threads) fit on the GPU at once; an error if none does.
+    pub fn resident_clusters(
+        &self,
+        i: usize,
+        cluster: u32,
+        block_threads: u32,
+        stream: &CudaStream,
+    ) -> Result<u32, DriverError> {
+        self.resident_clusters[i]
+            .get_or_try_init(|| {
+                let config = cudarc::driver::LaunchConfig {
+                    grid_dim: (cluster, 1, 1),
+                    block_dim: (block_threads, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let clusters = self.functions[i].occupancy_max_active_clusters(config, stream)?;
+                tracing::debug!(
+                    "{clusters} clusters of {cluster} x {block_threads}-thread CTAs fit at once"
+                );
+                match clusters {
+                    0 => Err(DriverError(
+                        cudarc::driver::sys::CUresult::CUDA_ERROR_INVALID_CLUSTER_SIZE,
+                    )),
+                    n => Ok(n),
+                }
+            })
+            .copied()
     }
 
     /// Lets function `i` launch with `bytes` of dynamic shared memory (an error if the GPU
@@ -459,6 +492,7 @@ pub fn kernels(
                 Ok(functions) => {
                     tracing::debug!("{} {} ready on cuda:{ordinal}", variant.name, dtype.name());
                     let resident = functions.iter().map(|_| OnceCell::new()).collect();
+                    let resident_clusters = functions.iter().map(|_| OnceCell::new()).collect();
                     let shared_allowed = functions
                         .iter()
                         .map(|_| std::sync::atomic::AtomicU32::new(0))
@@ -466,6 +500,7 @@ pub fn kernels(
                     Some(Arc::new(Kernels {
                         functions,
                         resident,
+                        resident_clusters,
                         shared_allowed,
                     }))
                 }

@@ -25,14 +25,18 @@ impl NormKind {
     }
 }
 
-const PARAMS: [&str; 6] = [
+const PARAMS: [&str; 7] = [
     "THREADS_PER_ROW",
     "ROWS_PER_BLOCK",
     "ELEMS_PER_THREAD",
     "PREFETCH",
     "STREAM",
     "MIN_BLOCKS",
+    "CLUSTER",
 ];
+
+/// Thread-block clusters (a row split across CTAs) start with Hopper.
+const CLUSTER_MIN_SM: u32 = 90;
 
 /// Static shared memory a CTA of norm_bwd may use (the CUDA limit without opting in).
 const STATIC_SMEM_LIMIT: i64 = 48 * 1024;
@@ -42,14 +46,17 @@ const STATIC_SMEM_LIMIT: i64 = 48 * 1024;
 struct Geometry {
     threads_per_row: u32,
     rows_per_block: u32,
+    /// CTAs that share each row (a thread-block cluster); 1 for a CTA per row.
+    cluster: u32,
 }
 
 fn geometry(v: &Variant) -> Geometry {
-    // validate_variant guarantees both exist and fit in a CTA.
+    // validate_variant guarantees they exist (CLUSTER defaults to 1) and fit in a CTA.
     let get = |k: &str| v.params.get(k).copied().unwrap_or(1).clamp(1, 1024) as u32;
     Geometry {
         threads_per_row: get("THREADS_PER_ROW"),
         rows_per_block: get("ROWS_PER_BLOCK"),
+        cluster: get("CLUSTER"),
     }
 }
 
@@ -91,11 +98,22 @@ pub fn validate_variant(v: &Variant) -> Result<(), String> {
     {
         return Err(format!("{}: MIN_BLOCKS must be in 1..=32", v.name));
     }
-    if tpr * ept < v.hidden[1] {
+    let cluster = v.params.get("CLUSTER").copied().unwrap_or(1);
+    if ![1, 2, 4, 8].contains(&cluster) {
+        return Err(format!("{}: CLUSTER must be 1, 2, 4 or 8", v.name));
+    }
+    if cluster > 1 && (rows != 1 || tpr < 64 || v.sm[0] < CLUSTER_MIN_SM) {
+        return Err(format!(
+            "{}: CLUSTER > 1 needs ROWS_PER_BLOCK = 1, THREADS_PER_ROW >= 64 and sm >= \
+             {CLUSTER_MIN_SM}",
+            v.name
+        ));
+    }
+    if cluster * tpr * ept < v.hidden[1] {
         return Err(format!(
             "{}: holds {} elements per row but claims hidden up to {}",
             v.name,
-            tpr * ept,
+            cluster * tpr * ept,
             v.hidden[1]
         ));
     }
@@ -178,6 +196,13 @@ struct Plan {
     grid: u32,
 }
 
+impl Plan {
+    /// Rows of the backward's fp32 partials: one per cluster (one per CTA without clusters).
+    fn partial_rows(&self) -> u32 {
+        self.grid / self.geometry.cluster
+    }
+}
+
 fn plan(op: KernelOp, l: &Layout, launch: Launch) -> Result<Plan, StockReason> {
     let jit::Selected {
         gpu,
@@ -193,9 +218,18 @@ fn plan(op: KernelOp, l: &Layout, launch: Launch) -> Result<Plan, StockReason> {
     })?;
     let g = geometry(variant);
     let groups = (l.rows + i64::from(g.rows_per_block) - 1) / i64::from(g.rows_per_block);
-    let resident = kernels.resident_per_sm(0, g.threads_per_row * g.rows_per_block);
-    let full = i64::from(resident) * i64::from(gpu.multiprocessors);
-    let grid = u32::try_from(groups.min(full)).map_err(|_| StockReason::NoVariantForShape)?;
+    let block_threads = g.threads_per_row * g.rows_per_block;
+    let grid = if g.cluster > 1 {
+        // A cluster per group of rows; no more clusters than the GPCs can hold at once.
+        let clusters = kernels
+            .resident_clusters(0, g.cluster, block_threads, &gpu.stream(launch))
+            .map_err(|e| jit::launch_failed(variant, e))?;
+        groups.min(i64::from(clusters)) * i64::from(g.cluster)
+    } else {
+        let resident = kernels.resident_per_sm(0, block_threads);
+        groups.min(i64::from(resident) * i64::from(gpu.multiprocessors))
+    };
+    let grid = u32::try_from(grid).map_err(|_| StockReason::NoVariantForShape)?;
     Ok(Plan {
         variant,
         kernels,
@@ -380,7 +414,7 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Backward, StockRe
     let dx = want_dx
         .then(|| empty(call.shape, l.kind, l.device))
         .transpose()?;
-    let partial_shape = [i64::from(plan.grid), l.cols];
+    let partial_shape = [i64::from(plan.partial_rows()), l.cols];
     let dw_partial = want_dw
         .then(|| empty(&partial_shape, Kind::Float, l.device))
         .transpose()?;
@@ -405,7 +439,7 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Backward, StockRe
     );
     let (dwp_ptr, dbp_ptr) = (ptr(dw_partial.as_ref()), ptr(db_partial.as_ref()));
     let (dw_ptr, db_ptr) = (ptr(dweight.as_ref()), ptr(dbias.as_ref()));
-    let groups = i32::try_from(plan.grid).map_err(|_| StockReason::NoVariantForShape)?;
+    let groups = i32::try_from(plan.partial_rows()).map_err(|_| StockReason::NoVariantForShape)?;
 
     let stream = plan.gpu.stream(launch);
     let mut args = stream.launch_builder(&plan.kernels.functions[0]);
@@ -422,7 +456,7 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Backward, StockRe
         .arg(&vectorized);
     // SAFETY: argument types and order match norm_bwd; dy, x and dx hold rows x cols elements
     // of the kernel's dtype, mean/rstd rows fp32 values, weight cols elements, the partials
-    // grid x cols fp32 values; null pointers are the outputs not requested. All live until the
+    // partial_rows x cols fp32 values; null pointers are the outputs not requested. All live until the
     // stream is done with them.
     unsafe { args.launch(plan.rows_config()) }.map_err(|e| plan.launch_failed(e))?;
 
@@ -457,25 +491,67 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Backward, StockRe
 #[cfg(test)]
 mod tests {
     fn parse(params: &str) -> Result<(), String> {
+        parse_at("[80, 90]", 768, params)
+    }
+
+    /// A LayerNorm forward variant of 96 threads x 8 elements per CTA.
+    fn parse_at(sm: &str, max_hidden: i64, params: &str) -> Result<(), String> {
         crate::registry::Registry::parse(&[(
             "t.toml",
             &format!(
                 "[[variant]]\nname = \"t\"\nop = \"layer_norm_fwd\"\nsource = \"norm.cu\"\n\
-                 dtypes = [\"bf16\"]\nsm = [80, 90]\nhidden = [1, 768]\n\
-                 params = {{ THREADS_PER_ROW = 96, ROWS_PER_BLOCK = 1, ELEMS_PER_THREAD = 8{params} }}\n"
+                 dtypes = [\"bf16\"]\nsm = {sm}\nhidden = [1, {max_hidden}]\n\
+                 params = {{ THREADS_PER_ROW = 96, ELEMS_PER_THREAD = 8{params} }}\n"
             ),
         )])
         .map(|_| ())
     }
 
     #[test]
+    fn cluster_variants_are_hopper_only_one_row_per_cta_and_hold_their_rows() {
+        // 4 CTAs of 96 x 8 hold 3072 columns.
+        assert_eq!(
+            parse_at("[90, 90]", 3072, ", ROWS_PER_BLOCK = 1, CLUSTER = 4"),
+            Ok(())
+        );
+        let too_wide = parse_at("[90, 90]", 3073, ", ROWS_PER_BLOCK = 1, CLUSTER = 4");
+        assert!(too_wide.unwrap_err().contains("holds 3072 elements"));
+        let ampere = parse_at("[80, 90]", 768, ", ROWS_PER_BLOCK = 1, CLUSTER = 2");
+        assert!(ampere.unwrap_err().contains("sm >= 90"));
+        let two_rows = parse_at("[90, 90]", 768, ", ROWS_PER_BLOCK = 2, CLUSTER = 2");
+        assert!(two_rows.unwrap_err().contains("ROWS_PER_BLOCK = 1"));
+        let one_warp = crate::registry::Registry::parse(&[(
+            "t.toml",
+            "[[variant]]\nname = \"t\"\nop = \"layer_norm_bwd\"\nsource = \"norm.cu\"\n\
+             dtypes = [\"bf16\"]\nsm = [90, 90]\nhidden = [1, 512]\nparams = { \
+             THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 1, ELEMS_PER_THREAD = 8, CLUSTER = 2 }\n",
+        )]);
+        assert!(one_warp.unwrap_err().contains("THREADS_PER_ROW >= 64"));
+        for bad in [0, 3, 16] {
+            let err = parse_at(
+                "[90, 90]",
+                768,
+                &format!(", ROWS_PER_BLOCK = 1, CLUSTER = {bad}"),
+            );
+            assert!(
+                err.unwrap_err().contains("CLUSTER must be"),
+                "CLUSTER = {bad}"
+            );
+        }
+    }
+
+    #[test]
     fn prefetch_and_stream_are_flags() {
-        assert_eq!(parse(""), Ok(()));
-        assert_eq!(parse(", PREFETCH = 1, STREAM = 1"), Ok(()));
+        assert_eq!(parse(", ROWS_PER_BLOCK = 1"), Ok(()));
+        assert_eq!(
+            parse(", ROWS_PER_BLOCK = 1, PREFETCH = 1, STREAM = 1"),
+            Ok(())
+        );
         for bad in [", STREAM = 2", ", PREFETCH = -1"] {
-            let err = parse(bad).unwrap_err();
+            let err = parse(&format!(", ROWS_PER_BLOCK = 1{bad}")).unwrap_err();
             assert!(err.contains("must be 0 or 1"), "{bad}: {err}");
         }
-        assert!(parse(", STREEM = 1").unwrap_err().contains("unknown param"));
+        let misspelt = parse(", ROWS_PER_BLOCK = 1, STREEM = 1");
+        assert!(misspelt.unwrap_err().contains("unknown param"));
     }
 }

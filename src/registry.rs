@@ -566,6 +566,17 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
             (RmsNormFwd, DType::BF16, 4096, 16384, "rms_fwd_16bit_h4096"),
             (RmsNormBwd, DType::F32, 768, 16384, "rms_bwd_f32_h768"),
             (RmsNormBwd, DType::BF16, 2048, 16384, "rms_bwd_16bit_h2048"),
+            // Rows split across a cluster of CTAs (sm 90; sm 80: see below).
+            (LayerNormFwd, DType::F32, 65536, 2048, "ln_fwd_f32_h65536"),
+            (
+                LayerNormBwd,
+                DType::BF16,
+                16384,
+                4096,
+                "ln_bwd_16bit_h16384",
+            ),
+            (RmsNormBwd, DType::F16, 20000, 4096, "rms_bwd_16bit_h32768"),
+            (RmsNormFwd, DType::BF16, 40000, 2048, "rms_fwd_16bit_h65536"),
             // Adam: any size of step (rows = elements), no threshold (registry/adam.toml).
             (AdamStep, DType::F32, 1, 1, "adam_f32"),
             (AdamStep, DType::F32, 1, 354_823_168, "adam_f32"),
@@ -618,14 +629,18 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
                 name.starts_with(prefix),
                 "{op:?} {dtype:?} {hidden}: {name}"
             );
-            // Hopper's attention forward is the warpgroup-MMA variant; sm_80 runs the same
-            // variants otherwise.
+            // Hopper's attention forward is the warpgroup-MMA variant, and Hopper splits wide
+            // rows across clusters; sm_80 runs the same variants otherwise.
             let attention = matches!(op, AttentionCausal | AttentionFull);
             assert_eq!(attention, name.ends_with("_wg"), "{name}");
-            assert_eq!(
-                pick(op, dtype, hidden, rows, 80),
-                Ok(name.trim_end_matches("_wg").to_string())
-            );
+            let ampere = pick(op, dtype, hidden, rows, 80);
+            match name.rsplit_once("_c") {
+                Some((_, cluster)) if cluster.parse::<u32>().is_ok() => match hidden {
+                    ..=16384 => assert!(ampere.is_ok_and(|n| n.starts_with(prefix) && n != name)),
+                    _ => assert_eq!(ampere, Err(StockReason::NoVariantForShape)),
+                },
+                _ => assert_eq!(ampere, Ok(name.trim_end_matches("_wg").to_string())),
+            }
         }
         let stock = [
             // Launch-bound: stock is as fast.
@@ -658,18 +673,18 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
                 16384,
                 StockReason::NoVariantForShape,
             ),
-            // Rows wider than 32768: stock (spills measured at 65536).
+            // Rows wider than 8 CTAs of a cluster hold.
             (
                 LayerNormFwd,
                 DType::F32,
-                65536,
+                65537,
                 2048,
                 StockReason::NoVariantForShape,
             ),
             (
                 RmsNormBwd,
                 DType::BF16,
-                65536,
+                131072,
                 2048,
                 StockReason::NoVariantForShape,
             ),

@@ -22,8 +22,10 @@ DTYPE_NAME = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"
 
 def has_variant(kind, direction, dtype, hidden):
     op = f"{'layer_norm' if kind == 'layer' else 'rms_norm'}_{direction}"
+    major, minor = torch.cuda.get_device_capability()
+    sm = 10 * major + minor
     return any(v["op"] == op and DTYPE_NAME[dtype] in v["dtypes"] and v["hidden"][0] <= hidden <= v["hidden"][1]
-               for v in REGISTRY)
+               and v["sm"][0] <= sm <= v["sm"][1] for v in REGISTRY)
 
 
 @pytest.fixture(scope="module", autouse=True)
