@@ -154,6 +154,11 @@ __device__ __forceinline__ int chunk_col(int it) {
   return cluster_rank() * BLOCK_COLS + (it * TPR + static_cast<int>(threadIdx.x)) * VEC;
 }
 
+// Columns of the row that CTA `rank` of its cluster holds (all of them without clusters).
+__device__ __forceinline__ int cta_cols(int rank, int cols) {
+  return min(max(cols - rank * BLOCK_COLS, 0), BLOCK_COLS);
+}
+
 // Sums K values over the threads of one row (one CTA's part of it, with clusters); every
 // thread of the row gets the totals.
 template <int K>
@@ -327,6 +332,32 @@ __device__ __forceinline__ void load_row_or_zeros(tf_raw16 (&chunks)[ITERS],
 }
 
 #if TF_NORM_FWD
+// This thread's sum of its elements of the row (zeros past the row's end).
+__device__ __forceinline__ float chunk_sum(const tf_raw16 (&chunks)[ITERS]) {
+  float sum = 0.f;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it)
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) sum += unpack(chunks[it], j);
+  return sum;
+}
+
+// This thread's sum of squared deviations from `mean` over its columns inside the row.
+__device__ __forceinline__ float squared_deviations(const tf_raw16 (&chunks)[ITERS], float mean,
+                                                    int cols) {
+  float sum = 0.f;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int col0 = chunk_col(it);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float d = unpack(chunks[it], j) - mean;
+      sum += (col0 + j < cols) ? d * d : 0.f;
+    }
+  }
+  return sum;
+}
+
 extern "C" __global__ void TF_ROW_CTAS __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
     norm_fwd(const tf_storage* __restrict__ x, const tf_param* __restrict__ weight,
              const tf_param* __restrict__ bias, tf_storage* __restrict__ y,
@@ -368,28 +399,13 @@ extern "C" __global__ void TF_ROW_CTAS __launch_bounds__(TPR * RPB, TF_MIN_BLOCK
 #elif TF_CLUSTER > 1
     // Each CTA's exact two-pass statistics of its columns, combined across the cluster in one
     // exchange (Chan et al.): M2 = sum over CTAs of M2_c + n_c (mean_c - mean)^2.
-    float part[2] = {0.f, 0.f};  // this CTA's sum of x, then sum of squared deviations
-#pragma unroll
-    for (int it = 0; it < ITERS; ++it)
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) part[0] += unpack(cur[it], j);
-    float local_sum[1] = {part[0]};
+    float local_sum[1] = {chunk_sum(cur)};
     cta_row_sum(local_sum, scratch);
-    const int local_cols = min(max(cols - cluster_rank() * BLOCK_COLS, 0), BLOCK_COLS);
+    const int local_cols = cta_cols(cluster_rank(), cols);
     const float local_mean = local_cols > 0 ? local_sum[0] / static_cast<float>(local_cols) : 0.f;
-    part[0] = local_sum[0];
-#pragma unroll
-    for (int it = 0; it < ITERS; ++it) {
-      const int col0 = chunk_col(it);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float d = unpack(cur[it], j) - local_mean;
-        part[1] += (col0 + j < cols) ? d * d : 0.f;
-      }
-    }
-    float local_m2[1] = {part[1]};
+    float local_m2[1] = {squared_deviations(cur, local_mean, cols)};
     cta_row_sum(local_m2, scratch);
-    part[1] = local_m2[0];
+    const float part[2] = {local_sum[0], local_m2[0]};
     float by_rank[TF_CLUSTER][2];
     cluster_gather(part, cluster, by_rank);
     float total = 0.f;
@@ -399,29 +415,16 @@ extern "C" __global__ void TF_ROW_CTAS __launch_bounds__(TPR * RPB, TF_MIN_BLOCK
     float m2 = 0.f;
 #pragma unroll
     for (int r = 0; r < TF_CLUSTER; ++r) {
-      const int n = min(max(cols - r * BLOCK_COLS, 0), BLOCK_COLS);
+      const int n = cta_cols(r, cols);
       const float d = by_rank[r][0] - static_cast<float>(n) * mean;  // n (mean_r - mean)
       m2 += n > 0 ? by_rank[r][1] + d * d / static_cast<float>(n) : 0.f;
     }
     const float rstd = rsqrtf(m2 * inv_cols + eps);
 #else
-    float sums[1] = {0.f};
-#pragma unroll
-    for (int it = 0; it < ITERS; ++it)
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) sums[0] += unpack(cur[it], j);
+    float sums[1] = {chunk_sum(cur)};
     row_sum(sums, scratch, cluster);
     const float mean = sums[0] * inv_cols;
-    float squares[1] = {0.f};
-#pragma unroll
-    for (int it = 0; it < ITERS; ++it) {
-      const int col0 = chunk_col(it);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float d = unpack(cur[it], j) - mean;
-        squares[0] += (col0 + j < cols) ? d * d : 0.f;
-      }
-    }
+    float squares[1] = {squared_deviations(cur, mean, cols)};
     row_sum(squares, scratch, cluster);
     const float rstd = rsqrtf(squares[0] * inv_cols + eps);
 #endif
