@@ -589,6 +589,20 @@ __device__ __forceinline__ void wg_gemm_hd(float (&d)[N / 2], u32 a_addr, int a_
   }
 }
 
+// The backward's two products of one streamed tile, d0 = A0 B0^T and d1 = A1 B1^T (as
+// wg_gemm_hd, both A of a_rows rows), issued together and waited for.
+template <int N>
+__device__ __forceinline__ void wg_gemm_hd_pair(float (&d0)[N / 2], u32 a0, u32 b0,
+                                                float (&d1)[N / 2], u32 a1, u32 b1, int a_rows) {
+  wg_fence();
+  wg_gemm_hd<N>(d0, a0, a_rows, b0);
+  wg_gemm_hd<N>(d1, a1, a_rows, b1);
+  wg_commit();
+  wg_wait<0>();
+  fence_regs(d0);
+  fence_regs(d1);
+}
+
 // d += A B over K rows (K / 16 k16 steps), m64nHD: A in registers (frags, as pack_frags
 // leaves them), B the K x HD tile at b_addr, n-major. Not committed.
 template <int K>
@@ -1198,13 +1212,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     ring.wait_full(it);
     const u32 q_stage = smem_addr(q_ring + st * BQ * HD);
     const u32 do_stage = smem_addr(do_ring + st * BQ * HD);
-    wg_fence();
-    wg_gemm_hd<BQ>(st_acc, k_addr, BK, q_stage);
-    wg_gemm_hd<BQ>(dp_acc, v_addr, BK, do_stage);
-    wg_commit();
-    wg_wait<0>();
-    fence_regs(st_acc);
-    fence_regs(dp_acc);
+    wg_gemm_hd_pair<BQ>(st_acc, k_addr, q_stage, dp_acc, v_addr, do_stage, BK);
 
     // Rows: keys w0 + 16 wg_warp + g (+ 8); columns: queries qt0 + 8 i + 2 t (+ 1).
     const float* lse_s = lse_ring + st * BQ;
@@ -1433,13 +1441,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     ring.wait_full(j);
     const u32 k_stage = smem_addr(k_ring + st * BN * HD);
     const u32 v_stage = smem_addr(v_ring + st * BN * HD);
-    wg_fence();
-    wg_gemm_hd<BN>(s_acc, q_addr, BM, k_stage);
-    wg_gemm_hd<BN>(dp_acc, do_addr, BM, v_stage);
-    wg_commit();
-    wg_wait<0>();
-    fence_regs(s_acc);
-    fence_regs(dp_acc);
+    wg_gemm_hd_pair<BN>(s_acc, q_addr, k_stage, dp_acc, do_addr, v_stage, BM);
     const bool edge = n0 + BN > kv_end || (causal && n0 + BN - 1 > w0);
 #pragma unroll
     for (int i = 0; i < BN / 8; ++i) {
