@@ -127,3 +127,23 @@ __device__ __forceinline__ void mbar_wait(unsigned int bar, unsigned int parity)
         : "memory");
   } while (!done);
 }
+
+// Thread-block clusters (sm_90).
+__device__ __forceinline__ int cluster_ctarank() {
+  unsigned r;
+  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return static_cast<int>(r);
+}
+// Every thread of every CTA of the cluster arrives and waits (with release/acquire: also an
+// ordering point for memory, shared and global, at cluster scope). It waits for the CTA's
+// outstanding global loads and stores too, so it costs about a memory latency.
+__device__ __forceinline__ void cluster_barrier() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+               ::: "memory");
+}
+// A shared-memory address of this CTA (smem_addr) as seen from CTA `rank` of the cluster.
+__device__ __forceinline__ unsigned int cluster_addr(unsigned int local, int rank) {
+  unsigned int remote;
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  return remote;
+}

@@ -14,9 +14,14 @@
 //     digits' global offsets from the histograms, ranks its tokens per warp with ballots, and
 //     writes them to their sorted places). Tokens of one index stay in token order. Keys are
 //     loaded before any is used, so a tile waits for memory once, not once per token.
+//     On sm_90, up to 32768 tokens are sorted by emb_sort_cluster instead: one launch of one
+//     thread-block cluster, the pairs kept in the CTAs' shared memory between passes (see
+//     there).
 //  2. The first emb_sort_count also marks every row some token has in a bitmap; once the sort
 //     is done, emb_zero_rows writes the zero rows (unmarked, or padding_idx) on a second
-//     stream, beside the reduction, so the two share the memory bandwidth.
+//     stream, beside the reduction, so the two share the memory bandwidth. With the cluster
+//     sort, emb_mark_rows makes the bitmap first and the zero rows run beside the sort, which
+//     keeps to eight SMs and to shared memory.
 //  3. emb_bwd_reduce cuts the sorted tokens into chunks of 32; a warp takes one chunk x 32
 //     column vectors and walks its tokens in order (8 rows' loads in flight), summing each run
 //     of equal indices in fp32: a run that holds all of its row's tokens is written to
@@ -261,6 +266,42 @@ __device__ __forceinline__ int digit_of(unsigned int key, int shift, int radix) 
   return static_cast<int>((key >> shift) & (radix - 1));
 }
 
+// Each token's place among the warp's tokens of the same digit (warp order: item k, then
+// lane), counted on from warp_counts[digit], which ends as the warp's count per digit (zeroed
+// by the caller); NOT_COUNTED for a token that does not count.
+template <int ITEMS>
+__device__ __forceinline__ void rank_in_warp(const unsigned int (&keys)[ITEMS], int shift,
+                                             int bits, unsigned int* warp_counts,
+                                             unsigned int (&rank)[ITEMS]) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k) {
+    bool counted;
+    const unsigned int peers = same_digit(keys[k], shift, bits, counted);
+    const int digit = digit_of(keys[k], shift, 1 << bits);
+    rank[k] = counted ? __popc(peers & lanemask_lt()) : NOT_COUNTED;
+    unsigned int before = 0;
+    if (counted) before = warp_counts[digit];
+    __syncwarp();
+    if (counted && lane == __ffs(peers) - 1) warp_counts[digit] = before + __popc(peers);
+    if (counted) rank[k] += before;
+    __syncwarp();  // the next leader of this digit may be another lane
+  }
+}
+
+// Digit d's per-warp counts (next[w][d]) -> each warp's first place for it, warps in order
+// from `place`.
+template <int WARPS>
+__device__ __forceinline__ void first_places(unsigned int (*next)[RADIX_MAX], int d,
+                                             unsigned int place) {
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) {
+    const unsigned int c = next[w][d];
+    next[w][d] = place;
+    place += c;
+  }
+}
+
 // hist[tile * radix + digit] = how many of the tile's tokens have that digit. The first pass
 // also sets each token's row bit in `touched` (cleared before the launch).
 template <int ITEMS>
@@ -385,32 +426,14 @@ __device__ __forceinline__ void sort_scatter(const void* __restrict__ indices, i
     digit_start[threadIdx.x * 2 + 1] = first + total[0] + before_tile[1];
 
   // 2. Count the warp's digits, and keep each token's rank among its warp-mates of the same
-  //    digit in the same iteration.
+  //    digit.
   unsigned int rank[ITEMS];
-#pragma unroll
-  for (int k = 0; k < ITEMS; ++k) {
-    bool counted;
-    const unsigned int peers = same_digit(keys[k], shift, bits, counted);
-    const int digit = digit_of(keys[k], shift, radix);
-    rank[k] = counted ? __popc(peers & lanemask_lt()) : NOT_COUNTED;
-    unsigned int before = 0;
-    if (counted) before = next[warp][digit];
-    __syncwarp();
-    if (counted && lane == __ffs(peers) - 1) next[warp][digit] = before + __popc(peers);
-    if (counted) rank[k] += before;
-    __syncwarp();  // the next leader of this digit may be another lane
-  }
+  rank_in_warp(keys, shift, bits, next[warp], rank);
   __syncthreads();
 
   // 3. Counts -> each warp's first place per digit (warps in order).
-  for (int d = threadIdx.x; d < radix; d += SORT_THREADS) {
-    unsigned int place = digit_start[d];
-    for (int w = 0; w < SORT_WARPS; ++w) {
-      const unsigned int c = next[w][d];
-      next[w][d] = place;
-      place += c;
-    }
-  }
+  for (int d = threadIdx.x; d < radix; d += SORT_THREADS)
+    first_places<SORT_WARPS>(next, d, digit_start[d]);
   __syncthreads();
 
   // 4. Scatter: the warp's first place for the digit plus the rank within the warp.
@@ -424,53 +447,44 @@ __device__ __forceinline__ void sort_scatter(const void* __restrict__ indices, i
   }
 }
 
-// Column vectors of a row one warp zeroes per work item (4 stores per lane).
-#define ZERO_SLICE (32 * 4)
+// Column vectors each thread of emb_zero_rows stores per round (all bitmap loads first).
+#define ZERO_UNROLL 4
 
 // Zeros for every row no token touches (its bit in `touched` is clear) and for the padding
-// row. A work item is 32 consecutive rows (one bitmap word) x a slice of ZERO_SLICE column
-// vectors, so wide rows spread over many warps; the grid's warps take items in turn.
+// row: a fill of the whole table's column vectors in grid-stride order, consecutive threads on
+// consecutive vectors, that skips the vectors of touched rows (the bitmap is small and stays
+// in cache). Rows per work item were measured slower: a warp per 32 rows spreads the writes
+// over as many streams as warps (2.3 TB/s alone; this order is a plain fill's).
 template <int V>
 __device__ __forceinline__ void zero_rows(const unsigned int* __restrict__ touched, int cols,
                                           tf_i64 num_weights, tf_i64 padding_idx,
                                           tf_storage* __restrict__ out) {
-  __shared__ unsigned char zero_list[SORT_WARPS][32];
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  const tf_i64 warps = static_cast<tf_i64>(gridDim.x) * SORT_WARPS;
-  const tf_i64 my_warp = static_cast<tf_i64>(blockIdx.x) * SORT_WARPS + warp;
   const tf_i64 per_row = cols / V;
-  const tf_i64 slices = (per_row + ZERO_SLICE - 1) / ZERO_SLICE;
-  const tf_i64 items = (num_weights + 31) / 32 * slices;
+  const tf_i64 total = num_weights * per_row;
+  const tf_i64 stride = static_cast<tf_i64>(gridDim.x) * blockDim.x;
+  const bool narrow = total <= 0xffffffffll;
   float zero[V];
 #pragma unroll
   for (int j = 0; j < V; ++j) zero[j] = 0.f;
-  for (tf_i64 item = my_warp; item < items; item += warps) {
-    const tf_i64 group = item / slices;
-    const tf_i64 c_begin = (item - group * slices) * ZERO_SLICE;
-    const tf_i64 c_end = min(per_row, c_begin + ZERO_SLICE);
-    const tf_i64 r0 = group * 32;
-    const tf_i64 r = r0 + lane;
-    const unsigned int word = touched[group];
-    const bool zero_row = r < num_weights && (r == padding_idx || !((word >> lane) & 1u));
-    const unsigned int mask = __ballot_sync(0xffffffffu, zero_row);
-    if (zero_row) zero_list[warp][__popc(mask & lanemask_lt())] = static_cast<unsigned char>(lane);
-    __syncwarp();
-    const int rows = __popc(mask);
-    if (per_row >= 32) {
-      for (int k = 0; k < rows; ++k) {
-        tf_storage* row = out + (r0 + zero_list[warp][k]) * cols;
-        for (tf_i64 c = c_begin + lane; c < c_end; c += 32) store_vec<V>(row + c * V, zero);
-      }
-    } else {
-      // Narrow rows (one slice): the warp's lanes spread over several rows at once.
-      const int narrow = static_cast<int>(per_row);
-      for (int u = lane; u < rows * narrow; u += 32) {
-        const int k = u / narrow;
-        store_vec<V>(out + (r0 + zero_list[warp][k]) * cols + (u - k * narrow) * V, zero);
-      }
+  for (tf_i64 base = static_cast<tf_i64>(blockIdx.x) * blockDim.x + threadIdx.x; base < total;
+       base += stride * ZERO_UNROLL) {
+    tf_i64 rows[ZERO_UNROLL];
+    unsigned int words[ZERO_UNROLL];
+#pragma unroll
+    for (int k = 0; k < ZERO_UNROLL; ++k) {
+      const tf_i64 u = base + k * stride;
+      rows[k] = u < total ? (narrow ? static_cast<tf_i64>(static_cast<unsigned int>(u) /
+                                                          static_cast<unsigned int>(per_row))
+                                    : u / per_row)
+                          : 0;
+      words[k] = u < total ? touched[rows[k] >> 5] : ~0u;
     }
-    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < ZERO_UNROLL; ++k) {
+      const tf_i64 u = base + k * stride;
+      if (u < total && (rows[k] == padding_idx || !((words[k] >> (rows[k] & 31)) & 1u)))
+        store_vec<V>(out + rows[k] * cols + (u - rows[k] * per_row) * V, zero);
+    }
   }
 }
 
@@ -491,7 +505,282 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
   }
 }
 
-// The zero rows, from the bitmap the first emb_sort_count made. It runs on a second stream
+// ------------------------------------------------------------------------------ cluster sort
+
+// Up to CSORT_CLUSTER * CSORT_TILE_MAX tokens on sm_90: the whole sort in one launch of one
+// thread-block cluster, on chip. Each CTA holds a tile of the (key, token) pairs in shared
+// memory. A pass ranks the tile's tokens per warp (as emb_sort_scatter does) and sends the
+// tile's digit counts to every CTA of the cluster; each CTA then has all the tiles' counts,
+// finds its tokens' places in the order (digit, tile, warp, token) and stores each pair
+// straight into the shared memory of the CTA that owns that place. Both exchanges are st.async
+// stores counted by an mbarrier in the receiving CTA (which knows how many bytes it gets), not
+// cluster barriers: a barrier.cluster release waits for the whole memory system (MEMBAR.GPU).
+// So a pass touches no global memory; the indices are read once and the sorted pairs written
+// once (the launch sort moves 16 bytes per token per pass, in four or more latency-bound
+// launches). The sort is stable like the other: tokens of one index stay in token order. Its
+// eight SMs leave the rest of the GPU to the zero rows, which run beside it (their bitmap comes
+// from emb_mark_rows, before both).
+//
+// Reuse without barriers: a CTA sends pass p + 1's counts only once pass p's pairs have all
+// reached it, which needs every CTA's pass p counts, so the counts alternate between two slots
+// (and two mbarriers), and a pass's pairs never land in a buffer still being read.
+#define CSORT_CLUSTER 8
+#define CSORT_THREADS 512
+#define CSORT_WARPS (CSORT_THREADS / 32)
+#define CSORT_ITEMS_MAX 8
+#define CSORT_TILE_MAX (CSORT_THREADS * CSORT_ITEMS_MAX)
+
+struct ClusterSortSmem {
+  uint2 pairs[2][CSORT_TILE_MAX];  // (key, token): a pass's input and output, alternating
+  unsigned int next[CSORT_WARPS][RADIX_MAX];
+  unsigned int received[2][CSORT_CLUSTER][RADIX_MAX];  // [pass parity][sending tile][digit]
+  unsigned int tile_counts[RADIX_MAX];
+  unsigned int warp_totals[CSORT_WARPS];
+  unsigned long long counts_arrived[2];  // mbarriers, by pass parity
+  unsigned long long pairs_arrived;
+};
+// The launch's dynamic shared memory (src/embedding.rs: CLUSTER_SORT_SMEM).
+#define CSORT_SMEM_BYTES                                                               \
+  (2 * CSORT_TILE_MAX * 8 + (CSORT_WARPS + 2 * CSORT_CLUSTER + 1) * RADIX_MAX * 4 + \
+   CSORT_WARPS * 4 + 3 * 8)
+static_assert(sizeof(ClusterSortSmem) == CSORT_SMEM_BYTES, "cluster sort shared memory");
+static_assert(RADIX_MAX == CSORT_THREADS, "the cluster sort takes one digit per thread");
+
+#if __CUDA_ARCH__ >= 900
+#define CSORT_DIMS __cluster_dims__(CSORT_CLUSTER, 1, 1)
+
+// st.async into (possibly) another CTA's shared memory, completing bytes on its mbarrier.
+__device__ __forceinline__ void send_counts(unsigned int addr, uint4 v, unsigned int bar) {
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.u32 [%0], {%1, %2, %3, %4}, [%5];"
+      ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void send_pair(unsigned int addr, unsigned int key, unsigned int pos,
+                                          unsigned int bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.u32 [%0], {%1, %2}, [%3];"
+               ::"r"(addr), "r"(key), "r"(pos), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+}
+
+// ITEMS tokens per thread: the tile is ITEMS * CSORT_THREADS tokens, warp w holding a
+// contiguous stretch of ITEMS * 32 of them (item k at lane + 32k).
+template <int ITEMS>
+__device__ __forceinline__ void cluster_sort(const void* __restrict__ indices, int idx64,
+                                             tf_i64 n, tf_i64 num_weights, int passes,
+                                             int digit_bits, int bits,
+                                             unsigned int* __restrict__ keys_out,
+                                             unsigned int* __restrict__ pos_out) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  ClusterSortSmem& s = *reinterpret_cast<ClusterSortSmem*>(smem_raw);
+  const int cta = cluster_ctarank();
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int tile = ITEMS * CSORT_THREADS;
+  const tf_i64 tile_first = static_cast<tf_i64>(cta) * tile;
+  const int warp_first = warp * ITEMS * 32;
+  const unsigned int pairs_bar = smem_addr(&s.pairs_arrived);
+
+  if (threadIdx.x == 0) {
+    mbar_init(smem_addr(&s.counts_arrived[0]), 1);
+    mbar_init(smem_addr(&s.counts_arrived[1]), 1);
+    mbar_init(pairs_bar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  // Waited for before the first send: every CTA's mbarriers are ready.
+  cluster_arrive();
+
+  unsigned int keys[ITEMS];
+  unsigned int pos[ITEMS];
+  load_keys(indices, idx64, nullptr, tile_first + warp_first + lane, 32, n, num_weights, keys);
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k)
+    pos[k] = static_cast<unsigned int>(tile_first + warp_first + k * 32 + lane);
+
+  // Tokens that count (every index in the table): the sorted order's length, the same for all
+  // passes. Places past it are never filled.
+  unsigned int sorted_len = 0;
+  int tile_len = 0;
+  for (int pass = 0; pass < passes; ++pass) {
+    const int shift = pass * digit_bits;
+    const int pass_bits = min(digit_bits, bits - shift);
+    const int radix = 1 << pass_bits;
+    const int parity = pass & 1;
+    if (pass > 0) {
+#pragma unroll
+      for (int k = 0; k < ITEMS; ++k) {
+        const int j = warp_first + k * 32 + lane;
+        const uint2 p = s.pairs[parity][j];
+        keys[k] = j < tile_len ? p.x : NOT_COUNTED;
+        pos[k] = p.y;
+      }
+    }
+    __syncwarp();  // the warp's lanes are done with the last pass's places
+    for (int d = lane; d < radix; d += 32) s.next[warp][d] = 0;
+    __syncwarp();
+    unsigned int rank[ITEMS];
+    rank_in_warp(keys, shift, pass_bits, s.next[warp], rank);
+    __syncthreads();
+    const int d = threadIdx.x;  // RADIX_MAX == CSORT_THREADS: one digit per thread
+    unsigned int tile_count = 0;
+    if (d < radix)
+#pragma unroll
+      for (int w = 0; w < CSORT_WARPS; ++w) tile_count += s.next[w][d];
+    s.tile_counts[d] = tile_count;
+    __syncthreads();
+
+    // The tile's counts to every CTA, four digits per store.
+    if (pass == 0) cluster_wait();
+    const int vectors = (radix + 3) / 4;
+    const unsigned int counts_bar = smem_addr(&s.counts_arrived[parity]);
+    for (int i = threadIdx.x; i < vectors * CSORT_CLUSTER; i += CSORT_THREADS) {
+      const int to = i / vectors;
+      const int v = i - to * vectors;
+      const uint4 c = *reinterpret_cast<const uint4*>(&s.tile_counts[4 * v]);
+      send_counts(cluster_addr(smem_addr(&s.received[parity][cta][4 * v]), to), c,
+                  cluster_addr(counts_bar, to));
+    }
+    if (threadIdx.x == 0) mbar_expect_bytes(counts_bar, CSORT_CLUSTER * vectors * 16);
+    mbar_wait(counts_bar, (pass >> 1) & 1);
+
+    // This digit's tokens in all tiles (total) and in the tiles before this one.
+    unsigned int total = 0, before = 0;
+    if (d < radix) {
+#pragma unroll
+      for (int r = 0; r < CSORT_CLUSTER; ++r) {
+        const unsigned int c = s.received[parity][r][d];
+        total += c;
+        before += r < cta ? c : 0u;
+      }
+    }
+    // Exclusive scan of the totals over digits (thread order = digit order).
+    unsigned int inclusive = total;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const unsigned int up = __shfl_up_sync(0xffffffffu, inclusive, offset);
+      if (lane >= offset) inclusive += up;
+    }
+    if (lane == 31) s.warp_totals[warp] = inclusive;
+    __syncthreads();
+    unsigned int warp_base = 0;
+    if (pass == 0) {
+#pragma unroll
+      for (int w = 0; w < CSORT_WARPS; ++w) {
+        warp_base += w < warp ? s.warp_totals[w] : 0u;
+        sorted_len += s.warp_totals[w];
+      }
+      tile_len = static_cast<int>(min(max(static_cast<tf_i64>(sorted_len) - tile_first, 0ll),
+                                      static_cast<tf_i64>(tile)));
+    } else {
+#pragma unroll
+      for (int w = 0; w < CSORT_WARPS; ++w) warp_base += w < warp ? s.warp_totals[w] : 0u;
+    }
+    if (d < radix)
+      first_places<CSORT_WARPS>(s.next, d, warp_base + inclusive - total + before);
+    __syncthreads();
+
+    // The pairs: this CTA receives tile_len of them, 8 bytes each.
+    if (threadIdx.x == 0) mbar_expect_bytes(pairs_bar, tile_len * 8);
+    const int target = parity ^ 1;
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      if (rank[k] != NOT_COUNTED) {
+        const unsigned int place = s.next[warp][digit_of(keys[k], shift, radix)] + rank[k];
+        const unsigned int owner = place / tile;
+        send_pair(cluster_addr(smem_addr(&s.pairs[target][place - owner * tile]), owner),
+                  keys[k], pos[k], cluster_addr(pairs_bar, owner));
+      }
+    }
+    mbar_wait(pairs_bar, parity);
+  }
+
+  // No CTA leaves while another may still access its shared memory.
+  cluster_arrive();
+  const uint2* sorted = s.pairs[passes & 1];
+  for (int j = threadIdx.x; j < tile; j += CSORT_THREADS) {
+    const tf_i64 i = tile_first + j;
+    if (i >= n) break;
+    const uint2 p = sorted[j];
+    keys_out[i] = j < tile_len ? p.x : NOT_COUNTED;
+    pos_out[i] = j < tile_len ? p.y : NOT_COUNTED;
+  }
+  cluster_wait();
+}
+#else
+#define CSORT_DIMS
+#endif
+
+// The whole sort for up to CSORT_CLUSTER * CSORT_TILE_MAX tokens (sm_90 only; the launch is
+// one cluster, `items` tokens per thread: 1, 2, 4 or 8).
+extern "C" __global__ void CSORT_DIMS __launch_bounds__(CSORT_THREADS)
+    emb_sort_cluster(const void* __restrict__ indices, int idx64, tf_i64 n, tf_i64 num_weights,
+                     int passes, int digit_bits, int bits, unsigned int* __restrict__ keys_out,
+                     unsigned int* __restrict__ pos_out, int items) {
+#if __CUDA_ARCH__ >= 900
+  switch (items) {
+    case 1:
+      cluster_sort<1>(indices, idx64, n, num_weights, passes, digit_bits, bits, keys_out,
+                      pos_out);
+      break;
+    case 2:
+      cluster_sort<2>(indices, idx64, n, num_weights, passes, digit_bits, bits, keys_out,
+                      pos_out);
+      break;
+    case 4:
+      cluster_sort<4>(indices, idx64, n, num_weights, passes, digit_bits, bits, keys_out,
+                      pos_out);
+      break;
+    default:
+      cluster_sort<CSORT_ITEMS_MAX>(indices, idx64, n, num_weights, passes, digit_bits, bits,
+                                    keys_out, pos_out);
+      break;
+  }
+#else
+  __trap();  // never launched below sm_90
+#endif
+}
+
+// The touched rows' bitmap for the cluster sort's path, in one launch of one cluster (sm_90,
+// up to CSORT_CLUSTER * MARK_THREADS * MARK_ITEMS tokens): the CTAs clear the flags (bitmap
+// and the work list's two lengths), a cluster barrier orders that before any mark, then each
+// token sets its row's bit. A memset node before a separate marking kernel cost about 3 us of
+// dependency latency in a CUDA graph. The indices are loaded before the barrier, so its wait
+// overlaps theirs. A lane whose left neighbour has the same row skips its atomic (all-equal
+// indices would otherwise serialize on one word); out-of-range indices are left to the sort's
+// check.
+#define MARK_THREADS 1024
+#define MARK_ITEMS 4
+extern "C" __global__ void CSORT_DIMS __launch_bounds__(MARK_THREADS)
+    emb_mark_rows(const void* __restrict__ indices, int idx64, tf_i64 n, tf_i64 num_weights,
+                  unsigned int* __restrict__ flags, tf_i64 flag_words) {
+#if __CUDA_ARCH__ >= 900
+  const tf_i64 first = static_cast<tf_i64>(cluster_ctarank()) * MARK_THREADS + threadIdx.x;
+  const tf_i64 stride = static_cast<tf_i64>(CSORT_CLUSTER) * MARK_THREADS;
+  long long rows[MARK_ITEMS];
+#pragma unroll
+  for (int k = 0; k < MARK_ITEMS; ++k) {
+    const tf_i64 i = first + k * stride;
+    rows[k] = i < n ? raw_index(indices, idx64, i) : -1;
+  }
+  for (tf_i64 i = first; i < flag_words; i += stride) flags[i] = 0;
+  cluster_barrier();
+#pragma unroll
+  for (int k = 0; k < MARK_ITEMS; ++k) {
+    const long long row = rows[k];
+    const long long left = __shfl_up_sync(0xffffffffu, row, 1);
+    if (row >= 0 && row < num_weights && (threadIdx.x % 32 == 0 || left != row))
+      atomicOr(&flags[row >> 5], 1u << (row & 31));
+  }
+#else
+  __trap();  // never launched below sm_90
+#endif
+}
+
+// The zero rows, from the bitmap the first emb_sort_count (or emb_mark_rows) made. It runs on a second stream
 // beside the reduction, with a few CTAs per SM (the reduction keeps the rest).
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     emb_zero_rows(const unsigned int* __restrict__ touched, int cols, tf_i64 num_weights,

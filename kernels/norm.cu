@@ -79,11 +79,7 @@ typedef tf_storage tf_param;
 #if TF_CLUSTER > 1
 #define TF_ROW_CTAS __cluster_dims__(TF_CLUSTER, 1, 1)
 // The CTA's place in its row's cluster, the cluster's number, and how many clusters run.
-__device__ __forceinline__ int cluster_rank() {
-  unsigned r;
-  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return static_cast<int>(r);
-}
+__device__ __forceinline__ int cluster_rank() { return cluster_ctarank(); }
 __device__ __forceinline__ tf_i64 cluster_index() {
   unsigned r;
   asm("mov.u32 %0, %%clusterid.x;" : "=r"(r));
@@ -93,18 +89,6 @@ __device__ __forceinline__ tf_i64 cluster_count() {
   unsigned r;
   asm("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
   return r;
-}
-// Every thread of every CTA of the cluster arrives and waits (with release/acquire: also an
-// ordering point for memory, so a full barrier is used only at the start and the end).
-__device__ __forceinline__ void cluster_barrier() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
-               ::: "memory");
-}
-// A shared-memory address of this CTA (smem_addr) as seen from CTA `rank` of the cluster.
-__device__ __forceinline__ unsigned int cluster_addr(unsigned int local, int rank) {
-  unsigned int remote;
-  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  return remote;
 }
 // Stores v at a cluster shared-memory address; its 4 bytes complete a transaction on the
 // mbarrier at `bar` (in the same CTA as the address).

@@ -10,6 +10,9 @@ rows included).
   --sweep  also time forward launch shapes (THREADS x UNROLL, forced by name through
            TORCHFUSE_REGISTRY_EXTRA + torch.ops.torchfuse._force_variant)
   --serve-all  torchfuse's kernels also below the registry's thresholds (to set them)
+  --compare-sort  backward only: also the launch sort's variant forced (emb_bwd_sorted*) beside
+           the registry's choice (on sm 90 the one-cluster sort up to 32768 tokens)
+  --cases V:D:T,...  only these cases (default: issue 4's, plus --small's)
 """
 import argparse
 import json
@@ -68,6 +71,8 @@ def main():
                    help="serve calls below the registry's row thresholds too (to measure them)")
     p.add_argument("--graph", action="store_true",
                    help="also GPU time per call from CUDA-graph replays (stock's backward syncs: not capturable)")
+    p.add_argument("--compare-sort", action="store_true")
+    p.add_argument("--cases", default="")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -86,12 +91,14 @@ def main():
 
     rows = []
     cases = CASES + (SMALL if a.small else [])
+    if a.cases:
+        cases = [tuple(int(x) for x in c.split(":")) for c in a.cases.split(",")]
     for num_weights, dim, tokens in cases:
         for dtype in ((torch.bfloat16,) if a.quick else (torch.float32, torch.bfloat16)):
             size = torch.finfo(dtype).bits // 8
             weight = torch.randn(num_weights, dim, device="cuda", dtype=dtype)
             for dist in (DISTS[:1] if a.quick else DISTS):
-                for op in ("fwd", "bwd"):
+                for op in (("bwd",) if a.compare_sort else ("fwd", "bwd")):
                     if op == "fwd":
                         per_set = 2 * tokens * dim * size
                         aten = "embedding"
@@ -111,6 +118,9 @@ def main():
                     sides = [("stock", False, ""), ("torchfuse", True, "")]
                     if a.sweep and op == "fwd":
                         sides += [(sweep_name(*c), True, sweep_name(*c)) for c in SWEEP]
+                    if a.compare_sort:
+                        launch_sort = "emb_bwd_sorted" if dim <= 1024 else "emb_bwd_sorted_wide"
+                        sides += [("launch_sort", True, launch_sort)]
                     t = run_timings("embedding", fn, inputs, sides)
                     pct = lambda us: 100 * per_set / (us * 1e-6) / 1e12 / bw
                     row = dict(op=op, dtype=str(dtype)[6:], dist=dist, V=num_weights, D=dim, T=tokens,
@@ -119,10 +129,14 @@ def main():
                                torchfuse_pct_copy=pct(t["torchfuse"]), kernel=kernel)
                     if a.graph:
                         # Stock's backward synchronizes with the host: never captured.
-                        g = graph_timings("embedding", fn, inputs, sides[:2] if op == "fwd" else sides[1:2])
+                        g = graph_timings("embedding", fn, inputs, sides[:2] if op == "fwd" else sides[1:])
                         row.update({f"{side}_graph_us": us for side, us in g.items()})
                         row.update({f"{side}_graph_pct_copy": pct(us) for side, us in g.items()})
-                    if len(sides) > 2:
+                    if a.compare_sort:
+                        row["launch_sort_us"] = t["launch_sort"]
+                        print(f"    launch sort {t['launch_sort']:.1f} us"
+                              + (f", graph {row['launch_sort_graph_us']:.1f} us" if a.graph else ""), flush=True)
+                    elif len(sides) > 2:
                         row["candidates"] = {k: v for k, v in t.items() if k.startswith("sweep_")}
                         best = min(row["candidates"].items(), key=lambda kv: kv[1])
                         print(f"    best {best[0]} {best[1]:.1f} us", flush=True)
@@ -138,7 +152,9 @@ def main():
             torch.cuda.empty_cache()
 
     flags = " ".join(f for f, on in (("--small", a.small), ("--quick", a.quick), ("--sweep", a.sweep),
-                                      ("--serve-all", a.serve_all), ("--graph", a.graph)) if on)
+                                      ("--serve-all", a.serve_all), ("--graph", a.graph),
+                                      ("--compare-sort", a.compare_sort),
+                                      (f"--cases {a.cases}", bool(a.cases))) if on)
     meta = dict(device=device, torch=torch.__version__, copy_tb_s=bw,
                 command=f"TORCHFUSE_BENCH=embedding scripts/bench .dev $OUT  (scripts/bench_embedding.py {flags})")
     (out / "bench_embedding.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

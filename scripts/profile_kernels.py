@@ -23,6 +23,7 @@ from bench_common import timed_loop
 
 def embedding_cases():
     cases = [(50304, 768, 16384, kind) for kind in ("uniform", "zipf", "equal")]
+    cases += [(50304, 768, 2048, "uniform")]
     cases += [(50304, 768, 131072, kind) for kind in ("uniform", "zipf")]
     cases += [(32000, 4096, 16384, kind) for kind in ("uniform", "zipf")]
     for v, d, t, kind in cases:

@@ -22,25 +22,62 @@ const MAX_DIGIT_BITS: u32 = 9;
 const CHUNK: i64 = 32;
 const REDUCE_THREADS: u32 = 256;
 const FINISH_THREADS: u32 = 512;
-/// Zero-row work items (32 rows x `ZERO_SLICE` column vectors) one CTA of 8 warps takes per
-/// sweep, and the slice (kernel's `ZERO_SLICE`).
-const ZERO_ITEMS_PER_BLOCK: i64 = 8;
-const ZERO_SLICE: i64 = 128;
-/// emb_zero_rows' CTAs per multiprocessor: it runs beside the reduction, which keeps the
-/// rest (measured at 1, 2, 4 and 8: 4 is best on the D=4096 tables, the same elsewhere).
+/// Column vectors one thread of emb_zero_rows stores per round (the kernel's ZERO_UNROLL).
+const ZERO_UNROLL: i64 = 4;
+/// The one-launch sort on a thread-block cluster (`emb_sort_cluster`, sm 90; variants with
+/// `SORT_CLUSTER = 1`): CTAs per cluster, threads per CTA, most tokens per thread, and its
+/// dynamic shared memory (the kernel's CSORT_SMEM_BYTES: two buffers of (key, token) pairs; the
+/// per-warp digit counts, every tile's counts in two slots and the tile's own; the warps'
+/// totals; three mbarriers).
+const CLUSTER_SORT_CTAS: u32 = 8;
+const CLUSTER_SORT_THREADS: u32 = 512;
+const CLUSTER_SORT_ITEMS_MAX: i64 = 8;
+const CLUSTER_SORT_SMEM: u32 = {
+    let tile = CLUSTER_SORT_THREADS * CLUSTER_SORT_ITEMS_MAX as u32;
+    let warps = CLUSTER_SORT_THREADS / 32;
+    2 * tile * 8
+        + (warps + 2 * CLUSTER_SORT_CTAS + 1) * (1 << MAX_DIGIT_BITS) * 4
+        + warps * 4
+        + 3 * 8
+};
+/// The most tokens the cluster sort takes.
+pub const CLUSTER_SORT_MAX_TOKENS: i64 =
+    CLUSTER_SORT_CTAS as i64 * CLUSTER_SORT_THREADS as i64 * CLUSTER_SORT_ITEMS_MAX;
+/// emb_mark_rows' threads per CTA (one cluster of CLUSTER_SORT_CTAS) and tokens per thread.
+const MARK_THREADS: u32 = 1024;
+const MARK_ITEMS: i64 = 4;
+const _: () =
+    assert!(CLUSTER_SORT_CTAS as i64 * MARK_THREADS as i64 * MARK_ITEMS >= CLUSTER_SORT_MAX_TOKENS);
+/// Places in `KernelOp::entries`.
+const CLUSTER_SORT: usize = 5;
+const MARK_ROWS: usize = 6;
+/// emb_zero_rows' CTAs per multiprocessor: it runs beside the sort or the reduction, which
+/// keep the rest (measured at 2, 4 and 8 with the cluster sort at GPT-2's shape: 50.5, 48.6
+/// and 48.8 us; before, with a warp per 32 rows, 4 was best on the D=4096 tables).
 const ZERO_BLOCKS_PER_SM: u32 = 4;
 
 /// Compile-time parameters an embedding variant may set, and their limits.
 pub fn validate_variant(v: &Variant) -> Result<(), String> {
-    const PARAMS: [&str; 2] = ["THREADS", "UNROLL"];
-    if let Some(unknown) = v.params.keys().find(|k| !PARAMS.contains(&k.as_str())) {
-        return Err(format!("{}: unknown param {unknown}", v.name));
-    }
-    if v.op == KernelOp::EmbeddingBwd && !v.params.is_empty() {
+    let params: &[&str] = match v.op {
+        KernelOp::EmbeddingBwd => &["SORT_CLUSTER"],
+        _ => &["THREADS", "UNROLL"],
+    };
+    if let Some(unknown) = v.params.keys().find(|k| !params.contains(&k.as_str())) {
         return Err(format!(
-            "{}: the backward's launch shapes are fixed in the kernel; it takes no params",
+            "{}: unknown param {unknown} (this op takes {params:?})",
             v.name
         ));
+    }
+    if let Some(&sort) = v.params.get("SORT_CLUSTER") {
+        if !(0..=1).contains(&sort) {
+            return Err(format!("{}: SORT_CLUSTER must be 0 or 1", v.name));
+        }
+        if sort == 1 && v.sm[0] < 90 {
+            return Err(format!(
+                "{}: SORT_CLUSTER needs thread-block clusters (sm >= 90)",
+                v.name
+            ));
+        }
     }
     if v.params
         .get("THREADS")
@@ -76,6 +113,16 @@ fn index_kind(indices: &Tensor) -> Result<bool, StockReason> {
         // Stock raises its own error for other index types.
         _ => Err(StockReason::InvalidInput),
     }
+}
+
+/// Tokens per thread of the cluster sort for `tokens` tokens (1, 2, 4 or 8: each CTA's tile
+/// is that many times its threads), or None above its capacity.
+pub fn cluster_sort_items(tokens: i64) -> Option<i32> {
+    let per_thread = (tokens + CLUSTER_SORT_MAX_TOKENS / CLUSTER_SORT_ITEMS_MAX - 1)
+        / (CLUSTER_SORT_MAX_TOKENS / CLUSTER_SORT_ITEMS_MAX);
+    [1, 2, 4, 8]
+        .into_iter()
+        .find(|&items| per_thread <= i64::from(items))
 }
 
 fn cuda_device(launch: Launch) -> Result<Device, StockReason> {
@@ -292,26 +339,43 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockRe
     let stream = gpu.stream(launch);
     let failed = |e| jit::launch_failed(variant, e);
     gpu.ctx.bind_to_thread().map_err(failed)?;
-    // SAFETY: the flags region lies inside the workspace, which lives until the stream is done
-    // with it; the memset is ordered on PyTorch's stream before the launches below.
-    unsafe {
-        cudarc::driver::result::memset_d8_async(
-            touched_ptr,
-            0,
-            (flag_words * 4) as usize,
-            stream.cu_stream(),
-        )
+    let cluster_items = cluster_sort_items(tokens).filter(|_| {
+        variant.params.get("SORT_CLUSTER") == Some(&1)
+            && gpu.sm >= 90
+            && kernels
+                .allow_shared_bytes(CLUSTER_SORT, CLUSTER_SORT_SMEM)
+                .and_then(|()| {
+                    kernels.resident_clusters(
+                        CLUSTER_SORT,
+                        CLUSTER_SORT_CTAS,
+                        CLUSTER_SORT_THREADS,
+                        CLUSTER_SORT_SMEM,
+                        &stream,
+                    )
+                })
+                .is_ok()
+    });
+    if cluster_items.is_none() {
+        // SAFETY: the flags region lies inside the workspace, which lives until the stream is
+        // done with it; the memset is ordered on PyTorch's stream before the launches below.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(
+                touched_ptr,
+                0,
+                (flag_words * 4) as usize,
+                stream.cu_stream(),
+            )
+        }
+        .map_err(failed)?;
     }
-    .map_err(failed)?;
     let sort_config = LaunchConfig {
         grid_dim: (tiles, 1, 1),
         block_dim: (SORT_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
     let vectors = if vectorized == 1 { cols / vec } else { cols };
-    let zero_items = (num_weights + 31) / 32 * ((vectors + ZERO_SLICE - 1) / ZERO_SLICE);
-    let zero_blocks =
-        count(zero_items, ZERO_ITEMS_PER_BLOCK)?.clamp(1, ZERO_BLOCKS_PER_SM * gpu.multiprocessors);
+    let zero_blocks = count(num_weights * vectors, i64::from(SORT_THREADS) * ZERO_UNROLL)?
+        .clamp(1, ZERO_BLOCKS_PER_SM * gpu.multiprocessors);
     let zero_config = LaunchConfig {
         grid_dim: (zero_blocks, 1, 1),
         ..sort_config
@@ -321,8 +385,8 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockRe
         i64::from(chunks) * ((vectors + 31) / 32),
         i64::from(REDUCE_THREADS / 32),
     )?;
+    // The side stream must have been forked from the caller's after the bitmap is complete.
     let zero_rows = |side: &jit::SideStream| {
-        side.fork_from(&stream)?;
         let mut args = side.stream.launch_builder(&kernels.functions[4]);
         args.arg(&touched_ptr)
             .arg(&cols_i32)
@@ -331,14 +395,66 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockRe
             .arg(&out_ptr)
             .arg(&vectorized);
         // SAFETY: argument types and order match emb_zero_rows; the bitmap holds one bit per
-        // row and is complete (the launch waits for the first count pass), grad_weight holds
+        // row and is complete (the launch waits for the first count pass, or for
+        // emb_mark_rows), grad_weight holds
         // num_weights x cols elements; the caller's stream joins the side stream before either
         // can be freed.
         unsafe { args.launch(zero_config) }.map(|_| ())
     };
     let sort_and_reduce = |side: &jit::SideStream| -> Result<(), DriverError> {
         let (mut keys_in, mut pos_in) = (0u64, 0u64);
-        for pass in 0..passes {
+        if let Some(items) = cluster_items {
+            // The touched rows first, so that the zero rows run beside the sort: it keeps to
+            // one cluster's SMs and to shared memory, so the zero rows' writes hardly slow it.
+            // The bitmap and the work list's two lengths are cleared by the same launch.
+            let clear_words = bitmap_words + 2;
+            let mut args = stream.launch_builder(&kernels.functions[MARK_ROWS]);
+            args.arg(&idx_ptr)
+                .arg(&idx64)
+                .arg(&tokens)
+                .arg(&num_weights)
+                .arg(&touched_ptr)
+                .arg(&clear_words);
+            let config = LaunchConfig {
+                grid_dim: (CLUSTER_SORT_CTAS, 1, 1),
+                block_dim: (MARK_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: argument types and order match emb_mark_rows (compiled with a cluster of
+            // CLUSTER_SORT_CTAS, launched as one, whose threads take MARK_ITEMS tokens each:
+            // at least CLUSTER_SORT_MAX_TOKENS); indices holds `tokens` values, the flags region
+            // bitmap_words + 2 + chunks words; both live until the stream is done with them.
+            unsafe { args.launch(config) }?;
+            // The zero rows wait for the bitmap only, but are launched after the sort: queued
+            // first, their CTAs took the SMs the sort's cluster needs, and it waited for them.
+            side.fork_from(&stream)?;
+            let (keys_out, pos_out) = (buffer(0), buffer(1));
+            let (passes, digit_bits, bits) = (passes as i32, digit_bits as i32, bits as i32);
+            let mut args = stream.launch_builder(&kernels.functions[CLUSTER_SORT]);
+            args.arg(&idx_ptr)
+                .arg(&idx64)
+                .arg(&tokens)
+                .arg(&num_weights)
+                .arg(&passes)
+                .arg(&digit_bits)
+                .arg(&bits)
+                .arg(&keys_out)
+                .arg(&pos_out)
+                .arg(&items);
+            let config = LaunchConfig {
+                grid_dim: (CLUSTER_SORT_CTAS, 1, 1),
+                block_dim: (CLUSTER_SORT_THREADS, 1, 1),
+                shared_mem_bytes: CLUSTER_SORT_SMEM,
+            };
+            // SAFETY: argument types and order match emb_sort_cluster (compiled with a cluster of
+            // CLUSTER_SORT_CTAS, launched as one); indices holds `tokens` values, at most the
+            // cluster's CTAs x threads x items; keys_out and pos_out `tokens` words each; all
+            // live until the stream is done with them.
+            unsafe { args.launch(config) }?;
+            zero_rows(side)?;
+            (keys_in, pos_in) = (keys_out, pos_out);
+        }
+        for pass in (0..passes).filter(|_| cluster_items.is_none()) {
             let shift = (pass * digit_bits) as i32;
             let pass_bits = digit_bits.min(bits - pass * digit_bits) as i32;
             let target = i64::from(pass % 2) * 2;
@@ -380,10 +496,14 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockRe
             (keys_in, pos_in) = (keys_out, pos_out);
         }
 
-        // The zero rows are written beside the reduction. Beside the sort they slow its few
-        // latency-bound CTAs down more than they gain (measured: 96 against 77 us at GPT-2's
-        // shape), and a one-CTA sort on chip is slower still (63 us for 16k tokens).
-        zero_rows(side)?;
+        // After the launch sort, the zero rows are written beside the reduction. Beside that
+        // sort they slow its few latency-bound CTAs down more than they gain (measured: 96
+        // against 77 us at GPT-2's shape), and a one-CTA sort on chip is slower still (63 us for
+        // 16k tokens).
+        if cluster_items.is_none() {
+            side.fork_from(&stream)?;
+            zero_rows(side)?;
+        }
         let mut args = stream.launch_builder(&kernels.functions[2]);
         args.arg(&grad_ptr)
             .arg(&keys_in)

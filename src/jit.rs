@@ -405,12 +405,14 @@ impl Kernels {
     }
 
     /// How many clusters of function `i` (compiled with `__cluster_dims__(cluster, 1, 1)`,
-    /// blocks of `block_threads` threads) fit on the GPU at once; an error if none does.
+    /// blocks of `block_threads` threads with `shared_bytes` of dynamic shared memory, the
+    /// same on every call) fit on the GPU at once; an error if none does.
     pub fn resident_clusters(
         &self,
         i: usize,
         cluster: u32,
         block_threads: u32,
+        shared_bytes: u32,
         stream: &CudaStream,
     ) -> Result<u32, DriverError> {
         self.resident_clusters[i]
@@ -418,7 +420,7 @@ impl Kernels {
                 let config = cudarc::driver::LaunchConfig {
                     grid_dim: (cluster, 1, 1),
                     block_dim: (block_threads, 1, 1),
-                    shared_mem_bytes: 0,
+                    shared_mem_bytes: shared_bytes,
                 };
                 let clusters = self.functions[i].occupancy_max_active_clusters(config, stream)?;
                 tracing::debug!(

@@ -222,7 +222,7 @@ fn plan(op: KernelOp, l: &Layout, launch: Launch) -> Result<Plan, StockReason> {
     let grid = if g.cluster > 1 {
         // A cluster per group of rows; no more clusters than the GPCs can hold at once.
         let clusters = kernels
-            .resident_clusters(0, g.cluster, block_threads, &gpu.stream(launch))
+            .resident_clusters(0, g.cluster, block_threads, 0, &gpu.stream(launch))
             .map_err(|e| jit::launch_failed(variant, e))?;
         groups.min(i64::from(clusters)) * i64::from(g.cluster)
     } else {

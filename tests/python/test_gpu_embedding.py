@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from conftest import requires_cuda, run_python
 from gpu_util import (FLOOR, enabled, fresh_seed, fused_count, garbage_allocator, poison_allocator,
-                      rel_err, stock_reasons, torchfuse_below_thresholds)
+                      rel_err, stats, stock_reasons, torchfuse_below_thresholds)
 
 pytestmark = [requires_cuda, pytest.mark.usefixtures("torchfuse_below_thresholds")]
 
@@ -166,6 +166,52 @@ def test_backward_reads_nothing_it_did_not_write():
     random bits: scratch read before it is written, or an output row left unwritten, shows up
     as a wrong or irreproducible result. TORCHFUSE_TEST_STRESS=N runs N cases (default 30)."""
     random_backward_cases(int(os.environ.get("TORCHFUSE_TEST_STRESS", "30")), garbage=True)
+
+
+def kernel_count(name):
+    return stats()["ops"].get("embedding_dense_backward", {}).get("kernels", {}).get(name, 0)
+
+
+def test_cluster_sort_equals_launch_sort_bitwise():
+    """Hopper sorts up to 32768 tokens on one thread-block cluster, other GPUs (and more tokens)
+    in launches. Both sorts are stable and the reduction after them is the same, so the two
+    results must be bitwise equal; each is also checked against the reference."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the cluster sort needs sm 90 (thread-block clusters)")
+    seed = fresh_seed()
+    rng = random.Random(seed)
+    gen = torch.Generator(device="cuda").manual_seed(rng.randrange(2**31))
+    sides = {"emb_bwd_cluster_sort": 0, "emb_bwd_sorted": 0}
+    try:
+        for case in range(24):
+            # Every tile size (1, 2, 4 and 8 tokens per thread), the 32768 edge, 1 to 4 passes.
+            tokens = [1, 4095, 4096, 4097, 8193, 16384, 32767, 32768][case % 8]
+            num_weights = rng.choice([2, 511, 512, 513, 50304, 131073, rng.randrange(1, 2**25)])
+            dim = rng.choice([1, 64, 768, 1000]) if num_weights <= 131073 else rng.choice([1, 8])
+            if case == 23:
+                num_weights, dim = 2**28 + 5, 1  # 29-bit keys: four passes
+            kind = rng.choice(["uniform", "zipf", "equal", "few"])
+            if kind == "zipf" and num_weights > 300_000:
+                kind = "uniform"
+            idx = draw_indices(rng, gen, num_weights, (tokens,), kind,
+                               rng.choice([torch.int64, torch.int32]))
+            grad = torch.randn(tokens, dim, generator=gen, device="cuda").to(torch.bfloat16)
+            padding_idx = rng.choice([-1, int(idx[0])])
+            desc = f"V={num_weights} D={dim} T={tokens} {kind} pad={padding_idx} (seed {seed})"
+            outs = {}
+            for name in sides:
+                torch.ops.torchfuse._force_variant(name)
+                before = kernel_count(name)
+                poison_allocator(num_weights * dim * 4)
+                outs[name] = dense_backward(grad, idx, num_weights, padding_idx, True)
+                sides[name] += kernel_count(name) - before
+            torch.ops.torchfuse._force_variant("")
+            ref = reference_grad(grad, idx, num_weights, padding_idx)
+            assert rel_err(outs["emb_bwd_sorted"], ref) <= FLOOR[torch.bfloat16], desc
+            assert torch.equal(outs["emb_bwd_cluster_sort"], outs["emb_bwd_sorted"]), desc
+    finally:
+        torch.ops.torchfuse._force_variant("")
+    assert sides == {"emb_bwd_cluster_sort": 24, "emb_bwd_sorted": 24}, sides
 
 
 @pytest.mark.parametrize("kind", ["equal", "few", "zipf"])
