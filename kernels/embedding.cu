@@ -447,44 +447,56 @@ __device__ __forceinline__ void sort_scatter(const void* __restrict__ indices, i
   }
 }
 
-// Column vectors each thread of emb_zero_rows stores per round (all bitmap loads first).
+// Column vectors each thread of emb_zero_rows stores per round (all bitmap loads first), and
+// the CTAs per SM its registers allow (8: at most 32 registers a thread, so that beside its
+// 4 CTAs per SM a CTA of emb_bwd_reduce fits in the register file; at 40 it did not. Measured:
+// the same at GPT-2's shape, 175 -> 171 us at 131072 bf16 tokens).
 #define ZERO_UNROLL 4
+#define ZERO_MIN_BLOCKS 8
 
 // Zeros for every row no token touches (its bit in `touched` is clear) and for the padding
 // row: a fill of the whole table's column vectors in grid-stride order, consecutive threads on
 // consecutive vectors, that skips the vectors of touched rows (the bitmap is small and stays
 // in cache). Rows per work item were measured slower: a warp per 32 rows spreads the writes
 // over as many streams as warps (2.3 TB/s alone; this order is a plain fill's).
+// Index type I: 32-bit where the table's vectors number below 2^32 (registers: see above).
+template <int V, typename I>
+__device__ __forceinline__ void zero_rows(const unsigned int* __restrict__ touched, int cols,
+                                          I num_weights, tf_i64 padding_idx,
+                                          tf_storage* __restrict__ out) {
+  const I per_row = static_cast<I>(cols / V);
+  const I total = num_weights * per_row;
+  const I stride = static_cast<I>(gridDim.x) * blockDim.x;
+  float zero[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) zero[j] = 0.f;
+  for (I base = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; base < total;
+       base += stride * ZERO_UNROLL) {
+    unsigned int words[ZERO_UNROLL];
+#pragma unroll
+    for (int k = 0; k < ZERO_UNROLL; ++k) {
+      const I u = base + k * stride;
+      words[k] = u < total ? touched[(u / per_row) >> 5] : ~0u;
+    }
+#pragma unroll
+    for (int k = 0; k < ZERO_UNROLL; ++k) {
+      const I u = base + k * stride;
+      const I row = u / per_row;
+      if (u < total && (static_cast<tf_i64>(row) == padding_idx || !((words[k] >> (row & 31)) & 1u)))
+        store_vec<V>(out + static_cast<tf_i64>(row) * cols + (u - row * per_row) * V, zero);
+    }
+  }
+}
+
 template <int V>
 __device__ __forceinline__ void zero_rows(const unsigned int* __restrict__ touched, int cols,
                                           tf_i64 num_weights, tf_i64 padding_idx,
                                           tf_storage* __restrict__ out) {
-  const tf_i64 per_row = cols / V;
-  const tf_i64 total = num_weights * per_row;
-  const tf_i64 stride = static_cast<tf_i64>(gridDim.x) * blockDim.x;
-  const bool narrow = total <= 0xffffffffll;
-  float zero[V];
-#pragma unroll
-  for (int j = 0; j < V; ++j) zero[j] = 0.f;
-  for (tf_i64 base = static_cast<tf_i64>(blockIdx.x) * blockDim.x + threadIdx.x; base < total;
-       base += stride * ZERO_UNROLL) {
-    tf_i64 rows[ZERO_UNROLL];
-    unsigned int words[ZERO_UNROLL];
-#pragma unroll
-    for (int k = 0; k < ZERO_UNROLL; ++k) {
-      const tf_i64 u = base + k * stride;
-      rows[k] = u < total ? (narrow ? static_cast<tf_i64>(static_cast<unsigned int>(u) /
-                                                          static_cast<unsigned int>(per_row))
-                                    : u / per_row)
-                          : 0;
-      words[k] = u < total ? touched[rows[k] >> 5] : ~0u;
-    }
-#pragma unroll
-    for (int k = 0; k < ZERO_UNROLL; ++k) {
-      const tf_i64 u = base + k * stride;
-      if (u < total && (rows[k] == padding_idx || !((words[k] >> (rows[k] & 31)) & 1u)))
-        store_vec<V>(out + rows[k] * cols + (u - rows[k] * per_row) * V, zero);
-    }
+  if (num_weights * (cols / V) <= 0xffffffffll) {
+    zero_rows<V, unsigned int>(touched, cols, static_cast<unsigned int>(num_weights),
+                               padding_idx, out);
+  } else {
+    zero_rows<V, tf_i64>(touched, cols, num_weights, padding_idx, out);
   }
 }
 
@@ -782,7 +794,7 @@ extern "C" __global__ void CSORT_DIMS __launch_bounds__(MARK_THREADS)
 
 // The zero rows, from the bitmap the first emb_sort_count (or emb_mark_rows) made. It runs on a second stream
 // beside the reduction, with a few CTAs per SM (the reduction keeps the rest).
-extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+extern "C" __global__ void __launch_bounds__(SORT_THREADS, ZERO_MIN_BLOCKS)
     emb_zero_rows(const unsigned int* __restrict__ touched, int cols, tf_i64 num_weights,
                   tf_i64 padding_idx, tf_storage* __restrict__ out, int vectorized) {
   if (vectorized) {
