@@ -636,9 +636,14 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
             let attention = matches!(op, AttentionCausal | AttentionFull);
             assert_eq!(attention, name.ends_with("_wg"), "{name}");
             let ampere = pick(op, dtype, hidden, rows, 80);
-            // Hopper sorts up to 32768 embedding tokens on one cluster, sm_80 in launches.
+            // Hopper sorts up to 32768 embedding tokens of rows up to 1024 wide on one cluster,
+            // sm_80 in launches.
             if op == EmbeddingBwd {
-                assert_eq!(name.contains("_cluster_sort"), rows <= 32768, "{name}");
+                assert_eq!(
+                    name.contains("_cluster_sort"),
+                    rows <= 32768 && hidden <= 1024,
+                    "{name}"
+                );
                 assert_eq!(ampere, Ok(name.replace("_cluster_sort", "_sorted")));
                 continue;
             }
