@@ -566,6 +566,57 @@ mod tests {
     use super::*;
 
     #[test]
+    fn cluster_sort_tiles_hold_every_token_and_no_more_than_it_can() {
+        // (tokens, tokens per thread)
+        let cases = [
+            (1, Some(1)),
+            (4096, Some(1)),
+            (4097, Some(2)),
+            (8192, Some(2)),
+            (8193, Some(4)),
+            (16384, Some(4)),
+            (16385, Some(8)),
+            (32768, Some(8)),
+            (32769, None),
+        ];
+        for (tokens, items) in cases {
+            assert_eq!(cluster_sort_items(tokens), items, "{tokens} tokens");
+            if let Some(items) = items {
+                let held = i64::from(CLUSTER_SORT_CTAS)
+                    * i64::from(CLUSTER_SORT_THREADS)
+                    * i64::from(items);
+                assert!(held >= tokens && i64::from(items) <= CLUSTER_SORT_ITEMS_MAX);
+            }
+        }
+        assert_eq!(CLUSTER_SORT_MAX_TOKENS, 32768);
+        // The kernel's CSORT_SMEM_BYTES for 8 CTAs of 512 threads x 8 tokens, 9-bit digits.
+        assert_eq!(CLUSTER_SORT_SMEM, 133_208);
+    }
+
+    fn parse_backward(sm: &str, params: &str) -> Result<(), String> {
+        crate::registry::Registry::parse(&[(
+            "t.toml",
+            &format!(
+                "[[variant]]\nname = \"t\"\nop = \"embedding_bwd\"\nsource = \"embedding.cu\"\n\
+                 dtypes = [\"bf16\"]\nsm = {sm}\nparams = {{ {params} }}\n"
+            ),
+        )])
+        .map(|_| ())
+    }
+
+    #[test]
+    fn the_backward_takes_only_the_cluster_sort_switch_and_only_on_hopper() {
+        assert_eq!(parse_backward("[90, 90]", "SORT_CLUSTER = 1"), Ok(()));
+        assert_eq!(parse_backward("[80, 90]", "SORT_CLUSTER = 0"), Ok(()));
+        let ampere = parse_backward("[80, 90]", "SORT_CLUSTER = 1");
+        assert!(ampere.unwrap_err().contains("sm >= 90"));
+        let two = parse_backward("[90, 90]", "SORT_CLUSTER = 2");
+        assert!(two.unwrap_err().contains("0 or 1"));
+        let threads = parse_backward("[90, 90]", "THREADS = 256");
+        assert!(threads.unwrap_err().contains("unknown param THREADS"));
+    }
+
+    #[test]
     fn sort_digits_cover_every_row_number_in_few_passes() {
         // (rows, passes, bits per pass, bits)
         let cases = [
