@@ -107,6 +107,13 @@ static_assert(TF_FWD_BLOCK_N % 16 == 0 && TF_BWD_BLOCK_Q % 16 == 0 && TF_DQ_BLOC
 typedef unsigned int u32;
 typedef unsigned short u16;
 
+// Bytes from the start of dynamic shared memory to its first 1024-byte boundary: the TMA
+// swizzle repeats every 1024 bytes of shared address, so the tiles start there (the launch asks
+// for 1024 bytes of slack).
+__device__ __forceinline__ unsigned int swizzle_pad(const unsigned char* smem_bytes) {
+  return (1024 - (smem_addr(smem_bytes) & 1023)) & 1023;
+}
+
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 #define NEG_INF __int_as_float(0xff800000u)
@@ -654,9 +661,7 @@ extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
   const float scale_log2 = pb.scale_log2;
   constexpr int BM = FWD_BLOCK_M, BN = TF_FWD_BLOCK_N;
   extern __shared__ __align__(1024) unsigned char smem_bytes[];
-  // The swizzle repeats every 1024 bytes of shared address: tiles start on that boundary (the
-  // launch asks for 1024 bytes of slack).
-  u16* q_tile = reinterpret_cast<u16*>(smem_bytes + ((1024 - (smem_addr(smem_bytes) & 1023)) & 1023));
+  u16* q_tile = reinterpret_cast<u16*>(smem_bytes + swizzle_pad(smem_bytes));
   constexpr int NS = TF_FWD_STAGES;
   u16* k_tile = q_tile + BM * HD;  // [NS][BN * HD]
   u16* v_tile = k_tile + NS * BN * HD;
@@ -1144,7 +1149,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   const float scale_log2 = pb.scale_log2;
   constexpr int BK = BWD_WG_KEYS, BQ = TF_BWD_BLOCK_Q, NS = BWD_STAGES;
   extern __shared__ __align__(1024) unsigned char smem_bytes[];
-  u16* k_tile = reinterpret_cast<u16*>(smem_bytes + ((1024 - (smem_addr(smem_bytes) & 1023)) & 1023));
+  u16* k_tile = reinterpret_cast<u16*>(smem_bytes + swizzle_pad(smem_bytes));
   u16* v_tile = k_tile + BK * HD;
   u16* q_ring = v_tile + BK * HD;         // [NS][BQ * HD]
   u16* do_ring = q_ring + NS * BQ * HD;   // [NS][BQ * HD]
@@ -1383,7 +1388,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   const float scale_log2 = pb.scale_log2;
   constexpr int BM = DQ_WG_ROWS, BN = TF_DQ_BLOCK_N, NS = BWD_STAGES;
   extern __shared__ __align__(1024) unsigned char smem_bytes[];
-  u16* q_tile = reinterpret_cast<u16*>(smem_bytes + ((1024 - (smem_addr(smem_bytes) & 1023)) & 1023));
+  u16* q_tile = reinterpret_cast<u16*>(smem_bytes + swizzle_pad(smem_bytes));
   u16* do_tile = q_tile + BM * HD;
   u16* k_ring = do_tile + BM * HD;       // [NS][BN * HD]
   u16* v_ring = k_ring + NS * BN * HD;   // [NS][BN * HD]
