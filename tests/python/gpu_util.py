@@ -39,6 +39,11 @@ def fused_count(op):
     return stats()["ops"].get(op, {}).get("fused", 0)
 
 
+def kernel_count(op, kernel):
+    """Calls of aten `op` the named torchfuse kernel (registry variant) served so far."""
+    return stats()["ops"].get(op, {}).get("kernels", {}).get(kernel, 0)
+
+
 def stock_reasons(op):
     """{reason: calls} of aten `op` that went to stock so far."""
     return stats()["ops"].get(op, {}).get("stock_reasons", {})
