@@ -18,10 +18,10 @@
 //     thread-block cluster, the pairs kept in the CTAs' shared memory between passes (see
 //     there).
 //  2. The first emb_sort_count also marks every row some token has in a bitmap; once the sort
-//     is done, emb_zero_rows writes the zero rows (unmarked, or padding_idx) on a second
-//     stream, beside the reduction, so the two share the memory bandwidth. With the cluster
-//     sort, emb_mark_rows makes the bitmap first and the zero rows run beside the sort, which
-//     keeps to eight SMs and to shared memory.
+//     is done, emb_zero_rows_by_word writes the zero rows (unmarked, or padding_idx) on a
+//     second stream, beside the reduction, so the two share the memory bandwidth. With the
+//     cluster sort, emb_mark_rows makes the bitmap first and emb_zero_rows (a fill in
+//     grid-stride order) runs beside the sort, which keeps to eight SMs and to shared memory.
 //  3. emb_bwd_reduce cuts the sorted tokens into chunks of 32; a warp takes one chunk x 32
 //     column vectors and walks its tokens in order (8 rows' loads in flight), summing each run
 //     of equal indices in fp32: a run that holds all of its row's tokens is written to
@@ -500,6 +500,57 @@ __device__ __forceinline__ void zero_rows(const unsigned int* __restrict__ touch
   }
 }
 
+// Column vectors of a row one warp zeroes per work item (4 stores per lane).
+#define ZERO_SLICE (32 * 4)
+
+// The same zeros, a work item per warp: 32 consecutive rows (one bitmap word) x a slice of
+// ZERO_SLICE column vectors, so wide rows spread over many warps; the grid's warps take items
+// in turn. Beside the reduction after the launch sort this order is faster than the fill's
+// (measured in one run: 32000 x 4096 x 16384 bf16 169 against 172 us, f32 303 against 312).
+template <int V>
+__device__ __forceinline__ void zero_rows_by_word(const unsigned int* __restrict__ touched, int cols,
+                                          tf_i64 num_weights, tf_i64 padding_idx,
+                                          tf_storage* __restrict__ out) {
+  __shared__ unsigned char zero_list[SORT_WARPS][32];
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const tf_i64 warps = static_cast<tf_i64>(gridDim.x) * SORT_WARPS;
+  const tf_i64 my_warp = static_cast<tf_i64>(blockIdx.x) * SORT_WARPS + warp;
+  const tf_i64 per_row = cols / V;
+  const tf_i64 slices = (per_row + ZERO_SLICE - 1) / ZERO_SLICE;
+  const tf_i64 items = (num_weights + 31) / 32 * slices;
+  float zero[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) zero[j] = 0.f;
+  for (tf_i64 item = my_warp; item < items; item += warps) {
+    const tf_i64 group = item / slices;
+    const tf_i64 c_begin = (item - group * slices) * ZERO_SLICE;
+    const tf_i64 c_end = min(per_row, c_begin + ZERO_SLICE);
+    const tf_i64 r0 = group * 32;
+    const tf_i64 r = r0 + lane;
+    const unsigned int word = touched[group];
+    const bool zero_row = r < num_weights && (r == padding_idx || !((word >> lane) & 1u));
+    const unsigned int mask = __ballot_sync(0xffffffffu, zero_row);
+    if (zero_row) zero_list[warp][__popc(mask & lanemask_lt())] = static_cast<unsigned char>(lane);
+    __syncwarp();
+    const int rows = __popc(mask);
+    if (per_row >= 32) {
+      for (int k = 0; k < rows; ++k) {
+        tf_storage* row = out + (r0 + zero_list[warp][k]) * cols;
+        for (tf_i64 c = c_begin + lane; c < c_end; c += 32) store_vec<V>(row + c * V, zero);
+      }
+    } else {
+      // Narrow rows (one slice): the warp's lanes spread over several rows at once.
+      const int narrow = static_cast<int>(per_row);
+      for (int u = lane; u < rows * narrow; u += 32) {
+        const int k = u / narrow;
+        store_vec<V>(out + (r0 + zero_list[warp][k]) * cols + (u - k * narrow) * V, zero);
+      }
+    }
+    __syncwarp();
+  }
+}
+
 // Pass p of the sort: one block per tile.
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     emb_sort_scatter(const void* __restrict__ indices, int idx64,
@@ -792,8 +843,8 @@ extern "C" __global__ void CSORT_DIMS __launch_bounds__(MARK_THREADS)
 #endif
 }
 
-// The zero rows, from the bitmap the first emb_sort_count (or emb_mark_rows) made. It runs on a second stream
-// beside the reduction, with a few CTAs per SM (the reduction keeps the rest).
+// The zero rows from emb_mark_rows' bitmap, on a second stream beside the cluster sort and the
+// reduction, with a few CTAs per SM (they keep the rest).
 extern "C" __global__ void __launch_bounds__(SORT_THREADS, ZERO_MIN_BLOCKS)
     emb_zero_rows(const unsigned int* __restrict__ touched, int cols, tf_i64 num_weights,
                   tf_i64 padding_idx, tf_storage* __restrict__ out, int vectorized) {
@@ -801,6 +852,19 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS, ZERO_MIN_BLOCKS)
     zero_rows<VEC>(touched, cols, num_weights, padding_idx, out);
   } else {
     zero_rows<1>(touched, cols, num_weights, padding_idx, out);
+  }
+}
+
+// The zero rows from the first emb_sort_count's bitmap, on a second stream beside the
+// reduction after the launch sort, with a few CTAs per SM (the reduction keeps the rest).
+extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+    emb_zero_rows_by_word(const unsigned int* __restrict__ touched, int cols,
+                          tf_i64 num_weights, tf_i64 padding_idx, tf_storage* __restrict__ out,
+                          int vectorized) {
+  if (vectorized) {
+    zero_rows_by_word<VEC>(touched, cols, num_weights, padding_idx, out);
+  } else {
+    zero_rows_by_word<1>(touched, cols, num_weights, padding_idx, out);
   }
 }
 

@@ -49,12 +49,19 @@ const MARK_ITEMS: i64 = 4;
 const _: () =
     assert!(CLUSTER_SORT_CTAS as i64 * MARK_THREADS as i64 * MARK_ITEMS >= CLUSTER_SORT_MAX_TOKENS);
 /// Places in `KernelOp::entries`.
+const ZERO_ROWS_FILL: usize = 4;
 const CLUSTER_SORT: usize = 5;
 const MARK_ROWS: usize = 6;
-/// emb_zero_rows' CTAs per multiprocessor: it runs beside the sort or the reduction, which
-/// keep the rest (measured at 2, 4 and 8 with the cluster sort at GPT-2's shape: 50.5, 48.6
-/// and 48.8 us; before, with a warp per 32 rows, 4 was best on the D=4096 tables).
+const ZERO_ROWS_BY_WORD: usize = 7;
+/// The zero rows' CTAs per multiprocessor: they run beside the sort or the reduction, which
+/// keep the rest. emb_zero_rows (after the bitmap, beside the cluster sort) measured at 2, 4
+/// and 8 at GPT-2's shape: 50.5, 48.6 and 48.8 us; emb_zero_rows_by_word (after the launch
+/// sort) at 1, 2, 4 and 8: 4 was best on the D=4096 tables, the same elsewhere.
 const ZERO_BLOCKS_PER_SM: u32 = 4;
+/// emb_zero_rows_by_word's work items (32 rows x `ZERO_SLICE` column vectors, as in the
+/// kernel) one CTA of 8 warps takes per sweep.
+const ZERO_ITEMS_PER_BLOCK: i64 = 8;
+const ZERO_SLICE: i64 = 128;
 
 /// Compile-time parameters an embedding variant may set, and their limits.
 pub fn validate_variant(v: &Variant) -> Result<(), String> {
@@ -374,8 +381,14 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockRe
         shared_mem_bytes: 0,
     };
     let vectors = if vectorized == 1 { cols / vec } else { cols };
-    let zero_blocks = count(num_weights * vectors, i64::from(SORT_THREADS) * ZERO_UNROLL)?
-        .clamp(1, ZERO_BLOCKS_PER_SM * gpu.multiprocessors);
+    let zero_items = if cluster_items.is_some() {
+        // emb_zero_rows: ZERO_UNROLL column vectors a thread per round.
+        count(num_weights * vectors, i64::from(SORT_THREADS) * ZERO_UNROLL)?
+    } else {
+        let items = (num_weights + 31) / 32 * ((vectors + ZERO_SLICE - 1) / ZERO_SLICE);
+        count(items, ZERO_ITEMS_PER_BLOCK)?
+    };
+    let zero_blocks = zero_items.clamp(1, ZERO_BLOCKS_PER_SM * gpu.multiprocessors);
     let zero_config = LaunchConfig {
         grid_dim: (zero_blocks, 1, 1),
         ..sort_config
@@ -387,14 +400,20 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockRe
     )?;
     // The side stream must have been forked from the caller's after the bitmap is complete.
     let zero_rows = |side: &jit::SideStream| {
-        let mut args = side.stream.launch_builder(&kernels.functions[4]);
+        let zero_kernel = if cluster_items.is_some() {
+            ZERO_ROWS_FILL
+        } else {
+            ZERO_ROWS_BY_WORD
+        };
+        let mut args = side.stream.launch_builder(&kernels.functions[zero_kernel]);
         args.arg(&touched_ptr)
             .arg(&cols_i32)
             .arg(&num_weights)
             .arg(&padding_idx)
             .arg(&out_ptr)
             .arg(&vectorized);
-        // SAFETY: argument types and order match emb_zero_rows; the bitmap holds one bit per
+        // SAFETY: argument types and order match emb_zero_rows and emb_zero_rows_by_word (the
+        // same); the bitmap holds one bit per
         // row and is complete (the launch waits for the first count pass, or for
         // emb_mark_rows), grad_weight holds
         // num_weights x cols elements; the caller's stream joins the side stream before either

@@ -146,6 +146,7 @@ impl KernelOp {
                 "emb_zero_rows",
                 "emb_sort_cluster",
                 "emb_mark_rows",
+                "emb_zero_rows_by_word",
             ],
             KernelOp::AttentionCausal | KernelOp::AttentionFull => {
                 &["attn_fwd", "attn_bwd_prep", "attn_bwd_dkdv", "attn_bwd_dq"]
