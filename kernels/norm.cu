@@ -14,8 +14,9 @@
 // busy while a warp reduces.
 //
 // Backward, one pass over x and dy: each thread computes dx for its columns of a row and keeps
-// running fp32 sums of dy*xhat (dgamma) and dy (dbeta) for the same columns in registers
-// across all rows it visits. At the end the CTA writes one fp32 partial row per quantity;
+// running fp32 sums of dy*xhat (dgamma) and dy (dbeta) for the same columns across all rows it
+// visits, in registers or (TF_SMEM_ACC) in shared memory, which leaves the registers for more
+// CTAs per SM. At the end the CTA writes one fp32 partial row per quantity;
 // norm_bwd_reduce sums the partial rows column by column in a fixed order. Variants with 64 or
 // more accumulators per thread (BWD_WIDE) re-read the weight from L1 every row, rather than
 // holding it in registers, and load x and dy past L1 so the weight stays there.
@@ -37,7 +38,8 @@
 // Compile-time parameters (registry/norm.toml): TF_DTYPE (every tensor but the fp32 statistics), TF_RMS,
 // TF_THREADS_PER_ROW (a multiple of 32), TF_ROWS_PER_BLOCK, TF_ELEMS_PER_THREAD (a multiple of
 // TF_VEC), TF_PREFETCH (forward only), TF_STREAM, TF_MIN_BLOCKS (CTAs per SM the register budget must allow),
-// TF_CLUSTER (CTAs per row; > 1 needs TF_ROWS_PER_BLOCK 1 and sm_90). The op
+// TF_CLUSTER (CTAs per row; > 1 needs TF_ROWS_PER_BLOCK 1 and sm_90), TF_SMEM_ACC (backward
+// only; the launch gives the accumulators' dynamic shared memory). The op
 // picks the kernels: TF_NORM_FWD (norm_fwd) or TF_NORM_BWD (norm_bwd, norm_bwd_reduce). A variant serves rows of at most TF_CLUSTER * TF_THREADS_PER_ROW *
 // TF_ELEMS_PER_THREAD elements. Run-time `vectorized` = every pointer 16-byte aligned and
 // cols % TF_VEC == 0; otherwise the same columns are accessed element by element.
@@ -457,6 +459,23 @@ extern "C" __global__ void TF_ROW_CTAS __launch_bounds__(TPR * RPB, TF_MIN_BLOCK
 // The same loads for a variant that asks for them (TF_STREAM, chosen by measurement).
 #define BWD_STREAM (BWD_WIDE || TF_STREAM)
 
+// TF_SMEM_ACC = 1: the dgamma/dbeta accumulators live in dynamic shared memory instead of
+// registers (2 x ELEMS_PER_THREAD fp32 values a thread for LayerNorm), which frees the
+// registers for more CTAs per SM; each row adds into them with 16-byte accesses, consecutive
+// threads on consecutive vectors (no bank conflicts). Layout [quantity][RPB][ITERS * VEC / 4]
+// [TPR] float4.
+#ifndef TF_SMEM_ACC
+#define TF_SMEM_ACC 0
+#endif
+#define ACC_QUANTITIES (TF_RMS ? 1 : 2)
+#define ACC_PARTS (VEC / 4)
+#if TF_SMEM_ACC
+__device__ __forceinline__ float4* acc_slot(float4* base, int quantity, int it, int part) {
+  return base + ((static_cast<int>(quantity) * RPB + static_cast<int>(threadIdx.y)) * ITERS * ACC_PARTS +
+                 it * ACC_PARTS + part) * TPR + threadIdx.x;
+}
+#endif
+
 // Sums the CTA's rows of `acc` in a fixed order (row 0 of the CTA, then 1, ...) and writes
 // them (its columns) as row cluster_index() of `partial`. Called by every thread of the CTA.
 __device__ __forceinline__ void write_partial(float (&acc)[ITERS][VEC], float* __restrict__ partial,
@@ -516,6 +535,16 @@ extern "C" __global__ void TF_ROW_CTAS __launch_bounds__(TPR * RPB, TF_MIN_BLOCK
   const float inv_cols = 1.f / static_cast<float>(cols);
   const bool vec = vectorized != 0;
 
+#if TF_SMEM_ACC
+  extern __shared__ float4 acc_smem[];
+#pragma unroll
+  for (int q = 0; q < ACC_QUANTITIES; ++q)
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it)
+#pragma unroll
+      for (int part = 0; part < ACC_PARTS; ++part)
+        *acc_slot(acc_smem, q, it, part) = make_float4(0.f, 0.f, 0.f, 0.f);
+#else
   float acc_w[ITERS][VEC];
 #if !TF_RMS
   float acc_b[ITERS][VEC];
@@ -529,6 +558,7 @@ extern "C" __global__ void TF_ROW_CTAS __launch_bounds__(TPR * RPB, TF_MIN_BLOCK
       acc_b[it][j] = 0.f;
 #endif
     }
+#endif
 
   for (tf_i64 group = cluster_index(); group < groups; group += cluster_count()) {
     const tf_i64 row = group * RPB + threadIdx.y;
@@ -552,6 +582,30 @@ extern "C" __global__ void TF_ROW_CTAS __launch_bounds__(TPR * RPB, TF_MIN_BLOCK
       const int col0 = chunk_col(it);
       float w[VEC];
       load_params<BWD_STREAM>(weight, col0, active_cols, vec, 1.f, w);
+#if TF_SMEM_ACC
+      float acc_w[1][VEC];
+#if !TF_RMS
+      float acc_b[1][VEC];
+#endif
+#pragma unroll
+      for (int part = 0; part < ACC_PARTS; ++part) {
+        const float4 a = *acc_slot(acc_smem, 0, it, part);
+        acc_w[0][part * 4 + 0] = a.x;
+        acc_w[0][part * 4 + 1] = a.y;
+        acc_w[0][part * 4 + 2] = a.z;
+        acc_w[0][part * 4 + 3] = a.w;
+#if !TF_RMS
+        const float4 b = *acc_slot(acc_smem, 1, it, part);
+        acc_b[0][part * 4 + 0] = b.x;
+        acc_b[0][part * 4 + 1] = b.y;
+        acc_b[0][part * 4 + 2] = b.z;
+        acc_b[0][part * 4 + 3] = b.w;
+#endif
+      }
+      const int slot = 0;
+#else
+      const int slot = it;
+#endif
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const float d = unpack(dys[it], j);
@@ -561,11 +615,24 @@ extern "C" __global__ void TF_ROW_CTAS __launch_bounds__(TPR * RPB, TF_MIN_BLOCK
         const float g = __fmul_rn(d, w[j]);
         sums[0] += g;
         sums[1] += g * xhat;
-        acc_w[it][j] += d * xhat;
+        acc_w[slot][j] += d * xhat;
 #if !TF_RMS
-        acc_b[it][j] += d;
+        acc_b[slot][j] += d;
 #endif
       }
+#if TF_SMEM_ACC
+#pragma unroll
+      for (int part = 0; part < ACC_PARTS; ++part) {
+        *acc_slot(acc_smem, 0, it, part) =
+            make_float4(acc_w[0][part * 4], acc_w[0][part * 4 + 1], acc_w[0][part * 4 + 2],
+                        acc_w[0][part * 4 + 3]);
+#if !TF_RMS
+        *acc_slot(acc_smem, 1, it, part) =
+            make_float4(acc_b[0][part * 4], acc_b[0][part * 4 + 1], acc_b[0][part * 4 + 2],
+                        acc_b[0][part * 4 + 3]);
+#endif
+      }
+#endif
     }
     if (dx == nullptr) continue;  // uniform across the CTA: no barrier is skipped by some only
     row_sum(sums, scratch, cluster);
@@ -599,6 +666,30 @@ extern "C" __global__ void TF_ROW_CTAS __launch_bounds__(TPR * RPB, TF_MIN_BLOCK
   __shared__ float block_sum[RPB][BLOCK_COLS];
 #else
   float (*block_sum)[BLOCK_COLS] = nullptr;
+#endif
+#if TF_SMEM_ACC
+  // Each thread reads back only the slots it wrote: no barrier needed.
+  float acc_w[ITERS][VEC];
+#if !TF_RMS
+  float acc_b[ITERS][VEC];
+#endif
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it)
+#pragma unroll
+    for (int part = 0; part < ACC_PARTS; ++part) {
+      const float4 a = *acc_slot(acc_smem, 0, it, part);
+      acc_w[it][part * 4 + 0] = a.x;
+      acc_w[it][part * 4 + 1] = a.y;
+      acc_w[it][part * 4 + 2] = a.z;
+      acc_w[it][part * 4 + 3] = a.w;
+#if !TF_RMS
+      const float4 b = *acc_slot(acc_smem, 1, it, part);
+      acc_b[it][part * 4 + 0] = b.x;
+      acc_b[it][part * 4 + 1] = b.y;
+      acc_b[it][part * 4 + 2] = b.z;
+      acc_b[it][part * 4 + 3] = b.w;
+#endif
+    }
 #endif
   if (dw_partial != nullptr) write_partial(acc_w, dw_partial, cols, vec, block_sum);
 #if !TF_RMS

@@ -52,7 +52,20 @@ def cluster_candidates(hidden, op):
                 continue
             out.append(dict(THREADS_PER_ROW=tpr, ROWS_PER_BLOCK=1, ELEMS_PER_THREAD=ept,
                             PREFETCH=int(op.endswith("fwd")), CLUSTER=cluster))
+            out += smem_twin(out[-1], op)
     return out
+
+
+def smem_twin(p, op):
+    """For the backward: the same shape with its dgamma/dbeta accumulators in shared memory
+    (SMEM_ACC) and registers capped for 1024 threads per SM (MIN_BLOCKS), when they fit."""
+    if not op.endswith("bwd"):
+        return []
+    threads = p["THREADS_PER_ROW"] * p["ROWS_PER_BLOCK"]
+    acc_bytes = (2 if op.startswith("ln") else 1) * threads * p["ELEMS_PER_THREAD"] * 4
+    if acc_bytes > 160 * 1024:
+        return []
+    return [dict(p, SMEM_ACC=1, MIN_BLOCKS=max(1, 1024 // threads))]
 
 
 def candidates(hidden, op):
@@ -75,6 +88,7 @@ def candidates(hidden, op):
             if rpb > 1 and rpb * tpr * ept * 4 > 48 * 1024:
                 continue
             out.append(dict(THREADS_PER_ROW=tpr, ROWS_PER_BLOCK=rpb, ELEMS_PER_THREAD=ept, PREFETCH=0))
+            out += smem_twin(out[-1], op)
         else:
             for pf in (0, 1):
                 out.append(dict(THREADS_PER_ROW=tpr, ROWS_PER_BLOCK=rpb, ELEMS_PER_THREAD=ept, PREFETCH=pf))
@@ -83,8 +97,9 @@ def candidates(hidden, op):
 
 def variant_name(op, p):
     cluster = f"_c{p['CLUSTER']}" if p.get("CLUSTER", 1) > 1 else ""
+    smem = f"_s{p['MIN_BLOCKS']}" if p.get("SMEM_ACC") else ""
     return (f"sweep_{op}_t{p['THREADS_PER_ROW']}x{p['ROWS_PER_BLOCK']}_e{p['ELEMS_PER_THREAD']}"
-            f"_p{p['PREFETCH']}{cluster}")
+            f"_p{p['PREFETCH']}{cluster}{smem}")
 
 
 def write_sweep_registry(path, shapes):

@@ -30,7 +30,7 @@ STREAM = {("ln_fwd", "16bit", 768), ("rms_fwd", "16bit", 768), ("ln_bwd", "16bit
           ("rms_bwd", "16bit", 768)}
 
 
-CANDIDATE = re.compile(r"_t(\d+)x(\d+)_e(\d+)_p(\d)(?:_c(\d))?$")
+CANDIDATE = re.compile(r"_t(\d+)x(\d+)_e(\d+)_p(\d)(?:_c(\d))?(_s\d+)?$")
 
 
 def fastest(row, hi, cluster):
@@ -39,9 +39,10 @@ def fastest(row, hi, cluster):
     it, from sweeps that tried it, are left out)."""
     fits = []
     for k, v in row.get("candidates", {}).items():
-        tpr, rpb, ept, pf, c = CANDIDATE.search(k).groups()
+        tpr, rpb, ept, pf, c, smem = CANDIDATE.search(k).groups()
         c = int(c or 1)
-        if row["op"].endswith("bwd") and pf == "1":
+        # Candidates with shared-memory accumulators (_s<MIN_BLOCKS>) are chosen by hand.
+        if row["op"].endswith("bwd") and pf == "1" or smem:
             continue
         if (c > 1) == cluster and int(tpr) * int(ept) * c >= hi:
             fits.append((v, int(tpr), int(rpb), int(ept), int(pf), c))

@@ -396,9 +396,18 @@ pub struct Kernels {
 impl Kernels {
     /// How many CTAs of `block_threads` threads of function `i` fit on one SM (at least 1).
     pub fn resident_per_sm(&self, i: usize, block_threads: u32) -> u32 {
+        self.resident_per_sm_with(i, block_threads, 0)
+    }
+
+    /// The same with `shared_bytes` of dynamic shared memory a CTA (the same on every call).
+    pub fn resident_per_sm_with(&self, i: usize, block_threads: u32, shared_bytes: u32) -> u32 {
         *self.resident[i].get_or_init(|| {
             self.functions[i]
-                .occupancy_max_active_blocks_per_multiprocessor(block_threads, 0, None)
+                .occupancy_max_active_blocks_per_multiprocessor(
+                    block_threads,
+                    shared_bytes as usize,
+                    None,
+                )
                 .unwrap_or(1)
                 .max(1)
         })
@@ -437,15 +446,15 @@ impl Kernels {
     }
 
     /// Lets function `i` launch with `bytes` of dynamic shared memory (an error if the GPU
-    /// has less per block).
+    /// has less per block). Set for any nonzero size: the 48 KiB a CTA gets without opting in
+    /// count its static shared memory too.
     pub fn allow_shared_bytes(
         &self,
         i: usize,
         bytes: u32,
     ) -> Result<(), cudarc::driver::DriverError> {
         use std::sync::atomic::Ordering;
-        const DEFAULT_LIMIT: u32 = 48 * 1024;
-        if bytes <= DEFAULT_LIMIT || self.shared_allowed[i].load(Ordering::Relaxed) >= bytes {
+        if bytes == 0 || self.shared_allowed[i].load(Ordering::Relaxed) >= bytes {
             return Ok(());
         }
         self.functions[i].set_attribute(

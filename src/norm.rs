@@ -25,7 +25,7 @@ impl NormKind {
     }
 }
 
-const PARAMS: [&str; 7] = [
+const PARAMS: [&str; 8] = [
     "THREADS_PER_ROW",
     "ROWS_PER_BLOCK",
     "ELEMS_PER_THREAD",
@@ -33,6 +33,7 @@ const PARAMS: [&str; 7] = [
     "STREAM",
     "MIN_BLOCKS",
     "CLUSTER",
+    "SMEM_ACC",
 ];
 
 /// Thread-block clusters (a row split across CTAs) start with Hopper.
@@ -40,6 +41,21 @@ const CLUSTER_MIN_SM: u32 = 90;
 
 /// Static shared memory a CTA of norm_bwd may use (the CUDA limit without opting in).
 const STATIC_SMEM_LIMIT: i64 = 48 * 1024;
+/// Dynamic shared memory a CTA may opt in to on sm 80 and 90 (H100: 227 KiB), less what the
+/// kernels declare statically.
+const DYNAMIC_SMEM_LIMIT: i64 = 160 * 1024;
+
+/// Dynamic shared memory of a backward variant with SMEM_ACC = 1: its fp32 accumulators of
+/// dgamma (and dbeta for LayerNorm), ELEMS_PER_THREAD each per thread (0 otherwise).
+fn accumulator_bytes(v: &Variant) -> i64 {
+    let backward = matches!(v.op, KernelOp::LayerNormBwd | KernelOp::RmsNormBwd);
+    if !backward || v.params.get("SMEM_ACC") != Some(&1) {
+        return 0;
+    }
+    let get = |k: &str| v.params.get(k).copied().unwrap_or(1);
+    let quantities = if v.op == KernelOp::LayerNormBwd { 2 } else { 1 };
+    quantities * get("THREADS_PER_ROW") * get("ROWS_PER_BLOCK") * get("ELEMS_PER_THREAD") * 4
+}
 
 /// The launch shape a variant's parameters give.
 #[derive(Clone, Copy, Debug)]
@@ -87,7 +103,7 @@ pub fn validate_variant(v: &Variant) -> Result<(), String> {
             v.name
         ));
     }
-    for flag in ["PREFETCH", "STREAM"] {
+    for flag in ["PREFETCH", "STREAM", "SMEM_ACC"] {
         if !matches!(v.params.get(flag), None | Some(0) | Some(1)) {
             return Err(format!("{}: {flag} must be 0 or 1", v.name));
         }
@@ -118,6 +134,16 @@ pub fn validate_variant(v: &Variant) -> Result<(), String> {
         ));
     }
     let backward = matches!(v.op, KernelOp::LayerNormBwd | KernelOp::RmsNormBwd);
+    if v.params.get("SMEM_ACC") == Some(&1) && !backward {
+        return Err(format!("{}: SMEM_ACC is a backward parameter", v.name));
+    }
+    if accumulator_bytes(v) > DYNAMIC_SMEM_LIMIT {
+        return Err(format!(
+            "{}: the accumulators need {} bytes of shared memory (limit {DYNAMIC_SMEM_LIMIT})",
+            v.name,
+            accumulator_bytes(v)
+        ));
+    }
     if backward && rows > 1 && rows * tpr * ept * 4 > STATIC_SMEM_LIMIT {
         return Err(format!(
             "{}: the CTA's dgamma partials need {} bytes of shared memory (limit {STATIC_SMEM_LIMIT})",
@@ -194,6 +220,8 @@ struct Plan {
     geometry: Geometry,
     /// Persistent grid: every group of rows, but no more CTAs than fit on the GPU at once.
     grid: u32,
+    /// Dynamic shared memory a CTA (the backward's accumulators with SMEM_ACC = 1).
+    shared_bytes: u32,
 }
 
 impl Plan {
@@ -219,14 +247,26 @@ fn plan(op: KernelOp, l: &Layout, launch: Launch) -> Result<Plan, StockReason> {
     let g = geometry(variant);
     let groups = (l.rows + i64::from(g.rows_per_block) - 1) / i64::from(g.rows_per_block);
     let block_threads = g.threads_per_row * g.rows_per_block;
+    // validate_variant keeps it below DYNAMIC_SMEM_LIMIT.
+    let shared_bytes = u32::try_from(accumulator_bytes(variant)).unwrap_or(u32::MAX);
+    gpu.ctx
+        .bind_to_thread()
+        .and_then(|()| kernels.allow_shared_bytes(0, shared_bytes))
+        .map_err(|e| jit::launch_failed(variant, e))?;
     let grid = if g.cluster > 1 {
         // A cluster per group of rows; no more clusters than the GPCs can hold at once.
         let clusters = kernels
-            .resident_clusters(0, g.cluster, block_threads, 0, &gpu.stream(launch))
+            .resident_clusters(
+                0,
+                g.cluster,
+                block_threads,
+                shared_bytes,
+                &gpu.stream(launch),
+            )
             .map_err(|e| jit::launch_failed(variant, e))?;
         groups.min(i64::from(clusters)) * i64::from(g.cluster)
     } else {
-        let resident = kernels.resident_per_sm(0, block_threads);
+        let resident = kernels.resident_per_sm_with(0, block_threads, shared_bytes);
         groups.min(i64::from(resident) * i64::from(gpu.multiprocessors))
     };
     let grid = u32::try_from(grid).map_err(|_| StockReason::NoVariantForShape)?;
@@ -236,6 +276,7 @@ fn plan(op: KernelOp, l: &Layout, launch: Launch) -> Result<Plan, StockReason> {
         gpu,
         geometry: g,
         grid,
+        shared_bytes,
     })
 }
 
@@ -249,7 +290,7 @@ impl Plan {
                 self.geometry.rows_per_block,
                 1,
             ),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: self.shared_bytes,
         }
     }
 
@@ -553,5 +594,35 @@ mod tests {
         }
         let misspelt = parse(", ROWS_PER_BLOCK = 1, STREEM = 1");
         assert!(misspelt.unwrap_err().contains("unknown param"));
+    }
+
+    /// A backward variant with `params` after THREADS_PER_ROW and ROWS_PER_BLOCK = 1.
+    fn parse_bwd(op: &str, params: &str) -> Result<(), String> {
+        crate::registry::Registry::parse(&[(
+            "t.toml",
+            &format!(
+                "[[variant]]\nname = \"t\"\nop = \"{op}\"\nsource = \"norm.cu\"\n\
+                 dtypes = [\"bf16\"]\nsm = [80, 90]\nhidden = [1, 1024]\n\
+                 params = {{ THREADS_PER_ROW = 1024, ROWS_PER_BLOCK = 1{params} }}\n"
+            ),
+        )])
+        .map(|_| ())
+    }
+
+    #[test]
+    fn shared_memory_accumulators_are_a_backward_flag_within_the_limit() {
+        let fits = ", ELEMS_PER_THREAD = 16, SMEM_ACC = 1, MIN_BLOCKS = 1";
+        assert_eq!(parse_bwd("layer_norm_bwd", fits), Ok(()));
+        assert_eq!(parse_bwd("rms_norm_bwd", fits), Ok(()));
+        // LayerNorm: 2 quantities x 1024 threads x 24 elements x 4 bytes = 192 KiB.
+        let too_big = parse_bwd("layer_norm_bwd", ", ELEMS_PER_THREAD = 24, SMEM_ACC = 1");
+        assert!(too_big.unwrap_err().contains("shared memory"));
+        // RMSNorm has one quantity: 96 KiB fits.
+        let one_quantity = parse_bwd("rms_norm_bwd", ", ELEMS_PER_THREAD = 24, SMEM_ACC = 1");
+        assert_eq!(one_quantity, Ok(()));
+        let forward = parse(", ROWS_PER_BLOCK = 1, SMEM_ACC = 1");
+        assert!(forward.unwrap_err().contains("backward parameter"));
+        let not_a_flag = parse_bwd("layer_norm_bwd", ", ELEMS_PER_THREAD = 8, SMEM_ACC = 2");
+        assert!(not_a_flag.unwrap_err().contains("must be 0 or 1"));
     }
 }

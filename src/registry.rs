@@ -648,7 +648,12 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
                 assert_eq!(ampere, Ok(name.replace("_cluster_sort", "_sorted")));
                 continue;
             }
-            match name.rsplit_once("_c") {
+            // A trailing _s<MIN_BLOCKS> (shared-memory accumulators) follows the cluster size.
+            let shape = match name.rsplit_once("_s") {
+                Some((head, blocks)) if blocks.parse::<u32>().is_ok() => head,
+                _ => name.as_str(),
+            };
+            match shape.rsplit_once("_c") {
                 Some((_, cluster)) if cluster.parse::<u32>().is_ok() => match hidden {
                     ..=16384 => assert!(ampere.is_ok_and(|n| n.starts_with(prefix) && n != name)),
                     _ => assert_eq!(ampere, Err(StockReason::NoVariantForShape)),
