@@ -470,9 +470,10 @@ extern "C" __global__ void TF_ROW_CTAS __launch_bounds__(TPR * RPB, TF_MIN_BLOCK
 #define ACC_QUANTITIES (TF_RMS ? 1 : 2)
 #define ACC_PARTS (VEC / 4)
 #if TF_SMEM_ACC
+// This thread's float4 `part` of chunk `it` of accumulator `quantity` (0 dgamma, 1 dbeta).
 __device__ __forceinline__ float4* acc_slot(float4* base, int quantity, int it, int part) {
-  return base + ((static_cast<int>(quantity) * RPB + static_cast<int>(threadIdx.y)) * ITERS * ACC_PARTS +
-                 it * ACC_PARTS + part) * TPR + threadIdx.x;
+  const int row = quantity * RPB + static_cast<int>(threadIdx.y);
+  return base + ((row * ITERS + it) * ACC_PARTS + part) * TPR + threadIdx.x;
 }
 #endif
 

@@ -41,8 +41,8 @@ const CLUSTER_MIN_SM: u32 = 90;
 
 /// Static shared memory a CTA of norm_bwd may use (the CUDA limit without opting in).
 const STATIC_SMEM_LIMIT: i64 = 48 * 1024;
-/// Dynamic shared memory a CTA may opt in to on sm 80 and 90 (H100: 227 KiB), less what the
-/// kernels declare statically.
+/// Dynamic shared memory a variant may ask for: below what a CTA may opt in to on sm 80 and
+/// 90 (A100: 163 KiB, H100: 227 KiB) together with what the kernels declare statically.
 const DYNAMIC_SMEM_LIMIT: i64 = 160 * 1024;
 
 /// Dynamic shared memory of a backward variant with SMEM_ACC = 1: its fp32 accumulators of
@@ -249,10 +249,12 @@ fn plan(op: KernelOp, l: &Layout, launch: Launch) -> Result<Plan, StockReason> {
     let block_threads = g.threads_per_row * g.rows_per_block;
     // validate_variant keeps it below DYNAMIC_SMEM_LIMIT.
     let shared_bytes = u32::try_from(accumulator_bytes(variant)).unwrap_or(u32::MAX);
-    gpu.ctx
-        .bind_to_thread()
-        .and_then(|()| kernels.allow_shared_bytes(0, shared_bytes))
-        .map_err(|e| jit::launch_failed(variant, e))?;
+    if shared_bytes > 0 {
+        gpu.ctx
+            .bind_to_thread()
+            .and_then(|()| kernels.allow_shared_bytes(0, shared_bytes))
+            .map_err(|e| jit::launch_failed(variant, e))?;
+    }
     let grid = if g.cluster > 1 {
         // A cluster per group of rows; no more clusters than the GPCs can hold at once.
         let clusters = kernels
