@@ -475,6 +475,24 @@ __device__ __forceinline__ float4* acc_slot(float4* base, int quantity, int it, 
   const int row = quantity * RPB + static_cast<int>(threadIdx.y);
   return base + ((row * ITERS + it) * ACC_PARTS + part) * TPR + threadIdx.x;
 }
+
+// That float4 as v[4 * part .. 4 * part + 3] of this thread's VEC values of the chunk, from
+// and to shared memory. (Callers loop over the parts outside, dgamma's and dbeta's part by
+// part: that order is what the kernel was measured with.)
+__device__ __forceinline__ void load_acc(float4* base, int quantity, int it, int part,
+                                         float (&v)[VEC]) {
+  const float4 a = *acc_slot(base, quantity, it, part);
+  v[part * 4 + 0] = a.x;
+  v[part * 4 + 1] = a.y;
+  v[part * 4 + 2] = a.z;
+  v[part * 4 + 3] = a.w;
+}
+
+__device__ __forceinline__ void store_acc(float4* base, int quantity, int it, int part,
+                                          const float (&v)[VEC]) {
+  *acc_slot(base, quantity, it, part) =
+      make_float4(v[part * 4], v[part * 4 + 1], v[part * 4 + 2], v[part * 4 + 3]);
+}
 #endif
 
 // Sums the CTA's rows of `acc` in a fixed order (row 0 of the CTA, then 1, ...) and writes
@@ -590,17 +608,9 @@ extern "C" __global__ void TF_ROW_CTAS __launch_bounds__(TPR * RPB, TF_MIN_BLOCK
 #endif
 #pragma unroll
       for (int part = 0; part < ACC_PARTS; ++part) {
-        const float4 a = *acc_slot(acc_smem, 0, it, part);
-        acc_w[0][part * 4 + 0] = a.x;
-        acc_w[0][part * 4 + 1] = a.y;
-        acc_w[0][part * 4 + 2] = a.z;
-        acc_w[0][part * 4 + 3] = a.w;
+        load_acc(acc_smem, 0, it, part, acc_w[0]);
 #if !TF_RMS
-        const float4 b = *acc_slot(acc_smem, 1, it, part);
-        acc_b[0][part * 4 + 0] = b.x;
-        acc_b[0][part * 4 + 1] = b.y;
-        acc_b[0][part * 4 + 2] = b.z;
-        acc_b[0][part * 4 + 3] = b.w;
+        load_acc(acc_smem, 1, it, part, acc_b[0]);
 #endif
       }
       const int slot = 0;
@@ -624,13 +634,9 @@ extern "C" __global__ void TF_ROW_CTAS __launch_bounds__(TPR * RPB, TF_MIN_BLOCK
 #if TF_SMEM_ACC
 #pragma unroll
       for (int part = 0; part < ACC_PARTS; ++part) {
-        *acc_slot(acc_smem, 0, it, part) =
-            make_float4(acc_w[0][part * 4], acc_w[0][part * 4 + 1], acc_w[0][part * 4 + 2],
-                        acc_w[0][part * 4 + 3]);
+        store_acc(acc_smem, 0, it, part, acc_w[0]);
 #if !TF_RMS
-        *acc_slot(acc_smem, 1, it, part) =
-            make_float4(acc_b[0][part * 4], acc_b[0][part * 4 + 1], acc_b[0][part * 4 + 2],
-                        acc_b[0][part * 4 + 3]);
+        store_acc(acc_smem, 1, it, part, acc_b[0]);
 #endif
       }
 #endif
@@ -678,17 +684,9 @@ extern "C" __global__ void TF_ROW_CTAS __launch_bounds__(TPR * RPB, TF_MIN_BLOCK
   for (int it = 0; it < ITERS; ++it)
 #pragma unroll
     for (int part = 0; part < ACC_PARTS; ++part) {
-      const float4 a = *acc_slot(acc_smem, 0, it, part);
-      acc_w[it][part * 4 + 0] = a.x;
-      acc_w[it][part * 4 + 1] = a.y;
-      acc_w[it][part * 4 + 2] = a.z;
-      acc_w[it][part * 4 + 3] = a.w;
+      load_acc(acc_smem, 0, it, part, acc_w[it]);
 #if !TF_RMS
-      const float4 b = *acc_slot(acc_smem, 1, it, part);
-      acc_b[it][part * 4 + 0] = b.x;
-      acc_b[it][part * 4 + 1] = b.y;
-      acc_b[it][part * 4 + 2] = b.z;
-      acc_b[it][part * 4 + 3] = b.w;
+      load_acc(acc_smem, 1, it, part, acc_b[it]);
 #endif
     }
 #endif

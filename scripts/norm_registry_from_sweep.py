@@ -42,7 +42,7 @@ def fastest(row, hi, cluster):
         tpr, rpb, ept, pf, c, smem = CANDIDATE.search(k).groups()
         c = int(c or 1)
         # Candidates with shared-memory accumulators (_s<MIN_BLOCKS>) are chosen by hand.
-        if row["op"].endswith("bwd") and pf == "1" or smem:
+        if (row["op"].endswith("bwd") and pf == "1") or smem:
             continue
         if (c > 1) == cluster and int(tpr) * int(ept) * c >= hi:
             fits.append((v, int(tpr), int(rpb), int(ept), int(pf), c))
