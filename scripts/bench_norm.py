@@ -7,7 +7,9 @@ Bytes: forward = read x + write y; backward = read x + read dy + write dx (issue
 
   --sweep   also time every candidate variant of kernels/norm.cu per shape (forced by name
             through TORCHFUSE_REGISTRY_EXTRA + torch.ops.torchfuse._force_variant); the results
-            are what registry/norm.toml is written from.
+            are what registry/norm.toml is written from. With --graph the candidates are also
+            replayed from CUDA graphs ("graph_candidates" in the JSON): narrow rows are
+            host-bound per call, so only the replays rank them.
   --compile also time torch.compile'd F.layer_norm / F.rms_norm (forward, and forward+backward
             minus forward is not separable there, so only forward), and Liger if importable.
 """
@@ -89,6 +91,12 @@ def candidates(hidden, op):
                 continue
             out.append(dict(THREADS_PER_ROW=tpr, ROWS_PER_BLOCK=rpb, ELEMS_PER_THREAD=ept, PREFETCH=0))
             out += smem_twin(out[-1], op)
+            # CTAs of 256 or 512 threads (more rows each): fewer partial rows for the column
+            # reduction to read, at the same occupancy where registers allow.
+            for big in (256, 512):
+                more = big // tpr
+                if more > rpb and more * tpr * ept * 4 <= 48 * 1024:
+                    out.append(dict(THREADS_PER_ROW=tpr, ROWS_PER_BLOCK=more, ELEMS_PER_THREAD=ept, PREFETCH=0))
         else:
             for pf in (0, 1):
                 out.append(dict(THREADS_PER_ROW=tpr, ROWS_PER_BLOCK=rpb, ELEMS_PER_THREAD=ept, PREFETCH=pf))
@@ -281,8 +289,11 @@ def main():
                 if a.sweep:
                     row["candidates"] = {k: v for k, v in t.items() if k.startswith("sweep_")}
                 if a.graph:
-                    g = graph_timings(toggle, fn, inputs, sides[:2])
-                    if len(g) == 2:
+                    # With --sweep the candidates are replayed too (narrow rows are host-bound per call).
+                    g = graph_timings(toggle, fn, inputs, sides)
+                    if a.sweep:
+                        row["graph_candidates"] = {k: v for k, v in g.items() if k.startswith("sweep_")}
+                    if "stock" in g and "torchfuse" in g:
                         row.update(stock_graph_us=g["stock"], torchfuse_graph_us=g["torchfuse"],
                                    graph_speedup=g["stock"] / g["torchfuse"],
                                    stock_graph_pct_copy=pct(g["stock"]),
