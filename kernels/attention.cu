@@ -107,6 +107,22 @@ static_assert(TF_FWD_BLOCK_N % 16 == 0 && TF_BWD_BLOCK_Q % 16 == 0 && TF_DQ_BLOC
 typedef unsigned int u32;
 typedef unsigned short u16;
 
+// The CTA's tile (query rows, or keys for dK/dV), head and batch. With a causal mask the grid
+// is (heads, batch, tiles), the tile index slowest, so every head's heaviest tiles start before
+// any light one and the light ones fill the last wave: query tiles are heavier the later they
+// start (heavy_last), key tiles the earlier. Without a mask it is (tiles, heads, batch), so the
+// CTAs of one head run together and share its K and V in L2 (tile-slowest measured 1.4x
+// slower there: B8 H16 S1024 D128). src/attention.rs launches the same order.
+struct GridTile {
+  int tile, head, batch;
+};
+__device__ __forceinline__ GridTile grid_tile(int causal, bool heavy_last) {
+  if (!causal) return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
+  const int z = static_cast<int>(blockIdx.z);
+  return {heavy_last ? static_cast<int>(gridDim.z) - 1 - z : z, static_cast<int>(blockIdx.x),
+          static_cast<int>(blockIdx.y)};
+}
+
 // Bytes from the start of dynamic shared memory to its first 1024-byte boundary: the TMA
 // swizzle repeats every 1024 bytes of shared address, so the tiles start there (the launch asks
 // for 1024 bytes of slack).
@@ -669,8 +685,8 @@ extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wg = warp >> 2, wg_warp = warp & 3;
   const int g = lane >> 2, t = lane & 3;
-  const int mb = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+  const GridTile cta = grid_tile(causal, true);
+  const int mb = cta.tile, h = cta.head, b = cta.batch, hk = h / group;
   const int q0 = mb * BM, w0 = q0 + wg * 64;        // first row of the CTA, of the warpgroup
   const int r0 = w0 + 16 * wg_warp + g;             // this thread's rows: r0 and r0 + 8
 
@@ -947,8 +963,8 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCK
   const int g = lane >> 2, t = lane & 3;
   const Lane fl = lane_offsets(lane);
   // Causal: the longest query blocks first, so the short ones fill the tail.
-  const int mb = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+  const GridTile cta = grid_tile(causal, true);
+  const int mb = cta.tile, h = cta.head, b = cta.batch, hk = h / group;
   const int q0 = mb * BM, w0 = q0 + warp * WARP_ROWS;  // first row of the CTA, of the warp
 
   const u16* qb = at(q, qs, b, h) + q0 * qs.row;
@@ -1160,8 +1176,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wg = warp >> 2, wg_warp = warp & 3;
   const int g = lane >> 2, t = lane & 3;
-  const int nb = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int hk = blockIdx.y, b = blockIdx.z;
+  const GridTile cta = grid_tile(causal, false);
+  const int nb = cta.tile, hk = cta.head, b = cta.batch;
   const int k0 = nb * BK;
   // Query tiles: every head of the group, from the first tile that reaches this key block.
   const int q_first = causal ? (k0 / BQ) : 0;
@@ -1285,8 +1301,8 @@ extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32, TF_BWD_MIN_BLOCK
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const Lane fl = lane_offsets(lane);
-  const int nb = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int hk = blockIdx.y, b = blockIdx.z;
+  const GridTile cta = grid_tile(causal, false);
+  const int nb = cta.tile, hk = cta.head, b = cta.batch;
   const int k0 = nb * BK, w0 = k0 + warp * WARP_KEYS;  // first key of the CTA, of the warp
 
   load_tile<BK, THREADS>(k_tile, at(k, ks, b, hk) + k0 * ks.row, ks.row, lk - k0, tid);
@@ -1397,8 +1413,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wg = warp >> 2, wg_warp = warp & 3;
   const int g = lane >> 2, t = lane & 3;
-  const int mb = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+  const GridTile cta = grid_tile(causal, true);
+  const int mb = cta.tile, h = cta.head, b = cta.batch, hk = h / group;
   const int q0 = mb * BM;
   const int kv_end = causal ? min(lk, q0 + BM) : lk;
   const int tiles = (kv_end + BN - 1) / BN;
@@ -1501,8 +1517,8 @@ extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32, TF_BWD_MIN_BLOCK
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const Lane fl = lane_offsets(lane);
-  const int mb = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+  const GridTile cta = grid_tile(causal, true);
+  const int mb = cta.tile, h = cta.head, b = cta.batch, hk = h / group;
   const int q0 = mb * BM, w0 = q0 + warp * WARP_ROWS;
 
   load_tile<BM, THREADS>(q_tile, at(q, qs, b, h) + q0 * qs.row, qs.row, lq - q0, tid);

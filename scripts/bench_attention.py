@@ -8,6 +8,7 @@ backward 3.5 times that.
   --small  also the small shapes the registry's thresholds come from
   --quick  the GPT-2 shape only (a smoke run)
   --fwd-only  time the forward only
+  --graph  time CUDA-graph replays of the calls (GPU time only) instead of the calls
   --deterministic  with torch.use_deterministic_algorithms(True): stock's default is then
            FlashAttention-2 with its deterministic backward (cuDNN's is not deterministic)
   --sweep  also time the launch-shape candidates of SWEEP (forced by name through
@@ -15,6 +16,7 @@ backward 3.5 times that.
            registry/attention.toml's params come from
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -128,7 +130,55 @@ def fused_count():
     return json.loads(torch.ops.torchfuse.stats())["ops"].get(ATEN_FWD, {}).get("fused", 0)
 
 
-def measure(shape, gen, rounds, reps, sweep, phases, sweep_only=None):
+def graph_times(sides, usable, fn, inputs, rounds, reps):
+    """GPU time per call without the host (the per-call loop is host-bound at the small and
+    GPT-2 shapes, where autograd's Python and C++ work per call is about 200 µs): each side's
+    calls over all input sets captured once in a CUDA graph, replays timed with events,
+    interleaved rounds. Sides that cannot be captured are left out."""
+    graphs = {}
+    for name, (on, below, backend, forced) in sides.items():
+        if not usable[name]:
+            continue
+        torch.ops.torchfuse.set_enabled("sdpa", on)
+        torch.ops.torchfuse._serve_below_thresholds(below)
+        torch.ops.torchfuse._force_variant(forced)
+        # The first capture of a backward in a process has failed for every side (stock's
+        # too: "operation failed due to a previous error during capture") and the next one
+        # worked, so a failed capture is tried once more.
+        for attempt in (1, 2):
+            try:
+                with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        for args in inputs:
+                            fn(*args)
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    # The backward runs on autograd's device thread.
+                    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                        for args in inputs:
+                            fn(*args)
+                graphs[name] = graph
+                break
+            except RuntimeError as e:
+                print(f"  {name}: no graph, attempt {attempt} ({str(e).splitlines()[0]})", flush=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = {name: [] for name in graphs}
+    for graph in graphs.values():
+        graph.replay()
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            for _ in range(reps):
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end) * 1e3 / len(inputs))
+    return times
+
+
+def measure(shape, gen, rounds, reps, sweep, phases, sweep_only=None, graph=False):
     b, h, s, d, causal = shape
     inputs = make_inputs(b, h, s, d, 2, gen)
 
@@ -190,10 +240,13 @@ def measure(shape, gen, rounds, reps, sweep, phases, sweep_only=None):
             except RuntimeError as e:
                 usable[name] = False
                 print(f"  {name} unavailable at {shape}: {str(e).splitlines()[0]}")
-        for _ in range(rounds):
-            for name in sides:
-                if usable[name]:
-                    times[name] += run(name, reps)
+        if graph:
+            times = graph_times(sides, usable, fn, inputs, rounds, reps)
+        else:
+            for _ in range(rounds):
+                for name in sides:
+                    if usable[name]:
+                        times[name] += run(name, reps)
         torch.ops.torchfuse.set_enabled("sdpa", True)
         torch.ops.torchfuse._serve_below_thresholds(False)
         torch.ops.torchfuse._force_variant("")
@@ -217,6 +270,8 @@ def main():
     parser.add_argument("--sweep-only", default="",
                         help="with --sweep: only these candidates of SWEEP (comma-separated indices)")
     parser.add_argument("--fwd-only", action="store_true", help="time the forward only")
+    parser.add_argument("--graph", action="store_true",
+                        help="time CUDA-graph replays (GPU time only) instead of calls")
     parser.add_argument("--deterministic", action="store_true",
                         help="torch.use_deterministic_algorithms(True) for the whole run")
     args = parser.parse_args()
@@ -232,19 +287,23 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() & 0xFFFFFFFF)
     peak = matmul_peak()
     device = torch.cuda.get_device_name()
-    mode = "; deterministic algorithms" if args.deterministic else ""
+    mode = ("; deterministic algorithms" if args.deterministic else "") + (
+        "; CUDA-graph replays (GPU time only)" if args.graph else "")
     print(f"device: {device}; bf16 matmul peak {peak:.0f} TFLOP/s (8192^3, same run){mode}")
     shapes = SHAPES[:1] if args.quick else SHAPES + (SMALL if args.small else [])
     rows = []
     for shape in shapes:
         only = {int(i) for i in args.sweep_only.split(",")} if args.sweep_only else None
         r = measure(shape, gen, rounds=3 if args.quick else 5, reps=5, sweep=args.sweep,
-                    phases=phases, sweep_only=only)
+                    phases=phases, sweep_only=only, graph=args.graph)
         f = flops(*shape[:4], shape[4])
         for phase, mult in (("fwd", 1.0), ("fwdbwd", 3.5)):
             if phase not in r:
                 continue
             t = r[phase]
+            if "kernel" not in t or "stock" not in t:
+                print(f"{phase}: {shape}: no timing for ours or stock, left out", flush=True)
+                continue
             routed = t["kernel"] if r["routed_to_kernel"] else t["stock"]
             row = {"shape": list(shape), "phase": phase, "us": t, "routed_us": routed,
                    "routed_to_kernel": r["routed_to_kernel"],

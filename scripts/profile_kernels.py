@@ -37,7 +37,7 @@ def embedding_cases():
 
 
 def attention_cases():
-    for b, h, s, d, causal in [(8, 12, 1024, 64, True), (4, 16, 2048, 128, True)]:
+    for b, h, s, d, causal in [(8, 12, 1024, 64, True), (16, 12, 512, 64, True), (4, 16, 2048, 128, True)]:
         def make(b=b, h=h, s=s, d=d):
             q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                        for _ in range(3))
