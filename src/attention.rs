@@ -74,6 +74,9 @@ impl Strides {
     }
 }
 
+/// The fewest rows (queries or keys) of any kernel's tile: 16 * M_TILES * WARPS at its least.
+const MIN_TILE_ROWS: i64 = 32;
+
 /// Kernel launch shapes a variant may set, and their allowed values.
 const PARAMS: [(&str, &[i64]); 15] = [
     ("HEAD_DIM", &[64, 128]),
@@ -433,9 +436,14 @@ pub unsafe fn plan(launch: Launch, call: &AttentionCallC) -> Result<Plan, StockR
     if call.is_causal && lq != lk {
         return Err(StockReason::NoVariantForShape);
     }
-    // Grid dimensions and 32-bit row indices in the kernels.
-    if *b > 65_535 || *h > 65_535 || *lq > i64::from(i32::MAX) / 2 || *lk > i64::from(i32::MAX) / 2
-    {
+    // Grid dimensions and 32-bit row indices in the kernels. A causal grid has its tiles in
+    // its third dimension (at most 65535), tiles of at least MIN_TILE_ROWS rows.
+    let max_len = if call.is_causal {
+        65_535 * MIN_TILE_ROWS
+    } else {
+        i64::from(i32::MAX) / 2
+    };
+    if *b > 65_535 || *h > 65_535 || *lq > max_len || *lk > max_len {
         return Err(StockReason::NoVariantForShape);
     }
     if ![q, k, v].iter().all(|t| kernel_layout(t)) {
@@ -831,6 +839,25 @@ impl Plan {
 mod tests {
     use super::*;
     use crate::registry::REGISTRY;
+
+    #[test]
+    fn no_tile_is_smaller_than_min_tile_rows() {
+        // A causal call's length is bounded by 65535 tiles of MIN_TILE_ROWS rows (its grid's
+        // third dimension), which holds only if no kernel's tile has fewer rows.
+        let allowed = |name: &str| PARAMS.iter().find(|(p, _)| *p == name).map(|(_, v)| *v);
+        let (m_tiles, fwd_warps, bwd_warps) = (
+            allowed("FWD_M_TILES").unwrap_or(&[]),
+            allowed("FWD_WARPS").unwrap_or(&[]),
+            allowed("BWD_WARPS").unwrap_or(&[]),
+        );
+        assert!(!m_tiles.is_empty() && !fwd_warps.is_empty() && !bwd_warps.is_empty());
+        let fewest = m_tiles
+            .iter()
+            .flat_map(|m| fwd_warps.iter().chain(bwd_warps).map(move |w| 16 * m * w))
+            .chain([DKDV_WG_KEYS, DQ_WG_ROWS])
+            .min();
+        assert_eq!(fewest, Some(MIN_TILE_ROWS));
+    }
 
     fn variant(sm: &str, params: &str) -> Result<crate::registry::Registry, String> {
         crate::registry::Registry::parse(&[(
