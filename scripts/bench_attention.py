@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bench_common import matmul_peak, timed_loop
+from bench_common import capture_graph, matmul_peak, replay_times, timed_loop
 
 # (B, H, S, D, causal) of issue 6.
 SHAPES = [(8, 12, 1024, 64, True), (16, 12, 512, 64, True), (4, 16, 2048, 128, True),
@@ -134,7 +134,9 @@ def graph_times(sides, usable, fn, inputs, rounds, reps):
     """GPU time per call without the host (the per-call loop is host-bound at the small and
     GPT-2 shapes, where autograd's Python and C++ work per call is about 200 µs): each side's
     calls over all input sets captured once in a CUDA graph, replays timed with events,
-    interleaved rounds. Sides that cannot be captured are left out."""
+    interleaved rounds. Sides that cannot be captured are left out (at B8 H12 S1024 D64
+    causal the forward+backward capture failed for every side, stock's too, in the runs of
+    docs/bench/h100-attention-graph.md)."""
     graphs = {}
     for name, (on, below, backend, forced) in sides.items():
         if not usable[name]:
@@ -142,40 +144,13 @@ def graph_times(sides, usable, fn, inputs, rounds, reps):
         torch.ops.torchfuse.set_enabled("sdpa", on)
         torch.ops.torchfuse._serve_below_thresholds(below)
         torch.ops.torchfuse._force_variant(forced)
-        # The first capture of a backward in a process has failed for every side (stock's
-        # too: "operation failed due to a previous error during capture") and the next one
-        # worked, so a failed capture is tried once more.
-        for attempt in (1, 2):
-            try:
-                with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
-                    side = torch.cuda.Stream()
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
-                        for args in inputs:
-                            fn(*args)
-                    torch.cuda.current_stream().wait_stream(side)
-                    graph = torch.cuda.CUDAGraph()
-                    # The backward runs on autograd's device thread.
-                    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                        for args in inputs:
-                            fn(*args)
-                graphs[name] = graph
-                break
-            except RuntimeError as e:
-                print(f"  {name}: no graph, attempt {attempt} ({str(e).splitlines()[0]})", flush=True)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = {name: [] for name in graphs}
-    for graph in graphs.values():
-        graph.replay()
-    for _ in range(rounds):
-        for name, graph in graphs.items():
-            for _ in range(reps):
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end) * 1e3 / len(inputs))
-    return times
+        try:
+            with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                # The backward runs on autograd's device thread.
+                graphs[name] = capture_graph(fn, inputs, capture_error_mode="thread_local")
+        except RuntimeError as e:
+            print(f"  {name}: no graph ({str(e).splitlines()[0]})", flush=True)
+    return replay_times(graphs, len(inputs), rounds, reps)
 
 
 def measure(shape, gen, rounds, reps, sweep, phases, sweep_only=None, graph=False):

@@ -47,30 +47,25 @@ def run_timings(toggle, fn, inputs, sides, rounds=5, reps=8):
     return {label: statistics.median(t) for label, t in times.items()}
 
 
-def graph_timings(toggle, fn, inputs, sides, rounds=5, reps=10):
-    """GPU time per call without the host in the way (METHOD.md: many small launches): each
-    side's calls over all input sets captured once in a CUDA graph, replays timed with events,
-    interleaved rounds, medians. Sides whose calls cannot be captured are left out."""
-    graphs = {}
-    for label, on, forced in sides:
-        torch.ops.torchfuse.set_enabled(toggle, on)
-        torch.ops.torchfuse._force_variant(forced)
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for args in inputs:
-                    fn(*args)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for args in inputs:
-                    fn(*args)
-            graphs[label] = graph
-        except RuntimeError as e:
-            print(f"  {label}: no graph ({str(e).splitlines()[0]})", flush=True)
-    torch.ops.torchfuse.set_enabled(toggle, True)
-    torch.ops.torchfuse._force_variant("")
+def capture_graph(fn, inputs, capture_error_mode="global"):
+    """fn's calls over all input sets, run once on a side stream (warm-up), then captured in a
+    CUDA graph. Raises RuntimeError where a call cannot be captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for args in inputs:
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode=capture_error_mode):
+        for args in inputs:
+            fn(*args)
+    return graph
+
+
+def replay_times(graphs, calls, rounds, reps):
+    """{label: per-call µs samples} of each graph (`calls` calls each): replays timed with
+    events, interleaved rounds."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = {label: [] for label in graphs}
     for graph in graphs.values():
@@ -82,7 +77,25 @@ def graph_timings(toggle, fn, inputs, sides, rounds=5, reps=10):
                 graph.replay()
                 end.record()
                 end.synchronize()
-                times[label].append(start.elapsed_time(end) * 1e3 / len(inputs))
+                times[label].append(start.elapsed_time(end) * 1e3 / calls)
+    return times
+
+
+def graph_timings(toggle, fn, inputs, sides, rounds=5, reps=10):
+    """GPU time per call without the host in the way (METHOD.md: many small launches): each
+    side's calls over all input sets captured once in a CUDA graph, replays timed with events,
+    interleaved rounds, medians. Sides whose calls cannot be captured are left out."""
+    graphs = {}
+    for label, on, forced in sides:
+        torch.ops.torchfuse.set_enabled(toggle, on)
+        torch.ops.torchfuse._force_variant(forced)
+        try:
+            graphs[label] = capture_graph(fn, inputs)
+        except RuntimeError as e:
+            print(f"  {label}: no graph ({str(e).splitlines()[0]})", flush=True)
+    torch.ops.torchfuse.set_enabled(toggle, True)
+    torch.ops.torchfuse._force_variant("")
+    times = replay_times(graphs, len(inputs), rounds, reps)
     del graphs
     return {label: statistics.median(t) for label, t in times.items()}
 
