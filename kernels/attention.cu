@@ -92,6 +92,21 @@
 #if TF_FWD_PINGPONG && !(TF_FWD_TMA && TF_FWD_WARPS == 8)
 #error "FWD_PINGPONG takes FWD_TMA and FWD_WARPS 8"
 #endif
+// 1 (with TF_FWD_TMA): a persistent forward. The grid is at most what fits on the GPU; CTA c
+// takes tile c first, then whichever comes next in grid_tile's order (gridDim.x plus an atomic
+// counter the launch zeroes), so CTAs that drew light causal tiles take more. When every tile
+// fits in one wave the launch passes no counter (and needs no memset): a grid of a CTA per
+// tile, as without FWD_PERSISTENT. Its producer runs
+// ahead across tiles: it draws the next tile and loads its Q (double-buffered) and first K/V
+// stages while the consumers finish this one, and hands them the tile's number beside its Q.
+// The output is staged in the tile's own Q buffer (the K/V ring holds the next tile's loads). Which CTA computes a tile
+// does not change its arithmetic: results stay bitwise reproducible.
+#ifndef TF_FWD_PERSISTENT
+#define TF_FWD_PERSISTENT 0
+#endif
+#if TF_FWD_PERSISTENT && !TF_FWD_TMA
+#error "FWD_PERSISTENT takes FWD_TMA"
+#endif
 
 #define HD TF_HEAD_DIM
 #define FWD_MT TF_FWD_M_TILES
@@ -375,15 +390,21 @@ __device__ __forceinline__ void zero(float (&acc)[MT][N][4]) {
 // A warp's 16 x HD fp32 accumulator, times `mul`, as 16-bit values into global rows
 // [row0, row0 + 16) (those below `valid_rows`), staged through the warp's own 16 rows of
 // `stage` (a swizzled tile) so global stores are 16 bytes wide.
+template <int WG_ROWS = 0>
 __device__ __forceinline__ void store_rows(const float (&acc)[HD / 8][4], float mul, u16* stage,
                                            int stage_row0, u16* out, tf_i64 row_stride,
                                            int valid_rows, int lane) {
   const int g = lane >> 2, t = lane & 3;
+  // The stage's layout: swizzled [rows][HD], or with WG_ROWS a warpgroup-MMA tile of that
+  // many rows (the Q tile the persistent forward stages in).
+  auto stage_off = [](int row, int col) {
+    return WG_ROWS ? wg_off(row, col, WG_ROWS) : swz(row, col);
+  };
 #pragma unroll
   for (int nt = 0; nt < HD / 8; ++nt) {
     const int col = nt * 8;
-    u32* lo = reinterpret_cast<u32*>(stage + swz(stage_row0 + g, col) + 2 * t);
-    u32* hi = reinterpret_cast<u32*>(stage + swz(stage_row0 + g + 8, col) + 2 * t);
+    u32* lo = reinterpret_cast<u32*>(stage + stage_off(stage_row0 + g, col) + 2 * t);
+    u32* hi = reinterpret_cast<u32*>(stage + stage_off(stage_row0 + g + 8, col) + 2 * t);
     *lo = pack2(acc[nt][0] * mul, acc[nt][1] * mul);
     *hi = pack2(acc[nt][2] * mul, acc[nt][3] * mul);
   }
@@ -393,7 +414,7 @@ __device__ __forceinline__ void store_rows(const float (&acc)[HD / 8][4], float 
     const int r = i / CHUNKS_PER_ROW;
     const int col = (i % CHUNKS_PER_ROW) * 8;
     if (r < valid_rows) {
-      const tf_raw16 v = *reinterpret_cast<const tf_raw16*>(stage + swz(stage_row0 + r, col));
+      const tf_raw16 v = *reinterpret_cast<const tf_raw16*>(stage + stage_off(stage_row0 + r, col));
       *reinterpret_cast<tf_raw16*>(out + r * row_stride + col) = v;
     }
   }
@@ -420,7 +441,7 @@ struct Strides {
 struct Problem {
   int heads, lq, lk, group;
   float scale_log2, scale;
-  int causal;
+  int causal, batch;
 };
 
 // Keys [n0, n0 + BN) of K and V into `stage` of the double-buffered K/V tiles (keys at or
@@ -665,9 +686,18 @@ __device__ __forceinline__ void pack_frags(const float (&a)[N / 2], u32 (&a_frag
 #define FWD_CTA_THREADS (TF_FWD_WARPS * 32)
 #endif
 
+// id = lo + first * (mid + second * hi).
+template <class I>
+__device__ __forceinline__ void split_tile_id(I id, I first, I second, int& lo, int& mid,
+                                              int& hi) {
+  lo = static_cast<int>(id % first);
+  mid = static_cast<int>((id / first) % second);
+  hi = static_cast<int>(id / first / second);
+}
+
 extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
     attn_fwd(const void* q, Strides qs, const void* k, Strides ks, const void* v, Strides vs,
-             void* o, Strides os, float* lse, Problem pb
+             void* o, Strides os, float* lse, Problem pb, int* tile_counter
 #if TF_FWD_TMA
              , const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
              const __grid_constant__ TmaMap v_map
@@ -677,32 +707,73 @@ extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
   const float scale_log2 = pb.scale_log2;
   constexpr int BM = FWD_BLOCK_M, BN = TF_FWD_BLOCK_N;
   extern __shared__ __align__(1024) unsigned char smem_bytes[];
-  u16* q_tile = reinterpret_cast<u16*>(smem_bytes + swizzle_pad(smem_bytes));
   constexpr int NS = TF_FWD_STAGES;
-  u16* k_tile = q_tile + BM * HD;  // [NS][BN * HD]
+  constexpr int Q_BUFS = TF_FWD_PERSISTENT ? 2 : 1;
+  u16* q_tiles = reinterpret_cast<u16*>(smem_bytes + swizzle_pad(smem_bytes));  // [Q_BUFS]
+  u16* k_tile = q_tiles + Q_BUFS * BM * HD;  // [NS][BN * HD]
   u16* v_tile = k_tile + NS * BN * HD;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wg = warp >> 2, wg_warp = warp & 3;
   const int g = lane >> 2, t = lane & 3;
-  const GridTile cta = grid_tile(causal, true);
-  const int mb = cta.tile, h = cta.head, b = cta.batch, hk = h / group;
-  const int q0 = mb * BM, w0 = q0 + wg * 64;        // first row of the CTA, of the warpgroup
-  const int r0 = w0 + 16 * wg_warp + g;             // this thread's rows: r0 and r0 + 8
-
-  const int kv_end = causal ? min(lk, q0 + BM) : lk;
-  const int tiles = (kv_end + BN - 1) / BN;
+#if TF_FWD_PERSISTENT
+  const int m_tiles = (lq + BM - 1) / BM;
+  const tf_i64 end_id = static_cast<tf_i64>(m_tiles) * heads * pb.batch;
+  // grid_tile's order, tile number id. In 32 bits where the tiles fit: 64-bit divisions are
+  // long subroutines, and they sit before the producer's first copy and the consumers' first
+  // gemm (1.2 us more per single-tile CTA, measured).
+  // No counter: the launch is a grid of one CTA per tile (they fit in one wave), in
+  // grid_tile's order.
+  const bool one_wave = tile_counter == nullptr;
+  auto coords = [&](tf_i64 id) {
+    if (one_wave) return grid_tile(causal, true);
+    GridTile c;
+    int lo, mid, hi;
+    const int first = causal ? heads : m_tiles, second = causal ? pb.batch : heads;
+    if (end_id <= 0x7fffffff) {
+      split_tile_id(static_cast<unsigned>(id), static_cast<unsigned>(first),
+            static_cast<unsigned>(second), lo, mid, hi);
+    } else {
+      split_tile_id(id, static_cast<tf_i64>(first), static_cast<tf_i64>(second), lo, mid, hi);
+    }
+    if (causal) {
+      c.head = lo;
+      c.batch = mid;
+      c.tile = m_tiles - 1 - hi;
+    } else {
+      c.tile = lo;
+      c.head = mid;
+      c.batch = hi;
+    }
+    return c;
+  };
+#else
+  u16* o_stage = k_tile;  // the K/V ring is free once every warpgroup is past its last tile
+  auto coords = [&](tf_i64) { return grid_tile(causal, true); };
+#endif
 #if TF_FWD_TMA
-  // Barriers after the V ring: Q's, then per stage K full, V full, K empty, V empty.
+  // Barriers after the V ring: Q full (and Q empty) per Q buffer, then per stage K full,
+  // V full, K empty, V empty.
   const u32 bars = smem_addr(v_tile + NS * BN * HD);
-  const u32 q_full = bars;
-  auto k_full = [&](int stage) { return bars + 8 * (1 + stage); };
-  auto v_full = [&](int stage) { return bars + 8 * (1 + NS + stage); };
-  auto k_empty = [&](int stage) { return bars + 8 * (1 + 2 * NS + stage); };
-  auto v_empty = [&](int stage) { return bars + 8 * (1 + 3 * NS + stage); };
+  constexpr int Q_BARS = TF_FWD_PERSISTENT ? 2 * Q_BUFS : 1;  // Q full (and Q empty) per buffer
+  auto q_full = [&](int buf) { return bars + 8 * buf; };
+  auto q_empty = [&](int buf) { return bars + 8 * (Q_BUFS + buf); };
+  auto k_full = [&](int stage) { return bars + 8 * (Q_BARS + stage); };
+  auto v_full = [&](int stage) { return bars + 8 * (Q_BARS + NS + stage); };
+  auto k_empty = [&](int stage) { return bars + 8 * (Q_BARS + 2 * NS + stage); };
+  auto v_empty = [&](int stage) { return bars + 8 * (Q_BARS + 3 * NS + stage); };
   constexpr int CONSUMER_WGS = TF_FWD_WARPS / 4;
+#if TF_FWD_PERSISTENT
+  // After the barriers: the tile number of each Q buffer (-1: no more tiles).
+  volatile tf_i64* buf_tile = reinterpret_cast<volatile tf_i64*>(
+      reinterpret_cast<unsigned char*>(v_tile + NS * BN * HD) + 8 * (Q_BARS + 4 * NS));
+#endif
   if (tid == 0) {
-    mbar_init(q_full, 1);
+    for (int buf = 0; buf < Q_BUFS; ++buf) {
+      mbar_init(q_full(buf), 1);
+      // A Q buffer is free once every consumer warp has staged its output rows in it.
+      if (Q_BARS > 1) mbar_init(q_empty(buf), TF_FWD_WARPS);
+    }
     for (int st = 0; st < NS; ++st) {
       mbar_init(k_full(st), 1);
       mbar_init(v_full(st), 1);
@@ -720,17 +791,46 @@ extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
 #endif
     if (wg_warp == 0 && lane == 0) {
       constexpr u32 TILE_BYTES = BN * HD * 2;
-      mbar_expect_bytes(q_full, BM * HD * 2);
-      tma_tile<BM>(q_tile, q_map, q0, h, b, q_full);
-      for (int j = 0; j < tiles; ++j) {
-        const int st = j % NS;
-        const u32 reuse = ((j / NS) - 1) & 1;
-        if (j >= NS) mbar_wait(k_empty(st), reuse);
-        mbar_expect_bytes(k_full(st), TILE_BYTES);
-        tma_tile<BN>(k_tile + st * BN * HD, k_map, j * BN, hk, b, k_full(st));
-        if (j >= NS) mbar_wait(v_empty(st), reuse);
-        mbar_expect_bytes(v_full(st), TILE_BYTES);
-        tma_tile<BN>(v_tile + st * BN * HD, v_map, j * BN, hk, b, v_full(st));
+      int ring = 0;  // K/V steps issued so far, over all of the CTA's tiles
+#if TF_FWD_PERSISTENT
+      tf_i64 id = blockIdx.x;
+      for (int local = 0;; ++local) {
+        const int qbuf = local % Q_BUFS;
+        if (local >= Q_BUFS) mbar_wait(q_empty(qbuf), ((local / Q_BUFS) - 1) & 1);
+        if (id >= end_id) {  // no more tiles: tell the consumers
+          buf_tile[qbuf] = -1;
+          mbar_arrive(q_full(qbuf));
+          break;
+        }
+        buf_tile[qbuf] = id;
+#else
+      {
+        const tf_i64 id = 0;
+        const int qbuf = 0;
+#endif
+        const GridTile c = coords(id);
+        const int q0 = c.tile * BM, hk = c.head / group, b = c.batch;
+        const int kv_end = causal ? min(lk, q0 + BM) : lk;
+        const int tiles = (kv_end + BN - 1) / BN;
+        mbar_expect_bytes(q_full(qbuf), BM * HD * 2);
+        tma_tile<BM>(q_tiles + qbuf * BM * HD, q_map, q0, c.head, b, q_full(qbuf));
+#if TF_FWD_PERSISTENT
+        // Drawn early: its latency hides behind K/V.
+        if (!one_wave) id = gridDim.x + atomicAdd(tile_counter, 1);
+#endif
+        for (int j = 0; j < tiles; ++j, ++ring) {
+          const int st = ring % NS;
+          const u32 reuse = ((ring / NS) - 1) & 1;
+          if (ring >= NS) mbar_wait(k_empty(st), reuse);
+          mbar_expect_bytes(k_full(st), TILE_BYTES);
+          tma_tile<BN>(k_tile + st * BN * HD, k_map, j * BN, hk, b, k_full(st));
+          if (ring >= NS) mbar_wait(v_empty(st), reuse);
+          mbar_expect_bytes(v_full(st), TILE_BYTES);
+          tma_tile<BN>(v_tile + st * BN * HD, v_map, j * BN, hk, b, v_full(st));
+        }
+#if TF_FWD_PERSISTENT
+        if (one_wave) break;
+#endif
       }
     }
     return;
@@ -742,9 +842,37 @@ extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
   auto release = [&](u32 bar) {
     if (wg_warp == 0 && lane == 0) mbar_arrive(bar);
   };
-  mbar_wait(q_full, 0);
+#endif
+  int ring = 0;  // K/V steps consumed so far, over all of the CTA's tiles
+#if TF_FWD_PERSISTENT
+  for (int local = 0;; ++local) {
+  const int qbuf = local % Q_BUFS;
+  // The first tile is the CTA's own: its coordinates are worked out while its Q loads.
+  tf_i64 id = blockIdx.x;
+  if (local > 0) {
+    mbar_wait(q_full(qbuf), (local / Q_BUFS) & 1);
+    id = buf_tile[qbuf];
+    if (id < 0) break;
+  }
+#else
+  {
+  const tf_i64 id = 0;
+  const int qbuf = 0;
+#endif
+  const GridTile cta = coords(id);
+  const int mb = cta.tile, h = cta.head, b = cta.batch;
+  const int q0 = mb * BM, w0 = q0 + wg * 64;        // first row of the CTA, of the warpgroup
+  const int r0 = w0 + 16 * wg_warp + g;             // this thread's rows: r0 and r0 + 8
+  const int kv_end = causal ? min(lk, q0 + BM) : lk;
+  const int tiles = (kv_end + BN - 1) / BN;
+  u16* q_tile = q_tiles + qbuf * BM * HD;
+#if TF_FWD_PERSISTENT
+  if (local == 0) mbar_wait(q_full(qbuf), 0);
+#elif TF_FWD_TMA
+  mbar_wait(q_full(qbuf), 0);
 #else
   constexpr int THREADS = TF_FWD_WARPS * 32;
+  const int hk = h / group;
   const u16* qb = at(q, qs, b, h) + q0 * qs.row;
   const u16* kb = at(k, ks, b, hk);
   const u16* vb = at(v, vs, b, hk);
@@ -787,8 +915,8 @@ extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
 #if TF_FWD_TMA
   // Step j's start: K_j and V_{j-1} have arrived.
   auto begin_step = [&](int j) {
-    if (j < tiles) mbar_wait(k_full(j % NS), (j / NS) & 1);
-    if (j >= 1) mbar_wait(v_full((j - 1) % NS), ((j - 1) / NS) & 1);
+    if (j < tiles) mbar_wait(k_full((ring + j) % NS), ((ring + j) / NS) & 1);
+    if (j >= 1) mbar_wait(v_full((ring + j - 1) % NS), ((ring + j - 1) / NS) & 1);
   };
 #else
   auto begin_step = [&](int j) {
@@ -801,11 +929,11 @@ extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
   };
 #endif
   auto issue_s = [&](int j) {
-    wg_gemm_hd<BN>(s, q_addr, BM, k_addr + (j % NS) * BN * HD * 2);
+    wg_gemm_hd<BN>(s, q_addr, BM, k_addr + ((ring + j) % NS) * BN * HD * 2);
     wg_commit();
   };
   auto issue_pv = [&](int j) {  // O += P_j V_j
-    wg_gemm_rs<BN>(o_acc, p, v_addr + (j % NS) * BN * HD * 2);
+    wg_gemm_rs<BN>(o_acc, p, v_addr + ((ring + j) % NS) * BN * HD * 2);
     wg_commit();
   };
   // Masks S_j, updates the running max and sum, leaves exp2(S_j - max) in s and the O
@@ -871,7 +999,7 @@ extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
   wg_wait<0>();
   fence_regs(s);
 #if TF_FWD_TMA
-  release(k_empty(0));
+  release(k_empty(ring % NS));
 #endif
   softmax(0);
   pack_p();
@@ -885,13 +1013,13 @@ extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
     wg_wait<1>();
     fence_regs(s);
 #if TF_FWD_TMA
-    release(k_empty(j % NS));
+    release(k_empty((ring + j) % NS));
 #endif
     softmax(j);
     wg_wait<0>();
     fence_regs(o_acc);
 #if TF_FWD_TMA
-    release(v_empty((j - 1) % NS));
+    release(v_empty((ring + j - 1) % NS));
 #endif
 #pragma unroll
     for (int i = 0; i < HD / 8; ++i) {
@@ -912,6 +1040,9 @@ extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
 #endif
   wg_wait<0>();
   fence_regs(o_acc);
+#if TF_FWD_PERSISTENT
+  release(v_empty((ring + tiles - 1) % NS));  // the last V stage, for the next tile's loads
+#endif
 
   float* lse_row = lse + (static_cast<tf_i64>(b) * heads + h) * lq;
   float inv[2];
@@ -931,8 +1062,11 @@ extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
     out[i][2] = o_acc[4 * i + 2] * inv[1];
     out[i][3] = o_acc[4 * i + 3] * inv[1];
   }
+#if TF_FWD_PERSISTENT
+  // Each warp stages its own rows in its own rows of the Q tile (the K/V ring holds the next
+  // tile's loads): its warpgroup's gemms reading them have completed.
+#elif TF_FWD_TMA
   // Every warpgroup is past its last read of the K/V tiles: they stage the output rows.
-#if TF_FWD_TMA
   // (The producer has left; every copy it issued has landed: the consumers waited for all.)
   asm volatile("bar.sync 1, %0;\n" ::"n"(TF_FWD_WARPS * 32) : "memory");
 #else
@@ -940,7 +1074,16 @@ extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
 #endif
   const int warp_row0 = w0 + 16 * wg_warp;
   u16* ob = static_cast<u16*>(o) + b * os.batch + h * os.head + warp_row0 * os.row;
-  store_rows(out, 1.f, k_tile, warp * 16, ob, os.row, lq - warp_row0, lane);
+#if TF_FWD_PERSISTENT
+  store_rows<BM>(out, 1.f, q_tile, warp * 16, ob, os.row, lq - warp_row0, lane);
+  __syncwarp();
+  if (lane == 0) mbar_arrive(q_empty(qbuf));  // the warp's reads of its rows are done
+  if (one_wave) break;
+#else
+  store_rows(out, 1.f, o_stage, warp * 16, ob, os.row, lq - warp_row0, lane);
+#endif
+  ring += tiles;
+  }  // the CTA's tiles
 }
 
 #else  // mma.sync forward

@@ -10,7 +10,10 @@ backward 3.5 times that.
   --fwd-only  time the forward only
   --graph  time CUDA-graph replays of the calls (GPU time only) instead of the calls
   --deterministic  with torch.use_deterministic_algorithms(True): stock's default is then
-           FlashAttention-2 with its deterministic backward (cuDNN's is not deterministic)
+           FlashAttention-2 with its deterministic backward (cuDNN's is not deterministic),
+           and `kernel` is what the registry routes (every size on sm 90)
+On sm 90 the persistent-forward variants (registry/attention.toml *_persistent) are timed
+beside, forced by name (`persistent`).
   --sweep  also time the launch-shape candidates of SWEEP (forced by name through
            TORCHFUSE_REGISTRY_EXTRA + torch.ops.torchfuse._force_variant); the results are what
            registry/attention.toml's params come from
@@ -109,6 +112,10 @@ def write_sweep_registry(path):
     Path(path).write_text("\n".join(lines))
 
 
+# --deterministic: torch.use_deterministic_algorithms(True) for the whole run.
+DETERMINISTIC = False
+
+
 def flops(b, h, s, d, causal):
     f = 4 * b * h * s * s * d
     return f / 2 if causal else f
@@ -166,7 +173,13 @@ def measure(shape, gen, rounds, reps, sweep, phases, sweep_only=None, graph=Fals
         torch.autograd.grad(o, (q, k, v), dout)
 
     # side -> (torchfuse on, serve below thresholds, stock backend restriction, forced variant)
-    sides = {"kernel": (True, True, None, ""), "stock": (False, False, None, "")}
+    # `kernel` is the variant that serves the shape (with deterministic algorithms required
+    # every size is routed on sm 90: thresholds applied, so the *_persistent variants serve
+    # the large shapes); `persistent` (sm 90) the persistent-forward variant at every shape.
+    sides = {"kernel": (True, not DETERMINISTIC, None, ""), "stock": (False, False, None, "")}
+    if torch.cuda.get_device_capability() == (9, 0):
+        persistent = f"attn_d{d}_{'causal' if causal else 'full'}_wg_persistent"
+        sides["persistent"] = (True, True, None, persistent)
     sides.update({name: (False, False, be, "") for name, be in BACKENDS.items()})
     if sweep:
         for i in range(len(SWEEP[d])):
@@ -236,6 +249,7 @@ def measure(shape, gen, rounds, reps, sweep, phases, sweep_only=None, graph=Fals
 
 
 def main():
+    global DETERMINISTIC
     parser = argparse.ArgumentParser()
     parser.add_argument("--lib-dir", required=True)
     parser.add_argument("--out", required=True)
@@ -251,6 +265,7 @@ def main():
                         help="torch.use_deterministic_algorithms(True) for the whole run")
     args = parser.parse_args()
     if args.deterministic:
+        DETERMINISTIC = True
         torch.use_deterministic_algorithms(True)
     phases = ("fwd",) if args.fwd_only else ("fwd", "fwdbwd")
     if args.sweep:
@@ -298,8 +313,9 @@ def main():
              f"bf16 matmul peak measured in the same run: {peak:.0f} TFLOP/s{mode}. "
              "`kernel` = torchfuse's kernel; `stock` = stock's default choice; ratio = stock / kernel; "
              "`routed` = what torchfuse runs after the registry's thresholds.", "",
-             "| shape | phase | kernel µs (% peak) | stock µs (% peak) | kernel vs stock | routed vs stock | flash µs | efficient µs | cudnn µs |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "`persistent` = the persistent-forward variant (sm 90) forced.", "",
+             "| shape | phase | kernel µs (% peak) | stock µs (% peak) | kernel vs stock | routed vs stock | persistent µs (% peak) | flash µs | efficient µs | cudnn µs |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         b, h, s, d, causal = row["shape"]
         t, tf = row["us"], row["tflops"]
@@ -307,7 +323,8 @@ def main():
             return f"{t[n]:.1f} ({100 * tf[n] / peak:.0f}%)" if n in t else "n/a"
         lines.append(f"| B{b} H{h} S{s} D{d} {'causal' if causal else 'full'} | {row['phase']} | "
                      f"{cell('kernel')} | {cell('stock')} | {t['stock'] / t['kernel']:.2f}x | "
-                     f"{t['stock'] / row['routed_us']:.2f}x | {cell('flash')} | {cell('efficient')} | {cell('cudnn')} |")
+                     f"{t['stock'] / row['routed_us']:.2f}x | {cell('persistent')} | {cell('flash')} | "
+                     f"{cell('efficient')} | {cell('cudnn')} |")
     (out / "bench_attention.md").write_text("\n".join(lines) + "\n")
 
 

@@ -58,6 +58,7 @@ struct Problem {
     scale_log2: f32,
     scale: f32,
     causal: i32,
+    batch: i32,
 }
 
 // SAFETY: plain old data, laid out as the kernel's struct.
@@ -78,7 +79,7 @@ impl Strides {
 const MIN_TILE_ROWS: i64 = 32;
 
 /// Kernel launch shapes a variant may set, and their allowed values.
-const PARAMS: [(&str, &[i64]); 15] = [
+const PARAMS: [(&str, &[i64]); 16] = [
     ("HEAD_DIM", &[64, 128]),
     ("FWD_WARPS", &[2, 4, 8]),
     ("FWD_BLOCK_N", &[32, 64, 128]),
@@ -94,9 +95,10 @@ const PARAMS: [(&str, &[i64]); 15] = [
     ("FWD_TMA", &[0, 1]),
     ("FWD_PINGPONG", &[0, 1]),
     ("BWD_WGMMA", &[0, 1]),
+    ("FWD_PERSISTENT", &[0, 1]),
 ];
 /// The kernel's defaults for parameters a variant leaves out (HEAD_DIM is required).
-const DEFAULTS: [i64; 15] = [0, 4, 64, 4, 64, 64, 1, 1, 1, 1, 0, 2, 0, 0, 0];
+const DEFAULTS: [i64; 16] = [0, 4, 64, 4, 64, 64, 1, 1, 1, 1, 0, 2, 0, 0, 0, 0];
 
 pub fn validate_variant(v: &Variant) -> Result<(), String> {
     if let Some(unknown) = v
@@ -145,6 +147,9 @@ pub fn validate_variant(v: &Variant) -> Result<(), String> {
                  (and 16 * FWD_WARPS <= FWD_STAGES * FWD_BLOCK_N)",
                 v.name
             ));
+        }
+        if shapes.fwd_persistent && !shapes.fwd_tma {
+            return Err(format!("{}: FWD_PERSISTENT takes FWD_TMA = 1", v.name));
         }
         if shapes.fwd_pingpong && !(shapes.fwd_tma && shapes.fwd_warps == 8) {
             return Err(format!(
@@ -203,6 +208,9 @@ struct Shapes {
     /// attn_bwd_dkdv and attn_bwd_dq are the warpgroup-MMA kernels fed by TMA (128 keys or
     /// query rows a CTA, 3 warpgroups).
     bwd_wgmma: bool,
+    /// The TMA forward is persistent: a CTA per SM walks its tiles, Q double-buffered and the
+    /// output staged in a buffer of its own.
+    fwd_persistent: bool,
 }
 
 impl Shapes {
@@ -222,6 +230,7 @@ impl Shapes {
             fwd_tma: p(12) == 1,
             fwd_pingpong: p(13) == 1,
             bwd_wgmma: p(14) == 1,
+            fwd_persistent: p(15) == 1,
             fwd_min_blocks: p(8),
         }
     }
@@ -241,13 +250,21 @@ impl Shapes {
     fn fwd_smem(&self) -> u32 {
         // The warpgroup kernel's tiles start on a 1024-byte boundary: slack to align them.
         let align = if self.fwd_wgmma { 1024 } else { 0 };
-        // TMA: after the tiles, one mbarrier for Q and four per stage.
+        // TMA: after the tiles, one mbarrier for Q and four per stage; persistent: two Q
+        // buffers with a full and an empty mbarrier and a tile number (8 bytes) each.
+        let (q_tiles, q_barriers) = if self.fwd_persistent {
+            (2, 4 + 2)
+        } else {
+            (1, 1)
+        };
         let barriers = if self.fwd_tma {
-            8 * (1 + 4 * self.fwd_stages)
+            8 * (q_barriers + 4 * self.fwd_stages)
         } else {
             0
         };
-        ((self.fwd_block_m() + 2 * self.fwd_stages * self.fwd_block_n) * self.head_dim * 2
+        ((q_tiles * self.fwd_block_m() + 2 * self.fwd_stages * self.fwd_block_n)
+            * self.head_dim
+            * 2
             + align
             + barriers) as u32
     }
@@ -610,7 +627,30 @@ impl Plan {
             scale_log2: (self.scale * std::f64::consts::LOG2_E) as f32,
             scale: self.scale as f32,
             causal: i32::from(self.causal),
+            batch: self.batch as i32,
         }
+    }
+
+    /// The forward's grid, and whether it is persistent: a CTA per tile of query rows
+    /// (`grid`), or with FWD_PERSISTENT and more tiles than fit on the GPU at once, as many
+    /// CTAs as fit, handing the tiles out by a counter.
+    fn fwd_grid(&self) -> Result<((u32, u32, u32), bool), StockReason> {
+        let s = &self.shapes;
+        let m_tiles = blocks(self.lq, s.fwd_block_m());
+        let per_tile = Ok((self.grid(m_tiles, self.heads), false));
+        if !s.fwd_persistent {
+            return per_tile;
+        }
+        let k = &self.selected.kernels;
+        // The occupancy query counts the shared memory only once the kernel may use it.
+        k.allow_shared_bytes(FWD, s.fwd_smem())
+            .map_err(|e| jit::launch_failed(self.selected.variant, e))?;
+        let resident = k.resident_per_sm_with(FWD, s.fwd_threads() as u32, s.fwd_smem());
+        let ctas = i64::from(resident * self.selected.gpu.multiprocessors);
+        if ctas >= i64::from(m_tiles) * self.heads * self.batch {
+            return per_tile;
+        }
+        Ok(((u32::try_from(ctas).unwrap_or(u32::MAX), 1, 1), true))
     }
 
     /// Output [B, H, Lq, D] and logsumexp [B, H, Lq] (fp32, natural log).
@@ -628,12 +668,7 @@ impl Plan {
         let out = heads_major(self.batch, self.lq, self.heads, d, self.kind, self.device)?;
         let lse = empty(&[self.batch, self.heads, self.lq], Kind::Float, self.device)?;
         let s = &self.shapes;
-        let config = self.launch_config(
-            FWD,
-            self.grid(blocks(self.lq, s.fwd_block_m()), self.heads),
-            s.fwd_threads(),
-            s.fwd_smem(),
-        )?;
+
         let (qp, kp, vp, op, lp) = (
             device_addr(q),
             device_addr(k),
@@ -649,6 +684,22 @@ impl Plan {
         );
         let problem = self.problem();
         let stream = self.selected.gpu.stream(launch);
+        // The persistent forward's tile counter, zeroed on the stream before the launch; none
+        // (a null pointer) when the grid has a CTA per tile.
+        let (grid, persistent) = self.fwd_grid()?;
+        let config = self.launch_config(FWD, grid, s.fwd_threads(), s.fwd_smem())?;
+        let counter = persistent
+            .then(|| empty(&[1], Kind::Int, self.device))
+            .transpose()?;
+        let counter_ptr = counter.as_ref().map_or(0, device_addr);
+        if counter.is_some() {
+            // SAFETY: the counter is 4 bytes of device memory that live until the stream is
+            // done with it; the memset is ordered before the launch on the same stream.
+            unsafe {
+                cudarc::driver::result::memset_d8_async(counter_ptr, 0, 4, stream.cu_stream())
+            }
+            .map_err(|e| jit::launch_failed(self.selected.variant, e))?;
+        }
         let mut args = stream.launch_builder(&self.selected.kernels.functions[FWD]);
         args.arg(&qp)
             .arg(&qs)
@@ -659,7 +710,8 @@ impl Plan {
             .arg(&op)
             .arg(&os)
             .arg(&lp)
-            .arg(&problem);
+            .arg(&problem)
+            .arg(&counter_ptr);
         let maps = if s.fwd_tma {
             let (query_rows, keys) = (s.fwd_block_m() as u32, s.fwd_block_n as u32);
             Some([

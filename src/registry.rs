@@ -194,6 +194,10 @@ pub struct Variant {
     /// faster than that at every size, so min_rows/max_rows do not apply then.
     #[serde(default)]
     pub deterministic_all_rows: bool,
+    /// Served only when deterministic algorithms are required: a variant measured faster
+    /// than stock's deterministic choice only (with `deterministic_all_rows`, at any size).
+    #[serde(default)]
+    pub deterministic_only: bool,
     #[serde(default)]
     pub priority: i32,
     /// Compile-time parameters, passed to NVRTC as `-DTF_<NAME>=<value>`.
@@ -274,6 +278,12 @@ impl Registry {
             }
             if v.min_rows > v.max_rows {
                 return Err(format!("{}: min_rows above max_rows", v.name));
+            }
+            if v.deterministic_only && !v.deterministic_all_rows {
+                return Err(format!(
+                    "{}: deterministic_only takes deterministic_all_rows",
+                    v.name
+                ));
             }
             if v.sm[0] > v.sm[1] {
                 return Err(format!("{}: bad sm range {:?}", v.name, v.sm));
@@ -396,6 +406,9 @@ impl Registry {
             .into_iter()
             .find(|&i| {
                 let v = &self.variants[i];
+                if v.deterministic_only {
+                    return req.deterministic;
+                }
                 ignore_thresholds
                     || (req.deterministic && v.deterministic_all_rows)
                     || (v.min_rows..=v.max_rows).contains(&req.rows)
@@ -497,6 +510,50 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
     }
 
     #[test]
+    fn deterministic_only_variants_serve_deterministic_calls_that_others_leave() {
+        let sample = r#"
+[[variant]]
+name = "routed"
+op = "layer_norm_fwd"
+source = "norm.cu"
+dtypes = ["bf16"]
+sm = [90, 90]
+hidden = [1, 1024]
+max_rows = 1000
+priority = 1
+params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
+
+[[variant]]
+name = "deterministic_large"
+op = "layer_norm_fwd"
+source = "norm.cu"
+dtypes = ["bf16"]
+sm = [90, 90]
+hidden = [1, 1024]
+priority = 1
+deterministic_all_rows = true
+deterministic_only = true
+params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
+"#;
+        let r = Registry::parse(&[("det.toml", sample)]).unwrap();
+        let name = |rows: i64, deterministic: bool| {
+            let q = Request {
+                deterministic,
+                ..req(DType::BF16, 768, rows, 90)
+            };
+            r.select(&q).map(|i| r.variant(i).name.clone())
+        };
+        assert_eq!(name(500, false), Ok("routed".into()));
+        assert_eq!(name(500, true), Ok("routed".into()));
+        assert_eq!(name(5000, false), Err(StockReason::NotFasterHere));
+        assert_eq!(name(5000, true), Ok("deterministic_large".into()));
+        let without_all_rows = sample.replace("deterministic_all_rows = true\n", "");
+        assert!(Registry::parse(&[("d.toml", &without_all_rows)])
+            .unwrap_err()
+            .contains("deterministic_only takes"));
+    }
+
+    #[test]
     fn malformed_data_is_rejected() {
         let dup = format!("{SAMPLE}\n{}", SAMPLE.replace("small_sm90", "x"));
         assert!(Registry::parse(&[("d.toml", &dup)])
@@ -521,7 +578,8 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
     }
 
     /// Attention on sm 90: large calls go to stock (cuDNN), unless deterministic algorithms
-    /// are required, where stock's choice is slower at every size (registry/attention.toml).
+    /// are required, where stock's choice is slower at every size (registry/attention.toml):
+    /// they go to the persistent-forward variant then, small ones to the routed one.
     #[test]
     fn deterministic_mode_routes_every_attention_size_on_sm90() {
         let r = REGISTRY.as_ref().expect("built-in registry");
@@ -538,8 +596,12 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
         };
         let gpt2 = 8 * 12 * 1024 * 1024;
         assert_eq!(pick(gpt2, false, 90), Err(StockReason::NotFasterHere));
-        assert_eq!(pick(gpt2, true, 90), Ok("attn_d64_causal_wg".to_string()));
+        assert_eq!(
+            pick(gpt2, true, 90),
+            Ok("attn_d64_causal_wg_persistent".to_string())
+        );
         assert_eq!(pick(4096, false, 90), Ok("attn_d64_causal_wg".to_string()));
+        assert_eq!(pick(4096, true, 90), Ok("attn_d64_causal_wg".to_string()));
         // No A100 was measured: sm 80 keeps its thresholds in either mode.
         assert_eq!(pick(gpt2, true, 80), Err(StockReason::NotFasterHere));
     }

@@ -2,7 +2,7 @@
 //! results handed back.
 
 use crate::registry::{DType, StockReason};
-use std::ffi::c_void;
+use std::ffi::{c_char, c_void};
 use std::mem::ManuallyDrop;
 use std::ops::Deref;
 use tch::{Device, Kind, Tensor};
@@ -63,9 +63,60 @@ pub fn describe(t: Option<&Tensor>) -> (&'static str, Vec<i64>) {
     }
 }
 
-/// A new uninitialised tensor from PyTorch's allocator (on its current stream).
+/// c10::ScalarType's number for the kinds torchfuse allocates.
+fn scalar_type(kind: Kind) -> Option<i8> {
+    match kind {
+        Kind::Uint8 => Some(0),
+        Kind::Int => Some(3),
+        Kind::Int64 => Some(4),
+        Kind::Half => Some(5),
+        Kind::Float => Some(6),
+        Kind::BFloat16 => Some(15),
+        _ => None,
+    }
+}
+
+extern "C" {
+    fn torchfuse_cxx_empty_unfilled(
+        sizes: *const i64,
+        ndim: usize,
+        scalar_type: i8,
+        device: i8,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> *mut c_void;
+}
+
+/// A new uninitialised tensor from PyTorch's allocator (on its current stream). On a GPU it is
+/// never filled: with deterministic algorithms on, aten's `empty` writes every byte of it first
+/// (torch.utils.deterministic.fill_uninitialized_memory), and every tensor torchfuse allocates
+/// is written whole by its kernels.
 pub fn empty(shape: &[i64], kind: Kind, device: Device) -> Result<Tensor, StockReason> {
-    Tensor::f_empty(shape, (kind, device)).map_err(|_| StockReason::InternalError)
+    let (Device::Cuda(index), Some(scalar_type)) = (device, scalar_type(kind)) else {
+        return Tensor::f_empty(shape, (kind, device)).map_err(|_| StockReason::InternalError);
+    };
+    let index = i8::try_from(index).map_err(|_| StockReason::InvalidInput)?;
+    let mut err = [0 as c_char; 256];
+    // SAFETY: `shape` is valid for its length; `err` is writable for its length. The result
+    // is null or a new `at::Tensor` this function owns.
+    let ptr = unsafe {
+        torchfuse_cxx_empty_unfilled(
+            shape.as_ptr(),
+            shape.len(),
+            scalar_type,
+            index,
+            err.as_mut_ptr(),
+            err.len(),
+        )
+    };
+    if ptr.is_null() {
+        // SAFETY: the C++ side wrote a NUL-terminated message (or left the zeroed buffer).
+        let message = unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) };
+        tracing::debug!("allocation failed: {}", message.to_string_lossy());
+        return Err(StockReason::InternalError);
+    }
+    // SAFETY: a new, owned `at::Tensor*`, the pointer type tch's tensors wrap and free.
+    Ok(unsafe { Tensor::from_ptr(ptr.cast()) })
 }
 
 /// Every tensor's data 16-byte aligned (a kernel's 16-byte accesses are legal).

@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CUDAFunctions.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <ATen/native/transformers/attention.h>
 #include <ATen/ops/_fused_sdp_choice_native.h>
 #include <ATen/ops/embedding_compositeexplicitautograd_dispatch.h>
@@ -453,16 +454,19 @@ flash_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor
     if (torchfuse_rs_flash_fwd(&launch, &call, out) == kFused) {
       auto r = take_outputs(out);
       // The bookkeeping outputs stock's flash returns without dropout: no cumulative lengths,
-      // an unused RNG state, an empty debug mask.
-      const auto u64 = query.options().dtype(at::kUInt64);
+      // an unused RNG state (unfilled, as ours are: see torchfuse_cxx_empty_unfilled), an
+      // empty debug mask.
+      const auto unused_u64 = [&](c10::IntArrayRef size) {
+        return at::Tensor(at::detail::empty_cuda(size, at::kUInt64, query.device(), std::nullopt));
+      };
       return {r[0],
               r[1],
               at::Tensor(),
               at::Tensor(),
               c10::SymInt(query.size(2)),
               c10::SymInt(key.size(2)),
-              at::empty({2}, u64),
-              at::empty({}, u64),
+              unused_u64({2}),
+              unused_u64({}),
               at::empty({0}, query.options())};
     }
   }
@@ -590,6 +594,23 @@ __attribute__((visibility("default"))) int32_t torchfuse_cxx_register(uint32_t e
   } catch (const std::exception& e) {
     write_error(e, err, err_len);
     return 1;
+  }
+}
+
+// A new CUDA tensor from PyTorch's caching allocator (current stream), left unfilled: aten's
+// `empty` also fills it when deterministic algorithms are on (fill_uninitialized_memory), a
+// whole extra write of an output the kernel overwrites anyway. Null on failure, the message in
+// `err`.
+__attribute__((visibility("default"))) void* torchfuse_cxx_empty_unfilled(
+    const int64_t* sizes, size_t ndim, int8_t scalar_type, int8_t device, char* err,
+    size_t err_len) {
+  try {
+    return new at::Tensor(at::detail::empty_cuda(c10::IntArrayRef(sizes, ndim),
+                                                 static_cast<c10::ScalarType>(scalar_type),
+                                                 c10::Device(c10::kCUDA, device), std::nullopt));
+  } catch (const std::exception& e) {
+    write_error(e, err, err_len);
+    return nullptr;
   }
 }
 

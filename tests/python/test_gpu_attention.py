@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from conftest import requires_cuda
-from gpu_util import (FLOOR, enabled, fresh_seed, fused_count, poison_allocator, rel_err,
-                      stock_reasons, torchfuse_below_thresholds)
+from gpu_util import (FLOOR, enabled, fresh_seed, fused_count, kernel_count, poison_allocator,
+                      rel_err, stock_reasons, torchfuse_below_thresholds)
 
 pytestmark = [requires_cuda, pytest.mark.usefixtures("torchfuse_below_thresholds")]
 
@@ -140,6 +140,66 @@ def test_backward_is_bitwise_reproducible():
             again = sdpa_fwd_bwd(q, k, v, causal, None, dout)
             for a, b in zip(first, again):
                 assert torch.equal(a, b)
+
+
+def test_persistent_forward_over_one_and_many_waves_of_tiles():
+    """With deterministic algorithms required, calls above the routed sizes go to sm 90's
+    persistent forward (the *_persistent variants): with more query tiles than one wave of CTAs
+    holds it hands them out by an atomic counter, with fewer it runs a CTA per tile. Either way
+    every tile is computed once, matching the float64 reference and stock, with the same bits
+    on a second call."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the persistent forward is an sm 90 variant")
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed())
+    torch.ops.torchfuse._serve_below_thresholds(False)
+    try:
+        torch.use_deterministic_algorithms(True)
+        for b, h, hk, lq, lk, d, causal in [(4, 16, 4, 1000, 1000, 64, True),
+                                            (3, 12, 12, 777, 901, 128, False),
+                                            (2, 24, 8, 1100, 1100, 128, True),
+                                            (1, 4, 2, 2000, 2000, 64, True),
+                                            (1, 2, 2, 3000, 2500, 128, False)]:
+            case = (b, h, hk, lq, lk, d, causal)
+            q, k, v = make_qkv(gen, b, h, hk, lq, lk, d, torch.bfloat16, "blhd")
+            variant = f"attn_d{d}_{'causal' if causal else 'full'}_wg_persistent"
+            before = kernel_count(FLASH, variant)
+            with torch.no_grad():
+                ours = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                      enable_gqa=True)
+                again = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                       enable_gqa=True)
+                with enabled("sdpa", False):
+                    stock = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                           enable_gqa=True)
+            assert kernel_count(FLASH, variant) == before + 2, case
+            assert torch.equal(ours, again), case
+            ref = reference(q, k, v, causal, d ** -0.5, torch.zeros_like(q))[0]
+            err, stock_err = rel_err(ours, ref), rel_err(stock, ref)
+            assert err <= bound(stock_err, FLOOR[torch.bfloat16]), (case, err, stock_err)
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.ops.torchfuse._serve_below_thresholds(True)
+
+
+def test_deterministic_mode_does_not_fill_our_outputs():
+    """With deterministic algorithms on, aten's empty fills new memory
+    (torch.utils.deterministic.fill_uninitialized_memory); the kernels write their outputs
+    whole, and torchfuse allocates them unfilled: a served call launches no fill kernel."""
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed())
+    q, k, v = make_qkv(gen, 2, 4, 4, 300, 300, 64, torch.bfloat16, "blhd")
+    try:
+        torch.use_deterministic_algorithms(True)
+        before = fused_count(FLASH)
+        with torch.no_grad(), torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            torch.cuda.synchronize()
+        assert fused_count(FLASH) == before + 1
+    finally:
+        torch.use_deterministic_algorithms(False)
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any(name.startswith("attn_fwd") for name in kernels), kernels
+    assert not any("fill" in name.lower() for name in kernels), kernels
 
 
 def test_what_we_do_not_serve_goes_to_stock_with_its_reason():
