@@ -1,0 +1,69 @@
+"""Two attention registry variants against each other, forced by name, as CUDA-graph replays
+(GPU time only) in interleaved rounds: forward and forward+backward at the issue-6 shapes
+that do not fail capture. For differences too small for bench_attention.py's side order.
+
+  python3 scripts/ab_attention_variants.py --lib-dir .dev [--deterministic] \
+      [--variants wg,wg_persistent]
+
+A variant suffix X names attn_d<D>_<causal|full>_X in registry/attention.toml."""
+import argparse
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench_common import capture_graph, replay_times
+
+SHAPES = [(16, 12, 512, 64, True), (4, 16, 2048, 128, True), (2, 32, 4096, 128, True),
+          (8, 16, 1024, 128, False), (1, 16, 8192, 128, True)]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lib-dir", required=True)
+    parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--variants", default="wg,wg_persistent")
+    parser.add_argument("--rounds", type=int, default=10)
+    args = parser.parse_args()
+    torch.ops.load_library(str(Path(args.lib_dir) / "libtorchfuse.so"))
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True)
+    torch.ops.torchfuse._serve_below_thresholds(True)
+    suffixes = args.variants.split(",")
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() & 0xFFFFFFFF)
+    print(f"device: {torch.cuda.get_device_name()}; deterministic={args.deterministic}")
+    for b, h, s, d, causal in SHAPES:
+        inputs = []
+        for _ in range(2):
+            q, k, v = (torch.randn(b, s, h, d, device="cuda", generator=gen,
+                                   dtype=torch.bfloat16).transpose(1, 2).requires_grad_(True)
+                       for _ in range(3))
+            dout = torch.randn(b, s, h, d, device="cuda", generator=gen,
+                               dtype=torch.bfloat16).transpose(1, 2)
+            inputs.append((q, k, v, dout))
+
+        def fwd(q, k, v, dout):
+            with torch.no_grad():
+                F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        def fwd_bwd(q, k, v, dout):
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            torch.autograd.grad(o, (q, k, v), dout)
+
+        mask = "causal" if causal else "full"
+        for phase, fn in (("fwd", fwd), ("fwdbwd", fwd_bwd)):
+            graphs = {}
+            for suffix in suffixes:
+                torch.ops.torchfuse._force_variant(f"attn_d{d}_{mask}_{suffix}")
+                graphs[suffix] = capture_graph(fn, inputs, capture_error_mode="thread_local")
+            torch.ops.torchfuse._force_variant("")
+            times = replay_times(graphs, len(inputs), args.rounds, 5)
+            med = {k: statistics.median(v) for k, v in times.items()}
+            first = med[suffixes[0]]
+            cells = "  ".join(f"{k} {v:8.1f}us ({v / first:.3f})" for k, v in med.items())
+            print(f"{phase:6s} B{b} H{h} S{s} D{d} {mask:6s}  {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
