@@ -96,11 +96,11 @@
 // takes tile c first, then whichever comes next in grid_tile's order (gridDim.x plus an atomic
 // counter the launch zeroes), so CTAs that drew light causal tiles take more. When every tile
 // fits in one wave the launch passes no counter (and needs no memset): a grid of a CTA per
-// tile, as without FWD_PERSISTENT. Its producer runs
-// ahead across tiles: it draws the next tile and loads its Q (double-buffered) and first K/V
-// stages while the consumers finish this one, and hands them the tile's number beside its Q.
-// The output is staged in the tile's own Q buffer (the K/V ring holds the next tile's loads). Which CTA computes a tile
-// does not change its arithmetic: results stay bitwise reproducible.
+// tile, as without FWD_PERSISTENT. Its producer runs ahead across tiles: it draws the next
+// tile and loads its Q (double-buffered) and first K/V stages while the consumers finish this
+// one, and hands them the tile's number beside its Q. The output is staged in the tile's own
+// Q buffer (the K/V ring holds the next tile's loads). Which CTA computes a tile does not
+// change its arithmetic: results stay bitwise reproducible.
 #ifndef TF_FWD_PERSISTENT
 #define TF_FWD_PERSISTENT 0
 #endif
@@ -414,7 +414,8 @@ __device__ __forceinline__ void store_rows(const float (&acc)[HD / 8][4], float 
     const int r = i / CHUNKS_PER_ROW;
     const int col = (i % CHUNKS_PER_ROW) * 8;
     if (r < valid_rows) {
-      const tf_raw16 v = *reinterpret_cast<const tf_raw16*>(stage + stage_off(stage_row0 + r, col));
+      const tf_raw16 v =
+          *reinterpret_cast<const tf_raw16*>(stage + stage_off(stage_row0 + r, col));
       *reinterpret_cast<tf_raw16*>(out + r * row_stride + col) = v;
     }
   }

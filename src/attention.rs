@@ -208,8 +208,8 @@ struct Shapes {
     /// attn_bwd_dkdv and attn_bwd_dq are the warpgroup-MMA kernels fed by TMA (128 keys or
     /// query rows a CTA, 3 warpgroups).
     bwd_wgmma: bool,
-    /// The TMA forward is persistent: a CTA per SM walks its tiles, Q double-buffered and the
-    /// output staged in a buffer of its own.
+    /// The TMA forward is persistent: a CTA per SM takes tiles from a counter, Q
+    /// double-buffered and each tile's output staged in its Q buffer.
     fwd_persistent: bool,
 }
 
@@ -668,7 +668,6 @@ impl Plan {
         let out = heads_major(self.batch, self.lq, self.heads, d, self.kind, self.device)?;
         let lse = empty(&[self.batch, self.heads, self.lq], Kind::Float, self.device)?;
         let s = &self.shapes;
-
         let (qp, kp, vp, op, lp) = (
             device_addr(q),
             device_addr(k),
