@@ -1,0 +1,25 @@
+"""Three causal bf16 SDPA forwards at one shape through one side, for a profiler to catch
+(scripts/ncu_attention_fwd.sh): `wg` (torchfuse's per-tile sm 90 variant), `persistent`
+(its persistent-forward variant) or `stock` (torchfuse off: cuDNN on an H100).
+
+  python3 scripts/attention_fwd_once.py LIB_DIR SIDE [B H S D]"""
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+lib_dir, side = sys.argv[1], sys.argv[2]
+b, h, s, d = (int(x) for x in sys.argv[3:7]) if len(sys.argv) >= 7 else (8, 12, 1024, 64)
+torch.ops.load_library(str(Path(lib_dir) / "libtorchfuse.so"))
+torch.ops.torchfuse.set_enabled("sdpa", side != "stock")
+torch.ops.torchfuse._serve_below_thresholds(True)
+if side != "stock":
+    suffix = {"wg": "wg", "persistent": "wg_persistent"}[side]
+    torch.ops.torchfuse._force_variant(f"attn_d{d}_causal_{suffix}")
+q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+           for _ in range(3))
+with torch.no_grad():
+    for _ in range(3):
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+torch.cuda.synchronize()
