@@ -7,6 +7,7 @@
 
 use crate::jit::{self, Launch};
 use crate::registry::{DType, KernelOp, Request, StockReason, Variant};
+use crate::tensor::{SCALAR_BFLOAT16, SCALAR_DOUBLE, SCALAR_FLOAT, SCALAR_HALF};
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use std::ffi::c_void;
 
@@ -31,12 +32,6 @@ pub struct TensorFacts {
     pub like_param: u8,
     pub unused: [u8; 2],
 }
-
-/// `c10::ScalarType` codes.
-const SCALAR_HALF: i16 = 5;
-const SCALAR_FLOAT: i16 = 6;
-const SCALAR_DOUBLE: i16 = 7;
-const SCALAR_BFLOAT16: i16 = 15;
 
 pub fn dtype_from_scalar_type(code: i16) -> Option<DType> {
     match code {

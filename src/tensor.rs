@@ -63,15 +63,24 @@ pub fn describe(t: Option<&Tensor>) -> (&'static str, Vec<i64>) {
     }
 }
 
-/// c10::ScalarType's number for the kinds torchfuse allocates.
-fn scalar_type(kind: Kind) -> Option<i8> {
+/// `c10::ScalarType` codes.
+pub const SCALAR_UINT8: i16 = 0;
+pub const SCALAR_INT: i16 = 3;
+pub const SCALAR_LONG: i16 = 4;
+pub const SCALAR_HALF: i16 = 5;
+pub const SCALAR_FLOAT: i16 = 6;
+pub const SCALAR_DOUBLE: i16 = 7;
+pub const SCALAR_BFLOAT16: i16 = 15;
+
+/// The `c10::ScalarType` code of the kinds torchfuse allocates.
+fn scalar_type(kind: Kind) -> Option<i16> {
     match kind {
-        Kind::Uint8 => Some(0),
-        Kind::Int => Some(3),
-        Kind::Int64 => Some(4),
-        Kind::Half => Some(5),
-        Kind::Float => Some(6),
-        Kind::BFloat16 => Some(15),
+        Kind::Uint8 => Some(SCALAR_UINT8),
+        Kind::Int => Some(SCALAR_INT),
+        Kind::Int64 => Some(SCALAR_LONG),
+        Kind::Half => Some(SCALAR_HALF),
+        Kind::Float => Some(SCALAR_FLOAT),
+        Kind::BFloat16 => Some(SCALAR_BFLOAT16),
         _ => None,
     }
 }
@@ -80,7 +89,7 @@ extern "C" {
     fn torchfuse_cxx_empty_unfilled(
         sizes: *const i64,
         ndim: usize,
-        scalar_type: i8,
+        scalar_type: i16,
         device: i8,
         err: *mut c_char,
         err_len: usize,

@@ -602,7 +602,7 @@ __attribute__((visibility("default"))) int32_t torchfuse_cxx_register(uint32_t e
 // whole extra write of an output the kernel overwrites anyway. Null on failure, the message in
 // `err`.
 __attribute__((visibility("default"))) void* torchfuse_cxx_empty_unfilled(
-    const int64_t* sizes, size_t ndim, int8_t scalar_type, int8_t device, char* err,
+    const int64_t* sizes, size_t ndim, int16_t scalar_type, int8_t device, char* err,
     size_t err_len) {
   try {
     return new at::Tensor(at::detail::empty_cuda(c10::IntArrayRef(sizes, ndim),
