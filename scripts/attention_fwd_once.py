@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+
+from bench_attention import make_inputs, phase_calls
 
 lib_dir, side = sys.argv[1], sys.argv[2]
 b, h, s, d = (int(x) for x in sys.argv[3:7]) if len(sys.argv) >= 7 else (8, 12, 1024, 64)
@@ -17,9 +18,7 @@ torch.ops.torchfuse._serve_below_thresholds(True)
 if side != "stock":
     suffix = {"wg": "wg", "persistent": "wg_persistent"}[side]
     torch.ops.torchfuse._force_variant(f"attn_d{d}_causal_{suffix}")
-q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-           for _ in range(3))
-with torch.no_grad():
-    for _ in range(3):
-        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+inputs = make_inputs(b, h, s, d, 1, torch.Generator(device="cuda"))[0]
+for _ in range(3):
+    phase_calls(causal=True)["fwd"](*inputs)
 torch.cuda.synchronize()

@@ -160,10 +160,8 @@ def graph_times(sides, usable, fn, inputs, rounds, reps):
     return replay_times(graphs, len(inputs), rounds, reps)
 
 
-def measure(shape, gen, rounds, reps, sweep, phases, sweep_only=None, graph=False):
-    b, h, s, d, causal = shape
-    inputs = make_inputs(b, h, s, d, 2, gen)
-
+def phase_calls(causal):
+    """The timed call of each phase, taking one set of make_inputs."""
     def fwd(q, k, v, dout):
         with torch.no_grad():
             F.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -171,6 +169,14 @@ def measure(shape, gen, rounds, reps, sweep, phases, sweep_only=None, graph=Fals
     def fwd_bwd(q, k, v, dout):
         o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         torch.autograd.grad(o, (q, k, v), dout)
+
+    return {"fwd": fwd, "fwdbwd": fwd_bwd}
+
+
+def measure(shape, gen, rounds, reps, sweep, phases, sweep_only=None, graph=False):
+    b, h, s, d, causal = shape
+    inputs = make_inputs(b, h, s, d, 2, gen)
+    calls = phase_calls(causal)
 
     # side -> (torchfuse on, serve below thresholds, stock backend restriction, forced variant)
     # `kernel` is the variant that serves the shape (with deterministic algorithms required
@@ -206,7 +212,7 @@ def measure(shape, gen, rounds, reps, sweep, phases, sweep_only=None, graph=Fals
                         for a, e in zip(got, expected))
             if not worst < 2e-2:
                 print(f"  WRONG: {name} at {shape}: relative difference to stock {worst:.3g}")
-    for phase, fn in (("fwd", fwd), ("fwdbwd", fwd_bwd)):
+    for phase, fn in calls.items():
         if phase not in phases:
             continue
         times = {name: [] for name in sides}
