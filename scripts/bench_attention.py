@@ -112,10 +112,6 @@ def write_sweep_registry(path):
     Path(path).write_text("\n".join(lines))
 
 
-# --deterministic: torch.use_deterministic_algorithms(True) for the whole run.
-DETERMINISTIC = False
-
-
 def flops(b, h, s, d, causal):
     f = 4 * b * h * s * s * d
     return f / 2 if causal else f
@@ -182,7 +178,8 @@ def measure(shape, gen, rounds, reps, sweep, phases, sweep_only=None, graph=Fals
     # `kernel` is the variant that serves the shape (with deterministic algorithms required
     # every size is routed on sm 90: thresholds applied, so the *_persistent variants serve
     # the large shapes); `persistent` (sm 90) the persistent-forward variant at every shape.
-    sides = {"kernel": (True, not DETERMINISTIC, None, ""), "stock": (False, False, None, "")}
+    below = not torch.are_deterministic_algorithms_enabled()
+    sides = {"kernel": (True, below, None, ""), "stock": (False, False, None, "")}
     if torch.cuda.get_device_capability() == (9, 0):
         persistent = f"attn_d{d}_{'causal' if causal else 'full'}_wg_persistent"
         sides["persistent"] = (True, True, None, persistent)
@@ -255,7 +252,6 @@ def measure(shape, gen, rounds, reps, sweep, phases, sweep_only=None, graph=Fals
 
 
 def main():
-    global DETERMINISTIC
     parser = argparse.ArgumentParser()
     parser.add_argument("--lib-dir", required=True)
     parser.add_argument("--out", required=True)
@@ -271,7 +267,6 @@ def main():
                         help="torch.use_deterministic_algorithms(True) for the whole run")
     args = parser.parse_args()
     if args.deterministic:
-        DETERMINISTIC = True
         torch.use_deterministic_algorithms(True)
     phases = ("fwd",) if args.fwd_only else ("fwd", "fwdbwd")
     if args.sweep:
