@@ -1156,29 +1156,42 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCK
     gemm_a_regs_nk<MT, BN>(s, qf, kt, fl);
 
     const bool edge = n0 + BN > kv_end || (causal && n0 + BN - 1 > w0);
+    float tile_max[MT][2];
+    // The scale goes on before the max: it may be negative.
+    auto scale_and_max = [&](bool mask) {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      float tile_max[2] = {NEG_INF, NEG_INF};
+      for (int mt = 0; mt < MT; ++mt) {
+        tile_max[mt][0] = tile_max[mt][1] = NEG_INF;
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
+        for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = s[mt][nt][e] * scale_log2;  // before the max: the scale may be negative
-          if (edge) {
+          for (int e = 0; e < 4; ++e) {
             const int col = n0 + nt * 8 + 2 * t + (e & 1);
             const int row = w0 + 16 * mt + g + (e >> 1) * 8;
-            if (col >= kv_end || (causal && col > row)) x = NEG_INF;
+            const bool masked = mask && (col >= kv_end || (causal && col > row));
+            const float x = masked ? NEG_INF : s[mt][nt][e] * scale_log2;
+            s[mt][nt][e] = x;
+            tile_max[mt][e >> 1] = fmaxf(tile_max[mt][e >> 1], x);
           }
-          s[mt][nt][e] = x;
-          tile_max[e >> 1] = fmaxf(tile_max[e >> 1], x);
         }
       }
+    };
+    // Two copies, so tiles without masked elements skip the per-element mask (see the sm 90
+    // forward: ptxas predicates a mask under `if (edge)` onto every tile).
+    if (edge) {
+      scale_and_max(true);
+    } else {
+      scale_and_max(false);
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
       float alpha[2], m_use[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-        const float m_new = fmaxf(m_run[mt][r], tile_max[r]);
+        float row_max = tile_max[mt][r];
+        row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
+        row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
+        const float m_new = fmaxf(m_run[mt][r], row_max);
         m_use[r] = m_new == NEG_INF ? 0.f : m_new;
         alpha[r] = fast_exp2(m_run[mt][r] - m_use[r]);
         m_run[mt][r] = m_new;
@@ -1515,19 +1528,27 @@ extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32, TF_BWD_MIN_BLOCK
     gemm_a_smem_nk<MT, BQ>(dpt, v_tile, warp * WARP_KEYS, dot, fl);
 
     const bool edge = causal && qt0 < w0 + WARP_KEYS - 1;
+    auto probabilities = [&](bool mask) {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
+      for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int nt = 0; nt < BQ / 8; ++nt) {
+        for (int nt = 0; nt < BQ / 8; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int qc = nt * 8 + 2 * t + (e & 1);
-          float p = fast_exp2(fmaf(st[mt][nt][e], scale_log2, -lse_s[qc] * LOG2E));
-          if (edge && w0 + 16 * mt + g + (e >> 1) * 8 > qt0 + qc) p = 0.f;
-          st[mt][nt][e] = p;
-          dpt[mt][nt][e] = p * (dpt[mt][nt][e] - delta_s[qc]);
+          for (int e = 0; e < 4; ++e) {
+            const int qc = nt * 8 + 2 * t + (e & 1);
+            float p = fast_exp2(fmaf(st[mt][nt][e], scale_log2, -lse_s[qc] * LOG2E));
+            if (mask && w0 + 16 * mt + g + (e >> 1) * 8 > qt0 + qc) p = 0.f;
+            st[mt][nt][e] = p;
+            dpt[mt][nt][e] = p * (dpt[mt][nt][e] - delta_s[qc]);
+          }
         }
       }
+    };
+    // Two copies: the tiles off the diagonal skip the per-element mask (see the forward).
+    if (edge) {
+      probabilities(true);
+    } else {
+      probabilities(false);
     }
     gemm_p_kn<MT, BQ>(dv_acc, st, dot, fl);
     gemm_p_kn<MT, BQ>(dk_acc, dpt, qt, fl);
@@ -1735,21 +1756,27 @@ extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32, TF_BWD_MIN_BLOCK
     gemm_a_regs_nk<MT, BN>(s, qf, kt, fl);
     gemm_a_regs_nk<MT, BN>(dp, dof, vt, fl);
     const bool edge = n0 + BN > kv_end || (causal && n0 + BN - 1 > w0);
+    auto gradient_of_scores = [&](bool mask) {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
+      for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
+        for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e >> 1;
-          float p = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -lse2[mt][r]));
-          if (edge) {
+          for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1;
+            float p = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -lse2[mt][r]));
             const int col = n0 + nt * 8 + 2 * t + (e & 1);
-            if (col >= kv_end || (causal && col > w0 + 16 * mt + g + r * 8)) p = 0.f;
+            if (mask && (col >= kv_end || (causal && col > w0 + 16 * mt + g + r * 8))) p = 0.f;
+            s[mt][nt][e] = p * (dp[mt][nt][e] - dlt[mt][r]);
           }
-          s[mt][nt][e] = p * (dp[mt][nt][e] - dlt[mt][r]);
         }
       }
+    };
+    // Two copies: the tiles off the diagonal skip the per-element mask (see the forward).
+    if (edge) {
+      gradient_of_scores(true);
+    } else {
+      gradient_of_scores(false);
     }
     gemm_p_kn<MT, BN>(dq_acc, s, kt, fl);
   }

@@ -5,7 +5,8 @@ that do not fail capture. For differences too small for bench_attention.py's sid
   python3 scripts/ab_attention_variants.py --lib-dir .dev [--deterministic] \
       [--variants wg,wg_persistent]
 
-A variant suffix X names attn_d<D>_<causal|full>_X in registry/attention.toml."""
+A variant suffix X names attn_d<D>_<causal|full>_X in registry/attention.toml, and "-" the
+unsuffixed attn_d<D>_<causal|full> (the mma.sync kernels)."""
 import argparse
 import statistics
 from pathlib import Path
@@ -37,7 +38,8 @@ def main():
         for phase, fn in phase_calls(causal).items():
             graphs = {}
             for suffix in suffixes:
-                torch.ops.torchfuse._force_variant(f"attn_d{d}_{mask}_{suffix}")
+                tail = "" if suffix == "-" else f"_{suffix}"
+                torch.ops.torchfuse._force_variant(f"attn_d{d}_{mask}{tail}")
                 graphs[suffix] = capture_graph(fn, inputs, capture_error_mode="thread_local")
             torch.ops.torchfuse._force_variant("")
             times = replay_times(graphs, len(inputs), args.rounds, 5)

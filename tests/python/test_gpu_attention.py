@@ -76,13 +76,19 @@ def draw_case(rng):
     return b, h, hk, lq, lk, d, dtype, causal, scale, layout
 
 
-def test_forward_and_grads_match_reference_and_stock_on_random_cases():
+def check_random_cases(cases, family=None):
+    """`cases` random calls through torchfuse against the float64 reference and stock. With
+    `family` ("" for the mma.sync variants) every call is forced onto
+    attn_d<D>_<causal|full><family>, else the registry routes it."""
     rng = random.Random(fresh_seed())
     gen = torch.Generator(device="cuda").manual_seed(fresh_seed())
     served_before = (fused_count(FLASH), fused_count(FLASH_BWD))
-    cases = 48
     for _ in range(cases):
         b, h, hk, lq, lk, d, dtype, causal, scale, layout = case = draw_case(rng)
+        if family is not None:
+            variant = f"attn_d{d}_{'causal' if causal else 'full'}{family}"
+            torch.ops.torchfuse._force_variant(variant)
+            variant_before = kernel_count(FLASH_BWD, variant)
         q, k, v = make_qkv(gen, b, h, hk, lq, lk, d, dtype, layout)
         dout = torch.randn(b, h, lq, d, generator=gen, device="cuda").to(dtype)
         eff_scale = scale if scale is not None else d ** -0.5
@@ -106,9 +112,24 @@ def test_forward_and_grads_match_reference_and_stock_on_random_cases():
                     q, k, v, 0.0, causal, False, scale=eff_scale)[1]
             err, stock_err = rel_err(lse, ref[1]), rel_err(stock_lse, ref[1])
             assert err <= bound(stock_err, 1e-5), (case, "lse", err, stock_err)
+        if family is not None:
+            assert kernel_count(FLASH_BWD, variant) == variant_before + 1, case
     served_after = (fused_count(FLASH), fused_count(FLASH_BWD))
     assert served_after[0] - served_before[0] >= cases
     assert served_after[1] - served_before[1] == cases
+
+
+def test_forward_and_grads_match_reference_and_stock_on_random_cases():
+    check_random_cases(48)
+
+
+def test_mma_sync_variants_match_reference_and_stock_on_random_cases():
+    """The mma.sync kernels serve sm 80-89; on sm 90 the registry prefers the warpgroup ones,
+    so here they are forced by name."""
+    try:
+        check_random_cases(24, family="")
+    finally:
+        torch.ops.torchfuse._force_variant("")
 
 
 def test_flash_op_outputs_have_stock_formats():
