@@ -16,7 +16,7 @@
 // - attn_bwd_dq: a CTA owns 16 * BWD_M_TILES * BWD_WARPS query rows and walks the key tiles, recomputing P and
 //   dP; dQ stays in registers and is written once. No atomics.
 // - With TF_FWD_WGMMA (sm_90a), attn_fwd is the same algorithm on Hopper's warpgroup MMA: a
-//   CTA of 1-2 warpgroups of 64 query rows, both gemms reading their shared-memory operands
+//   CTA of 1-3 warpgroups of 64 query rows, both gemms reading their shared-memory operands
 //   through wgmma descriptors (see its section below); with TF_FWD_TMA a producer warpgroup
 //   loads the tiles with TMA copies and mbarriers, with TF_FWD_PINGPONG the two computing
 //   warpgroups take turns at the tensor cores.
@@ -503,8 +503,11 @@ __device__ __forceinline__ const u16* at(const void* base, Strides s, int b, int
 #if !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "TF_FWD_WGMMA needs sm_90a (warpgroup MMA)"
 #endif
-#if TF_FWD_M_TILES != 1 || TF_FWD_WARPS % 4 != 0
-#error "a warpgroup forward has one 64-row tile per warpgroup (FWD_WARPS 4 or 8, FWD_M_TILES 1)"
+#if TF_FWD_M_TILES != 1 || !(TF_FWD_WARPS == 4 || TF_FWD_WARPS == 8 || TF_FWD_WARPS == 12)
+#error "a warpgroup forward has one 64-row tile per warpgroup (FWD_WARPS 4, 8 or 12, FWD_M_TILES 1)"
+#endif
+#if TF_FWD_WARPS == 12 && !TF_FWD_TMA
+#error "FWD_WARPS 12 takes FWD_TMA (the producer's registers go to the three consumers)"
 #endif
 #if TF_DTYPE == 1
 #define WG_AB "bf16"
@@ -787,7 +790,7 @@ extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
   if (wg == CONSUMER_WGS) {
     // The producer warpgroup: one thread issues every copy; stage st of tile j is reused once
     // both consumers are done with tile j - NS.
-#if TF_FWD_WARPS == 8
+#if TF_FWD_WARPS >= 8
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
 #endif
     if (wg_warp == 0 && lane == 0) {
@@ -838,6 +841,9 @@ extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
   }
 #if TF_FWD_WARPS == 8
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+#elif TF_FWD_WARPS == 12
+  // 128 * 24 + 384 * 160 registers: within the SM's 64K.
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n");
 #endif
   // One thread per consumer warpgroup tells the producer a stage is free.
   auto release = [&](u32 bar) {

@@ -6,8 +6,10 @@ peak measured in the same run. FLOPs: forward 4·B·H·S²·D (halved when causa
 backward 3.5 times that.
 
   --small  also the small shapes the registry's thresholds come from
+  --long   instead, the long-row shapes (S 4096-16384) the registry's length key comes from
   --quick  the GPT-2 shape only (a smoke run)
   --fwd-only  time the forward only
+  --head-dim D  only the shapes of head dim D
   --graph  time CUDA-graph replays of the calls (GPU time only) instead of the calls
   --deterministic  with torch.use_deterministic_algorithms(True): stock's default is then
            FlashAttention-2 with its deterministic backward (cuDNN's is not deterministic),
@@ -39,6 +41,10 @@ SMALL = [(1, 12, 128, 64, True), (4, 12, 256, 64, True), (8, 12, 512, 64, False)
          (4, 12, 4096, 64, True), (2, 16, 4096, 128, False),
          (1, 12, 128, 64, False), (4, 12, 256, 64, False), (2, 16, 256, 128, False),
          (1, 16, 512, 128, False)]
+# Long rows (whether the call's length, not only its size, decides who is faster).
+LONG = [(2, 16, 8192, 128, True), (1, 32, 8192, 128, True), (1, 16, 16384, 128, True),
+        (1, 16, 8192, 128, False), (1, 12, 8192, 64, True), (2, 12, 8192, 64, True),
+        (1, 12, 16384, 64, True), (1, 16, 12288, 128, True), (4, 16, 4096, 128, True)]
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION}
 ATEN_FWD = "_scaled_dot_product_flash_attention"
@@ -68,7 +74,21 @@ SWEEP = {
          dict(FWD_WGMMA=1, FWD_TMA=1, FWD_PINGPONG=1, FWD_WARPS=8, FWD_BLOCK_N=128, FWD_STAGES=3),
          # The warpgroup backward (BWD_WGMMA: dK/dV and dQ).
          dict(FWD_WGMMA=1, FWD_TMA=1, FWD_WARPS=8, FWD_BLOCK_N=128, BWD_WGMMA=1, BWD_BLOCK_Q=64,
-              DQ_BLOCK_N=64)],
+              DQ_BLOCK_N=64),
+         # With the mask on diagonal tiles only: ping-pong again, three computing warpgroups
+         # (192 query rows), and the persistent forward of each.
+         dict(FWD_WGMMA=1, FWD_TMA=1, FWD_PINGPONG=1, FWD_WARPS=8, FWD_BLOCK_N=128, BWD_WGMMA=1,
+              BWD_BLOCK_Q=64, DQ_BLOCK_N=64),
+         dict(FWD_WGMMA=1, FWD_TMA=1, FWD_WARPS=12, FWD_BLOCK_N=128, BWD_WGMMA=1, BWD_BLOCK_Q=64,
+              DQ_BLOCK_N=64),
+         dict(FWD_WGMMA=1, FWD_TMA=1, FWD_WARPS=12, FWD_BLOCK_N=64, FWD_STAGES=3, BWD_WGMMA=1,
+              BWD_BLOCK_Q=64, DQ_BLOCK_N=64),
+         dict(FWD_WGMMA=1, FWD_TMA=1, FWD_WARPS=8, FWD_BLOCK_N=128, FWD_PERSISTENT=1,
+              BWD_WGMMA=1, BWD_BLOCK_Q=64, DQ_BLOCK_N=64),
+         dict(FWD_WGMMA=1, FWD_TMA=1, FWD_WARPS=12, FWD_BLOCK_N=128, FWD_PERSISTENT=1,
+              BWD_WGMMA=1, BWD_BLOCK_Q=64, DQ_BLOCK_N=64),
+         dict(FWD_WGMMA=1, FWD_TMA=1, FWD_PINGPONG=1, FWD_WARPS=8, FWD_BLOCK_N=128,
+              FWD_PERSISTENT=1, BWD_WGMMA=1, BWD_BLOCK_Q=64, DQ_BLOCK_N=64)],
     128: [dict(FWD_BLOCK_N=64, BWD_BLOCK_Q=32, DQ_BLOCK_N=32),
           dict(FWD_WARPS=8, FWD_BLOCK_N=64, BWD_WARPS=8, BWD_BLOCK_Q=32, DQ_BLOCK_N=32),
           dict(FWD_BLOCK_N=32, FWD_MIN_BLOCKS=2, BWD_BLOCK_Q=16, DQ_BLOCK_N=16, BWD_MIN_BLOCKS=2),
@@ -194,8 +214,10 @@ def measure(shape, gen, rounds, reps, sweep, phases, sweep_only=None, graph=Fals
     q, k, v, dout = inputs[0]
 
     def grads():
+        # Detached: a live autograd graph keeps q, k and v's AccumulateGrad nodes, made on the
+        # default stream, and a backward captured on a side stream then fails.
         o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        return (o, *torch.autograd.grad(o, (q, k, v), dout))
+        return (o.detach(), *torch.autograd.grad(o, (q, k, v), dout))
 
     torch.ops.torchfuse.set_enabled("sdpa", False)
     expected = grads()
@@ -209,6 +231,7 @@ def measure(shape, gen, rounds, reps, sweep, phases, sweep_only=None, graph=Fals
                         for a, e in zip(got, expected))
             if not worst < 2e-2:
                 print(f"  WRONG: {name} at {shape}: relative difference to stock {worst:.3g}")
+    del expected
     for phase, fn in calls.items():
         if phase not in phases:
             continue
@@ -257,6 +280,9 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--long", action="store_true", help="the LONG shapes instead")
+    parser.add_argument("--head-dim", type=int, default=None,
+                        help="only the shapes of this head dim")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-only", default="",
                         help="with --sweep: only these candidates of SWEEP (comma-separated indices)")
@@ -282,6 +308,8 @@ def main():
         "; CUDA-graph replays (GPU time only)" if args.graph else "")
     print(f"device: {device}; bf16 matmul peak {peak:.0f} TFLOP/s (8192^3, same run){mode}")
     shapes = SHAPES[:1] if args.quick else SHAPES + (SMALL if args.small else [])
+    shapes = LONG if args.long else shapes
+    shapes = [sh for sh in shapes if args.head_dim in (None, sh[3])]
     rows = []
     for shape in shapes:
         only = {int(i) for i in args.sweep_only.split(",")} if args.sweep_only else None

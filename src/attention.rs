@@ -81,7 +81,7 @@ const MIN_TILE_ROWS: i64 = 32;
 /// Kernel launch shapes a variant may set, and their allowed values.
 const PARAMS: [(&str, &[i64]); 16] = [
     ("HEAD_DIM", &[64, 128]),
-    ("FWD_WARPS", &[2, 4, 8]),
+    ("FWD_WARPS", &[2, 4, 8, 12]),
     ("FWD_BLOCK_N", &[32, 64, 128]),
     ("BWD_WARPS", &[2, 4, 8]),
     ("BWD_BLOCK_Q", &[16, 32, 64, 128]),
@@ -143,10 +143,14 @@ pub fn validate_variant(v: &Variant) -> Result<(), String> {
             || 16 * shapes.fwd_warps > shapes.fwd_stages * shapes.fwd_block_n
         {
             return Err(format!(
-                "{}: FWD_WGMMA takes FWD_WARPS 4 or 8, FWD_M_TILES 1, FWD_BLOCK_N 64 or 128 \
+                "{}: FWD_WGMMA takes FWD_WARPS 4, 8 or 12, FWD_M_TILES 1, FWD_BLOCK_N 64 or 128 \
                  (and 16 * FWD_WARPS <= FWD_STAGES * FWD_BLOCK_N)",
                 v.name
             ));
+        }
+        // Three computing warpgroups fit in the registers only with the producer's given up.
+        if shapes.fwd_warps == 12 && !shapes.fwd_tma {
+            return Err(format!("{}: FWD_WARPS 12 takes FWD_TMA = 1", v.name));
         }
         if shapes.fwd_persistent && !shapes.fwd_tma {
             return Err(format!("{}: FWD_PERSISTENT takes FWD_TMA = 1", v.name));
@@ -171,6 +175,11 @@ pub fn validate_variant(v: &Variant) -> Result<(), String> {
                 v.name
             ));
         }
+    } else if shapes.fwd_warps == 12 {
+        return Err(format!(
+            "{}: FWD_WARPS 12 is the warpgroup forward's (FWD_WGMMA = 1, FWD_TMA = 1)",
+            v.name
+        ));
     } else if shapes.fwd_tma || shapes.fwd_pingpong || shapes.bwd_wgmma {
         return Err(format!(
             "{}: FWD_TMA, FWD_PINGPONG and BWD_WGMMA need FWD_WGMMA = 1",
@@ -943,6 +952,22 @@ mod tests {
             let err = ok("[90, 90]", params).unwrap_err();
             assert!(err.contains("FWD_WGMMA takes"), "{params}: {err}");
         }
+        // Three computing warpgroups (192 query rows) need the producer's registers.
+        assert_eq!(
+            ok(
+                "[90, 90]",
+                "FWD_WGMMA = 1, FWD_TMA = 1, FWD_WARPS = 12, FWD_BLOCK_N = 128"
+            ),
+            Ok(())
+        );
+        let err = ok(
+            "[90, 90]",
+            "FWD_WGMMA = 1, FWD_WARPS = 12, FWD_BLOCK_N = 128",
+        )
+        .unwrap_err();
+        assert!(err.contains("FWD_WARPS 12 takes FWD_TMA"), "{err}");
+        let err = ok("[80, 90]", "FWD_WARPS = 12").unwrap_err();
+        assert!(err.contains("FWD_WARPS 12 is the warpgroup"), "{err}");
         // The mma.sync forward has its fixed double buffer.
         let err = ok("[80, 90]", "FWD_STAGES = 3").unwrap_err();
         assert!(err.contains("FWD_STAGES"), "{err}");
