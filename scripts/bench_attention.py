@@ -6,7 +6,8 @@ peak measured in the same run. FLOPs: forward 4·B·H·S²·D (halved when causa
 backward 3.5 times that.
 
   --small  also the small shapes the registry's thresholds come from
-  --long   instead, the long-row shapes (S 4096-16384) the registry's length key comes from
+  --long   instead, the long-row shapes (S 4096-16384): would a length key in the registry pay?
+           (docs/bench/h100-attention-long.md: no)
   --quick  the GPT-2 shape only (a smoke run)
   --fwd-only  time the forward only
   --head-dim D  only the shapes of head dim D
