@@ -493,7 +493,9 @@ __device__ __forceinline__ const u16* at(const void* base, Strides s, int b, int
 // V takes LBO = the stride of its 64-column blocks and SBO = 1024, a k16 step is 16 rows.
 // K/V tiles stream through a ring of TF_FWD_STAGES stages (cp.async by every thread, one CTA
 // barrier per key tile); the two gemms of consecutive tiles overlap the softmax (below).
-// Softmax, masking, the logsumexp and the output stores are the mma.sync kernel's.
+// Masking, the logsumexp and the output stores are the mma.sync kernel's; the softmax takes
+// the max of the unscaled scores and applies the scale (>= 0: attention.rs sends negative
+// ones to stock) in the exponent's FFMA, one instruction per score fewer.
 // With TF_FWD_TMA, one more warpgroup is the producer: one of its threads issues a TMA copy
 // per 64-column block of each tile (tensor maps made on the host, the 128-byte swizzle done by
 // the copy), each stage has a "full" mbarrier (the copy's bytes arrived) and an "empty" one
@@ -935,6 +937,11 @@ extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
     cp_async_commit();
   };
 #endif
+  // The scale is positive (attention.rs sends other scales to stock), so the max is taken
+  // before scaling and the scale rides in the exponent's FFMA: one instruction per score
+  // fewer. A zero scale runs as the smallest normal float: every score's product rounds to
+  // 0 as with 0, and a masked -inf stays -inf instead of NaN.
+  const float scale_mag = fmaxf(scale_log2, 1.17549435e-38f);  // FLT_MIN
   auto issue_s = [&](int j) {
     wg_gemm_hd<BN>(s, q_addr, BM, k_addr + ((ring + j) % NS) * BN * HD * 2);
     wg_commit();
@@ -943,24 +950,21 @@ extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
     wg_gemm_rs<BN>(o_acc, p, v_addr + ((ring + j) % NS) * BN * HD * 2);
     wg_commit();
   };
-  // Masks S_j, updates the running max and sum, leaves exp2(S_j - max) in s and the O
-  // rescale factor in alpha.
+  // Masks S_j, updates the running max and sum (base 2, scaled), leaves
+  // exp2(S_j * scale - max) in s and the O rescale factor in alpha.
   auto softmax = [&](int j) {
     const int n0 = j * BN;
     const bool edge = n0 + BN > kv_end || (causal && n0 + BN - 1 > w0);
     float tile_max[2] = {NEG_INF, NEG_INF};
-    // The scale goes on before the max: it may be negative.
-    auto scale_and_max = [&](bool mask) {
+    auto mask_and_max = [&](bool mask) {
 #pragma unroll
       for (int i = 0; i < BN / 8; ++i) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = n0 + 8 * i + 2 * t + (e & 1);
           const int row = r0 + (e >> 1) * 8;
-          const bool masked = mask && (col >= kv_end || (causal && col > row));
-          const float x = masked ? NEG_INF : s[4 * i + e] * scale_log2;
-          s[4 * i + e] = x;
-          tile_max[e >> 1] = fmaxf(tile_max[e >> 1], x);
+          if (mask && (col >= kv_end || (causal && col > row))) s[4 * i + e] = NEG_INF;
+          tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[4 * i + e]);
         }
       }
     };
@@ -968,23 +972,24 @@ extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
     // and selects: with the mask under `if (edge)` inside one loop ptxas predicated them onto
     // every tile (ncu, GPT-2's shape: 2.4x cuDNN's ALU instructions).
     if (edge) {
-      scale_and_max(true);
+      mask_and_max(true);
     } else {
-      scale_and_max(false);
+      mask_and_max(false);
     }
     float m_use[2], row_sum[2] = {0.f, 0.f};
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
       tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-      const float m_new = fmaxf(m_run[r], tile_max[r]);
+      // A positive factor keeps the max (rounding is monotonic); -inf stays -inf.
+      const float m_new = fmaxf(m_run[r], tile_max[r] * scale_mag);
       m_use[r] = m_new == NEG_INF ? 0.f : m_new;
       alpha[r] = fast_exp2(m_run[r] - m_use[r]);
       m_run[r] = m_new;
     }
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) {
-      s[i] = fast_exp2(s[i] - m_use[(i >> 1) & 1]);
+      s[i] = fast_exp2(fmaf(s[i], scale_mag, -m_use[(i >> 1) & 1]));
       row_sum[(i >> 1) & 1] += s[i];
     }
 #pragma unroll

@@ -483,6 +483,11 @@ pub unsafe fn plan(launch: Launch, call: &AttentionCallC) -> Result<Plan, StockR
     if !scale.is_finite() {
         return Err(StockReason::InvalidInput);
     }
+    // The warpgroup forward takes the max of the raw scores and puts the scale in the
+    // exponent (attn_fwd), which holds for scales of at least 0 only.
+    if scale < 0.0 {
+        return Err(StockReason::AttentionFeature);
+    }
     let op = if call.is_causal {
         KernelOp::AttentionCausal
     } else {

@@ -48,7 +48,9 @@ impl std::fmt::Display for StockReason {
             StockReason::NothingRequested => "no output requested",
             StockReason::ScaleGradByFreq => "scale_grad_by_freq is not served",
             StockReason::UserBackendChoice => "SDPA backends restricted by the user",
-            StockReason::AttentionFeature => "attn_mask, dropout or nested inputs are not served",
+            StockReason::AttentionFeature => {
+                "attn_mask, dropout, nested inputs or a negative scale are not served"
+            }
             StockReason::InvalidInput => "input stock rejects",
             StockReason::KernelUnavailable => "kernel unavailable",
             StockReason::LaunchFailed => "kernel launch failed",

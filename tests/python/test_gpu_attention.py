@@ -71,7 +71,7 @@ def draw_case(rng):
     causal = rng.random() < 0.5
     lq = rng.choice([1, 7, 16, 63, 64, 65, 100, 127, 128, 129, 200, 255, 257, 384, 511, 640])
     lk = lq if causal else rng.choice([1, 9, 31, 64, 65, 130, 256, 300, 513, 700])
-    scale = rng.choice([None, None, 0.05, 0.3, -0.1])
+    scale = rng.choice([None, None, 0.05, 0.3, 0.0])
     layout = rng.choice(["bhld", "blhd"])
     return b, h, hk, lq, lk, d, dtype, causal, scale, layout
 
@@ -235,10 +235,21 @@ def test_what_we_do_not_serve_goes_to_stock_with_its_reason():
         return {r: n - before.get(r, 0) for r, n in after.items() if n != before.get(r, 0)}
 
     mask = torch.ones(64, 64, dtype=torch.bool, device="cuda").tril()
-    assert "attn_mask, dropout or nested inputs are not served" in reasons_after(
+    assert "attn_mask, dropout, nested inputs or a negative scale are not served" in reasons_after(
         lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
-    assert "attn_mask, dropout or nested inputs are not served" in reasons_after(
+    assert "attn_mask, dropout, nested inputs or a negative scale are not served" in reasons_after(
         lambda: F.scaled_dot_product_attention(q, k, v, dropout_p=0.1))
+    # The warpgroup forward scales after its max: negative scales are stock's, through the
+    # backward too.
+    qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    before = (fused_count(FLASH), fused_count(FLASH_BWD))
+    assert "attn_mask, dropout, nested inputs or a negative scale are not served" in reasons_after(
+        lambda: F.scaled_dot_product_attention(qg, kg, vg, scale=-0.1).sum().backward())
+    assert (fused_count(FLASH), fused_count(FLASH_BWD)) == before
+    with torch.no_grad():
+        F.scaled_dot_product_attention(q, k, v, scale=-0.1)
+        torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, scale=-0.1)
+    assert (fused_count(FLASH), fused_count(FLASH_BWD)) == before
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         before = fused_count(FLASH)
         assert "SDPA backends restricted by the user" in reasons_after(
