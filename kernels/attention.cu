@@ -445,6 +445,15 @@ struct Problem {
   int causal, batch;
 };
 
+// The forwards' softmax factor. The scale is at least 0 (attention.rs sends negative ones to
+// stock), so both forwards take the max of the unscaled scores and apply the scale in the
+// exponent's FFMA: one instruction per score fewer. A zero scale runs as the smallest normal
+// float: every score's product rounds to 0 as with 0, and a masked -inf stays -inf instead of
+// becoming NaN.
+__device__ __forceinline__ float softmax_scale(const Problem& pb) {
+  return fmaxf(pb.scale_log2, 1.17549435e-38f);  // FLT_MIN
+}
+
 // Keys [n0, n0 + BN) of K and V into `stage` of the double-buffered K/V tiles (keys at or
 // beyond kv_end zero-filled), as one cp.async group.
 template <int BN, int THREADS>
@@ -493,9 +502,8 @@ __device__ __forceinline__ const u16* at(const void* base, Strides s, int b, int
 // V takes LBO = the stride of its 64-column blocks and SBO = 1024, a k16 step is 16 rows.
 // K/V tiles stream through a ring of TF_FWD_STAGES stages (cp.async by every thread, one CTA
 // barrier per key tile); the two gemms of consecutive tiles overlap the softmax (below).
-// Masking, the logsumexp and the output stores are the mma.sync kernel's; the softmax takes
-// the max of the unscaled scores and applies the scale (>= 0: attention.rs sends negative
-// ones to stock) in the exponent's FFMA, one instruction per score fewer.
+// Softmax (softmax_scale), masking, the logsumexp and the output stores are the mma.sync
+// kernel's.
 // With TF_FWD_TMA, one more warpgroup is the producer: one of its threads issues a TMA copy
 // per 64-column block of each tile (tensor maps made on the host, the 128-byte swizzle done by
 // the copy), each stage has a "full" mbarrier (the copy's bytes arrived) and an "empty" one
@@ -710,7 +718,7 @@ extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
 #endif
     ) {
   const int heads = pb.heads, lq = pb.lq, lk = pb.lk, group = pb.group, causal = pb.causal;
-  const float scale_log2 = pb.scale_log2;
+  const float scale_mag = softmax_scale(pb);
   constexpr int BM = FWD_BLOCK_M, BN = TF_FWD_BLOCK_N;
   extern __shared__ __align__(1024) unsigned char smem_bytes[];
   constexpr int NS = TF_FWD_STAGES;
@@ -937,11 +945,6 @@ extern "C" __global__ void __launch_bounds__(FWD_CTA_THREADS, TF_FWD_MIN_BLOCKS)
     cp_async_commit();
   };
 #endif
-  // The scale is positive (attention.rs sends other scales to stock), so the max is taken
-  // before scaling and the scale rides in the exponent's FFMA: one instruction per score
-  // fewer. A zero scale runs as the smallest normal float: every score's product rounds to
-  // 0 as with 0, and a masked -inf stays -inf instead of NaN.
-  const float scale_mag = fmaxf(scale_log2, 1.17549435e-38f);  // FLT_MIN
   auto issue_s = [&](int j) {
     wg_gemm_hd<BN>(s, q_addr, BM, k_addr + ((ring + j) % NS) * BN * HD * 2);
     wg_commit();
@@ -1115,7 +1118,7 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCK
     attn_fwd(const void* q, Strides qs, const void* k, Strides ks, const void* v, Strides vs,
              void* o, Strides os, float* lse, Problem pb) {
   const int heads = pb.heads, lq = pb.lq, lk = pb.lk, group = pb.group, causal = pb.causal;
-  const float scale_log2 = pb.scale_log2;
+  const float scale_mag = softmax_scale(pb);
   constexpr int BM = FWD_BLOCK_M, BN = TF_FWD_BLOCK_N, THREADS = TF_FWD_WARPS * 32;
   constexpr int MT = FWD_MT, WARP_ROWS = 16 * MT;
   extern __shared__ __align__(128) u16 smem[];
@@ -1168,8 +1171,7 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCK
 
     const bool edge = n0 + BN > kv_end || (causal && n0 + BN - 1 > w0);
     float tile_max[MT][2];
-    // The scale goes on before the max: it may be negative.
-    auto scale_and_max = [&](bool mask) {
+    auto mask_and_max = [&](bool mask) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         tile_max[mt][0] = tile_max[mt][1] = NEG_INF;
@@ -1179,10 +1181,8 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCK
           for (int e = 0; e < 4; ++e) {
             const int col = n0 + nt * 8 + 2 * t + (e & 1);
             const int row = w0 + 16 * mt + g + (e >> 1) * 8;
-            const bool masked = mask && (col >= kv_end || (causal && col > row));
-            const float x = masked ? NEG_INF : s[mt][nt][e] * scale_log2;
-            s[mt][nt][e] = x;
-            tile_max[mt][e >> 1] = fmaxf(tile_max[mt][e >> 1], x);
+            if (mask && (col >= kv_end || (causal && col > row))) s[mt][nt][e] = NEG_INF;
+            tile_max[mt][e >> 1] = fmaxf(tile_max[mt][e >> 1], s[mt][nt][e]);
           }
         }
       }
@@ -1190,9 +1190,9 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCK
     // Two copies, so tiles without masked elements skip the per-element mask (see the sm 90
     // forward: ptxas predicates a mask under `if (edge)` onto every tile).
     if (edge) {
-      scale_and_max(true);
+      mask_and_max(true);
     } else {
-      scale_and_max(false);
+      mask_and_max(false);
     }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -1202,7 +1202,8 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCK
         float row_max = tile_max[mt][r];
         row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
         row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
-        const float m_new = fmaxf(m_run[mt][r], row_max);
+        // A positive factor keeps the max (rounding is monotonic); -inf stays -inf.
+        const float m_new = fmaxf(m_run[mt][r], row_max * scale_mag);
         m_use[r] = m_new == NEG_INF ? 0.f : m_new;
         alpha[r] = fast_exp2(m_run[mt][r] - m_use[r]);
         m_run[mt][r] = m_new;
@@ -1212,7 +1213,7 @@ extern "C" __global__ void __launch_bounds__(TF_FWD_WARPS * 32, TF_FWD_MIN_BLOCK
       for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float p = fast_exp2(s[mt][nt][e] - m_use[e >> 1]);
+          const float p = fast_exp2(fmaf(s[mt][nt][e], scale_mag, -m_use[e >> 1]));
           s[mt][nt][e] = p;
           row_sum[e >> 1] += p;
         }
