@@ -13,7 +13,7 @@ print("VERSION=" + torch.__version__)
 "#;
 
 fn main() {
-    println!("cargo:rerun-if-changed=src/glue/shim.cpp");
+    println!("cargo:rerun-if-changed=src/abi/shim.cpp");
     println!("cargo:rerun-if-env-changed=TORCHFUSE_PYTHON");
     println!("cargo:rerun-if-env-changed=VIRTUAL_ENV");
     let python = std::env::var("TORCHFUSE_PYTHON").unwrap_or_else(|_| {
@@ -58,7 +58,7 @@ fn main() {
         .define("GLOG_USE_GLOG_EXPORT", None)
         .flag("-fvisibility=hidden")
         .flag("-Wno-unused-parameter")
-        .file("src/glue/shim.cpp")
+        .file("src/abi/shim.cpp")
         .compile("torchfuse_glue");
 
     let lib_dir = torch_root.join("lib");

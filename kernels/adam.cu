@@ -22,8 +22,14 @@
 
 #include "common.cuh"
 
-#if !defined(TF_THREADS) || !defined(TF_UNROLL) || !defined(TF_ADAM_MAX_TENSORS)
-#error "TF_THREADS, TF_UNROLL and TF_ADAM_MAX_TENSORS must be defined"
+#if !defined(TF_THREADS) || !defined(TF_UNROLL)
+#error "TF_THREADS and TF_UNROLL must be defined"
+#endif
+// Shared with src/ops/adam.rs, which passes them (`defines`): the launches' capacities and
+// the bits of AdamStep::flags.
+#if !defined(TF_ADAM_MAX_TENSORS) || !defined(TF_ADAM_SMALL_TENSORS) || \
+    !defined(TF_ADAM_DECOUPLED) || !defined(TF_ADAM_AMSGRAD) || !defined(TF_ADAM_MAXIMIZE)
+#error "TF_ADAM_MAX_TENSORS, TF_ADAM_SMALL_TENSORS and TF_ADAM_{DECOUPLED,AMSGRAD,MAXIMIZE} must be defined"
 #endif
 #ifndef TF_MIN_BLOCKS
 #define TF_MIN_BLOCKS 1
@@ -33,10 +39,6 @@
 #define TF_STREAMING 0
 #endif
 
-// Flags of AdamArgs::flags; must match src/adam.rs.
-#define TF_ADAM_DECOUPLED 1u  // AdamW: weight decay applied to the param, not the gradient
-#define TF_ADAM_AMSGRAD 2u
-#define TF_ADAM_MAXIMIZE 4u
 
 // One tensor of the step; layout must match `AdamTensor` in src/adam.rs.
 struct AdamTensor {
@@ -64,7 +66,7 @@ struct AdamStep {
   const float* found_inf;   // 1.0 skips the whole step; null: none
 };
 
-// The kernel's only parameter; layout must match `AdamArgs` in src/adam.rs (sizes are
+// The kernel's only parameter; layout must match `AdamArgs` in src/ops/adam.rs (sizes are
 // checked on both sides). Two capacities: a small step should not pay for copying 32 KB of
 // parameters at launch.
 template <int CAPACITY>
@@ -74,7 +76,6 @@ struct AdamArgs {
   unsigned int units;
   AdamTensor t[CAPACITY];
 };
-#define TF_ADAM_SMALL_TENSORS 32
 static_assert(sizeof(AdamTensor) == 64, "AdamTensor layout");
 static_assert(sizeof(AdamStep) == 48, "AdamStep layout");
 static_assert(sizeof(AdamArgs<TF_ADAM_MAX_TENSORS>) == 56 + 64 * TF_ADAM_MAX_TENSORS,

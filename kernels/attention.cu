@@ -33,6 +33,10 @@
 #if TF_DTYPE != 1 && TF_DTYPE != 2
 #error "attention kernels are bf16 (TF_DTYPE=1) or f16 (TF_DTYPE=2)"
 #endif
+// Shared with src/ops/attention.rs (`defines`): the warpgroup backward kernels' CTA tiles.
+#if !defined(TF_ATTN_DKDV_WG_KEYS) || !defined(TF_ATTN_DQ_WG_ROWS)
+#error "TF_ATTN_DKDV_WG_KEYS and TF_ATTN_DQ_WG_ROWS must be defined"
+#endif
 #if !defined(TF_HEAD_DIM) || (TF_HEAD_DIM != 64 && TF_HEAD_DIM != 128)
 #error "TF_HEAD_DIM must be 64 or 128"
 #endif
@@ -1301,7 +1305,7 @@ extern "C" __global__ void __launch_bounds__(256)
 // fills them), their logsumexp and delta zeros: they add nothing. The order of every sum is
 // fixed: bitwise reproducible.
 #define BWD_STAGES 2
-#define BWD_WG_KEYS 128
+#define BWD_WG_KEYS TF_ATTN_DKDV_WG_KEYS
 
 // The mbarriers of a warpgroup backward kernel, from `base`: one for the tiles the CTA keeps,
 // then per stage of the ring "full" (its tiles have landed) and "empty" (both computing
@@ -1586,7 +1590,7 @@ extern "C" __global__ void __launch_bounds__(TF_BWD_WARPS * 32, TF_BWD_MIN_BLOCK
 // the kv head (TMA, a ring of BWD_STAGES stages). Per key tile a computing warpgroup issues
 // S = Q K^T and dP = dO V^T, forms dS = P (dP - delta) in registers, then dQ += dS K with dS
 // as the register operand; dQ stays in fp32 registers and is written once. No atomics.
-#define DQ_WG_ROWS 128
+#define DQ_WG_ROWS TF_ATTN_DQ_WG_ROWS
 
 extern "C" __global__ void __launch_bounds__(384, 1)
     attn_bwd_dq(const void* q, Strides qs, const void* k, Strides ks, const void* v, Strides vs,

@@ -51,18 +51,31 @@
 #define TF_UNROLL 4
 #endif
 
+// The launch shapes and tile sizes the launches share with these kernels: one source, the
+// table in src/ops/embedding.rs (`SHARED`), passed as TF_EMB_<NAME>.
+#if !defined(TF_EMB_SORT_THREADS) || !defined(TF_EMB_SORT_ITEMS_SMALL) ||                   \
+    !defined(TF_EMB_SORT_ITEMS_LARGE) || !defined(TF_EMB_MAX_DIGIT_BITS) ||                 \
+    !defined(TF_EMB_CHUNK) || !defined(TF_EMB_REDUCE_THREADS) ||                            \
+    !defined(TF_EMB_FINISH_THREADS) || !defined(TF_EMB_ZERO_UNROLL) ||                      \
+    !defined(TF_EMB_ZERO_SLICE) || !defined(TF_EMB_CLUSTER_SORT_CTAS) ||                    \
+    !defined(TF_EMB_CLUSTER_SORT_THREADS) || !defined(TF_EMB_CLUSTER_SORT_ITEMS_MAX) ||     \
+    !defined(TF_EMB_CLUSTER_SORT_SMEM) || !defined(TF_EMB_MARK_THREADS) ||                  \
+    !defined(TF_EMB_MARK_ITEMS)
+#error "the TF_EMB_* constants of src/ops/embedding.rs must be defined"
+#endif
+
 #define VEC TF_VEC
-#define SORT_THREADS 256
+#define SORT_THREADS TF_EMB_SORT_THREADS
 #define SORT_WARPS (SORT_THREADS / 32)
 // Tokens per thread of a sort tile (the launch picks one: smaller tiles for fewer tokens, so
 // that more CTAs share the latency-bound passes).
-#define SORT_ITEMS_SMALL 4
-#define SORT_ITEMS_LARGE 8
-#define RADIX_MAX 512
-#define CHUNK 32
-#define REDUCE_THREADS 256
+#define SORT_ITEMS_SMALL TF_EMB_SORT_ITEMS_SMALL
+#define SORT_ITEMS_LARGE TF_EMB_SORT_ITEMS_LARGE
+#define RADIX_MAX (1 << TF_EMB_MAX_DIGIT_BITS)
+#define CHUNK TF_EMB_CHUNK
+#define REDUCE_THREADS TF_EMB_REDUCE_THREADS
 #define REDUCE_WARPS (REDUCE_THREADS / 32)
-#define FINISH_THREADS 512
+#define FINISH_THREADS TF_EMB_FINISH_THREADS
 #define FINISH_WARPS (FINISH_THREADS / 32)
 
 extern "C" __device__ void __assertfail(const char* message, const char* file, unsigned int line,
@@ -451,7 +464,7 @@ __device__ __forceinline__ void sort_scatter(const void* __restrict__ indices, i
 // the CTAs per SM its registers allow (8: at most 32 registers a thread, so that beside its
 // 4 CTAs per SM a CTA of emb_bwd_reduce fits in the register file; at 40 it did not. Measured:
 // the same at GPT-2's shape, 175 -> 171 us at 131072 bf16 tokens).
-#define ZERO_UNROLL 4
+#define ZERO_UNROLL TF_EMB_ZERO_UNROLL
 #define ZERO_MIN_BLOCKS 8
 
 // Zeros for every row no token touches (its bit in `touched` is clear) and for the padding
@@ -501,7 +514,7 @@ __device__ __forceinline__ void zero_rows(const unsigned int* __restrict__ touch
 }
 
 // Column vectors of a row one warp zeroes per work item (4 stores per lane).
-#define ZERO_SLICE (32 * 4)
+#define ZERO_SLICE TF_EMB_ZERO_SLICE
 
 // The same zeros, a work item per warp: 32 consecutive rows (one bitmap word) x a slice of
 // ZERO_SLICE column vectors, so wide rows spread over many warps; the grid's warps take items
@@ -587,10 +600,10 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
 // Reuse without barriers: a CTA sends pass p + 1's counts only once pass p's pairs have all
 // reached it, which needs every CTA's pass p counts, so the counts alternate between two slots
 // (and two mbarriers), and a pass's pairs never land in a buffer still being read.
-#define CSORT_CLUSTER 8
-#define CSORT_THREADS 512
+#define CSORT_CLUSTER TF_EMB_CLUSTER_SORT_CTAS
+#define CSORT_THREADS TF_EMB_CLUSTER_SORT_THREADS
 #define CSORT_WARPS (CSORT_THREADS / 32)
-#define CSORT_ITEMS_MAX 8
+#define CSORT_ITEMS_MAX TF_EMB_CLUSTER_SORT_ITEMS_MAX
 #define CSORT_TILE_MAX (CSORT_THREADS * CSORT_ITEMS_MAX)
 
 struct ClusterSortSmem {
@@ -602,10 +615,8 @@ struct ClusterSortSmem {
   unsigned long long counts_arrived[2];  // mbarriers, by pass parity
   unsigned long long pairs_arrived;
 };
-// The launch's dynamic shared memory (src/embedding.rs: CLUSTER_SORT_SMEM).
-#define CSORT_SMEM_BYTES                                                               \
-  (2 * CSORT_TILE_MAX * 8 + (CSORT_WARPS + 2 * CSORT_CLUSTER + 1) * RADIX_MAX * 4 + \
-   CSORT_WARPS * 4 + 3 * 8)
+// The launch's dynamic shared memory, as src/ops/embedding.rs sizes it.
+#define CSORT_SMEM_BYTES TF_EMB_CLUSTER_SORT_SMEM
 static_assert(sizeof(ClusterSortSmem) == CSORT_SMEM_BYTES, "cluster sort shared memory");
 static_assert(RADIX_MAX == CSORT_THREADS, "the cluster sort takes one digit per thread");
 
@@ -815,8 +826,8 @@ extern "C" __global__ void CSORT_DIMS __launch_bounds__(CSORT_THREADS)
 // overlaps theirs. A lane whose left neighbour has the same row skips its atomic (all-equal
 // indices would otherwise serialize on one word); out-of-range indices are left to the sort's
 // check.
-#define MARK_THREADS 1024
-#define MARK_ITEMS 4
+#define MARK_THREADS TF_EMB_MARK_THREADS
+#define MARK_ITEMS TF_EMB_MARK_ITEMS
 extern "C" __global__ void CSORT_DIMS __launch_bounds__(MARK_THREADS)
     emb_mark_rows(const void* __restrict__ indices, int idx64, tf_i64 n, tf_i64 num_weights,
                   unsigned int* __restrict__ flags, tf_i64 flag_words) {

@@ -45,8 +45,9 @@
 // cols % TF_VEC == 0; otherwise the same columns are accessed element by element.
 #include "common.cuh"
 
-#ifndef TF_RMS
-#define TF_RMS 0
+// The op's defines (src/ops/norm.rs `defines`): which kernels, and LayerNorm or RMSNorm.
+#if !defined(TF_NORM_FWD) || !defined(TF_NORM_BWD) || !defined(TF_RMS)
+#error "TF_NORM_FWD, TF_NORM_BWD and TF_RMS must be defined"
 #endif
 #ifndef TF_PREFETCH
 #define TF_PREFETCH 0

@@ -1,4 +1,8 @@
-//! The op families users toggle, and the aten entries each one overrides.
+//! The op families users toggle, the aten entries each one overrides, and their state in this
+//! process: registered with the dispatcher (at load), enabled at run time
+//! (`torch.ops.torchfuse.set_enabled`). The one place toggle names are written.
+
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// A user-facing toggle name (`TORCHFUSE_OPS`, `torch.ops.torchfuse.set_enabled`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -29,6 +33,11 @@ impl Toggle {
         }
     }
 
+    /// Every toggle name, comma-separated (for messages listing the valid ones).
+    pub fn names() -> String {
+        Toggle::ALL.map(Toggle::name).join(", ")
+    }
+
     pub fn from_name(name: &str) -> Option<Toggle> {
         Toggle::ALL.into_iter().find(|t| t.name() == name)
     }
@@ -42,7 +51,7 @@ impl Toggle {
     }
 }
 
-/// One aten override point. The numbering is shared with `src/glue/shim.cpp`.
+/// One aten override point. The numbering is `TfEntry` of `src/abi/torchfuse_abi.h`.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Entry {
@@ -115,6 +124,41 @@ impl Entry {
             }
         }
     }
+}
+
+/// Overrides registered with the dispatcher, per toggle.
+static REGISTERED: [AtomicBool; Toggle::ALL.len()] =
+    [const { AtomicBool::new(false) }; Toggle::ALL.len()];
+/// Run-time switch (`torch.ops.torchfuse.set_enabled`), per toggle.
+static RUNTIME_ENABLED: [AtomicBool; Toggle::ALL.len()] =
+    [const { AtomicBool::new(true) }; Toggle::ALL.len()];
+
+impl Toggle {
+    /// Its overrides are registered with the dispatcher.
+    pub fn mark_registered(self) {
+        REGISTERED[self.index()].store(true, Ordering::Relaxed);
+    }
+
+    pub fn registered(self) -> bool {
+        REGISTERED[self.index()].load(Ordering::Relaxed)
+    }
+
+    /// Switched on at run time (the default).
+    pub fn active(self) -> bool {
+        RUNTIME_ENABLED[self.index()].load(Ordering::Relaxed)
+    }
+
+    pub fn set_active(self, enabled: bool) {
+        RUNTIME_ENABLED[self.index()].store(enabled, Ordering::Relaxed);
+    }
+}
+
+/// Each toggle's name and whether torchfuse serves it now (registered and switched on).
+pub fn enabled_map() -> Vec<(&'static str, bool)> {
+    Toggle::ALL
+        .iter()
+        .map(|t| (t.name(), t.registered() && t.active()))
+        .collect()
 }
 
 #[cfg(test)]

@@ -5,9 +5,10 @@
 //! device, layout), so per-tensor work here is plain memory reads, not calls into libtorch.
 //! Calls stock would reject go to stock, so the user gets stock's error.
 
-use crate::jit::{self, Launch};
-use crate::registry::{DType, KernelOp, Request, StockReason, Variant};
-use crate::tensor::{SCALAR_BFLOAT16, SCALAR_DOUBLE, SCALAR_FLOAT, SCALAR_HALF};
+use super::{KernelOp, Request, Selected, Variant};
+use crate::abi::tensor::{SCALAR_BFLOAT16, SCALAR_DOUBLE, SCALAR_FLOAT, SCALAR_HALF};
+use crate::gpu::Launch;
+use crate::select::{DType, StockReason};
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use std::ffi::c_void;
 
@@ -177,10 +178,28 @@ pub fn validate_variant(v: &Variant) -> Result<(), String> {
     Ok(())
 }
 
-// Must match TF_ADAM_* in kernels/adam.cu.
-const FLAG_DECOUPLED: u32 = 1;
+/// The bits of `AdamStep::flags`, passed to kernels/adam.cu as `TF_ADAM_<NAME>`.
+const FLAG_DECOUPLED: u32 = 1; // AdamW: weight decay applied to the param, not the gradient
 const FLAG_AMSGRAD: u32 = 2;
 const FLAG_MAXIMIZE: u32 = 4;
+
+/// The kernels of kernels/adam.cu, by name: up to `MAX_TENSORS_PER_LAUNCH` tensors a launch,
+/// and up to `SMALL_TENSORS_PER_LAUNCH` (a short list should not pay for copying 32 KB of
+/// parameters at launch).
+const STEP_KERNEL: &str = "adam_step";
+const STEP_SMALL_KERNEL: &str = "adam_step_small";
+pub const KERNELS: &[&str] = &[STEP_KERNEL, STEP_SMALL_KERNEL];
+
+/// The constants kernels/adam.cu shares with this file (it `#error`s without them).
+pub fn defines() -> Vec<String> {
+    vec![
+        format!("-DTF_ADAM_MAX_TENSORS={MAX_TENSORS_PER_LAUNCH}"),
+        format!("-DTF_ADAM_SMALL_TENSORS={SMALL_TENSORS_PER_LAUNCH}"),
+        format!("-DTF_ADAM_DECOUPLED={FLAG_DECOUPLED}u"),
+        format!("-DTF_ADAM_AMSGRAD={FLAG_AMSGRAD}u"),
+        format!("-DTF_ADAM_MAXIMIZE={FLAG_MAXIMIZE}u"),
+    ]
+}
 
 /// `AdamTensor` in kernels/adam.cu.
 #[repr(C)]
@@ -207,7 +226,7 @@ struct AdamArgs<const CAPACITY: usize> {
     t: [AdamTensor; CAPACITY],
 }
 
-/// `TF_ADAM_SMALL_TENSORS`: the capacity of `adam_step_small`.
+/// The capacity of `adam_step_small` (`TF_ADAM_SMALL_TENSORS`).
 const SMALL_TENSORS_PER_LAUNCH: usize = 32;
 
 const _: () = assert!(std::mem::size_of::<AdamTensor>() == 64);
@@ -317,11 +336,11 @@ fn unit_elements(v: &Variant, dtype: DType) -> i64 {
 pub fn step(launch: Launch, call: &AdamCall) -> Result<&'static str, StockReason> {
     let dtype = check(call, launch)?;
     let elements: i64 = call.params.iter().map(|p| p.numel).sum();
-    let jit::Selected {
+    let Selected {
         gpu,
         variant,
         kernels,
-    } = jit::select(launch, |sm| Request {
+    } = super::select(launch, |sm| Request {
         op: KernelOp::AdamStep,
         dtype,
         hidden: 1,
@@ -331,7 +350,9 @@ pub fn step(launch: Launch, call: &AdamCall) -> Result<&'static str, StockReason
     })?;
     let threads = variant.params.get("THREADS").copied().unwrap_or(256) as u32;
     let warps_per_block = i64::from(threads / 32);
-    let resident = i64::from(kernels.resident_per_sm(0, threads)) * i64::from(gpu.multiprocessors);
+    let step_kernel = kernels.get(STEP_KERNEL)?;
+    let small_kernel = kernels.get(STEP_SMALL_KERNEL)?;
+    let resident = i64::from(step_kernel.resident_per_sm(threads)) * i64::from(gpu.multiprocessors);
     let unit = unit_elements(variant, dtype);
 
     let c = call.c;
@@ -373,7 +394,7 @@ pub fn step(launch: Launch, call: &AdamCall) -> Result<&'static str, StockReason
         let result = if batch.len() <= SMALL_TENSORS_PER_LAUNCH {
             let mut args = AdamArgs::<SMALL_TENSORS_PER_LAUNCH>::empty();
             args.fill(&scalars, batch, units);
-            let mut builder = stream.launch_builder(&kernels.functions[1]);
+            let mut builder = stream.launch_builder(&small_kernel.function);
             builder.arg(&args);
             // SAFETY: the argument matches the kernel's signature; every pointer is a live
             // tensor of this call on this device (checked), ordered on PyTorch's stream.
@@ -381,7 +402,7 @@ pub fn step(launch: Launch, call: &AdamCall) -> Result<&'static str, StockReason
         } else {
             LARGE_ARGS.with_borrow_mut(|args| {
                 args.fill(&scalars, batch, units);
-                let mut builder = stream.launch_builder(&kernels.functions[0]);
+                let mut builder = stream.launch_builder(&step_kernel.function);
                 builder.arg(&**args);
                 // SAFETY: as above; the driver copies the parameters during the call.
                 unsafe { builder.launch(config) }
@@ -389,7 +410,7 @@ pub fn step(launch: Launch, call: &AdamCall) -> Result<&'static str, StockReason
         };
         let result = result
             .map(|_| ())
-            .map_err(|e| jit::launch_failed(variant, e));
+            .map_err(|e| super::launch_failed(variant, e));
         launch_or_explain(result, launched)?;
     }
     Ok(&variant.name)

@@ -1,7 +1,7 @@
 //! Tensors crossing the C++ boundary: borrowed `at::Tensor*` seen as tch tensors, and owned
 //! results handed back.
 
-use crate::registry::{DType, StockReason};
+use crate::select::{kind_name, StockReason};
 use std::ffi::{c_char, c_void};
 use std::mem::ManuallyDrop;
 use std::ops::Deref;
@@ -27,32 +27,6 @@ pub unsafe fn borrow(ptr: *const c_void) -> Option<Borrowed> {
 pub fn into_raw(tensor: Tensor) -> *mut c_void {
     let mut tensor = ManuallyDrop::new(tensor);
     tensor.as_mut_ptr().cast()
-}
-
-pub fn dtype_of(kind: Kind) -> Option<DType> {
-    match kind {
-        Kind::Float => Some(DType::F32),
-        Kind::BFloat16 => Some(DType::BF16),
-        Kind::Half => Some(DType::F16),
-        _ => None,
-    }
-}
-
-pub fn kind_name(kind: Option<Kind>) -> &'static str {
-    match kind {
-        Some(k) => match dtype_of(k) {
-            Some(d) => d.name(),
-            None => match k {
-                Kind::Double => "f64",
-                Kind::Int64 => "i64",
-                Kind::Int => "i32",
-                Kind::Uint8 => "u8",
-                Kind::Bool => "bool",
-                _ => "other",
-            },
-        },
-        None => "none",
-    }
 }
 
 /// dtype name and shape of a tensor, for logs and stats.

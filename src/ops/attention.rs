@@ -7,9 +7,10 @@
 //! logsumexp [B, H, Lq] in natural log), so a forward of ours and a backward of stock's (or the
 //! reverse, after a fallback) still fit together.
 
-use crate::jit::{self, Launch};
-use crate::registry::{DType, KernelOp, Request, StockReason, Variant};
-use crate::tensor::{aligned16, borrow, device_addr, dtype_of, empty};
+use super::{KernelOp, Request, Selected, Variant};
+use crate::abi::tensor::{aligned16, borrow, device_addr, empty};
+use crate::gpu::Launch;
+use crate::select::{dtype_of, DType, StockReason};
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use std::ffi::c_void;
 use tch::{Device, Kind, Tensor};
@@ -353,20 +354,30 @@ impl BackwardInputs {
     }
 }
 
-/// Keys of the warpgroup dK/dV kernel's CTA (BWD_WG_KEYS in attention.cu).
+/// Keys of the warpgroup dK/dV kernel's CTA, and query rows of the warpgroup dQ kernel's CTA:
+/// shared with kernels/attention.cu (`defines`).
 const DKDV_WG_KEYS: i64 = 128;
-/// Query rows of the warpgroup dQ kernel's CTA (DQ_WG_ROWS in attention.cu).
 const DQ_WG_ROWS: i64 = 128;
 
-/// Index of each kernel in `KernelOp::entries` order.
-const FWD: usize = 0;
-const PREP: usize = 1;
-const DKDV: usize = 2;
-const DQ: usize = 3;
+/// The constants kernels/attention.cu shares with this file (it `#error`s without them).
+pub fn defines() -> Vec<String> {
+    vec![
+        format!("-DTF_ATTN_DKDV_WG_KEYS={DKDV_WG_KEYS}"),
+        format!("-DTF_ATTN_DQ_WG_ROWS={DQ_WG_ROWS}"),
+    ]
+}
+
+/// The kernels of kernels/attention.cu, by name: the forward; the backward's row sums of
+/// dO * O (delta), dK/dV, and dQ.
+const FWD: &str = "attn_fwd";
+const PREP: &str = "attn_bwd_prep";
+const DKDV: &str = "attn_bwd_dkdv";
+const DQ: &str = "attn_bwd_dq";
+pub const KERNELS: &[&str] = &[FWD, PREP, DKDV, DQ];
 
 /// A call torchfuse serves, with everything the launches need.
 pub struct Plan {
-    selected: jit::Selected,
+    selected: Selected,
     shapes: Shapes,
     kind: Kind,
     device: Device,
@@ -387,9 +398,9 @@ impl Plan {
 
 /// The call's q, k, v as borrowed tensors.
 struct Operands {
-    q: crate::tensor::Borrowed,
-    k: crate::tensor::Borrowed,
-    v: crate::tensor::Borrowed,
+    q: crate::abi::tensor::Borrowed,
+    k: crate::abi::tensor::Borrowed,
+    v: crate::abi::tensor::Borrowed,
 }
 
 /// # Safety
@@ -408,7 +419,7 @@ unsafe fn operands(call: &AttentionCallC) -> Option<Operands> {
 /// As `operands`.
 pub unsafe fn describe(call: &AttentionCallC) -> Option<(&'static str, Vec<i64>)> {
     let q = borrow(call.query)?;
-    Some(crate::tensor::describe(Some(&q)))
+    Some(crate::abi::tensor::describe(Some(&q)))
 }
 
 /// Last dimension contiguous, 16-byte aligned rows, and a 16-byte aligned start.
@@ -493,7 +504,7 @@ pub unsafe fn plan(launch: Launch, call: &AttentionCallC) -> Result<Plan, StockR
     } else {
         KernelOp::AttentionFull
     };
-    let selected = jit::select(launch, |sm| Request {
+    let selected = super::select(launch, |sm| Request {
         op,
         dtype,
         hidden: *d,
@@ -616,14 +627,16 @@ impl Plan {
 
     fn launch_config(
         &self,
-        kernel: usize,
+        kernel: &str,
         grid: (u32, u32, u32),
         threads: i64,
         smem: u32,
     ) -> Result<LaunchConfig, StockReason> {
-        let k = &self.selected.kernels;
-        k.allow_shared_bytes(kernel, smem)
-            .map_err(|e| jit::launch_failed(self.selected.variant, e))?;
+        self.selected
+            .kernels
+            .get(kernel)?
+            .allow_shared_bytes(smem)
+            .map_err(|e| super::launch_failed(self.selected.variant, e))?;
         Ok(LaunchConfig {
             grid_dim: grid,
             block_dim: (threads as u32, 1, 1),
@@ -655,11 +668,11 @@ impl Plan {
         if !s.fwd_persistent {
             return per_tile;
         }
-        let k = &self.selected.kernels;
+        let k = self.selected.kernels.get(FWD)?;
         // The occupancy query counts the shared memory only once the kernel may use it.
-        k.allow_shared_bytes(FWD, s.fwd_smem())
-            .map_err(|e| jit::launch_failed(self.selected.variant, e))?;
-        let resident = k.resident_per_sm_with(FWD, s.fwd_threads() as u32, s.fwd_smem());
+        k.allow_shared_bytes(s.fwd_smem())
+            .map_err(|e| super::launch_failed(self.selected.variant, e))?;
+        let resident = k.resident_per_sm_with(s.fwd_threads() as u32, s.fwd_smem());
         let ctas = i64::from(resident * self.selected.gpu.multiprocessors);
         if ctas >= i64::from(m_tiles) * self.heads * self.batch {
             return per_tile;
@@ -711,9 +724,9 @@ impl Plan {
             unsafe {
                 cudarc::driver::result::memset_d8_async(counter_ptr, 0, 4, stream.cu_stream())
             }
-            .map_err(|e| jit::launch_failed(self.selected.variant, e))?;
+            .map_err(|e| super::launch_failed(self.selected.variant, e))?;
         }
-        let mut args = stream.launch_builder(&self.selected.kernels.functions[FWD]);
+        let mut args = stream.launch_builder(&self.selected.kernels.get(FWD)?.function);
         args.arg(&qp)
             .arg(&qs)
             .arg(&kp)
@@ -741,7 +754,8 @@ impl Plan {
         // SAFETY: arguments match attn_fwd; q/k/v/out are [B, H(k), L, D] with the given
         // strides and 16-byte aligned rows, lse [B, H, Lq] contiguous; the tensor maps describe
         // q, k and v; all outlive the launch.
-        unsafe { args.launch(config) }.map_err(|e| jit::launch_failed(self.selected.variant, e))?;
+        unsafe { args.launch(config) }
+            .map_err(|e| super::launch_failed(self.selected.variant, e))?;
         Ok((out, lse))
     }
 
@@ -830,8 +844,10 @@ impl Plan {
         let (dqs, dks, dvs) = (Strides::of(&dq), Strides::of(&dk), Strides::of(&dv));
         let problem = self.problem();
         let stream = self.selected.gpu.stream(launch);
-        let functions = &self.selected.kernels.functions;
-        let failed = |e| jit::launch_failed(self.selected.variant, e);
+        let kernels = &self.selected.kernels;
+        let (prep_kernel, dkdv_kernel, dq_kernel) =
+            (kernels.get(PREP)?, kernels.get(DKDV)?, kernels.get(DQ)?);
+        let failed = |e| super::launch_failed(self.selected.variant, e);
 
         // The warpgroup kernels' tensor maps, before anything is launched: a map the driver
         // refuses sends the whole backward to stock.
@@ -852,7 +868,7 @@ impl Plan {
         } else {
             (None, None)
         };
-        let mut args = stream.launch_builder(&functions[PREP]);
+        let mut args = stream.launch_builder(&prep_kernel.function);
         args.arg(&op)
             .arg(&os)
             .arg(&dop)
@@ -877,7 +893,7 @@ impl Plan {
             lse: lp,
             delta: deltap,
         };
-        let mut args = stream.launch_builder(&functions[DKDV]);
+        let mut args = stream.launch_builder(&dkdv_kernel.function);
         inputs.push(&mut args);
         args.arg(&dkp).arg(&dks).arg(&dvp).arg(&dvs).arg(&problem);
         if let Some(maps) = &dkdv_maps {
@@ -887,7 +903,7 @@ impl Plan {
         // describe q, k, v and grad_out.
         unsafe { args.launch(dkdv) }.map_err(failed)?;
 
-        let mut args = stream.launch_builder(&functions[DQ]);
+        let mut args = stream.launch_builder(&dq_kernel.function);
         inputs.push(&mut args);
         args.arg(&dqp).arg(&dqs).arg(&problem);
         if let Some(maps) = &dq_maps {
@@ -903,7 +919,7 @@ impl Plan {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::registry::REGISTRY;
+    use crate::ops::REGISTRY;
 
     #[test]
     fn no_tile_is_smaller_than_min_tile_rows() {
@@ -924,8 +940,8 @@ mod tests {
         assert_eq!(fewest, Some(MIN_TILE_ROWS));
     }
 
-    fn variant(sm: &str, params: &str) -> Result<crate::registry::Registry, String> {
-        crate::registry::Registry::parse(&[(
+    fn variant(sm: &str, params: &str) -> Result<crate::ops::Registry, String> {
+        crate::ops::parse(&[(
             "t.toml",
             &format!(
                 "[[variant]]\nname = \"t\"\nop = \"attention_causal\"\nsource = \"attention.cu\"\n\

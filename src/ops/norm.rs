@@ -1,9 +1,10 @@
 //! LayerNorm and RMSNorm, forward and backward, through kernels/norm.cu, or why stock runs a
 //! call. Calls stock would reject are sent to stock so the user gets stock's error.
 
-use crate::jit::{self, Kernels, Launch};
-use crate::registry::{DType, KernelOp, Request, StockReason, Variant};
-use crate::tensor::{aligned16, device_addr, dtype_of, empty};
+use super::{KernelOp, Request, Selected, Variant};
+use crate::abi::tensor::{aligned16, device_addr, empty};
+use crate::gpu::{self, Kernels, Launch};
+use crate::select::{dtype_of, DType, StockReason};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
@@ -23,6 +24,27 @@ impl NormKind {
             (NormKind::Rms, true) => KernelOp::RmsNormBwd,
         }
     }
+}
+
+/// The kernels of kernels/norm.cu, by name: the forward; the backward and its column
+/// reduction of the dgamma/dbeta partials.
+const FWD_KERNEL: &str = "norm_fwd";
+const BWD_KERNEL: &str = "norm_bwd";
+const BWD_REDUCE_KERNEL: &str = "norm_bwd_reduce";
+pub const FWD_KERNELS: &[&str] = &[FWD_KERNEL];
+pub const BWD_KERNELS: &[&str] = &[BWD_KERNEL, BWD_REDUCE_KERNEL];
+
+/// The defines that pick the op's kernels in kernels/norm.cu (which `#error`s without them).
+pub fn defines(kind: NormKind, backward: bool) -> Vec<String> {
+    vec![
+        format!("-DTF_NORM_FWD={}", i32::from(!backward)),
+        format!("-DTF_NORM_BWD={}", i32::from(backward)),
+        format!("-DTF_RMS={}", i32::from(kind == NormKind::Rms)),
+    ]
+}
+
+fn is_backward(op: KernelOp) -> bool {
+    matches!(op, KernelOp::LayerNormBwd | KernelOp::RmsNormBwd)
 }
 
 const PARAMS: [&str; 8] = [
@@ -48,7 +70,7 @@ const DYNAMIC_SMEM_LIMIT: i64 = 160 * 1024;
 /// Dynamic shared memory of a backward variant with SMEM_ACC = 1: its fp32 accumulators of
 /// dgamma (and dbeta for LayerNorm), ELEMS_PER_THREAD each per thread (0 otherwise).
 fn accumulator_bytes(v: &Variant) -> i64 {
-    let backward = matches!(v.op, KernelOp::LayerNormBwd | KernelOp::RmsNormBwd);
+    let backward = is_backward(v.op);
     if !backward || v.params.get("SMEM_ACC") != Some(&1) {
         return 0;
     }
@@ -133,7 +155,7 @@ pub fn validate_variant(v: &Variant) -> Result<(), String> {
             v.hidden[1]
         ));
     }
-    let backward = matches!(v.op, KernelOp::LayerNormBwd | KernelOp::RmsNormBwd);
+    let backward = is_backward(v.op);
     if v.params.get("SMEM_ACC") == Some(&1) && !backward {
         return Err(format!("{}: SMEM_ACC is a backward parameter", v.name));
     }
@@ -216,7 +238,7 @@ fn layout(
 struct Plan {
     variant: &'static Variant,
     kernels: Arc<Kernels>,
-    gpu: Arc<jit::Device>,
+    gpu: Arc<gpu::Device>,
     geometry: Geometry,
     /// Persistent grid: every group of rows, but no more CTAs than fit on the GPU at once.
     grid: u32,
@@ -232,11 +254,11 @@ impl Plan {
 }
 
 fn plan(op: KernelOp, l: &Layout, launch: Launch) -> Result<Plan, StockReason> {
-    let jit::Selected {
+    let Selected {
         gpu,
         variant,
         kernels,
-    } = jit::select(launch, |sm| Request {
+    } = super::select(launch, |sm| Request {
         op,
         dtype: l.dtype,
         hidden: l.cols,
@@ -245,6 +267,11 @@ fn plan(op: KernelOp, l: &Layout, launch: Launch) -> Result<Plan, StockReason> {
         deterministic: false,
     })?;
     let g = geometry(variant);
+    let main = kernels.get(if is_backward(op) {
+        BWD_KERNEL
+    } else {
+        FWD_KERNEL
+    })?;
     let groups = (l.rows + i64::from(g.rows_per_block) - 1) / i64::from(g.rows_per_block);
     let block_threads = g.threads_per_row * g.rows_per_block;
     // validate_variant keeps it below DYNAMIC_SMEM_LIMIT.
@@ -252,23 +279,17 @@ fn plan(op: KernelOp, l: &Layout, launch: Launch) -> Result<Plan, StockReason> {
     if shared_bytes > 0 {
         gpu.ctx
             .bind_to_thread()
-            .and_then(|()| kernels.allow_shared_bytes(0, shared_bytes))
-            .map_err(|e| jit::launch_failed(variant, e))?;
+            .and_then(|()| main.allow_shared_bytes(shared_bytes))
+            .map_err(|e| super::launch_failed(variant, e))?;
     }
     let grid = if g.cluster > 1 {
         // A cluster per group of rows; no more clusters than the GPCs can hold at once.
-        let clusters = kernels
-            .resident_clusters(
-                0,
-                g.cluster,
-                block_threads,
-                shared_bytes,
-                &gpu.stream(launch),
-            )
-            .map_err(|e| jit::launch_failed(variant, e))?;
+        let clusters = main
+            .resident_clusters(g.cluster, block_threads, shared_bytes, &gpu.stream(launch))
+            .map_err(|e| super::launch_failed(variant, e))?;
         groups.min(i64::from(clusters)) * i64::from(g.cluster)
     } else {
-        let resident = kernels.resident_per_sm_with(0, block_threads, shared_bytes);
+        let resident = main.resident_per_sm_with(block_threads, shared_bytes);
         groups.min(i64::from(resident) * i64::from(gpu.multiprocessors))
     };
     let grid = u32::try_from(grid).map_err(|_| StockReason::NoVariantForShape)?;
@@ -297,7 +318,7 @@ impl Plan {
     }
 
     fn launch_failed(&self, e: cudarc::driver::DriverError) -> StockReason {
-        jit::launch_failed(self.variant, e)
+        super::launch_failed(self.variant, e)
     }
 }
 
@@ -365,7 +386,7 @@ pub fn forward(launch: Launch, call: &ForwardCall) -> Result<Forward, StockReaso
     let eps = call.eps.unwrap_or(f64::from(f32::EPSILON)) as f32;
 
     let stream = plan.gpu.stream(launch);
-    let mut args = stream.launch_builder(&plan.kernels.functions[0]);
+    let mut args = stream.launch_builder(&plan.kernels.get(FWD_KERNEL)?.function);
     args.arg(&x_ptr)
         .arg(&w_ptr)
         .arg(&b_ptr)
@@ -485,7 +506,7 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Backward, StockRe
     let groups = i32::try_from(plan.partial_rows()).map_err(|_| StockReason::NoVariantForShape)?;
 
     let stream = plan.gpu.stream(launch);
-    let mut args = stream.launch_builder(&plan.kernels.functions[0]);
+    let mut args = stream.launch_builder(&plan.kernels.get(BWD_KERNEL)?.function);
     args.arg(&dy_ptr)
         .arg(&x_ptr)
         .arg(&mean_ptr)
@@ -506,7 +527,7 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Backward, StockRe
     if want_dw || want_db {
         let column_blocks =
             u32::try_from((l.cols + 31) / 32).map_err(|_| StockReason::NoVariantForShape)?;
-        let mut args = stream.launch_builder(&plan.kernels.functions[1]);
+        let mut args = stream.launch_builder(&plan.kernels.get(BWD_REDUCE_KERNEL)?.function);
         args.arg(&dwp_ptr)
             .arg(&dbp_ptr)
             .arg(&groups)
@@ -539,7 +560,7 @@ mod tests {
 
     /// A LayerNorm forward variant of 96 threads x 8 elements per CTA.
     fn parse_at(sm: &str, max_hidden: i64, params: &str) -> Result<(), String> {
-        crate::registry::Registry::parse(&[(
+        crate::ops::parse(&[(
             "t.toml",
             &format!(
                 "[[variant]]\nname = \"t\"\nop = \"layer_norm_fwd\"\nsource = \"norm.cu\"\n\
@@ -563,7 +584,7 @@ mod tests {
         assert!(ampere.unwrap_err().contains("sm >= 90"));
         let two_rows = parse_at("[90, 90]", 768, ", ROWS_PER_BLOCK = 2, CLUSTER = 2");
         assert!(two_rows.unwrap_err().contains("ROWS_PER_BLOCK = 1"));
-        let one_warp = crate::registry::Registry::parse(&[(
+        let one_warp = crate::ops::parse(&[(
             "t.toml",
             "[[variant]]\nname = \"t\"\nop = \"layer_norm_bwd\"\nsource = \"norm.cu\"\n\
              dtypes = [\"bf16\"]\nsm = [90, 90]\nhidden = [1, 512]\nparams = { \
@@ -600,7 +621,7 @@ mod tests {
 
     /// A backward variant with `params` after THREADS_PER_ROW and ROWS_PER_BLOCK = 1.
     fn parse_bwd(op: &str, params: &str) -> Result<(), String> {
-        crate::registry::Registry::parse(&[(
+        crate::ops::parse(&[(
             "t.toml",
             &format!(
                 "[[variant]]\nname = \"t\"\nop = \"{op}\"\nsource = \"norm.cu\"\n\

@@ -1,8 +1,17 @@
-//! Process configuration from the environment (DESIGN.md §4). Bad values never stop the
-//! job: each produces one warning naming the valid values, and the default is used.
+//! Process configuration from the environment (the variables in README.md). Bad values never
+//! stop the job: each produces one warning naming the valid values, and the default is used.
+//! The process's config is read once, on first use (`get`).
 
-use crate::ops::Toggle;
+use super::toggles::Toggle;
+use once_cell::sync::OnceCell;
 use std::path::PathBuf;
+
+static CONFIG: OnceCell<Config> = OnceCell::new();
+
+/// The process's config, read from the environment the first time it is asked for.
+pub fn get() -> &'static Config {
+    CONFIG.get_or_init(Config::from_env)
+}
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct Config {
@@ -92,8 +101,7 @@ impl Config {
 }
 
 fn valid_names() -> String {
-    let names: Vec<&str> = Toggle::ALL.iter().map(|t| t.name()).collect();
-    format!("all, none, {}", names.join(", "))
+    format!("all, none, {}", Toggle::names())
 }
 
 /// `all`, `none`, a comma list (`layer_norm,adam`), or removals (`-sdpa`), applied left to

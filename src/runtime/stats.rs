@@ -1,8 +1,8 @@
 //! What ran, per call: counters for the exit summary and `torch.ops.torchfuse.stats()`, one
 //! info line the first time each (op, outcome, dtype, shape) is seen, a debug line every call.
 
-use crate::ops::Entry;
-use crate::registry::StockReason;
+use super::toggles::Entry;
+use crate::select::StockReason;
 use once_cell::sync::Lazy;
 use std::collections::{BTreeMap, HashSet};
 use std::fmt::Write as _;

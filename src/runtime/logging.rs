@@ -1,7 +1,7 @@
 //! `tracing` set-up: every line carries the process id and, under torchrun, the rank, so
 //! the logs of ranks and DataLoader workers can be told apart.
 
-use crate::config::Config;
+use super::config::Config;
 use std::fmt;
 use std::fs::OpenOptions;
 use std::io::Write as _;
@@ -77,7 +77,7 @@ where
 /// existing one keeps working and this is harmless).
 pub fn init(config: &Config) -> bool {
     let filter = EnvFilter::try_new(&config.log_filter)
-        .unwrap_or_else(|_| EnvFilter::new(crate::config::DEFAULT_LOG_FILTER));
+        .unwrap_or_else(|_| EnvFilter::new(super::config::DEFAULT_LOG_FILTER));
     let format = ProcessTagged { rank: rank() };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -103,4 +103,14 @@ pub fn init(config: &Config) -> bool {
     }
     INFO_ENABLED.store(tracing::enabled!(tracing::Level::INFO), Ordering::Relaxed);
     installed
+}
+
+/// A kernel that failed to launch: warned once per kernel; stock serves its calls.
+pub fn warn_once_launch_failure(kernel: &str, error: &str) {
+    static WARNED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    let mut warned = WARNED.lock().unwrap_or_else(|p| p.into_inner());
+    if !warned.iter().any(|k| k == kernel) {
+        warned.push(kernel.to_string());
+        tracing::warn!("launching {kernel} failed: {error}; stock serves its calls");
+    }
 }

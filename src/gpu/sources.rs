@@ -1,18 +1,11 @@
-//! Kernel sources and registry data, built into the library so a copied `.so` is complete.
+//! Kernel sources, built into the library so a copied `.so` is complete.
 
 pub const KERNEL_SOURCES: &[(&str, &str)] = &[
-    ("adam.cu", include_str!("../kernels/adam.cu")),
-    ("attention.cu", include_str!("../kernels/attention.cu")),
-    ("common.cuh", include_str!("../kernels/common.cuh")),
-    ("embedding.cu", include_str!("../kernels/embedding.cu")),
-    ("norm.cu", include_str!("../kernels/norm.cu")),
-];
-
-pub const REGISTRY_FILES: &[(&str, &str)] = &[
-    ("adam.toml", include_str!("../registry/adam.toml")),
-    ("attention.toml", include_str!("../registry/attention.toml")),
-    ("embedding.toml", include_str!("../registry/embedding.toml")),
-    ("norm.toml", include_str!("../registry/norm.toml")),
+    ("adam.cu", include_str!("../../kernels/adam.cu")),
+    ("attention.cu", include_str!("../../kernels/attention.cu")),
+    ("common.cuh", include_str!("../../kernels/common.cuh")),
+    ("embedding.cu", include_str!("../../kernels/embedding.cu")),
+    ("norm.cu", include_str!("../../kernels/norm.cu")),
 ];
 
 pub fn kernel_source(name: &str) -> Option<&'static str> {
@@ -49,7 +42,10 @@ mod tests {
         let mut kernels: Vec<String> = KERNEL_SOURCES.iter().map(|(n, _)| n.to_string()).collect();
         kernels.sort();
         assert_eq!(files_in("kernels"), kernels);
-        let mut registry: Vec<String> = REGISTRY_FILES.iter().map(|(n, _)| n.to_string()).collect();
+        let mut registry: Vec<String> = crate::select::REGISTRY_FILES
+            .iter()
+            .map(|(n, _)| n.to_string())
+            .collect();
         registry.sort();
         assert_eq!(files_in("registry"), registry);
     }

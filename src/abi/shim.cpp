@@ -533,7 +533,7 @@ class WarningsToLog : public c10::WarningHandler {
 };
 
 // The source location the dispatcher shows in `_dispatch_dump` for our kernels.
-constexpr const char* kRegistrationFile = "torchfuse/src/glue/shim.cpp";
+constexpr const char* kRegistrationFile = "torchfuse/src/abi/shim.cpp";
 
 torch::Library& aten_cuda_library() {
   static torch::Library* lib = new torch::Library(torch::Library::IMPL, "aten",

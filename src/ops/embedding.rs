@@ -3,9 +3,10 @@
 //! the user gets stock's error; out-of-range indices stop our kernels with a device-side
 //! assert, as they stop stock's.
 
-use crate::jit::{self, Launch};
-use crate::registry::{KernelOp, Request, StockReason, Variant};
-use crate::tensor::{aligned16, device_addr, dtype_of, empty};
+use super::{KernelOp, Request, Selected, Variant};
+use crate::abi::tensor::{aligned16, device_addr, empty};
+use crate::gpu::{self, Launch};
+use crate::select::{dtype_of, StockReason};
 use cudarc::driver::{DriverError, LaunchConfig, PushKernelArg};
 use tch::{Device, Kind, Tensor};
 
@@ -48,11 +49,58 @@ const MARK_THREADS: u32 = 1024;
 const MARK_ITEMS: i64 = 4;
 const _: () =
     assert!(CLUSTER_SORT_CTAS as i64 * MARK_THREADS as i64 * MARK_ITEMS >= CLUSTER_SORT_MAX_TOKENS);
-/// Places in `KernelOp::entries`.
-const ZERO_ROWS_FILL: usize = 4;
-const CLUSTER_SORT: usize = 5;
-const MARK_ROWS: usize = 6;
-const ZERO_ROWS_BY_WORD: usize = 7;
+
+/// The constants kernels/embedding.cu shares with this file, passed as `-DTF_EMB_<NAME>`
+/// (the kernel `#error`s without them).
+const SHARED: [(&str, i64); 15] = [
+    ("SORT_THREADS", SORT_THREADS as i64),
+    ("SORT_ITEMS_SMALL", SORT_ITEMS_SMALL as i64),
+    ("SORT_ITEMS_LARGE", SORT_ITEMS_LARGE as i64),
+    ("MAX_DIGIT_BITS", MAX_DIGIT_BITS as i64),
+    ("CHUNK", CHUNK),
+    ("REDUCE_THREADS", REDUCE_THREADS as i64),
+    ("FINISH_THREADS", FINISH_THREADS as i64),
+    ("ZERO_UNROLL", ZERO_UNROLL),
+    ("ZERO_SLICE", ZERO_SLICE),
+    ("CLUSTER_SORT_CTAS", CLUSTER_SORT_CTAS as i64),
+    ("CLUSTER_SORT_THREADS", CLUSTER_SORT_THREADS as i64),
+    ("CLUSTER_SORT_ITEMS_MAX", CLUSTER_SORT_ITEMS_MAX),
+    ("CLUSTER_SORT_SMEM", CLUSTER_SORT_SMEM as i64),
+    ("MARK_THREADS", MARK_THREADS as i64),
+    ("MARK_ITEMS", MARK_ITEMS),
+];
+
+pub fn defines() -> Vec<String> {
+    SHARED
+        .iter()
+        .map(|(name, value)| format!("-DTF_EMB_{name}={value}"))
+        .collect()
+}
+
+/// The kernels of kernels/embedding.cu, by name. The forward's gather; the backward's launch
+/// sort (count, scatter), one-cluster sort and its row bitmap, the reduction of sorted chunks
+/// and its finish, and the zero rows (a fill beside the cluster sort, by bitmap word beside
+/// the launch sort).
+const FWD_KERNEL: &str = "emb_fwd";
+const SORT_COUNT: &str = "emb_sort_count";
+const SORT_SCATTER: &str = "emb_sort_scatter";
+const REDUCE: &str = "emb_bwd_reduce";
+const FINISH: &str = "emb_bwd_finish";
+const ZERO_ROWS_FILL: &str = "emb_zero_rows";
+const CLUSTER_SORT: &str = "emb_sort_cluster";
+const MARK_ROWS: &str = "emb_mark_rows";
+const ZERO_ROWS_BY_WORD: &str = "emb_zero_rows_by_word";
+pub const FWD_KERNELS: &[&str] = &[FWD_KERNEL];
+pub const BWD_KERNELS: &[&str] = &[
+    SORT_COUNT,
+    SORT_SCATTER,
+    REDUCE,
+    FINISH,
+    ZERO_ROWS_FILL,
+    CLUSTER_SORT,
+    MARK_ROWS,
+    ZERO_ROWS_BY_WORD,
+];
 /// The zero rows' CTAs per multiprocessor: they run beside the sort or the reduction, which
 /// keep the rest. emb_zero_rows (after the bitmap, beside the cluster sort) measured at 2, 4
 /// and 8 at GPT-2's shape: 50.5, 48.6 and 48.8 us; emb_zero_rows_by_word (after the launch
@@ -175,11 +223,11 @@ pub fn forward(launch: Launch, weight: &Tensor, indices: &Tensor) -> Result<Gath
     }
     let cols_i32 = i32::try_from(cols).map_err(|_| StockReason::NoVariantForShape)?;
     let row_stride = strides[0];
-    let jit::Selected {
+    let Selected {
         gpu,
         variant,
         kernels,
-    } = jit::select(launch, |sm| Request {
+    } = super::select(launch, |sm| Request {
         op: KernelOp::EmbeddingFwd,
         dtype,
         hidden: cols,
@@ -200,7 +248,8 @@ pub fn forward(launch: Launch, weight: &Tensor, indices: &Tensor) -> Result<Gath
     let threads = variant.params.get("THREADS").copied().unwrap_or(256) as u32;
     let unroll = variant.params.get("UNROLL").copied().unwrap_or(4);
     let units = tokens * if vectorized == 1 { cols / vec } else { cols };
-    let resident = kernels.resident_per_sm(0, threads) * gpu.multiprocessors;
+    let gather = kernels.get(FWD_KERNEL)?;
+    let resident = gather.resident_per_sm(threads) * gpu.multiprocessors;
     let grid = count(units, i64::from(threads) * unroll)?.clamp(1, resident.max(1));
 
     let (w_ptr, i_ptr, o_ptr) = (
@@ -210,7 +259,7 @@ pub fn forward(launch: Launch, weight: &Tensor, indices: &Tensor) -> Result<Gath
     );
     let idx64 = i32::from(idx64);
     let stream = gpu.stream(launch);
-    let mut args = stream.launch_builder(&kernels.functions[0]);
+    let mut args = stream.launch_builder(&gather.function);
     args.arg(&w_ptr)
         .arg(&row_stride)
         .arg(&i_ptr)
@@ -228,7 +277,7 @@ pub fn forward(launch: Launch, weight: &Tensor, indices: &Tensor) -> Result<Gath
     // SAFETY: argument types and order match emb_fwd; weight holds num_weights rows of cols
     // elements `row_stride` apart, indices `tokens` values of the given width, output tokens x
     // cols elements; all live until the stream is done with them.
-    unsafe { args.launch(config) }.map_err(|e| jit::launch_failed(variant, e))?;
+    unsafe { args.launch(config) }.map_err(|e| super::launch_failed(variant, e))?;
     Ok(Gathered {
         output,
         kernel: variant.name.as_str(),
@@ -277,11 +326,11 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockRe
         return Err(StockReason::NoVariantForShape);
     }
     let cols_i32 = i32::try_from(cols).map_err(|_| StockReason::NoVariantForShape)?;
-    let jit::Selected {
+    let Selected {
         gpu,
         variant,
         kernels,
-    } = jit::select(launch, |sm| Request {
+    } = super::select(launch, |sm| Request {
         op: KernelOp::EmbeddingBwd,
         dtype,
         hidden: cols,
@@ -289,6 +338,15 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockRe
         sm,
         deterministic: false,
     })?;
+
+    let sort_count = kernels.get(SORT_COUNT)?;
+    let sort_scatter = kernels.get(SORT_SCATTER)?;
+    let reduce = kernels.get(REDUCE)?;
+    let finish = kernels.get(FINISH)?;
+    let cluster_sort = kernels.get(CLUSTER_SORT)?;
+    let mark_rows = kernels.get(MARK_ROWS)?;
+    let zero_rows_kernel = kernels.get(ZERO_ROWS_FILL)?;
+    let zero_rows_by_word = kernels.get(ZERO_ROWS_BY_WORD)?;
 
     let grad = call.grad.contiguous();
     let indices = call.indices.contiguous();
@@ -344,16 +402,15 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockRe
     let padding_idx = call.padding_idx;
 
     let stream = gpu.stream(launch);
-    let failed = |e| jit::launch_failed(variant, e);
+    let failed = |e| super::launch_failed(variant, e);
     gpu.ctx.bind_to_thread().map_err(failed)?;
     let cluster_items = cluster_sort_items(tokens).filter(|_| {
         variant.params.get("SORT_CLUSTER") == Some(&1)
             && gpu.sm >= 90
-            && kernels
-                .allow_shared_bytes(CLUSTER_SORT, CLUSTER_SORT_SMEM)
+            && cluster_sort
+                .allow_shared_bytes(CLUSTER_SORT_SMEM)
                 .and_then(|()| {
-                    kernels.resident_clusters(
-                        CLUSTER_SORT,
+                    cluster_sort.resident_clusters(
                         CLUSTER_SORT_CTAS,
                         CLUSTER_SORT_THREADS,
                         CLUSTER_SORT_SMEM,
@@ -399,13 +456,13 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockRe
         i64::from(REDUCE_THREADS / 32),
     )?;
     // The side stream must have been forked from the caller's after the bitmap is complete.
-    let zero_rows = |side: &jit::SideStream| {
+    let zero_rows = |side: &gpu::SideStream| {
         let zero_kernel = if cluster_items.is_some() {
-            ZERO_ROWS_FILL
+            zero_rows_kernel
         } else {
-            ZERO_ROWS_BY_WORD
+            zero_rows_by_word
         };
-        let mut args = side.stream.launch_builder(&kernels.functions[zero_kernel]);
+        let mut args = side.stream.launch_builder(&zero_kernel.function);
         args.arg(&touched_ptr)
             .arg(&cols_i32)
             .arg(&num_weights)
@@ -420,14 +477,14 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockRe
         // can be freed.
         unsafe { args.launch(zero_config) }.map(|_| ())
     };
-    let sort_and_reduce = |side: &jit::SideStream| -> Result<(), DriverError> {
+    let sort_and_reduce = |side: &gpu::SideStream| -> Result<(), DriverError> {
         let (mut keys_in, mut pos_in) = (0u64, 0u64);
         if let Some(items) = cluster_items {
             // The touched rows first, so that the zero rows run beside the sort: it keeps to
             // one cluster's SMs and to shared memory, so the zero rows' writes hardly slow it.
             // The bitmap and the work list's two lengths are cleared by the same launch.
             let clear_words = bitmap_words + 2;
-            let mut args = stream.launch_builder(&kernels.functions[MARK_ROWS]);
+            let mut args = stream.launch_builder(&mark_rows.function);
             args.arg(&idx_ptr)
                 .arg(&idx64)
                 .arg(&tokens)
@@ -449,7 +506,7 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockRe
             side.fork_from(&stream)?;
             let (keys_out, pos_out) = (buffer(0), buffer(1));
             let (passes, digit_bits, bits) = (passes as i32, digit_bits as i32, bits as i32);
-            let mut args = stream.launch_builder(&kernels.functions[CLUSTER_SORT]);
+            let mut args = stream.launch_builder(&cluster_sort.function);
             args.arg(&idx_ptr)
                 .arg(&idx64)
                 .arg(&tokens)
@@ -479,7 +536,7 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockRe
             let target = i64::from(pass % 2) * 2;
             let (keys_out, pos_out) = (buffer(target), buffer(target + 1));
             let touched = if pass == 0 { touched_ptr } else { 0 };
-            let mut args = stream.launch_builder(&kernels.functions[0]);
+            let mut args = stream.launch_builder(&sort_count.function);
             args.arg(&idx_ptr)
                 .arg(&idx64)
                 .arg(&keys_in)
@@ -495,7 +552,7 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockRe
             // counters, the bitmap one bit per row (null after the first pass); all live until
             // the stream is done with them.
             unsafe { args.launch(sort_config) }?;
-            let mut args = stream.launch_builder(&kernels.functions[1]);
+            let mut args = stream.launch_builder(&sort_scatter.function);
             args.arg(&idx_ptr)
                 .arg(&idx64)
                 .arg(&keys_in)
@@ -523,7 +580,7 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockRe
             side.fork_from(&stream)?;
             zero_rows(side)?;
         }
-        let mut args = stream.launch_builder(&kernels.functions[2]);
+        let mut args = stream.launch_builder(&reduce.function);
         args.arg(&grad_ptr)
             .arg(&keys_in)
             .arg(&pos_in)
@@ -546,7 +603,7 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockRe
         // grad_weight num_weights x cols elements, row_first num_weights words, the work list
         // 2 + chunks words.
         unsafe { args.launch(config) }?;
-        let mut args = stream.launch_builder(&kernels.functions[3]);
+        let mut args = stream.launch_builder(&finish.function);
         args.arg(&keys_in)
             .arg(&tokens)
             .arg(&cols_i32)
@@ -556,7 +613,7 @@ pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockRe
             .arg(&out_ptr)
             .arg(&vectorized);
         // Persistent: the work list's length is only known on the GPU.
-        let finish_blocks = kernels.resident_per_sm(3, FINISH_THREADS) * gpu.multiprocessors;
+        let finish_blocks = finish.resident_per_sm(FINISH_THREADS) * gpu.multiprocessors;
         let config = LaunchConfig {
             grid_dim: (finish_blocks.max(1), 1, 1),
             block_dim: (FINISH_THREADS, 1, 1),
@@ -613,7 +670,7 @@ mod tests {
     }
 
     fn parse_backward(sm: &str, params: &str) -> Result<(), String> {
-        crate::registry::Registry::parse(&[(
+        crate::ops::parse(&[(
             "t.toml",
             &format!(
                 "[[variant]]\nname = \"t\"\nop = \"embedding_bwd\"\nsource = \"embedding.cu\"\n\

@@ -1,107 +1,19 @@
-//! Which kernel variant serves a call: data from `registry/*.toml` (reviewed like code),
-//! matched on (op, dtype, shape, SM). Anything without a match goes to stock with a reason.
+//! The op families: one module each (norm, adam, embedding, attention), all the same shape:
+//! the kernels it launches (by name), the defines it shares with them, its params checked once
+//! when the registry is parsed, its plan and its launch. Here: the registry's op keys, the
+//! built-in registry, and `select`, which every op calls to find its variant and kernels.
 
+pub mod adam;
+pub mod attention;
+pub mod embedding;
+pub mod norm;
+
+use crate::gpu::{self, Device, Kernels, Launch};
+use crate::select::{self, DType, StockReason};
+use norm::NormKind;
 use once_cell::sync::Lazy;
 use serde::Deserialize;
-use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::RwLock;
-
-/// Test hook (`torch.ops.torchfuse._serve_below_thresholds`): serve shapes outside a variant's
-/// measured `min_rows`..`max_rows` too, so tests reach the kernels on any input.
-pub static SERVE_BELOW_THRESHOLDS: AtomicBool = AtomicBool::new(false);
-
-/// Benchmark hook (`torch.ops.torchfuse._force_variant`): calls of the named variant's op go
-/// to that variant whenever it can serve them (thresholds ignored), and to stock otherwise.
-pub static FORCED_VARIANT: RwLock<Option<String>> = RwLock::new(None);
-
-/// Why a call went to PyTorch's own kernel.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum StockReason {
-    DisabledAtRuntime,
-    UnsupportedDtype,
-    MixedDtypes,
-    UnsupportedSm,
-    NoVariantForShape,
-    NotFasterHere,
-    EmptyInput,
-    NothingRequested,
-    ScaleGradByFreq,
-    UserBackendChoice,
-    AttentionFeature,
-    InvalidInput,
-    KernelUnavailable,
-    LaunchFailed,
-    InternalError,
-}
-
-impl std::fmt::Display for StockReason {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            StockReason::DisabledAtRuntime => "disabled at run time",
-            StockReason::UnsupportedDtype => "unsupported dtype",
-            StockReason::MixedDtypes => "mixed input/parameter dtypes",
-            StockReason::UnsupportedSm => "GPU architecture not served",
-            StockReason::NoVariantForShape => "no variant for this shape",
-            StockReason::NotFasterHere => "stock is faster at this shape",
-            StockReason::EmptyInput => "empty input",
-            StockReason::NothingRequested => "no output requested",
-            StockReason::ScaleGradByFreq => "scale_grad_by_freq is not served",
-            StockReason::UserBackendChoice => "SDPA backends restricted by the user",
-            StockReason::AttentionFeature => {
-                "attn_mask, dropout, nested inputs or a negative scale are not served"
-            }
-            StockReason::InvalidInput => "input stock rejects",
-            StockReason::KernelUnavailable => "kernel unavailable",
-            StockReason::LaunchFailed => "kernel launch failed",
-            StockReason::InternalError => "internal error",
-        })
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Deserialize)]
-pub enum DType {
-    #[serde(rename = "f32")]
-    F32,
-    #[serde(rename = "bf16")]
-    BF16,
-    #[serde(rename = "f16")]
-    F16,
-}
-
-impl DType {
-    pub fn name(self) -> &'static str {
-        match self {
-            DType::F32 => "f32",
-            DType::BF16 => "bf16",
-            DType::F16 => "f16",
-        }
-    }
-
-    pub fn size_bytes(self) -> usize {
-        match self {
-            DType::F32 => 4,
-            DType::BF16 | DType::F16 => 2,
-        }
-    }
-
-    /// Elements in one 16-byte vector (`TF_VEC` in the kernels).
-    pub fn vector_elems(self) -> i64 {
-        (16 / self.size_bytes()) as i64
-    }
-
-    /// The value of `TF_DTYPE` the kernels are compiled with.
-    pub fn kernel_code(self) -> i64 {
-        match self {
-            DType::F32 => 0,
-            DType::BF16 => 1,
-            DType::F16 => 2,
-        }
-    }
-}
-
-const ADAM_CAPACITY_DEFINE: &str = "-DTF_ADAM_MAX_TENSORS=500";
-const _: () = assert!(crate::adam::MAX_TENSORS_PER_LAUNCH == 500);
+use std::sync::Arc;
 
 /// A kernel operation the registry knows variants of.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Deserialize)]
@@ -133,290 +45,69 @@ pub enum KernelOp {
 }
 
 impl KernelOp {
-    /// The `extern "C"` kernels of the variant's source this op launches.
+    /// The `extern "C"` kernels of the variant's source this op launches, by name.
     pub fn entries(self) -> &'static [&'static str] {
         match self {
-            KernelOp::LayerNormFwd | KernelOp::RmsNormFwd => &["norm_fwd"],
-            KernelOp::LayerNormBwd | KernelOp::RmsNormBwd => &["norm_bwd", "norm_bwd_reduce"],
-            KernelOp::AdamStep => &["adam_step", "adam_step_small"],
-            KernelOp::EmbeddingFwd => &["emb_fwd"],
-            KernelOp::EmbeddingBwd => &[
-                "emb_sort_count",
-                "emb_sort_scatter",
-                "emb_bwd_reduce",
-                "emb_bwd_finish",
-                "emb_zero_rows",
-                "emb_sort_cluster",
-                "emb_mark_rows",
-                "emb_zero_rows_by_word",
-            ],
-            KernelOp::AttentionCausal | KernelOp::AttentionFull => {
-                &["attn_fwd", "attn_bwd_prep", "attn_bwd_dkdv", "attn_bwd_dq"]
-            }
+            KernelOp::LayerNormFwd | KernelOp::RmsNormFwd => norm::FWD_KERNELS,
+            KernelOp::LayerNormBwd | KernelOp::RmsNormBwd => norm::BWD_KERNELS,
+            KernelOp::AdamStep => adam::KERNELS,
+            KernelOp::EmbeddingFwd => embedding::FWD_KERNELS,
+            KernelOp::EmbeddingBwd => embedding::BWD_KERNELS,
+            KernelOp::AttentionCausal | KernelOp::AttentionFull => attention::KERNELS,
         }
     }
 
-    /// Preprocessor definitions the op adds to the variant's own parameters.
-    pub fn defines(self) -> &'static [&'static str] {
+    /// Preprocessor definitions the op adds to the variant's own parameters: the constants
+    /// its kernels share with the Rust side, from their one (Rust) source.
+    pub fn defines(self) -> Vec<String> {
         match self {
-            KernelOp::LayerNormFwd => &["-DTF_NORM_FWD=1", "-DTF_RMS=0"],
-            KernelOp::LayerNormBwd => &["-DTF_NORM_BWD=1", "-DTF_RMS=0"],
-            KernelOp::RmsNormFwd => &["-DTF_NORM_FWD=1", "-DTF_RMS=1"],
-            KernelOp::RmsNormBwd => &["-DTF_NORM_BWD=1", "-DTF_RMS=1"],
-            KernelOp::AdamStep => &[ADAM_CAPACITY_DEFINE],
-            KernelOp::EmbeddingFwd
-            | KernelOp::EmbeddingBwd
-            | KernelOp::AttentionCausal
-            | KernelOp::AttentionFull => &[],
+            KernelOp::LayerNormFwd => norm::defines(NormKind::Layer, false),
+            KernelOp::LayerNormBwd => norm::defines(NormKind::Layer, true),
+            KernelOp::RmsNormFwd => norm::defines(NormKind::Rms, false),
+            KernelOp::RmsNormBwd => norm::defines(NormKind::Rms, true),
+            KernelOp::AdamStep => adam::defines(),
+            KernelOp::EmbeddingFwd | KernelOp::EmbeddingBwd => embedding::defines(),
+            KernelOp::AttentionCausal | KernelOp::AttentionFull => attention::defines(),
+        }
+    }
+
+    /// Checks a variant's op-specific data when the registry is parsed.
+    fn validate(self, v: &Variant) -> Result<(), String> {
+        match self {
+            KernelOp::LayerNormFwd
+            | KernelOp::LayerNormBwd
+            | KernelOp::RmsNormFwd
+            | KernelOp::RmsNormBwd => norm::validate_variant(v),
+            KernelOp::AdamStep => adam::validate_variant(v),
+            KernelOp::EmbeddingFwd | KernelOp::EmbeddingBwd => embedding::validate_variant(v),
+            KernelOp::AttentionCausal | KernelOp::AttentionFull => attention::validate_variant(v),
         }
     }
 }
 
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Variant {
-    pub name: String,
-    pub op: KernelOp,
-    /// File in `kernels/`.
-    pub source: String,
-    pub dtypes: Vec<DType>,
-    /// Inclusive range of SM versions (major * 10 + minor).
-    pub sm: [u32; 2],
-    /// Inclusive range of the innermost (normalized/hidden) size; ops without one omit it.
-    #[serde(default = "any_size")]
-    pub hidden: [i64; 2],
-    /// Below this many rows stock is faster: measured, see the note in the file.
-    #[serde(default)]
-    pub min_rows: i64,
-    /// Above this many rows stock is as fast or faster: measured, see the note in the file.
-    #[serde(default = "any_rows")]
-    pub max_rows: i64,
-    /// With deterministic algorithms required, stock's own choice can be slower (attention:
-    /// FlashAttention-2 with its deterministic backward instead of cuDNN); true: measured
-    /// faster than that at every size, so min_rows/max_rows do not apply then.
-    #[serde(default)]
-    pub deterministic_all_rows: bool,
-    /// Served only when deterministic algorithms are required: a variant measured faster
-    /// than stock's deterministic choice only (with `deterministic_all_rows`, at any size).
-    #[serde(default)]
-    pub deterministic_only: bool,
-    #[serde(default)]
-    pub priority: i32,
-    /// Compile-time parameters, passed to NVRTC as `-DTF_<NAME>=<value>`.
-    #[serde(default)]
-    pub params: BTreeMap<String, i64>,
-    /// Loaded from `TORCHFUSE_REGISTRY_EXTRA` (benchmark sweeps): served only when forced by
-    /// name (`torch.ops.torchfuse._force_variant`), never chosen on its own.
-    #[serde(skip)]
-    pub sweep_only: bool,
+pub type Variant = select::Variant<KernelOp>;
+pub type Request = select::Request<KernelOp>;
+pub type Registry = select::Registry<KernelOp>;
+
+/// Checks a variant's source and op-specific params.
+fn validate(v: &Variant) -> Result<(), String> {
+    if gpu::sources::kernel_source(&v.source).is_none() {
+        return Err(format!("{}: no kernel source {}", v.name, v.source));
+    }
+    v.op.validate(v)
 }
 
-fn any_size() -> [i64; 2] {
-    [1, i64::MAX]
+/// Parses registry data, every variant checked by its op.
+pub fn parse(files: &[(&str, &str)]) -> Result<Registry, String> {
+    Registry::parse(files, &validate)
 }
 
-fn any_rows() -> i64 {
-    i64::MAX
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RegistryFile {
-    variant: Vec<Variant>,
-}
-
-/// What a kernel is asked to serve.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Request {
-    pub op: KernelOp,
-    pub dtype: DType,
-    pub hidden: i64,
-    pub rows: i64,
-    pub sm: u32,
-    /// The user requires deterministic algorithms (see `Variant::deterministic_all_rows`).
-    pub deterministic: bool,
-}
-
-#[derive(Debug)]
-pub struct Registry {
-    variants: Vec<Variant>,
-    /// (op, dtype, hidden, sm) -> candidate variant indices, best first; rows are checked per
-    /// call against the candidates' `min_rows`, so the hot path is one hash lookup.
-    candidates: RwLock<HashMap<CandidateKey, Result<Vec<usize>, StockReason>>>,
-}
-
-type CandidateKey = (KernelOp, DType, i64, u32);
-
-impl Registry {
-    pub fn parse(files: &[(&str, &str)]) -> Result<Registry, String> {
-        Registry::parse_with_sweep(files, None)
-    }
-
-    /// `sweep`: (name, text) of a file of benchmark-only variants.
-    pub fn parse_with_sweep(
-        files: &[(&str, &str)],
-        sweep: Option<(&str, &str)>,
-    ) -> Result<Registry, String> {
-        let mut variants = Vec::new();
-        for (name, text) in files {
-            let file: RegistryFile =
-                toml::from_str(text).map_err(|e| format!("registry/{name}: {e}"))?;
-            variants.extend(file.variant);
-        }
-        if let Some((name, text)) = sweep {
-            let file: RegistryFile = toml::from_str(text).map_err(|e| format!("{name}: {e}"))?;
-            variants.extend(file.variant.into_iter().map(|mut v| {
-                v.sweep_only = true;
-                v
-            }));
-        }
-        let mut names = std::collections::HashSet::new();
-        for v in &variants {
-            if !names.insert(v.name.as_str()) {
-                return Err(format!("duplicate variant name {}", v.name));
-            }
-            if v.hidden[0] < 1 || v.hidden[0] > v.hidden[1] {
-                return Err(format!("{}: bad hidden range {:?}", v.name, v.hidden));
-            }
-            if v.min_rows > v.max_rows {
-                return Err(format!("{}: min_rows above max_rows", v.name));
-            }
-            if v.deterministic_only && !v.deterministic_all_rows {
-                return Err(format!(
-                    "{}: deterministic_only takes deterministic_all_rows",
-                    v.name
-                ));
-            }
-            if v.sm[0] > v.sm[1] {
-                return Err(format!("{}: bad sm range {:?}", v.name, v.sm));
-            }
-            if v.dtypes.is_empty() {
-                return Err(format!("{}: no dtypes", v.name));
-            }
-            if crate::sources::kernel_source(&v.source).is_none() {
-                return Err(format!("{}: no kernel source {}", v.name, v.source));
-            }
-            match v.op {
-                KernelOp::LayerNormFwd
-                | KernelOp::LayerNormBwd
-                | KernelOp::RmsNormFwd
-                | KernelOp::RmsNormBwd => crate::norm::validate_variant(v)?,
-                KernelOp::AdamStep => crate::adam::validate_variant(v)?,
-                KernelOp::EmbeddingFwd | KernelOp::EmbeddingBwd => {
-                    crate::embedding::validate_variant(v)?
-                }
-                KernelOp::AttentionCausal | KernelOp::AttentionFull => {
-                    crate::attention::validate_variant(v)?
-                }
-            }
-        }
-        Ok(Registry {
-            variants,
-            candidates: RwLock::new(HashMap::new()),
-        })
-    }
-
-    pub fn variants(&self) -> &[Variant] {
-        &self.variants
-    }
-
-    pub fn variant(&self, index: usize) -> &Variant {
-        &self.variants[index]
-    }
-
-    fn find_candidates(
-        &self,
-        op: KernelOp,
-        dtype: DType,
-        hidden: i64,
-        sm: u32,
-    ) -> Result<Vec<usize>, StockReason> {
-        let of_op: Vec<usize> = (0..self.variants.len())
-            .filter(|&i| self.variants[i].op == op && !self.variants[i].sweep_only)
-            .collect();
-        let with_dtype: Vec<usize> = of_op
-            .into_iter()
-            .filter(|&i| self.variants[i].dtypes.contains(&dtype))
-            .collect();
-        if with_dtype.is_empty() {
-            return Err(StockReason::UnsupportedDtype);
-        }
-        let with_sm: Vec<usize> = with_dtype
-            .into_iter()
-            .filter(|&i| (self.variants[i].sm[0]..=self.variants[i].sm[1]).contains(&sm))
-            .collect();
-        if with_sm.is_empty() {
-            return Err(StockReason::UnsupportedSm);
-        }
-        let mut fits: Vec<usize> = with_sm
-            .into_iter()
-            .filter(|&i| {
-                (self.variants[i].hidden[0]..=self.variants[i].hidden[1]).contains(&hidden)
-            })
-            .collect();
-        if fits.is_empty() {
-            return Err(StockReason::NoVariantForShape);
-        }
-        fits.sort_by_key(|&i| (std::cmp::Reverse(self.variants[i].priority), i));
-        Ok(fits)
-    }
-
-    /// The forced variant for `req` (benchmark hook), if one is forced for its op.
-    fn forced(&self, req: &Request) -> Option<Result<usize, StockReason>> {
-        let forced = FORCED_VARIANT.read().unwrap_or_else(|p| p.into_inner());
-        let name = forced.as_deref()?;
-        let index = self
-            .variants
-            .iter()
-            .position(|v| v.name == name && v.op == req.op)?;
-        let v = &self.variants[index];
-        let fits = v.dtypes.contains(&req.dtype)
-            && (v.sm[0]..=v.sm[1]).contains(&req.sm)
-            && (v.hidden[0]..=v.hidden[1]).contains(&req.hidden);
-        Some(if fits {
-            Ok(index)
-        } else {
-            Err(StockReason::NoVariantForShape)
-        })
-    }
-
-    /// The variant (index) that serves `req`, or why stock does.
-    pub fn select(&self, req: &Request) -> Result<usize, StockReason> {
-        if let Some(forced) = self.forced(req) {
-            return forced;
-        }
-        let key = (req.op, req.dtype, req.hidden, req.sm);
-        let cached = self
-            .candidates
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&key)
-            .cloned();
-        let candidates = match cached {
-            Some(c) => c,
-            None => {
-                let c = self.find_candidates(req.op, req.dtype, req.hidden, req.sm);
-                self.candidates
-                    .write()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(key, c.clone());
-                c
-            }
-        }?;
-        let ignore_thresholds = SERVE_BELOW_THRESHOLDS.load(Ordering::Relaxed);
-        candidates
-            .into_iter()
-            .find(|&i| {
-                let v = &self.variants[i];
-                if v.deterministic_only {
-                    return req.deterministic;
-                }
-                ignore_thresholds
-                    || (req.deterministic && v.deterministic_all_rows)
-                    || (v.min_rows..=v.max_rows).contains(&req.rows)
-            })
-            .ok_or(StockReason::NotFasterHere)
-    }
+/// As `parse`, with a file of benchmark-only variants (name, text).
+pub fn parse_with_sweep(
+    files: &[(&str, &str)],
+    sweep: Option<(&str, &str)>,
+) -> Result<Registry, String> {
+    Registry::parse_with_sweep(files, sweep, &validate)
 }
 
 /// The registry built into this library.
@@ -424,19 +115,78 @@ impl Registry {
 pub static REGISTRY: Lazy<Result<Registry, String>> = Lazy::new(|| {
     let extra = std::env::var_os("TORCHFUSE_REGISTRY_EXTRA").map(std::path::PathBuf::from);
     match extra {
-        None => Registry::parse(crate::sources::REGISTRY_FILES),
+        None => parse(select::REGISTRY_FILES),
         Some(path) => {
             let text = std::fs::read_to_string(&path)
                 .map_err(|e| format!("TORCHFUSE_REGISTRY_EXTRA {path:?}: {e}"))?;
             let name = path.display().to_string();
-            Registry::parse_with_sweep(crate::sources::REGISTRY_FILES, Some((&name, &text)))
+            parse_with_sweep(select::REGISTRY_FILES, Some((&name, &text)))
         }
     }
 });
 
+/// NVRTC options for `variant` at `dtype`: the dtype, the op's shared constants, the variant's
+/// params as `-DTF_<NAME>=<value>`.
+pub fn compile_options(variant: &Variant, dtype: DType, arch: &str) -> Vec<String> {
+    let mut options = gpu::nvrtc::base_options(arch);
+    options.push(format!("-DTF_DTYPE={}", dtype.kernel_code()));
+    options.extend(variant.op.defines());
+    options.extend(variant.params.iter().map(|(k, v)| format!("-DTF_{k}={v}")));
+    options
+}
+
+/// What serves a call: the launch's GPU, the registry's variant and its loaded kernels.
+pub struct Selected {
+    pub gpu: Arc<Device>,
+    pub variant: &'static Variant,
+    pub kernels: Arc<Kernels>,
+}
+
+/// The registry's variant for `request(sm)` on `launch`'s GPU with its kernels loaded, or why
+/// stock serves the call.
+pub fn select(
+    launch: Launch,
+    request: impl FnOnce(u32) -> Request,
+) -> Result<Selected, StockReason> {
+    let gpu = gpu::device(launch.device).map_err(|e| {
+        tracing::debug!("cuda:{} unavailable to torchfuse: {e}", launch.device);
+        StockReason::KernelUnavailable
+    })?;
+    let registry = REGISTRY
+        .as_ref()
+        .map_err(|_| StockReason::KernelUnavailable)?;
+    let req = request(gpu.sm);
+    let index = registry.select(&req)?;
+    let variant = registry.variant(index);
+    let kernels = gpu::modules::load(
+        (index, req.dtype, launch.device),
+        &gpu,
+        &crate::runtime::config::get().cache_dir,
+        || gpu::modules::ModuleSpec {
+            label: format!("{} ({})", variant.name, req.dtype.name()),
+            source: &variant.source,
+            options: compile_options(variant, req.dtype, &gpu.arch),
+            kernels: variant.op.entries(),
+        },
+    )
+    .ok_or(StockReason::KernelUnavailable)?;
+    Ok(Selected {
+        gpu,
+        variant,
+        kernels,
+    })
+}
+
+/// A failed launch of `variant`'s kernel: warned once, and stock serves the call.
+pub fn launch_failed(variant: &Variant, e: cudarc::driver::DriverError) -> StockReason {
+    crate::runtime::logging::warn_once_launch_failure(&variant.name, &e.to_string());
+    StockReason::LaunchFailed
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::select::registry::FORCED_VARIANT;
 
     const SAMPLE: &str = r#"
 [[variant]]
@@ -475,7 +225,7 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
 
     #[test]
     fn selection_follows_the_data() {
-        let r = Registry::parse(&[("sample.toml", SAMPLE)]).unwrap();
+        let r = parse(&[("sample.toml", SAMPLE)]).unwrap();
         let name = |q: Request| r.select(&q).map(|i| r.variant(i).name.clone());
         assert_eq!(
             name(req(DType::BF16, 768, 4096, 90)),
@@ -537,7 +287,7 @@ deterministic_all_rows = true
 deterministic_only = true
 params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
 "#;
-        let r = Registry::parse(&[("det.toml", sample)]).unwrap();
+        let r = parse(&[("det.toml", sample)]).unwrap();
         let name = |rows: i64, deterministic: bool| {
             let q = Request {
                 deterministic,
@@ -550,7 +300,7 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
         assert_eq!(name(5000, false), Err(StockReason::NotFasterHere));
         assert_eq!(name(5000, true), Ok("deterministic_large".into()));
         let without_all_rows = sample.replace("deterministic_all_rows = true\n", "");
-        assert!(Registry::parse(&[("d.toml", &without_all_rows)])
+        assert!(parse(&[("d.toml", &without_all_rows)])
             .unwrap_err()
             .contains("deterministic_only takes"));
     }
@@ -558,25 +308,23 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
     #[test]
     fn malformed_data_is_rejected() {
         let dup = format!("{SAMPLE}\n{}", SAMPLE.replace("small_sm90", "x"));
-        assert!(Registry::parse(&[("d.toml", &dup)])
+        assert!(parse(&[("d.toml", &dup)])
             .unwrap_err()
             .contains("duplicate"));
         let bad = SAMPLE.replace("hidden = [1, 1024]", "hidden = [2048, 1024]");
-        assert!(Registry::parse(&[("b.toml", &bad)])
-            .unwrap_err()
-            .contains("hidden"));
+        assert!(parse(&[("b.toml", &bad)]).unwrap_err().contains("hidden"));
         let unknown = SAMPLE.replace("priority = 1\n", "priority = 1\ncolour = 3\n");
         let too_wide = SAMPLE.replace("hidden = [1, 1024]", "hidden = [1, 1025]");
-        assert!(Registry::parse(&[("w.toml", &too_wide)])
+        assert!(parse(&[("w.toml", &too_wide)])
             .unwrap_err()
             .contains("holds 1024"));
         let no_source = SAMPLE.replace("source = \"norm.cu\"", "source = \"missing.cu\"");
-        assert!(Registry::parse(&[("s.toml", &no_source)])
+        assert!(parse(&[("s.toml", &no_source)])
             .unwrap_err()
             .contains("missing.cu"));
-        assert!(Registry::parse(&[("u.toml", &unknown)]).is_err());
+        assert!(parse(&[("u.toml", &unknown)]).is_err());
         let op = SAMPLE.replacen("op = \"layer_norm_fwd\"", "op = \"softmax\"", 1);
-        assert!(Registry::parse(&[("o.toml", &op)]).is_err());
+        assert!(parse(&[("o.toml", &op)]).is_err());
     }
 
     /// Attention on sm 90: large calls go to stock (cuDNN), unless deterministic algorithms
@@ -858,9 +606,7 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
         let sweep = SAMPLE
             .replace("name = \"small\"", "name = \"cand\"")
             .replace("name = \"small_sm90\"", "name = \"cand2\"");
-        let r =
-            Registry::parse_with_sweep(&[("sample.toml", SAMPLE)], Some(("sweep.toml", &sweep)))
-                .unwrap();
+        let r = parse_with_sweep(&[("sample.toml", SAMPLE)], Some(("sweep.toml", &sweep))).unwrap();
         let q = req(DType::F32, 768, 4096, 90);
         assert_eq!(r.variant(r.select(&q).unwrap()).name, "small");
         *FORCED_VARIANT.write().unwrap() = Some("cand".into());
@@ -878,5 +624,75 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
     fn built_in_registry_parses() {
         let r = REGISTRY.as_ref().expect("built-in registry");
         assert!(!r.variants().is_empty());
+    }
+}
+
+#[cfg(test)]
+mod nvrtc_tests {
+    use super::*;
+    use crate::gpu::nvrtc::{nvrtc_compile, nvrtc_ready};
+
+    /// Every registry variant compiles, for every dtype it claims, for sm_80 and sm_90a where
+    /// its SM range includes them (a warpgroup-MMA variant is sm_90a only).
+    /// Needs torch's NVRTC (the test binary links libtorch, so it is found next to it).
+    #[test]
+    fn every_variant_compiles_for_sm80_and_sm90a() {
+        // Make sure libtorch is mapped (it is linked, but the linker may defer it).
+        let _ = tch::Tensor::zeros([1], (tch::Kind::Float, tch::Device::Cpu));
+        if let Err(e) = nvrtc_ready() {
+            panic!("NVRTC unavailable: {e}");
+        }
+        let registry = REGISTRY.as_ref().expect("registry");
+        let jobs: Vec<(&Variant, DType, &str)> = registry
+            .variants()
+            .iter()
+            .flat_map(|v| v.dtypes.iter().map(move |&d| (v, d)))
+            .flat_map(|(v, d)| {
+                [(80, "sm_80"), (90, "sm_90a")]
+                    .into_iter()
+                    .filter(|(sm, _)| (v.sm[0]..=v.sm[1]).contains(sm))
+                    .map(move |(_, arch)| (v, d, arch))
+            })
+            .collect();
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let compiled: usize = std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    scope.spawn(|| {
+                        let mut done = 0;
+                        while let Some(&(variant, dtype, arch)) =
+                            jobs.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+                        {
+                            let options = compile_options(variant, dtype, arch);
+                            let cubin =
+                                nvrtc_compile(&variant.source, &options).unwrap_or_else(|e| {
+                                    panic!("{} {} {arch}: {e}", variant.name, dtype.name())
+                                });
+                            assert_eq!(&cubin[..4], b"\x7fELF", "{} is not a CUBIN", variant.name);
+                            for entry in variant.op.entries() {
+                                assert!(
+                                    cubin.windows(entry.len()).any(|w| w == entry.as_bytes()),
+                                    "{} {arch}: no kernel {entry}",
+                                    variant.name
+                                );
+                            }
+                            done += 1;
+                        }
+                        done
+                    })
+                })
+                .collect();
+            workers.into_iter().map(|w| w.join().expect("worker")).sum()
+        });
+        assert_eq!(compiled, jobs.len());
+        assert!(compiled >= registry.variants().len());
+        // Both architectures are covered.
+        for arch in ["sm_80", "sm_90a"] {
+            assert!(
+                jobs.iter().any(|j| j.2 == arch),
+                "nothing compiled for {arch}"
+            );
+        }
     }
 }

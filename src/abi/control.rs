@@ -1,0 +1,105 @@
+//! The `torch.ops.torchfuse` control ops' Rust side: toggles at run time, stats, notes from
+//! the Python hook, and the test and benchmark hooks.
+
+use crate::runtime::stats;
+use crate::runtime::Toggle;
+use std::ffi::{c_char, CString};
+use std::panic::catch_unwind;
+use std::sync::atomic::Ordering;
+
+/// # Safety
+/// `msg` points to `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_torch_warning(msg: *const c_char, len: usize) {
+    let _ = catch_unwind(|| {
+        let bytes = std::slice::from_raw_parts(msg.cast::<u8>(), len);
+        tracing::debug!("torch: {}", String::from_utf8_lossy(bytes));
+    });
+}
+
+/// A substitution made outside the dispatcher (the launcher's Python hook), logged at info.
+///
+/// # Safety
+/// `msg` points to `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_note(msg: *const c_char, len: usize) {
+    let _ = catch_unwind(|| {
+        let bytes = std::slice::from_raw_parts(msg.cast::<u8>(), len);
+        tracing::info!("{}", String::from_utf8_lossy(bytes));
+    });
+}
+
+/// 1: the op now runs through torchfuse; 0: it does not (disabled, or never registered);
+/// -1: unknown name.
+///
+/// # Safety
+/// `name` points to `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_set_enabled(
+    name: *const c_char,
+    len: usize,
+    enabled: bool,
+) -> i32 {
+    catch_unwind(|| {
+        let bytes = std::slice::from_raw_parts(name.cast::<u8>(), len);
+        let Some(toggle) = std::str::from_utf8(bytes).ok().and_then(Toggle::from_name) else {
+            return -1;
+        };
+        toggle.set_active(enabled);
+        let registered = toggle.registered();
+        if enabled && !registered {
+            tracing::warn!(
+                "set_enabled({}, True): not registered in this process (TORCHFUSE / TORCHFUSE_OPS), stock keeps serving it",
+                toggle.name()
+            );
+        }
+        tracing::info!("{} {}", toggle.name(), if enabled && registered { "enabled" } else { "disabled" });
+        i32::from(enabled && registered)
+    })
+    .unwrap_or(-1)
+}
+
+/// JSON of the calls so far; free with `torchfuse_rs_free_string`.
+#[no_mangle]
+pub extern "C" fn torchfuse_rs_stats_json() -> *mut c_char {
+    catch_unwind(|| {
+        CString::new(stats::to_json(&crate::runtime::toggles::enabled_map()))
+            .map(CString::into_raw)
+            .unwrap_or(std::ptr::null_mut())
+    })
+    .unwrap_or(std::ptr::null_mut())
+}
+
+/// # Safety
+/// `s` came from `torchfuse_rs_stats_json` and is freed once.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_free_string(s: *mut c_char) {
+    if !s.is_null() {
+        drop(CString::from_raw(s));
+    }
+}
+
+/// Benchmark hook: an empty name clears the forced variant.
+///
+/// # Safety
+/// `name` points to `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_force_variant(name: *const c_char, len: usize) {
+    let _ = catch_unwind(|| {
+        let bytes = std::slice::from_raw_parts(name.cast::<u8>(), len);
+        let name = String::from_utf8_lossy(bytes).into_owned();
+        *crate::select::registry::FORCED_VARIANT
+            .write()
+            .unwrap_or_else(|p| p.into_inner()) = (!name.is_empty()).then_some(name);
+    });
+}
+
+#[no_mangle]
+pub extern "C" fn torchfuse_rs_serve_below_thresholds(serve: bool) {
+    crate::select::registry::SERVE_BELOW_THRESHOLDS.store(serve, Ordering::Relaxed);
+}
+
+#[no_mangle]
+pub extern "C" fn torchfuse_rs_reset_stats() {
+    let _ = catch_unwind(stats::reset);
+}

@@ -1,0 +1,134 @@
+//! Load time: reads the config, sets up logging and the panic hook, defines the control ops and
+//! registers the enabled overrides through the C++ glue; at exit, the summary.
+
+use crate::runtime::stats;
+use crate::runtime::{Entry, Toggle};
+use std::ffi::{c_char, CStr};
+use std::panic::catch_unwind;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+extern "C" {
+    fn torchfuse_cxx_register(entry: u32, err: *mut c_char, err_len: usize) -> i32;
+    fn torchfuse_cxx_define_control_ops(err: *mut c_char, err_len: usize) -> i32;
+}
+
+/// One internal-error warning per entry.
+static PANIC_WARNED: [AtomicBool; Entry::ALL.len()] =
+    [const { AtomicBool::new(false) }; Entry::ALL.len()];
+
+pub(super) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".to_string())
+}
+
+/// Where the last panic happened (the panic hook records it; no thread-locals involved).
+static LAST_PANIC: Mutex<String> = Mutex::new(String::new());
+
+pub(super) fn warn_internal_error(entry: Entry, payload: &(dyn std::any::Any + Send)) {
+    if !PANIC_WARNED[entry as usize].swap(true, Ordering::Relaxed) {
+        let location = LAST_PANIC.lock().map(|l| l.clone()).unwrap_or_default();
+        tracing::warn!(
+            "internal error in {} ({} at {location}); stock PyTorch serves this call (warned once)",
+            entry.aten_name(),
+            panic_message(payload)
+        );
+    }
+}
+
+/// Reads the config, sets up logging and registers the enabled overrides. Idempotent.
+pub fn init() {
+    static DONE: std::sync::Once = std::sync::Once::new();
+    DONE.call_once(|| {
+        if let Err(payload) = catch_unwind(register_all) {
+            eprintln!(
+                "torchfuse: initialisation failed ({}); PyTorch runs unchanged",
+                panic_message(&*payload)
+            );
+        }
+    });
+}
+
+fn cxx_error(buf: &[u8]) -> String {
+    CStr::from_bytes_until_nul(buf)
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+fn register_all() {
+    let config = crate::runtime::config::get();
+    crate::runtime::logging::init(config);
+    // Panics are caught at every entry point and reported once through the log; the default
+    // hook would also print them to the user's stderr.
+    std::panic::set_hook(Box::new(|info| {
+        let location = info.location().map(|l| l.to_string()).unwrap_or_default();
+        *LAST_PANIC.lock().unwrap_or_else(|p| p.into_inner()) = location;
+    }));
+    let mut err = [0u8; 1024];
+    // SAFETY: err is a writable buffer of the given length.
+    if unsafe { torchfuse_cxx_define_control_ops(err.as_mut_ptr().cast(), err.len()) } != 0 {
+        tracing::warn!(
+            "torch.ops.torchfuse control ops unavailable: {}",
+            cxx_error(&err)
+        );
+    }
+    if !config.active {
+        tracing::info!("TORCHFUSE=0: loaded, nothing registered");
+        return;
+    }
+    if let Err(e) = crate::ops::REGISTRY.as_ref() {
+        tracing::warn!("kernel registry is invalid ({e}); every call goes to stock");
+    }
+    let mut registered = Vec::new();
+    for toggle in Toggle::ALL.into_iter().filter(|t| config.op_enabled(*t)) {
+        let mut ok = true;
+        for entry in toggle.entries() {
+            // SAFETY: as above.
+            if unsafe { torchfuse_cxx_register(entry as u32, err.as_mut_ptr().cast(), err.len()) }
+                != 0
+            {
+                ok = false;
+                tracing::warn!(
+                    "could not override {}: {}; stock serves it",
+                    entry.aten_name(),
+                    cxx_error(&err)
+                );
+            }
+        }
+        if ok {
+            toggle.mark_registered();
+            registered.push(toggle.name());
+        }
+    }
+    tracing::info!(
+        "overrides registered for: {}",
+        if registered.is_empty() {
+            "none".to_string()
+        } else {
+            registered.join(", ")
+        }
+    );
+    // SAFETY: registering a plain extern "C" fn; this library is never unloaded.
+    unsafe {
+        libc::atexit(at_exit);
+    }
+}
+
+extern "C" fn at_exit() {
+    let _ = catch_unwind(|| {
+        if crate::runtime::logging::info_enabled() {
+            if let Some(table) = stats::summary_table() {
+                crate::runtime::logging::write_at_exit(crate::runtime::config::get(), &table);
+            }
+        }
+    });
+}
+
+#[cfg(not(test))]
+#[ctor::ctor]
+fn on_load() {
+    init();
+}

@@ -1,0 +1,45 @@
+//! Why a call went to PyTorch's own kernel: counted in the stats and shown in the logs.
+
+/// Why a call went to PyTorch's own kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum StockReason {
+    DisabledAtRuntime,
+    UnsupportedDtype,
+    MixedDtypes,
+    UnsupportedSm,
+    NoVariantForShape,
+    NotFasterHere,
+    EmptyInput,
+    NothingRequested,
+    ScaleGradByFreq,
+    UserBackendChoice,
+    AttentionFeature,
+    InvalidInput,
+    KernelUnavailable,
+    LaunchFailed,
+    InternalError,
+}
+
+impl std::fmt::Display for StockReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            StockReason::DisabledAtRuntime => "disabled at run time",
+            StockReason::UnsupportedDtype => "unsupported dtype",
+            StockReason::MixedDtypes => "mixed input/parameter dtypes",
+            StockReason::UnsupportedSm => "GPU architecture not served",
+            StockReason::NoVariantForShape => "no variant for this shape",
+            StockReason::NotFasterHere => "stock is faster at this shape",
+            StockReason::EmptyInput => "empty input",
+            StockReason::NothingRequested => "no output requested",
+            StockReason::ScaleGradByFreq => "scale_grad_by_freq is not served",
+            StockReason::UserBackendChoice => "SDPA backends restricted by the user",
+            StockReason::AttentionFeature => {
+                "attn_mask, dropout, nested inputs or a negative scale are not served"
+            }
+            StockReason::InvalidInput => "input stock rejects",
+            StockReason::KernelUnavailable => "kernel unavailable",
+            StockReason::LaunchFailed => "kernel launch failed",
+            StockReason::InternalError => "internal error",
+        })
+    }
+}
