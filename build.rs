@@ -14,6 +14,7 @@ print("VERSION=" + torch.__version__)
 
 fn main() {
     println!("cargo:rerun-if-changed=src/abi/shim.cpp");
+    println!("cargo:rerun-if-changed=src/abi/torchfuse_abi.h");
     println!("cargo:rerun-if-env-changed=TORCHFUSE_PYTHON");
     println!("cargo:rerun-if-env-changed=VIRTUAL_ENV");
     let python = std::env::var("TORCHFUSE_PYTHON").unwrap_or_else(|_| {

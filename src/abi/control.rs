@@ -1,6 +1,7 @@
 //! The `torch.ops.torchfuse` control ops' Rust side: toggles at run time, stats, notes from
 //! the Python hook, and the test and benchmark hooks.
 
+use super::types::{TfStatus, TF_FUSED, TF_STOCK};
 use crate::runtime::stats;
 use crate::runtime::Toggle;
 use std::ffi::{c_char, CString};
@@ -29,22 +30,26 @@ pub unsafe extern "C" fn torchfuse_rs_note(msg: *const c_char, len: usize) {
     });
 }
 
-/// 1: the op now runs through torchfuse; 0: it does not (disabled, or never registered);
-/// -1: unknown name.
+/// TF_FUSED: the op now runs through torchfuse; TF_STOCK: it does not (disabled, or never
+/// registered); TF_ERROR: unknown name.
 ///
 /// # Safety
-/// `name` points to `len` bytes.
+/// `name` points to `len` bytes; `status` is valid.
 #[no_mangle]
 pub unsafe extern "C" fn torchfuse_rs_set_enabled(
     name: *const c_char,
     len: usize,
-    enabled: bool,
-) -> i32 {
-    catch_unwind(|| {
-        let bytes = std::slice::from_raw_parts(name.cast::<u8>(), len);
-        let Some(toggle) = std::str::from_utf8(bytes).ok().and_then(Toggle::from_name) else {
-            return -1;
-        };
+    enabled: u8,
+    status: *mut TfStatus,
+) {
+    let Some(status) = status.as_mut() else {
+        return;
+    };
+    let bytes = std::slice::from_raw_parts(name.cast::<u8>(), len);
+    let name = String::from_utf8_lossy(bytes);
+    let enabled = enabled != 0;
+    let answer = catch_unwind(|| {
+        let toggle = Toggle::from_name(&name)?;
         toggle.set_active(enabled);
         let registered = toggle.registered();
         if enabled && !registered {
@@ -53,10 +58,25 @@ pub unsafe extern "C" fn torchfuse_rs_set_enabled(
                 toggle.name()
             );
         }
-        tracing::info!("{} {}", toggle.name(), if enabled && registered { "enabled" } else { "disabled" });
-        i32::from(enabled && registered)
-    })
-    .unwrap_or(-1)
+        tracing::info!(
+            "{} {}",
+            toggle.name(),
+            if enabled && registered {
+                "enabled"
+            } else {
+                "disabled"
+            }
+        );
+        Some(enabled && registered)
+    });
+    match answer {
+        Ok(Some(true)) => status.code = TF_FUSED,
+        Ok(Some(false)) => status.code = TF_STOCK,
+        _ => status.fail(&format!(
+            "torchfuse.set_enabled: unknown op '{name}' (valid: {})",
+            Toggle::names()
+        )),
+    }
 }
 
 /// JSON of the calls so far; free with `torchfuse_rs_free_string`.
@@ -95,8 +115,8 @@ pub unsafe extern "C" fn torchfuse_rs_force_variant(name: *const c_char, len: us
 }
 
 #[no_mangle]
-pub extern "C" fn torchfuse_rs_serve_below_thresholds(serve: bool) {
-    crate::select::registry::SERVE_BELOW_THRESHOLDS.store(serve, Ordering::Relaxed);
+pub extern "C" fn torchfuse_rs_serve_below_thresholds(serve: u8) {
+    crate::select::registry::SERVE_BELOW_THRESHOLDS.store(serve != 0, Ordering::Relaxed);
 }
 
 #[no_mangle]

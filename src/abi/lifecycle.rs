@@ -1,17 +1,12 @@
 //! Load time: reads the config, sets up logging and the panic hook, defines the control ops and
 //! registers the enabled overrides through the C++ glue; at exit, the summary.
 
+use super::types::{torchfuse_cxx_define_control_ops, torchfuse_cxx_register, TfStatus, TF_FUSED};
 use crate::runtime::stats;
 use crate::runtime::{Entry, Toggle};
-use std::ffi::{c_char, CStr};
 use std::panic::catch_unwind;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
-
-extern "C" {
-    fn torchfuse_cxx_register(entry: u32, err: *mut c_char, err_len: usize) -> i32;
-    fn torchfuse_cxx_define_control_ops(err: *mut c_char, err_len: usize) -> i32;
-}
 
 /// One internal-error warning per entry.
 static PANIC_WARNED: [AtomicBool; Entry::ALL.len()] =
@@ -52,12 +47,6 @@ pub fn init() {
     });
 }
 
-fn cxx_error(buf: &[u8]) -> String {
-    CStr::from_bytes_until_nul(buf)
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_default()
-}
-
 fn register_all() {
     let config = crate::runtime::config::get();
     crate::runtime::logging::init(config);
@@ -67,12 +56,13 @@ fn register_all() {
         let location = info.location().map(|l| l.to_string()).unwrap_or_default();
         *LAST_PANIC.lock().unwrap_or_else(|p| p.into_inner()) = location;
     }));
-    let mut err = [0u8; 1024];
-    // SAFETY: err is a writable buffer of the given length.
-    if unsafe { torchfuse_cxx_define_control_ops(err.as_mut_ptr().cast(), err.len()) } != 0 {
+    let mut status = TfStatus::new();
+    // SAFETY: status is valid and writable.
+    unsafe { torchfuse_cxx_define_control_ops(&mut status) };
+    if status.code != TF_FUSED {
         tracing::warn!(
             "torch.ops.torchfuse control ops unavailable: {}",
-            cxx_error(&err)
+            status.message()
         );
     }
     if !config.active {
@@ -86,15 +76,15 @@ fn register_all() {
     for toggle in Toggle::ALL.into_iter().filter(|t| config.op_enabled(*t)) {
         let mut ok = true;
         for entry in toggle.entries() {
+            let mut status = TfStatus::new();
             // SAFETY: as above.
-            if unsafe { torchfuse_cxx_register(entry as u32, err.as_mut_ptr().cast(), err.len()) }
-                != 0
-            {
+            unsafe { torchfuse_cxx_register(entry as u32, &mut status) };
+            if status.code != TF_FUSED {
                 ok = false;
                 tracing::warn!(
                     "could not override {}: {}; stock serves it",
                     entry.aten_name(),
-                    cxx_error(&err)
+                    status.message()
                 );
             }
         }

@@ -6,3 +6,4 @@ pub mod control;
 pub mod entries;
 pub mod lifecycle;
 pub mod tensor;
+pub mod types;

@@ -1,10 +1,13 @@
-// Thin marshalling between PyTorch's dispatcher and the Rust core (src/ffi.rs).
+// Thin marshalling between PyTorch's dispatcher and the Rust core (src/abi/entries.rs).
 //
-// Every override here does three things only: hand the call's arguments to Rust, take back
-// the tensors Rust produced, or, when Rust answers "stock", call PyTorch's own CUDA kernel
-// with the unchanged arguments. All decisions (enabled?, which kernel?, why stock?) and all
-// logging live in Rust. No C++ exception crosses into Rust and no Rust panic crosses back:
-// the Rust entry points catch panics and answer "stock".
+// Every override here does three things only: describe the call to Rust (torchfuse_abi.h,
+// the one definition of the boundary), take back the tensors Rust produced, or, when Rust
+// answers TF_STOCK, call PyTorch's own CUDA kernel with the unchanged arguments. All decisions
+// (enabled?, which kernel?, why stock?) and all logging live in Rust. No C++ exception
+// crosses into Rust (every function Rust calls catches and answers TF_ERROR) and no Rust
+// panic crosses back (the Rust entry points catch panics and answer TF_STOCK).
+
+#include "torchfuse_abi.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CUDAFunctions.h>
@@ -18,6 +21,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -25,261 +29,9 @@
 
 namespace {
 
-// Must match `Entry` in src/ops.rs.
-enum Entry : uint32_t {
-  kNativeLayerNorm = 0,
-  kNativeLayerNormBackward = 1,
-  kFusedRmsNorm = 2,
-  kFusedRmsNormBackward = 3,
-  kEmbedding = 4,
-  kEmbeddingDenseBackward = 5,
-  kFusedAdam = 6,
-  kFusedAdamTensorLr = 7,
-  kFusedAdamw = 8,
-  kFusedAdamwTensorLr = 9,
-  kSdpChoice = 10,
-  kFlashAttention = 11,
-  kFlashAttentionBackward = 12,
-};
+// ---------------------------------------------------------------- describing a call
 
-constexpr int32_t kFused = 1;
-constexpr int32_t kError = 2;
-
-struct TfLaunch {
-  int32_t device;
-  void* stream;
-};
-
-// One tensor of an optimizer's lists, described for Rust (`TensorFacts` in src/adam.rs).
-struct TfTensorFacts {
-  void* data;
-  int64_t numel;
-  int16_t dtype;       // c10::ScalarType
-  int16_t device;      // CUDA device index; -1: not a CUDA tensor
-  uint8_t dense;       // strided, non-overlapping and dense
-  uint8_t like_param;  // sizes, and strides of every dim of size > 1, equal to the param's
-  uint8_t unused[2];
-};
-static_assert(sizeof(TfTensorFacts) == 24, "TensorFacts layout");
-
-// An Adam/AdamW call (`AdamCallC` in src/adam.rs).
-struct TfAdamCall {
-  // params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
-  const TfTensorFacts* lists[6];
-  size_t lens[6];
-  const TfTensorFacts* lr_tensor;  // null: `lr` holds the value
-  const TfTensorFacts* grad_scale;
-  const TfTensorFacts* found_inf;
-  double lr, beta1, beta2, weight_decay, eps;
-  bool decoupled, amsgrad, maximize;
-  char error[512];  // set by Rust when it answers kError
-};
-
-}  // namespace
-
-extern "C" {
-// Implemented in Rust. Tensors are borrowed for the duration of the call; tensors written to
-// `out` are owned by the caller (heap `at::Tensor`s allocated through tch).
-// rms = false: native_layer_norm (out: y, mean, rstd); true: _fused_rms_norm (out: y, rstd).
-int32_t torchfuse_rs_norm_fwd(bool rms, const TfLaunch* launch, const at::Tensor* input,
-                              const int64_t* normalized_shape, size_t normalized_ndim,
-                              const at::Tensor* weight, const at::Tensor* bias, double eps,
-                              bool has_eps, at::Tensor** out);
-// out: dx, dweight, dbias; null = not requested (undefined).
-int32_t torchfuse_rs_norm_bwd(bool rms, const TfLaunch* launch, const at::Tensor* grad_out,
-                              const at::Tensor* input, const int64_t* normalized_shape,
-                              size_t normalized_ndim, const at::Tensor* mean,
-                              const at::Tensor* rstd, const at::Tensor* weight,
-                              const at::Tensor* bias, uint32_t output_mask, at::Tensor** out);
-// 1: the step ran (params and moments updated in place); 0: stock must run it; 2: bad input
-// stock would not survive (call->error says why).
-// embedding: out[0] = the gathered rows; embedding_dense_backward: out[0] = grad_weight.
-int32_t torchfuse_rs_embedding(const TfLaunch* launch, const at::Tensor* weight,
-                               const at::Tensor* indices, at::Tensor** out);
-int32_t torchfuse_rs_embedding_backward(const TfLaunch* launch, const at::Tensor* grad,
-                                        const at::Tensor* indices, int64_t num_weights,
-                                        int64_t padding_idx, bool scale_grad_by_freq,
-                                        at::Tensor** out);
-int32_t torchfuse_rs_adam(uint32_t entry, const TfLaunch* launch, TfAdamCall* call);
-// One scaled_dot_product_attention call as the flash backend sees it (`AttentionCallC` in
-// src/attention.rs).
-struct TfAttentionCall {
-  const at::Tensor* query;
-  const at::Tensor* key;
-  const at::Tensor* value;
-  double dropout_p;
-  double scale;
-  bool has_scale;
-  bool is_causal;
-  bool has_mask;
-  bool nested;
-  bool return_debug_mask;
-  bool default_backends;  // the user's SDPA backend flags are PyTorch's defaults
-  bool deterministic;     // deterministic algorithms required: stock's choice leaves cuDNN
-};
-// The backend the call runs on: `stock_choice` unless torchfuse serves it (1 = flash).
-int64_t torchfuse_rs_sdp_choice(const TfLaunch* launch, const TfAttentionCall* call,
-                                int64_t stock_choice);
-// out[0] = output [B, H, Lq, D], out[1] = logsumexp [B, H, Lq] fp32.
-int32_t torchfuse_rs_flash_fwd(const TfLaunch* launch, const TfAttentionCall* call,
-                               at::Tensor** out);
-// out = dq, dk, dv.
-int32_t torchfuse_rs_flash_bwd(const TfLaunch* launch, const TfAttentionCall* call,
-                               const at::Tensor* grad_out, const at::Tensor* output,
-                               const at::Tensor* logsumexp, at::Tensor** out);
-void torchfuse_rs_torch_warning(const char* msg, size_t len);
-int32_t torchfuse_rs_set_enabled(const char* name, size_t len, bool enabled);
-char* torchfuse_rs_stats_json(void);
-void torchfuse_rs_reset_stats(void);
-void torchfuse_rs_note(const char* msg, size_t len);
-void torchfuse_rs_serve_below_thresholds(bool serve);
-void torchfuse_rs_force_variant(const char* name, size_t len);
-void torchfuse_rs_free_string(char* s);
-}
-
-namespace {
-
-const at::Tensor* optional_ptr(const std::optional<at::Tensor>& t) {
-  return (t.has_value() && t->defined()) ? &*t : nullptr;
-}
-
-at::Tensor take(at::Tensor* owned) {
-  at::Tensor t = std::move(*owned);
-  delete owned;
-  return t;
-}
-
-// PyTorch's current stream on the tensor's device, through the device-generic interface (no
-// CUDA headers needed here).
-TfLaunch launch_for(const at::Tensor& t) {
-  const c10::Stream stream =
-      c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(t.device());
-  return TfLaunch{static_cast<int32_t>(t.device().index()), stream.native_handle()};
-}
-
-// The outputs Rust produced (a null slot is an undefined tensor: an output not requested).
-std::array<at::Tensor, 3> take_outputs(at::Tensor* (&out)[3]) {
-  std::array<at::Tensor, 3> r;
-  for (size_t i = 0; i < 3; ++i)
-    if (out[i] != nullptr) r[i] = take(out[i]);
-  return r;
-}
-
-template <size_t N>
-uint32_t mask_bits(const std::array<bool, N>& mask) {
-  uint32_t bits = 0;
-  for (size_t i = 0; i < N; ++i) bits |= mask[i] ? (1u << i) : 0u;
-  return bits;
-}
-
-// ---------------------------------------------------------------- layer_norm
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> native_layer_norm(
-    const at::Tensor& input, at::IntArrayRef normalized_shape,
-    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps) {
-  {
-    const c10::DeviceGuard guard(input.device());
-    const TfLaunch launch = launch_for(input);
-    at::Tensor* out[3] = {nullptr, nullptr, nullptr};
-    if (torchfuse_rs_norm_fwd(false, &launch, &input, normalized_shape.data(),
-                              normalized_shape.size(), optional_ptr(weight), optional_ptr(bias),
-                              eps, true, out) == kFused) {
-      auto r = take_outputs(out);
-      return {r[0], r[1], r[2]};
-    }
-  }
-  return at::cuda::native_layer_norm(input, normalized_shape, weight, bias, eps);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> native_layer_norm_backward(
-    const at::Tensor& grad_out, const at::Tensor& input, at::IntArrayRef normalized_shape,
-    const at::Tensor& mean, const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
-    const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask) {
-  {
-    const c10::DeviceGuard guard(input.device());
-    const TfLaunch launch = launch_for(input);
-    at::Tensor* out[3] = {nullptr, nullptr, nullptr};
-    if (torchfuse_rs_norm_bwd(false, &launch, &grad_out, &input, normalized_shape.data(),
-                              normalized_shape.size(), &mean, &rstd, optional_ptr(weight),
-                              optional_ptr(bias), mask_bits(output_mask), out) == kFused) {
-      auto r = take_outputs(out);
-      return {r[0], r[1], r[2]};
-    }
-  }
-  return at::cuda::native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd,
-                                              weight, bias, output_mask);
-}
-
-// ---------------------------------------------------------------- rms_norm
-
-std::tuple<at::Tensor, at::Tensor> fused_rms_norm(const at::Tensor& input,
-                                                  at::IntArrayRef normalized_shape,
-                                                  const std::optional<at::Tensor>& weight,
-                                                  std::optional<double> eps) {
-  {
-    const c10::DeviceGuard guard(input.device());
-    const TfLaunch launch = launch_for(input);
-    at::Tensor* out[3] = {nullptr, nullptr, nullptr};
-    if (torchfuse_rs_norm_fwd(true, &launch, &input, normalized_shape.data(),
-                              normalized_shape.size(), optional_ptr(weight), nullptr,
-                              eps.value_or(0.0), eps.has_value(), out) == kFused) {
-      auto r = take_outputs(out);
-      return {r[0], r[1]};
-    }
-  }
-  return at::cuda::_fused_rms_norm(input, normalized_shape, weight, eps);
-}
-
-std::tuple<at::Tensor, at::Tensor> fused_rms_norm_backward(
-    const at::Tensor& grad_out, const at::Tensor& input, at::IntArrayRef normalized_shape,
-    const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
-    std::array<bool, 2> output_mask) {
-  {
-    const c10::DeviceGuard guard(input.device());
-    const TfLaunch launch = launch_for(input);
-    at::Tensor* out[3] = {nullptr, nullptr, nullptr};
-    if (torchfuse_rs_norm_bwd(true, &launch, &grad_out, &input, normalized_shape.data(),
-                              normalized_shape.size(), nullptr, &rstd, optional_ptr(weight),
-                              nullptr, mask_bits(output_mask), out) == kFused) {
-      auto r = take_outputs(out);
-      return {r[0], r[1]};
-    }
-  }
-  return at::cuda::_fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight,
-                                            output_mask);
-}
-
-// ---------------------------------------------------------------- embedding
-
-at::Tensor embedding(const at::Tensor& weight, const at::Tensor& indices, int64_t padding_idx,
-                     bool scale_grad_by_freq, bool sparse) {
-  if (weight.is_cuda()) {
-    const c10::DeviceGuard guard(weight.device());
-    const TfLaunch launch = launch_for(weight);
-    at::Tensor* out[3] = {nullptr, nullptr, nullptr};
-    if (torchfuse_rs_embedding(&launch, &weight, &indices, out) == kFused)
-      return take_outputs(out)[0];
-  }
-  return at::compositeexplicitautograd::embedding(weight, indices, padding_idx,
-                                                  scale_grad_by_freq, sparse);
-}
-
-at::Tensor embedding_dense_backward(const at::Tensor& grad_output, const at::Tensor& indices,
-                                    int64_t num_weights, int64_t padding_idx,
-                                    bool scale_grad_by_freq) {
-  if (grad_output.is_cuda()) {
-    const c10::DeviceGuard guard(grad_output.device());
-    const TfLaunch launch = launch_for(grad_output);
-    at::Tensor* out[3] = {nullptr, nullptr, nullptr};
-    if (torchfuse_rs_embedding_backward(&launch, &grad_output, &indices, num_weights,
-                                        padding_idx, scale_grad_by_freq, out) == kFused)
-      return take_outputs(out)[0];
-  }
-  return at::cuda::embedding_dense_backward(grad_output, indices, num_weights, padding_idx,
-                                            scale_grad_by_freq);
-}
-
-// ---------------------------------------------------------------- adam / adamw
+TfTensor absent() { return TfTensor{}; }
 
 // Stock's rule (check_fast_path_restrictions): same sizes, and the same stride on every dim
 // of size > 1, so both tensors store their elements in the same order.
@@ -293,25 +45,200 @@ bool same_geometry(const at::Tensor& a, const at::Tensor& b) {
   return true;
 }
 
-TfTensorFacts facts_of(const at::Tensor& t, const at::Tensor* param) {
-  TfTensorFacts f{};
+// `written`: the kernel writes the tensor (its data pointer is the mutable one, which a
+// copy-on-write tensor materializes for, as stock's in-place kernels do). `like`: the list's
+// reference tensor at this index, or null.
+TfTensor describe(const at::Tensor& t, bool written = false, const at::Tensor* like = nullptr) {
+  TfTensor f{};
   if (!t.defined()) return f;
-  const bool cuda = t.is_cuda();
-  f.data = cuda ? t.data_ptr() : nullptr;
-  f.numel = t.numel();
+  f.handle = &t;
   f.dtype = static_cast<int16_t>(t.scalar_type());
+  const bool strided = t.layout() == at::kStrided && !t.is_nested();
+  const bool cuda = t.is_cuda();
   f.device = cuda ? static_cast<int16_t>(t.device().index()) : int16_t{-1};
-  f.dense = t.layout() == at::kStrided && t.is_non_overlapping_and_dense();
-  f.like_param = param != nullptr && same_geometry(t, *param);
+  if (!strided) return f;
+  f.numel = t.numel();
+  f.data = !cuda ? nullptr : written ? t.data_ptr() : const_cast<void*>(t.const_data_ptr());
+  f.dense = t.is_non_overlapping_and_dense();
+  f.like_first = like != nullptr && same_geometry(t, *like);
   return f;
 }
 
-std::vector<TfTensorFacts> facts_of(at::TensorList list, at::TensorList params) {
-  std::vector<TfTensorFacts> facts;
-  facts.reserve(list.size());
+TfTensor describe(const std::optional<at::Tensor>& t) {
+  return (t.has_value() && t->defined()) ? describe(*t) : absent();
+}
+
+// PyTorch's current stream on the tensor's device, through the device-generic interface (no
+// CUDA headers needed here).
+TfLaunch launch_for(const at::Tensor& t) {
+  const c10::Stream stream =
+      c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(t.device());
+  return TfLaunch{static_cast<int32_t>(t.device().index()), stream.native_handle()};
+}
+
+at::Tensor take(void* owned) {
+  if (owned == nullptr) return at::Tensor();
+  auto* tensor = static_cast<at::Tensor*>(owned);
+  at::Tensor t = std::move(*tensor);
+  delete tensor;
+  return t;
+}
+
+// The outputs Rust produced (a null slot is an undefined tensor: an output not requested).
+std::array<at::Tensor, 3> take_outputs(TfOutputs& out) {
+  return {take(out.tensors[0]), take(out.tensors[1]), take(out.tensors[2])};
+}
+
+// Hands one call to Rust on `on`'s device and stream. True: fused, the outputs are in `out`;
+// false: stock must run it. Bad input Rust refused is raised here, as PyTorch's error.
+template <class Call>
+bool fused_by_rust(void (*rust)(uint32_t, const TfLaunch*, const Call*, TfOutputs*, TfStatus*),
+                   TfEntry entry, const TfLaunch& launch, const Call& call, TfOutputs& out) {
+  TfStatus status;
+  status.code = TF_STOCK;
+  status.message[0] = '\0';
+  rust(entry, &launch, &call, &out, &status);
+  status.message[TF_MESSAGE_BYTES - 1] = '\0';
+  TORCH_CHECK(status.code != TF_ERROR, status.message);
+  return status.code == TF_FUSED;
+}
+
+template <class Call>
+bool fused_by_rust(void (*rust)(uint32_t, const TfLaunch*, const Call*, TfOutputs*, TfStatus*),
+                   TfEntry entry, const at::Tensor& on, const Call& call, TfOutputs& out) {
+  const c10::DeviceGuard guard(on.device());
+  return fused_by_rust(rust, entry, launch_for(on), call, out);
+}
+
+template <size_t N>
+uint32_t mask_bits(const std::array<bool, N>& mask) {
+  uint32_t bits = 0;
+  for (size_t i = 0; i < N; ++i) bits |= mask[i] ? (1u << i) : 0u;
+  return bits;
+}
+
+// ---------------------------------------------------------------- layer_norm, rms_norm
+
+TfNormCall norm_call(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                     const std::optional<at::Tensor>& weight) {
+  TfNormCall call{};
+  call.input = describe(input);
+  call.weight = describe(weight);
+  call.normalized_shape = normalized_shape.data();
+  call.normalized_ndim = normalized_shape.size();
+  return call;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> native_layer_norm(
+    const at::Tensor& input, at::IntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps) {
+  TfNormCall call = norm_call(input, normalized_shape, weight);
+  call.bias = describe(bias);
+  call.eps = eps;
+  call.has_eps = 1;
+  TfOutputs out{};
+  if (fused_by_rust(torchfuse_rs_norm, TF_ENTRY_NATIVE_LAYER_NORM, input, call, out)) {
+    auto r = take_outputs(out);
+    return {r[0], r[1], r[2]};
+  }
+  return at::cuda::native_layer_norm(input, normalized_shape, weight, bias, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> native_layer_norm_backward(
+    const at::Tensor& grad_out, const at::Tensor& input, at::IntArrayRef normalized_shape,
+    const at::Tensor& mean, const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask) {
+  TfNormCall call = norm_call(input, normalized_shape, weight);
+  call.bias = describe(bias);
+  call.grad_out = describe(grad_out);
+  call.mean = describe(mean);
+  call.rstd = describe(rstd);
+  call.output_mask = mask_bits(output_mask);
+  TfOutputs out{};
+  if (fused_by_rust(torchfuse_rs_norm, TF_ENTRY_NATIVE_LAYER_NORM_BACKWARD, input, call, out)) {
+    auto r = take_outputs(out);
+    return {r[0], r[1], r[2]};
+  }
+  return at::cuda::native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd,
+                                              weight, bias, output_mask);
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_rms_norm(const at::Tensor& input,
+                                                  at::IntArrayRef normalized_shape,
+                                                  const std::optional<at::Tensor>& weight,
+                                                  std::optional<double> eps) {
+  TfNormCall call = norm_call(input, normalized_shape, weight);
+  call.eps = eps.value_or(0.0);
+  call.has_eps = eps.has_value();
+  TfOutputs out{};
+  if (fused_by_rust(torchfuse_rs_norm, TF_ENTRY_FUSED_RMS_NORM, input, call, out)) {
+    auto r = take_outputs(out);
+    return {r[0], r[1]};
+  }
+  return at::cuda::_fused_rms_norm(input, normalized_shape, weight, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_rms_norm_backward(
+    const at::Tensor& grad_out, const at::Tensor& input, at::IntArrayRef normalized_shape,
+    const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
+    std::array<bool, 2> output_mask) {
+  TfNormCall call = norm_call(input, normalized_shape, weight);
+  call.grad_out = describe(grad_out);
+  call.rstd = describe(rstd);
+  call.output_mask = mask_bits(output_mask);
+  TfOutputs out{};
+  if (fused_by_rust(torchfuse_rs_norm, TF_ENTRY_FUSED_RMS_NORM_BACKWARD, input, call, out)) {
+    auto r = take_outputs(out);
+    return {r[0], r[1]};
+  }
+  return at::cuda::_fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight,
+                                            output_mask);
+}
+
+// ---------------------------------------------------------------- embedding
+
+at::Tensor embedding(const at::Tensor& weight, const at::Tensor& indices, int64_t padding_idx,
+                     bool scale_grad_by_freq, bool sparse) {
+  if (weight.is_cuda()) {
+    TfEmbeddingCall call{};
+    call.weight = describe(weight);
+    call.indices = describe(indices);
+    TfOutputs out{};
+    if (fused_by_rust(torchfuse_rs_embedding, TF_ENTRY_EMBEDDING, weight, call, out))
+      return take_outputs(out)[0];
+  }
+  return at::compositeexplicitautograd::embedding(weight, indices, padding_idx,
+                                                  scale_grad_by_freq, sparse);
+}
+
+at::Tensor embedding_dense_backward(const at::Tensor& grad_output, const at::Tensor& indices,
+                                    int64_t num_weights, int64_t padding_idx,
+                                    bool scale_grad_by_freq) {
+  if (grad_output.is_cuda()) {
+    TfEmbeddingCall call{};
+    call.grad = describe(grad_output);
+    call.indices = describe(indices);
+    call.num_weights = num_weights;
+    call.padding_idx = padding_idx;
+    call.scale_grad_by_freq = scale_grad_by_freq;
+    TfOutputs out{};
+    if (fused_by_rust(torchfuse_rs_embedding, TF_ENTRY_EMBEDDING_DENSE_BACKWARD, grad_output,
+                      call, out))
+      return take_outputs(out)[0];
+  }
+  return at::cuda::embedding_dense_backward(grad_output, indices, num_weights, padding_idx,
+                                            scale_grad_by_freq);
+}
+
+// ---------------------------------------------------------------- adam / adamw
+
+// The tensors of one list, each compared with the param at its index.
+std::vector<TfTensor> describe_list(at::TensorList list, at::TensorList params) {
+  std::vector<TfTensor> tensors;
+  tensors.reserve(list.size());
   for (size_t i = 0; i < list.size(); ++i)
-    facts.push_back(facts_of(list[i], i < params.size() ? &params[i] : nullptr));
-  return facts;
+    tensors.push_back(describe(list[i], true, i < params.size() ? &params[i] : nullptr));
+  return tensors;
 }
 
 #define TORCHFUSE_ADAM_PARAMS                                                              \
@@ -325,30 +252,20 @@ std::vector<TfTensorFacts> facts_of(at::TensorList list, at::TensorList params) 
       weight_decay, eps, amsgrad, maximize, grad_scale, found_inf
 
 // Hands the step to Rust; true when it ran. `lr_tensor`: the device lr, or null.
-bool adam_in_rust(Entry entry, bool decoupled, const at::Tensor* lr_tensor,
+bool adam_in_rust(TfEntry entry, bool decoupled, const at::Tensor* lr_tensor,
                   TORCHFUSE_ADAM_PARAMS, double lr, TORCHFUSE_ADAM_TAIL) {
   const at::TensorList lists[6] = {self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
                                    state_steps};
-  std::vector<TfTensorFacts> facts[6];
+  std::vector<TfTensor> tensors[6];
   TfAdamCall call{};
   for (size_t i = 0; i < 6; ++i) {
-    facts[i] = facts_of(lists[i], self);
-    call.lists[i] = facts[i].data();
-    call.lens[i] = facts[i].size();
+    tensors[i] = describe_list(lists[i], self);
+    call.lists[i] = tensors[i].data();
+    call.lens[i] = tensors[i].size();
   }
-  TfTensorFacts lr_facts{}, scale_facts{}, inf_facts{};
-  if (lr_tensor != nullptr) {
-    lr_facts = facts_of(*lr_tensor, nullptr);
-    call.lr_tensor = &lr_facts;
-  }
-  if (const at::Tensor* t = optional_ptr(grad_scale)) {
-    scale_facts = facts_of(*t, nullptr);
-    call.grad_scale = &scale_facts;
-  }
-  if (const at::Tensor* t = optional_ptr(found_inf)) {
-    inf_facts = facts_of(*t, nullptr);
-    call.found_inf = &inf_facts;
-  }
+  if (lr_tensor != nullptr) call.lr_tensor = describe(*lr_tensor);
+  call.grad_scale = describe(grad_scale);
+  call.found_inf = describe(found_inf);
   call.lr = lr;
   call.beta1 = beta1;
   call.beta2 = beta2;
@@ -357,38 +274,32 @@ bool adam_in_rust(Entry entry, bool decoupled, const at::Tensor* lr_tensor,
   call.decoupled = decoupled;
   call.amsgrad = amsgrad;
   call.maximize = maximize;
-  int32_t answer;
+  TfOutputs out{};
   if (self.empty() || !self[0].is_cuda()) {
-    const TfLaunch none{-1, nullptr};
-    answer = torchfuse_rs_adam(entry, &none, &call);
-  } else {
-    const c10::DeviceGuard guard(self[0].device());
-    const TfLaunch launch = launch_for(self[0]);
-    answer = torchfuse_rs_adam(entry, &launch, &call);
+    // Rust still sees the call: it counts it and refuses lists stock would crash on.
+    return fused_by_rust(torchfuse_rs_adam, entry, TfLaunch{-1, nullptr}, call, out);
   }
-  call.error[sizeof(call.error) - 1] = '\0';
-  TORCH_CHECK(answer != kError, call.error);
-  return answer == kFused;
+  return fused_by_rust(torchfuse_rs_adam, entry, self[0], call, out);
 }
 
 void fused_adam(TORCHFUSE_ADAM_PARAMS, double lr, TORCHFUSE_ADAM_TAIL) {
-  if (!adam_in_rust(kFusedAdam, false, nullptr, TORCHFUSE_ADAM_ARGS(lr)))
+  if (!adam_in_rust(TF_ENTRY_FUSED_ADAM, false, nullptr, TORCHFUSE_ADAM_ARGS(lr)))
     at::cuda::_fused_adam_(TORCHFUSE_ADAM_ARGS(lr));
 }
 void fused_adamw(TORCHFUSE_ADAM_PARAMS, double lr, TORCHFUSE_ADAM_TAIL) {
-  if (!adam_in_rust(kFusedAdamw, true, nullptr, TORCHFUSE_ADAM_ARGS(lr)))
+  if (!adam_in_rust(TF_ENTRY_FUSED_ADAMW, true, nullptr, TORCHFUSE_ADAM_ARGS(lr)))
     at::cuda::_fused_adamw_(TORCHFUSE_ADAM_ARGS(lr));
 }
 // A CPU lr is read on the host, as stock does (its value goes to the float-lr kernel).
 void fused_adam_tensor_lr(TORCHFUSE_ADAM_PARAMS, const at::Tensor& lr, TORCHFUSE_ADAM_TAIL) {
   const bool host_lr = lr.is_cpu();
-  if (!adam_in_rust(kFusedAdamTensorLr, false, host_lr ? nullptr : &lr,
+  if (!adam_in_rust(TF_ENTRY_FUSED_ADAM_TENSOR_LR, false, host_lr ? nullptr : &lr,
                     TORCHFUSE_ADAM_ARGS(host_lr ? lr.item<double>() : 0.0)))
     at::cuda::_fused_adam_(TORCHFUSE_ADAM_ARGS(lr));
 }
 void fused_adamw_tensor_lr(TORCHFUSE_ADAM_PARAMS, const at::Tensor& lr, TORCHFUSE_ADAM_TAIL) {
   const bool host_lr = lr.is_cpu();
-  if (!adam_in_rust(kFusedAdamwTensorLr, true, host_lr ? nullptr : &lr,
+  if (!adam_in_rust(TF_ENTRY_FUSED_ADAMW_TENSOR_LR, true, host_lr ? nullptr : &lr,
                     TORCHFUSE_ADAM_ARGS(host_lr ? lr.item<double>() : 0.0)))
     at::cuda::_fused_adamw_(TORCHFUSE_ADAM_ARGS(lr));
 }
@@ -412,18 +323,20 @@ TfAttentionCall attention_call(const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& value, double dropout_p, bool is_causal,
                                std::optional<double> scale, bool has_mask,
                                bool return_debug_mask) {
-  return TfAttentionCall{&query,
-                         &key,
-                         &value,
-                         dropout_p,
-                         scale.value_or(0.0),
-                         scale.has_value(),
-                         is_causal,
-                         has_mask,
-                         query.is_nested() || key.is_nested() || value.is_nested(),
-                         return_debug_mask,
-                         default_sdp_backends(),
-                         deterministic_required()};
+  TfAttentionCall call{};
+  call.query = describe(query);
+  call.key = describe(key);
+  call.value = describe(value);
+  call.dropout_p = dropout_p;
+  call.scale = scale.value_or(0.0);
+  call.has_scale = scale.has_value();
+  call.is_causal = is_causal;
+  call.has_mask = has_mask;
+  call.nested = query.is_nested() || key.is_nested() || value.is_nested();
+  call.return_debug_mask = return_debug_mask;
+  call.default_backends = default_sdp_backends();
+  call.deterministic = deterministic_required();
+  return call;
 }
 
 int64_t sdp_choice(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -433,11 +346,13 @@ int64_t sdp_choice(const at::Tensor& query, const at::Tensor& key, const at::Ten
   const int64_t stock = at::native::_fused_sdp_choice_cuda(query, key, value, attn_mask,
                                                            dropout_p, is_causal, scale, enable_gqa);
   if (!query.is_cuda()) return stock;
-  const c10::DeviceGuard guard(query.device());
-  const TfLaunch launch = launch_for(query);
-  const TfAttentionCall call = attention_call(query, key, value, dropout_p, is_causal, scale,
-                                              optional_ptr(attn_mask) != nullptr, false);
-  return torchfuse_rs_sdp_choice(&launch, &call, stock);
+  constexpr int64_t kFlash = 1;
+  TfAttentionCall call = attention_call(query, key, value, dropout_p, is_causal, scale,
+                                        attn_mask.has_value() && attn_mask->defined(), false);
+  call.stock_choice = stock;
+  TfOutputs out{};
+  return fused_by_rust(torchfuse_rs_attention, TF_ENTRY_SDP_CHOICE, query, call, out) ? kFlash
+                                                                                      : stock;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::SymInt, c10::SymInt, at::Tensor,
@@ -446,12 +361,10 @@ flash_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor
                 double dropout_p, bool is_causal, bool return_debug_mask,
                 std::optional<double> scale) {
   if (query.is_cuda()) {
-    const c10::DeviceGuard guard(query.device());
-    const TfLaunch launch = launch_for(query);
     const TfAttentionCall call = attention_call(query, key, value, dropout_p, is_causal, scale,
                                                 false, return_debug_mask);
-    at::Tensor* out[3] = {nullptr, nullptr, nullptr};
-    if (torchfuse_rs_flash_fwd(&launch, &call, out) == kFused) {
+    TfOutputs out{};
+    if (fused_by_rust(torchfuse_rs_attention, TF_ENTRY_FLASH_ATTENTION, query, call, out)) {
       auto r = take_outputs(out);
       // The bookkeeping outputs stock's flash returns without dropout: no cumulative lengths,
       // an unused RNG state (unfilled, as ours are: see torchfuse_cxx_empty_unfilled), an
@@ -481,12 +394,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
     double dropout_p, bool is_causal, const at::Tensor& philox_seed,
     const at::Tensor& philox_offset, std::optional<double> scale) {
   if (query.is_cuda() && !cum_seq_q.defined() && !cum_seq_k.defined()) {
-    const c10::DeviceGuard guard(query.device());
-    const TfLaunch launch = launch_for(query);
-    const TfAttentionCall call =
+    TfAttentionCall call =
         attention_call(query, key, value, dropout_p, is_causal, scale, false, false);
-    at::Tensor* grads[3] = {nullptr, nullptr, nullptr};
-    if (torchfuse_rs_flash_bwd(&launch, &call, &grad_out, &out, &logsumexp, grads) == kFused) {
+    call.grad_out = describe(grad_out);
+    call.output = describe(out);
+    call.logsumexp = describe(logsumexp);
+    TfOutputs grads{};
+    if (fused_by_rust(torchfuse_rs_attention, TF_ENTRY_FLASH_ATTENTION_BACKWARD, query, call,
+                      grads)) {
       auto r = take_outputs(grads);
       return {r[0], r[1], r[2]};
     }
@@ -499,10 +414,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
 // ---------------------------------------------------------------- control ops
 
 bool control_set_enabled(c10::string_view op, bool enabled) {
-  const int32_t r = torchfuse_rs_set_enabled(op.data(), op.size(), enabled);
-  TORCH_CHECK(r >= 0, "torchfuse.set_enabled: unknown op '", std::string(op),
-              "' (valid: layer_norm, rms_norm, embedding, adam, sdpa)");
-  return r == 1;
+  TfStatus status;
+  status.code = TF_STOCK;
+  status.message[0] = '\0';
+  torchfuse_rs_set_enabled(op.data(), op.size(), enabled, &status);
+  status.message[TF_MESSAGE_BYTES - 1] = '\0';
+  TORCH_CHECK(status.code != TF_ERROR, status.message);
+  return status.code == TF_FUSED;
 }
 
 std::string control_stats() {
@@ -532,6 +450,8 @@ class WarningsToLog : public c10::WarningHandler {
   }
 };
 
+// ---------------------------------------------------------------- registration
+
 // The source location the dispatcher shows in `_dispatch_dump` for our kernels.
 constexpr const char* kRegistrationFile = "torchfuse/src/abi/shim.cpp";
 
@@ -541,83 +461,134 @@ torch::Library& aten_cuda_library() {
   return *lib;
 }
 
+// The aten op each entry overrides, in TfEntry order (the SDPA backend choice is a dispatch
+// stub, not an op).
+constexpr const char* kEntryNames[TF_ENTRY_COUNT] = {
+    "native_layer_norm",
+    "native_layer_norm_backward",
+    "_fused_rms_norm",
+    "_fused_rms_norm_backward",
+    "embedding",
+    "embedding_dense_backward",
+    "_fused_adam_",
+    "_fused_adam_.tensor_lr",
+    "_fused_adamw_",
+    "_fused_adamw_.tensor_lr",
+    "sdpa backend choice",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_backward",
+};
+
 void register_entry(uint32_t entry) {
   torch::Library& m = aten_cuda_library();
+  TORCH_CHECK(entry < TF_ENTRY_COUNT, "torchfuse: unknown entry ", entry);
+  const char* name = kEntryNames[entry];
   switch (entry) {
-    case kNativeLayerNorm: m.impl("native_layer_norm", TORCH_FN(native_layer_norm)); break;
-    case kNativeLayerNormBackward:
-      m.impl("native_layer_norm_backward", TORCH_FN(native_layer_norm_backward));
+    case TF_ENTRY_NATIVE_LAYER_NORM: m.impl(name, TORCH_FN(native_layer_norm)); break;
+    case TF_ENTRY_NATIVE_LAYER_NORM_BACKWARD:
+      m.impl(name, TORCH_FN(native_layer_norm_backward));
       break;
-    case kFusedRmsNorm: m.impl("_fused_rms_norm", TORCH_FN(fused_rms_norm)); break;
-    case kFusedRmsNormBackward:
-      m.impl("_fused_rms_norm_backward", TORCH_FN(fused_rms_norm_backward));
+    case TF_ENTRY_FUSED_RMS_NORM: m.impl(name, TORCH_FN(fused_rms_norm)); break;
+    case TF_ENTRY_FUSED_RMS_NORM_BACKWARD: m.impl(name, TORCH_FN(fused_rms_norm_backward)); break;
+    case TF_ENTRY_EMBEDDING: m.impl(name, TORCH_FN(embedding)); break;
+    case TF_ENTRY_EMBEDDING_DENSE_BACKWARD: m.impl(name, TORCH_FN(embedding_dense_backward)); break;
+    case TF_ENTRY_FUSED_ADAM: m.impl(name, TORCH_FN(fused_adam)); break;
+    case TF_ENTRY_FUSED_ADAM_TENSOR_LR: m.impl(name, TORCH_FN(fused_adam_tensor_lr)); break;
+    case TF_ENTRY_FUSED_ADAMW: m.impl(name, TORCH_FN(fused_adamw)); break;
+    case TF_ENTRY_FUSED_ADAMW_TENSOR_LR: m.impl(name, TORCH_FN(fused_adamw_tensor_lr)); break;
+    case TF_ENTRY_SDP_CHOICE:
+      at::native::_fused_sdp_choice_stub.set_cuda_dispatch_ptr(&sdp_choice);
       break;
-    case kEmbedding: m.impl("embedding", TORCH_FN(embedding)); break;
-    case kEmbeddingDenseBackward:
-      m.impl("embedding_dense_backward", TORCH_FN(embedding_dense_backward));
-      break;
-    case kFusedAdam: m.impl("_fused_adam_", TORCH_FN(fused_adam)); break;
-    case kFusedAdamTensorLr: m.impl("_fused_adam_.tensor_lr", TORCH_FN(fused_adam_tensor_lr)); break;
-    case kFusedAdamw: m.impl("_fused_adamw_", TORCH_FN(fused_adamw)); break;
-    case kFusedAdamwTensorLr:
-      m.impl("_fused_adamw_.tensor_lr", TORCH_FN(fused_adamw_tensor_lr));
-      break;
-    case kSdpChoice: at::native::_fused_sdp_choice_stub.set_cuda_dispatch_ptr(&sdp_choice); break;
-    case kFlashAttention:
-      m.impl("_scaled_dot_product_flash_attention", TORCH_FN(flash_attention));
-      break;
-    case kFlashAttentionBackward:
-      m.impl("_scaled_dot_product_flash_attention_backward", TORCH_FN(flash_attention_backward));
-      break;
+    case TF_ENTRY_FLASH_ATTENTION: m.impl(name, TORCH_FN(flash_attention)); break;
+    case TF_ENTRY_FLASH_ATTENTION_BACKWARD: m.impl(name, TORCH_FN(flash_attention_backward)); break;
     default: TORCH_CHECK(false, "torchfuse: unknown entry ", entry);
   }
 }
 
-void write_error(const std::exception& e, char* err, size_t err_len) {
-  if (err == nullptr || err_len == 0) return;
-  std::strncpy(err, e.what(), err_len - 1);
-  err[err_len - 1] = '\0';
+// Runs `body`, turning any C++ exception into TF_ERROR with its message.
+template <class Body>
+void protect(TfStatus* status, Body body) {
+  try {
+    body();
+    status->code = TF_FUSED;
+  } catch (const std::exception& e) {
+    status->code = TF_ERROR;
+    std::strncpy(status->message, e.what(), TF_MESSAGE_BYTES - 1);
+    status->message[TF_MESSAGE_BYTES - 1] = '\0';
+  }
 }
+
+// Every size and offset of torchfuse_abi.h, and the c10::ScalarType codes Rust uses, in the
+// order src/abi/types.rs lists them.
+#define TF_FIELD(type, field) static_cast<int64_t>(offsetof(type, field))
+const std::vector<int64_t>& abi_layout() {
+  static const std::vector<int64_t> layout = {
+      sizeof(TfStatus), TF_FIELD(TfStatus, message), TF_MESSAGE_BYTES,
+      TF_STOCK, TF_FUSED, TF_ERROR, TF_ENTRY_COUNT,
+      sizeof(TfLaunch), TF_FIELD(TfLaunch, stream),
+      sizeof(TfTensor), TF_FIELD(TfTensor, data), TF_FIELD(TfTensor, numel),
+      TF_FIELD(TfTensor, dtype), TF_FIELD(TfTensor, device), TF_FIELD(TfTensor, dense),
+      TF_FIELD(TfTensor, like_first),
+      sizeof(TfOutputs),
+      sizeof(TfNormCall), TF_FIELD(TfNormCall, weight), TF_FIELD(TfNormCall, bias),
+      TF_FIELD(TfNormCall, grad_out), TF_FIELD(TfNormCall, mean), TF_FIELD(TfNormCall, rstd),
+      TF_FIELD(TfNormCall, normalized_shape), TF_FIELD(TfNormCall, normalized_ndim),
+      TF_FIELD(TfNormCall, eps), TF_FIELD(TfNormCall, has_eps),
+      TF_FIELD(TfNormCall, output_mask),
+      sizeof(TfEmbeddingCall), TF_FIELD(TfEmbeddingCall, grad),
+      TF_FIELD(TfEmbeddingCall, indices), TF_FIELD(TfEmbeddingCall, num_weights),
+      TF_FIELD(TfEmbeddingCall, padding_idx), TF_FIELD(TfEmbeddingCall, scale_grad_by_freq),
+      sizeof(TfAdamCall), TF_FIELD(TfAdamCall, lens), TF_FIELD(TfAdamCall, lr_tensor),
+      TF_FIELD(TfAdamCall, grad_scale), TF_FIELD(TfAdamCall, found_inf),
+      TF_FIELD(TfAdamCall, lr), TF_FIELD(TfAdamCall, beta1), TF_FIELD(TfAdamCall, beta2),
+      TF_FIELD(TfAdamCall, weight_decay), TF_FIELD(TfAdamCall, eps),
+      TF_FIELD(TfAdamCall, decoupled), TF_FIELD(TfAdamCall, amsgrad),
+      TF_FIELD(TfAdamCall, maximize),
+      sizeof(TfAttentionCall), TF_FIELD(TfAttentionCall, key), TF_FIELD(TfAttentionCall, value),
+      TF_FIELD(TfAttentionCall, grad_out), TF_FIELD(TfAttentionCall, output),
+      TF_FIELD(TfAttentionCall, logsumexp), TF_FIELD(TfAttentionCall, dropout_p),
+      TF_FIELD(TfAttentionCall, scale), TF_FIELD(TfAttentionCall, stock_choice),
+      TF_FIELD(TfAttentionCall, has_scale), TF_FIELD(TfAttentionCall, is_causal),
+      TF_FIELD(TfAttentionCall, has_mask), TF_FIELD(TfAttentionCall, nested),
+      TF_FIELD(TfAttentionCall, return_debug_mask), TF_FIELD(TfAttentionCall, default_backends),
+      TF_FIELD(TfAttentionCall, deterministic),
+      static_cast<int64_t>(at::kByte), static_cast<int64_t>(at::kInt),
+      static_cast<int64_t>(at::kLong), static_cast<int64_t>(at::kHalf),
+      static_cast<int64_t>(at::kFloat), static_cast<int64_t>(at::kDouble),
+      static_cast<int64_t>(at::kBFloat16),
+  };
+  return layout;
+}
+#undef TF_FIELD
 
 }  // namespace
 
 extern "C" {
 
-// Registers one aten entry at the CUDA key. 0 on success; otherwise the message is in `err`.
-__attribute__((visibility("default"))) int32_t torchfuse_cxx_register(uint32_t entry, char* err,
-                                                                       size_t err_len) {
-  try {
+__attribute__((visibility("default"))) void torchfuse_cxx_register(uint32_t entry,
+                                                                    TfStatus* status) {
+  protect(status, [&] {
     WarningsToLog handler;
     c10::WarningUtils::WarningHandlerGuard guard(&handler);
     register_entry(entry);
-    return 0;
-  } catch (const std::exception& e) {
-    write_error(e, err, err_len);
-    return 1;
-  }
+  });
 }
 
-// A new CUDA tensor from PyTorch's caching allocator (current stream), left unfilled: aten's
-// `empty` also fills it when deterministic algorithms are on (fill_uninitialized_memory), a
-// whole extra write of an output the kernel overwrites anyway. Null on failure, the message in
-// `err`.
+// Unfilled: aten's `empty` also fills a new tensor when deterministic algorithms are on
+// (fill_uninitialized_memory), a whole extra write of an output the kernel overwrites anyway.
 __attribute__((visibility("default"))) void* torchfuse_cxx_empty_unfilled(
-    const int64_t* sizes, size_t ndim, int16_t scalar_type, int8_t device, char* err,
-    size_t err_len) {
-  try {
-    return new at::Tensor(at::detail::empty_cuda(c10::IntArrayRef(sizes, ndim),
-                                                 static_cast<c10::ScalarType>(scalar_type),
-                                                 c10::Device(c10::kCUDA, device), std::nullopt));
-  } catch (const std::exception& e) {
-    write_error(e, err, err_len);
-    return nullptr;
-  }
+    const int64_t* sizes, size_t ndim, int16_t scalar_type, int16_t device, TfStatus* status) {
+  at::Tensor* tensor = nullptr;
+  protect(status, [&] {
+    tensor = new at::Tensor(at::detail::empty_cuda(
+        c10::IntArrayRef(sizes, ndim), static_cast<c10::ScalarType>(scalar_type),
+        c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)), std::nullopt));
+  });
+  return tensor;
 }
 
-// Defines the `torch.ops.torchfuse` control namespace.
-__attribute__((visibility("default"))) int32_t torchfuse_cxx_define_control_ops(char* err,
-                                                                                size_t err_len) {
-  try {
+__attribute__((visibility("default"))) void torchfuse_cxx_define_control_ops(TfStatus* status) {
+  protect(status, [] {
     static torch::Library* lib =
         new torch::Library(torch::Library::DEF, "torchfuse", std::nullopt, kRegistrationFile, 0);
     lib->def("set_enabled(str op, bool enabled) -> bool", &control_set_enabled);
@@ -629,11 +600,18 @@ __attribute__((visibility("default"))) int32_t torchfuse_cxx_define_control_ops(
     lib->def("_serve_below_thresholds(bool serve) -> ()", &control_serve_below_thresholds);
     // Benchmark hook: serve the named variant's op with it ("" clears).
     lib->def("_force_variant(str name) -> ()", &control_force_variant);
-    return 0;
-  } catch (const std::exception& e) {
-    write_error(e, err, err_len);
-    return 1;
-  }
+  });
+}
+
+__attribute__((visibility("default"))) size_t torchfuse_cxx_abi_layout(int64_t* out,
+                                                                       size_t cap) {
+  const std::vector<int64_t>& layout = abi_layout();
+  for (size_t i = 0; i < layout.size() && i < cap; ++i) out[i] = layout[i];
+  return layout.size();
+}
+
+__attribute__((visibility("default"))) const char* torchfuse_cxx_entry_name(uint32_t entry) {
+  return entry < TF_ENTRY_COUNT ? kEntryNames[entry] : nullptr;
 }
 
 }  // extern "C"

@@ -1,8 +1,12 @@
 //! Tensors crossing the C++ boundary: borrowed `at::Tensor*` seen as tch tensors, and owned
 //! results handed back.
 
+use super::types::{
+    torchfuse_cxx_empty_unfilled, TfStatus, SCALAR_BFLOAT16, SCALAR_FLOAT, SCALAR_HALF, SCALAR_INT,
+    SCALAR_LONG, SCALAR_UINT8,
+};
 use crate::select::{kind_name, StockReason};
-use std::ffi::{c_char, c_void};
+use std::ffi::c_void;
 use std::mem::ManuallyDrop;
 use std::ops::Deref;
 use tch::{Device, Kind, Tensor};
@@ -37,15 +41,6 @@ pub fn describe(t: Option<&Tensor>) -> (&'static str, Vec<i64>) {
     }
 }
 
-/// `c10::ScalarType` codes.
-pub const SCALAR_UINT8: i16 = 0;
-pub const SCALAR_INT: i16 = 3;
-pub const SCALAR_LONG: i16 = 4;
-pub const SCALAR_HALF: i16 = 5;
-pub const SCALAR_FLOAT: i16 = 6;
-pub const SCALAR_DOUBLE: i16 = 7;
-pub const SCALAR_BFLOAT16: i16 = 15;
-
 /// The `c10::ScalarType` code of the kinds torchfuse allocates.
 fn scalar_type(kind: Kind) -> Option<i16> {
     match kind {
@@ -59,17 +54,6 @@ fn scalar_type(kind: Kind) -> Option<i16> {
     }
 }
 
-extern "C" {
-    fn torchfuse_cxx_empty_unfilled(
-        sizes: *const i64,
-        ndim: usize,
-        scalar_type: i16,
-        device: i8,
-        err: *mut c_char,
-        err_len: usize,
-    ) -> *mut c_void;
-}
-
 /// A new uninitialised tensor from PyTorch's allocator (on its current stream). On a GPU it is
 /// never filled: with deterministic algorithms on, aten's `empty` writes every byte of it first
 /// (torch.utils.deterministic.fill_uninitialized_memory), and every tensor torchfuse allocates
@@ -78,24 +62,15 @@ pub fn empty(shape: &[i64], kind: Kind, device: Device) -> Result<Tensor, StockR
     let (Device::Cuda(index), Some(scalar_type)) = (device, scalar_type(kind)) else {
         return Tensor::f_empty(shape, (kind, device)).map_err(|_| StockReason::InternalError);
     };
-    let index = i8::try_from(index).map_err(|_| StockReason::InvalidInput)?;
-    let mut err = [0 as c_char; 256];
-    // SAFETY: `shape` is valid for its length; `err` is writable for its length. The result
-    // is null or a new `at::Tensor` this function owns.
+    let index = i16::try_from(index).map_err(|_| StockReason::InvalidInput)?;
+    let mut status = TfStatus::new();
+    // SAFETY: `shape` is valid for its length; `status` is writable. The result is null or a
+    // new `at::Tensor` this function owns.
     let ptr = unsafe {
-        torchfuse_cxx_empty_unfilled(
-            shape.as_ptr(),
-            shape.len(),
-            scalar_type,
-            index,
-            err.as_mut_ptr(),
-            err.len(),
-        )
+        torchfuse_cxx_empty_unfilled(shape.as_ptr(), shape.len(), scalar_type, index, &mut status)
     };
     if ptr.is_null() {
-        // SAFETY: the C++ side wrote a NUL-terminated message (or left the zeroed buffer).
-        let message = unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) };
-        tracing::debug!("allocation failed: {}", message.to_string_lossy());
+        tracing::debug!("allocation failed: {}", status.message());
         return Err(StockReason::InternalError);
     }
     // SAFETY: a new, owned `at::Tensor*`, the pointer type tch's tensors wrap and free.

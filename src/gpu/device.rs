@@ -6,13 +6,8 @@ use once_cell::sync::Lazy;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-/// Where a call runs: PyTorch's device index and current stream (`TfLaunch` in torchfuse_abi.h).
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct Launch {
-    pub device: i32,
-    pub stream: *mut std::ffi::c_void,
-}
+/// Where a call runs: PyTorch's device index and current stream (`TfLaunch`).
+pub use crate::abi::types::TfLaunch as Launch;
 
 /// A GPU as torchfuse uses it: PyTorch's primary context and the SM version.
 pub struct Device {

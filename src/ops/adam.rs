@@ -1,38 +1,22 @@
 //! Adam and AdamW (`_fused_adam_`, `_fused_adamw_`, float and tensor lr): one multi-tensor
 //! step through kernels/adam.cu, or why stock runs a call.
 //!
-//! The C++ glue describes every tensor of the lists in a `TensorFacts` (pointer, size, dtype,
+//! The C++ glue describes every tensor of the lists in a `TfTensor` (pointer, size, dtype,
 //! device, layout), so per-tensor work here is plain memory reads, not calls into libtorch.
 //! Calls stock would reject go to stock, so the user gets stock's error.
 
-use super::{KernelOp, Request, Selected, Variant};
-use crate::abi::tensor::{SCALAR_BFLOAT16, SCALAR_DOUBLE, SCALAR_FLOAT, SCALAR_HALF};
+use super::{Family, KernelOp, Request, Selected, Served, Variant};
+use crate::abi::types::{
+    TfAdamCall, TfTensor, SCALAR_BFLOAT16, SCALAR_DOUBLE, SCALAR_FLOAT, SCALAR_HALF,
+};
 use crate::gpu::Launch;
+use crate::runtime::Entry;
 use crate::select::{DType, StockReason};
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
-use std::ffi::c_void;
 
 /// Tensors one launch carries in its parameter space (`TF_ADAM_MAX_TENSORS` in the kernel).
 /// 56 + 64 * 500 bytes fits the 32 KB parameter limit of CUDA 12.1+ on sm_70 and later.
 pub const MAX_TENSORS_PER_LAUNCH: usize = 500;
-
-/// One tensor as shim.cpp describes it (`TfTensorFacts`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct TensorFacts {
-    pub data: *mut c_void,
-    pub numel: i64,
-    /// `c10::ScalarType`.
-    pub dtype: i16,
-    /// CUDA device index; -1 for a tensor not on a CUDA device.
-    pub device: i16,
-    /// Strided, non-overlapping and dense.
-    pub dense: u8,
-    /// Same sizes as the param at its index, and the same strides on every dim of size > 1
-    /// (stock's rule: the element order in memory is then the same).
-    pub like_param: u8,
-    pub unused: [u8; 2],
-}
 
 pub fn dtype_from_scalar_type(code: i16) -> Option<DType> {
     match code {
@@ -51,36 +35,13 @@ pub fn scalar_type_name(code: i16) -> &'static str {
     }
 }
 
-/// The call as shim.cpp passes it (`TfAdamCall`).
-#[repr(C)]
-pub struct AdamCallC {
-    /// params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps.
-    pub lists: [*const TensorFacts; 6],
-    pub lens: [usize; 6],
-    /// The `.tensor_lr` overloads' lr on the device; null: `lr` holds the value.
-    pub lr_tensor: *const TensorFacts,
-    pub grad_scale: *const TensorFacts,
-    pub found_inf: *const TensorFacts,
-    pub lr: f64,
-    pub beta1: f64,
-    pub beta2: f64,
-    pub weight_decay: f64,
-    pub eps: f64,
-    /// AdamW (`_fused_adamw_`): decay the param, not the gradient.
-    pub decoupled: bool,
-    pub amsgrad: bool,
-    pub maximize: bool,
-    /// Written (NUL-terminated) when the call is refused as bad input.
-    pub error: [u8; 512],
-}
-
 /// Lists of different lengths: stock's kernel indexes every list by the params' positions
 /// and reads past the shorter one (a crash, verified on the H100), so this is refused with an
 /// error instead. Only the lists stock reads count (max_exp_avg_sqs under amsgrad).
-pub fn list_length_error(c: &AdamCallC, op: &str) -> Option<String> {
+fn list_length_error(c: &TfAdamCall, op: &str) -> Option<String> {
     let mut names = vec!["params", "grads", "exp_avgs", "exp_avg_sqs"];
     let mut lens = vec![c.lens[0], c.lens[1], c.lens[2], c.lens[3]];
-    if c.amsgrad {
+    if c.amsgrad != 0 {
         names.push("max_exp_avg_sqs");
         lens.push(c.lens[4]);
     }
@@ -98,25 +59,25 @@ pub fn list_length_error(c: &AdamCallC, op: &str) -> Option<String> {
 }
 
 /// The call's tensor lists, borrowed from the C++ frame.
-pub struct AdamCall<'a> {
-    pub params: &'a [TensorFacts],
-    pub grads: &'a [TensorFacts],
-    pub exp_avgs: &'a [TensorFacts],
-    pub exp_avg_sqs: &'a [TensorFacts],
-    pub max_exp_avg_sqs: &'a [TensorFacts],
-    pub steps: &'a [TensorFacts],
-    pub lr_tensor: Option<&'a TensorFacts>,
-    pub grad_scale: Option<&'a TensorFacts>,
-    pub found_inf: Option<&'a TensorFacts>,
-    pub c: &'a AdamCallC,
+struct AdamCall<'a> {
+    pub params: &'a [TfTensor],
+    pub grads: &'a [TfTensor],
+    pub exp_avgs: &'a [TfTensor],
+    pub exp_avg_sqs: &'a [TfTensor],
+    pub max_exp_avg_sqs: &'a [TfTensor],
+    pub steps: &'a [TfTensor],
+    pub lr_tensor: Option<&'a TfTensor>,
+    pub grad_scale: Option<&'a TfTensor>,
+    pub found_inf: Option<&'a TfTensor>,
+    pub c: &'a TfAdamCall,
 }
 
 impl<'a> AdamCall<'a> {
     /// # Safety
-    /// Every non-null pointer of `c` points to as many `TensorFacts` as its length says, alive
+    /// Every non-null pointer of `c` points to as many `TfTensor` as its length says, alive
     /// for `'a`.
-    pub unsafe fn from_c(c: &'a AdamCallC) -> AdamCall<'a> {
-        let list = |i: usize| -> &'a [TensorFacts] {
+    pub unsafe fn from_c(c: &'a TfAdamCall) -> AdamCall<'a> {
+        let list = |i: usize| -> &'a [TfTensor] {
             if c.lists[i].is_null() || c.lens[i] == 0 {
                 &[]
             } else {
@@ -130,9 +91,9 @@ impl<'a> AdamCall<'a> {
             exp_avg_sqs: list(3),
             max_exp_avg_sqs: list(4),
             steps: list(5),
-            lr_tensor: c.lr_tensor.as_ref(),
-            grad_scale: c.grad_scale.as_ref(),
-            found_inf: c.found_inf.as_ref(),
+            lr_tensor: c.lr_tensor.present().then_some(&c.lr_tensor),
+            grad_scale: c.grad_scale.present().then_some(&c.grad_scale),
+            found_inf: c.found_inf.present().then_some(&c.found_inf),
             c,
         }
     }
@@ -151,7 +112,7 @@ impl<'a> AdamCall<'a> {
 const PARAMS: [&str; 4] = ["THREADS", "UNROLL", "MIN_BLOCKS", "STREAMING"];
 
 /// Compile-time parameters every Adam variant sets, and their limits.
-pub fn validate_variant(v: &Variant) -> Result<(), String> {
+fn validate_variant(v: &Variant) -> Result<(), String> {
     if let Some(unknown) = v.params.keys().find(|k| !PARAMS.contains(&k.as_str())) {
         return Err(format!("{}: unknown param {unknown}", v.name));
     }
@@ -188,17 +149,61 @@ const FLAG_MAXIMIZE: u32 = 4;
 /// parameters at launch).
 const STEP_KERNEL: &str = "adam_step";
 const STEP_SMALL_KERNEL: &str = "adam_step_small";
-pub const KERNELS: &[&str] = &[STEP_KERNEL, STEP_SMALL_KERNEL];
 
-/// The constants kernels/adam.cu shares with this file (it `#error`s without them).
-pub fn defines() -> Vec<String> {
-    vec![
-        format!("-DTF_ADAM_MAX_TENSORS={MAX_TENSORS_PER_LAUNCH}"),
-        format!("-DTF_ADAM_SMALL_TENSORS={SMALL_TENSORS_PER_LAUNCH}"),
-        format!("-DTF_ADAM_DECOUPLED={FLAG_DECOUPLED}u"),
-        format!("-DTF_ADAM_AMSGRAD={FLAG_AMSGRAD}u"),
-        format!("-DTF_ADAM_MAXIMIZE={FLAG_MAXIMIZE}u"),
-    ]
+/// `_fused_adam_` / `_fused_adamw_` (either lr overload): updates the params and moments in
+/// place, no outputs.
+pub struct Adam;
+
+impl Family for Adam {
+    type Call = TfAdamCall;
+
+    fn serves(entry: Entry) -> bool {
+        matches!(
+            entry,
+            Entry::FusedAdam
+                | Entry::FusedAdamTensorLr
+                | Entry::FusedAdamw
+                | Entry::FusedAdamwTensorLr
+        )
+    }
+
+    /// The params' dtype, and [tensors, elements].
+    unsafe fn describe(_entry: Entry, call: &TfAdamCall) -> Option<(&'static str, Vec<i64>)> {
+        Some(AdamCall::from_c(call).describe())
+    }
+
+    unsafe fn refuse(entry: Entry, call: &TfAdamCall) -> Option<String> {
+        list_length_error(call, entry.aten_name())
+    }
+
+    unsafe fn serve(
+        _entry: Entry,
+        launch: Launch,
+        call: &TfAdamCall,
+        _shape: &[i64],
+    ) -> Result<Served, StockReason> {
+        let kernel = step(launch, &AdamCall::from_c(call))?;
+        Ok(Served::new(kernel, [None, None, None]))
+    }
+
+    fn kernels(_op: KernelOp) -> &'static [&'static str] {
+        &[STEP_KERNEL, STEP_SMALL_KERNEL]
+    }
+
+    /// The constants kernels/adam.cu shares with this file.
+    fn defines(_op: KernelOp) -> Vec<String> {
+        vec![
+            format!("-DTF_ADAM_MAX_TENSORS={MAX_TENSORS_PER_LAUNCH}"),
+            format!("-DTF_ADAM_SMALL_TENSORS={SMALL_TENSORS_PER_LAUNCH}"),
+            format!("-DTF_ADAM_DECOUPLED={FLAG_DECOUPLED}u"),
+            format!("-DTF_ADAM_AMSGRAD={FLAG_AMSGRAD}u"),
+            format!("-DTF_ADAM_MAXIMIZE={FLAG_MAXIMIZE}u"),
+        ]
+    }
+
+    fn validate(v: &Variant) -> Result<(), String> {
+        validate_variant(v)
+    }
 }
 
 /// `AdamTensor` in kernels/adam.cu.
@@ -283,12 +288,12 @@ thread_local! {
 }
 
 /// Same CUDA device as the params, and a 16-bit index that fits.
-fn on_device(t: &TensorFacts, device: i32) -> bool {
+fn on_device(t: &TfTensor, device: i32) -> bool {
     t.device >= 0 && i32::from(t.device) == device
 }
 
 /// A one-element (at least) fp32 tensor on `device`: what stock reads through a `float*`.
-fn float_scalar_on(t: &TensorFacts, device: i32) -> bool {
+fn float_scalar_on(t: &TfTensor, device: i32) -> bool {
     on_device(t, device) && t.dtype == SCALAR_FLOAT && t.numel >= 1 && !t.data.is_null()
 }
 
@@ -300,15 +305,15 @@ fn check(call: &AdamCall, launch: Launch) -> Result<DType, StockReason> {
     let first = call.params.first().ok_or(StockReason::EmptyInput)?;
     let dtype = dtype_from_scalar_type(first.dtype).ok_or(StockReason::UnsupportedDtype)?;
     let mut lists = vec![call.params, call.grads, call.exp_avgs, call.exp_avg_sqs];
-    if call.c.amsgrad {
+    if call.c.amsgrad != 0 {
         lists.push(call.max_exp_avg_sqs);
     }
     if lists.iter().any(|l| l.len() != n) || call.steps.len() != n {
         return Err(StockReason::InvalidInput);
     }
     let device = launch.device;
-    let like_first = |t: &TensorFacts| {
-        t.dtype == first.dtype && on_device(t, device) && t.dense == 1 && t.like_param == 1
+    let like_first = |t: &TfTensor| {
+        t.dtype == first.dtype && on_device(t, device) && t.dense == 1 && t.like_first == 1
     };
     if !lists.iter().all(|l| l.iter().all(like_first)) {
         return Err(StockReason::InvalidInput);
@@ -333,7 +338,7 @@ fn unit_elements(v: &Variant, dtype: DType) -> i64 {
 }
 
 /// Runs the step with a fused kernel when the registry has one; Ok: the kernel's name.
-pub fn step(launch: Launch, call: &AdamCall) -> Result<&'static str, StockReason> {
+fn step(launch: Launch, call: &AdamCall) -> Result<&'static str, StockReason> {
     let dtype = check(call, launch)?;
     let elements: i64 = call.params.iter().map(|p| p.numel).sum();
     let Selected {
@@ -357,16 +362,16 @@ pub fn step(launch: Launch, call: &AdamCall) -> Result<&'static str, StockReason
 
     let c = call.c;
     let mut flags = 0;
-    if c.decoupled {
+    if c.decoupled != 0 {
         flags |= FLAG_DECOUPLED;
     }
-    if c.amsgrad {
+    if c.amsgrad != 0 {
         flags |= FLAG_AMSGRAD;
     }
-    if c.maximize {
+    if c.maximize != 0 {
         flags |= FLAG_MAXIMIZE;
     }
-    let addr = |t: Option<&TensorFacts>| t.map_or(0, |t| t.data as u64);
+    let addr = |t: Option<&TfTensor>| t.map_or(0, |t| t.data as u64);
     let scalars = StepScalars {
         // Stock casts every hyperparameter to fp32 (its math type) the same way.
         lr: c.lr as f32,
@@ -442,7 +447,7 @@ fn plan_launches(call: &AdamCall, unit: i64) -> Result<(Vec<AdamTensor>, Vec<Bat
             grad: call.grads[i].data as u64,
             exp_avg: call.exp_avgs[i].data as u64,
             exp_avg_sq: call.exp_avg_sqs[i].data as u64,
-            max_exp_avg_sq: if call.c.amsgrad {
+            max_exp_avg_sq: if call.c.amsgrad != 0 {
                 call.max_exp_avg_sqs[i].data as u64
             } else {
                 0
@@ -481,27 +486,42 @@ fn launch_or_explain(result: Result<(), StockReason>, earlier: usize) -> Result<
 mod tests {
     use super::*;
 
-    fn facts(numel: i64, dtype: i16, device: i16, addr: usize) -> TensorFacts {
-        TensorFacts {
-            data: addr as *mut c_void,
+    fn absent() -> TfTensor {
+        TfTensor {
+            handle: std::ptr::null(),
+            data: std::ptr::null_mut(),
+            numel: 0,
+            dtype: 0,
+            device: 0,
+            dense: 0,
+            like_first: 0,
+            unused: [0; 2],
+        }
+    }
+
+    /// A present tensor (the handle only needs to be non-null: these tests read facts only).
+    fn facts(numel: i64, dtype: i16, device: i16, addr: usize) -> TfTensor {
+        TfTensor {
+            handle: std::ptr::NonNull::<u8>::dangling().as_ptr().cast(),
+            data: addr as *mut std::ffi::c_void,
             numel,
             dtype,
             device,
             dense: 1,
-            like_param: 1,
+            like_first: 1,
             unused: [0; 2],
         }
     }
 
     /// Owns the fact lists a test call borrows.
     struct Lists {
-        lists: [Vec<TensorFacts>; 6],
-        c: AdamCallC,
+        lists: [Vec<TfTensor>; 6],
+        c: TfAdamCall,
     }
 
     impl Lists {
         fn new(numels: &[i64], dtype: i16) -> Lists {
-            let list = |base: usize| -> Vec<TensorFacts> {
+            let list = |base: usize| -> Vec<TfTensor> {
                 numels
                     .iter()
                     .enumerate()
@@ -522,21 +542,21 @@ mod tests {
                     list(0x5000_0000),
                     steps,
                 ],
-                c: AdamCallC {
+                c: TfAdamCall {
                     lists: [std::ptr::null(); 6],
                     lens: [0; 6],
-                    lr_tensor: std::ptr::null(),
-                    grad_scale: std::ptr::null(),
-                    found_inf: std::ptr::null(),
+                    lr_tensor: absent(),
+                    grad_scale: absent(),
+                    found_inf: absent(),
                     lr: 1e-3,
                     beta1: 0.9,
                     beta2: 0.999,
                     weight_decay: 0.0,
                     eps: 1e-8,
-                    decoupled: true,
-                    amsgrad: false,
-                    maximize: false,
-                    error: [0; 512],
+                    decoupled: 1,
+                    amsgrad: 0,
+                    maximize: 0,
+                    unused: [0; 5],
                 },
             }
         }
@@ -580,7 +600,7 @@ mod tests {
             ("grad on the CPU", |l| l.lists[1][0].device = -1),
             ("param on another GPU", |l| l.lists[0][2].device = 1),
             ("strided moment", |l| l.lists[3][0].dense = 0),
-            ("grad of another shape", |l| l.lists[1][2].like_param = 0),
+            ("grad of another shape", |l| l.lists[1][2].like_first = 0),
             ("f64 step count", |l| l.lists[5][0].dtype = SCALAR_DOUBLE),
             ("step count on the CPU", |l| l.lists[5][1].device = -1),
         ];
@@ -597,16 +617,16 @@ mod tests {
         let mut l = Lists::new(&[10, 7], SCALAR_FLOAT);
         l.lists[4][0].dtype = SCALAR_HALF;
         assert_eq!(check(&l.call(), CUDA0), Ok(DType::F32));
-        l.c.amsgrad = true;
+        l.c.amsgrad = 1;
         assert_eq!(check(&l.call(), CUDA0), Err(StockReason::InvalidInput));
         // GradScaler's tensors and a device lr: fp32 on the params' device.
         let mut l = Lists::new(&[10], SCALAR_FLOAT);
         let scale = facts(1, SCALAR_DOUBLE, 0, 0x7000_0000);
-        l.c.grad_scale = &scale;
+        l.c.grad_scale = scale;
         assert_eq!(check(&l.call(), CUDA0), Err(StockReason::InvalidInput));
         let lr = facts(1, SCALAR_FLOAT, 0, 0x7100_0000);
-        l.c.grad_scale = std::ptr::null();
-        l.c.lr_tensor = &lr;
+        l.c.grad_scale = absent();
+        l.c.lr_tensor = lr;
         assert_eq!(check(&l.call(), CUDA0), Ok(DType::F32));
     }
 
@@ -622,7 +642,7 @@ mod tests {
         l.lists[4].clear();
         let _ = l.call();
         assert_eq!(list_length_error(&l.c, "_fused_adam_"), None);
-        l.c.amsgrad = true;
+        l.c.amsgrad = 1;
         assert!(list_length_error(&l.c, "_fused_adam_").is_some());
     }
 

@@ -7,32 +7,14 @@
 //! logsumexp [B, H, Lq] in natural log), so a forward of ours and a backward of stock's (or the
 //! reverse, after a fallback) still fit together.
 
-use super::{KernelOp, Request, Selected, Variant};
-use crate::abi::tensor::{aligned16, borrow, device_addr, empty};
+use super::{Family, KernelOp, Request, Selected, Served, Variant};
+use crate::abi::tensor::{aligned16, device_addr, empty, Borrowed};
+use crate::abi::types::TfAttentionCall;
 use crate::gpu::Launch;
+use crate::runtime::Entry;
 use crate::select::{dtype_of, DType, StockReason};
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
-use std::ffi::c_void;
 use tch::{Device, Kind, Tensor};
-
-/// `TfAttentionCall` in shim.cpp.
-#[repr(C)]
-pub struct AttentionCallC {
-    pub query: *const c_void,
-    pub key: *const c_void,
-    pub value: *const c_void,
-    pub dropout_p: f64,
-    pub scale: f64,
-    pub has_scale: bool,
-    pub is_causal: bool,
-    pub has_mask: bool,
-    pub nested: bool,
-    pub return_debug_mask: bool,
-    pub default_backends: bool,
-    /// Deterministic algorithms are required (not warn-only): stock's default is then
-    /// FlashAttention-2 with its deterministic backward, not cuDNN.
-    pub deterministic: bool,
-}
 
 /// Strides (elements) of a [B, H, L, D] operand for the kernels (`Strides` in attention.cu).
 #[repr(C)]
@@ -101,7 +83,7 @@ const PARAMS: [(&str, &[i64]); 16] = [
 /// The kernel's defaults for parameters a variant leaves out (HEAD_DIM is required).
 const DEFAULTS: [i64; 16] = [0, 4, 64, 4, 64, 64, 1, 1, 1, 1, 0, 2, 0, 0, 0, 0];
 
-pub fn validate_variant(v: &Variant) -> Result<(), String> {
+fn validate_variant(v: &Variant) -> Result<(), String> {
     if let Some(unknown) = v
         .params
         .keys()
@@ -359,24 +341,76 @@ impl BackwardInputs {
 const DKDV_WG_KEYS: i64 = 128;
 const DQ_WG_ROWS: i64 = 128;
 
-/// The constants kernels/attention.cu shares with this file (it `#error`s without them).
-pub fn defines() -> Vec<String> {
-    vec![
-        format!("-DTF_ATTN_DKDV_WG_KEYS={DKDV_WG_KEYS}"),
-        format!("-DTF_ATTN_DQ_WG_ROWS={DQ_WG_ROWS}"),
-    ]
-}
-
 /// The kernels of kernels/attention.cu, by name: the forward; the backward's row sums of
 /// dO * O (delta), dK/dV, and dQ.
 const FWD: &str = "attn_fwd";
 const PREP: &str = "attn_bwd_prep";
 const DKDV: &str = "attn_bwd_dkdv";
 const DQ: &str = "attn_bwd_dq";
-pub const KERNELS: &[&str] = &[FWD, PREP, DKDV, DQ];
+
+/// scaled_dot_product_attention through the flash backend: the backend choice (flash when
+/// torchfuse serves the call), `_scaled_dot_product_flash_attention` (out: output,
+/// logsumexp) and its backward (out: dq, dk, dv). One `plan` decides all three.
+pub struct Attention;
+
+impl Family for Attention {
+    type Call = TfAttentionCall;
+
+    fn serves(entry: Entry) -> bool {
+        matches!(
+            entry,
+            Entry::SdpChoice | Entry::FlashAttention | Entry::FlashAttentionBackward
+        )
+    }
+
+    /// q's dtype and shape.
+    unsafe fn describe(_entry: Entry, call: &TfAttentionCall) -> Option<(&'static str, Vec<i64>)> {
+        let q = call.query.borrow()?;
+        Some(crate::abi::tensor::describe(Some(&q)))
+    }
+
+    unsafe fn serve(
+        entry: Entry,
+        launch: Launch,
+        call: &TfAttentionCall,
+        _shape: &[i64],
+    ) -> Result<Served, StockReason> {
+        // Only a fused backend of stock's (1 flash, 2 efficient, 3 cuDNN) is replaced: an
+        // error (-1) or a math fallback (0) stays stock's.
+        if entry == Entry::SdpChoice && !(1..=3).contains(&call.stock_choice) {
+            return Err(StockReason::AttentionFeature);
+        }
+        let plan = plan(launch, call)?;
+        let outputs = match entry {
+            Entry::FlashAttention => {
+                let (output, lse) = plan.forward(launch, call)?;
+                [Some(output), Some(lse), None]
+            }
+            Entry::FlashAttentionBackward => plan.backward(launch, call)?.map(Some),
+            _ => [None, None, None],
+        };
+        Ok(Served::new(plan.kernel(), outputs))
+    }
+
+    fn kernels(_op: KernelOp) -> &'static [&'static str] {
+        &[FWD, PREP, DKDV, DQ]
+    }
+
+    /// The constants kernels/attention.cu shares with this file.
+    fn defines(_op: KernelOp) -> Vec<String> {
+        vec![
+            format!("-DTF_ATTN_DKDV_WG_KEYS={DKDV_WG_KEYS}"),
+            format!("-DTF_ATTN_DQ_WG_ROWS={DQ_WG_ROWS}"),
+        ]
+    }
+
+    fn validate(v: &Variant) -> Result<(), String> {
+        validate_variant(v)
+    }
+}
 
 /// A call torchfuse serves, with everything the launches need.
-pub struct Plan {
+struct Plan {
     selected: Selected,
     shapes: Shapes,
     kind: Kind,
@@ -391,35 +425,26 @@ pub struct Plan {
 }
 
 impl Plan {
-    pub fn kernel(&self) -> &'static str {
+    fn kernel(&self) -> &'static str {
         self.selected.variant.name.as_str()
     }
 }
 
 /// The call's q, k, v as borrowed tensors.
 struct Operands {
-    q: crate::abi::tensor::Borrowed,
-    k: crate::abi::tensor::Borrowed,
-    v: crate::abi::tensor::Borrowed,
+    q: Borrowed,
+    k: Borrowed,
+    v: Borrowed,
 }
 
 /// # Safety
 /// The call's tensor pointers are valid `at::Tensor`s.
-unsafe fn operands(call: &AttentionCallC) -> Option<Operands> {
+unsafe fn operands(call: &TfAttentionCall) -> Option<Operands> {
     Some(Operands {
-        q: borrow(call.query)?,
-        k: borrow(call.key)?,
-        v: borrow(call.value)?,
+        q: call.query.borrow()?,
+        k: call.key.borrow()?,
+        v: call.value.borrow()?,
     })
-}
-
-/// dtype name and q's shape, for logs and stats.
-///
-/// # Safety
-/// As `operands`.
-pub unsafe fn describe(call: &AttentionCallC) -> Option<(&'static str, Vec<i64>)> {
-    let q = borrow(call.query)?;
-    Some(crate::abi::tensor::describe(Some(&q)))
 }
 
 /// Last dimension contiguous, 16-byte aligned rows, and a 16-byte aligned start.
@@ -433,11 +458,15 @@ fn kernel_layout(t: &Tensor) -> bool {
 ///
 /// # Safety
 /// As `operands`.
-pub unsafe fn plan(launch: Launch, call: &AttentionCallC) -> Result<Plan, StockReason> {
-    if !call.default_backends {
+unsafe fn plan(launch: Launch, call: &TfAttentionCall) -> Result<Plan, StockReason> {
+    if call.default_backends == 0 {
         return Err(StockReason::UserBackendChoice);
     }
-    if call.has_mask || call.dropout_p != 0.0 || call.return_debug_mask || call.nested {
+    if call.has_mask != 0
+        || call.dropout_p != 0.0
+        || call.return_debug_mask != 0
+        || call.nested != 0
+    {
         return Err(StockReason::AttentionFeature);
     }
     let ops = operands(call).ok_or(StockReason::InvalidInput)?;
@@ -470,12 +499,13 @@ pub unsafe fn plan(launch: Launch, call: &AttentionCallC) -> Result<Plan, StockR
         return Err(StockReason::InvalidInput);
     }
     // Top-left causal masks are only the flash backend's when the lengths agree.
-    if call.is_causal && lq != lk {
+    let causal = call.is_causal != 0;
+    if causal && lq != lk {
         return Err(StockReason::NoVariantForShape);
     }
     // Grid dimensions and 32-bit row indices in the kernels. A causal grid has its tiles in
     // its third dimension (at most 65535), tiles of at least MIN_TILE_ROWS rows.
-    let max_len = if call.is_causal {
+    let max_len = if causal {
         65_535 * MIN_TILE_ROWS
     } else {
         i64::from(i32::MAX) / 2
@@ -486,7 +516,7 @@ pub unsafe fn plan(launch: Launch, call: &AttentionCallC) -> Result<Plan, StockR
     if ![q, k, v].iter().all(|t| kernel_layout(t)) {
         return Err(StockReason::NoVariantForShape);
     }
-    let scale = if call.has_scale {
+    let scale = if call.has_scale != 0 {
         call.scale
     } else {
         1.0 / (*d as f64).sqrt()
@@ -499,7 +529,7 @@ pub unsafe fn plan(launch: Launch, call: &AttentionCallC) -> Result<Plan, StockR
     if scale < 0.0 {
         return Err(StockReason::AttentionFeature);
     }
-    let op = if call.is_causal {
+    let op = if causal {
         KernelOp::AttentionCausal
     } else {
         KernelOp::AttentionFull
@@ -510,7 +540,7 @@ pub unsafe fn plan(launch: Launch, call: &AttentionCallC) -> Result<Plan, StockR
         hidden: *d,
         rows: score_elements(*b, *h, *lq, *lk),
         sm,
-        deterministic: call.deterministic,
+        deterministic: call.deterministic != 0,
     })?;
     let shapes = Shapes::of(selected.variant);
     Ok(Plan {
@@ -524,7 +554,7 @@ pub unsafe fn plan(launch: Launch, call: &AttentionCallC) -> Result<Plan, StockR
         lq: *lq,
         lk: *lk,
         scale,
-        causal: call.is_causal,
+        causal,
     })
 }
 
@@ -576,7 +606,7 @@ fn tma_map(t: &Tensor, kind: Kind, box_rows: u32) -> Result<TmaMap, StockReason>
             map.as_mut_ptr(),
             element,
             4,
-            device_addr(t) as *mut c_void,
+            device_addr(t) as *mut std::ffi::c_void,
             dims.as_ptr(),
             strides.as_ptr(),
             boxes.as_ptr(),
@@ -684,10 +714,10 @@ impl Plan {
     ///
     /// # Safety
     /// `call` is the call this plan was made for.
-    pub unsafe fn forward(
+    unsafe fn forward(
         &self,
         launch: Launch,
-        call: &AttentionCallC,
+        call: &TfAttentionCall,
     ) -> Result<(Tensor, Tensor), StockReason> {
         let ops = operands(call).ok_or(StockReason::InvalidInput)?;
         let (q, k, v) = (&*ops.q, &*ops.k, &*ops.v);
@@ -762,19 +792,19 @@ impl Plan {
     /// dq, dk, dv in the layouts stock's flash backward returns.
     ///
     /// # Safety
-    /// As `forward`; `grad_out`, `output`, `lse` are valid `at::Tensor`s.
-    pub unsafe fn backward(
+    /// As `forward`; the call's `grad_out`, `output` and `logsumexp` are present.
+    unsafe fn backward(
         &self,
         launch: Launch,
-        call: &AttentionCallC,
-        grad_out: *const c_void,
-        output: *const c_void,
-        lse: *const c_void,
+        call: &TfAttentionCall,
     ) -> Result<[Tensor; 3], StockReason> {
         let ops = operands(call).ok_or(StockReason::InvalidInput)?;
         let (q, k, v) = (&*ops.q, &*ops.k, &*ops.v);
-        let (Some(dout), Some(out), Some(lse)) = (borrow(grad_out), borrow(output), borrow(lse))
-        else {
+        let (Some(dout), Some(out), Some(lse)) = (
+            call.grad_out.borrow(),
+            call.output.borrow(),
+            call.logsumexp.borrow(),
+        ) else {
             return Err(StockReason::InvalidInput);
         };
         let q_shape = q.size();

@@ -3,10 +3,12 @@
 //! the user gets stock's error; out-of-range indices stop our kernels with a device-side
 //! assert, as they stop stock's.
 
-use super::{KernelOp, Request, Selected, Variant};
+use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, device_addr, empty};
+use crate::abi::types::TfEmbeddingCall;
 use crate::gpu::{self, Launch};
-use crate::select::{dtype_of, StockReason};
+use crate::runtime::Entry;
+use crate::select::{dtype_of, kind_name, StockReason};
 use cudarc::driver::{DriverError, LaunchConfig, PushKernelArg};
 use tch::{Device, Kind, Tensor};
 
@@ -70,13 +72,6 @@ const SHARED: [(&str, i64); 15] = [
     ("MARK_ITEMS", MARK_ITEMS),
 ];
 
-pub fn defines() -> Vec<String> {
-    SHARED
-        .iter()
-        .map(|(name, value)| format!("-DTF_EMB_{name}={value}"))
-        .collect()
-}
-
 /// The kernels of kernels/embedding.cu, by name. The forward's gather; the backward's launch
 /// sort (count, scatter), one-cluster sort and its row bitmap, the reduction of sorted chunks
 /// and its finish, and the zero rows (a fill beside the cluster sort, by bitmap word beside
@@ -90,8 +85,7 @@ const ZERO_ROWS_FILL: &str = "emb_zero_rows";
 const CLUSTER_SORT: &str = "emb_sort_cluster";
 const MARK_ROWS: &str = "emb_mark_rows";
 const ZERO_ROWS_BY_WORD: &str = "emb_zero_rows_by_word";
-pub const FWD_KERNELS: &[&str] = &[FWD_KERNEL];
-pub const BWD_KERNELS: &[&str] = &[
+const BWD_KERNELS: &[&str] = &[
     SORT_COUNT,
     SORT_SCATTER,
     REDUCE,
@@ -111,8 +105,82 @@ const ZERO_BLOCKS_PER_SM: u32 = 4;
 const ZERO_ITEMS_PER_BLOCK: i64 = 8;
 const ZERO_SLICE: i64 = 128;
 
+/// `embedding` (out: the gathered rows, shape indices + [D]) and `embedding_dense_backward`
+/// (out: grad_weight [num_weights, D]).
+pub struct Embedding;
+
+impl Family for Embedding {
+    type Call = TfEmbeddingCall;
+
+    fn serves(entry: Entry) -> bool {
+        matches!(entry, Entry::Embedding | Entry::EmbeddingDenseBackward)
+    }
+
+    /// The table's (grad's) dtype; forward: indices' shape + [D], backward: grad's shape.
+    unsafe fn describe(entry: Entry, call: &TfEmbeddingCall) -> Option<(&'static str, Vec<i64>)> {
+        let indices = call.indices.borrow()?;
+        if entry == Entry::Embedding {
+            let weight = call.weight.borrow()?;
+            let mut shape = indices.size();
+            shape.extend(weight.size().get(1));
+            Some((kind_name(weight.f_kind().ok()), shape))
+        } else {
+            let grad = call.grad.borrow()?;
+            Some((kind_name(grad.f_kind().ok()), grad.size()))
+        }
+    }
+
+    unsafe fn serve(
+        entry: Entry,
+        launch: Launch,
+        call: &TfEmbeddingCall,
+        _shape: &[i64],
+    ) -> Result<Served, StockReason> {
+        let indices = call.indices.borrow().ok_or(StockReason::InvalidInput)?;
+        let gathered = if entry == Entry::Embedding {
+            let weight = call.weight.borrow().ok_or(StockReason::InvalidInput)?;
+            forward(launch, &weight, &indices)?
+        } else {
+            let grad = call.grad.borrow().ok_or(StockReason::InvalidInput)?;
+            backward(
+                launch,
+                &BackwardCall {
+                    grad: &grad,
+                    indices: &indices,
+                    num_weights: call.num_weights,
+                    padding_idx: call.padding_idx,
+                    scale_grad_by_freq: call.scale_grad_by_freq != 0,
+                },
+            )?
+        };
+        Ok(Served::new(
+            gathered.kernel,
+            [Some(gathered.output), None, None],
+        ))
+    }
+
+    fn kernels(op: KernelOp) -> &'static [&'static str] {
+        if op == KernelOp::EmbeddingBwd {
+            BWD_KERNELS
+        } else {
+            &[FWD_KERNEL]
+        }
+    }
+
+    fn defines(_op: KernelOp) -> Vec<String> {
+        SHARED
+            .iter()
+            .map(|(name, value)| format!("-DTF_EMB_{name}={value}"))
+            .collect()
+    }
+
+    fn validate(v: &Variant) -> Result<(), String> {
+        validate_variant(v)
+    }
+}
+
 /// Compile-time parameters an embedding variant may set, and their limits.
-pub fn validate_variant(v: &Variant) -> Result<(), String> {
+fn validate_variant(v: &Variant) -> Result<(), String> {
     let params: &[&str] = match v.op {
         KernelOp::EmbeddingBwd => &["SORT_CLUSTER"],
         _ => &["THREADS", "UNROLL"],
@@ -190,7 +258,7 @@ fn count(n: i64, per: i64) -> Result<u32, StockReason> {
     u32::try_from((n + per - 1) / per).map_err(|_| StockReason::NoVariantForShape)
 }
 
-pub struct Gathered {
+struct Gathered {
     pub output: Tensor,
     pub kernel: &'static str,
 }
@@ -198,7 +266,7 @@ pub struct Gathered {
 /// `embedding(weight, indices, ...)`: rows of `weight` gathered into a new contiguous tensor
 /// of shape `indices.shape + [D]`. padding_idx, scale_grad_by_freq and sparse only concern
 /// the backward.
-pub fn forward(launch: Launch, weight: &Tensor, indices: &Tensor) -> Result<Gathered, StockReason> {
+fn forward(launch: Launch, weight: &Tensor, indices: &Tensor) -> Result<Gathered, StockReason> {
     let kind = weight.f_kind().map_err(|_| StockReason::UnsupportedDtype)?;
     let dtype = dtype_of(kind).ok_or(StockReason::UnsupportedDtype)?;
     let idx64 = index_kind(indices)?;
@@ -284,7 +352,7 @@ pub fn forward(launch: Launch, weight: &Tensor, indices: &Tensor) -> Result<Gath
     })
 }
 
-pub struct BackwardCall<'a> {
+struct BackwardCall<'a> {
     pub grad: &'a Tensor,
     pub indices: &'a Tensor,
     pub num_weights: i64,
@@ -295,7 +363,7 @@ pub struct BackwardCall<'a> {
 /// `embedding_dense_backward`: grad_weight [num_weights, D] in grad's dtype; row v is the sum
 /// of the grad rows of the tokens whose index is v (in token order, fp32), zero for untouched
 /// rows and for `padding_idx`. Deterministic.
-pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockReason> {
+fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockReason> {
     if call.scale_grad_by_freq {
         return Err(StockReason::ScaleGradByFreq);
     }

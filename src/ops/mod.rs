@@ -1,7 +1,10 @@
-//! The op families: one module each (norm, adam, embedding, attention), all the same shape:
-//! the kernels it launches (by name), the defines it shares with them, its params checked once
-//! when the registry is parsed, its plan and its launch. Here: the registry's op keys, the
-//! built-in registry, and `select`, which every op calls to find its variant and kernels.
+//! The op families: one module each (norm, adam, embedding, attention), each implementing
+//! `Family`: the aten entries it serves and the boundary struct that describes their calls,
+//! how a call is logged, how it is served (checked, planned, launched: `Served`, or the
+//! reason stock runs it), and for the registry the kernels it launches (by name), the
+//! constants it shares with them (defines) and the check of its variants' params. Here too:
+//! the registry's op keys, the built-in registry, and `select`, which every op calls to find
+//! its variant and kernels.
 
 pub mod adam;
 pub mod attention;
@@ -9,11 +12,71 @@ pub mod embedding;
 pub mod norm;
 
 use crate::gpu::{self, Device, Kernels, Launch};
+use crate::runtime::Entry;
 use crate::select::{self, DType, StockReason};
-use norm::NormKind;
 use once_cell::sync::Lazy;
 use serde::Deserialize;
 use std::sync::Arc;
+use tch::Tensor;
+
+/// What a served call hands back: up to three outputs (None: an undefined tensor, an output
+/// not requested) and the registry variant that ran.
+pub struct Served {
+    pub outputs: [Option<Tensor>; 3],
+    pub kernel: &'static str,
+}
+
+impl Served {
+    pub fn new(kernel: &'static str, outputs: [Option<Tensor>; 3]) -> Served {
+        Served { outputs, kernel }
+    }
+}
+
+/// One op family: the same shape for every one.
+pub trait Family {
+    /// The boundary struct its entries' calls arrive in (`torchfuse_abi.h`).
+    type Call;
+
+    /// Whether `entry` is one of this family's.
+    fn serves(entry: Entry) -> bool;
+
+    /// The dtype name and shape a call is logged and counted under; None: not a call to
+    /// count (a required tensor is missing).
+    ///
+    /// # Safety
+    /// `call` is as the glue built it: its tensors are valid for the call.
+    unsafe fn describe(entry: Entry, call: &Self::Call) -> Option<(&'static str, Vec<i64>)>;
+
+    /// Bad input stock would not survive: the error to raise instead (default: none).
+    ///
+    /// # Safety
+    /// As `describe`.
+    unsafe fn refuse(_entry: Entry, _call: &Self::Call) -> Option<String> {
+        None
+    }
+
+    /// Serves the call with a fused kernel, or says why stock must. `shape` is what
+    /// `describe` read.
+    ///
+    /// # Safety
+    /// As `describe`.
+    unsafe fn serve(
+        entry: Entry,
+        launch: Launch,
+        call: &Self::Call,
+        shape: &[i64],
+    ) -> Result<Served, StockReason>;
+
+    /// The `extern "C"` kernels of its source that `op` launches, by name.
+    fn kernels(op: KernelOp) -> &'static [&'static str];
+
+    /// The constants its kernels share with its Rust side, as `-D` options (the kernel
+    /// `#error`s without them).
+    fn defines(op: KernelOp) -> Vec<String>;
+
+    /// Checks a variant's params when the registry is parsed.
+    fn validate(v: &Variant) -> Result<(), String>;
+}
 
 /// A kernel operation the registry knows variants of.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Deserialize)]
@@ -48,12 +111,15 @@ impl KernelOp {
     /// The `extern "C"` kernels of the variant's source this op launches, by name.
     pub fn entries(self) -> &'static [&'static str] {
         match self {
-            KernelOp::LayerNormFwd | KernelOp::RmsNormFwd => norm::FWD_KERNELS,
-            KernelOp::LayerNormBwd | KernelOp::RmsNormBwd => norm::BWD_KERNELS,
-            KernelOp::AdamStep => adam::KERNELS,
-            KernelOp::EmbeddingFwd => embedding::FWD_KERNELS,
-            KernelOp::EmbeddingBwd => embedding::BWD_KERNELS,
-            KernelOp::AttentionCausal | KernelOp::AttentionFull => attention::KERNELS,
+            KernelOp::LayerNormFwd
+            | KernelOp::LayerNormBwd
+            | KernelOp::RmsNormFwd
+            | KernelOp::RmsNormBwd => norm::Norm::kernels(self),
+            KernelOp::AdamStep => adam::Adam::kernels(self),
+            KernelOp::EmbeddingFwd | KernelOp::EmbeddingBwd => embedding::Embedding::kernels(self),
+            KernelOp::AttentionCausal | KernelOp::AttentionFull => {
+                attention::Attention::kernels(self)
+            }
         }
     }
 
@@ -61,13 +127,15 @@ impl KernelOp {
     /// its kernels share with the Rust side, from their one (Rust) source.
     pub fn defines(self) -> Vec<String> {
         match self {
-            KernelOp::LayerNormFwd => norm::defines(NormKind::Layer, false),
-            KernelOp::LayerNormBwd => norm::defines(NormKind::Layer, true),
-            KernelOp::RmsNormFwd => norm::defines(NormKind::Rms, false),
-            KernelOp::RmsNormBwd => norm::defines(NormKind::Rms, true),
-            KernelOp::AdamStep => adam::defines(),
-            KernelOp::EmbeddingFwd | KernelOp::EmbeddingBwd => embedding::defines(),
-            KernelOp::AttentionCausal | KernelOp::AttentionFull => attention::defines(),
+            KernelOp::LayerNormFwd
+            | KernelOp::LayerNormBwd
+            | KernelOp::RmsNormFwd
+            | KernelOp::RmsNormBwd => norm::Norm::defines(self),
+            KernelOp::AdamStep => adam::Adam::defines(self),
+            KernelOp::EmbeddingFwd | KernelOp::EmbeddingBwd => embedding::Embedding::defines(self),
+            KernelOp::AttentionCausal | KernelOp::AttentionFull => {
+                attention::Attention::defines(self)
+            }
         }
     }
 
@@ -77,10 +145,12 @@ impl KernelOp {
             KernelOp::LayerNormFwd
             | KernelOp::LayerNormBwd
             | KernelOp::RmsNormFwd
-            | KernelOp::RmsNormBwd => norm::validate_variant(v),
-            KernelOp::AdamStep => adam::validate_variant(v),
-            KernelOp::EmbeddingFwd | KernelOp::EmbeddingBwd => embedding::validate_variant(v),
-            KernelOp::AttentionCausal | KernelOp::AttentionFull => attention::validate_variant(v),
+            | KernelOp::RmsNormBwd => norm::Norm::validate(v),
+            KernelOp::AdamStep => adam::Adam::validate(v),
+            KernelOp::EmbeddingFwd | KernelOp::EmbeddingBwd => embedding::Embedding::validate(v),
+            KernelOp::AttentionCausal | KernelOp::AttentionFull => {
+                attention::Attention::validate(v)
+            }
         }
     }
 }

@@ -1,16 +1,18 @@
 //! LayerNorm and RMSNorm, forward and backward, through kernels/norm.cu, or why stock runs a
 //! call. Calls stock would reject are sent to stock so the user gets stock's error.
 
-use super::{KernelOp, Request, Selected, Variant};
-use crate::abi::tensor::{aligned16, device_addr, empty};
+use super::{Family, KernelOp, Request, Selected, Served, Variant};
+use crate::abi::tensor::{aligned16, describe, device_addr, empty};
+use crate::abi::types::TfNormCall;
 use crate::gpu::{self, Kernels, Launch};
+use crate::runtime::Entry;
 use crate::select::{dtype_of, DType, StockReason};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum NormKind {
+enum NormKind {
     Layer,
     Rms,
 }
@@ -31,16 +33,114 @@ impl NormKind {
 const FWD_KERNEL: &str = "norm_fwd";
 const BWD_KERNEL: &str = "norm_bwd";
 const BWD_REDUCE_KERNEL: &str = "norm_bwd_reduce";
-pub const FWD_KERNELS: &[&str] = &[FWD_KERNEL];
-pub const BWD_KERNELS: &[&str] = &[BWD_KERNEL, BWD_REDUCE_KERNEL];
 
-/// The defines that pick the op's kernels in kernels/norm.cu (which `#error`s without them).
-pub fn defines(kind: NormKind, backward: bool) -> Vec<String> {
-    vec![
-        format!("-DTF_NORM_FWD={}", i32::from(!backward)),
-        format!("-DTF_NORM_BWD={}", i32::from(backward)),
-        format!("-DTF_RMS={}", i32::from(kind == NormKind::Rms)),
-    ]
+/// LayerNorm (`native_layer_norm[_backward]`) and RMSNorm (`_fused_rms_norm[_backward]`).
+pub struct Norm;
+
+impl Norm {
+    /// The entry's norm and direction.
+    fn of(entry: Entry) -> Option<(NormKind, bool)> {
+        match entry {
+            Entry::NativeLayerNorm => Some((NormKind::Layer, false)),
+            Entry::NativeLayerNormBackward => Some((NormKind::Layer, true)),
+            Entry::FusedRmsNorm => Some((NormKind::Rms, false)),
+            Entry::FusedRmsNormBackward => Some((NormKind::Rms, true)),
+            _ => None,
+        }
+    }
+}
+
+impl Family for Norm {
+    type Call = TfNormCall;
+
+    fn serves(entry: Entry) -> bool {
+        Norm::of(entry).is_some()
+    }
+
+    unsafe fn describe(_entry: Entry, call: &TfNormCall) -> Option<(&'static str, Vec<i64>)> {
+        let input = call.input.borrow()?;
+        Some(describe(Some(&input)))
+    }
+
+    /// Forward outputs: LayerNorm y, mean, rstd; RMSNorm y, rstd. Backward: dx, dweight,
+    /// dbias (RMSNorm: no dbias), each only where `output_mask` asks for it.
+    unsafe fn serve(
+        entry: Entry,
+        launch: Launch,
+        call: &TfNormCall,
+        shape: &[i64],
+    ) -> Result<Served, StockReason> {
+        let (kind, backward) = Norm::of(entry).ok_or(StockReason::InternalError)?;
+        let input = call.input.borrow().ok_or(StockReason::InvalidInput)?;
+        let normalized_shape = if call.normalized_ndim == 0 {
+            &[]
+        } else {
+            std::slice::from_raw_parts(call.normalized_shape, call.normalized_ndim)
+        };
+        let (weight, bias) = (call.weight.borrow(), call.bias.borrow());
+        if !backward {
+            let fwd = forward(
+                launch,
+                &ForwardCall {
+                    kind,
+                    input: &input,
+                    shape,
+                    normalized_shape,
+                    weight: weight.as_deref(),
+                    bias: bias.as_deref(),
+                    eps: (call.has_eps != 0).then_some(call.eps),
+                },
+            )?;
+            return Ok(Served::new(
+                fwd.kernel,
+                match kind {
+                    NormKind::Layer => [Some(fwd.y), fwd.mean, Some(fwd.rstd)],
+                    NormKind::Rms => [Some(fwd.y), Some(fwd.rstd), None],
+                },
+            ));
+        }
+        let grad_out = call.grad_out.borrow().ok_or(StockReason::InvalidInput)?;
+        let rstd = call.rstd.borrow().ok_or(StockReason::InvalidInput)?;
+        let mean = call.mean.borrow();
+        let bwd = self::backward(
+            launch,
+            &BackwardCall {
+                kind,
+                grad_out: &grad_out,
+                input: &input,
+                shape,
+                normalized_shape,
+                mean: mean.as_deref(),
+                rstd: &rstd,
+                weight: weight.as_deref(),
+                bias: bias.as_deref(),
+                output_mask: [0, 1, 2].map(|bit| call.output_mask & (1 << bit) != 0),
+            },
+        )?;
+        Ok(Served::new(bwd.kernel, [bwd.dx, bwd.dweight, bwd.dbias]))
+    }
+
+    fn kernels(op: KernelOp) -> &'static [&'static str] {
+        if is_backward(op) {
+            &[BWD_KERNEL, BWD_REDUCE_KERNEL]
+        } else {
+            &[FWD_KERNEL]
+        }
+    }
+
+    /// The defines that pick the op's kernels in kernels/norm.cu.
+    fn defines(op: KernelOp) -> Vec<String> {
+        let rms = matches!(op, KernelOp::RmsNormFwd | KernelOp::RmsNormBwd);
+        vec![
+            format!("-DTF_NORM_FWD={}", i32::from(!is_backward(op))),
+            format!("-DTF_NORM_BWD={}", i32::from(is_backward(op))),
+            format!("-DTF_RMS={}", i32::from(rms)),
+        ]
+    }
+
+    fn validate(v: &Variant) -> Result<(), String> {
+        validate_variant(v)
+    }
 }
 
 fn is_backward(op: KernelOp) -> bool {
@@ -99,7 +199,7 @@ fn geometry(v: &Variant) -> Geometry {
 }
 
 /// Compile-time parameters every norm variant must set, and their limits.
-pub fn validate_variant(v: &Variant) -> Result<(), String> {
+fn validate_variant(v: &Variant) -> Result<(), String> {
     if let Some(unknown) = v.params.keys().find(|k| !PARAMS.contains(&k.as_str())) {
         return Err(format!("{}: unknown param {unknown}", v.name));
     }
@@ -333,7 +433,7 @@ fn ptr(t: Option<&Tensor>) -> u64 {
     t.map_or(0, device_addr)
 }
 
-pub struct Forward {
+struct Forward {
     pub y: Tensor,
     /// LayerNorm only.
     pub mean: Option<Tensor>,
@@ -341,7 +441,7 @@ pub struct Forward {
     pub kernel: &'static str,
 }
 
-pub struct ForwardCall<'a> {
+struct ForwardCall<'a> {
     pub kind: NormKind,
     pub input: &'a Tensor,
     /// `input.size()`, already read by the caller for its log line.
@@ -355,7 +455,7 @@ pub struct ForwardCall<'a> {
 }
 
 /// `native_layer_norm` / `_fused_rms_norm` with a fused kernel when the registry has one.
-pub fn forward(launch: Launch, call: &ForwardCall) -> Result<Forward, StockReason> {
+fn forward(launch: Launch, call: &ForwardCall) -> Result<Forward, StockReason> {
     let l = layout(
         call.input,
         call.shape,
@@ -409,14 +509,14 @@ pub fn forward(launch: Launch, call: &ForwardCall) -> Result<Forward, StockReaso
     })
 }
 
-pub struct Backward {
+struct Backward {
     pub dx: Option<Tensor>,
     pub dweight: Option<Tensor>,
     pub dbias: Option<Tensor>,
     pub kernel: &'static str,
 }
 
-pub struct BackwardCall<'a> {
+struct BackwardCall<'a> {
     pub kind: NormKind,
     pub grad_out: &'a Tensor,
     pub input: &'a Tensor,
@@ -440,7 +540,7 @@ fn statistic_ok(stat: &Tensor, rows: i64, input: &Tensor) -> bool {
 }
 
 /// `native_layer_norm_backward` / `_fused_rms_norm_backward`: one pass over x and dy.
-pub fn backward(launch: Launch, call: &BackwardCall) -> Result<Backward, StockReason> {
+fn backward(launch: Launch, call: &BackwardCall) -> Result<Backward, StockReason> {
     let [want_dx, want_dw, want_db] = call.output_mask;
     let want_db = want_db && call.kind == NormKind::Layer;
     // Stock raises for a gradient of a missing parameter.

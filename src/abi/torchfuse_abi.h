@@ -1,0 +1,188 @@
+// torchfuse_abi.h: the one definition of everything that crosses between the C++ glue
+// (shim.cpp) and Rust (src/abi/types.rs mirrors it; a cargo test compares every size, offset
+// and code with what the C++ compiler makes of this file: torchfuse_cxx_abi_layout).
+//
+// Protocol.
+// - Every call from C++ into Rust for an aten op is `torchfuse_rs_<family>(entry, launch,
+//   call, out, status)`: the entry says which override it is, `call` is the family's struct
+//   below, `out` receives the outputs Rust allocated. Rust answers in `status->code`:
+//   TF_STOCK (PyTorch's own kernel must run the call, unchanged), TF_FUSED (done: the outputs
+//   are in `out`), or TF_ERROR (bad input refused; `status->message` says why and the glue
+//   raises it as PyTorch's error). Rust catches every panic and answers TF_STOCK.
+// - Every call from Rust into C++ (registration, allocation) takes a TfStatus too: the glue
+//   catches every C++ exception and answers TF_ERROR with its message; TF_FUSED means done.
+// - Tensors cross as TfTensor: facts read once by the glue (so per-tensor work in Rust is
+//   plain memory reads) and the borrowed at::Tensor itself (`handle`), valid for the call.
+//   Outputs cross the other way as owned `at::Tensor*` in TfOutputs.
+#ifndef TORCHFUSE_ABI_H
+#define TORCHFUSE_ABI_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// The aten override points (`Entry` in src/runtime/toggles.rs).
+enum TfEntry {
+  TF_ENTRY_NATIVE_LAYER_NORM = 0,
+  TF_ENTRY_NATIVE_LAYER_NORM_BACKWARD = 1,
+  TF_ENTRY_FUSED_RMS_NORM = 2,
+  TF_ENTRY_FUSED_RMS_NORM_BACKWARD = 3,
+  TF_ENTRY_EMBEDDING = 4,
+  TF_ENTRY_EMBEDDING_DENSE_BACKWARD = 5,
+  TF_ENTRY_FUSED_ADAM = 6,
+  TF_ENTRY_FUSED_ADAM_TENSOR_LR = 7,
+  TF_ENTRY_FUSED_ADAMW = 8,
+  TF_ENTRY_FUSED_ADAMW_TENSOR_LR = 9,
+  TF_ENTRY_SDP_CHOICE = 10,
+  TF_ENTRY_FLASH_ATTENTION = 11,
+  TF_ENTRY_FLASH_ATTENTION_BACKWARD = 12,
+  TF_ENTRY_COUNT = 13
+};
+
+// Status codes.
+#define TF_STOCK 0
+#define TF_FUSED 1
+#define TF_ERROR 2
+
+#define TF_MESSAGE_BYTES 1024
+
+typedef struct TfStatus {
+  int32_t code;
+  char message[TF_MESSAGE_BYTES];  // NUL-terminated; set with TF_ERROR
+} TfStatus;
+
+// Where a call runs: PyTorch's device index and its current stream there.
+typedef struct TfLaunch {
+  int32_t device;  // -1: not a CUDA call
+  void* stream;    // cudaStream_t
+} TfLaunch;
+
+// One tensor. An absent (undefined, or an empty optional) tensor is all zeros.
+typedef struct TfTensor {
+  const void* handle;  // the at::Tensor, borrowed for the call; null: absent
+  void* data;          // data_ptr() of a CUDA tensor; null otherwise
+  int64_t numel;
+  int16_t dtype;       // c10::ScalarType
+  int16_t device;      // CUDA device index; -1: not a CUDA tensor
+  uint8_t dense;       // strided, non-overlapping and dense
+  uint8_t like_first;  // in a list call: same sizes as the list's reference tensor at its
+                       // index, same strides on every dim of size > 1 (stock's rule)
+  uint8_t unused[2];
+} TfTensor;
+
+// Outputs a fused call hands back: owned at::Tensor*, null for an undefined tensor.
+typedef struct TfOutputs {
+  void* tensors[3];
+} TfOutputs;
+
+// native_layer_norm[_backward], _fused_rms_norm[_backward].
+typedef struct TfNormCall {
+  TfTensor input;
+  TfTensor weight;
+  TfTensor bias;  // LayerNorm only
+  TfTensor grad_out;  // backward only
+  TfTensor mean;      // LayerNorm backward only
+  TfTensor rstd;      // backward only
+  const int64_t* normalized_shape;
+  size_t normalized_ndim;
+  double eps;
+  uint8_t has_eps;      // _fused_rms_norm's eps is optional
+  uint8_t unused[3];
+  uint32_t output_mask;  // backward: bit i asks for output i
+} TfNormCall;
+
+// embedding (weight, indices) and embedding_dense_backward (grad, indices, ...).
+typedef struct TfEmbeddingCall {
+  TfTensor weight;  // forward
+  TfTensor grad;    // backward
+  TfTensor indices;
+  int64_t num_weights;  // backward
+  int64_t padding_idx;  // backward
+  uint8_t scale_grad_by_freq;
+  uint8_t unused[7];
+} TfEmbeddingCall;
+
+// _fused_adam_ / _fused_adamw_ (float or tensor lr).
+typedef struct TfAdamCall {
+  // params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps; `like_first`
+  // compares each tensor with the param at its index.
+  const TfTensor* lists[6];
+  size_t lens[6];
+  TfTensor lr_tensor;  // a device lr; absent: `lr` holds the value
+  TfTensor grad_scale;
+  TfTensor found_inf;
+  double lr, beta1, beta2, weight_decay, eps;
+  uint8_t decoupled;  // AdamW
+  uint8_t amsgrad;
+  uint8_t maximize;
+  uint8_t unused[5];
+} TfAdamCall;
+
+// One scaled_dot_product_attention call as the flash backend sees it: the backend choice,
+// the forward and the backward.
+typedef struct TfAttentionCall {
+  TfTensor query, key, value;
+  TfTensor grad_out, output, logsumexp;  // backward only
+  double dropout_p;
+  double scale;
+  int64_t stock_choice;  // backend choice only: stock's answer (1 flash, 2 efficient, 3 cuDNN)
+  uint8_t has_scale;
+  uint8_t is_causal;
+  uint8_t has_mask;
+  uint8_t nested;
+  uint8_t return_debug_mask;
+  uint8_t default_backends;  // the user's SDPA backend flags are PyTorch's defaults
+  uint8_t deterministic;     // deterministic algorithms required (not warn-only)
+  uint8_t unused;
+} TfAttentionCall;
+
+// ---------------------------------------------------------------- implemented in Rust
+
+void torchfuse_rs_norm(uint32_t entry, const TfLaunch* launch, const TfNormCall* call,
+                       TfOutputs* out, TfStatus* status);
+void torchfuse_rs_embedding(uint32_t entry, const TfLaunch* launch, const TfEmbeddingCall* call,
+                            TfOutputs* out, TfStatus* status);
+// Updates the params and moments in place: no outputs.
+void torchfuse_rs_adam(uint32_t entry, const TfLaunch* launch, const TfAdamCall* call,
+                       TfOutputs* out, TfStatus* status);
+// Backend choice: TF_FUSED = flash, served by torchfuse. Forward: out = output, logsumexp.
+// Backward: out = dq, dk, dv.
+void torchfuse_rs_attention(uint32_t entry, const TfLaunch* launch, const TfAttentionCall* call,
+                            TfOutputs* out, TfStatus* status);
+
+// Control ops (torch.ops.torchfuse.*). set_enabled: TF_FUSED when the op now runs through
+// torchfuse, TF_STOCK when it does not, TF_ERROR for an unknown name.
+void torchfuse_rs_set_enabled(const char* name, size_t len, uint8_t enabled, TfStatus* status);
+// JSON of the calls so far; free with torchfuse_rs_free_string. Null on failure.
+char* torchfuse_rs_stats_json(void);
+void torchfuse_rs_free_string(char* s);
+void torchfuse_rs_reset_stats(void);
+void torchfuse_rs_note(const char* msg, size_t len);
+void torchfuse_rs_torch_warning(const char* msg, size_t len);
+void torchfuse_rs_serve_below_thresholds(uint8_t serve);
+void torchfuse_rs_force_variant(const char* name, size_t len);
+
+// ---------------------------------------------------------------- implemented in C++
+
+// Registers one aten entry at the CUDA key.
+void torchfuse_cxx_register(uint32_t entry, TfStatus* status);
+// Defines the torch.ops.torchfuse control namespace.
+void torchfuse_cxx_define_control_ops(TfStatus* status);
+// A new CUDA tensor from PyTorch's caching allocator on its current stream, never filled;
+// an owned at::Tensor*, or null (status says why).
+void* torchfuse_cxx_empty_unfilled(const int64_t* sizes, size_t ndim, int16_t scalar_type,
+                                   int16_t device, TfStatus* status);
+// The layout of this file as the C++ compiler sees it, for the cargo test that compares it
+// with Rust's: writes up to `cap` numbers (see shim.cpp) and returns how many there are.
+size_t torchfuse_cxx_abi_layout(int64_t* out, size_t cap);
+// The aten op (with overload) an entry overrides, as registered.
+const char* torchfuse_cxx_entry_name(uint32_t entry);
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif
+
+#endif  // TORCHFUSE_ABI_H
