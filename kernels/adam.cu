@@ -22,8 +22,9 @@
 
 #include "common.cuh"
 
-#if !defined(TF_THREADS) || !defined(TF_UNROLL)
-#error "TF_THREADS and TF_UNROLL must be defined"
+// Every variant param (src/ops/adam.rs Params, defaults included).
+#if !defined(TF_THREADS) || !defined(TF_UNROLL) || !defined(TF_MIN_BLOCKS) || !defined(TF_STREAMING)
+#error "TF_THREADS, TF_UNROLL, TF_MIN_BLOCKS and TF_STREAMING must be defined"
 #endif
 // Shared with src/ops/adam.rs, which passes them (`defines`): the launches' capacities and
 // the bits of AdamStep::flags.
@@ -31,13 +32,7 @@
     !defined(TF_ADAM_DECOUPLED) || !defined(TF_ADAM_AMSGRAD) || !defined(TF_ADAM_MAXIMIZE)
 #error "TF_ADAM_MAX_TENSORS, TF_ADAM_SMALL_TENSORS and TF_ADAM_{DECOUPLED,AMSGRAD,MAXIMIZE} must be defined"
 #endif
-#ifndef TF_MIN_BLOCKS
-#define TF_MIN_BLOCKS 1
-#endif
 // 1: 16-byte accesses carry the streaming cache hint (.cs: data used once, evict first).
-#ifndef TF_STREAMING
-#define TF_STREAMING 0
-#endif
 
 
 // One tensor of the step; layout must match `AdamTensor` in src/adam.rs.

@@ -37,58 +37,29 @@
 #if !defined(TF_ATTN_DKDV_WG_KEYS) || !defined(TF_ATTN_DQ_WG_ROWS)
 #error "TF_ATTN_DKDV_WG_KEYS and TF_ATTN_DQ_WG_ROWS must be defined"
 #endif
+// Every variant param (src/ops/attention.rs Params, defaults included):
+// - TF_FWD_WARPS, TF_FWD_BLOCK_N, TF_FWD_M_TILES; TF_BWD_WARPS, TF_BWD_BLOCK_Q, TF_DQ_BLOCK_N,
+//   TF_BWD_M_TILES: the kernels' tiles.
+// - TF_FWD_MIN_BLOCKS, TF_BWD_MIN_BLOCKS: CTAs per SM the register allocation must allow
+//   (__launch_bounds__'s second argument).
+// - TF_FWD_WGMMA: 1: the forward is the warpgroup-MMA kernel (sm_90a), 0: the mma.sync one.
+// - TF_FWD_STAGES: K/V tiles in flight in the warpgroup forward (a ring of this many stages).
+// - TF_FWD_TMA (with TF_FWD_WGMMA): a producer warpgroup loads Q, K and V with the tensor
+//   memory accelerator (TMA) and mbarriers; the TF_FWD_WARPS warps only compute.
+// - TF_FWD_PINGPONG (with TF_FWD_TMA and two computing warpgroups): they take turns issuing
+//   their gemms, so one's softmax runs while the other's gemms do.
+// - TF_BWD_WGMMA (with TF_FWD_TMA): attn_bwd_dkdv and attn_bwd_dq on warpgroup MMA, fed by
+//   TMA like the forward.
+// - TF_FWD_PERSISTENT (with TF_FWD_TMA): a persistent forward, below.
+#if !defined(TF_FWD_WARPS) || !defined(TF_FWD_BLOCK_N) || !defined(TF_BWD_WARPS) ||         \
+    !defined(TF_BWD_BLOCK_Q) || !defined(TF_DQ_BLOCK_N) || !defined(TF_FWD_M_TILES) ||      \
+    !defined(TF_BWD_M_TILES) || !defined(TF_FWD_MIN_BLOCKS) || !defined(TF_BWD_MIN_BLOCKS) || \
+    !defined(TF_FWD_WGMMA) || !defined(TF_FWD_STAGES) || !defined(TF_FWD_TMA) ||            \
+    !defined(TF_FWD_PINGPONG) || !defined(TF_BWD_WGMMA) || !defined(TF_FWD_PERSISTENT)
+#error "every attention variant param (src/ops/attention.rs Params) must be defined"
+#endif
 #if !defined(TF_HEAD_DIM) || (TF_HEAD_DIM != 64 && TF_HEAD_DIM != 128)
 #error "TF_HEAD_DIM must be 64 or 128"
-#endif
-#ifndef TF_FWD_WARPS
-#define TF_FWD_WARPS 4
-#endif
-#ifndef TF_FWD_BLOCK_N
-#define TF_FWD_BLOCK_N 64
-#endif
-#ifndef TF_BWD_WARPS
-#define TF_BWD_WARPS 4
-#endif
-#ifndef TF_BWD_BLOCK_Q
-#define TF_BWD_BLOCK_Q 64
-#endif
-#ifndef TF_DQ_BLOCK_N
-#define TF_DQ_BLOCK_N 64
-#endif
-#ifndef TF_FWD_M_TILES
-#define TF_FWD_M_TILES 1
-#endif
-#ifndef TF_BWD_M_TILES
-#define TF_BWD_M_TILES 1
-#endif
-// CTAs per SM the register allocation must allow (__launch_bounds__'s second argument).
-#ifndef TF_FWD_MIN_BLOCKS
-#define TF_FWD_MIN_BLOCKS 1
-#endif
-#ifndef TF_BWD_MIN_BLOCKS
-#define TF_BWD_MIN_BLOCKS 1
-#endif
-// 1: the forward is the warpgroup-MMA kernel (sm_90a), 0: the mma.sync one.
-#ifndef TF_FWD_WGMMA
-#define TF_FWD_WGMMA 0
-#endif
-// K/V tiles in flight in the warpgroup forward (a ring of this many stages).
-#ifndef TF_FWD_STAGES
-#define TF_FWD_STAGES 2
-#endif
-// 1 (with TF_FWD_WGMMA): a producer warpgroup loads Q, K and V with the tensor memory
-// accelerator (TMA) and mbarriers; the TF_FWD_WARPS warps only compute.
-#ifndef TF_FWD_TMA
-#define TF_FWD_TMA 0
-#endif
-// 1 (with TF_FWD_TMA and two computing warpgroups): they take turns issuing their gemms, so
-// one's softmax runs while the other's gemms do.
-#ifndef TF_FWD_PINGPONG
-#define TF_FWD_PINGPONG 0
-#endif
-// 1 (with TF_FWD_TMA): attn_bwd_dkdv on warpgroup MMA, fed by TMA like the forward.
-#ifndef TF_BWD_WGMMA
-#define TF_BWD_WGMMA 0
 #endif
 #if TF_BWD_WGMMA && !TF_FWD_TMA
 #error "BWD_WGMMA takes FWD_TMA (its wgmma and TMA helpers)"
@@ -96,7 +67,7 @@
 #if TF_FWD_PINGPONG && !(TF_FWD_TMA && TF_FWD_WARPS == 8)
 #error "FWD_PINGPONG takes FWD_TMA and FWD_WARPS 8"
 #endif
-// 1 (with TF_FWD_TMA): a persistent forward. The grid is at most what fits on the GPU; CTA c
+// TF_FWD_PERSISTENT: a persistent forward. The grid is at most what fits on the GPU; CTA c
 // takes tile c first, then whichever comes next in grid_tile's order (gridDim.x plus an atomic
 // counter the launch zeroes), so CTAs that drew light causal tiles take more. When every tile
 // fits in one wave the launch passes no counter (and needs no memset): a grid of a CTA per
@@ -105,9 +76,6 @@
 // one, and hands them the tile's number beside its Q. The output is staged in the tile's own
 // Q buffer (the K/V ring holds the next tile's loads). Which CTA computes a tile does not
 // change its arithmetic: results stay bitwise reproducible.
-#ifndef TF_FWD_PERSISTENT
-#define TF_FWD_PERSISTENT 0
-#endif
 #if TF_FWD_PERSISTENT && !TF_FWD_TMA
 #error "FWD_PERSISTENT takes FWD_TMA"
 #endif

@@ -39,16 +39,15 @@
 // bounds is read or written even if the assert were compiled out: such a token is skipped.
 //
 // Compile-time parameters (registry/embedding.toml): TF_DTYPE (table, output, grads),
-// TF_THREADS and TF_UNROLL (emb_fwd). Run time: `idx64` (int64 or int32 indices),
+// TF_THREADS and TF_UNROLL (emb_fwd), TF_SORT_CLUSTER (the launch's choice; no kernel reads
+// it). Run time: `idx64` (int64 or int32 indices),
 // `vectorized` (rows are whole 16-byte vectors and every row pointer 16-byte aligned;
 // otherwise element by element).
 #include "common.cuh"
 
-#ifndef TF_THREADS
-#define TF_THREADS 256
-#endif
-#ifndef TF_UNROLL
-#define TF_UNROLL 4
+// Every variant param (src/ops/embedding.rs Params, defaults included).
+#if !defined(TF_THREADS) || !defined(TF_UNROLL) || !defined(TF_SORT_CLUSTER)
+#error "TF_THREADS, TF_UNROLL and TF_SORT_CLUSTER must be defined"
 #endif
 
 // The launch shapes and tile sizes the launches share with these kernels: one source, the

@@ -45,18 +45,19 @@
 // cols % TF_VEC == 0; otherwise the same columns are accessed element by element.
 #include "common.cuh"
 
-// The op's defines (src/ops/norm.rs `defines`): which kernels, and LayerNorm or RMSNorm.
+// The op's defines (src/ops/norm.rs `defines`): which kernels, and LayerNorm or RMSNorm; and
+// every variant param (its `Params`, defaults included).
 #if !defined(TF_NORM_FWD) || !defined(TF_NORM_BWD) || !defined(TF_RMS)
 #error "TF_NORM_FWD, TF_NORM_BWD and TF_RMS must be defined"
 #endif
-#ifndef TF_PREFETCH
-#define TF_PREFETCH 0
+#if !defined(TF_THREADS_PER_ROW) || !defined(TF_ROWS_PER_BLOCK) ||                  \
+    !defined(TF_ELEMS_PER_THREAD) || !defined(TF_PREFETCH) || !defined(TF_STREAM) || \
+    !defined(TF_MIN_BLOCKS) || !defined(TF_CLUSTER) || !defined(TF_SMEM_ACC)
+#error "every norm variant param (src/ops/norm.rs Params) must be defined"
 #endif
-// 1: x (and dy) are loaded past L1 and the weight and bias re-read from L1 every row (what
-// the backward's wide variants always do, BWD_WIDE below); chosen per variant by measurement.
-#ifndef TF_STREAM
-#define TF_STREAM 0
-#endif
+// TF_STREAM 1: x (and dy) are loaded past L1 and the weight and bias re-read from L1 every row
+// (what the backward's wide variants always do, BWD_WIDE below); chosen per variant by
+// measurement.
 
 // weight, bias and their grads. Stock's CUDA norms require them in the activations' dtype
 // (a float32 weight with bf16 input is an error there), so they share the storage type.
@@ -68,13 +69,7 @@ typedef tf_storage tf_param;
 #define ITERS (TF_ELEMS_PER_THREAD / VEC)
 #define WARPS_PER_ROW (TPR / 32)
 #define BLOCK_COLS (TPR * TF_ELEMS_PER_THREAD)
-#ifndef TF_MIN_BLOCKS
-#define TF_MIN_BLOCKS 1
-#endif
 
-#ifndef TF_CLUSTER
-#define TF_CLUSTER 1
-#endif
 #if TF_CLUSTER > 1 && RPB != 1
 #error "TF_CLUSTER > 1 needs TF_ROWS_PER_BLOCK 1"
 #endif
@@ -465,9 +460,6 @@ extern "C" __global__ void TF_ROW_CTAS __launch_bounds__(TPR * RPB, TF_MIN_BLOCK
 // registers for more CTAs per SM; each row adds into them with 16-byte accesses, consecutive
 // threads on consecutive vectors (no bank conflicts). Layout [quantity][RPB][ITERS * VEC / 4]
 // [TPR] float4.
-#ifndef TF_SMEM_ACC
-#define TF_SMEM_ACC 0
-#endif
 #define ACC_QUANTITIES (TF_RMS ? 1 : 2)
 #define ACC_PARTS (VEC / 4)
 #if TF_SMEM_ACC

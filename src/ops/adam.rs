@@ -5,7 +5,8 @@
 //! device, layout), so per-tensor work here is plain memory reads, not calls into libtorch.
 //! Calls stock would reject go to stock, so the user gets stock's error.
 
-use super::{Family, KernelOp, Request, Selected, Served, Variant};
+use super::params::{self, flag, one};
+use super::{Family, KernelOp, OpParams, Request, Selected, Served, Variant};
 use crate::abi::types::{
     TfAdamCall, TfTensor, SCALAR_BFLOAT16, SCALAR_DOUBLE, SCALAR_FLOAT, SCALAR_HALF,
 };
@@ -13,6 +14,7 @@ use crate::gpu::Launch;
 use crate::runtime::Entry;
 use crate::select::{DType, StockReason};
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use serde::{Deserialize, Serialize};
 
 /// Tensors one launch carries in its parameter space (`TF_ADAM_MAX_TENSORS` in the kernel).
 /// 56 + 64 * 500 bytes fits the 32 KB parameter limit of CUDA 12.1+ on sm_70 and later.
@@ -109,34 +111,34 @@ impl<'a> AdamCall<'a> {
     }
 }
 
-const PARAMS: [&str; 4] = ["THREADS", "UNROLL", "MIN_BLOCKS", "STREAMING"];
+/// An Adam variant's compile-time params (`registry/adam.toml`), checked once.
+#[derive(Clone, Copy, Debug, Deserialize, Serialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE", deny_unknown_fields)]
+pub struct Params {
+    /// Threads per CTA: a multiple of 32.
+    threads: i64,
+    /// 16-byte accesses per lane per array in one unit.
+    unroll: i64,
+    /// CTAs per SM the register budget must allow (`__launch_bounds__`).
+    #[serde(default = "one")]
+    min_blocks: i64,
+    /// 16-byte accesses carry the streaming cache hint.
+    #[serde(default, with = "flag")]
+    streaming: bool,
+}
 
-/// Compile-time parameters every Adam variant sets, and their limits.
-fn validate_variant(v: &Variant) -> Result<(), String> {
-    if let Some(unknown) = v.params.keys().find(|k| !PARAMS.contains(&k.as_str())) {
-        return Err(format!("{}: unknown param {unknown}", v.name));
-    }
-    let threads = v.params.get("THREADS").copied().unwrap_or(0);
-    if !(32..=1024).contains(&threads) || threads % 32 != 0 {
+/// An Adam variant's params, and their limits.
+fn prepare(v: &Variant) -> Result<Params, String> {
+    let p: Params = params::parse(v)?;
+    if !(32..=1024).contains(&p.threads) || p.threads % 32 != 0 {
         return Err(format!(
-            "{}: THREADS {threads} must be a multiple of 32 in 32..=1024",
-            v.name
+            "{}: THREADS {} must be a multiple of 32 in 32..=1024",
+            v.name, p.threads
         ));
     }
-    let unroll = v.params.get("UNROLL").copied().unwrap_or(0);
-    if !(1..=8).contains(&unroll) {
-        return Err(format!("{}: UNROLL {unroll} must be in 1..=8", v.name));
-    }
-    if v.params
-        .get("MIN_BLOCKS")
-        .is_some_and(|&b| !(1..=32).contains(&b))
-    {
-        return Err(format!("{}: MIN_BLOCKS must be in 1..=32", v.name));
-    }
-    if !matches!(v.params.get("STREAMING"), None | Some(0) | Some(1)) {
-        return Err(format!("{}: STREAMING must be 0 or 1", v.name));
-    }
-    Ok(())
+    params::in_range(v, "UNROLL", p.unroll, 1..=8)?;
+    params::in_range(v, "MIN_BLOCKS", p.min_blocks, 1..=32)?;
+    Ok(p)
 }
 
 /// The bits of `AdamStep::flags`, passed to kernels/adam.cu as `TF_ADAM_<NAME>`.
@@ -201,8 +203,17 @@ impl Family for Adam {
         ]
     }
 
-    fn validate(v: &Variant) -> Result<(), String> {
-        validate_variant(v)
+    type Params = Params;
+
+    fn prepare(v: &Variant) -> Result<Params, String> {
+        prepare(v)
+    }
+
+    fn params(p: &OpParams) -> Option<&Params> {
+        match p {
+            OpParams::Adam(p) => Some(p),
+            _ => None,
+        }
     }
 }
 
@@ -332,9 +343,8 @@ fn check(call: &AdamCall, launch: Launch) -> Result<DType, StockReason> {
 }
 
 /// Elements one warp handles per unit (`TF_UNIT` in the kernel).
-fn unit_elements(v: &Variant, dtype: DType) -> i64 {
-    let unroll = v.params.get("UNROLL").copied().unwrap_or(1);
-    32 * dtype.vector_elems() * unroll
+fn unit_elements(p: &Params, dtype: DType) -> i64 {
+    32 * dtype.vector_elems() * p.unroll
 }
 
 /// Runs the step with a fused kernel when the registry has one; Ok: the kernel's name.
@@ -345,6 +355,7 @@ fn step(launch: Launch, call: &AdamCall) -> Result<&'static str, StockReason> {
         gpu,
         variant,
         kernels,
+        params,
     } = super::select(launch, |sm| Request {
         op: KernelOp::AdamStep,
         dtype,
@@ -353,12 +364,14 @@ fn step(launch: Launch, call: &AdamCall) -> Result<&'static str, StockReason> {
         sm,
         deterministic: false,
     })?;
-    let threads = variant.params.get("THREADS").copied().unwrap_or(256) as u32;
+    let p = Adam::params(params).ok_or(StockReason::InternalError)?;
+    // `prepare` keeps it in 32..=1024.
+    let threads = p.threads as u32;
     let warps_per_block = i64::from(threads / 32);
     let step_kernel = kernels.get(STEP_KERNEL)?;
     let small_kernel = kernels.get(STEP_SMALL_KERNEL)?;
     let resident = i64::from(step_kernel.resident_per_sm(threads)) * i64::from(gpu.multiprocessors);
-    let unit = unit_elements(variant, dtype);
+    let unit = unit_elements(p, dtype);
 
     let c = call.c;
     let mut flags = 0;

@@ -7,13 +7,15 @@
 //! logsumexp [B, H, Lq] in natural log), so a forward of ours and a backward of stock's (or the
 //! reverse, after a fallback) still fit together.
 
-use super::{Family, KernelOp, Request, Selected, Served, Variant};
+use super::params::{self, flag, one};
+use super::{Family, KernelOp, OpParams, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, device_addr, empty, Borrowed};
 use crate::abi::types::TfAttentionCall;
 use crate::gpu::Launch;
 use crate::runtime::Entry;
 use crate::select::{dtype_of, DType, StockReason};
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
 /// Strides (elements) of a [B, H, L, D] operand for the kernels (`Strides` in attention.cu).
@@ -61,8 +63,68 @@ impl Strides {
 /// The fewest rows (queries or keys) of any kernel's tile: 16 * M_TILES * WARPS at its least.
 const MIN_TILE_ROWS: i64 = 32;
 
-/// Kernel launch shapes a variant may set, and their allowed values.
-const PARAMS: [(&str, &[i64]); 16] = [
+/// An attention variant's compile-time params (`registry/attention.toml`): its kernels'
+/// launch shapes, checked once. HEAD_DIM is required; the rest default as written.
+#[derive(Clone, Copy, Debug, Deserialize, Serialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE", deny_unknown_fields)]
+pub struct Params {
+    head_dim: i64,
+    #[serde(default = "four")]
+    fwd_warps: i64,
+    #[serde(default = "sixty_four")]
+    fwd_block_n: i64,
+    #[serde(default = "four")]
+    bwd_warps: i64,
+    #[serde(default = "sixty_four")]
+    bwd_block_q: i64,
+    #[serde(default = "sixty_four")]
+    dq_block_n: i64,
+    #[serde(default = "one")]
+    fwd_m_tiles: i64,
+    #[serde(default = "one")]
+    bwd_m_tiles: i64,
+    /// CTAs per SM the register allocation must allow (`__launch_bounds__`).
+    #[serde(default = "one")]
+    fwd_min_blocks: i64,
+    #[serde(default = "one")]
+    bwd_min_blocks: i64,
+    /// The forward is the warpgroup-MMA kernel (sm_90a).
+    #[serde(default, with = "flag")]
+    fwd_wgmma: bool,
+    /// K/V stages of the warpgroup forward's ring (the mma.sync forward double-buffers).
+    #[serde(default = "two")]
+    fwd_stages: i64,
+    /// The warpgroup forward's loads are TMA copies issued by one more (producer) warpgroup.
+    #[serde(default, with = "flag")]
+    fwd_tma: bool,
+    /// The warpgroup forward's two computing warpgroups take turns issuing their gemms.
+    #[serde(default, with = "flag")]
+    fwd_pingpong: bool,
+    /// attn_bwd_dkdv and attn_bwd_dq are the warpgroup-MMA kernels fed by TMA (128 keys or
+    /// query rows a CTA, 3 warpgroups).
+    #[serde(default, with = "flag")]
+    bwd_wgmma: bool,
+    /// The TMA forward is persistent: a CTA per SM takes tiles from a counter, Q
+    /// double-buffered and each tile's output staged in its Q buffer.
+    #[serde(default, with = "flag")]
+    fwd_persistent: bool,
+}
+
+fn two() -> i64 {
+    2
+}
+fn four() -> i64 {
+    4
+}
+fn sixty_four() -> i64 {
+    64
+}
+
+/// A variant's launch shapes: its params.
+type Shapes = Params;
+
+/// The values each numeric param may take (`prepare` lists the params in this order).
+const ALLOWED: [(&str, &[i64]); 11] = [
     ("HEAD_DIM", &[64, 128]),
     ("FWD_WARPS", &[2, 4, 8, 12]),
     ("FWD_BLOCK_N", &[32, 64, 128]),
@@ -73,34 +135,29 @@ const PARAMS: [(&str, &[i64]); 16] = [
     ("BWD_M_TILES", &[1, 2]),
     ("FWD_MIN_BLOCKS", &[1, 2, 3, 4]),
     ("BWD_MIN_BLOCKS", &[1, 2, 3, 4]),
-    ("FWD_WGMMA", &[0, 1]),
     ("FWD_STAGES", &[2, 3, 4]),
-    ("FWD_TMA", &[0, 1]),
-    ("FWD_PINGPONG", &[0, 1]),
-    ("BWD_WGMMA", &[0, 1]),
-    ("FWD_PERSISTENT", &[0, 1]),
 ];
-/// The kernel's defaults for parameters a variant leaves out (HEAD_DIM is required).
-const DEFAULTS: [i64; 16] = [0, 4, 64, 4, 64, 64, 1, 1, 1, 1, 0, 2, 0, 0, 0, 0];
 
-fn validate_variant(v: &Variant) -> Result<(), String> {
-    if let Some(unknown) = v
-        .params
-        .keys()
-        .find(|k| !PARAMS.iter().any(|(p, _)| p == k))
-    {
-        return Err(format!("{}: unknown param {unknown}", v.name));
+/// An attention variant's params, and their limits.
+fn prepare(v: &Variant) -> Result<Params, String> {
+    let shapes: Params = params::parse(v)?;
+    let values = [
+        shapes.head_dim,
+        shapes.fwd_warps,
+        shapes.fwd_block_n,
+        shapes.bwd_warps,
+        shapes.bwd_block_q,
+        shapes.dq_block_n,
+        shapes.fwd_m_tiles,
+        shapes.bwd_m_tiles,
+        shapes.fwd_min_blocks,
+        shapes.bwd_min_blocks,
+        shapes.fwd_stages,
+    ];
+    for ((name, allowed), value) in ALLOWED.into_iter().zip(values) {
+        params::one_of(v, name, value, allowed)?;
     }
-    for (name, allowed) in PARAMS {
-        if let Some(value) = v.params.get(name) {
-            if !allowed.contains(value) {
-                return Err(format!("{}: {name} must be one of {allowed:?}", v.name));
-            }
-        }
-    }
-    let Some(&head_dim) = v.params.get("HEAD_DIM") else {
-        return Err(format!("{}: HEAD_DIM is required", v.name));
-    };
+    let head_dim = shapes.head_dim;
     if v.hidden != [head_dim, head_dim] {
         return Err(format!(
             "{}: hidden must be [{head_dim}, {head_dim}] (the head dim)",
@@ -113,7 +170,6 @@ fn validate_variant(v: &Variant) -> Result<(), String> {
     if v.sm[0] < 80 {
         return Err(format!("{}: mma.sync bf16 needs sm_80 or newer", v.name));
     }
-    let shapes = Shapes::of(v);
     if shapes.fwd_wgmma {
         // wgmma is an sm_90a feature: arch-specific, so no other SM runs it.
         if v.sm != [90, 90] {
@@ -174,58 +230,10 @@ fn validate_variant(v: &Variant) -> Result<(), String> {
             v.name
         ));
     }
-    Ok(())
-}
-
-/// A variant's launch shapes.
-#[derive(Clone, Copy, Debug)]
-struct Shapes {
-    head_dim: i64,
-    fwd_warps: i64,
-    fwd_block_n: i64,
-    bwd_warps: i64,
-    bwd_block_q: i64,
-    dq_block_n: i64,
-    fwd_m_tiles: i64,
-    bwd_m_tiles: i64,
-    /// The forward is the warpgroup-MMA kernel (sm_90a).
-    fwd_wgmma: bool,
-    /// K/V stages of the warpgroup forward's ring (the mma.sync forward double-buffers).
-    fwd_stages: i64,
-    /// The warpgroup forward's loads are TMA copies issued by one more (producer) warpgroup.
-    fwd_tma: bool,
-    /// The warpgroup forward's two computing warpgroups take turns issuing their gemms.
-    fwd_pingpong: bool,
-    fwd_min_blocks: i64,
-    /// attn_bwd_dkdv and attn_bwd_dq are the warpgroup-MMA kernels fed by TMA (128 keys or
-    /// query rows a CTA, 3 warpgroups).
-    bwd_wgmma: bool,
-    /// The TMA forward is persistent: a CTA per SM takes tiles from a counter, Q
-    /// double-buffered and each tile's output staged in its Q buffer.
-    fwd_persistent: bool,
+    Ok(shapes)
 }
 
 impl Shapes {
-    fn of(v: &Variant) -> Shapes {
-        let p = |i: usize| v.params.get(PARAMS[i].0).copied().unwrap_or(DEFAULTS[i]);
-        Shapes {
-            head_dim: p(0),
-            fwd_warps: p(1),
-            fwd_block_n: p(2),
-            bwd_warps: p(3),
-            bwd_block_q: p(4),
-            dq_block_n: p(5),
-            fwd_m_tiles: p(6),
-            bwd_m_tiles: p(7),
-            fwd_wgmma: p(10) == 1,
-            fwd_stages: p(11),
-            fwd_tma: p(12) == 1,
-            fwd_pingpong: p(13) == 1,
-            bwd_wgmma: p(14) == 1,
-            fwd_persistent: p(15) == 1,
-            fwd_min_blocks: p(8),
-        }
-    }
     /// Threads of a forward CTA: the computing warps, and the producer warpgroup with TMA.
     fn fwd_threads(&self) -> i64 {
         32 * self.fwd_warps + if self.fwd_tma { 128 } else { 0 }
@@ -404,8 +412,17 @@ impl Family for Attention {
         ]
     }
 
-    fn validate(v: &Variant) -> Result<(), String> {
-        validate_variant(v)
+    type Params = Params;
+
+    fn prepare(v: &Variant) -> Result<Params, String> {
+        prepare(v)
+    }
+
+    fn params(p: &OpParams) -> Option<&Params> {
+        match p {
+            OpParams::Attention(p) => Some(p),
+            _ => None,
+        }
     }
 }
 
@@ -542,7 +559,7 @@ unsafe fn plan(launch: Launch, call: &TfAttentionCall) -> Result<Plan, StockReas
         sm,
         deterministic: call.deterministic != 0,
     })?;
-    let shapes = Shapes::of(selected.variant);
+    let shapes = *Attention::params(selected.params).ok_or(StockReason::InternalError)?;
     Ok(Plan {
         selected,
         shapes,
@@ -955,7 +972,7 @@ mod tests {
     fn no_tile_is_smaller_than_min_tile_rows() {
         // A causal call's length is bounded by 65535 tiles of MIN_TILE_ROWS rows (its grid's
         // third dimension), which holds only if no kernel's tile has fewer rows.
-        let allowed = |name: &str| PARAMS.iter().find(|(p, _)| *p == name).map(|(_, v)| *v);
+        let allowed = |name: &str| ALLOWED.iter().find(|(p, _)| *p == name).map(|(_, v)| *v);
         let (m_tiles, fwd_warps, bwd_warps) = (
             allowed("FWD_M_TILES").unwrap_or(&[]),
             allowed("FWD_WARPS").unwrap_or(&[]),
@@ -1032,23 +1049,21 @@ mod tests {
             "FWD_WGMMA = 1, FWD_WARPS = 8, FWD_BLOCK_N = 64, FWD_STAGES = 3",
         )
         .expect("valid");
-        let s = Shapes::of(registry.variant(0));
+        let s = Attention::params(registry.params(0)).expect("attention");
         // Q (128 rows) + 3 stages of K and V (64 rows each), 64 bf16 columns, + 1024 bytes.
         assert_eq!(s.fwd_smem(), ((128 + 2 * 3 * 64) * 64 * 2 + 1024) as u32);
         let registry = variant("[80, 90]", "FWD_WARPS = 4, FWD_BLOCK_N = 64").expect("valid");
-        let s = Shapes::of(registry.variant(0));
+        let s = Attention::params(registry.params(0)).expect("attention");
         assert_eq!(s.fwd_smem(), ((64 + 4 * 64) * 64 * 2) as u32);
     }
 
     #[test]
     fn shared_memory_fits_an_sm90_block_for_every_variant() {
         let registry = REGISTRY.as_ref().expect("registry");
-        for v in registry
-            .variants()
-            .iter()
-            .filter(|v| matches!(v.op, KernelOp::AttentionCausal | KernelOp::AttentionFull))
-        {
-            let s = Shapes::of(v);
+        for (i, v) in registry.variants().iter().enumerate() {
+            let Some(s) = Attention::params(registry.params(i)) else {
+                continue;
+            };
             for bytes in [s.fwd_smem(), s.dkdv_smem(), s.dq_smem()] {
                 assert!(bytes <= 227 * 1024, "{}: {bytes} bytes", v.name);
             }

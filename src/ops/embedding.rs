@@ -3,13 +3,15 @@
 //! the user gets stock's error; out-of-range indices stop our kernels with a device-side
 //! assert, as they stop stock's.
 
-use super::{Family, KernelOp, Request, Selected, Served, Variant};
+use super::params::{self, flag};
+use super::{Family, KernelOp, OpParams, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, device_addr, empty};
 use crate::abi::types::TfEmbeddingCall;
 use crate::gpu::{self, Launch};
 use crate::runtime::Entry;
 use crate::select::{dtype_of, kind_name, StockReason};
 use cudarc::driver::{DriverError, LaunchConfig, PushKernelArg};
+use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
 /// Tokens per thread of a radix sort tile (`SORT_ITEMS_SMALL` up to `SMALL_TILES_MAX_TOKENS`
@@ -174,50 +176,70 @@ impl Family for Embedding {
             .collect()
     }
 
-    fn validate(v: &Variant) -> Result<(), String> {
-        validate_variant(v)
+    type Params = Params;
+
+    fn prepare(v: &Variant) -> Result<Params, String> {
+        prepare(v)
+    }
+
+    fn params(p: &OpParams) -> Option<&Params> {
+        match p {
+            OpParams::Embedding(p) => Some(p),
+            _ => None,
+        }
     }
 }
 
-/// Compile-time parameters an embedding variant may set, and their limits.
-fn validate_variant(v: &Variant) -> Result<(), String> {
-    let params: &[&str] = match v.op {
+/// An embedding variant's compile-time params (`registry/embedding.toml`), checked once.
+#[derive(Clone, Copy, Debug, Deserialize, Serialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE", deny_unknown_fields)]
+pub struct Params {
+    /// Forward: threads per CTA of the gather, a multiple of 32.
+    #[serde(default = "gather_threads")]
+    threads: i64,
+    /// Forward: rows' vectors in flight per thread.
+    #[serde(default = "gather_unroll")]
+    unroll: i64,
+    /// Backward: the one-launch sort on a thread-block cluster (sm 90) where it fits.
+    #[serde(default, with = "flag")]
+    sort_cluster: bool,
+}
+
+fn gather_threads() -> i64 {
+    256
+}
+
+fn gather_unroll() -> i64 {
+    4
+}
+
+/// An embedding variant's params, and their limits.
+fn prepare(v: &Variant) -> Result<Params, String> {
+    let p: Params = params::parse(v)?;
+    let takes: &[&str] = match v.op {
         KernelOp::EmbeddingBwd => &["SORT_CLUSTER"],
         _ => &["THREADS", "UNROLL"],
     };
-    if let Some(unknown) = v.params.keys().find(|k| !params.contains(&k.as_str())) {
+    if let Some(other) = v.params.keys().find(|k| !takes.contains(&k.as_str())) {
         return Err(format!(
-            "{}: unknown param {unknown} (this op takes {params:?})",
+            "{}: unknown param {other} (this op takes {takes:?})",
             v.name
         ));
     }
-    if let Some(&sort) = v.params.get("SORT_CLUSTER") {
-        if !(0..=1).contains(&sort) {
-            return Err(format!("{}: SORT_CLUSTER must be 0 or 1", v.name));
-        }
-        if sort == 1 && v.sm[0] < 90 {
-            return Err(format!(
-                "{}: SORT_CLUSTER needs thread-block clusters (sm >= 90)",
-                v.name
-            ));
-        }
+    if p.sort_cluster && v.sm[0] < 90 {
+        return Err(format!(
+            "{}: SORT_CLUSTER needs thread-block clusters (sm >= 90)",
+            v.name
+        ));
     }
-    if v.params
-        .get("THREADS")
-        .is_some_and(|&t| !(32..=1024).contains(&t) || t % 32 != 0)
-    {
+    if !(32..=1024).contains(&p.threads) || p.threads % 32 != 0 {
         return Err(format!(
             "{}: THREADS must be a multiple of 32 in 32..=1024",
             v.name
         ));
     }
-    if v.params
-        .get("UNROLL")
-        .is_some_and(|&u| !(1..=8).contains(&u))
-    {
-        return Err(format!("{}: UNROLL must be in 1..=8", v.name));
-    }
-    Ok(())
+    params::in_range(v, "UNROLL", p.unroll, 1..=8)?;
+    Ok(p)
 }
 
 /// The digits of the backward's radix sort: (passes, bits per pass, bits in all) for a table
@@ -295,6 +317,7 @@ fn forward(launch: Launch, weight: &Tensor, indices: &Tensor) -> Result<Gathered
         gpu,
         variant,
         kernels,
+        params,
     } = super::select(launch, |sm| Request {
         op: KernelOp::EmbeddingFwd,
         dtype,
@@ -313,8 +336,9 @@ fn forward(launch: Launch, weight: &Tensor, indices: &Tensor) -> Result<Gathered
     let vectorized =
         i32::from(cols % vec == 0 && row_bytes_aligned && aligned16([weight, &output]));
 
-    let threads = variant.params.get("THREADS").copied().unwrap_or(256) as u32;
-    let unroll = variant.params.get("UNROLL").copied().unwrap_or(4);
+    let p = Embedding::params(params).ok_or(StockReason::InternalError)?;
+    // `prepare` keeps it in 32..=1024.
+    let (threads, unroll) = (p.threads as u32, p.unroll);
     let units = tokens * if vectorized == 1 { cols / vec } else { cols };
     let gather = kernels.get(FWD_KERNEL)?;
     let resident = gather.resident_per_sm(threads) * gpu.multiprocessors;
@@ -398,6 +422,7 @@ fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockReason
         gpu,
         variant,
         kernels,
+        params,
     } = super::select(launch, |sm| Request {
         op: KernelOp::EmbeddingBwd,
         dtype,
@@ -407,6 +432,9 @@ fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockReason
         deterministic: false,
     })?;
 
+    let sort_cluster = Embedding::params(params)
+        .ok_or(StockReason::InternalError)?
+        .sort_cluster;
     let sort_count = kernels.get(SORT_COUNT)?;
     let sort_scatter = kernels.get(SORT_SCATTER)?;
     let reduce = kernels.get(REDUCE)?;
@@ -473,7 +501,7 @@ fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockReason
     let failed = |e| super::launch_failed(variant, e);
     gpu.ctx.bind_to_thread().map_err(failed)?;
     let cluster_items = cluster_sort_items(tokens).filter(|_| {
-        variant.params.get("SORT_CLUSTER") == Some(&1)
+        sort_cluster
             && gpu.sm >= 90
             && cluster_sort
                 .allow_shared_bytes(CLUSTER_SORT_SMEM)

@@ -10,12 +10,13 @@ pub mod adam;
 pub mod attention;
 pub mod embedding;
 pub mod norm;
+pub mod params;
 
 use crate::gpu::{self, Device, Kernels, Launch};
 use crate::runtime::Entry;
 use crate::select::{self, DType, StockReason};
 use once_cell::sync::Lazy;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use tch::Tensor;
 
@@ -74,8 +75,35 @@ pub trait Family {
     /// `#error`s without them).
     fn defines(op: KernelOp) -> Vec<String>;
 
-    /// Checks a variant's params when the registry is parsed.
-    fn validate(v: &Variant) -> Result<(), String>;
+    /// A variant's typed params (`params::parse`), with defaults.
+    type Params: Serialize;
+
+    /// Reads and checks a variant's params, once, when the registry is parsed.
+    fn prepare(v: &Variant) -> Result<Self::Params, String>;
+
+    /// Its own params among every family's; None for another family's.
+    fn params(p: &OpParams) -> Option<&Self::Params>;
+}
+
+/// A variant's typed params, whichever family it belongs to.
+#[derive(Debug)]
+pub enum OpParams {
+    Norm(norm::Params),
+    Adam(adam::Params),
+    Embedding(embedding::Params),
+    Attention(attention::Params),
+}
+
+impl OpParams {
+    /// Every param as a `-DTF_<NAME>=<value>` option, defaults included.
+    fn defines(&self) -> Vec<String> {
+        match self {
+            OpParams::Norm(p) => params::defines(p),
+            OpParams::Adam(p) => params::defines(p),
+            OpParams::Embedding(p) => params::defines(p),
+            OpParams::Attention(p) => params::defines(p),
+        }
+    }
 }
 
 /// A kernel operation the registry knows variants of.
@@ -139,37 +167,39 @@ impl KernelOp {
         }
     }
 
-    /// Checks a variant's op-specific data when the registry is parsed.
-    fn validate(self, v: &Variant) -> Result<(), String> {
-        match self {
+    /// Reads and checks a variant's op-specific params when the registry is parsed.
+    fn prepare(self, v: &Variant) -> Result<OpParams, String> {
+        Ok(match self {
             KernelOp::LayerNormFwd
             | KernelOp::LayerNormBwd
             | KernelOp::RmsNormFwd
-            | KernelOp::RmsNormBwd => norm::Norm::validate(v),
-            KernelOp::AdamStep => adam::Adam::validate(v),
-            KernelOp::EmbeddingFwd | KernelOp::EmbeddingBwd => embedding::Embedding::validate(v),
-            KernelOp::AttentionCausal | KernelOp::AttentionFull => {
-                attention::Attention::validate(v)
+            | KernelOp::RmsNormBwd => OpParams::Norm(norm::Norm::prepare(v)?),
+            KernelOp::AdamStep => OpParams::Adam(adam::Adam::prepare(v)?),
+            KernelOp::EmbeddingFwd | KernelOp::EmbeddingBwd => {
+                OpParams::Embedding(embedding::Embedding::prepare(v)?)
             }
-        }
+            KernelOp::AttentionCausal | KernelOp::AttentionFull => {
+                OpParams::Attention(attention::Attention::prepare(v)?)
+            }
+        })
     }
 }
 
 pub type Variant = select::Variant<KernelOp>;
 pub type Request = select::Request<KernelOp>;
-pub type Registry = select::Registry<KernelOp>;
+pub type Registry = select::Registry<KernelOp, OpParams>;
 
-/// Checks a variant's source and op-specific params.
-fn validate(v: &Variant) -> Result<(), String> {
+/// Checks a variant's source, and reads and checks its op-specific params.
+fn prepare(v: &Variant) -> Result<OpParams, String> {
     if gpu::sources::kernel_source(&v.source).is_none() {
         return Err(format!("{}: no kernel source {}", v.name, v.source));
     }
-    v.op.validate(v)
+    v.op.prepare(v)
 }
 
 /// Parses registry data, every variant checked by its op.
 pub fn parse(files: &[(&str, &str)]) -> Result<Registry, String> {
-    Registry::parse(files, &validate)
+    Registry::parse(files, &prepare)
 }
 
 /// As `parse`, with a file of benchmark-only variants (name, text).
@@ -177,7 +207,7 @@ pub fn parse_with_sweep(
     files: &[(&str, &str)],
     sweep: Option<(&str, &str)>,
 ) -> Result<Registry, String> {
-    Registry::parse_with_sweep(files, sweep, &validate)
+    Registry::parse_with_sweep(files, sweep, &prepare)
 }
 
 /// The registry built into this library.
@@ -195,13 +225,18 @@ pub static REGISTRY: Lazy<Result<Registry, String>> = Lazy::new(|| {
     }
 });
 
-/// NVRTC options for `variant` at `dtype`: the dtype, the op's shared constants, the variant's
-/// params as `-DTF_<NAME>=<value>`.
-pub fn compile_options(variant: &Variant, dtype: DType, arch: &str) -> Vec<String> {
+/// NVRTC options for a variant with `params` at `dtype`: the dtype, the op's shared constants,
+/// every one of the variant's params as `-DTF_<NAME>=<value>`.
+pub fn compile_options(
+    variant: &Variant,
+    params: &OpParams,
+    dtype: DType,
+    arch: &str,
+) -> Vec<String> {
     let mut options = gpu::nvrtc::base_options(arch);
     options.push(format!("-DTF_DTYPE={}", dtype.kernel_code()));
     options.extend(variant.op.defines());
-    options.extend(variant.params.iter().map(|(k, v)| format!("-DTF_{k}={v}")));
+    options.extend(params.defines());
     options
 }
 
@@ -210,6 +245,8 @@ pub struct Selected {
     pub gpu: Arc<Device>,
     pub variant: &'static Variant,
     pub kernels: Arc<Kernels>,
+    /// The variant's typed params (`Family::params` takes a family's own).
+    pub params: &'static OpParams,
 }
 
 /// The registry's variant for `request(sm)` on `launch`'s GPU with its kernels loaded, or why
@@ -228,6 +265,7 @@ pub fn select(
     let req = request(gpu.sm);
     let index = registry.select(&req)?;
     let variant = registry.variant(index);
+    let params = registry.params(index);
     let kernels = gpu::modules::load(
         (index, req.dtype, launch.device),
         &gpu,
@@ -235,7 +273,7 @@ pub fn select(
         || gpu::modules::ModuleSpec {
             label: format!("{} ({})", variant.name, req.dtype.name()),
             source: &variant.source,
-            options: compile_options(variant, req.dtype, &gpu.arch),
+            options: compile_options(variant, params, req.dtype, &gpu.arch),
             kernels: variant.op.entries(),
         },
     )
@@ -244,6 +282,7 @@ pub fn select(
         gpu,
         variant,
         kernels,
+        params,
     })
 }
 
@@ -713,15 +752,16 @@ mod nvrtc_tests {
             panic!("NVRTC unavailable: {e}");
         }
         let registry = REGISTRY.as_ref().expect("registry");
-        let jobs: Vec<(&Variant, DType, &str)> = registry
+        let jobs: Vec<(&Variant, &OpParams, DType, &str)> = registry
             .variants()
             .iter()
-            .flat_map(|v| v.dtypes.iter().map(move |&d| (v, d)))
-            .flat_map(|(v, d)| {
+            .enumerate()
+            .flat_map(|(i, v)| v.dtypes.iter().map(move |&d| (v, registry.params(i), d)))
+            .flat_map(|(v, p, d)| {
                 [(80, "sm_80"), (90, "sm_90a")]
                     .into_iter()
                     .filter(|(sm, _)| (v.sm[0]..=v.sm[1]).contains(sm))
-                    .map(move |(_, arch)| (v, d, arch))
+                    .map(move |(_, arch)| (v, p, d, arch))
             })
             .collect();
         let next = std::sync::atomic::AtomicUsize::new(0);
@@ -731,10 +771,10 @@ mod nvrtc_tests {
                 .map(|_| {
                     scope.spawn(|| {
                         let mut done = 0;
-                        while let Some(&(variant, dtype, arch)) =
+                        while let Some(&(variant, params, dtype, arch)) =
                             jobs.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
                         {
-                            let options = compile_options(variant, dtype, arch);
+                            let options = compile_options(variant, params, dtype, arch);
                             let cubin =
                                 nvrtc_compile(&variant.source, &options).unwrap_or_else(|e| {
                                     panic!("{} {} {arch}: {e}", variant.name, dtype.name())
@@ -760,7 +800,7 @@ mod nvrtc_tests {
         // Both architectures are covered.
         for arch in ["sm_80", "sm_90a"] {
             assert!(
-                jobs.iter().any(|j| j.2 == arch),
+                jobs.iter().any(|j| j.3 == arch),
                 "nothing compiled for {arch}"
             );
         }

@@ -1,13 +1,15 @@
 //! LayerNorm and RMSNorm, forward and backward, through kernels/norm.cu, or why stock runs a
 //! call. Calls stock would reject are sent to stock so the user gets stock's error.
 
-use super::{Family, KernelOp, Request, Selected, Served, Variant};
+use super::params::{self, flag, one};
+use super::{Family, KernelOp, OpParams, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr, empty};
 use crate::abi::types::TfNormCall;
 use crate::gpu::{self, Kernels, Launch};
 use crate::runtime::Entry;
 use crate::select::{dtype_of, DType, StockReason};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
+use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 
@@ -138,8 +140,17 @@ impl Family for Norm {
         ]
     }
 
-    fn validate(v: &Variant) -> Result<(), String> {
-        validate_variant(v)
+    type Params = Params;
+
+    fn prepare(v: &Variant) -> Result<Params, String> {
+        prepare(v)
+    }
+
+    fn params(p: &OpParams) -> Option<&Params> {
+        match p {
+            OpParams::Norm(p) => Some(p),
+            _ => None,
+        }
     }
 }
 
@@ -147,16 +158,31 @@ fn is_backward(op: KernelOp) -> bool {
     matches!(op, KernelOp::LayerNormBwd | KernelOp::RmsNormBwd)
 }
 
-const PARAMS: [&str; 8] = [
-    "THREADS_PER_ROW",
-    "ROWS_PER_BLOCK",
-    "ELEMS_PER_THREAD",
-    "PREFETCH",
-    "STREAM",
-    "MIN_BLOCKS",
-    "CLUSTER",
-    "SMEM_ACC",
-];
+/// A norm variant's compile-time params (`registry/norm.toml`), checked once.
+#[derive(Clone, Copy, Debug, Deserialize, Serialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE", deny_unknown_fields)]
+pub struct Params {
+    /// Threads that share a row: a multiple of 32.
+    threads_per_row: i64,
+    rows_per_block: i64,
+    /// A multiple of 8 (elements of the narrowest dtype in one 16-byte vector).
+    elems_per_thread: i64,
+    /// Forward: the next row's loads issued before this row's math.
+    #[serde(default, with = "flag")]
+    prefetch: bool,
+    /// x (and dy) loaded past L1, weight and bias re-read from L1 every row.
+    #[serde(default, with = "flag")]
+    stream: bool,
+    /// CTAs per SM the register budget must allow (`__launch_bounds__`).
+    #[serde(default = "one")]
+    min_blocks: i64,
+    /// CTAs per row (a thread-block cluster, sm 90); 1: a CTA per row.
+    #[serde(default = "one")]
+    cluster: i64,
+    /// Backward: the dgamma/dbeta accumulators in dynamic shared memory, not registers.
+    #[serde(default, with = "flag")]
+    smem_acc: bool,
+}
 
 /// Thread-block clusters (a row split across CTAs) start with Hopper.
 const CLUSTER_MIN_SM: u32 = 90;
@@ -169,14 +195,12 @@ const DYNAMIC_SMEM_LIMIT: i64 = 160 * 1024;
 
 /// Dynamic shared memory of a backward variant with SMEM_ACC = 1: its fp32 accumulators of
 /// dgamma (and dbeta for LayerNorm), ELEMS_PER_THREAD each per thread (0 otherwise).
-fn accumulator_bytes(v: &Variant) -> i64 {
-    let backward = is_backward(v.op);
-    if !backward || v.params.get("SMEM_ACC") != Some(&1) {
+fn accumulator_bytes(op: KernelOp, p: &Params) -> i64 {
+    if !is_backward(op) || !p.smem_acc {
         return 0;
     }
-    let get = |k: &str| v.params.get(k).copied().unwrap_or(1);
-    let quantities = if v.op == KernelOp::LayerNormBwd { 2 } else { 1 };
-    quantities * get("THREADS_PER_ROW") * get("ROWS_PER_BLOCK") * get("ELEMS_PER_THREAD") * 4
+    let quantities = if op == KernelOp::LayerNormBwd { 2 } else { 1 };
+    quantities * p.threads_per_row * p.rows_per_block * p.elems_per_thread * 4
 }
 
 /// The launch shape a variant's parameters give.
@@ -188,30 +212,20 @@ struct Geometry {
     cluster: u32,
 }
 
-fn geometry(v: &Variant) -> Geometry {
-    // validate_variant guarantees they exist (CLUSTER defaults to 1) and fit in a CTA.
-    let get = |k: &str| v.params.get(k).copied().unwrap_or(1).clamp(1, 1024) as u32;
+fn geometry(p: &Params) -> Geometry {
+    // `prepare` checked that they fit in a CTA.
+    let dim = |x: i64| x.clamp(1, 1024) as u32;
     Geometry {
-        threads_per_row: get("THREADS_PER_ROW"),
-        rows_per_block: get("ROWS_PER_BLOCK"),
-        cluster: get("CLUSTER"),
+        threads_per_row: dim(p.threads_per_row),
+        rows_per_block: dim(p.rows_per_block),
+        cluster: dim(p.cluster),
     }
 }
 
-/// Compile-time parameters every norm variant must set, and their limits.
-fn validate_variant(v: &Variant) -> Result<(), String> {
-    if let Some(unknown) = v.params.keys().find(|k| !PARAMS.contains(&k.as_str())) {
-        return Err(format!("{}: unknown param {unknown}", v.name));
-    }
-    let get = |k: &str| {
-        v.params
-            .get(k)
-            .copied()
-            .ok_or_else(|| format!("{}: missing param {k}", v.name))
-    };
-    let tpr = get("THREADS_PER_ROW")?;
-    let rows = get("ROWS_PER_BLOCK")?;
-    let ept = get("ELEMS_PER_THREAD")?;
+/// A norm variant's params, and their limits.
+fn prepare(v: &Variant) -> Result<Params, String> {
+    let p: Params = params::parse(v)?;
+    let (tpr, rows, ept) = (p.threads_per_row, p.rows_per_block, p.elems_per_thread);
     if tpr <= 0 || tpr % 32 != 0 || rows <= 0 || tpr * rows > 1024 {
         return Err(format!(
             "{}: THREADS_PER_ROW {tpr} x ROWS_PER_BLOCK {rows} is not a valid CTA",
@@ -225,21 +239,9 @@ fn validate_variant(v: &Variant) -> Result<(), String> {
             v.name
         ));
     }
-    for flag in ["PREFETCH", "STREAM", "SMEM_ACC"] {
-        if !matches!(v.params.get(flag), None | Some(0) | Some(1)) {
-            return Err(format!("{}: {flag} must be 0 or 1", v.name));
-        }
-    }
-    if v.params
-        .get("MIN_BLOCKS")
-        .is_some_and(|&b| !(1..=32).contains(&b))
-    {
-        return Err(format!("{}: MIN_BLOCKS must be in 1..=32", v.name));
-    }
-    let cluster = v.params.get("CLUSTER").copied().unwrap_or(1);
-    if ![1, 2, 4, 8].contains(&cluster) {
-        return Err(format!("{}: CLUSTER must be 1, 2, 4 or 8", v.name));
-    }
+    params::in_range(v, "MIN_BLOCKS", p.min_blocks, 1..=32)?;
+    params::one_of(v, "CLUSTER", p.cluster, &[1, 2, 4, 8])?;
+    let cluster = p.cluster;
     if cluster > 1 && (rows != 1 || tpr < 64 || v.sm[0] < CLUSTER_MIN_SM) {
         return Err(format!(
             "{}: CLUSTER > 1 needs ROWS_PER_BLOCK = 1, THREADS_PER_ROW >= 64 and sm >= \
@@ -256,14 +258,14 @@ fn validate_variant(v: &Variant) -> Result<(), String> {
         ));
     }
     let backward = is_backward(v.op);
-    if v.params.get("SMEM_ACC") == Some(&1) && !backward {
+    if p.smem_acc && !backward {
         return Err(format!("{}: SMEM_ACC is a backward parameter", v.name));
     }
-    if accumulator_bytes(v) > DYNAMIC_SMEM_LIMIT {
+    let accumulators = accumulator_bytes(v.op, &p);
+    if accumulators > DYNAMIC_SMEM_LIMIT {
         return Err(format!(
-            "{}: the accumulators need {} bytes of shared memory (limit {DYNAMIC_SMEM_LIMIT})",
-            v.name,
-            accumulator_bytes(v)
+            "{}: the accumulators need {accumulators} bytes of shared memory (limit {DYNAMIC_SMEM_LIMIT})",
+            v.name
         ));
     }
     if backward && rows > 1 && rows * tpr * ept * 4 > STATIC_SMEM_LIMIT {
@@ -273,7 +275,7 @@ fn validate_variant(v: &Variant) -> Result<(), String> {
             rows * tpr * ept * 4
         ));
     }
-    Ok(())
+    Ok(p)
 }
 
 /// A checked call: its dtype, rows x cols, and the statistics' keepdim shape.
@@ -358,6 +360,7 @@ fn plan(op: KernelOp, l: &Layout, launch: Launch) -> Result<Plan, StockReason> {
         gpu,
         variant,
         kernels,
+        params,
     } = super::select(launch, |sm| Request {
         op,
         dtype: l.dtype,
@@ -366,7 +369,8 @@ fn plan(op: KernelOp, l: &Layout, launch: Launch) -> Result<Plan, StockReason> {
         sm,
         deterministic: false,
     })?;
-    let g = geometry(variant);
+    let p = Norm::params(params).ok_or(StockReason::InternalError)?;
+    let g = geometry(p);
     let main = kernels.get(if is_backward(op) {
         BWD_KERNEL
     } else {
@@ -374,8 +378,8 @@ fn plan(op: KernelOp, l: &Layout, launch: Launch) -> Result<Plan, StockReason> {
     })?;
     let groups = (l.rows + i64::from(g.rows_per_block) - 1) / i64::from(g.rows_per_block);
     let block_threads = g.threads_per_row * g.rows_per_block;
-    // validate_variant keeps it below DYNAMIC_SMEM_LIMIT.
-    let shared_bytes = u32::try_from(accumulator_bytes(variant)).unwrap_or(u32::MAX);
+    // `prepare` keeps it below DYNAMIC_SMEM_LIMIT.
+    let shared_bytes = u32::try_from(accumulator_bytes(op, p)).unwrap_or(u32::MAX);
     if shared_bytes > 0 {
         gpu.ctx
             .bind_to_thread()

@@ -1,8 +1,9 @@
 //! Which kernel variant serves a call: data from `registry/*.toml` (reviewed like code),
 //! matched on (op, dtype, shape, SM). Anything without a match goes to stock with a reason.
 //!
-//! The registry knows no op: it is generic over the op key (`ops::KernelOp`), and the ops
-//! layer checks each variant's params when the data is parsed.
+//! The registry knows no op: it is generic over the op key (`ops::KernelOp`) and over the typed
+//! params the ops layer makes of each variant's `params` table when the data is parsed (and
+//! checks there, once).
 
 use super::{DType, StockReason};
 use serde::de::DeserializeOwned;
@@ -91,8 +92,10 @@ pub struct Request<Op> {
 }
 
 #[derive(Debug)]
-pub struct Registry<Op> {
+pub struct Registry<Op, P> {
     variants: Vec<Variant<Op>>,
+    /// Each variant's typed params, by index.
+    params: Vec<P>,
     /// (op, dtype, hidden, sm) -> candidate variant indices, best first; rows are checked per
     /// call against the candidates' `min_rows`, so the hot path is one hash lookup.
     candidates: RwLock<HashMap<CandidateKey<Op>, Candidates>>,
@@ -102,20 +105,24 @@ type CandidateKey<Op> = (Op, DType, i64, u32);
 /// Variant indices best first, or why none can serve.
 type Candidates = Result<Vec<usize>, StockReason>;
 
-/// Checks one variant's op-specific data (its params, its kernel source).
-pub type Validate<'a, Op> = &'a dyn Fn(&Variant<Op>) -> Result<(), String>;
+/// Checks one variant's op-specific data (its params, its kernel source) and makes its typed
+/// params.
+pub type Prepare<'a, Op, P> = &'a dyn Fn(&Variant<Op>) -> Result<P, String>;
 
-impl<Op: OpKey> Registry<Op> {
-    pub fn parse(files: &[(&str, &str)], validate: Validate<Op>) -> Result<Registry<Op>, String> {
-        Registry::parse_with_sweep(files, None, validate)
+impl<Op: OpKey, P> Registry<Op, P> {
+    pub fn parse(
+        files: &[(&str, &str)],
+        prepare: Prepare<Op, P>,
+    ) -> Result<Registry<Op, P>, String> {
+        Registry::parse_with_sweep(files, None, prepare)
     }
 
     /// `sweep`: (name, text) of a file of benchmark-only variants.
     pub fn parse_with_sweep(
         files: &[(&str, &str)],
         sweep: Option<(&str, &str)>,
-        validate: Validate<Op>,
-    ) -> Result<Registry<Op>, String> {
+        prepare: Prepare<Op, P>,
+    ) -> Result<Registry<Op, P>, String> {
         let mut variants = Vec::new();
         for (name, text) in files {
             let file: RegistryFile<Op> =
@@ -153,10 +160,11 @@ impl<Op: OpKey> Registry<Op> {
             if v.dtypes.is_empty() {
                 return Err(format!("{}: no dtypes", v.name));
             }
-            validate(v)?;
         }
+        let params = variants.iter().map(prepare).collect::<Result<_, _>>()?;
         Ok(Registry {
             variants,
+            params,
             candidates: RwLock::new(HashMap::new()),
         })
     }
@@ -167,6 +175,11 @@ impl<Op: OpKey> Registry<Op> {
 
     pub fn variant(&self, index: usize) -> &Variant<Op> {
         &self.variants[index]
+    }
+
+    /// The typed params of variant `index`.
+    pub fn params(&self, index: usize) -> &P {
+        &self.params[index]
     }
 
     fn find_candidates(
