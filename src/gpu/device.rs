@@ -9,6 +9,13 @@ use std::sync::{Arc, Mutex};
 /// Where a call runs: PyTorch's device index and current stream (`TfLaunch`).
 pub use crate::abi::types::TfLaunch as Launch;
 
+/// The tch device of a launch's GPU.
+pub fn torch_device(launch: Launch) -> Result<tch::Device, crate::select::StockReason> {
+    usize::try_from(launch.device)
+        .map(tch::Device::Cuda)
+        .map_err(|_| crate::select::StockReason::InvalidInput)
+}
+
 /// A GPU as torchfuse uses it: PyTorch's primary context and the SM version.
 pub struct Device {
     pub ctx: Arc<CudaContext>,

@@ -3,6 +3,22 @@
 pub const KERNEL_SOURCES: &[(&str, &str)] = &[
     ("adam.cu", include_str!("../../kernels/adam.cu")),
     ("attention.cu", include_str!("../../kernels/attention.cu")),
+    (
+        "attention_bwd_sm80.cuh",
+        include_str!("../../kernels/attention_bwd_sm80.cuh"),
+    ),
+    (
+        "attention_bwd_sm90.cuh",
+        include_str!("../../kernels/attention_bwd_sm90.cuh"),
+    ),
+    (
+        "attention_fwd_sm80.cuh",
+        include_str!("../../kernels/attention_fwd_sm80.cuh"),
+    ),
+    (
+        "attention_fwd_sm90.cuh",
+        include_str!("../../kernels/attention_fwd_sm90.cuh"),
+    ),
     ("common.cuh", include_str!("../../kernels/common.cuh")),
     ("embedding.cu", include_str!("../../kernels/embedding.cu")),
     ("norm.cu", include_str!("../../kernels/norm.cu")),

@@ -403,7 +403,7 @@ fn step(launch: Launch, call: &AdamCall) -> Result<&'static str, StockReason> {
     let stream = gpu.stream(launch);
     for (launched, (range, units)) in batches.into_iter().enumerate() {
         let batch = &tensors[range];
-        let blocks = (i64::from(units) + warps_per_block - 1) / warps_per_block;
+        let blocks = crate::gpu::ceil_div(i64::from(units), warps_per_block);
         let config = LaunchConfig {
             grid_dim: (blocks.min(resident).max(1) as u32, 1, 1),
             block_dim: (threads, 1, 1),
@@ -448,8 +448,7 @@ fn plan_launches(call: &AdamCall, unit: i64) -> Result<(Vec<AdamTensor>, Vec<Bat
         if numel == 0 {
             continue;
         }
-        let units =
-            u32::try_from((numel + unit - 1) / unit).map_err(|_| StockReason::NoVariantForShape)?;
+        let units = crate::gpu::grid_dim(numel, unit)?;
         let full = tensors.len() - batch_start == MAX_TENSORS_PER_LAUNCH;
         if full || units_so_far.checked_add(units).is_none() {
             batches.push((batch_start..tensors.len(), units_so_far));
@@ -678,7 +677,7 @@ mod tests {
             let mut next = 0u32;
             for t in &tensors[range.clone()] {
                 assert_eq!(t.first_unit, next);
-                next += ((t.numel + unit - 1) / unit) as u32;
+                next += crate::gpu::ceil_div(t.numel, unit) as u32;
             }
             assert_eq!(next, *units);
         }

@@ -11,7 +11,7 @@ use super::params::{self, flag, one};
 use super::{Family, KernelOp, OpParams, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, device_addr, empty, Borrowed};
 use crate::abi::types::TfAttentionCall;
-use crate::gpu::Launch;
+use crate::gpu::{self, Launch};
 use crate::runtime::Entry;
 use crate::select::{dtype_of, DType, StockReason};
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
@@ -496,9 +496,7 @@ unsafe fn plan(launch: Launch, call: &TfAttentionCall) -> Result<Plan, StockReas
     if k.f_kind().ok() != Some(kind) || v.f_kind().ok() != Some(kind) {
         return Err(StockReason::MixedDtypes);
     }
-    let device = usize::try_from(launch.device)
-        .map(Device::Cuda)
-        .map_err(|_| StockReason::InvalidInput)?;
+    let device = gpu::torch_device(launch)?;
     if [q, k, v].iter().any(|t| t.device() != device) {
         return Err(StockReason::InvalidInput);
     }
@@ -582,10 +580,6 @@ pub fn score_elements(batch: i64, heads: i64, lq: i64, lk: i64) -> i64 {
         .saturating_mul(heads)
         .saturating_mul(lq)
         .saturating_mul(lk)
-}
-
-fn blocks(n: i64, per: i64) -> u32 {
-    u32::try_from((n + per - 1) / per).unwrap_or(u32::MAX)
 }
 
 fn dim_u32(n: i64) -> u32 {
@@ -710,7 +704,7 @@ impl Plan {
     /// CTAs as fit, handing the tiles out by a counter.
     fn fwd_grid(&self) -> Result<((u32, u32, u32), bool), StockReason> {
         let s = &self.shapes;
-        let m_tiles = blocks(self.lq, s.fwd_block_m());
+        let m_tiles = gpu::grid_dim(self.lq, s.fwd_block_m())?;
         let per_tile = Ok((self.grid(m_tiles, self.heads), false));
         if !s.fwd_persistent {
             return per_tile;
@@ -860,16 +854,16 @@ impl Plan {
         let (dk, dv) = (kv_grad()?, kv_grad()?);
 
         let rows = self.batch * self.heads * self.lq;
-        let prep = self.launch_config(PREP, (blocks(rows * (d / 8), 256), 1, 1), 256, 0)?;
+        let prep = self.launch_config(PREP, (gpu::grid_dim(rows * (d / 8), 256)?, 1, 1), 256, 0)?;
         let dkdv = self.launch_config(
             DKDV,
-            self.grid(blocks(self.lk, s.dkdv_keys()), self.kv_heads),
+            self.grid(gpu::grid_dim(self.lk, s.dkdv_keys())?, self.kv_heads),
             s.bwd_threads(),
             s.dkdv_smem(),
         )?;
         let dq_config = self.launch_config(
             DQ,
-            self.grid(blocks(self.lq, s.dq_rows()), self.heads),
+            self.grid(gpu::grid_dim(self.lq, s.dq_rows())?, self.heads),
             s.bwd_threads(),
             s.dq_smem(),
         )?;

@@ -12,7 +12,7 @@ use crate::runtime::Entry;
 use crate::select::{dtype_of, kind_name, StockReason};
 use cudarc::driver::{DriverError, LaunchConfig, PushKernelArg};
 use serde::{Deserialize, Serialize};
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 /// Tokens per thread of a radix sort tile (`SORT_ITEMS_SMALL` up to `SMALL_TILES_MAX_TOKENS`
 /// tokens, `SORT_ITEMS_LARGE` above: measured at 16384 tokens, 1024-token tiles took 77.6 ->
@@ -270,16 +270,6 @@ pub fn cluster_sort_items(tokens: i64) -> Option<i32> {
         .find(|&items| per_thread <= i64::from(items))
 }
 
-fn cuda_device(launch: Launch) -> Result<Device, StockReason> {
-    usize::try_from(launch.device)
-        .map(Device::Cuda)
-        .map_err(|_| StockReason::InvalidInput)
-}
-
-fn count(n: i64, per: i64) -> Result<u32, StockReason> {
-    u32::try_from((n + per - 1) / per).map_err(|_| StockReason::NoVariantForShape)
-}
-
 struct Gathered {
     pub output: Tensor,
     pub kernel: &'static str,
@@ -292,7 +282,7 @@ fn forward(launch: Launch, weight: &Tensor, indices: &Tensor) -> Result<Gathered
     let kind = weight.f_kind().map_err(|_| StockReason::UnsupportedDtype)?;
     let dtype = dtype_of(kind).ok_or(StockReason::UnsupportedDtype)?;
     let idx64 = index_kind(indices)?;
-    let device = cuda_device(launch)?;
+    let device = gpu::torch_device(launch)?;
     let [num_weights, cols] = weight.size()[..] else {
         return Err(StockReason::InvalidInput);
     };
@@ -342,7 +332,7 @@ fn forward(launch: Launch, weight: &Tensor, indices: &Tensor) -> Result<Gathered
     let units = tokens * if vectorized == 1 { cols / vec } else { cols };
     let gather = kernels.get(FWD_KERNEL)?;
     let resident = gather.resident_per_sm(threads) * gpu.multiprocessors;
-    let grid = count(units, i64::from(threads) * unroll)?.clamp(1, resident.max(1));
+    let grid = gpu::grid_dim(units, i64::from(threads) * unroll)?.clamp(1, resident.max(1));
 
     let (w_ptr, i_ptr, o_ptr) = (
         device_addr(weight),
@@ -387,7 +377,20 @@ struct BackwardCall<'a> {
 /// `embedding_dense_backward`: grad_weight [num_weights, D] in grad's dtype; row v is the sum
 /// of the grad rows of the tokens whose index is v (in token order, fp32), zero for untouched
 /// rows and for `padding_idx`. Deterministic.
-fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockReason> {
+/// A backward call checked: what stock would reject, or the kernels cannot take, goes to
+/// stock.
+struct BackwardShape {
+    kind: Kind,
+    dtype: crate::select::DType,
+    idx64: bool,
+    device: tch::Device,
+    /// The embedding width D and the tokens (indices) of the call.
+    cols: i64,
+    cols_i32: i32,
+    tokens: i64,
+}
+
+fn check_backward(launch: Launch, call: &BackwardCall) -> Result<BackwardShape, StockReason> {
     if call.scale_grad_by_freq {
         return Err(StockReason::ScaleGradByFreq);
     }
@@ -397,7 +400,7 @@ fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockReason
         .map_err(|_| StockReason::UnsupportedDtype)?;
     let dtype = dtype_of(kind).ok_or(StockReason::UnsupportedDtype)?;
     let idx64 = index_kind(call.indices)?;
-    let device = cuda_device(launch)?;
+    let device = gpu::torch_device(launch)?;
     if call.indices.device() != device || call.grad.device() != device {
         return Err(StockReason::InvalidInput);
     }
@@ -418,6 +421,77 @@ fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockReason
         return Err(StockReason::NoVariantForShape);
     }
     let cols_i32 = i32::try_from(cols).map_err(|_| StockReason::NoVariantForShape)?;
+    Ok(BackwardShape {
+        kind,
+        dtype,
+        idx64,
+        device,
+        cols,
+        cols_i32,
+        tokens,
+    })
+}
+
+/// The backward's one workspace allocation (each allocation through PyTorch costs
+/// microseconds of host time, which decides small calls), as byte offsets of its regions
+/// (each 16-byte aligned) and its size:
+/// 0. partials: two fp32 rows per chunk;
+/// 1. two (keys, token numbers) buffers the sort passes alternate between;
+/// 2. the sort's digit histograms, one row per tile;
+/// 3. one bit per table row (touched by some token), then the work list of rows cut by chunk
+///    edges (its two lengths, light and heavy rows, then up to one entry per chunk): zeroed
+///    before the sort; `flag_words` 32-bit words;
+/// 4. each cut row's first partial.
+struct Workspace {
+    offsets: [i64; 5],
+    total: i64,
+    bitmap_words: i64,
+    flag_words: i64,
+}
+
+impl Workspace {
+    fn plan(
+        tokens: i64,
+        cols: i64,
+        num_weights: i64,
+        tiles: u32,
+        chunks: u32,
+        digit_bits: u32,
+    ) -> Workspace {
+        let bitmap_words = gpu::ceil_div(num_weights, 32);
+        let flag_words = bitmap_words + 2 + i64::from(chunks);
+        let regions = [
+            i64::from(chunks) * 2 * cols * 4,
+            4 * tokens * 4,
+            (i64::from(tiles) << digit_bits) * 4,
+            flag_words * 4,
+            num_weights * 4,
+        ];
+        let mut offsets = [0i64; 5];
+        let mut total = 0i64;
+        for (offset, bytes) in offsets.iter_mut().zip(regions) {
+            *offset = total;
+            total += gpu::ceil_div(bytes, 16) * 16;
+        }
+        Workspace {
+            offsets,
+            total,
+            bitmap_words,
+            flag_words,
+        }
+    }
+}
+
+fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockReason> {
+    let BackwardShape {
+        kind,
+        dtype,
+        idx64,
+        device,
+        cols,
+        cols_i32,
+        tokens,
+    } = check_backward(launch, call)?;
     let Selected {
         gpu,
         variant,
@@ -453,32 +527,14 @@ fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockReason
     } else {
         SORT_ITEMS_LARGE
     };
-    let tiles = count(tokens, i64::from(sort_items) * i64::from(SORT_THREADS))?;
-    let chunks = count(tokens, CHUNK)?;
-    // One workspace allocation for the scratch (each allocation through PyTorch costs
-    // microseconds of host time, which decides small calls):
-    // - partials: two fp32 rows per chunk;
-    // - two (keys, token numbers) buffers the sort passes alternate between;
-    // - the sort's digit histograms, one row per tile;
-    // - one bit per table row (touched by some token), then the work list of rows cut by
-    //   chunk edges (its two lengths, light and heavy rows, then up to one entry per chunk):
-    //   zeroed below;
-    // - each cut row's first partial.
-    let bitmap_words = (num_weights + 31) / 32;
-    let flag_words = bitmap_words + 2 + i64::from(chunks);
-    let regions = [
-        i64::from(chunks) * 2 * cols * 4,
-        4 * tokens * 4,
-        (i64::from(tiles) << digit_bits) * 4,
-        flag_words * 4,
-        num_weights * 4,
-    ];
-    let mut offsets = [0i64; 5];
-    let mut total = 0i64;
-    for (offset, bytes) in offsets.iter_mut().zip(regions) {
-        *offset = total;
-        total += (bytes + 15) / 16 * 16;
-    }
+    let tiles = gpu::grid_dim(tokens, i64::from(sort_items) * i64::from(SORT_THREADS))?;
+    let chunks = gpu::grid_dim(tokens, CHUNK)?;
+    let Workspace {
+        offsets,
+        total,
+        bitmap_words,
+        flag_words,
+    } = Workspace::plan(tokens, cols, num_weights, tiles, chunks, digit_bits);
     let workspace = empty(&[total], Kind::Uint8, device)?;
     let grad_weight = empty(&[num_weights, cols], kind, device)?;
     let base = device_addr(&workspace);
@@ -536,10 +592,10 @@ fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockReason
     let vectors = if vectorized == 1 { cols / vec } else { cols };
     let zero_items = if cluster_items.is_some() {
         // emb_zero_rows: ZERO_UNROLL column vectors a thread per round.
-        count(num_weights * vectors, i64::from(SORT_THREADS) * ZERO_UNROLL)?
+        gpu::grid_dim(num_weights * vectors, i64::from(SORT_THREADS) * ZERO_UNROLL)?
     } else {
-        let items = (num_weights + 31) / 32 * ((vectors + ZERO_SLICE - 1) / ZERO_SLICE);
-        count(items, ZERO_ITEMS_PER_BLOCK)?
+        let items = gpu::ceil_div(num_weights, 32) * gpu::ceil_div(vectors, ZERO_SLICE);
+        gpu::grid_dim(items, ZERO_ITEMS_PER_BLOCK)?
     };
     let zero_blocks = zero_items.clamp(1, ZERO_BLOCKS_PER_SM * gpu.multiprocessors);
     let zero_config = LaunchConfig {
@@ -547,8 +603,8 @@ fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockReason
         ..sort_config
     };
     // emb_bwd_reduce: one warp per (chunk, slice of 32 column vectors).
-    let reduce_blocks = count(
-        i64::from(chunks) * ((vectors + 31) / 32),
+    let reduce_blocks = gpu::grid_dim(
+        i64::from(chunks) * gpu::ceil_div(vectors, 32),
         i64::from(REDUCE_THREADS / 32),
     )?;
     // The side stream must have been forked from the caller's after the bitmap is complete.
@@ -736,6 +792,35 @@ fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockReason
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn workspace_regions_are_aligned_disjoint_and_hold_their_bytes() {
+        for (tokens, cols, rows) in [(1, 1, 1), (16384, 768, 50304), (3, 1100, 70000)] {
+            let chunks = gpu::grid_dim(tokens, CHUNK).unwrap();
+            let tiles = gpu::grid_dim(tokens, 4 * i64::from(SORT_THREADS)).unwrap();
+            let (_, digit_bits, _) = sort_digits(rows);
+            let w = Workspace::plan(tokens, cols, rows, tiles, chunks, digit_bits);
+            let needs = [
+                i64::from(chunks) * 2 * cols * 4,
+                4 * tokens * 4,
+                (i64::from(tiles) << digit_bits) * 4,
+                w.flag_words * 4,
+                rows * 4,
+            ];
+            let ends = [
+                w.offsets[1],
+                w.offsets[2],
+                w.offsets[3],
+                w.offsets[4],
+                w.total,
+            ];
+            for (i, ((start, end), need)) in w.offsets.iter().zip(ends).zip(needs).enumerate() {
+                assert_eq!(start % 16, 0);
+                assert!(end - start >= need, "region {i} of {tokens}x{cols}");
+            }
+            assert_eq!(w.bitmap_words, (rows + 31) / 32);
+        }
+    }
 
     #[test]
     fn cluster_sort_tiles_hold_every_token_and_no_more_than_it_can() {

@@ -307,8 +307,7 @@ fn layout(
     if shape[axis..] != *normalized_shape {
         return Err(StockReason::InvalidInput);
     }
-    let device =
-        Device::Cuda(usize::try_from(launch.device).map_err(|_| StockReason::InvalidInput)?);
+    let device = gpu::torch_device(launch)?;
     for param in params.iter().flatten() {
         if param.size() != normalized_shape || param.device() != input.device() {
             return Err(StockReason::InvalidInput);
@@ -376,7 +375,7 @@ fn plan(op: KernelOp, l: &Layout, launch: Launch) -> Result<Plan, StockReason> {
     } else {
         FWD_KERNEL
     })?;
-    let groups = (l.rows + i64::from(g.rows_per_block) - 1) / i64::from(g.rows_per_block);
+    let groups = gpu::ceil_div(l.rows, i64::from(g.rows_per_block));
     let block_threads = g.threads_per_row * g.rows_per_block;
     // `prepare` keeps it below DYNAMIC_SMEM_LIMIT.
     let shared_bytes = u32::try_from(accumulator_bytes(op, p)).unwrap_or(u32::MAX);
@@ -629,8 +628,7 @@ fn backward(launch: Launch, call: &BackwardCall) -> Result<Backward, StockReason
     unsafe { args.launch(plan.rows_config()) }.map_err(|e| plan.launch_failed(e))?;
 
     if want_dw || want_db {
-        let column_blocks =
-            u32::try_from((l.cols + 31) / 32).map_err(|_| StockReason::NoVariantForShape)?;
+        let column_blocks = gpu::grid_dim(l.cols, 32)?;
         let mut args = stream.launch_builder(&plan.kernels.get(BWD_REDUCE_KERNEL)?.function);
         args.arg(&dwp_ptr)
             .arg(&dbp_ptr)
