@@ -2,8 +2,8 @@
 //! results handed back.
 
 use super::types::{
-    torchfuse_cxx_empty_unfilled, TfStatus, SCALAR_BFLOAT16, SCALAR_FLOAT, SCALAR_HALF, SCALAR_INT,
-    SCALAR_LONG, SCALAR_UINT8,
+    torchfuse_cxx_empty_unfilled, TfStatus, TfTensor, SCALAR_BFLOAT16, SCALAR_FLOAT, SCALAR_HALF,
+    SCALAR_INT, SCALAR_LONG, SCALAR_UINT8,
 };
 use crate::select::{kind_name, StockReason};
 use std::ffi::c_void;
@@ -18,6 +18,16 @@ impl Deref for Borrowed {
     type Target = Tensor;
     fn deref(&self) -> &Tensor {
         &self.0
+    }
+}
+
+impl TfTensor {
+    /// The tensor as tch sees it, borrowed; None when absent.
+    ///
+    /// # Safety
+    /// `handle` is null or a defined `at::Tensor` alive for the call (the glue's promise).
+    pub unsafe fn borrow(&self) -> Option<Borrowed> {
+        borrow(self.handle)
     }
 }
 

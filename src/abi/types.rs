@@ -2,7 +2,6 @@
 //! and Rust, `#[repr(C)]` in the header's order. The test below compares every size, offset
 //! and code with what the C++ compiler made of the header (`torchfuse_cxx_abi_layout`).
 
-use super::tensor::{borrow, Borrowed};
 use std::ffi::{c_char, c_void};
 
 /// `TF_STOCK`: PyTorch's own kernel must run the call, unchanged.
@@ -88,14 +87,6 @@ pub struct TfTensor {
 impl TfTensor {
     pub fn present(&self) -> bool {
         !self.handle.is_null()
-    }
-
-    /// The tensor as tch sees it, borrowed; None when absent.
-    ///
-    /// # Safety
-    /// `handle` is null or a defined `at::Tensor` alive for the call (the glue's promise).
-    pub unsafe fn borrow(&self) -> Option<Borrowed> {
-        borrow(self.handle)
     }
 }
 
