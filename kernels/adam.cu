@@ -35,7 +35,7 @@
 // 1: 16-byte accesses carry the streaming cache hint (.cs: data used once, evict first).
 
 
-// One tensor of the step; layout must match `AdamTensor` in src/adam.rs.
+// One tensor of the step; layout must match `AdamTensor` in src/ops/adam.rs.
 struct AdamTensor {
   tf_storage* param;
   tf_storage* grad;
@@ -48,7 +48,7 @@ struct AdamTensor {
   unsigned int unused;
 };
 
-// What every launch of a step shares; layout must match `StepScalars` in src/adam.rs.
+// What every launch of a step shares; layout must match `StepScalars` in src/ops/adam.rs.
 struct AdamStep {
   float lr;
   float beta1;

@@ -99,7 +99,7 @@ typedef unsigned short u16;
 // any light one and the light ones fill the last wave: query tiles are heavier the later they
 // start (heavy_last), key tiles the earlier. Without a mask it is (tiles, heads, batch), so the
 // CTAs of one head run together and share its K and V in L2 (tile-slowest measured 1.4x
-// slower there: B8 H16 S1024 D128). src/attention.rs launches the same order.
+// slower there: B8 H16 S1024 D128). src/ops/attention.rs launches the same order.
 struct GridTile {
   int tile, head, batch;
 };
@@ -409,7 +409,7 @@ struct Strides {
   tf_i64 batch, head, row;
 };
 
-// The call's sizes and softmax constants (`Problem` in src/attention.rs). `group` = query heads
+// The call's sizes and softmax constants (`Problem` in src/ops/attention.rs). `group` = query heads
 // per kv head; `scale_log2` = scale * log2(e).
 struct Problem {
   int heads, lq, lk, group;
