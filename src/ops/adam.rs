@@ -6,7 +6,7 @@
 //! Calls stock would reject go to stock, so the user gets stock's error.
 
 use super::params::{self, flag, one};
-use super::{Family, KernelOp, OpParams, Request, Selected, Served, Variant};
+use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::types::{
     TfAdamCall, TfTensor, SCALAR_BFLOAT16, SCALAR_DOUBLE, SCALAR_FLOAT, SCALAR_HALF,
 };
@@ -208,13 +208,6 @@ impl Family for Adam {
     fn prepare(v: &Variant) -> Result<Params, String> {
         prepare(v)
     }
-
-    fn params(p: &OpParams) -> Option<&Params> {
-        match p {
-            OpParams::Adam(p) => Some(p),
-            _ => None,
-        }
-    }
 }
 
 /// `AdamTensor` in kernels/adam.cu.
@@ -364,7 +357,7 @@ fn step(launch: Launch, call: &AdamCall) -> Result<&'static str, StockReason> {
         sm,
         deterministic: false,
     })?;
-    let p = Adam::params(params).ok_or(StockReason::InternalError)?;
+    let p = Adam::params(params)?;
     // `prepare` keeps it in 32..=1024.
     let threads = p.threads as u32;
     let warps_per_block = i64::from(threads / 32);

@@ -8,7 +8,7 @@
 //! reverse, after a fallback) still fit together.
 
 use super::params::{self, flag, one};
-use super::{Family, KernelOp, OpParams, Request, Selected, Served, Variant};
+use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, device_addr, empty, Borrowed};
 use crate::abi::types::TfAttentionCall;
 use crate::gpu::{self, Launch};
@@ -417,13 +417,6 @@ impl Family for Attention {
     fn prepare(v: &Variant) -> Result<Params, String> {
         prepare(v)
     }
-
-    fn params(p: &OpParams) -> Option<&Params> {
-        match p {
-            OpParams::Attention(p) => Some(p),
-            _ => None,
-        }
-    }
 }
 
 /// A call torchfuse serves, with everything the launches need.
@@ -557,7 +550,7 @@ unsafe fn plan(launch: Launch, call: &TfAttentionCall) -> Result<Plan, StockReas
         sm,
         deterministic: call.deterministic != 0,
     })?;
-    let shapes = *Attention::params(selected.params).ok_or(StockReason::InternalError)?;
+    let shapes = *Attention::params(selected.params)?;
     Ok(Plan {
         selected,
         shapes,
@@ -1043,11 +1036,11 @@ mod tests {
             "FWD_WGMMA = 1, FWD_WARPS = 8, FWD_BLOCK_N = 64, FWD_STAGES = 3",
         )
         .expect("valid");
-        let s = Attention::params(registry.params(0)).expect("attention");
+        let s = registry.params(0).get::<Params>().expect("attention");
         // Q (128 rows) + 3 stages of K and V (64 rows each), 64 bf16 columns, + 1024 bytes.
         assert_eq!(s.fwd_smem(), ((128 + 2 * 3 * 64) * 64 * 2 + 1024) as u32);
         let registry = variant("[80, 90]", "FWD_WARPS = 4, FWD_BLOCK_N = 64").expect("valid");
-        let s = Attention::params(registry.params(0)).expect("attention");
+        let s = registry.params(0).get::<Params>().expect("attention");
         assert_eq!(s.fwd_smem(), ((64 + 4 * 64) * 64 * 2) as u32);
     }
 
@@ -1055,7 +1048,7 @@ mod tests {
     fn shared_memory_fits_an_sm90_block_for_every_variant() {
         let registry = REGISTRY.as_ref().expect("registry");
         for (i, v) in registry.variants().iter().enumerate() {
-            let Some(s) = Attention::params(registry.params(i)) else {
+            let Some(s) = registry.params(i).get::<Params>() else {
                 continue;
             };
             for bytes in [s.fwd_smem(), s.dkdv_smem(), s.dq_smem()] {

@@ -4,7 +4,7 @@
 //! assert, as they stop stock's.
 
 use super::params::{self, flag};
-use super::{Family, KernelOp, OpParams, Request, Selected, Served, Variant};
+use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, device_addr, empty};
 use crate::abi::types::TfEmbeddingCall;
 use crate::gpu::{self, Launch};
@@ -181,13 +181,6 @@ impl Family for Embedding {
     fn prepare(v: &Variant) -> Result<Params, String> {
         prepare(v)
     }
-
-    fn params(p: &OpParams) -> Option<&Params> {
-        match p {
-            OpParams::Embedding(p) => Some(p),
-            _ => None,
-        }
-    }
 }
 
 /// An embedding variant's compile-time params (`registry/embedding.toml`), checked once.
@@ -326,7 +319,7 @@ fn forward(launch: Launch, weight: &Tensor, indices: &Tensor) -> Result<Gathered
     let vectorized =
         i32::from(cols % vec == 0 && row_bytes_aligned && aligned16([weight, &output]));
 
-    let p = Embedding::params(params).ok_or(StockReason::InternalError)?;
+    let p = Embedding::params(params)?;
     // `prepare` keeps it in 32..=1024.
     let (threads, unroll) = (p.threads as u32, p.unroll);
     let units = tokens * if vectorized == 1 { cols / vec } else { cols };
@@ -506,9 +499,7 @@ fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockReason
         deterministic: false,
     })?;
 
-    let sort_cluster = Embedding::params(params)
-        .ok_or(StockReason::InternalError)?
-        .sort_cluster;
+    let sort_cluster = Embedding::params(params)?.sort_cluster;
     let sort_count = kernels.get(SORT_COUNT)?;
     let sort_scatter = kernels.get(SORT_SCATTER)?;
     let reduce = kernels.get(REDUCE)?;

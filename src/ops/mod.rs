@@ -76,33 +76,42 @@ pub trait Family {
     fn defines(op: KernelOp) -> Vec<String>;
 
     /// A variant's typed params (`params::parse`), with defaults.
-    type Params: Serialize;
+    type Params: Serialize + Send + Sync + 'static;
 
     /// Reads and checks a variant's params, once, when the registry is parsed.
     fn prepare(v: &Variant) -> Result<Self::Params, String>;
 
-    /// Its own params among every family's; None for another family's.
-    fn params(p: &OpParams) -> Option<&Self::Params>;
+    /// The family's own params among a variant's (another family's: a bug, stock serves).
+    fn params(p: &OpParams) -> Result<&Self::Params, StockReason> {
+        p.get().ok_or(StockReason::InternalError)
+    }
 }
 
-/// A variant's typed params, whichever family it belongs to.
-#[derive(Debug)]
-pub enum OpParams {
-    Norm(norm::Params),
-    Adam(adam::Params),
-    Embedding(embedding::Params),
-    Attention(attention::Params),
+/// A variant's typed params, whichever family's (`Family::params` takes them back), and the
+/// `-DTF_<NAME>=<value>` options they compile to, defaults included.
+pub struct OpParams {
+    typed: Box<dyn std::any::Any + Send + Sync>,
+    defines: Vec<String>,
+}
+
+impl std::fmt::Debug for OpParams {
+    /// The params as NVRTC sees them.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(&self.defines).finish()
+    }
 }
 
 impl OpParams {
-    /// Every param as a `-DTF_<NAME>=<value>` option, defaults included.
-    fn defines(&self) -> Vec<String> {
-        match self {
-            OpParams::Norm(p) => params::defines(p),
-            OpParams::Adam(p) => params::defines(p),
-            OpParams::Embedding(p) => params::defines(p),
-            OpParams::Attention(p) => params::defines(p),
+    fn new<P: Serialize + Send + Sync + 'static>(typed: P) -> OpParams {
+        OpParams {
+            defines: params::defines(&typed),
+            typed: Box::new(typed),
         }
+    }
+
+    /// The params as `P`, if they are a `P`.
+    pub fn get<P: 'static>(&self) -> Option<&P> {
+        self.typed.downcast_ref()
     }
 }
 
@@ -173,13 +182,13 @@ impl KernelOp {
             KernelOp::LayerNormFwd
             | KernelOp::LayerNormBwd
             | KernelOp::RmsNormFwd
-            | KernelOp::RmsNormBwd => OpParams::Norm(norm::Norm::prepare(v)?),
-            KernelOp::AdamStep => OpParams::Adam(adam::Adam::prepare(v)?),
+            | KernelOp::RmsNormBwd => OpParams::new(norm::Norm::prepare(v)?),
+            KernelOp::AdamStep => OpParams::new(adam::Adam::prepare(v)?),
             KernelOp::EmbeddingFwd | KernelOp::EmbeddingBwd => {
-                OpParams::Embedding(embedding::Embedding::prepare(v)?)
+                OpParams::new(embedding::Embedding::prepare(v)?)
             }
             KernelOp::AttentionCausal | KernelOp::AttentionFull => {
-                OpParams::Attention(attention::Attention::prepare(v)?)
+                OpParams::new(attention::Attention::prepare(v)?)
             }
         })
     }
@@ -236,7 +245,7 @@ pub fn compile_options(
     let mut options = gpu::nvrtc::base_options(arch);
     options.push(format!("-DTF_DTYPE={}", dtype.kernel_code()));
     options.extend(variant.op.defines());
-    options.extend(params.defines());
+    options.extend(params.defines.iter().cloned());
     options
 }
 

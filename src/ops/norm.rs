@@ -2,7 +2,7 @@
 //! call. Calls stock would reject are sent to stock so the user gets stock's error.
 
 use super::params::{self, flag, one};
-use super::{Family, KernelOp, OpParams, Request, Selected, Served, Variant};
+use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr, empty};
 use crate::abi::types::TfNormCall;
 use crate::gpu::{self, Kernels, Launch};
@@ -144,13 +144,6 @@ impl Family for Norm {
 
     fn prepare(v: &Variant) -> Result<Params, String> {
         prepare(v)
-    }
-
-    fn params(p: &OpParams) -> Option<&Params> {
-        match p {
-            OpParams::Norm(p) => Some(p),
-            _ => None,
-        }
     }
 }
 
@@ -368,7 +361,7 @@ fn plan(op: KernelOp, l: &Layout, launch: Launch) -> Result<Plan, StockReason> {
         sm,
         deterministic: false,
     })?;
-    let p = Norm::params(params).ok_or(StockReason::InternalError)?;
+    let p = Norm::params(params)?;
     let g = geometry(p);
     let main = kernels.get(if is_backward(op) {
         BWD_KERNEL
