@@ -9,7 +9,7 @@ from conftest import MAIN_LIB
 
 _loaded = False
 
-# DESIGN.md §5 floors for ‖out − ref‖ / ‖ref‖.
+# docs/testing.md ("Correctness") floors for ‖out − ref‖ / ‖ref‖.
 FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
 

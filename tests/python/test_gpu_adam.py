@@ -1,5 +1,5 @@
 """Adam and AdamW (_fused_adam_ / _fused_adamw_) through torchfuse vs stock's fused kernel
-and a float64 reference (DESIGN.md §5: fp32 within 1e-6 relative after several steps)."""
+and a float64 reference (docs/testing.md ("Correctness"): fp32 within 1e-6 relative after several steps)."""
 import itertools
 import random
 
@@ -12,7 +12,7 @@ from gpu_util import enabled, fresh_seed, fused_count, load_torchfuse, rel_err, 
 pytestmark = requires_cuda
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# Ours vs stock after several steps. fp32 per DESIGN.md; 16-bit storage rounds each step, so
+# Ours vs stock after several steps. fp32 per docs/testing.md; 16-bit storage rounds each step, so
 # a one-ulp difference would show as ~2^-8 (bf16) or 2^-11 (f16) of one element.
 TOL_VS_STOCK = {torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-4}
 FLOOR = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}

@@ -1,5 +1,5 @@
 """scaled_dot_product_attention through torchfuse's flash-style kernels: forward output and
-logsumexp, and all three grads, against a float64 reference and stock (DESIGN.md §5) on fresh
+logsumexp, and all three grads, against a float64 reference and stock (docs/testing.md ("Correctness")) on fresh
 random shapes; bitwise reproducible backward; routing of what we do not serve back to stock."""
 import math
 import random
@@ -57,7 +57,7 @@ def sdpa_fwd_bwd(q, k, v, causal, scale, dout):
 
 
 def bound(stock_err, floor):
-    """DESIGN.md §5: within twice stock's error or the floor. Where stock's own result is not
+    """docs/testing.md ("Correctness"): within twice stock's error or the floor. Where stock's own result is not
     finite (seen from cuDNN on valid inputs), ours must meet the floor."""
     return max(2 * stock_err, floor) if math.isfinite(stock_err) else floor
 

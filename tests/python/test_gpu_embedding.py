@@ -1,5 +1,5 @@
 """Embedding forward (a gather: bitwise equal to stock) and embedding_dense_backward
-(against a float64 reference and stock, DESIGN.md §5; bitwise reproducible) through
+(against a float64 reference and stock, docs/testing.md ("Correctness"); bitwise reproducible) through
 torchfuse, over fresh random cases."""
 import os
 import random

@@ -1,5 +1,5 @@
 """LayerNorm and RMSNorm, forward and backward, through torchfuse vs stock and a float64
-reference (DESIGN.md §5): ours must be within max(2 x stock's error, floor)."""
+reference (docs/testing.md ("Correctness")): ours must be within max(2 x stock's error, floor)."""
 import random
 import tomllib
 
@@ -93,7 +93,7 @@ def call_bwd(kind, dy, x, shape, mean, rstd, w, b, mask, on):
 
 
 def assert_close(ours, stock, ref, floor, what, terms=None):
-    """DESIGN.md §5: ‖ours − ref‖ / ‖ref‖ ≤ max(2 × stock's, floor).
+    """docs/testing.md ("Correctness"): ‖ours − ref‖ / ‖ref‖ ≤ max(2 × stock's, floor).
 
     `terms`: for a result that is a difference of larger terms (dx), their magnitude. Where
     they nearly cancel (RMSNorm of one element: dx ∝ eps / x², from terms of size 1), any

@@ -1,4 +1,4 @@
-"""scripts/norm_registry_from_sweep.py on a made-up sweep (no GPU needed): which candidate each
+"""scripts/dev/norm_registry_from_sweep.py on a made-up sweep (no GPU needed): which candidate each
 bucket gets, from which timings, and that what it writes is a registry of the expected variants."""
 import json
 import subprocess
@@ -25,7 +25,7 @@ def row(op, shape, stock_us, candidates, graph=None):
 def generate(tmp_path, rows):
     sweep = tmp_path / "sweep.json"
     sweep.write_text(json.dumps({"meta": META, "rows": rows}))
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "norm_registry_from_sweep.py"), str(sweep)],
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "dev" / "norm_registry_from_sweep.py"), str(sweep)],
                          capture_output=True, text=True, check=True).stdout
     return out, {v["name"]: v for v in tomllib.loads(out)["variant"]}
 

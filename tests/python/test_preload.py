@@ -1,5 +1,5 @@
 """The LD_PRELOAD path: registration in torch processes, silence and near-zero cost
-elsewhere, and dlopen forwarding that keeps the caller's RPATH (DESIGN.md §3)."""
+elsewhere, and dlopen forwarding that keeps the caller's RPATH (docs/architecture.md, "Loading")."""
 import re
 import shutil
 import subprocess

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import check, run_python
 
-# Every aten op torchfuse overrides at the CUDA key, by toggle (DESIGN.md §2).
+# Every aten op torchfuse overrides at the CUDA key, by toggle (docs/architecture.md).
 OPS = {
     "layer_norm": ["native_layer_norm", "native_layer_norm_backward"],
     "rms_norm": ["_fused_rms_norm", "_fused_rms_norm_backward"],
