@@ -536,7 +536,6 @@ fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockReason
     let vec = dtype.vector_elems();
     // The workspace is 16-byte aligned (PyTorch's allocator) and so is every region.
     let vectorized = i32::from(cols % vec == 0 && aligned16([&grad, &grad_weight, &workspace]));
-    let buffer = |b: i64| sort_ptr + (b * tokens * 4) as u64;
     let (grad_ptr, idx_ptr) = (device_addr(&grad), device_addr(&indices));
     let out_ptr = device_addr(&grad_weight);
     let work_ptr = touched_ptr + (bitmap_words * 4) as u64;
@@ -589,185 +588,56 @@ fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockReason
         gpu::grid_dim(items, ZERO_ITEMS_PER_BLOCK)?
     };
     let zero_blocks = zero_items.clamp(1, ZERO_BLOCKS_PER_SM * gpu.multiprocessors);
-    let zero_config = LaunchConfig {
-        grid_dim: (zero_blocks, 1, 1),
-        ..sort_config
-    };
-    // emb_bwd_reduce: one warp per (chunk, slice of 32 column vectors).
-    let reduce_blocks = gpu::grid_dim(
-        i64::from(chunks) * gpu::ceil_div(vectors, 32),
-        i64::from(REDUCE_THREADS / 32),
-    )?;
-    // The side stream must have been forked from the caller's after the bitmap is complete.
-    let zero_rows = |side: &gpu::SideStream| {
-        let zero_kernel = if cluster_items.is_some() {
+    let launches = BackwardLaunches {
+        stream: &stream,
+        sort_count,
+        sort_scatter,
+        reduce,
+        finish,
+        cluster_sort,
+        mark_rows,
+        zero_rows: if cluster_items.is_some() {
             zero_rows_kernel
         } else {
             zero_rows_by_word
-        };
-        let mut args = side.stream.launch_builder(&zero_kernel.function);
-        args.arg(&touched_ptr)
-            .arg(&cols_i32)
-            .arg(&num_weights)
-            .arg(&padding_idx)
-            .arg(&out_ptr)
-            .arg(&vectorized);
-        // SAFETY: argument types and order match emb_zero_rows and emb_zero_rows_by_word (the
-        // same); the bitmap holds one bit per
-        // row and is complete (the launch waits for the first count pass, or for
-        // emb_mark_rows), grad_weight holds
-        // num_weights x cols elements; the caller's stream joins the side stream before either
-        // can be freed.
-        unsafe { args.launch(zero_config) }.map(|_| ())
-    };
-    let sort_and_reduce = |side: &gpu::SideStream| -> Result<(), DriverError> {
-        let (mut keys_in, mut pos_in) = (0u64, 0u64);
-        if let Some(items) = cluster_items {
-            // The touched rows first, so that the zero rows run beside the sort: it keeps to
-            // one cluster's SMs and to shared memory, so the zero rows' writes hardly slow it.
-            // The bitmap and the work list's two lengths are cleared by the same launch.
-            let clear_words = bitmap_words + 2;
-            let mut args = stream.launch_builder(&mark_rows.function);
-            args.arg(&idx_ptr)
-                .arg(&idx64)
-                .arg(&tokens)
-                .arg(&num_weights)
-                .arg(&touched_ptr)
-                .arg(&clear_words);
-            let config = LaunchConfig {
-                grid_dim: (CLUSTER_SORT_CTAS, 1, 1),
-                block_dim: (MARK_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: argument types and order match emb_mark_rows (compiled with a cluster of
-            // CLUSTER_SORT_CTAS, launched as one, whose threads take MARK_ITEMS tokens each:
-            // at least CLUSTER_SORT_MAX_TOKENS); indices holds `tokens` values, the flags region
-            // bitmap_words + 2 + chunks words; both live until the stream is done with them.
-            unsafe { args.launch(config) }?;
-            // The zero rows wait for the bitmap only, but are launched after the sort: queued
-            // first, their CTAs took the SMs the sort's cluster needs, and it waited for them.
-            side.fork_from(&stream)?;
-            let (keys_out, pos_out) = (buffer(0), buffer(1));
-            let (passes, digit_bits, bits) = (passes as i32, digit_bits as i32, bits as i32);
-            let mut args = stream.launch_builder(&cluster_sort.function);
-            args.arg(&idx_ptr)
-                .arg(&idx64)
-                .arg(&tokens)
-                .arg(&num_weights)
-                .arg(&passes)
-                .arg(&digit_bits)
-                .arg(&bits)
-                .arg(&keys_out)
-                .arg(&pos_out)
-                .arg(&items);
-            let config = LaunchConfig {
-                grid_dim: (CLUSTER_SORT_CTAS, 1, 1),
-                block_dim: (CLUSTER_SORT_THREADS, 1, 1),
-                shared_mem_bytes: CLUSTER_SORT_SMEM,
-            };
-            // SAFETY: argument types and order match emb_sort_cluster (compiled with a cluster of
-            // CLUSTER_SORT_CTAS, launched as one); indices holds `tokens` values, at most the
-            // cluster's CTAs x threads x items; keys_out and pos_out `tokens` words each; all
-            // live until the stream is done with them.
-            unsafe { args.launch(config) }?;
-            zero_rows(side)?;
-            (keys_in, pos_in) = (keys_out, pos_out);
-        }
-        for pass in (0..passes).filter(|_| cluster_items.is_none()) {
-            let shift = (pass * digit_bits) as i32;
-            let pass_bits = digit_bits.min(bits - pass * digit_bits) as i32;
-            let target = i64::from(pass % 2) * 2;
-            let (keys_out, pos_out) = (buffer(target), buffer(target + 1));
-            let touched = if pass == 0 { touched_ptr } else { 0 };
-            let mut args = stream.launch_builder(&sort_count.function);
-            args.arg(&idx_ptr)
-                .arg(&idx64)
-                .arg(&keys_in)
-                .arg(&tokens)
-                .arg(&num_weights)
-                .arg(&shift)
-                .arg(&pass_bits)
-                .arg(&hist_ptr)
-                .arg(&touched)
-                .arg(&sort_items);
-            // SAFETY: argument types and order match emb_sort_count; indices holds `tokens`
-            // values, keys_in (null on the first pass) `tokens` keys, hist tiles << digit_bits
-            // counters, the bitmap one bit per row (null after the first pass); all live until
-            // the stream is done with them.
-            unsafe { args.launch(sort_config) }?;
-            let mut args = stream.launch_builder(&sort_scatter.function);
-            args.arg(&idx_ptr)
-                .arg(&idx64)
-                .arg(&keys_in)
-                .arg(&pos_in)
-                .arg(&tokens)
-                .arg(&num_weights)
-                .arg(&shift)
-                .arg(&pass_bits)
-                .arg(&hist_ptr)
-                .arg(&tiles_i32)
-                .arg(&keys_out)
-                .arg(&pos_out)
-                .arg(&sort_items);
-            // SAFETY: as above for emb_sort_scatter; keys_out and pos_out hold `tokens` values
-            // each and differ from keys_in and pos_in.
-            unsafe { args.launch(sort_config) }?;
-            (keys_in, pos_in) = (keys_out, pos_out);
-        }
-
-        // After the launch sort, the zero rows are written beside the reduction. Beside that
-        // sort they slow its few latency-bound CTAs down more than they gain (measured: 96
-        // against 77 us at GPT-2's shape), and a one-CTA sort on chip is slower still (63 us for
-        // 16k tokens).
-        if cluster_items.is_none() {
-            side.fork_from(&stream)?;
-            zero_rows(side)?;
-        }
-        let mut args = stream.launch_builder(&reduce.function);
-        args.arg(&grad_ptr)
-            .arg(&keys_in)
-            .arg(&pos_in)
-            .arg(&tokens)
-            .arg(&cols_i32)
-            .arg(&num_weights)
-            .arg(&padding_idx)
-            .arg(&partials_ptr)
-            .arg(&out_ptr)
-            .arg(&row_first_ptr)
-            .arg(&work_ptr)
-            .arg(&vectorized);
-        let config = LaunchConfig {
-            grid_dim: (reduce_blocks, 1, 1),
-            block_dim: (REDUCE_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: argument types and order match emb_bwd_reduce; grad holds tokens x cols
-        // elements, keys/pos the sorted `tokens` pairs, partials chunks x 2 x cols fp32 values,
-        // grad_weight num_weights x cols elements, row_first num_weights words, the work list
-        // 2 + chunks words.
-        unsafe { args.launch(config) }?;
-        let mut args = stream.launch_builder(&finish.function);
-        args.arg(&keys_in)
-            .arg(&tokens)
-            .arg(&cols_i32)
-            .arg(&partials_ptr)
-            .arg(&row_first_ptr)
-            .arg(&work_ptr)
-            .arg(&out_ptr)
-            .arg(&vectorized);
+        },
+        cluster_items,
+        idx_ptr,
+        idx64,
+        tokens,
+        num_weights,
+        cols_i32,
+        padding_idx,
+        vectorized,
+        grad_ptr,
+        out_ptr,
+        partials_ptr,
+        sort_ptr,
+        hist_ptr,
+        touched_ptr,
+        row_first_ptr,
+        work_ptr,
+        bitmap_words,
+        passes,
+        digit_bits,
+        bits,
+        sort_items,
+        tiles_i32,
+        sort_config,
+        zero_config: LaunchConfig {
+            grid_dim: (zero_blocks, 1, 1),
+            ..sort_config
+        },
+        // emb_bwd_reduce: one warp per (chunk, slice of 32 column vectors).
+        reduce_blocks: gpu::grid_dim(
+            i64::from(chunks) * gpu::ceil_div(vectors, 32),
+            i64::from(REDUCE_THREADS / 32),
+        )?,
         // Persistent: the work list's length is only known on the GPU.
-        let finish_blocks = finish.resident_per_sm(FINISH_THREADS) * gpu.multiprocessors;
-        let config = LaunchConfig {
-            grid_dim: (finish_blocks.max(1), 1, 1),
-            block_dim: (FINISH_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: as above for emb_bwd_finish.
-        unsafe { args.launch(config) }?;
-        Ok(())
+        finish_blocks: (finish.resident_per_sm(FINISH_THREADS) * gpu.multiprocessors).max(1),
     };
     gpu.with_side_stream(|side| {
-        let launched = sort_and_reduce(side);
+        let launched = launches.run(side);
         // Always: grad_weight and the workspace may be handed back to PyTorch only after the
         // side stream is done with them, on the error path too.
         launched.and(side.join_into(&stream))
@@ -778,6 +648,238 @@ fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockReason
         output: grad_weight,
         kernel: variant.name.as_str(),
     })
+}
+
+/// The backward's launches once planned: the kernels, the device addresses of the inputs, the
+/// output and the workspace's regions, the sort's digits and the launch shapes.
+struct BackwardLaunches<'a> {
+    stream: &'a cudarc::driver::CudaStream,
+    sort_count: &'a gpu::Kernel,
+    sort_scatter: &'a gpu::Kernel,
+    reduce: &'a gpu::Kernel,
+    finish: &'a gpu::Kernel,
+    cluster_sort: &'a gpu::Kernel,
+    mark_rows: &'a gpu::Kernel,
+    /// emb_zero_rows beside the cluster sort, emb_zero_rows_by_word after the launch sort.
+    zero_rows: &'a gpu::Kernel,
+    /// The cluster sort's tokens per thread, where it serves the call.
+    cluster_items: Option<i32>,
+    idx_ptr: u64,
+    idx64: i32,
+    tokens: i64,
+    num_weights: i64,
+    cols_i32: i32,
+    padding_idx: i64,
+    vectorized: i32,
+    grad_ptr: u64,
+    out_ptr: u64,
+    partials_ptr: u64,
+    sort_ptr: u64,
+    hist_ptr: u64,
+    touched_ptr: u64,
+    row_first_ptr: u64,
+    work_ptr: u64,
+    bitmap_words: i64,
+    passes: u32,
+    digit_bits: u32,
+    bits: u32,
+    sort_items: i32,
+    tiles_i32: i32,
+    sort_config: LaunchConfig,
+    zero_config: LaunchConfig,
+    reduce_blocks: u32,
+    finish_blocks: u32,
+}
+
+impl BackwardLaunches<'_> {
+    /// Sort buffer `b` (keys or token numbers of one pass): `tokens` words.
+    fn buffer(&self, b: i64) -> u64 {
+        self.sort_ptr + (b * self.tokens * 4) as u64
+    }
+
+    /// The sort, the zero rows on the side stream beside it or beside the reduction, the
+    /// reduction and its finish. The side stream is forked from the caller's once the bitmap
+    /// of touched rows is complete; the caller joins it back.
+    fn run(&self, side: &gpu::SideStream) -> Result<(), DriverError> {
+        let (keys, pos) = match self.cluster_items {
+            Some(items) => self.cluster_sort(side, items)?,
+            None => {
+                let sorted = self.launch_sort()?;
+                // After the launch sort, the zero rows are written beside the reduction.
+                // Beside that sort they slow its few latency-bound CTAs down more than they
+                // gain (measured: 96 against 77 us at GPT-2's shape), and a one-CTA sort on
+                // chip is slower still (63 us for 16k tokens).
+                side.fork_from(self.stream)?;
+                self.zero_rows(side)?;
+                sorted
+            }
+        };
+        self.reduce(keys, pos)
+    }
+
+    /// Zeros for every row no token touches, and the padding row, on the side stream.
+    fn zero_rows(&self, side: &gpu::SideStream) -> Result<(), DriverError> {
+        let mut args = side.stream.launch_builder(&self.zero_rows.function);
+        args.arg(&self.touched_ptr)
+            .arg(&self.cols_i32)
+            .arg(&self.num_weights)
+            .arg(&self.padding_idx)
+            .arg(&self.out_ptr)
+            .arg(&self.vectorized);
+        // SAFETY: argument types and order match emb_zero_rows and emb_zero_rows_by_word (the
+        // same); the bitmap holds one bit per row and is complete (the side stream was forked
+        // after the first count pass, or after emb_mark_rows), grad_weight holds num_weights
+        // x cols elements; the caller's stream joins the side stream before either can be
+        // freed.
+        unsafe { args.launch(self.zero_config) }.map(|_| ())
+    }
+
+    /// The touched rows' bitmap, then the whole sort in one launch of one cluster, with the
+    /// zero rows beside it. Returns the sorted (keys, token numbers).
+    fn cluster_sort(&self, side: &gpu::SideStream, items: i32) -> Result<(u64, u64), DriverError> {
+        // The touched rows first, so that the zero rows run beside the sort: it keeps to one
+        // cluster's SMs and to shared memory, so the zero rows' writes hardly slow it. The
+        // bitmap and the work list's two lengths are cleared by the same launch.
+        let clear_words = self.bitmap_words + 2;
+        let mut args = self.stream.launch_builder(&self.mark_rows.function);
+        args.arg(&self.idx_ptr)
+            .arg(&self.idx64)
+            .arg(&self.tokens)
+            .arg(&self.num_weights)
+            .arg(&self.touched_ptr)
+            .arg(&clear_words);
+        let config = LaunchConfig {
+            grid_dim: (CLUSTER_SORT_CTAS, 1, 1),
+            block_dim: (MARK_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument types and order match emb_mark_rows (compiled with a cluster of
+        // CLUSTER_SORT_CTAS, launched as one, whose threads take MARK_ITEMS tokens each: at
+        // least CLUSTER_SORT_MAX_TOKENS); indices holds `tokens` values, the flags region
+        // bitmap_words + 2 + chunks words; both live until the stream is done with them.
+        unsafe { args.launch(config) }?;
+        // The zero rows wait for the bitmap only, but are launched after the sort: queued
+        // first, their CTAs took the SMs the sort's cluster needs, and it waited for them.
+        side.fork_from(self.stream)?;
+        let (keys_out, pos_out) = (self.buffer(0), self.buffer(1));
+        let (passes, digit_bits, bits) =
+            (self.passes as i32, self.digit_bits as i32, self.bits as i32);
+        let mut args = self.stream.launch_builder(&self.cluster_sort.function);
+        args.arg(&self.idx_ptr)
+            .arg(&self.idx64)
+            .arg(&self.tokens)
+            .arg(&self.num_weights)
+            .arg(&passes)
+            .arg(&digit_bits)
+            .arg(&bits)
+            .arg(&keys_out)
+            .arg(&pos_out)
+            .arg(&items);
+        let config = LaunchConfig {
+            grid_dim: (CLUSTER_SORT_CTAS, 1, 1),
+            block_dim: (CLUSTER_SORT_THREADS, 1, 1),
+            shared_mem_bytes: CLUSTER_SORT_SMEM,
+        };
+        // SAFETY: argument types and order match emb_sort_cluster (compiled with a cluster of
+        // CLUSTER_SORT_CTAS, launched as one); indices holds `tokens` values, at most the
+        // cluster's CTAs x threads x items; keys_out and pos_out `tokens` words each; all live
+        // until the stream is done with them.
+        unsafe { args.launch(config) }?;
+        self.zero_rows(side)?;
+        Ok((keys_out, pos_out))
+    }
+
+    /// The LSD radix sort as two launches a pass (count, scatter); the first count pass also
+    /// sets the touched rows' bits. Returns the sorted (keys, token numbers).
+    fn launch_sort(&self) -> Result<(u64, u64), DriverError> {
+        let (mut keys_in, mut pos_in) = (0u64, 0u64);
+        for pass in 0..self.passes {
+            let shift = (pass * self.digit_bits) as i32;
+            let pass_bits = self.digit_bits.min(self.bits - pass * self.digit_bits) as i32;
+            let target = i64::from(pass % 2) * 2;
+            let (keys_out, pos_out) = (self.buffer(target), self.buffer(target + 1));
+            let touched = if pass == 0 { self.touched_ptr } else { 0 };
+            let mut args = self.stream.launch_builder(&self.sort_count.function);
+            args.arg(&self.idx_ptr)
+                .arg(&self.idx64)
+                .arg(&keys_in)
+                .arg(&self.tokens)
+                .arg(&self.num_weights)
+                .arg(&shift)
+                .arg(&pass_bits)
+                .arg(&self.hist_ptr)
+                .arg(&touched)
+                .arg(&self.sort_items);
+            // SAFETY: argument types and order match emb_sort_count; indices holds `tokens`
+            // values, keys_in (null on the first pass) `tokens` keys, hist tiles << digit_bits
+            // counters, the bitmap one bit per row (null after the first pass); all live until
+            // the stream is done with them.
+            unsafe { args.launch(self.sort_config) }?;
+            let mut args = self.stream.launch_builder(&self.sort_scatter.function);
+            args.arg(&self.idx_ptr)
+                .arg(&self.idx64)
+                .arg(&keys_in)
+                .arg(&pos_in)
+                .arg(&self.tokens)
+                .arg(&self.num_weights)
+                .arg(&shift)
+                .arg(&pass_bits)
+                .arg(&self.hist_ptr)
+                .arg(&self.tiles_i32)
+                .arg(&keys_out)
+                .arg(&pos_out)
+                .arg(&self.sort_items);
+            // SAFETY: as above for emb_sort_scatter; keys_out and pos_out hold `tokens` values
+            // each and differ from keys_in and pos_in.
+            unsafe { args.launch(self.sort_config) }?;
+            (keys_in, pos_in) = (keys_out, pos_out);
+        }
+        Ok((keys_in, pos_in))
+    }
+
+    /// The sorted chunks' sums into grad_weight, then the rows cut by chunk edges.
+    fn reduce(&self, keys: u64, pos: u64) -> Result<(), DriverError> {
+        let mut args = self.stream.launch_builder(&self.reduce.function);
+        args.arg(&self.grad_ptr)
+            .arg(&keys)
+            .arg(&pos)
+            .arg(&self.tokens)
+            .arg(&self.cols_i32)
+            .arg(&self.num_weights)
+            .arg(&self.padding_idx)
+            .arg(&self.partials_ptr)
+            .arg(&self.out_ptr)
+            .arg(&self.row_first_ptr)
+            .arg(&self.work_ptr)
+            .arg(&self.vectorized);
+        let config = LaunchConfig {
+            grid_dim: (self.reduce_blocks, 1, 1),
+            block_dim: (REDUCE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument types and order match emb_bwd_reduce; grad holds tokens x cols
+        // elements, keys/pos the sorted `tokens` pairs, partials chunks x 2 x cols fp32 values,
+        // grad_weight num_weights x cols elements, row_first num_weights words, the work list
+        // 2 + chunks words.
+        unsafe { args.launch(config) }?;
+        let mut args = self.stream.launch_builder(&self.finish.function);
+        args.arg(&keys)
+            .arg(&self.tokens)
+            .arg(&self.cols_i32)
+            .arg(&self.partials_ptr)
+            .arg(&self.row_first_ptr)
+            .arg(&self.work_ptr)
+            .arg(&self.out_ptr)
+            .arg(&self.vectorized);
+        let config = LaunchConfig {
+            grid_dim: (self.finish_blocks, 1, 1),
+            block_dim: (FINISH_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: as above for emb_bwd_finish.
+        unsafe { args.launch(config) }?;
+        Ok(())
+    }
 }
 
 #[cfg(test)]
