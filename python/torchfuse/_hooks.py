@@ -1,0 +1,70 @@
+"""Patches applied to library modules when they are first imported (or at once, if they
+already are): the one mechanism every Python-side substitution of torchfuse goes through.
+Installing needs no torch import, so the launcher's start-up hook costs nothing in processes
+that never import torch."""
+import importlib.abc
+import os
+import sys
+
+from . import optim
+
+# Module name -> the functions that patch it, in order.
+PATCHES = {
+    "torch.optim.adam": [optim.patch_adam],
+}
+
+
+def _warn(what, error):
+    print(f"torchfuse: {what} ({error!r})", file=sys.stderr)
+
+
+def _apply(module):
+    """Runs the module's patches once (a module patched already is left as it is)."""
+    if getattr(module, "_torchfuse_patched", False):
+        return
+    module._torchfuse_patched = True
+    for patch in PATCHES.get(module.__name__, []):
+        try:
+            patch(module)
+        except Exception as e:  # never break the user's job
+            _warn(f"{patch.__module__}.{patch.__name__} not applied", e)
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _apply(module)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Hands the modules in PATCHES to `_apply` right after they are first imported."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in PATCHES:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _PatchingLoader(spec.loader)
+                return spec
+        return None
+
+
+def install():
+    """Installs the patches (idempotent); nothing under TORCHFUSE=0."""
+    if os.environ.get("TORCHFUSE", "1") == "0":
+        return False
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+    for name in PATCHES:
+        if name in sys.modules:
+            _apply(sys.modules[name])
+    return True
