@@ -1,0 +1,110 @@
+"""The rewrite layer's recognition (python/torchfuse/compositions.py) against the real model code
+of the transformers version the GPU machine has (installed by scripts/setup): which classes'
+forwards are a known composition, and which are left alone. No GPU, no downloads."""
+import importlib
+import pkgutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "python"))
+from torchfuse import compositions  # noqa: E402
+
+transformers = pytest.importorskip("transformers", reason="scripts/setup installs transformers")
+
+
+def module(name):
+    return importlib.import_module(f"transformers.{name}")
+
+
+def recognised(module_name):
+    return {cls.__name__: form for cls, form in compositions.scan(module(module_name)).items()}
+
+
+def test_hf_activations_recognised_by_code():
+    found = recognised("activations")
+    assert found == {"NewGELUActivation": "new_gelu", "FastGELUActivation": "fast_gelu"}
+    assert compositions.COMPUTES["new_gelu"] == compositions.COMPUTES["fast_gelu"] == "gelu_tanh"
+
+
+@pytest.mark.parametrize("model", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
+def test_llama_rms_norm_and_its_copies_are_recognised(model):
+    found = recognised(f"models.{model}.modeling_{model}")
+    assert list(found.values()) == ["hf_rms_norm"], found
+    assert list(found)[0].endswith("RMSNorm")
+
+
+@pytest.mark.parametrize("model", ["gemma", "gemma2", "t5", "bert"])
+def test_other_forms_are_left_alone(model):
+    # Gemma multiplies by (1 + weight) in fp32; T5's norm casts to the weight's dtype first.
+    found = recognised(f"models.{model}.modeling_{model}")
+    assert "hf_rms_norm" not in found.values(), found
+
+
+def test_dozens_of_models_share_llamas_rms_norm():
+    import transformers.models as models
+
+    total = 0
+    for info in pkgutil.iter_modules(models.__path__):
+        try:
+            mod = importlib.import_module(f"transformers.models.{info.name}.modeling_{info.name}")
+        except Exception:  # models needing optional packages
+            continue
+        total += sum(form == "hf_rms_norm" for form in compositions.scan(mod).values())
+    assert total >= 30, total
+
+
+def compiled_forward(source, **globals_):
+    """`forward` compiled in a module that imports math and torch, as library modules do."""
+    namespace = dict(globals_)
+    exec(compile("import math\nimport torch\n" + source, "<test>", "exec"), namespace)
+    namespace.update(globals_)
+    return namespace["forward"]
+
+
+RMS_NORM = """
+def forward(self, x):
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    var = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(var + self.variance_epsilon)
+    return self.weight * x.to(dtype)
+"""
+
+
+def test_local_names_do_not_matter_but_code_and_globals_do():
+    import torch
+
+    assert compositions.form_of(compiled_forward(RMS_NORM)) == "hf_rms_norm"
+    changed = RMS_NORM.replace("mean(-1, keepdim=True)", "mean(-1, keepdim=True) * 1.0")
+    assert compositions.form_of(compiled_forward(changed)) is None
+    gemma_like = RMS_NORM.replace("return self.weight * x.to(dtype)",
+                                  "return (1.0 + self.weight) * x.to(dtype)")
+    assert compositions.form_of(compiled_forward(gemma_like)) is None
+    # The same code where `torch` is not torch computes something else.
+    assert compositions.form_of(compiled_forward(RMS_NORM, torch=object())) is None
+    assert torch is not None
+
+
+def test_a_subclass_that_overrides_forward_is_left_alone():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    class Scaled(LlamaRMSNorm):
+        def forward(self, hidden_states):
+            return 2 * super().forward(hidden_states)
+
+    assert compositions.form_of(LlamaRMSNorm.forward) == "hf_rms_norm"
+    assert compositions.form_of(Scaled.forward) is None
+
+
+def test_recognition_imports_no_torch():
+    code = ("import sys; sys.path.insert(0, %r)\n"
+            "from torchfuse import compositions\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "print(sorted(compositions.FORMS))" % str(ROOT / "python"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['fast_gelu', 'hf_rms_norm', 'new_gelu']"
