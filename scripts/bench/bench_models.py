@@ -1,0 +1,190 @@
+"""Whole training steps of real models nobody here wrote, trained unchanged: stock eager,
+torchfuse eager (under scripts/torchfuse), stock torch.compile and torchfuse + torch.compile.
+
+Each (model, side) runs in a fresh process (a worker of this script), rounds interleaved over
+the sides. A worker builds its model from a config (no downloads), draws fixed random data,
+trains with the default AdamW, and reports the median step time over CUDA events after
+warm-up, the peak memory and every step's loss. The driver writes a markdown table, JSON and,
+where matplotlib is installed, a PNG bar chart.
+
+  python3 scripts/bench/bench_models.py --lib-dir .dev --out $OUT [--models gpt2,llama]
+      [--sides stock,torchfuse,compile,torchfuse+compile] [--rounds 2] [--steps 30]
+
+With two or more stock runs of a model (rounds, or `stock` named twice in --sides), the
+report adds stock's own run-to-run loss difference: the noise the others are judged against.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ["gpt2", "llama", "bert", "vit"]
+SIDES = ["stock", "torchfuse", "compile", "torchfuse+compile"]
+
+
+def build(name, torch):
+    """(model, batch maker, tokens or samples per step, description) for one model."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    if name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+        cfg = GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50304,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model, (b, s), vocab = GPT2LMHeadModel(cfg), (8, 1024), 50304
+        what = "HF GPT-2 124M, B8 S1024, bf16 autocast"
+    elif name == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+        cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+                          num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
+                          max_position_embeddings=1024)
+        model, (b, s), vocab = LlamaForCausalLM(cfg), (4, 1024), 32000
+        what = "HF Llama-style (12 layers, hidden 1024, GQA 16/8, vocab 32000), B4 S1024, bf16 autocast"
+    elif name == "bert":
+        from transformers import BertConfig, BertForMaskedLM
+        cfg = BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        model, (b, s), vocab = BertForMaskedLM(cfg), (32, 128), cfg.vocab_size
+        what = "HF BERT-base MLM, B32 S128, bf16 autocast"
+    elif name == "vit":
+        import timm
+        model = timm.create_model("vit_small_patch16_224", pretrained=False, num_classes=1000)
+        images = torch.randn(64, 3, 224, 224, generator=g)
+        labels = torch.randint(0, 1000, (64,), generator=g)
+        return model, lambda m: torch.nn.functional.cross_entropy(
+            m(images.cuda(non_blocking=True)), labels.cuda()), 64, "timm ViT-S/16, B64, bf16 autocast"
+    else:
+        raise SystemExit(f"unknown model {name}")
+    ids = torch.randint(0, vocab, (b, s), generator=g)
+    return model, lambda m: m(input_ids=ids.cuda(), labels=ids.cuda()).loss, b * s, what
+
+
+def worker(a):
+    import torch
+    torch.manual_seed(0)
+    model, loss_of, per_step, what = build(a.worker, torch)
+    model = model.cuda().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)  # unchanged: PyTorch's default step
+    stepped = torch.compile(model) if "compile" in a.side else model
+    losses, times = [], []
+    for i in range(a.warmup + a.steps):
+        if i == a.warmup:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_of(stepped)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        end.record()
+        losses.append(loss.detach())
+        if i >= a.warmup:
+            times.append((start, end))
+    torch.cuda.synchronize()
+    ms = statistics.median(s.elapsed_time(e) for s, e in times)
+    print(json.dumps({"model": a.worker, "side": a.side, "what": what, "ms": ms,
+                      "per_step": per_step, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                      "losses": [float(x) for x in losses]}))
+
+
+def run(lib_dir, model, side, steps, warmup):
+    cmd = [sys.executable, __file__, "--worker", model, "--side", side,
+           "--steps", str(steps), "--warmup", str(warmup)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFUSE") and k != "LD_PRELOAD"}
+    if side.startswith("torchfuse"):
+        env["TORCHFUSE_LIB_DIR"] = str(lib_dir)
+        cmd = [str(ROOT / "scripts" / "torchfuse")] + cmd
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr, flush=True)
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def report(results, out, command):
+    rows = []
+    lines = [f"# Whole training steps of unchanged models\n\nCommand: `{command}`. Median step "
+             "time over CUDA events after warm-up, the median over rounds; loss difference: the "
+             "largest |loss - stock eager's loss| over the steps (same data and init).\n",
+             "| model | side | ms/step | speed-up vs stock eager | vs stock compile | "
+             "samples or tokens/s | peak GiB | max loss diff |", "|---|---|---|---|---|---|---|---|"]
+    for model, sides in results.items():
+        med = {s: statistics.median(r["ms"] for r in runs) for s, runs in sides.items() if runs}
+        base = (sides.get("stock") or [None])[0]
+        for side, runs in sides.items():
+            if not runs:
+                continue
+            r, ms = runs[0], med[side]
+            diff = (max(abs(x - y) for x, y in zip(r["losses"], base["losses"]))
+                    if base else float("nan"))
+            vs_c = f"{med['compile'] / ms:.2f}x" if "compile" in med else "–"
+            vs_s = f"{med['stock'] / ms:.2f}x" if "stock" in med else "–"
+            lines.append(f"| {r['what']} | {side} | {ms:.2f} | {vs_s} | {vs_c} | "
+                         f"{r['per_step'] / ms * 1e3:,.0f} | {max(x['peak_gib'] for x in runs):.2f} | "
+                         f"{diff:.2e} |")
+            rows.append({"model": model, "side": side, "ms": ms, "rounds": [x["ms"] for x in runs],
+                         "peak_gib": max(x["peak_gib"] for x in runs), "max_loss_diff": diff})
+    for model, sides in results.items():
+        stock = sides.get("stock") or []
+        if len(stock) >= 2:
+            noise = max(abs(x - y) for x, y in zip(stock[0]["losses"], stock[1]["losses"]))
+            lines.append(f"\n{model}: stock against stock (two runs), max loss diff {noise:.2e}.")
+            rows.append({"model": model, "side": "stock vs stock", "max_loss_diff": noise})
+    (out / "bench_models.md").write_text("\n".join(lines) + "\n")
+    (out / "bench_models.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
+    print("\n".join(lines), flush=True)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    models = list(results)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, side in enumerate(SIDES):
+        ys = [next((r["ms"] for r in rows if r["model"] == m and r["side"] == "stock"), 0) /
+              next((r["ms"] for r in rows if r["model"] == m and r["side"] == side), float("inf"))
+              for m in models]
+        ax.bar([j + i * 0.2 for j in range(len(models))], ys, 0.2, label=side)
+    ax.set_xticks([j + 0.3 for j in range(len(models))], models)
+    ax.set_ylabel("speed-up over stock eager")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "bench_models.png", dpi=120)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--lib-dir", default=str(ROOT / ".dev"))
+    p.add_argument("--out", default="bench-out")
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--sides", default=",".join(SIDES))
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--side", default="stock", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        return worker(a)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    models, sides = a.models.split(","), a.sides.split(",")
+    results = {m: {s: [] for s in sides} for m in models}
+    for rnd in range(a.rounds):
+        for m in models:
+            for s in sides:
+                r = run(Path(a.lib_dir).resolve(), m, s, a.steps, a.warmup)
+                print(f"round {rnd} {m} {s}: {r['ms']:.2f} ms" if r else f"round {rnd} {m} {s}: failed",
+                      flush=True)
+                if r:
+                    results[m][s].append(r)
+    command = "python3 scripts/bench/bench_models.py " + " ".join(sys.argv[1:])
+    report(results, out, command)
+
+
+if __name__ == "__main__":
+    main()
