@@ -87,11 +87,13 @@ pub trait Family {
     }
 }
 
-/// A variant's typed params, whichever family's (`Family::params` takes them back), and the
-/// `-DTF_<NAME>=<value>` options they compile to, defaults included.
+/// A variant's typed params, whichever family's (`Family::params` takes them back), with what
+/// its module is built from: the `-D` options (the op's shared constants, then every param
+/// as `-DTF_<NAME>=<value>`, defaults included) and the kernels it launches.
 pub struct OpParams {
     typed: Box<dyn std::any::Any + Send + Sync>,
     defines: Vec<String>,
+    kernels: &'static [&'static str],
 }
 
 impl std::fmt::Debug for OpParams {
@@ -102,16 +104,26 @@ impl std::fmt::Debug for OpParams {
 }
 
 impl OpParams {
-    fn new<P: Serialize + Send + Sync + 'static>(typed: P) -> OpParams {
-        OpParams {
-            defines: params::defines(&typed),
+    /// Family `F`'s params of a variant of `op`, read and checked.
+    fn prepare<F: Family>(op: KernelOp, v: &Variant) -> Result<OpParams, String> {
+        let typed = F::prepare(v)?;
+        let mut defines = F::defines(op);
+        defines.extend(params::defines(&typed));
+        Ok(OpParams {
             typed: Box::new(typed),
-        }
+            defines,
+            kernels: F::kernels(op),
+        })
     }
 
     /// The params as `P`, if they are a `P`.
     pub fn get<P: 'static>(&self) -> Option<&P> {
         self.typed.downcast_ref()
+    }
+
+    /// The `extern "C"` kernels of the variant's source its op launches, by name.
+    pub fn kernels(&self) -> &'static [&'static str] {
+        self.kernels
     }
 }
 
@@ -145,52 +157,22 @@ pub enum KernelOp {
 }
 
 impl KernelOp {
-    /// The `extern "C"` kernels of the variant's source this op launches, by name.
-    pub fn entries(self) -> &'static [&'static str] {
-        match self {
-            KernelOp::LayerNormFwd
-            | KernelOp::LayerNormBwd
-            | KernelOp::RmsNormFwd
-            | KernelOp::RmsNormBwd => norm::Norm::kernels(self),
-            KernelOp::AdamStep => adam::Adam::kernels(self),
-            KernelOp::EmbeddingFwd | KernelOp::EmbeddingBwd => embedding::Embedding::kernels(self),
-            KernelOp::AttentionCausal | KernelOp::AttentionFull => {
-                attention::Attention::kernels(self)
-            }
-        }
-    }
-
-    /// Preprocessor definitions the op adds to the variant's own parameters: the constants
-    /// its kernels share with the Rust side, from their one (Rust) source.
-    pub fn defines(self) -> Vec<String> {
-        match self {
-            KernelOp::LayerNormFwd
-            | KernelOp::LayerNormBwd
-            | KernelOp::RmsNormFwd
-            | KernelOp::RmsNormBwd => norm::Norm::defines(self),
-            KernelOp::AdamStep => adam::Adam::defines(self),
-            KernelOp::EmbeddingFwd | KernelOp::EmbeddingBwd => embedding::Embedding::defines(self),
-            KernelOp::AttentionCausal | KernelOp::AttentionFull => {
-                attention::Attention::defines(self)
-            }
-        }
-    }
-
-    /// Reads and checks a variant's op-specific params when the registry is parsed.
+    /// Reads and checks a variant's op-specific params when the registry is parsed: the one
+    /// place an op key is mapped to its family.
     fn prepare(self, v: &Variant) -> Result<OpParams, String> {
-        Ok(match self {
+        match self {
             KernelOp::LayerNormFwd
             | KernelOp::LayerNormBwd
             | KernelOp::RmsNormFwd
-            | KernelOp::RmsNormBwd => OpParams::new(norm::Norm::prepare(v)?),
-            KernelOp::AdamStep => OpParams::new(adam::Adam::prepare(v)?),
+            | KernelOp::RmsNormBwd => OpParams::prepare::<norm::Norm>(self, v),
+            KernelOp::AdamStep => OpParams::prepare::<adam::Adam>(self, v),
             KernelOp::EmbeddingFwd | KernelOp::EmbeddingBwd => {
-                OpParams::new(embedding::Embedding::prepare(v)?)
+                OpParams::prepare::<embedding::Embedding>(self, v)
             }
             KernelOp::AttentionCausal | KernelOp::AttentionFull => {
-                OpParams::new(attention::Attention::prepare(v)?)
+                OpParams::prepare::<attention::Attention>(self, v)
             }
-        })
+        }
     }
 }
 
@@ -236,15 +218,9 @@ pub static REGISTRY: Lazy<Result<Registry, String>> = Lazy::new(|| {
 
 /// NVRTC options for a variant with `params` at `dtype`: the dtype, the op's shared constants,
 /// every one of the variant's params as `-DTF_<NAME>=<value>`.
-pub fn compile_options(
-    variant: &Variant,
-    params: &OpParams,
-    dtype: DType,
-    arch: &str,
-) -> Vec<String> {
+pub fn compile_options(params: &OpParams, dtype: DType, arch: &str) -> Vec<String> {
     let mut options = gpu::nvrtc::base_options(arch);
     options.push(format!("-DTF_DTYPE={}", dtype.kernel_code()));
-    options.extend(variant.op.defines());
     options.extend(params.defines.iter().cloned());
     options
 }
@@ -282,8 +258,8 @@ pub fn select(
         || gpu::modules::ModuleSpec {
             label: format!("{} ({})", variant.name, req.dtype.name()),
             source: &variant.source,
-            options: compile_options(variant, params, req.dtype, &gpu.arch),
-            kernels: variant.op.entries(),
+            options: compile_options(params, req.dtype, &gpu.arch),
+            kernels: params.kernels(),
         },
     )
     .ok_or(StockReason::KernelUnavailable)?;
@@ -783,13 +759,13 @@ mod nvrtc_tests {
                         while let Some(&(variant, params, dtype, arch)) =
                             jobs.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
                         {
-                            let options = compile_options(variant, params, dtype, arch);
+                            let options = compile_options(params, dtype, arch);
                             let cubin =
                                 nvrtc_compile(&variant.source, &options).unwrap_or_else(|e| {
                                     panic!("{} {} {arch}: {e}", variant.name, dtype.name())
                                 });
                             assert_eq!(&cubin[..4], b"\x7fELF", "{} is not a CUBIN", variant.name);
-                            for entry in variant.op.entries() {
+                            for entry in params.kernels() {
                                 assert!(
                                     cubin.windows(entry.len()).any(|w| w == entry.as_bytes()),
                                     "{} {arch}: no kernel {entry}",
