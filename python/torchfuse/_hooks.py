@@ -6,12 +6,20 @@ import importlib.abc
 import os
 import sys
 
-from . import optim
+from . import optim, rewrites
 
 # Module name -> the functions that patch it, in order.
 PATCHES = {
     "torch.optim.adam": [optim.patch_adam],
 }
+
+
+def patches_for(name):
+    """The functions that patch the module of this name, in order."""
+    found = list(PATCHES.get(name, []))
+    if rewrites.wants(name):
+        found.append(rewrites.patch_module)
+    return found
 
 
 def _warn(what, error):
@@ -23,7 +31,7 @@ def _apply(module):
     if getattr(module, "_torchfuse_patched", False):
         return
     module._torchfuse_patched = True
-    for patch in PATCHES.get(module.__name__, []):
+    for patch in patches_for(module.__name__):
         try:
             patch(module)
         except Exception as e:  # never break the user's job
@@ -43,10 +51,10 @@ class _PatchingLoader(importlib.abc.Loader):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    """Hands the modules in PATCHES to `_apply` right after they are first imported."""
+    """Hands the modules `patches_for` names to `_apply` right after they are first imported."""
 
     def find_spec(self, name, path, target=None):
-        if name not in PATCHES:
+        if not patches_for(name):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -64,7 +72,7 @@ def install():
         return False
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
-    for name in PATCHES:
-        if name in sys.modules:
-            _apply(sys.modules[name])
+    for name, module in list(sys.modules.items()):
+        if module is not None and patches_for(name):
+            _apply(module)
     return True

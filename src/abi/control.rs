@@ -18,15 +18,21 @@ pub unsafe extern "C" fn torchfuse_rs_torch_warning(msg: *const c_char, len: usi
     });
 }
 
-/// A substitution made outside the dispatcher (the launcher's Python hook), logged at info.
+/// What the Python side did or left alone (a substitution, a rewrite, a composition not
+/// recognised), logged at info, or at debug when `debug` is set.
 ///
 /// # Safety
 /// `msg` points to `len` bytes.
 #[no_mangle]
-pub unsafe extern "C" fn torchfuse_rs_note(msg: *const c_char, len: usize) {
+pub unsafe extern "C" fn torchfuse_rs_note(msg: *const c_char, len: usize, debug: u8) {
     let _ = catch_unwind(|| {
         let bytes = std::slice::from_raw_parts(msg.cast::<u8>(), len);
-        tracing::info!("{}", String::from_utf8_lossy(bytes));
+        let text = String::from_utf8_lossy(bytes);
+        if debug != 0 {
+            tracing::debug!("{text}");
+        } else {
+            tracing::info!("{text}");
+        }
     });
 }
 

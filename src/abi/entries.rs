@@ -6,12 +6,13 @@
 
 use super::tensor::into_raw;
 use super::types::{
-    TfAdamCall, TfAttentionCall, TfEmbeddingCall, TfLaunch, TfNormCall, TfOutputs, TfStatus,
-    TF_FUSED, TF_STOCK,
+    TfAdamCall, TfAttentionCall, TfEmbeddingCall, TfGeluCall, TfLaunch, TfNormCall, TfOutputs,
+    TfStatus, TF_FUSED, TF_STOCK,
 };
 use crate::ops::adam::Adam;
 use crate::ops::attention::Attention;
 use crate::ops::embedding::Embedding;
+use crate::ops::gelu::Gelu;
 use crate::ops::norm::Norm;
 use crate::ops::Family;
 use crate::runtime::stats::{self, Outcome};
@@ -77,7 +78,7 @@ unsafe fn answer<F: Family>(
     }
 }
 
-/// `native_layer_norm[_backward]`, `_fused_rms_norm[_backward]`.
+/// `native_layer_norm[_backward]`, `_fused_rms_norm[_backward]`, `torchfuse::hf_rms_norm`.
 ///
 /// # Safety
 /// As `answer`.
@@ -135,4 +136,19 @@ pub unsafe extern "C" fn torchfuse_rs_attention(
     status: *mut TfStatus,
 ) {
     answer::<Attention>(entry, launch, call, out, status)
+}
+
+/// `torchfuse::gelu_tanh` and its backward.
+///
+/// # Safety
+/// As `answer`.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_gelu(
+    entry: u32,
+    launch: *const TfLaunch,
+    call: *const TfGeluCall,
+    out: *mut TfOutputs,
+    status: *mut TfStatus,
+) {
+    answer::<Gelu>(entry, launch, call, out, status)
 }

@@ -18,6 +18,7 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <array>
@@ -411,6 +412,107 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
       is_causal, philox_seed, philox_offset, scale);
 }
 
+// ---------------------------------------------------------------- torchfuse's own ops
+//
+// The ops the Python rewrite layer sends known compositions to. Each is defined here with
+// everything torch needs to run it anywhere: a CompositeExplicitAutograd kernel (stock: the
+// same function from PyTorch's own ops; also what Meta tensors and torch.compile's fake
+// tensors run), the CUDA kernel (Rust serves it, or stock), and autograd, so a C++ program
+// gets the same op.
+
+// A tensor whose data torchfuse may not read: a Python subclass (fake tensors under
+// torch.compile), a functional wrapper.
+bool traced(const at::Tensor& t) {
+  return t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python,
+                                                  c10::DispatchKey::Functionalize}));
+}
+
+// torchfuse::gelu_tanh(input, dtype): gelu(input, approximate="tanh") with the output in
+// `dtype` (default: the input's), computed in fp32.
+at::Tensor gelu_tanh_stock(const at::Tensor& input, std::optional<at::ScalarType> dtype) {
+  return at::gelu(input.to(dtype.value_or(input.scalar_type())), "tanh");
+}
+
+at::Tensor gelu_tanh_backward_stock(const at::Tensor& grad_out, const at::Tensor& input) {
+  return at::gelu_backward(grad_out, input.to(grad_out.scalar_type()), "tanh")
+      .to(input.scalar_type());
+}
+
+at::Tensor gelu_tanh_cuda(const at::Tensor& input, std::optional<at::ScalarType> dtype) {
+  TfGeluCall call{};
+  call.input = describe(input);
+  call.out_dtype = static_cast<int16_t>(dtype.value_or(input.scalar_type()));
+  TfOutputs out{};
+  if (fused_by_rust(torchfuse_rs_gelu, TF_ENTRY_GELU_TANH, input, call, out))
+    return take_outputs(out)[0];
+  return gelu_tanh_stock(input, dtype);
+}
+
+at::Tensor gelu_tanh_backward_cuda(const at::Tensor& grad_out, const at::Tensor& input) {
+  TfGeluCall call{};
+  call.input = describe(input);
+  call.grad_out = describe(grad_out);
+  TfOutputs out{};
+  if (fused_by_rust(torchfuse_rs_gelu, TF_ENTRY_GELU_TANH_BACKWARD, input, call, out))
+    return take_outputs(out)[0];
+  return gelu_tanh_backward_stock(grad_out, input);
+}
+
+at::Tensor call_gelu_tanh(const at::Tensor& input, std::optional<at::ScalarType> dtype) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("torchfuse::gelu_tanh", "")
+                             .typed<at::Tensor(const at::Tensor&, std::optional<at::ScalarType>)>();
+  return op.call(input, dtype);
+}
+
+at::Tensor call_gelu_tanh_backward(const at::Tensor& grad_out, const at::Tensor& input) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("torchfuse::gelu_tanh_backward", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  return op.call(grad_out, input);
+}
+
+// The gradient goes to the input in the input's dtype (autograd's rule for a cast).
+class GeluTanhFunction : public torch::autograd::Function<GeluTanhFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
+                            std::optional<at::ScalarType> dtype) {
+    ctx->save_for_backward({input});
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return call_gelu_tanh(input, dtype);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor input = ctx->get_saved_variables()[0];
+    return {call_gelu_tanh_backward(grads[0], input), at::Tensor()};
+  }
+};
+
+at::Tensor gelu_tanh_autograd(const at::Tensor& input, std::optional<at::ScalarType> dtype) {
+  return GeluTanhFunction::apply(input, dtype);
+}
+
+// torchfuse::hf_rms_norm(input, weight, eps): HF's RMSNorm (LlamaRMSNorm.forward and its
+// copies). Rust serves it with aten::rms_norm where that computes the same thing (autograd is
+// then aten's); otherwise HF's composition runs here op for op, as the Python code would.
+at::Tensor hf_rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps) {
+  if (input.is_cuda() && !traced(input) && !traced(weight)) {
+    TfNormCall call{};
+    call.input = describe(input);
+    call.weight = describe(weight);
+    call.eps = eps;
+    call.has_eps = 1;
+    TfOutputs out{};
+    if (fused_by_rust(torchfuse_rs_norm, TF_ENTRY_HF_RMS_NORM, input, call, out))
+      return take_outputs(out)[0];
+  }
+  const at::ScalarType input_dtype = input.scalar_type();
+  at::Tensor hidden = input.to(at::kFloat);
+  const at::Tensor variance = hidden.pow(2).mean(-1, /*keepdim=*/true);
+  hidden = hidden * at::rsqrt(variance + eps);
+  return weight * hidden.to(input_dtype);
+}
+
 // ---------------------------------------------------------------- control ops
 
 bool control_set_enabled(c10::string_view op, bool enabled) {
@@ -433,7 +535,9 @@ std::string control_stats() {
 
 void control_reset_stats() { torchfuse_rs_reset_stats(); }
 
-void control_note(c10::string_view message) { torchfuse_rs_note(message.data(), message.size()); }
+void control_note(c10::string_view message, bool debug) {
+  torchfuse_rs_note(message.data(), message.size(), debug);
+}
 
 void control_serve_below_thresholds(bool serve) { torchfuse_rs_serve_below_thresholds(serve); }
 
@@ -477,7 +581,59 @@ constexpr const char* kEntryNames[TF_ENTRY_COUNT] = {
     "sdpa backend choice",
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_flash_attention_backward",
+    "torchfuse::gelu_tanh",
+    "torchfuse::gelu_tanh_backward",
+    "torchfuse::hf_rms_norm",
 };
+
+// torchfuse's own ops: their schemas (added to the namespace the control ops define) and
+// kernels per dispatch key.
+torch::Library& torchfuse_ops() {
+  static torch::Library* lib = new torch::Library(torch::Library::FRAGMENT, "torchfuse",
+                                                  std::nullopt, kRegistrationFile, 0);
+  return *lib;
+}
+
+torch::Library& torchfuse_impl(c10::DispatchKey key) {
+  // One library object per key, made on first use.
+  static std::array<torch::Library*, 4> libs{};
+  static const std::array<c10::DispatchKey, 4> keys = {
+      c10::DispatchKey::CUDA, c10::DispatchKey::CompositeExplicitAutograd,
+      c10::DispatchKey::Autograd, c10::DispatchKey::CompositeImplicitAutograd};
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (keys[i] != key) continue;
+    if (libs[i] == nullptr)
+      libs[i] = new torch::Library(torch::Library::IMPL, "torchfuse", key, kRegistrationFile, 0);
+    return *libs[i];
+  }
+  TORCH_CHECK(false, "torchfuse: no library for dispatch key ", key);
+}
+
+void define_own_op(uint32_t entry) {
+  using c10::DispatchKey;
+  switch (entry) {
+    case TF_ENTRY_GELU_TANH:
+      torchfuse_ops().def("gelu_tanh(Tensor input, ScalarType? dtype=None) -> Tensor");
+      torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
+          .impl("gelu_tanh", TORCH_FN(gelu_tanh_stock));
+      torchfuse_impl(DispatchKey::CUDA).impl("gelu_tanh", TORCH_FN(gelu_tanh_cuda));
+      torchfuse_impl(DispatchKey::Autograd).impl("gelu_tanh", TORCH_FN(gelu_tanh_autograd));
+      break;
+    case TF_ENTRY_GELU_TANH_BACKWARD:
+      torchfuse_ops().def("gelu_tanh_backward(Tensor grad_out, Tensor input) -> Tensor");
+      torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
+          .impl("gelu_tanh_backward", TORCH_FN(gelu_tanh_backward_stock));
+      torchfuse_impl(DispatchKey::CUDA)
+          .impl("gelu_tanh_backward", TORCH_FN(gelu_tanh_backward_cuda));
+      break;
+    case TF_ENTRY_HF_RMS_NORM:
+      torchfuse_ops().def("hf_rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
+      torchfuse_impl(DispatchKey::CompositeImplicitAutograd)
+          .impl("hf_rms_norm", TORCH_FN(hf_rms_norm));
+      break;
+    default: TORCH_CHECK(false, "torchfuse: unknown entry ", entry);
+  }
+}
 
 void register_entry(uint32_t entry) {
   torch::Library& m = aten_cuda_library();
@@ -501,6 +657,9 @@ void register_entry(uint32_t entry) {
       break;
     case TF_ENTRY_FLASH_ATTENTION: m.impl(name, TORCH_FN(flash_attention)); break;
     case TF_ENTRY_FLASH_ATTENTION_BACKWARD: m.impl(name, TORCH_FN(flash_attention_backward)); break;
+    case TF_ENTRY_GELU_TANH:
+    case TF_ENTRY_GELU_TANH_BACKWARD:
+    case TF_ENTRY_HF_RMS_NORM: define_own_op(entry); break;
     default: TORCH_CHECK(false, "torchfuse: unknown entry ", entry);
   }
 }
@@ -535,6 +694,7 @@ const std::vector<int64_t>& abi_layout() {
       TF_FIELD(TfNormCall, normalized_shape), TF_FIELD(TfNormCall, normalized_ndim),
       TF_FIELD(TfNormCall, eps), TF_FIELD(TfNormCall, has_eps),
       TF_FIELD(TfNormCall, output_mask),
+      sizeof(TfGeluCall), TF_FIELD(TfGeluCall, grad_out), TF_FIELD(TfGeluCall, out_dtype),
       sizeof(TfEmbeddingCall), TF_FIELD(TfEmbeddingCall, grad),
       TF_FIELD(TfEmbeddingCall, indices), TF_FIELD(TfEmbeddingCall, num_weights),
       TF_FIELD(TfEmbeddingCall, padding_idx), TF_FIELD(TfEmbeddingCall, scale_grad_by_freq),
@@ -595,7 +755,7 @@ __attribute__((visibility("default"))) void torchfuse_cxx_define_control_ops(TfS
     lib->def("stats() -> str", &control_stats);
     lib->def("reset_stats() -> ()", &control_reset_stats);
     // The launcher's Python hook reports its substitutions here, to torchfuse's log.
-    lib->def("note(str message) -> ()", &control_note);
+    lib->def("note(str message, bool debug=False) -> ()", &control_note);
     // Test hook: kernels also serve shapes below their measured thresholds.
     lib->def("_serve_below_thresholds(bool serve) -> ()", &control_serve_below_thresholds);
     // Benchmark hook: serve the named variant's op with it ("" clears).

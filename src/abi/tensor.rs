@@ -64,6 +64,20 @@ fn scalar_type(kind: Kind) -> Option<i16> {
     }
 }
 
+/// The kind of a `c10::ScalarType` code, among those torchfuse allocates.
+pub fn kind_of_scalar_type(code: i16) -> Option<Kind> {
+    [
+        Kind::Uint8,
+        Kind::Int,
+        Kind::Int64,
+        Kind::Half,
+        Kind::Float,
+        Kind::BFloat16,
+    ]
+    .into_iter()
+    .find(|k| scalar_type(*k) == Some(code))
+}
+
 /// A new uninitialised tensor from PyTorch's allocator (on its current stream). On a GPU it is
 /// never filled: with deterministic algorithms on, aten's `empty` writes every byte of it first
 /// (torch.utils.deterministic.fill_uninitialized_memory), and every tensor torchfuse allocates

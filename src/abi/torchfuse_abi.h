@@ -24,7 +24,8 @@
 extern "C" {
 #endif
 
-// The aten override points (`Entry` in src/runtime/toggles.rs).
+// The override points (`Entry` in src/runtime/toggles.rs): aten ops at the CUDA key, then
+// torchfuse's own ops, which the Python rewrite layer calls (torch.ops.torchfuse.*).
 enum TfEntry {
   TF_ENTRY_NATIVE_LAYER_NORM = 0,
   TF_ENTRY_NATIVE_LAYER_NORM_BACKWARD = 1,
@@ -39,7 +40,10 @@ enum TfEntry {
   TF_ENTRY_SDP_CHOICE = 10,
   TF_ENTRY_FLASH_ATTENTION = 11,
   TF_ENTRY_FLASH_ATTENTION_BACKWARD = 12,
-  TF_ENTRY_COUNT = 13
+  TF_ENTRY_GELU_TANH = 13,
+  TF_ENTRY_GELU_TANH_BACKWARD = 14,
+  TF_ENTRY_HF_RMS_NORM = 15,
+  TF_ENTRY_COUNT = 16
 };
 
 // Status codes.
@@ -78,7 +82,8 @@ typedef struct TfOutputs {
   void* tensors[3];
 } TfOutputs;
 
-// native_layer_norm[_backward], _fused_rms_norm[_backward].
+// native_layer_norm[_backward], _fused_rms_norm[_backward], torchfuse::hf_rms_norm (input,
+// weight, eps).
 typedef struct TfNormCall {
   TfTensor input;
   TfTensor weight;
@@ -93,6 +98,14 @@ typedef struct TfNormCall {
   uint8_t unused[3];
   uint32_t output_mask;  // backward: bit i asks for output i
 } TfNormCall;
+
+// torchfuse::gelu_tanh (input, out_dtype) and gelu_tanh_backward (grad_out, input).
+typedef struct TfGeluCall {
+  TfTensor input;
+  TfTensor grad_out;  // backward only
+  int16_t out_dtype;  // forward: the output's c10::ScalarType
+  uint8_t unused[6];
+} TfGeluCall;
 
 // embedding (weight, indices) and embedding_dense_backward (grad, indices, ...).
 typedef struct TfEmbeddingCall {
@@ -153,6 +166,10 @@ void torchfuse_rs_adam(uint32_t entry, const TfLaunch* launch, const TfAdamCall*
 void torchfuse_rs_attention(uint32_t entry, const TfLaunch* launch, const TfAttentionCall* call,
                             TfOutputs* out, TfStatus* status);
 
+// torchfuse::gelu_tanh: out = y. Its backward: out = dx.
+void torchfuse_rs_gelu(uint32_t entry, const TfLaunch* launch, const TfGeluCall* call,
+                       TfOutputs* out, TfStatus* status);
+
 // Control ops (torch.ops.torchfuse.*). set_enabled: TF_FUSED when the op now runs through
 // torchfuse, TF_STOCK when it does not, TF_ERROR for an unknown name.
 void torchfuse_rs_set_enabled(const char* name, size_t len, uint8_t enabled, TfStatus* status);
@@ -160,14 +177,15 @@ void torchfuse_rs_set_enabled(const char* name, size_t len, uint8_t enabled, TfS
 char* torchfuse_rs_stats_json(void);
 void torchfuse_rs_free_string(char* s);
 void torchfuse_rs_reset_stats(void);
-void torchfuse_rs_note(const char* msg, size_t len);
+// A message from the Python side, to torchfuse's log at info (debug: at debug).
+void torchfuse_rs_note(const char* msg, size_t len, uint8_t debug);
 void torchfuse_rs_torch_warning(const char* msg, size_t len);
 void torchfuse_rs_serve_below_thresholds(uint8_t serve);
 void torchfuse_rs_force_variant(const char* name, size_t len);
 
 // ---------------------------------------------------------------- implemented in C++
 
-// Registers one aten entry at the CUDA key.
+// Registers one entry: an aten op's override at the CUDA key, or one of torchfuse's own ops.
 void torchfuse_cxx_register(uint32_t entry, TfStatus* status);
 // Defines the torch.ops.torchfuse control namespace.
 void torchfuse_cxx_define_control_ops(TfStatus* status);
@@ -178,7 +196,7 @@ void* torchfuse_cxx_empty_unfilled(const int64_t* sizes, size_t ndim, int16_t sc
 // The layout of this file as the C++ compiler sees it, for the cargo test that compares it
 // with Rust's: writes up to `cap` numbers (see shim.cpp) and returns how many there are.
 size_t torchfuse_cxx_abi_layout(int64_t* out, size_t cap);
-// The aten op (with overload) an entry overrides, as registered.
+// The op (aten's with overload, or torchfuse::name) an entry overrides or defines.
 const char* torchfuse_cxx_entry_name(uint32_t entry);
 
 #ifdef __cplusplus

@@ -113,6 +113,15 @@ pub struct TfNormCall {
     pub output_mask: u32,
 }
 
+/// `TfGeluCall`.
+#[repr(C)]
+pub struct TfGeluCall {
+    pub input: TfTensor,
+    pub grad_out: TfTensor,
+    pub out_dtype: i16,
+    pub unused: [u8; 6],
+}
+
 /// `TfEmbeddingCall`.
 #[repr(C)]
 pub struct TfEmbeddingCall {
@@ -236,6 +245,9 @@ mod tests {
             n(offset_of!(TfNormCall, eps)),
             n(offset_of!(TfNormCall, has_eps)),
             n(offset_of!(TfNormCall, output_mask)),
+            n(size_of::<TfGeluCall>()),
+            n(offset_of!(TfGeluCall, grad_out)),
+            n(offset_of!(TfGeluCall, out_dtype)),
             n(size_of::<TfEmbeddingCall>()),
             n(offset_of!(TfEmbeddingCall, grad)),
             n(offset_of!(TfEmbeddingCall, indices)),

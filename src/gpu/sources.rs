@@ -21,6 +21,7 @@ pub const KERNEL_SOURCES: &[(&str, &str)] = &[
     ),
     ("common.cuh", include_str!("../../kernels/common.cuh")),
     ("embedding.cu", include_str!("../../kernels/embedding.cu")),
+    ("gelu.cu", include_str!("../../kernels/gelu.cu")),
     ("norm.cu", include_str!("../../kernels/norm.cu")),
 ];
 

@@ -1,4 +1,4 @@
-//! The op families: one module each (norm, adam, embedding, attention), each implementing
+//! The op families: one module each (norm, adam, embedding, attention, gelu), each implementing
 //! `Family`: the aten entries it serves and the boundary struct that describes their calls,
 //! how a call is logged, how it is served (checked, planned, launched: `Served`, or the
 //! reason stock runs it), and for the registry the kernels it launches (by name), the
@@ -9,6 +9,7 @@
 pub mod adam;
 pub mod attention;
 pub mod embedding;
+pub mod gelu;
 pub mod norm;
 pub mod params;
 
@@ -154,6 +155,18 @@ pub enum KernelOp {
     /// As `AttentionCausal`, without a mask.
     #[serde(rename = "attention_full")]
     AttentionFull,
+    /// `torchfuse::gelu_tanh`, output in the input's dtype; `rows` is the element count.
+    #[serde(rename = "gelu_tanh_fwd")]
+    GeluTanhFwd,
+    /// As `GeluTanhFwd`, fp32 output (autocast's form of HF's code).
+    #[serde(rename = "gelu_tanh_fwd_wide")]
+    GeluTanhFwdWide,
+    /// `torchfuse::gelu_tanh_backward`, the gradient in the input's dtype.
+    #[serde(rename = "gelu_tanh_bwd")]
+    GeluTanhBwd,
+    /// As `GeluTanhBwd`, an fp32 incoming gradient.
+    #[serde(rename = "gelu_tanh_bwd_wide")]
+    GeluTanhBwdWide,
 }
 
 impl KernelOp {
@@ -172,6 +185,10 @@ impl KernelOp {
             KernelOp::AttentionCausal | KernelOp::AttentionFull => {
                 OpParams::prepare::<attention::Attention>(self, v)
             }
+            KernelOp::GeluTanhFwd
+            | KernelOp::GeluTanhFwdWide
+            | KernelOp::GeluTanhBwd
+            | KernelOp::GeluTanhBwdWide => OpParams::prepare::<gelu::Gelu>(self, v),
         }
     }
 }

@@ -1,5 +1,7 @@
 //! LayerNorm and RMSNorm, forward and backward, through kernels/norm.cu, or why stock runs a
-//! call. Calls stock would reject are sent to stock so the user gets stock's error.
+//! call. Calls stock would reject are sent to stock so the user gets stock's error. Also
+//! `torchfuse::hf_rms_norm`, HF's RMSNorm composition, which is served by `aten::rms_norm`
+//! where that computes the same thing (and so reaches the RMSNorm kernels).
 
 use super::params::{self, flag, one};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
@@ -56,7 +58,7 @@ impl Family for Norm {
     type Call = TfNormCall;
 
     fn serves(entry: Entry) -> bool {
-        Norm::of(entry).is_some()
+        Norm::of(entry).is_some() || entry == Entry::HfRmsNorm
     }
 
     unsafe fn describe(_entry: Entry, call: &TfNormCall) -> Option<(&'static str, Vec<i64>)> {
@@ -72,8 +74,12 @@ impl Family for Norm {
         call: &TfNormCall,
         shape: &[i64],
     ) -> Result<Served, StockReason> {
-        let (kind, backward) = Norm::of(entry).ok_or(StockReason::InternalError)?;
         let input = call.input.borrow().ok_or(StockReason::InvalidInput)?;
+        if entry == Entry::HfRmsNorm {
+            let weight = call.weight.borrow().ok_or(StockReason::InvalidInput)?;
+            return hf_rms_norm(launch, &input, &weight, call.eps);
+        }
+        let (kind, backward) = Norm::of(entry).ok_or(StockReason::InternalError)?;
         let normalized_shape = if call.normalized_ndim == 0 {
             &[]
         } else {
@@ -149,6 +155,38 @@ impl Family for Norm {
 
 fn is_backward(op: KernelOp) -> bool {
     matches!(op, KernelOp::LayerNormBwd | KernelOp::RmsNormBwd)
+}
+
+/// What `Served::kernel` names for hf_rms_norm calls served by `aten::rms_norm`.
+const HF_RMS_NORM_BY_ATEN: &str = "aten::rms_norm";
+
+/// HF's RMSNorm, `weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)`, is
+/// `aten::rms_norm(x, [hidden], weight, eps)` when weight and x share a floating dtype: the
+/// same statistics in fp32, and the output in that dtype. (HF rounds the normalized value to
+/// the dtype before the weight multiply; rms_norm rounds once, so it is no less accurate.)
+/// Autograd and the kernel choice are aten's from there: on CUDA, `_fused_rms_norm`, which
+/// torchfuse's `rms_norm` toggle serves. Mixed dtypes (an fp32 weight on a bf16 activation,
+/// whose product HF computes in fp32) go to stock: the glue runs HF's composition itself.
+fn hf_rms_norm(
+    launch: Launch,
+    input: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+) -> Result<Served, StockReason> {
+    let kind = input.f_kind().map_err(|_| StockReason::UnsupportedDtype)?;
+    dtype_of(kind).ok_or(StockReason::UnsupportedDtype)?;
+    if weight.f_kind().ok() != Some(kind) {
+        return Err(StockReason::MixedDtypes);
+    }
+    let device = gpu::torch_device(launch)?;
+    let hidden = *input.size().last().ok_or(StockReason::InvalidInput)?;
+    if weight.size() != [hidden] || input.device() != device || weight.device() != device {
+        return Err(StockReason::InvalidInput);
+    }
+    let y = input
+        .f_rms_norm([hidden].as_slice(), Some(weight), eps)
+        .map_err(|_| StockReason::InvalidInput)?;
+    Ok(Served::new(HF_RMS_NORM_BY_ATEN, [Some(y), None, None]))
 }
 
 /// A norm variant's compile-time params (`registry/norm.toml`), checked once.

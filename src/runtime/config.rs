@@ -194,18 +194,39 @@ mod tests {
         );
         assert_eq!(
             enabled(&cfg(&[("TORCHFUSE_OPS", "-sdpa")])),
-            vec!["layer_norm", "rms_norm", "embedding", "adam"]
+            vec![
+                "layer_norm",
+                "rms_norm",
+                "embedding",
+                "adam",
+                "gelu_tanh",
+                "hf_rms_norm"
+            ]
         );
         assert_eq!(
-            enabled(&cfg(&[("TORCHFUSE_OPS", "-sdpa,-adam")])),
-            vec!["layer_norm", "rms_norm", "embedding"]
+            enabled(&cfg(&[("TORCHFUSE_OPS", "-sdpa,-adam,-gelu_tanh")])),
+            vec!["layer_norm", "rms_norm", "embedding", "hf_rms_norm"]
         );
         assert_eq!(
             enabled(&cfg(&[("TORCHFUSE_OPS", "all,-embedding")])),
-            vec!["layer_norm", "rms_norm", "adam", "sdpa"]
+            vec![
+                "layer_norm",
+                "rms_norm",
+                "adam",
+                "sdpa",
+                "gelu_tanh",
+                "hf_rms_norm"
+            ]
+        );
+        assert_eq!(
+            enabled(&cfg(&[("TORCHFUSE_OPS", "hf_rms_norm,rms_norm")])),
+            vec!["rms_norm", "hf_rms_norm"]
         );
         assert!(enabled(&cfg(&[("TORCHFUSE_OPS", "none")])).is_empty());
-        assert_eq!(enabled(&cfg(&[("TORCHFUSE_OPS", "")])).len(), 5);
+        assert_eq!(
+            enabled(&cfg(&[("TORCHFUSE_OPS", "")])).len(),
+            Toggle::ALL.len()
+        );
     }
 
     #[test]

@@ -1,5 +1,6 @@
-//! The op families users toggle, the aten entries each one overrides, and their state in this
-//! process: registered with the dispatcher (at load), enabled at run time
+//! The op families users toggle (aten overrides, and the rewrites of Python compositions the
+//! `torchfuse` package makes, which call torchfuse's own ops), the entries each one owns, and
+//! their state in this process: registered with the dispatcher (at load), enabled at run time
 //! (`torch.ops.torchfuse.set_enabled`). The one place toggle names are written.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,15 +13,21 @@ pub enum Toggle {
     Embedding,
     Adam,
     Sdpa,
+    /// Rewrite: HF's tanh GELU compositions -> torchfuse::gelu_tanh.
+    GeluTanh,
+    /// Rewrite: HF's RMSNorm composition (LlamaRMSNorm and its copies) -> torchfuse::hf_rms_norm.
+    HfRmsNorm,
 }
 
 impl Toggle {
-    pub const ALL: [Toggle; 5] = [
+    pub const ALL: [Toggle; 7] = [
         Toggle::LayerNorm,
         Toggle::RmsNorm,
         Toggle::Embedding,
         Toggle::Adam,
         Toggle::Sdpa,
+        Toggle::GeluTanh,
+        Toggle::HfRmsNorm,
     ];
 
     pub fn name(self) -> &'static str {
@@ -30,6 +37,8 @@ impl Toggle {
             Toggle::Embedding => "embedding",
             Toggle::Adam => "adam",
             Toggle::Sdpa => "sdpa",
+            Toggle::GeluTanh => "gelu_tanh",
+            Toggle::HfRmsNorm => "hf_rms_norm",
         }
     }
 
@@ -51,7 +60,8 @@ impl Toggle {
     }
 }
 
-/// One aten override point. The numbering is `TfEntry` of `src/abi/torchfuse_abi.h`.
+/// One override point: an aten op at the CUDA key, or one of torchfuse's own ops. The
+/// numbering is `TfEntry` of `src/abi/torchfuse_abi.h`.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Entry {
@@ -68,10 +78,13 @@ pub enum Entry {
     SdpChoice = 10,
     FlashAttention = 11,
     FlashAttentionBackward = 12,
+    GeluTanh = 13,
+    GeluTanhBackward = 14,
+    HfRmsNorm = 15,
 }
 
 impl Entry {
-    pub const ALL: [Entry; 13] = [
+    pub const ALL: [Entry; 16] = [
         Entry::NativeLayerNorm,
         Entry::NativeLayerNormBackward,
         Entry::FusedRmsNorm,
@@ -85,13 +98,16 @@ impl Entry {
         Entry::SdpChoice,
         Entry::FlashAttention,
         Entry::FlashAttentionBackward,
+        Entry::GeluTanh,
+        Entry::GeluTanhBackward,
+        Entry::HfRmsNorm,
     ];
 
     pub fn from_u32(v: u32) -> Option<Entry> {
         Entry::ALL.get(v as usize).copied()
     }
 
-    /// The aten op name (with overload) as `_dispatch_dump` and the logs show it.
+    /// The op's name (aten's with overload, or `torchfuse::name`) as the logs show it.
     pub fn aten_name(self) -> &'static str {
         match self {
             Entry::NativeLayerNorm => "native_layer_norm",
@@ -107,6 +123,9 @@ impl Entry {
             Entry::SdpChoice => "sdpa backend choice",
             Entry::FlashAttention => "_scaled_dot_product_flash_attention",
             Entry::FlashAttentionBackward => "_scaled_dot_product_flash_attention_backward",
+            Entry::GeluTanh => "torchfuse::gelu_tanh",
+            Entry::GeluTanhBackward => "torchfuse::gelu_tanh_backward",
+            Entry::HfRmsNorm => "torchfuse::hf_rms_norm",
         }
     }
 
@@ -122,6 +141,8 @@ impl Entry {
             Entry::SdpChoice | Entry::FlashAttention | Entry::FlashAttentionBackward => {
                 Toggle::Sdpa
             }
+            Entry::GeluTanh | Entry::GeluTanhBackward => Toggle::GeluTanh,
+            Entry::HfRmsNorm => Toggle::HfRmsNorm,
         }
     }
 }
@@ -179,7 +200,10 @@ mod tests {
         let mut owned = 0;
         for t in Toggle::ALL {
             let n = t.entries().count();
-            assert!(n >= 2, "{} has {n} entries", t.name());
+            // An aten op's override comes with its backward's; hf_rms_norm's backward is
+            // aten's (it serves the composition with aten::rms_norm).
+            let least = if t == Toggle::HfRmsNorm { 1 } else { 2 };
+            assert!(n >= least, "{} has {n} entries", t.name());
             owned += n;
             assert_eq!(Toggle::from_name(t.name()), Some(t));
         }

@@ -20,5 +20,6 @@ pub const REGISTRY_FILES: &[(&str, &str)] = &[
         "embedding.toml",
         include_str!("../../registry/embedding.toml"),
     ),
+    ("gelu.toml", include_str!("../../registry/gelu.toml")),
     ("norm.toml", include_str!("../../registry/norm.toml")),
 ];

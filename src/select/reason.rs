@@ -15,6 +15,7 @@ pub enum StockReason {
     UserBackendChoice,
     AttentionFeature,
     InvalidInput,
+    NotContiguous,
     KernelUnavailable,
     LaunchFailed,
     InternalError,
@@ -37,6 +38,7 @@ impl std::fmt::Display for StockReason {
                 "attn_mask, dropout, nested inputs or a negative scale are not served"
             }
             StockReason::InvalidInput => "input stock rejects",
+            StockReason::NotContiguous => "non-contiguous input",
             StockReason::KernelUnavailable => "kernel unavailable",
             StockReason::LaunchFailed => "kernel launch failed",
             StockReason::InternalError => "internal error",

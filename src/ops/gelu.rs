@@ -1,0 +1,167 @@
+//! The tanh GELU, forward and backward (`torchfuse::gelu_tanh[_backward]`, what the rewrite
+//! layer sends HF's tanh-GELU compositions to), through kernels/gelu.cu, or why stock
+//! (PyTorch's `gelu(approximate="tanh")`, in the glue) runs a call.
+
+use super::params;
+use super::{Family, KernelOp, Request, Selected, Served, Variant};
+use crate::abi::tensor::{aligned16, describe, device_addr, empty, kind_of_scalar_type};
+use crate::abi::types::TfGeluCall;
+use crate::gpu::{self, Launch};
+use crate::runtime::Entry;
+use crate::select::{dtype_of, StockReason};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use serde::{Deserialize, Serialize};
+use tch::Kind;
+
+/// The kernels of kernels/gelu.cu, by name.
+const FWD_KERNEL: &str = "gelu_tanh_fwd";
+const BWD_KERNEL: &str = "gelu_tanh_bwd";
+
+/// Elements a thread handles per chunk (`CHUNK` in the kernel).
+const CHUNK: i64 = 8;
+
+pub struct Gelu;
+
+impl Family for Gelu {
+    type Call = TfGeluCall;
+
+    fn serves(entry: Entry) -> bool {
+        matches!(entry, Entry::GeluTanh | Entry::GeluTanhBackward)
+    }
+
+    unsafe fn describe(_entry: Entry, call: &TfGeluCall) -> Option<(&'static str, Vec<i64>)> {
+        let input = call.input.borrow()?;
+        Some(describe(Some(&input)))
+    }
+
+    /// Forward: y (in `out_dtype`). Backward: dx (in the input's dtype).
+    unsafe fn serve(
+        entry: Entry,
+        launch: Launch,
+        call: &TfGeluCall,
+        shape: &[i64],
+    ) -> Result<Served, StockReason> {
+        let input = call.input.borrow().ok_or(StockReason::InvalidInput)?;
+        let x_kind = input.f_kind().map_err(|_| StockReason::UnsupportedDtype)?;
+        // The other tensor's dtype: the forward's output, the backward's incoming gradient.
+        let grad_out = call.grad_out.borrow();
+        let other_kind = match (entry, &grad_out) {
+            (Entry::GeluTanh, _) => {
+                kind_of_scalar_type(call.out_dtype).ok_or(StockReason::UnsupportedDtype)?
+            }
+            (_, Some(dy)) => dy.f_kind().map_err(|_| StockReason::UnsupportedDtype)?,
+            (_, None) => return Err(StockReason::InvalidInput),
+        };
+        let dtype = dtype_of(x_kind).ok_or(StockReason::UnsupportedDtype)?;
+        // The other tensor is in the input's dtype, or fp32 (autocast's form of HF's code).
+        let wide = other_kind != x_kind;
+        if wide && other_kind != Kind::Float {
+            return Err(StockReason::MixedDtypes);
+        }
+        let backward = entry == Entry::GeluTanhBackward;
+        let op = match (backward, wide) {
+            (false, false) => KernelOp::GeluTanhFwd,
+            (false, true) => KernelOp::GeluTanhFwdWide,
+            (true, false) => KernelOp::GeluTanhBwd,
+            (true, true) => KernelOp::GeluTanhBwdWide,
+        };
+        let device = gpu::torch_device(launch)?;
+        if input.device() != device || !input.is_contiguous() {
+            return Err(StockReason::NotContiguous);
+        }
+        if let Some(dy) = &grad_out {
+            if dy.size() != shape || dy.device() != device {
+                return Err(StockReason::InvalidInput);
+            }
+            if !dy.is_contiguous() {
+                return Err(StockReason::NotContiguous);
+            }
+        }
+        let n = input.numel() as i64;
+        if n == 0 {
+            return Err(StockReason::EmptyInput);
+        }
+        let Selected {
+            gpu,
+            variant,
+            kernels,
+            params,
+        } = super::select(launch, |sm| Request {
+            op,
+            dtype,
+            hidden: 1,
+            rows: n,
+            sm,
+            deterministic: false,
+        })?;
+        let p = Gelu::params(params)?;
+        let out = empty(shape, if backward { x_kind } else { other_kind }, device)?;
+        let mut tensors = vec![&*input, &out];
+        if let Some(dy) = &grad_out {
+            tensors.push(dy);
+        }
+        let vectorized = i32::from(aligned16(tensors));
+        let per_block = p.threads * p.chunks;
+        let config = LaunchConfig {
+            grid_dim: (gpu::grid_dim(gpu::ceil_div(n, CHUNK), per_block)?, 1, 1),
+            block_dim: (p.threads as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (x_ptr, out_ptr) = (device_addr(&input), device_addr(&out));
+        let stream = gpu.stream(launch);
+        let kernel = kernels.get(if backward { BWD_KERNEL } else { FWD_KERNEL })?;
+        let mut args = stream.launch_builder(&kernel.function);
+        let dy_ptr = grad_out.as_deref().map(device_addr);
+        if let Some(dy_ptr) = &dy_ptr {
+            args.arg(dy_ptr);
+        }
+        args.arg(&x_ptr).arg(&out_ptr).arg(&n).arg(&vectorized);
+        // SAFETY: argument types and order match gelu_tanh_fwd (x, y, n, vectorized) and
+        // gelu_tanh_bwd (dy, x, dx, n, vectorized); every tensor is contiguous with n elements
+        // of the dtype the module was compiled for, and lives until the stream is done with it
+        // (PyTorch's allocator orders reuse on it).
+        unsafe { args.launch(config) }.map_err(|e| super::launch_failed(variant, e))?;
+        Ok(Served::new(variant.name.as_str(), [Some(out), None, None]))
+    }
+
+    fn kernels(op: KernelOp) -> &'static [&'static str] {
+        if is_backward(op) {
+            &[BWD_KERNEL]
+        } else {
+            &[FWD_KERNEL]
+        }
+    }
+
+    /// Which kernel kernels/gelu.cu compiles, and whether the other tensor is fp32.
+    fn defines(op: KernelOp) -> Vec<String> {
+        let wide = matches!(op, KernelOp::GeluTanhFwdWide | KernelOp::GeluTanhBwdWide);
+        vec![
+            format!("-DTF_GELU_FWD={}", i32::from(!is_backward(op))),
+            format!("-DTF_GELU_BWD={}", i32::from(is_backward(op))),
+            format!("-DTF_WIDE={}", i32::from(wide)),
+        ]
+    }
+
+    type Params = Params;
+
+    fn prepare(v: &Variant) -> Result<Params, String> {
+        let p: Params = params::parse(v)?;
+        params::one_of(v, "THREADS", p.threads, &[128, 256, 512, 1024])?;
+        params::in_range(v, "CHUNKS", p.chunks, 1..=8)?;
+        Ok(p)
+    }
+}
+
+fn is_backward(op: KernelOp) -> bool {
+    matches!(op, KernelOp::GeluTanhBwd | KernelOp::GeluTanhBwdWide)
+}
+
+/// A gelu variant's compile-time params (`registry/gelu.toml`).
+#[derive(Clone, Copy, Debug, Deserialize, Serialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE", deny_unknown_fields)]
+pub struct Params {
+    /// Threads per CTA.
+    threads: i64,
+    /// Chunks of 8 elements per thread.
+    chunks: i64,
+}

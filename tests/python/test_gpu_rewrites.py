@@ -1,0 +1,231 @@
+"""The rewrite layer's ops on the GPU (torchfuse::gelu_tanh[_backward], torchfuse::hf_rms_norm)
+against a float64 evaluation of the original HF composition, with the original's own error
+as the bar (docs/testing.md): within max(2 x the original's error, the output dtype's floor),
+same dtypes, shapes and strides; and unchanged tiny HF models trained with the rewrites follow
+the losses of the same models without them, eager and under torch.compile."""
+import math
+import random
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import LIB_DIR, ROOT, clean_env, requires_cuda
+from gpu_util import FLOOR, enabled, fresh_seed, fused_count, load_torchfuse, rel_err, stock_reasons
+
+pytestmark = requires_cuda
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+GELU, GELU_BWD, HF_RMS = "torchfuse::gelu_tanh", "torchfuse::gelu_tanh_backward", "torchfuse::hf_rms_norm"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torchfuse_loaded():
+    load_torchfuse()
+
+
+# The compositions as transformers 5.17 writes them (activations.py, modeling_llama.py).
+def new_gelu(input):
+    return 0.5 * input * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (input + 0.044715 * torch.pow(input, 3.0))))
+
+
+def fast_gelu(input):
+    return 0.5 * input * (1.0 + torch.tanh(input * 0.7978845608 * (1.0 + 0.044715 * input * input)))
+
+
+def hf_rms_norm(hidden_states, weight, eps):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + eps)
+    return weight * hidden_states.to(input_dtype)
+
+
+def random_shapes(rng):
+    """Odd sizes, one element, sizes that are and are not whole 8-element chunks, and more
+    elements than one CTA covers."""
+    shapes = [(1,), (7,), (8,), (3, 5), (2, 9, 17), (4, 1024 + rng.randrange(1, 8))]
+    shapes.append((rng.randrange(1, 64), rng.randrange(1, 3000)))
+    shapes.append((rng.randrange(100_000, 300_000),))
+    return shapes
+
+
+def bound(err_original, dtype):
+    return max(2 * err_original, FLOOR[dtype])
+
+
+def reference_grad(form, x, grad_out):
+    x64 = x.detach().double().requires_grad_(True)
+    form(x64).backward(grad_out.double())
+    return x64.grad
+
+
+@pytest.mark.parametrize("form", [new_gelu, fast_gelu])
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_is_the_original_composition(form, autocast, dtype):
+    seed = fresh_seed()
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    for shape in random_shapes(rng):
+        x = (3 * torch.randn(shape, device="cuda")).to(dtype).requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            original = form(x)
+        # What the rewrite passes: the dtype the original composition returns.
+        before = fused_count(GELU), fused_count(GELU_BWD)
+        ours = torch.ops.torchfuse.gelu_tanh(x, original.dtype)
+        what = f"seed {seed} {form.__name__} {dtype} autocast={autocast} {shape}"
+        assert (ours.dtype, ours.shape, ours.stride()) == (original.dtype, original.shape, original.stride()), what
+        ref = form(x.detach().double())
+        out_floor_dtype = original.dtype if original.dtype != torch.float32 else dtype
+        err, err_original = rel_err(ours, ref), rel_err(original, ref)
+        assert err <= bound(err_original, out_floor_dtype), f"{what}: {err} vs original {err_original}"
+
+        grad_out = torch.randn_like(original)
+        (g_original,) = torch.autograd.grad(original, x, grad_out)
+        (g_ours,) = torch.autograd.grad(ours, x, grad_out)
+        assert (g_ours.dtype, g_ours.shape) == (x.dtype, x.shape), what
+        g_ref = reference_grad(form, x, grad_out)
+        err, err_original = rel_err(g_ours, g_ref), rel_err(g_original, g_ref)
+        assert err <= bound(err_original, dtype), f"{what} grad: {err} vs original {err_original}"
+        assert (fused_count(GELU), fused_count(GELU_BWD)) == (before[0] + 1, before[1] + 1), what
+
+
+def test_gelu_tanh_unaligned_and_non_contiguous_inputs():
+    torch.manual_seed(fresh_seed())
+    base = torch.randn(4099, device="cuda", dtype=torch.bfloat16)
+    unaligned = base[1:]  # contiguous, 2 bytes past a 16-byte boundary: the element path
+    before = fused_count(GELU)
+    y = torch.ops.torchfuse.gelu_tanh(unaligned, torch.float32)
+    assert fused_count(GELU) == before + 1
+    assert rel_err(y, new_gelu(unaligned.double())) <= FLOOR[torch.float32]
+    # A transposed input: stock serves it, with the layout the original gives.
+    x = torch.randn(33, 65, device="cuda", dtype=torch.bfloat16).t()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        original = new_gelu(x)
+    reasons = sum(stock_reasons(GELU).values())
+    y = torch.ops.torchfuse.gelu_tanh(x, original.dtype)
+    assert sum(stock_reasons(GELU).values()) == reasons + 1
+    assert (y.dtype, y.shape, y.stride()) == (original.dtype, original.shape, original.stride())
+    assert rel_err(y, new_gelu(x.double())) <= FLOOR[torch.float32]
+
+
+def test_gelu_tanh_nan_inf_and_bitwise_reproducible():
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 20.0, -20.0, 1e-30],
+                     device="cuda")
+    y = torch.ops.torchfuse.gelu_tanh(x)
+    expected = new_gelu(x)
+    assert torch.equal(torch.isnan(y), torch.isnan(expected))
+    finite = ~torch.isnan(expected)
+    torch.testing.assert_close(y[finite], expected[finite], rtol=1e-6, atol=1e-30)
+    big = torch.randn(1 << 20, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(torch.ops.torchfuse.gelu_tanh(big, torch.float32),
+                       torch.ops.torchfuse.gelu_tanh(big, torch.float32))
+
+
+def test_gelu_tanh_switched_off_runs_pytorchs_gelu():
+    x = torch.randn(1000, device="cuda", dtype=torch.bfloat16)
+    with enabled("gelu_tanh", False):
+        before = stock_reasons(GELU).get("disabled at run time", 0)
+        y = torch.ops.torchfuse.gelu_tanh(x, torch.float32)
+        assert stock_reasons(GELU)["disabled at run time"] == before + 1
+    torch.testing.assert_close(y, torch.nn.functional.gelu(x.float(), approximate="tanh"))
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.float16, torch.float16), (torch.bfloat16, torch.float32)],
+                         ids=["f32", "bf16", "f16", "bf16-x-f32-weight"])
+def test_hf_rms_norm_is_the_original_composition(dtypes):
+    x_dtype, w_dtype = dtypes
+    seed = fresh_seed()
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    for shape in [(1, 1), (3, 7), (2, 5, 64), (rng.randrange(1, 300), rng.randrange(1, 3000)), (4, 512, 1024)]:
+        x = torch.randn(shape, device="cuda").to(x_dtype).requires_grad_(True)
+        w = (1 + 0.1 * torch.randn(shape[-1], device="cuda")).to(w_dtype).requires_grad_(True)
+        eps = 1e-6
+        original = hf_rms_norm(x, w, eps)
+        served = fused_count(HF_RMS)
+        ours = torch.ops.torchfuse.hf_rms_norm(x, w, eps)
+        what = f"seed {seed} {dtypes} {shape}"
+        assert (ours.dtype, ours.shape, ours.stride()) == (original.dtype, original.shape, original.stride()), what
+        assert fused_count(HF_RMS) == served + (1 if x_dtype == w_dtype else 0), what
+        ref = hf_rms_norm(x.detach().double(), w.detach().double(), eps)
+        err, err_original = rel_err(ours, ref), rel_err(original, ref)
+        assert err <= bound(err_original, x_dtype), f"{what}: {err} vs original {err_original}"
+
+        grad_out = torch.randn_like(original)
+        g_original = torch.autograd.grad(original, (x, w), grad_out)
+        g_ours = torch.autograd.grad(ours, (x, w), grad_out)
+        x64 = x.detach().double().requires_grad_(True)
+        w64 = w.detach().double().requires_grad_(True)
+        g_ref = torch.autograd.grad(hf_rms_norm(x64, w64, eps), (x64, w64), grad_out.double())
+        for name, a, b, r, t in zip("xw", g_ours, g_original, g_ref, (x, w)):
+            assert a.dtype == t.dtype, what
+            err, err_original = rel_err(a, r), rel_err(b, r)
+            assert err <= bound(err_original, t.dtype), f"{what} d{name}: {err} vs original {err_original}"
+
+
+# ---------------------------------------------------------------- unchanged tiny HF models
+
+TRAIN = r"""
+import sys, json, torch
+sys.path.insert(0, {python!r})
+import torchfuse
+torchfuse.enable({lib!r})
+import transformers
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+torch.manual_seed(0)
+if {model!r} == "gpt2":
+    config = GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=512, n_positions=128)
+    model = GPT2LMHeadModel(config)
+else:
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512, max_position_embeddings=128)
+    model = LlamaForCausalLM(config)
+model = model.cuda()
+if {compiled}:
+    model = torch.compile(model)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+data = torch.randint(0, 512, (8, 16, 128), generator=torch.Generator().manual_seed(1)).cuda()
+for step in range(8):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(input_ids=data[step], labels=data[step]).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    print(f"step {{step}} loss {{loss.item():.6f}}")
+print("STATS " + torch.ops.torchfuse.stats())
+"""
+
+
+def train(model, compiled, ops):
+    code = TRAIN.format(python=str(ROOT / "python"), lib=str(LIB_DIR), model=model, compiled=compiled)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env=clean_env(TORCHFUSE_OPS=ops, TORCHFUSE_LOG="info"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    losses = [float(m.group(1)) for m in re.finditer(r"^step \d+ loss ([0-9.]+)$", proc.stdout, re.M)]
+    import json
+    stats = json.loads(re.search(r"^STATS (.*)$", proc.stdout, re.M).group(1))
+    return losses, stats, proc.stderr
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("model,op", [("gpt2", "gelu_tanh"), ("llama", "hf_rms_norm")])
+def test_unchanged_hf_model_trains_as_without_the_rewrite(model, op, compiled):
+    pytest.importorskip("transformers", reason="scripts/setup installs transformers")
+    without, _, _ = train(model, compiled, f"all,-{op}")
+    losses, stats, log = train(model, compiled, "all")
+    assert len(losses) == len(without) == 8
+    for a, b in zip(losses, without):
+        assert abs(a - b) <= 0.01 * b, (losses, without)
+    assert f"rewrite {op}: transformers." in log, log[-3000:]
+    calls = stats["ops"].get(f"torchfuse::{op}", {})
+    if compiled:
+        # Under torch.compile the original composition runs (Inductor fuses it).
+        assert not calls, stats
+    else:
+        assert calls.get("fused", 0) > 0, stats

@@ -1,0 +1,96 @@
+"""The rewrite layer (python/torchfuse/rewrites.py) and torchfuse's own ops without a GPU: which
+HF classes get a rewritten forward after `torchfuse.enable()` and which are left alone, that
+the toggles decide it, that a rewritten forward runs the original code for CPU tensors, and
+that the ops run on CPU, on meta tensors and under torch.compile (their stock kernels)."""
+import json
+
+import pytest
+
+from conftest import LIB_DIR, ROOT, check, run_python
+
+pytest.importorskip("transformers", reason="scripts/setup installs transformers")
+
+ENABLE = f"""
+import json, torch, torchfuse
+torchfuse.enable({str(LIB_DIR)!r})
+"""
+
+
+def run(code, **env):
+    proc = check(run_python(ENABLE + code, PYTHONPATH=ROOT / "python", TORCHFUSE_LOG="debug", **env))
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+REWRITTEN = """
+import transformers.activations as A
+import transformers.models.llama.modeling_llama as L
+import transformers.models.qwen2.modeling_qwen2 as Q
+import transformers.models.gemma.modeling_gemma as G
+def rewritten(cls):
+    return hasattr(cls.forward, "__wrapped__")
+print(json.dumps({name: rewritten(cls) for name, cls in [
+    ("NewGELUActivation", A.NewGELUActivation), ("FastGELUActivation", A.FastGELUActivation),
+    ("GELUActivation", A.GELUActivation), ("LlamaRMSNorm", L.LlamaRMSNorm),
+    ("Qwen2RMSNorm", Q.Qwen2RMSNorm), ("GemmaRMSNorm", G.GemmaRMSNorm)]}))
+"""
+
+
+def test_known_forms_are_rewritten_and_others_left_alone():
+    out, log = run(REWRITTEN)
+    assert out == {"NewGELUActivation": True, "FastGELUActivation": True, "GELUActivation": False,
+                   "LlamaRMSNorm": True, "Qwen2RMSNorm": True, "GemmaRMSNorm": False}
+    assert ("rewrite gelu_tanh: transformers.activations.NewGELUActivation.forward (new_gelu) -> "
+            "torch.ops.torchfuse.gelu_tanh") in log
+    assert "rewrite hf_rms_norm: transformers.models.llama.modeling_llama.LlamaRMSNorm.forward" in log
+    assert "transformers.models.gemma.modeling_gemma.GemmaRMSNorm.forward is not a known form" in log
+    assert log.count("rewrite gelu_tanh: transformers.activations.NewGELUActivation") == 1
+
+
+def test_a_toggled_off_rewrite_is_not_made():
+    out, log = run(REWRITTEN, TORCHFUSE_OPS="-hf_rms_norm")
+    assert out["NewGELUActivation"] and not out["LlamaRMSNorm"] and not out["Qwen2RMSNorm"]
+    assert "rewrite hf_rms_norm off" in log
+
+
+def test_without_the_library_nothing_is_rewritten(tmp_path):
+    proc = check(run_python(f"""
+import json, torch, torchfuse
+torchfuse.enable({str(tmp_path)!r})
+import transformers.activations as A
+print(json.dumps(hasattr(A.NewGELUActivation.forward, "__wrapped__")))
+""", PYTHONPATH=ROOT / "python"))
+    assert proc.stdout.strip().splitlines()[-1] == "false"
+
+
+def test_cpu_inputs_run_the_original_code_bitwise():
+    out, _ = run("""
+import transformers.activations as A
+import transformers.models.llama.modeling_llama as L
+torch.manual_seed(0)
+x = torch.randn(4, 33, dtype=torch.bfloat16)
+gelu = A.NewGELUActivation()
+norm = L.LlamaRMSNorm(33, eps=1e-6)
+with torch.no_grad():
+    norm.weight.normal_()
+print(json.dumps([torch.equal(gelu(x), A.NewGELUActivation.forward.__wrapped__(gelu, x)),
+                  torch.equal(norm(x), L.LlamaRMSNorm.forward.__wrapped__(norm, x))]))
+""")
+    assert out == [True, True]
+
+
+def test_the_ops_run_on_cpu_meta_and_under_compile():
+    out, _ = run("""
+x = torch.randn(5, 9, dtype=torch.bfloat16, requires_grad=True)
+y = torch.ops.torchfuse.gelu_tanh(x, torch.float32)
+(g,) = torch.autograd.grad(y.sum(), x)
+ref = torch.nn.functional.gelu(x.detach().float(), approximate="tanh")
+meta = torch.ops.torchfuse.gelu_tanh(torch.empty(3, 4, device="meta", dtype=torch.float16), torch.float32)
+w = torch.randn(9)
+n = torch.ops.torchfuse.hf_rms_norm(x.detach(), w, 1e-6)
+compiled = torch.compile(lambda t: torch.ops.torchfuse.gelu_tanh(t, torch.float32) * 2, fullgraph=True)
+print(json.dumps({"dtype": str(y.dtype), "close": torch.allclose(y, ref), "grad": str(g.dtype),
+                  "meta": [str(meta.dtype), list(meta.shape)], "norm": str(n.dtype),
+                  "compiled": torch.allclose(compiled(x.detach()), 2 * ref)}))
+""")
+    assert out == {"dtype": "torch.float32", "close": True, "grad": "torch.bfloat16",
+                   "meta": ["torch.float32", [3, 4]], "norm": "torch.float32", "compiled": True}
