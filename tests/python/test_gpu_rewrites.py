@@ -23,7 +23,12 @@ GELU, GELU_BWD, HF_RMS = "torchfuse::gelu_tanh", "torchfuse::gelu_tanh_backward"
 
 @pytest.fixture(scope="module", autouse=True)
 def torchfuse_loaded():
+    """Loaded, with the kernels serving every shape: the same-dtype GELU variants serve none
+    otherwise (stock's gelu is as fast there, registry/gelu.toml)."""
     load_torchfuse()
+    torch.ops.torchfuse._serve_below_thresholds(True)
+    yield
+    torch.ops.torchfuse._serve_below_thresholds(False)
 
 
 # The compositions as transformers 5.17 writes them (activations.py, modeling_llama.py).
@@ -142,7 +147,7 @@ def test_hf_rms_norm_is_the_original_composition(dtypes):
     seed = fresh_seed()
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    for shape in [(1, 1), (3, 7), (2, 5, 64), (rng.randrange(1, 300), rng.randrange(1, 3000)), (4, 512, 1024)]:
+    for shape in [(1, 1), (3, 7), (2, 3, 32), (2, 5, 64), (rng.randrange(1, 300), rng.randrange(1, 3000)), (4, 512, 1024)]:
         x = torch.randn(shape, device="cuda").to(x_dtype).requires_grad_(True)
         w = (1 + 0.1 * torch.randn(shape[-1], device="cuda")).to(w_dtype).requires_grad_(True)
         eps = 1e-6
@@ -151,7 +156,8 @@ def test_hf_rms_norm_is_the_original_composition(dtypes):
         ours = torch.ops.torchfuse.hf_rms_norm(x, w, eps)
         what = f"seed {seed} {dtypes} {shape}"
         assert (ours.dtype, ours.shape, ours.stride()) == (original.dtype, original.shape, original.stride()), what
-        assert fused_count(HF_RMS) == served + (1 if x_dtype == w_dtype else 0), what
+        # Mixed dtypes and rows under 32 features keep HF's composition (src/ops/norm.rs).
+        assert fused_count(HF_RMS) == served + (1 if x_dtype == w_dtype and shape[-1] >= 32 else 0), what
         ref = hf_rms_norm(x.detach().double(), w.detach().double(), eps)
         err, err_original = rel_err(ours, ref), rel_err(original, ref)
         assert err <= bound(err_original, x_dtype), f"{what}: {err} vs original {err_original}"
