@@ -20,6 +20,8 @@
 // norm_bwd_reduce sums the partial rows column by column in a fixed order. Variants with 64 or
 // more accumulators per thread (BWD_WIDE) re-read the weight from L1 every row, rather than
 // holding it in registers, and load x and dy past L1 so the weight stays there.
+// Rows of at most VEC columns (all in one thread) take dx in fp64: there dx is a near-total
+// cancellation of its terms, which fp32 would leave with a large relative error.
 //
 // Rows wider than one CTA holds (TF_CLUSTER > 1, sm_90): a thread-block cluster of TF_CLUSTER
 // CTAs owns each row, CTA rank r the columns r * BLOCK_COLS + ..., each with its chunk in
@@ -644,6 +646,31 @@ extern "C" __global__ void TF_ROW_CTAS __launch_bounds__(TPR * RPB, TF_MIN_BLOCK
     const float mean_gx = sums[1] * inv_cols;
     if (!row_ok) continue;
     tf_storage* __restrict__ dxr = dx + offset;
+    if (cols <= VEC) {
+      // The row is thread 0's first chunk. In rows this short dx is nearly all cancellation
+      // (two columns: dx is eps / (var + eps) of its terms, since g - mean(g) and xhat's
+      // component are almost the same vector), so fp32 rounding of the terms would be amplified
+      // by (var + eps) / eps. The inputs are exact in fp64: evaluate the row there, from the
+      // unrounded products; the fp32 row sums above are not used.
+      if (chunk_col(0) == 0) {
+        float w[VEC], out[VEC];
+        load_params<BWD_STREAM>(weight, 0, cols, vec, 1.f, w);
+        double g[VEC], xhat[VEC], sum_g = 0.0, sum_gx = 0.0;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          g[j] = j < cols ? static_cast<double>(unpack(dys[0], j)) * w[j] : 0.0;
+          xhat[j] = (static_cast<double>(unpack(xs[0], j)) - mu) * rs;
+          sum_g += g[j];
+          sum_gx += g[j] * xhat[j];
+        }
+        const double mean_g64 = TF_RMS ? 0.0 : sum_g / cols, mean_gx64 = sum_gx / cols;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j)
+          out[j] = static_cast<float>(rs * (g[j] - mean_g64 - xhat[j] * mean_gx64));
+        store_row_chunk(dxr, 0, cols, vec, out);
+      }
+      continue;
+    }
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
       const int col0 = chunk_col(it);

@@ -1,5 +1,6 @@
 """Whole training steps of real models nobody here wrote, trained unchanged: stock eager,
-torchfuse eager (under scripts/torchfuse), stock torch.compile and torchfuse + torch.compile.
+torchfuse eager (under scripts/torchfuse), stock torch.compile and torchfuse + torch.compile;
+for the Llama model also Liger-Kernel's one-line patch (`liger`), where liger_kernel imports.
 
 Each (model, side) runs in a fresh process (a worker of this script), rounds interleaved over
 the sides. A worker builds its model from a config (no downloads), draws fixed random data,
@@ -8,7 +9,10 @@ warm-up, the peak memory and every step's loss. The driver writes a markdown tab
 where matplotlib is installed, a PNG bar chart.
 
   python3 scripts/bench/bench_models.py --lib-dir .dev --out $OUT [--models gpt2,llama]
-      [--sides stock,torchfuse,compile,torchfuse+compile] [--rounds 2] [--steps 30]
+      [--sides stock,torchfuse,compile,torchfuse+compile,liger] [--rounds 2] [--steps 30]
+
+Every run is also appended to OUT/bench_models.jsonl as it ends; `--merge A.jsonl B.jsonl`
+reports the runs of several calls as one table.
 
 With two or more stock runs of a model (rounds, or `stock` named twice in --sides), the
 report adds stock's own run-to-run loss difference: the noise the others are judged against.
@@ -23,7 +27,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ["gpt2", "llama", "bert", "vit"]
-SIDES = ["stock", "torchfuse", "compile", "torchfuse+compile"]
+SIDES = ["stock", "torchfuse", "compile", "torchfuse+compile", "liger"]
+# Liger-Kernel patches HF Llama (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy) in one line
+# of user code; it has no patch for the other models.
+LIGER_MODELS = {"llama"}
 
 
 def build(name, torch):
@@ -63,6 +70,9 @@ def build(name, torch):
 def worker(a):
     import torch
     torch.manual_seed(0)
+    if a.side == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        apply_liger_kernel_to_llama()  # what a Liger user adds before building the model
     model, loss_of, per_step, what = build(a.worker, torch)
     model = model.cuda().train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)  # unchanged: PyTorch's default step
@@ -119,7 +129,7 @@ def report(results, out, command):
                 continue
             r, ms = runs[0], med[side]
             diff = (max(abs(x - y) for x, y in zip(r["losses"], base["losses"]))
-                    if base else float("nan"))
+                    if base and r.get("losses") and base.get("losses") else float("nan"))
             vs_c = f"{med['compile'] / ms:.2f}x" if "compile" in med else "–"
             vs_s = f"{med['stock'] / ms:.2f}x" if "stock" in med else "–"
             lines.append(f"| {r['what']} | {side} | {ms:.2f} | {vs_s} | {vs_c} | "
@@ -129,7 +139,7 @@ def report(results, out, command):
                          "peak_gib": max(x["peak_gib"] for x in runs), "max_loss_diff": diff})
     for model, sides in results.items():
         stock = sides.get("stock") or []
-        if len(stock) >= 2:
+        if len(stock) >= 2 and stock[0].get("losses") and stock[1].get("losses"):
             noise = max(abs(x - y) for x, y in zip(stock[0]["losses"], stock[1]["losses"]))
             lines.append(f"\n{model}: stock against stock (two runs), max loss diff {noise:.2e}.")
             rows.append({"model": model, "side": "stock vs stock", "max_loss_diff": noise})
@@ -144,12 +154,13 @@ def report(results, out, command):
         return
     models = list(results)
     fig, ax = plt.subplots(figsize=(8, 4))
-    for i, side in enumerate(SIDES):
+    drawn = [s for s in SIDES if any(r["model"] in models and r["side"] == s for r in rows)]
+    for i, side in enumerate(drawn):
         ys = [next((r["ms"] for r in rows if r["model"] == m and r["side"] == "stock"), 0) /
               next((r["ms"] for r in rows if r["model"] == m and r["side"] == side), float("inf"))
               for m in models]
-        ax.bar([j + i * 0.2 for j in range(len(models))], ys, 0.2, label=side)
-    ax.set_xticks([j + 0.3 for j in range(len(models))], models)
+        ax.bar([j + i * 0.16 for j in range(len(models))], ys, 0.16, label=side)
+    ax.set_xticks([j + 0.08 * (len(drawn) - 1) for j in range(len(models))], models)
     ax.set_ylabel("speed-up over stock eager")
     ax.legend()
     fig.tight_layout()
@@ -165,6 +176,8 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--merge", nargs="+", metavar="JSONL",
+                   help="no runs: report the runs in these bench_models.jsonl files (several calls)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--side", default="stock", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -172,18 +185,35 @@ def main():
         return worker(a)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    command = "python3 scripts/bench/bench_models.py " + " ".join(sys.argv[1:])
+    if a.merge:
+        return report(merged(a.merge), out, command)
     models, sides = a.models.split(","), a.sides.split(",")
     results = {m: {s: [] for s in sides} for m in models}
+    runs_log = out / "bench_models.jsonl"  # every run as it ends: a cut-off call keeps its runs
     for rnd in range(a.rounds):
         for m in models:
             for s in sides:
+                if s == "liger" and m not in LIGER_MODELS:
+                    continue
                 r = run(Path(a.lib_dir).resolve(), m, s, a.steps, a.warmup)
                 print(f"round {rnd} {m} {s}: {r['ms']:.2f} ms" if r else f"round {rnd} {m} {s}: failed",
                       flush=True)
                 if r:
                     results[m][s].append(r)
-    command = "python3 scripts/bench/bench_models.py " + " ".join(sys.argv[1:])
+                    with runs_log.open("a") as f:
+                        f.write(json.dumps(r) + "\n")
     report(results, out, command)
+
+
+def merged(paths):
+    """Results of several calls' bench_models.jsonl, runs in the order the files give them."""
+    results = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            r = json.loads(line)
+            results.setdefault(r["model"], {}).setdefault(r["side"], []).append(r)
+    return results
 
 
 if __name__ == "__main__":

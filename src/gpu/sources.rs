@@ -20,6 +20,10 @@ pub const KERNEL_SOURCES: &[(&str, &str)] = &[
         include_str!("../../kernels/attention_fwd_sm90.cuh"),
     ),
     ("common.cuh", include_str!("../../kernels/common.cuh")),
+    (
+        "elementwise.cuh",
+        include_str!("../../kernels/elementwise.cuh"),
+    ),
     ("embedding.cu", include_str!("../../kernels/embedding.cu")),
     ("gelu.cu", include_str!("../../kernels/gelu.cu")),
     ("norm.cu", include_str!("../../kernels/norm.cu")),

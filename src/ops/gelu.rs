@@ -2,23 +2,20 @@
 //! layer sends HF's tanh-GELU compositions to), through kernels/gelu.cu, or why stock
 //! (PyTorch's `gelu(approximate="tanh")`, in the glue) runs a call.
 
-use super::params;
+use super::{elementwise, params};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr, empty, kind_of_scalar_type};
 use crate::abi::types::TfGeluCall;
 use crate::gpu::{self, Launch};
 use crate::runtime::Entry;
 use crate::select::{dtype_of, StockReason};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::PushKernelArg;
 use serde::{Deserialize, Serialize};
 use tch::Kind;
 
 /// The kernels of kernels/gelu.cu, by name.
 const FWD_KERNEL: &str = "gelu_tanh_fwd";
 const BWD_KERNEL: &str = "gelu_tanh_bwd";
-
-/// Elements a thread handles per chunk (`CHUNK` in the kernel).
-const CHUNK: i64 = 8;
 
 pub struct Gelu;
 
@@ -101,12 +98,7 @@ impl Family for Gelu {
             tensors.push(dy);
         }
         let vectorized = i32::from(aligned16(tensors));
-        let per_block = p.threads * p.chunks;
-        let config = LaunchConfig {
-            grid_dim: (gpu::grid_dim(gpu::ceil_div(n, CHUNK), per_block)?, 1, 1),
-            block_dim: (p.threads as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let config = elementwise::launch_config(n, p.threads, p.chunks)?;
         let (x_ptr, out_ptr) = (device_addr(&input), device_addr(&out));
         let stream = gpu.stream(launch);
         let kernel = kernels.get(if backward { BWD_KERNEL } else { FWD_KERNEL })?;
@@ -139,6 +131,7 @@ impl Family for Gelu {
             format!("-DTF_GELU_FWD={}", i32::from(!is_backward(op))),
             format!("-DTF_GELU_BWD={}", i32::from(is_backward(op))),
             format!("-DTF_WIDE={}", i32::from(wide)),
+            elementwise::define(),
         ]
     }
 

@@ -8,6 +8,7 @@
 
 pub mod adam;
 pub mod attention;
+pub mod elementwise;
 pub mod embedding;
 pub mod gelu;
 pub mod norm;
