@@ -1,5 +1,8 @@
 """Known compositions of library code, recognised by what their code is, not by their names.
 
+Two kinds: a class's `forward` (FORMS), and a module-level function (FUNCTION_FORMS: HF's loss
+functions), which must also have the reference's defaults.
+
 HF's model code repeats a few compositions of small ops (the tanh GELU, RMSNorm computed in
 fp32) under many class names: `LlamaRMSNorm` is copied into dozens of models. A class's
 `forward` is one of the known forms when its bytecode, constants and the names it loads equal
@@ -38,8 +41,40 @@ _SOURCES = {
 """,
 }
 
+# Module-level functions of transformers.loss.loss_utils (5.17), with their defaults.
+_FUNCTION_SOURCES = {
+    "hf_fixed_cross_entropy": ("""def fixed_cross_entropy(source, target, num_items_in_batch=None, ignore_index=-100, **kwargs):
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = nn.functional.cross_entropy(source, target, ignore_index=ignore_index, reduction=reduction)
+    if reduction == "sum":
+        # just in case users pass an int for num_items_in_batch, which could be the case for custom trainer
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
+""", (None, -100)),
+    # The causal-LM loss every HF *ForCausalLM model's `loss_function` is (LOSS_MAPPING).
+    "hf_causal_lm_loss": ("""def ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs):
+    # Upcast to float if we need to compute the loss to avoid potential precision issues
+    logits = logits.float()
+
+    if shift_labels is None:
+        # Shift so that tokens < n predict n
+        labels = nn.functional.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:].contiguous()
+
+    # Flatten the tokens
+    logits = logits.view(-1, vocab_size)
+    shift_labels = shift_labels.view(-1)
+    shift_labels = shift_labels.to(logits.device)
+    loss = fixed_cross_entropy(logits, shift_labels, num_items_in_batch, ignore_index, **kwargs)
+    return loss
+""", (None, -100, None)),
+}
+
 # Form name -> the composition it computes.
-COMPUTES = {"new_gelu": "gelu_tanh", "fast_gelu": "gelu_tanh", "hf_rms_norm": "hf_rms_norm"}
+COMPUTES = {"new_gelu": "gelu_tanh", "fast_gelu": "gelu_tanh", "hf_rms_norm": "hf_rms_norm",
+            "hf_causal_lm_loss": "cross_entropy"}
 
 
 def _compiled(source):
@@ -49,6 +84,8 @@ def _compiled(source):
 
 
 FORMS = {name: _compiled(source) for name, source in _SOURCES.items()}
+FUNCTION_FORMS = {name: (_compiled(source), defaults)
+                  for name, (source, defaults) in _FUNCTION_SOURCES.items()}
 
 
 def _globals_loaded(code):
@@ -70,25 +107,50 @@ def _same_code(a, b):
     )
 
 
-def _expected_global(name):
-    return {"math": math, "torch": sys.modules.get("torch")}.get(name)
+def _global_is_expected(function, name):
+    """The global `name` the function loads is what the reference's module would hold: the
+    module `math`, `torch` or `torch.nn`, or the known form of the function of that name."""
+    torch = sys.modules.get("torch")
+    value = function.__globals__.get(name)
+    if name in ("math", "torch", "nn"):
+        expected = {"math": math, "torch": torch, "nn": getattr(torch, "nn", None)}[name]
+        return expected is not None and value is expected
+    if name == "fixed_cross_entropy":
+        return function_form_of(value) == "hf_fixed_cross_entropy"
+    return False
+
+
+def _matches(function, reference, defaults):
+    code = getattr(function, "__code__", None)
+    return (code is not None and _same_code(code, reference)
+            and getattr(function, "__defaults__", None) == defaults
+            and not getattr(function, "__kwdefaults__", None)
+            and not getattr(function, "__closure__", None)
+            and all(_global_is_expected(function, g) for g in _globals_loaded(code)))
 
 
 def form_of(function):
-    """The name of the known form `function` is, or None."""
-    code = getattr(function, "__code__", None)
-    if code is None or getattr(function, "__defaults__", None) or getattr(function, "__closure__", None):
-        return None
-    for name, reference in FORMS.items():
-        if not _same_code(code, reference):
-            continue
-        loaded = _globals_loaded(code)
-        if all(
-            _expected_global(g) is not None and function.__globals__.get(g) is _expected_global(g)
-            for g in loaded
-        ):
-            return name
-    return None
+    """The name of the known `forward` form `function` is, or None."""
+    return next((name for name, reference in FORMS.items() if _matches(function, reference, None)),
+                None)
+
+
+def function_form_of(function):
+    """The name of the known module-level function form `function` is, or None."""
+    return next((name for name, (reference, defaults) in FUNCTION_FORMS.items()
+                 if _matches(function, reference, defaults)), None)
+
+
+def scan_functions(module):
+    """The functions defined in `module` that are a known form whose composition torchfuse
+    serves: {attribute name: form}."""
+    found = {}
+    for name, value in list(vars(module).items()):
+        if callable(value) and getattr(value, "__module__", None) == module.__name__:
+            form = function_form_of(value)
+            if form is not None and form in COMPUTES:
+                found[name] = form
+    return found
 
 
 def scan(module):

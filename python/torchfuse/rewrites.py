@@ -3,7 +3,9 @@
 When `transformers.activations` or a `transformers.models.<name>.modeling_<name>` module is
 imported, every class defined there whose `forward` is a known form (compositions.py: by its
 code, not its name) gets a forward that calls torchfuse's op instead, provided the op's
-toggle is on (`TORCHFUSE_OPS`). Each rewrite is logged once at info; a class that looks like
+toggle is on (`TORCHFUSE_OPS`). In `transformers.loss.loss_utils` the same holds for known
+module-level functions (the causal-LM loss), replaced in the module and in its LOSS_MAPPING,
+from which every model's `loss_function` is taken. Each rewrite is logged once at info; a class that looks like
 one (its name says RMSNorm or GELU) but whose code differs is left alone and logged at debug.
 
 The new forward calls the op only for plain CUDA tensors of a dtype the op serves, outside
@@ -35,7 +37,7 @@ def is_model_module(name):
         "modeling_")
 
 
-MODULES = ("transformers.activations",)
+MODULES = ("transformers.activations", "transformers.loss.loss_utils")
 
 
 def wants(name):
@@ -89,8 +91,43 @@ def _rms_norm_forward(torch, original, form):
     return forward
 
 
+def _causal_lm_loss(torch, original, form):
+    """HF's ForCausalLMLoss with the loss computed by torchfuse::cross_entropy from the logits
+    as they are (fp32 arithmetic, fp32 loss, as the original's `logits.float()` gives), so the
+    fp32 copy of the logits is never made. Labels are shifted, flattened and reduced as the
+    original does (`mean`, or `sum` / num_items_in_batch)."""
+    op = torch.ops.torchfuse.cross_entropy.default
+    tensor, served, fp32 = torch.Tensor, (torch.float32, torch.bfloat16, torch.float16), torch.float32
+    compiling, pad, is_tensor = torch.compiler.is_compiling, torch.nn.functional.pad, torch.is_tensor
+    mean, total = 1, 2  # at::Reduction
+
+    @functools.wraps(original)
+    def loss_function(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
+                      shift_labels=None, **kwargs):
+        if (type(logits) is not tensor or not logits.is_cuda or logits.dtype not in served
+                or type(ignore_index) is not int or compiling()):
+            return original(logits, labels, vocab_size, num_items_in_batch, ignore_index,
+                            shift_labels, **kwargs)
+        if shift_labels is None:
+            labels = pad(labels, (0, 1), value=ignore_index)
+            shift_labels = labels[..., 1:].contiguous()
+        flat_logits = logits.view(-1, vocab_size)
+        shift_labels = shift_labels.view(-1).to(logits.device)
+        loss = op(flat_logits, shift_labels, mean if num_items_in_batch is None else total,
+                  ignore_index, 0.0, fp32)
+        if num_items_in_batch is not None:
+            if is_tensor(num_items_in_batch):
+                num_items_in_batch = num_items_in_batch.to(loss.device)
+            loss = loss / num_items_in_batch
+        return loss
+
+    return loss_function
+
+
 # Op -> what makes the rewritten forward from the original.
 _FORWARDS = {"gelu_tanh": _gelu_forward, "hf_rms_norm": _rms_norm_forward}
+# Function form -> what makes the rewritten function from the original.
+_FUNCTIONS = {"hf_causal_lm_loss": _causal_lm_loss}
 
 
 def patch_module(module):
@@ -107,6 +144,20 @@ def patch_module(module):
             _note(torch, f"rewrite {op} off: {where} ({form}) left as it is", debug=True)
             continue
         cls.forward = _FORWARDS[op](torch, cls.forward, form)
+        _note(torch, f"rewrite {op}: {where} ({form}) -> torch.ops.torchfuse.{op}")
+    for name, form in compositions.scan_functions(module).items():
+        original, op = getattr(module, name), compositions.COMPUTES[form]
+        where = f"{module.__name__}.{name}"
+        if not enabled.get(op, False):
+            _note(torch, f"rewrite {op} off: {where} ({form}) left as it is", debug=True)
+            continue
+        rewritten = _FUNCTIONS[form](torch, original, form)
+        setattr(module, name, rewritten)
+        for table in vars(module).values():  # LOSS_MAPPING: name -> loss function
+            if isinstance(table, dict):
+                for key, value in list(table.items()):
+                    if value is original:
+                        table[key] = rewritten
         _note(torch, f"rewrite {op}: {where} ({form}) -> torch.ops.torchfuse.{op}")
     for name, value in list(vars(module).items()):
         if (isinstance(value, type) and value.__module__ == module.__name__ and value not in found

@@ -6,11 +6,12 @@
 
 use super::tensor::into_raw;
 use super::types::{
-    TfAdamCall, TfAttentionCall, TfEmbeddingCall, TfGeluCall, TfLaunch, TfNormCall, TfOutputs,
-    TfStatus, TF_FUSED, TF_STOCK,
+    TfAdamCall, TfAttentionCall, TfCrossEntropyCall, TfEmbeddingCall, TfGeluCall, TfLaunch,
+    TfNormCall, TfOutputs, TfStatus, TF_FUSED, TF_STOCK,
 };
 use crate::ops::adam::Adam;
 use crate::ops::attention::Attention;
+use crate::ops::cross_entropy::CrossEntropy;
 use crate::ops::embedding::Embedding;
 use crate::ops::gelu::Gelu;
 use crate::ops::norm::Norm;
@@ -151,4 +152,19 @@ pub unsafe extern "C" fn torchfuse_rs_gelu(
     status: *mut TfStatus,
 ) {
     answer::<Gelu>(entry, launch, call, out, status)
+}
+
+/// `torchfuse::cross_entropy`'s forward and backward.
+///
+/// # Safety
+/// As `answer`.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_cross_entropy(
+    entry: u32,
+    launch: *const TfLaunch,
+    call: *const TfCrossEntropyCall,
+    out: *mut TfOutputs,
+    status: *mut TfStatus,
+) {
+    answer::<CrossEntropy>(entry, launch, call, out, status)
 }

@@ -11,9 +11,11 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CUDAFunctions.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/cuda/EmptyTensor.h>
 #include <ATen/native/transformers/attention.h>
 #include <ATen/ops/_fused_sdp_choice_native.h>
+#include <ATen/ops/cross_entropy_loss_compositeimplicitautograd_dispatch.h>
 #include <ATen/ops/embedding_compositeexplicitautograd_dispatch.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -513,6 +515,127 @@ at::Tensor hf_rms_norm(const at::Tensor& input, const at::Tensor& weight, double
   return weight * hidden.to(input_dtype);
 }
 
+// torchfuse::cross_entropy(logits, target, reduction, ignore_index, label_smoothing, dtype):
+// PyTorch's cross_entropy of the logits cast to `dtype` (default: theirs), class-index
+// targets, no class weights; the gradient goes to the logits in their dtype. Rust serves the
+// forward where it can, reading the logits as they are (no cast copy), and then its backward
+// through CrossEntropyFunction; otherwise PyTorch's own composition runs, autograd included.
+at::Tensor cross_entropy_stock(const at::Tensor& logits, const at::Tensor& target,
+                               int64_t reduction, int64_t ignore_index, double label_smoothing,
+                               std::optional<at::ScalarType> dtype) {
+  return at::cross_entropy_loss(logits.to(dtype.value_or(logits.scalar_type())), target,
+                                std::nullopt, reduction, ignore_index, label_smoothing);
+}
+
+// The gradient of the logits from the forward's fp32 lse, composed of PyTorch ops (when Rust
+// does not serve a backward whose forward it served): g_i (softmax - onehot), 0 where ignored.
+at::Tensor cross_entropy_backward_stock(const at::Tensor& grad_loss, const at::Tensor& logits,
+                                        const at::Tensor& target, const at::Tensor& lse,
+                                        const at::Tensor& total_weight, int64_t reduction,
+                                        int64_t ignore_index) {
+  const at::Tensor valid = target.ne(ignore_index);
+  at::Tensor g = grad_loss.to(at::kFloat);
+  if (reduction == at::Reduction::Mean) g = g / total_weight;
+  g = g.expand({target.size(0)}) * valid;  // `none`: one a row already
+  at::Tensor grad = at::exp(logits.to(at::kFloat) - lse.unsqueeze(1));
+  grad.scatter_add_(1, target.masked_fill(valid.logical_not(), 0).unsqueeze(1),
+                    valid.to(at::kFloat).neg().unsqueeze(1));
+  return (grad * g.unsqueeze(1)).to(logits.scalar_type());
+}
+
+class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunction> {
+ public:
+  // `loss`, `lse` and `total_weight` are the outputs of the forward Rust served.
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits,
+                            const at::Tensor& target, const at::Tensor& loss,
+                            const at::Tensor& lse, const at::Tensor& total_weight,
+                            int64_t reduction, int64_t ignore_index) {
+    ctx->save_for_backward({logits, target, lse, total_weight});
+    ctx->saved_data["reduction"] = reduction;
+    ctx->saved_data["ignore_index"] = ignore_index;
+    return loss;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &logits = saved[0], &target = saved[1], &lse = saved[2],
+                     &total_weight = saved[3];
+    const int64_t reduction = ctx->saved_data["reduction"].toInt();
+    const int64_t ignore_index = ctx->saved_data["ignore_index"].toInt();
+    const at::Tensor grad_loss = grads[0].contiguous();
+    TfCrossEntropyCall call{};
+    call.logits = describe(logits);
+    call.target = describe(target);
+    call.grad_loss = describe(grad_loss);
+    call.lse = describe(lse);
+    call.total_weight = describe(total_weight);
+    call.ignore_index = ignore_index;
+    call.reduction = static_cast<int32_t>(reduction);
+    TfOutputs out{};
+    at::Tensor grad_logits;
+    if (fused_by_rust(torchfuse_rs_cross_entropy, TF_ENTRY_CROSS_ENTROPY_BACKWARD, logits, call,
+                      out))
+      grad_logits = take_outputs(out)[0];
+    else
+      grad_logits = cross_entropy_backward_stock(grad_loss, logits, target, lse, total_weight,
+                                                 reduction, ignore_index);
+    return {grad_logits, at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// The loss (with CrossEntropyFunction's autograd where the logits need a gradient) when Rust
+// serves the forward; an undefined tensor when stock must run the call.
+at::Tensor cross_entropy_served(TfEntry entry, const at::Tensor& logits, const at::Tensor& target,
+                                int64_t reduction, int64_t ignore_index, double label_smoothing,
+                                at::ScalarType loss_dtype) {
+  if (!logits.is_cuda() || traced(logits) || traced(target)) return at::Tensor();
+  TfCrossEntropyCall call{};
+  call.logits = describe(logits);
+  call.target = describe(target);
+  call.ignore_index = ignore_index;
+  call.label_smoothing = label_smoothing;
+  call.reduction = static_cast<int32_t>(reduction);
+  call.out_dtype = static_cast<int16_t>(loss_dtype);
+  TfOutputs out{};
+  if (!fused_by_rust(torchfuse_rs_cross_entropy, entry, logits, call, out)) return at::Tensor();
+  auto [loss, lse, total_weight] = take_outputs(out);
+  if (!(at::GradMode::is_enabled() && logits.requires_grad())) return loss;
+  return CrossEntropyFunction::apply(logits, target, loss, lse, total_weight, reduction,
+                                     ignore_index);
+}
+
+at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& target, int64_t reduction,
+                         int64_t ignore_index, double label_smoothing,
+                         std::optional<at::ScalarType> dtype) {
+  at::Tensor loss = cross_entropy_served(TF_ENTRY_CROSS_ENTROPY, logits, target, reduction,
+                                         ignore_index, label_smoothing,
+                                         dtype.value_or(logits.scalar_type()));
+  if (loss.defined()) return loss;
+  return cross_entropy_stock(logits, target, reduction, ignore_index, label_smoothing, dtype);
+}
+
+// aten::cross_entropy_loss, at AutogradCUDA (the op is CompositeImplicitAutograd: this kernel
+// takes CUDA calls from any caller before PyTorch decomposes them into log_softmax + nll_loss,
+// which is what runs when Rust does not serve, class weights included). The op has no CUDA
+// autocast kernel, but its parts are on autocast's fp32 list: under autocast stock's loss of
+// 16-bit logits is fp32, and so is ours.
+at::Tensor aten_cross_entropy_loss(const at::Tensor& self, const at::Tensor& target,
+                                   const std::optional<at::Tensor>& weight, int64_t reduction,
+                                   c10::SymInt ignore_index, double label_smoothing) {
+  const std::optional<int64_t> ignore = ignore_index.maybe_as_int();
+  if (!(weight.has_value() && weight->defined()) && ignore.has_value()) {
+    const bool widened = at::autocast::is_autocast_enabled(c10::DeviceType::CUDA) &&
+                         (self.scalar_type() == at::kBFloat16 || self.scalar_type() == at::kHalf);
+    at::Tensor loss =
+        cross_entropy_served(TF_ENTRY_CROSS_ENTROPY_LOSS, self, target, reduction, *ignore,
+                             label_smoothing, widened ? at::kFloat : self.scalar_type());
+    if (loss.defined()) return loss;
+  }
+  return at::compositeimplicitautograd::cross_entropy_loss_symint(
+      self, target, weight, reduction, std::move(ignore_index), label_smoothing);
+}
+
 // ---------------------------------------------------------------- control ops
 
 bool control_set_enabled(c10::string_view op, bool enabled) {
@@ -565,6 +688,13 @@ torch::Library& aten_cuda_library() {
   return *lib;
 }
 
+// For CompositeImplicitAutograd aten ops, whose CUDA calls are taken above autograd.
+torch::Library& aten_autograd_cuda_library() {
+  static torch::Library* lib = new torch::Library(
+      torch::Library::IMPL, "aten", c10::DispatchKey::AutogradCUDA, kRegistrationFile, 0);
+  return *lib;
+}
+
 // The aten op each entry overrides, in TfEntry order (the SDPA backend choice is a dispatch
 // stub, not an op).
 constexpr const char* kEntryNames[TF_ENTRY_COUNT] = {
@@ -584,6 +714,9 @@ constexpr const char* kEntryNames[TF_ENTRY_COUNT] = {
     "torchfuse::gelu_tanh",
     "torchfuse::gelu_tanh_backward",
     "torchfuse::hf_rms_norm",
+    "torchfuse::cross_entropy",
+    "torchfuse::cross_entropy (backward)",
+    "cross_entropy_loss",
 };
 
 // torchfuse's own ops: their schemas (added to the namespace the control ops define) and
@@ -631,6 +764,14 @@ void define_own_op(uint32_t entry) {
       torchfuse_impl(DispatchKey::CompositeImplicitAutograd)
           .impl("hf_rms_norm", TORCH_FN(hf_rms_norm));
       break;
+    case TF_ENTRY_CROSS_ENTROPY:
+      torchfuse_ops().def(
+          "cross_entropy(Tensor logits, Tensor target, int reduction=1, int ignore_index=-100, "
+          "float label_smoothing=0.0, ScalarType? dtype=None) -> Tensor");
+      torchfuse_impl(DispatchKey::CompositeImplicitAutograd)
+          .impl("cross_entropy", TORCH_FN(cross_entropy));
+      break;
+    case TF_ENTRY_CROSS_ENTROPY_BACKWARD: break;  // CrossEntropyFunction's, no op of its own
     default: TORCH_CHECK(false, "torchfuse: unknown entry ", entry);
   }
 }
@@ -659,7 +800,12 @@ void register_entry(uint32_t entry) {
     case TF_ENTRY_FLASH_ATTENTION_BACKWARD: m.impl(name, TORCH_FN(flash_attention_backward)); break;
     case TF_ENTRY_GELU_TANH:
     case TF_ENTRY_GELU_TANH_BACKWARD:
-    case TF_ENTRY_HF_RMS_NORM: define_own_op(entry); break;
+    case TF_ENTRY_HF_RMS_NORM:
+    case TF_ENTRY_CROSS_ENTROPY:
+    case TF_ENTRY_CROSS_ENTROPY_BACKWARD: define_own_op(entry); break;
+    case TF_ENTRY_CROSS_ENTROPY_LOSS:
+      aten_autograd_cuda_library().impl(name, TORCH_FN(aten_cross_entropy_loss));
+      break;
     default: TORCH_CHECK(false, "torchfuse: unknown entry ", entry);
   }
 }
@@ -695,6 +841,11 @@ const std::vector<int64_t>& abi_layout() {
       TF_FIELD(TfNormCall, eps), TF_FIELD(TfNormCall, has_eps),
       TF_FIELD(TfNormCall, output_mask),
       sizeof(TfGeluCall), TF_FIELD(TfGeluCall, grad_out), TF_FIELD(TfGeluCall, out_dtype),
+      sizeof(TfCrossEntropyCall), TF_FIELD(TfCrossEntropyCall, target),
+      TF_FIELD(TfCrossEntropyCall, grad_loss), TF_FIELD(TfCrossEntropyCall, lse),
+      TF_FIELD(TfCrossEntropyCall, total_weight), TF_FIELD(TfCrossEntropyCall, ignore_index),
+      TF_FIELD(TfCrossEntropyCall, label_smoothing), TF_FIELD(TfCrossEntropyCall, reduction),
+      TF_FIELD(TfCrossEntropyCall, out_dtype),
       sizeof(TfEmbeddingCall), TF_FIELD(TfEmbeddingCall, grad),
       TF_FIELD(TfEmbeddingCall, indices), TF_FIELD(TfEmbeddingCall, num_weights),
       TF_FIELD(TfEmbeddingCall, padding_idx), TF_FIELD(TfEmbeddingCall, scale_grad_by_freq),

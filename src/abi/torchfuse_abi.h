@@ -43,7 +43,10 @@ enum TfEntry {
   TF_ENTRY_GELU_TANH = 13,
   TF_ENTRY_GELU_TANH_BACKWARD = 14,
   TF_ENTRY_HF_RMS_NORM = 15,
-  TF_ENTRY_COUNT = 16
+  TF_ENTRY_CROSS_ENTROPY = 16,
+  TF_ENTRY_CROSS_ENTROPY_BACKWARD = 17,
+  TF_ENTRY_CROSS_ENTROPY_LOSS = 18,  // aten::cross_entropy_loss, at AutogradCUDA
+  TF_ENTRY_COUNT = 19
 };
 
 // Status codes.
@@ -107,6 +110,21 @@ typedef struct TfGeluCall {
   uint8_t unused[6];
 } TfGeluCall;
 
+// torchfuse::cross_entropy's and aten::cross_entropy_loss's forward (logits, target) and backward (grad_loss, logits, target,
+// lse, total_weight): class-index targets, no class weights.
+typedef struct TfCrossEntropyCall {
+  TfTensor logits;
+  TfTensor target;
+  TfTensor grad_loss;     // backward only
+  TfTensor lse;           // backward only: the forward's fp32 log-sum-exp a row
+  TfTensor total_weight;  // backward only: the forward's count of rows not ignored (fp32)
+  int64_t ignore_index;
+  double label_smoothing;
+  int32_t reduction;  // at::Reduction: 0 none, 1 mean, 2 sum
+  int16_t out_dtype;  // forward: the loss's c10::ScalarType (what the logits are cast to first)
+  uint8_t unused[2];
+} TfCrossEntropyCall;
+
 // embedding (weight, indices) and embedding_dense_backward (grad, indices, ...).
 typedef struct TfEmbeddingCall {
   TfTensor weight;  // forward
@@ -169,6 +187,12 @@ void torchfuse_rs_attention(uint32_t entry, const TfLaunch* launch, const TfAtte
 // torchfuse::gelu_tanh: out = y. Its backward: out = dx.
 void torchfuse_rs_gelu(uint32_t entry, const TfLaunch* launch, const TfGeluCall* call,
                        TfOutputs* out, TfStatus* status);
+
+// The cross-entropy forward (torchfuse::cross_entropy, aten::cross_entropy_loss): out = loss, lse
+// (fp32 [rows]), total_weight (fp32, 0-d).
+// Its backward: out = grad_logits.
+void torchfuse_rs_cross_entropy(uint32_t entry, const TfLaunch* launch,
+                                const TfCrossEntropyCall* call, TfOutputs* out, TfStatus* status);
 
 // Control ops (torch.ops.torchfuse.*). set_enabled: TF_FUSED when the op now runs through
 // torchfuse, TF_STOCK when it does not, TF_ERROR for an unknown name.

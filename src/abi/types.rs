@@ -122,6 +122,21 @@ pub struct TfGeluCall {
     pub unused: [u8; 6],
 }
 
+/// `TfCrossEntropyCall`.
+#[repr(C)]
+pub struct TfCrossEntropyCall {
+    pub logits: TfTensor,
+    pub target: TfTensor,
+    pub grad_loss: TfTensor,
+    pub lse: TfTensor,
+    pub total_weight: TfTensor,
+    pub ignore_index: i64,
+    pub label_smoothing: f64,
+    pub reduction: i32,
+    pub out_dtype: i16,
+    pub unused: [u8; 2],
+}
+
 /// `TfEmbeddingCall`.
 #[repr(C)]
 pub struct TfEmbeddingCall {
@@ -248,6 +263,15 @@ mod tests {
             n(size_of::<TfGeluCall>()),
             n(offset_of!(TfGeluCall, grad_out)),
             n(offset_of!(TfGeluCall, out_dtype)),
+            n(size_of::<TfCrossEntropyCall>()),
+            n(offset_of!(TfCrossEntropyCall, target)),
+            n(offset_of!(TfCrossEntropyCall, grad_loss)),
+            n(offset_of!(TfCrossEntropyCall, lse)),
+            n(offset_of!(TfCrossEntropyCall, total_weight)),
+            n(offset_of!(TfCrossEntropyCall, ignore_index)),
+            n(offset_of!(TfCrossEntropyCall, label_smoothing)),
+            n(offset_of!(TfCrossEntropyCall, reduction)),
+            n(offset_of!(TfCrossEntropyCall, out_dtype)),
             n(size_of::<TfEmbeddingCall>()),
             n(offset_of!(TfEmbeddingCall, grad)),
             n(offset_of!(TfEmbeddingCall, indices)),

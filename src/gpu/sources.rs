@@ -21,6 +21,10 @@ pub const KERNEL_SOURCES: &[(&str, &str)] = &[
     ),
     ("common.cuh", include_str!("../../kernels/common.cuh")),
     (
+        "cross_entropy.cu",
+        include_str!("../../kernels/cross_entropy.cu"),
+    ),
+    (
         "elementwise.cuh",
         include_str!("../../kernels/elementwise.cuh"),
     ),

@@ -1,4 +1,4 @@
-//! The op families: one module each (norm, adam, embedding, attention, gelu), each implementing
+//! The op families: one module each (norm, adam, embedding, attention, gelu, cross_entropy), each implementing
 //! `Family`: the aten entries it serves and the boundary struct that describes their calls,
 //! how a call is logged, how it is served (checked, planned, launched: `Served`, or the
 //! reason stock runs it), and for the registry the kernels it launches (by name), the
@@ -8,6 +8,7 @@
 
 pub mod adam;
 pub mod attention;
+pub mod cross_entropy;
 pub mod elementwise;
 pub mod embedding;
 pub mod gelu;
@@ -168,6 +169,19 @@ pub enum KernelOp {
     /// As `GeluTanhBwd`, an fp32 incoming gradient.
     #[serde(rename = "gelu_tanh_bwd_wide")]
     GeluTanhBwdWide,
+    /// `torchfuse::cross_entropy`'s forward, the loss in the logits' dtype; `hidden` is the
+    /// class count, `rows` the rows of logits.
+    #[serde(rename = "cross_entropy_fwd")]
+    CrossEntropyFwd,
+    /// As `CrossEntropyFwd`, an fp32 loss of 16-bit logits (HF's causal-LM loss).
+    #[serde(rename = "cross_entropy_fwd_wide")]
+    CrossEntropyFwdWide,
+    /// Its backward, the loss's gradient in the logits' dtype.
+    #[serde(rename = "cross_entropy_bwd")]
+    CrossEntropyBwd,
+    /// As `CrossEntropyBwd`, an fp32 loss gradient.
+    #[serde(rename = "cross_entropy_bwd_wide")]
+    CrossEntropyBwdWide,
 }
 
 impl KernelOp {
@@ -190,6 +204,12 @@ impl KernelOp {
             | KernelOp::GeluTanhFwdWide
             | KernelOp::GeluTanhBwd
             | KernelOp::GeluTanhBwdWide => OpParams::prepare::<gelu::Gelu>(self, v),
+            KernelOp::CrossEntropyFwd
+            | KernelOp::CrossEntropyFwdWide
+            | KernelOp::CrossEntropyBwd
+            | KernelOp::CrossEntropyBwdWide => {
+                OpParams::prepare::<cross_entropy::CrossEntropy>(self, v)
+            }
         }
     }
 }

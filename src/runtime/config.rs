@@ -200,12 +200,19 @@ mod tests {
                 "embedding",
                 "adam",
                 "gelu_tanh",
-                "hf_rms_norm"
+                "hf_rms_norm",
+                "cross_entropy"
             ]
         );
         assert_eq!(
             enabled(&cfg(&[("TORCHFUSE_OPS", "-sdpa,-adam,-gelu_tanh")])),
-            vec!["layer_norm", "rms_norm", "embedding", "hf_rms_norm"]
+            vec![
+                "layer_norm",
+                "rms_norm",
+                "embedding",
+                "hf_rms_norm",
+                "cross_entropy"
+            ]
         );
         assert_eq!(
             enabled(&cfg(&[("TORCHFUSE_OPS", "all,-embedding")])),
@@ -215,7 +222,8 @@ mod tests {
                 "adam",
                 "sdpa",
                 "gelu_tanh",
-                "hf_rms_norm"
+                "hf_rms_norm",
+                "cross_entropy"
             ]
         );
         assert_eq!(

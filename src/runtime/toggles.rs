@@ -17,10 +17,13 @@ pub enum Toggle {
     GeluTanh,
     /// Rewrite: HF's RMSNorm composition (LlamaRMSNorm and its copies) -> torchfuse::hf_rms_norm.
     HfRmsNorm,
+    /// aten::cross_entropy_loss (any caller), and the rewrite of HF's causal-LM loss ->
+    /// torchfuse::cross_entropy (bf16 logits read as they are).
+    CrossEntropy,
 }
 
 impl Toggle {
-    pub const ALL: [Toggle; 7] = [
+    pub const ALL: [Toggle; 8] = [
         Toggle::LayerNorm,
         Toggle::RmsNorm,
         Toggle::Embedding,
@@ -28,6 +31,7 @@ impl Toggle {
         Toggle::Sdpa,
         Toggle::GeluTanh,
         Toggle::HfRmsNorm,
+        Toggle::CrossEntropy,
     ];
 
     pub fn name(self) -> &'static str {
@@ -39,6 +43,7 @@ impl Toggle {
             Toggle::Sdpa => "sdpa",
             Toggle::GeluTanh => "gelu_tanh",
             Toggle::HfRmsNorm => "hf_rms_norm",
+            Toggle::CrossEntropy => "cross_entropy",
         }
     }
 
@@ -81,10 +86,13 @@ pub enum Entry {
     GeluTanh = 13,
     GeluTanhBackward = 14,
     HfRmsNorm = 15,
+    CrossEntropy = 16,
+    CrossEntropyBackward = 17,
+    CrossEntropyLoss = 18,
 }
 
 impl Entry {
-    pub const ALL: [Entry; 16] = [
+    pub const ALL: [Entry; 19] = [
         Entry::NativeLayerNorm,
         Entry::NativeLayerNormBackward,
         Entry::FusedRmsNorm,
@@ -101,6 +109,9 @@ impl Entry {
         Entry::GeluTanh,
         Entry::GeluTanhBackward,
         Entry::HfRmsNorm,
+        Entry::CrossEntropy,
+        Entry::CrossEntropyBackward,
+        Entry::CrossEntropyLoss,
     ];
 
     pub fn from_u32(v: u32) -> Option<Entry> {
@@ -126,6 +137,9 @@ impl Entry {
             Entry::GeluTanh => "torchfuse::gelu_tanh",
             Entry::GeluTanhBackward => "torchfuse::gelu_tanh_backward",
             Entry::HfRmsNorm => "torchfuse::hf_rms_norm",
+            Entry::CrossEntropy => "torchfuse::cross_entropy",
+            Entry::CrossEntropyBackward => "torchfuse::cross_entropy (backward)",
+            Entry::CrossEntropyLoss => "cross_entropy_loss",
         }
     }
 
@@ -143,6 +157,9 @@ impl Entry {
             }
             Entry::GeluTanh | Entry::GeluTanhBackward => Toggle::GeluTanh,
             Entry::HfRmsNorm => Toggle::HfRmsNorm,
+            Entry::CrossEntropy | Entry::CrossEntropyBackward | Entry::CrossEntropyLoss => {
+                Toggle::CrossEntropy
+            }
         }
     }
 }

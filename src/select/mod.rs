@@ -17,6 +17,10 @@ pub const REGISTRY_FILES: &[(&str, &str)] = &[
         include_str!("../../registry/attention.toml"),
     ),
     (
+        "cross_entropy.toml",
+        include_str!("../../registry/cross_entropy.toml"),
+    ),
+    (
         "embedding.toml",
         include_str!("../../registry/embedding.toml"),
     ),

@@ -108,3 +108,30 @@ def test_recognition_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "['fast_gelu', 'hf_rms_norm', 'new_gelu']"
+
+
+def test_hf_causal_lm_loss_recognised_by_code_defaults_and_the_function_it_calls():
+    import types
+
+    import torch
+
+    loss_utils = module("loss.loss_utils")
+    original = getattr(loss_utils.ForCausalLMLoss, "__wrapped__", loss_utils.ForCausalLMLoss)
+    assert compositions.function_form_of(original) == "hf_causal_lm_loss"
+    assert compositions.COMPUTES["hf_causal_lm_loss"] == "cross_entropy"
+    # The masked-LM loss is another form; fixed_cross_entropy is recognised but served only
+    # through the causal-LM loss.
+    assert compositions.function_form_of(loss_utils.ForMaskedLMLoss) is None
+    assert compositions.function_form_of(loss_utils.fixed_cross_entropy) == "hf_fixed_cross_entropy"
+    assert "fixed_cross_entropy" not in compositions.scan_functions(loss_utils)
+
+    def clone(fn, defaults=None, **globals_):
+        g = dict(fn.__globals__, **globals_)
+        return types.FunctionType(fn.__code__, g, fn.__name__, defaults or fn.__defaults__)
+
+    assert compositions.function_form_of(clone(original)) == "hf_causal_lm_loss"
+    # Another ignore_index default, or a fixed_cross_entropy that is not HF's, is something else.
+    assert compositions.function_form_of(clone(original, defaults=(None, -1, None))) is None
+    assert compositions.function_form_of(
+        clone(original, fixed_cross_entropy=lambda *a, **k: torch.zeros(()))) is None
+    assert compositions.function_form_of(clone(original, nn=types.SimpleNamespace())) is None

@@ -26,19 +26,27 @@ import transformers.activations as A
 import transformers.models.llama.modeling_llama as L
 import transformers.models.qwen2.modeling_qwen2 as Q
 import transformers.models.gemma.modeling_gemma as G
+import transformers.loss.loss_utils as LU
 def rewritten(cls):
     return hasattr(cls.forward, "__wrapped__")
-print(json.dumps({name: rewritten(cls) for name, cls in [
+found = {name: rewritten(cls) for name, cls in [
     ("NewGELUActivation", A.NewGELUActivation), ("FastGELUActivation", A.FastGELUActivation),
     ("GELUActivation", A.GELUActivation), ("LlamaRMSNorm", L.LlamaRMSNorm),
-    ("Qwen2RMSNorm", Q.Qwen2RMSNorm), ("GemmaRMSNorm", G.GemmaRMSNorm)]}))
+    ("Qwen2RMSNorm", Q.Qwen2RMSNorm), ("GemmaRMSNorm", G.GemmaRMSNorm)]}
+found["ForCausalLMLoss"] = (hasattr(LU.ForCausalLMLoss, "__wrapped__")
+                            and LU.LOSS_MAPPING["ForCausalLM"] is LU.ForCausalLMLoss)
+found["ForMaskedLMLoss"] = hasattr(LU.ForMaskedLMLoss, "__wrapped__")
+print(json.dumps(found))
 """
 
 
 def test_known_forms_are_rewritten_and_others_left_alone():
     out, log = run(REWRITTEN)
     assert out == {"NewGELUActivation": True, "FastGELUActivation": True, "GELUActivation": False,
-                   "LlamaRMSNorm": True, "Qwen2RMSNorm": True, "GemmaRMSNorm": False}
+                   "LlamaRMSNorm": True, "Qwen2RMSNorm": True, "GemmaRMSNorm": False,
+                   "ForCausalLMLoss": True, "ForMaskedLMLoss": False}
+    assert ("rewrite cross_entropy: transformers.loss.loss_utils.ForCausalLMLoss (hf_causal_lm_loss) -> "
+            "torch.ops.torchfuse.cross_entropy") in log
     assert ("rewrite gelu_tanh: transformers.activations.NewGELUActivation.forward (new_gelu) -> "
             "torch.ops.torchfuse.gelu_tanh") in log
     assert "rewrite hf_rms_norm: transformers.models.llama.modeling_llama.LlamaRMSNorm.forward" in log
@@ -47,9 +55,10 @@ def test_known_forms_are_rewritten_and_others_left_alone():
 
 
 def test_a_toggled_off_rewrite_is_not_made():
-    out, log = run(REWRITTEN, TORCHFUSE_OPS="-hf_rms_norm")
+    out, log = run(REWRITTEN, TORCHFUSE_OPS="-hf_rms_norm,-cross_entropy")
     assert out["NewGELUActivation"] and not out["LlamaRMSNorm"] and not out["Qwen2RMSNorm"]
-    assert "rewrite hf_rms_norm off" in log
+    assert not out["ForCausalLMLoss"]
+    assert "rewrite hf_rms_norm off" in log and "rewrite cross_entropy off" in log
 
 
 def test_without_the_library_nothing_is_rewritten(tmp_path):
@@ -72,10 +81,15 @@ gelu = A.NewGELUActivation()
 norm = L.LlamaRMSNorm(33, eps=1e-6)
 with torch.no_grad():
     norm.weight.normal_()
+import transformers.loss.loss_utils as LU
+logits = torch.randn(2, 9, 50, dtype=torch.bfloat16)
+labels = torch.randint(0, 50, (2, 9))
 print(json.dumps([torch.equal(gelu(x), A.NewGELUActivation.forward.__wrapped__(gelu, x)),
-                  torch.equal(norm(x), L.LlamaRMSNorm.forward.__wrapped__(norm, x))]))
+                  torch.equal(norm(x), L.LlamaRMSNorm.forward.__wrapped__(norm, x)),
+                  torch.equal(LU.ForCausalLMLoss(logits, labels, 50),
+                              LU.ForCausalLMLoss.__wrapped__(logits, labels, 50))]))
 """)
-    assert out == [True, True]
+    assert out == [True, True, True]
 
 
 def test_the_ops_run_on_cpu_meta_and_under_compile():
@@ -87,10 +101,23 @@ ref = torch.nn.functional.gelu(x.detach().float(), approximate="tanh")
 meta = torch.ops.torchfuse.gelu_tanh(torch.empty(3, 4, device="meta", dtype=torch.float16), torch.float32)
 w = torch.randn(9)
 n = torch.ops.torchfuse.hf_rms_norm(x.detach(), w, 1e-6)
+t = torch.tensor([1, -100, 3, 8, 0])
+ce = torch.ops.torchfuse.cross_entropy(x, t, 1, -100, 0.0, torch.float32)
+(ce_grad,) = torch.autograd.grad(ce, x)
+x32 = x.detach().float().requires_grad_(True)
+ce_ref = torch.nn.functional.cross_entropy(x32, t)
+(ce_ref_grad,) = torch.autograd.grad(ce_ref, x32)
+ce_meta = torch.ops.torchfuse.cross_entropy(torch.empty(4, 7, device="meta", dtype=torch.bfloat16),
+                                            torch.empty(4, dtype=torch.long, device="meta"), 0)
 compiled = torch.compile(lambda t: torch.ops.torchfuse.gelu_tanh(t, torch.float32) * 2, fullgraph=True)
 print(json.dumps({"dtype": str(y.dtype), "close": torch.allclose(y, ref), "grad": str(g.dtype),
                   "meta": [str(meta.dtype), list(meta.shape)], "norm": str(n.dtype),
-                  "compiled": torch.allclose(compiled(x.detach()), 2 * ref)}))
+                  "compiled": torch.allclose(compiled(x.detach()), 2 * ref),
+                  "ce": [str(ce.dtype), torch.equal(ce, ce_ref), str(ce_grad.dtype),
+                         torch.equal(ce_grad, ce_ref_grad.bfloat16())],
+                  "ce_meta": [str(ce_meta.dtype), list(ce_meta.shape)]}))
 """)
     assert out == {"dtype": "torch.float32", "close": True, "grad": "torch.bfloat16",
-                   "meta": ["torch.float32", [3, 4]], "norm": "torch.float32", "compiled": True}
+                   "meta": ["torch.float32", [3, 4]], "norm": "torch.float32", "compiled": True,
+                   "ce": ["torch.float32", True, "torch.bfloat16", True],
+                   "ce_meta": ["torch.bfloat16", [4]]}

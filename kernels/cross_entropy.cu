@@ -1,0 +1,242 @@
+// Cross-entropy over class-index targets, forward and backward: torch.ops.torchfuse.
+// cross_entropy, which the rewrite layer sends HF's causal-LM loss to (logits read in their own
+// dtype, computed in fp32: no fp32 copy of the logits is ever made).
+//
+//   lse_i  = log sum_j exp(x_ij)            (fp32, kept for the backward: 4 bytes a row)
+//   loss_i = lse_i - x_i,t_i                (0 where t_i == ignore_index)
+//   loss   = sum_i loss_i / W (mean, W = rows not ignored, fp32 as nll_loss's total_weight),
+//            sum_i loss_i (sum), or loss_i (none)
+//   dx_ij  = g_i (exp(x_ij - lse_i) - [j == t_i]),  g_i = dloss (/ W for mean; dloss_i for none;
+//            0 where ignored)
+//
+// Passes over memory: the forward reads the logits once (ce_fwd), the backward reads them
+// once and writes the gradient once (ce_bwd). One CTA owns a row (TF_THREADS threads; grids
+// stride over rows); thread tx takes the row's chunks tx, tx + TF_THREADS, ... of 8 elements
+// (16-byte loads where `vectorized`: the logits 16-byte aligned and cols % 8 == 0; otherwise
+// element by element, the same columns).
+//
+// Forward, in registers: each thread keeps a running max m and sum s of exp(x - m) over its
+// columns (rescaled when the max grows: an online softmax over chunks), then the CTA combines
+// the (m, s) pairs, warps by butterfly and then warp by warp in a fixed order. The loss rows
+// and the count of rows not ignored are summed by ce_reduce, one CTA, each thread a fixed
+// stride of rows, then a fixed tree: every reduction runs in an order set by the shape alone,
+// so results are bitwise reproducible.
+//
+// NaN logits give NaN (as stock's log_softmax): fmaxf skips a NaN max but its exp is NaN and
+// enters the sum. A target outside [0, cols) that is not ignore_index traps the kernel, the
+// device-side failure stock's nll_loss asserts with; nothing out of bounds is read.
+//
+// Dtypes: the logits (and their gradient) are TF_DTYPE. TF_WIDE = 1: the loss (forward) and
+// its incoming gradient (backward) are fp32, the form HF's code gives (it casts the logits to
+// fp32 first); otherwise they are TF_DTYPE too.
+//
+// Compile-time parameters: TF_DTYPE; the op's TF_CE_FWD / TF_CE_BWD (which kernels), TF_WIDE,
+// TF_EW_CHUNK (src/ops/cross_entropy.rs `defines`); the variant's TF_THREADS (registry/
+// cross_entropy.toml).
+#include "elementwise.cuh"
+
+#if !defined(TF_CE_FWD) || !defined(TF_CE_BWD) || !defined(TF_WIDE)
+#error "TF_CE_FWD, TF_CE_BWD and TF_WIDE must be defined"
+#endif
+#if !defined(TF_THREADS)
+#error "every cross_entropy variant param (src/ops/cross_entropy.rs Params) must be defined"
+#endif
+#if TF_THREADS % 32 != 0 || TF_THREADS > 1024
+#error "TF_THREADS: whole warps, at most 1024"
+#endif
+
+#define WARPS (TF_THREADS / 32)
+// The reduction kernel's CTA.
+#define REDUCE_THREADS 1024
+
+typedef tf_storage tf_x;
+#if TF_WIDE
+typedef float tf_loss;  // the loss and its gradient
+#else
+typedef tf_storage tf_loss;
+#endif
+
+// at::Reduction's codes.
+#define REDUCTION_NONE 0
+#define REDUCTION_MEAN 1
+#define REDUCTION_SUM 2
+
+#define LOG2E 1.4426950408889634f
+// NVRTC has no math.h: -inf from its bits.
+#define NEG_INF __int_as_float(0xff800000)
+
+// exp(x - m) through exp2: one FMA and ex2. m = -inf only while every x seen is -inf, whose
+// terms are 0 (not exp(nan)).
+__device__ __forceinline__ float exp_shifted(float x, float m) {
+  return m == NEG_INF ? 0.f : exp2f((x - m) * LOG2E);
+}
+
+// (m, s) of two parts combined: max and rescaled sums.
+__device__ __forceinline__ void combine(float& m, float& s, float m2, float s2) {
+  const float mm = fmaxf(m, m2);
+  s = s * exp_shifted(m, mm) + s2 * exp_shifted(m2, mm);
+  m = mm;
+}
+
+// Checks a row's target: the class it names, or -1 for ignore_index.
+__device__ __forceinline__ tf_i64 checked_target(const tf_i64* target, tf_i64 row, tf_i64 cols,
+                                                 tf_i64 ignore_index) {
+  const tf_i64 t = target[row];
+  if (t == ignore_index) return -1;
+  if (t < 0 || t >= cols) __trap();  // stock: device-side assert in nll_loss
+  return t;
+}
+
+#if TF_CE_FWD
+// This thread's part of one row's (max, sum of exp).
+template <int W>
+__device__ __forceinline__ void scan_row(const tf_x* __restrict__ x, tf_i64 cols, float& m,
+                                         float& s) {
+  for (tf_i64 k = threadIdx.x; k * TF_EW_CHUNK < cols; k += TF_THREADS) {
+    float v[TF_EW_CHUNK];
+    if constexpr (W == TF_EW_CHUNK) {
+      tf_load_elems<TF_EW_CHUNK>(x + k * TF_EW_CHUNK, v);
+    } else {
+#pragma unroll
+      for (int j = 0; j < TF_EW_CHUNK; ++j) {
+        const tf_i64 c = k * TF_EW_CHUNK + j;
+        v[j] = c < cols ? tf_float(x[c]) : NEG_INF;
+      }
+    }
+    float cmax = v[0];
+#pragma unroll
+    for (int j = 1; j < TF_EW_CHUNK; ++j) cmax = fmaxf(cmax, v[j]);
+    const float mm = fmaxf(m, cmax);
+    float add = 0.f;
+#pragma unroll
+    for (int j = 0; j < TF_EW_CHUNK; ++j) add += exp_shifted(v[j], mm);
+    s = s * exp_shifted(m, mm) + add;
+    m = mm;
+  }
+}
+
+// loss_rows[i] = loss_i (fp32), lse[i] = lse_i, for rows blockIdx.x, + gridDim.x, ...
+extern "C" __global__ void __launch_bounds__(TF_THREADS)
+    ce_fwd(const tf_x* __restrict__ logits, const tf_i64* __restrict__ target,
+           float* __restrict__ loss_rows, float* __restrict__ lse, tf_i64 rows, tf_i64 cols,
+           tf_i64 ignore_index, int vectorized) {
+  __shared__ float part_m[WARPS], part_s[WARPS];
+  for (tf_i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    const tf_x* __restrict__ x = logits + row * cols;
+    float m = NEG_INF, s = 0.f;
+    if (vectorized)
+      scan_row<TF_EW_CHUNK>(x, cols, m, s);
+    else
+      scan_row<1>(x, cols, m, s);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, m, offset);
+      const float s2 = __shfl_xor_sync(0xffffffffu, s, offset);
+      combine(m, s, m2, s2);
+    }
+    const int warp = threadIdx.x / 32;
+    if (threadIdx.x % 32 == 0) {
+      part_m[warp] = m;
+      part_s[warp] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float tm = part_m[0], ts = part_s[0];
+      for (int w = 1; w < WARPS; ++w) combine(tm, ts, part_m[w], part_s[w]);
+      // All -inf: log(0) = -inf, and the loss -inf - -inf = NaN, as stock's log_softmax gives.
+      const float row_lse = tm == NEG_INF ? NEG_INF : tm + logf(ts);
+      const tf_i64 t = checked_target(target, row, cols, ignore_index);
+      lse[row] = row_lse;
+      loss_rows[row] = t < 0 ? 0.f : row_lse - tf_float(x[t]);
+    }
+    __syncthreads();  // part_m / part_s are rewritten for the next row
+  }
+}
+
+// The reduced loss (mean or sum over rows) and W, the count of rows not ignored: one CTA.
+// `none`: out[i] = loss_rows[i] in the loss dtype, over a grid.
+extern "C" __global__ void __launch_bounds__(REDUCE_THREADS)
+    ce_reduce(const float* __restrict__ loss_rows, const tf_i64* __restrict__ target,
+              tf_loss* __restrict__ out, float* __restrict__ total_weight, tf_i64 rows,
+              tf_i64 ignore_index, int reduction) {
+  if (reduction == REDUCTION_NONE) {
+    for (tf_i64 i = static_cast<tf_i64>(blockIdx.x) * REDUCE_THREADS + threadIdx.x; i < rows;
+         i += static_cast<tf_i64>(gridDim.x) * REDUCE_THREADS)
+      out[i] = tf_cast<tf_loss>(loss_rows[i]);
+    return;
+  }
+  __shared__ float part_sum[REDUCE_THREADS / 32], part_count[REDUCE_THREADS / 32];
+  float sum = 0.f, count = 0.f;
+  for (tf_i64 i = threadIdx.x; i < rows; i += REDUCE_THREADS) {
+    sum += loss_rows[i];
+    count += target[i] != ignore_index ? 1.f : 0.f;
+  }
+  sum = tf_warp_sum(sum);
+  count = tf_warp_sum(count);
+  if (threadIdx.x % 32 == 0) {
+    part_sum[threadIdx.x / 32] = sum;
+    part_count[threadIdx.x / 32] = count;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total = 0.f, weight = 0.f;
+    for (int w = 0; w < REDUCE_THREADS / 32; ++w) {
+      total += part_sum[w];
+      weight += part_count[w];
+    }
+    total_weight[0] = weight;
+    // mean of no rows: 0 / 0 = NaN, as stock.
+    out[0] = tf_cast<tf_loss>(reduction == REDUCTION_MEAN ? total / weight : total);
+  }
+}
+#endif
+
+#if TF_CE_BWD
+struct RowGrad {
+  const tf_x* __restrict__ x;
+  tf_x* __restrict__ dx;
+  float lse, g;
+  tf_i64 t;  // the target class, -1 when ignored (g is then 0)
+  template <int W>
+  __device__ __forceinline__ void apply(tf_i64 c) const {
+    float v[W];
+    tf_load_elems<W>(x + c, v);
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+      const float p = exp2f((v[j] - lse) * LOG2E);
+      v[j] = g * (c + j == t ? p - 1.f : p);
+    }
+    tf_store_elems<W>(dx + c, v);
+  }
+};
+
+// grad_logits for rows blockIdx.x, + gridDim.x, ...; grad_loss holds one value (mean, sum) or
+// one a row (none).
+extern "C" __global__ void __launch_bounds__(TF_THREADS)
+    ce_bwd(const tf_x* __restrict__ logits, const tf_i64* __restrict__ target,
+           const float* __restrict__ lse, const float* __restrict__ total_weight,
+           const tf_loss* __restrict__ grad_loss, tf_x* __restrict__ grad_logits, tf_i64 rows,
+           tf_i64 cols, tf_i64 ignore_index, int reduction, int vectorized) {
+  for (tf_i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    const tf_i64 t = checked_target(target, row, cols, ignore_index);
+    float g = 0.f;
+    if (t >= 0) {
+      g = tf_float(grad_loss[reduction == REDUCTION_NONE ? row : 0]);
+      if (reduction == REDUCTION_MEAN) g /= total_weight[0];
+    }
+    const tf_i64 offset = row * cols;
+    tf_x* __restrict__ dx = grad_logits + offset;
+    if (t < 0) {  // an ignored row's gradient is 0 whatever its logits (also inf or NaN)
+      for (tf_i64 c = threadIdx.x; c < cols; c += TF_THREADS) dx[c] = tf_cast<tf_x>(0.f);
+      continue;
+    }
+    const RowGrad op{logits + offset, dx, lse[row], g, t};
+    if (vectorized) {
+      for (tf_i64 k = threadIdx.x; k * TF_EW_CHUNK < cols; k += TF_THREADS)
+        op.template apply<TF_EW_CHUNK>(k * TF_EW_CHUNK);
+    } else {
+      for (tf_i64 c = threadIdx.x; c < cols; c += TF_THREADS) op.template apply<1>(c);
+    }
+  }
+}
+#endif

@@ -1,0 +1,361 @@
+//! Cross-entropy over class-index targets, forward and backward: `aten::cross_entropy_loss`
+//! (any caller) and `torchfuse::cross_entropy` (what the rewrite layer sends HF's causal-LM loss
+//! to, the loss in fp32 from 16-bit logits), through kernels/cross_entropy.cu, or why stock
+//! (PyTorch's `cross_entropy` on the logits cast to the loss dtype, in the glue) runs a call.
+//! Both forwards share one backward entry (the glue's CrossEntropyFunction).
+
+use super::{elementwise, params};
+use super::{Family, KernelOp, Request, Selected, Served, Variant};
+use crate::abi::tensor::{aligned16, describe, device_addr, empty, kind_of_scalar_type};
+use crate::abi::types::TfCrossEntropyCall;
+use crate::gpu::{self, Launch};
+use crate::runtime::Entry;
+use crate::select::{dtype_of, StockReason};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use serde::{Deserialize, Serialize};
+use tch::{Kind, Tensor};
+
+/// The kernels of kernels/cross_entropy.cu, by name.
+const FWD_KERNEL: &str = "ce_fwd";
+const REDUCE_KERNEL: &str = "ce_reduce";
+const BWD_KERNEL: &str = "ce_bwd";
+
+/// `REDUCE_THREADS` in the kernel: ce_reduce's CTA.
+const REDUCE_THREADS: u32 = 1024;
+
+/// at::Reduction's codes.
+const REDUCTION_NONE: i32 = 0;
+const REDUCTION_SUM: i32 = 2;
+
+/// Rows a launch's grid holds at most; CTAs stride over the rest (the kernels loop).
+const MAX_GRID: i64 = 1 << 20;
+
+pub struct CrossEntropy;
+
+/// The checked facts of a call both directions share.
+struct Shape {
+    rows: i64,
+    cols: i64,
+    logits_kind: Kind,
+}
+
+impl Family for CrossEntropy {
+    type Call = TfCrossEntropyCall;
+
+    fn serves(entry: Entry) -> bool {
+        matches!(
+            entry,
+            Entry::CrossEntropy | Entry::CrossEntropyBackward | Entry::CrossEntropyLoss
+        )
+    }
+
+    unsafe fn describe(
+        _entry: Entry,
+        call: &TfCrossEntropyCall,
+    ) -> Option<(&'static str, Vec<i64>)> {
+        let logits = call.logits.borrow()?;
+        Some(describe(Some(&logits)))
+    }
+
+    /// Forward: loss, lse, total_weight. Backward: grad_logits.
+    unsafe fn serve(
+        entry: Entry,
+        launch: Launch,
+        call: &TfCrossEntropyCall,
+        shape: &[i64],
+    ) -> Result<Served, StockReason> {
+        let logits = call.logits.borrow().ok_or(StockReason::InvalidInput)?;
+        let target = call.target.borrow().ok_or(StockReason::InvalidInput)?;
+        if call.label_smoothing != 0.0 {
+            return Err(StockReason::LabelSmoothing);
+        }
+        if !(REDUCTION_NONE..=REDUCTION_SUM).contains(&call.reduction) {
+            return Err(StockReason::InvalidInput);
+        }
+        // [rows, classes] logits and [rows] int64 targets; other forms (one sample, spatial
+        // dims, probabilities as targets) are stock's.
+        let [rows, cols] = shape else {
+            return Err(StockReason::InvalidInput);
+        };
+        let (rows, cols) = (*rows, *cols);
+        if target.size() != [rows] || target.f_kind().ok() != Some(Kind::Int64) {
+            return Err(StockReason::InvalidInput);
+        }
+        let logits_kind = logits.f_kind().map_err(|_| StockReason::UnsupportedDtype)?;
+        let dtype = dtype_of(logits_kind).ok_or(StockReason::UnsupportedDtype)?;
+        let device = gpu::torch_device(launch)?;
+        if logits.device() != device || target.device() != device {
+            return Err(StockReason::InvalidInput);
+        }
+        if !logits.is_contiguous() || !target.is_contiguous() {
+            return Err(StockReason::NotContiguous);
+        }
+        if rows == 0 || cols == 0 {
+            return Err(StockReason::EmptyInput);
+        }
+        let backward = entry == Entry::CrossEntropyBackward;
+        let loss_kind = if backward {
+            let grad = call.grad_loss.borrow().ok_or(StockReason::InvalidInput)?;
+            grad.f_kind().map_err(|_| StockReason::UnsupportedDtype)?
+        } else {
+            kind_of_scalar_type(call.out_dtype).ok_or(StockReason::UnsupportedDtype)?
+        };
+        // The loss (forward) or its gradient (backward) in fp32 while the logits are 16-bit:
+        // HF's form, which casts the logits to fp32 first.
+        let wide = loss_kind != logits_kind;
+        if wide && loss_kind != Kind::Float {
+            return Err(StockReason::MixedDtypes);
+        }
+        let op = match (backward, wide) {
+            (false, false) => KernelOp::CrossEntropyFwd,
+            (false, true) => KernelOp::CrossEntropyFwdWide,
+            (true, false) => KernelOp::CrossEntropyBwd,
+            (true, true) => KernelOp::CrossEntropyBwdWide,
+        };
+        let selected = super::select(launch, |sm| Request {
+            op,
+            dtype,
+            hidden: cols,
+            rows,
+            sm,
+            deterministic: false,
+        })?;
+        let s = Shape {
+            rows,
+            cols,
+            logits_kind,
+        };
+        if backward {
+            backward_launch(launch, call, &logits, &target, &s, selected)
+        } else {
+            forward_launch(launch, call, &logits, &target, &s, loss_kind, selected)
+        }
+    }
+
+    fn kernels(op: KernelOp) -> &'static [&'static str] {
+        if is_backward(op) {
+            &[BWD_KERNEL]
+        } else {
+            &[FWD_KERNEL, REDUCE_KERNEL]
+        }
+    }
+
+    /// Which kernels kernels/cross_entropy.cu compiles, and whether the loss is fp32.
+    fn defines(op: KernelOp) -> Vec<String> {
+        let wide = matches!(
+            op,
+            KernelOp::CrossEntropyFwdWide | KernelOp::CrossEntropyBwdWide
+        );
+        vec![
+            format!("-DTF_CE_FWD={}", i32::from(!is_backward(op))),
+            format!("-DTF_CE_BWD={}", i32::from(is_backward(op))),
+            format!("-DTF_WIDE={}", i32::from(wide)),
+            elementwise::define(),
+        ]
+    }
+
+    type Params = Params;
+
+    fn prepare(v: &Variant) -> Result<Params, String> {
+        let p: Params = params::parse(v)?;
+        params::one_of(v, "THREADS", p.threads, &[128, 256, 512, 1024])?;
+        Ok(p)
+    }
+}
+
+fn is_backward(op: KernelOp) -> bool {
+    matches!(
+        op,
+        KernelOp::CrossEntropyBwd | KernelOp::CrossEntropyBwdWide
+    )
+}
+
+/// One CTA a row, up to `MAX_GRID` rows at once.
+fn row_launch(rows: i64, threads: i64) -> Result<LaunchConfig, StockReason> {
+    Ok(LaunchConfig {
+        grid_dim: (gpu::grid_dim(rows.min(MAX_GRID), 1)?, 1, 1),
+        block_dim: (
+            u32::try_from(threads).map_err(|_| StockReason::InternalError)?,
+            1,
+            1,
+        ),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// 16-byte accesses are legal: every row starts 16-byte aligned and holds whole chunks.
+fn vectorized(cols: i64, tensors: &[&Tensor]) -> i32 {
+    i32::from(cols % elementwise::CHUNK == 0 && aligned16(tensors.iter().copied()))
+}
+
+/// ce_fwd, then ce_reduce (mean, sum; or none with a loss dtype other than fp32).
+unsafe fn forward_launch(
+    launch: Launch,
+    call: &TfCrossEntropyCall,
+    logits: &Tensor,
+    target: &Tensor,
+    s: &Shape,
+    loss_kind: Kind,
+    selected: Selected,
+) -> Result<Served, StockReason> {
+    let Selected {
+        gpu,
+        variant,
+        kernels,
+        params,
+    } = selected;
+    let p = CrossEntropy::params(params)?;
+    let device = logits.device();
+    let loss_rows = empty(&[s.rows], Kind::Float, device)?;
+    let lse = empty(&[s.rows], Kind::Float, device)?;
+    let mut total_weight = empty(&[], Kind::Float, device)?;
+    let stream = gpu.stream(launch);
+    let (logits_ptr, target_ptr) = (device_addr(logits), device_addr(target));
+    let (rows_ptr, lse_ptr, weight_ptr) = (
+        device_addr(&loss_rows),
+        device_addr(&lse),
+        device_addr(&total_weight),
+    );
+    let vec = vectorized(s.cols, &[logits]);
+    let fwd = kernels.get(FWD_KERNEL)?;
+    let mut args = stream.launch_builder(&fwd.function);
+    args.arg(&logits_ptr)
+        .arg(&target_ptr)
+        .arg(&rows_ptr)
+        .arg(&lse_ptr)
+        .arg(&s.rows)
+        .arg(&s.cols)
+        .arg(&call.ignore_index)
+        .arg(&vec);
+    // SAFETY: argument types and order match ce_fwd (logits, target, loss_rows, lse, rows, cols,
+    // ignore_index, vectorized); logits is [rows, cols] contiguous of the module's dtype,
+    // target [rows] int64, loss_rows and lse fp32 [rows]; all live until the stream is done
+    // with them (PyTorch's allocator orders reuse on it).
+    unsafe { args.launch(row_launch(s.rows, p.threads)?) }
+        .map_err(|e| super::launch_failed(variant, e))?;
+    let loss = if call.reduction == REDUCTION_NONE && loss_kind == Kind::Float {
+        loss_rows.shallow_clone()
+    } else {
+        let loss_shape: &[i64] = if call.reduction == REDUCTION_NONE {
+            &[s.rows]
+        } else {
+            &[]
+        };
+        let loss = empty(loss_shape, loss_kind, device)?;
+        let loss_ptr = device_addr(&loss);
+        let grid = if call.reduction == REDUCTION_NONE {
+            gpu::grid_dim(s.rows.min(MAX_GRID), i64::from(REDUCE_THREADS))?
+        } else {
+            1
+        };
+        let reduce = kernels.get(REDUCE_KERNEL)?;
+        let mut args = stream.launch_builder(&reduce.function);
+        args.arg(&rows_ptr)
+            .arg(&target_ptr)
+            .arg(&loss_ptr)
+            .arg(&weight_ptr)
+            .arg(&s.rows)
+            .arg(&call.ignore_index)
+            .arg(&call.reduction);
+        let config = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (REDUCE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument types and order match ce_reduce (loss_rows, target, out,
+        // total_weight, rows, ignore_index, reduction); out holds one value (mean, sum) or rows
+        // values (none) of the loss dtype the module was compiled for (fp32 when wide).
+        unsafe { args.launch(config) }.map_err(|e| super::launch_failed(variant, e))?;
+        loss
+    };
+    if call.reduction == REDUCTION_NONE {
+        // No reduction ran; a `none` backward never reads total_weight (nll_loss's is 0 too).
+        total_weight
+            .f_zero_()
+            .map(drop)
+            .map_err(|_| StockReason::InternalError)?;
+    }
+    Ok(Served::new(
+        variant.name.as_str(),
+        [Some(loss), Some(lse), Some(total_weight)],
+    ))
+}
+
+unsafe fn backward_launch(
+    launch: Launch,
+    call: &TfCrossEntropyCall,
+    logits: &Tensor,
+    target: &Tensor,
+    s: &Shape,
+    selected: Selected,
+) -> Result<Served, StockReason> {
+    let grad_loss = call.grad_loss.borrow().ok_or(StockReason::InvalidInput)?;
+    let lse = call.lse.borrow().ok_or(StockReason::InvalidInput)?;
+    let total_weight = call
+        .total_weight
+        .borrow()
+        .ok_or(StockReason::InvalidInput)?;
+    let device = logits.device();
+    let grad_numel = if call.reduction == REDUCTION_NONE {
+        s.rows
+    } else {
+        1
+    };
+    let float_ok = |t: &Tensor, n: i64| {
+        t.device() == device && t.f_kind().ok() == Some(Kind::Float) && t.numel() as i64 == n
+    };
+    if !float_ok(&lse, s.rows) || !float_ok(&total_weight, 1) || !lse.is_contiguous() {
+        return Err(StockReason::InvalidInput);
+    }
+    if grad_loss.device() != device || grad_loss.numel() as i64 != grad_numel {
+        return Err(StockReason::InvalidInput);
+    }
+    if !grad_loss.is_contiguous() {
+        return Err(StockReason::NotContiguous);
+    }
+    let Selected {
+        gpu,
+        variant,
+        kernels,
+        params,
+    } = selected;
+    let p = CrossEntropy::params(params)?;
+    let grad_logits = empty(&[s.rows, s.cols], s.logits_kind, device)?;
+    let stream = gpu.stream(launch);
+    let ptrs = [
+        device_addr(logits),
+        device_addr(target),
+        device_addr(&lse),
+        device_addr(&total_weight),
+        device_addr(&grad_loss),
+        device_addr(&grad_logits),
+    ];
+    let vec = vectorized(s.cols, &[logits, &grad_logits]);
+    let bwd = kernels.get(BWD_KERNEL)?;
+    let mut args = stream.launch_builder(&bwd.function);
+    for ptr in &ptrs {
+        args.arg(ptr);
+    }
+    args.arg(&s.rows)
+        .arg(&s.cols)
+        .arg(&call.ignore_index)
+        .arg(&call.reduction)
+        .arg(&vec);
+    // SAFETY: argument types and order match ce_bwd (logits, target, lse, total_weight,
+    // grad_loss, grad_logits, rows, cols, ignore_index, reduction, vectorized); shapes and
+    // dtypes checked above; grad_logits is new, [rows, cols] of the logits' dtype.
+    unsafe { args.launch(row_launch(s.rows, p.threads)?) }
+        .map_err(|e| super::launch_failed(variant, e))?;
+    Ok(Served::new(
+        variant.name.as_str(),
+        [Some(grad_logits), None, None],
+    ))
+}
+
+/// A cross_entropy variant's compile-time params (`registry/cross_entropy.toml`).
+#[derive(Clone, Copy, Debug, Deserialize, Serialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE", deny_unknown_fields)]
+pub struct Params {
+    /// Threads per CTA, which owns a row.
+    threads: i64,
+}

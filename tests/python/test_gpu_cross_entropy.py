@@ -1,0 +1,227 @@
+"""torchfuse::cross_entropy on the GPU, forced past the registry's thresholds, against a float64
+evaluation of what it stands for (PyTorch's cross_entropy of the logits cast to the loss
+dtype; for the rewrite, HF's ForCausalLMLoss), with stock's own error as the bar
+(docs/testing.md): within max(2 x stock's error, the dtype's floor), same dtypes and shapes;
+bitwise reproducible; bad targets fail as stock's do; HF's causal-LM loss, rewritten, gives
+the original's loss and logits gradient."""
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import LIB_DIR, ROOT, clean_env, requires_cuda
+from gpu_util import FLOOR, enabled, fresh_seed, fused_count, load_torchfuse, rel_err, stock_reasons
+
+pytestmark = requires_cuda
+
+OP, OP_BWD = "torchfuse::cross_entropy", "torchfuse::cross_entropy (backward)"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torchfuse_loaded():
+    """Loaded, with the kernels serving every shape (registry/cross_entropy.toml)."""
+    load_torchfuse()
+    torch.ops.torchfuse._serve_below_thresholds(True)
+    yield
+    torch.ops.torchfuse._serve_below_thresholds(False)
+
+
+def incoming_grad(rows, reduction, dtype):
+    """The loss's gradient: one a row (none) or one value."""
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    if reduction == 0:
+        return torch.randn(rows, device="cuda", generator=g).to(dtype)
+    return torch.tensor(1.7, device="cuda", dtype=dtype)
+
+
+def run(logits, target, reduction, ignore_index, dtype, on):
+    """(loss, grad of the logits, the loss's incoming grad) through the op, served (on) or
+    stock (off)."""
+    x = logits.detach().requires_grad_(True)
+    with enabled("cross_entropy", on):
+        loss = torch.ops.torchfuse.cross_entropy(x, target, reduction, ignore_index, 0.0, dtype)
+        grad_loss = incoming_grad(target.numel(), reduction, loss.dtype)
+        (grad,) = torch.autograd.grad(loss, x, grad_loss)
+    return loss.detach(), grad, grad_loss
+
+
+def reference(logits, target, reduction, ignore_index, grad_loss):
+    x = logits.detach().double().requires_grad_(True)
+    loss = F.cross_entropy(x, target, ignore_index=ignore_index, reduction=REDUCTIONS[reduction])
+    (grad,) = torch.autograd.grad(loss, x, grad_loss.double())
+    return loss.detach(), grad
+
+
+def check(logits, target, reduction, ignore_index, dtype, what):
+    before = fused_count(OP), fused_count(OP_BWD)
+    ours, our_grad, grad_loss = run(logits, target, reduction, ignore_index, dtype, True)
+    assert (fused_count(OP), fused_count(OP_BWD)) == (before[0] + 1, before[1] + 1), (
+        what, stock_reasons(OP), stock_reasons(OP_BWD))
+    stock, stock_grad, _ = run(logits, target, reduction, ignore_index, dtype, False)
+    ref, ref_grad = reference(logits, target, reduction, ignore_index, grad_loss)
+    assert ours.dtype == stock.dtype == dtype and ours.shape == stock.shape, what
+    assert our_grad.dtype == logits.dtype and our_grad.shape == logits.shape, what
+    for name, o, s, r, floor in (("loss", ours, stock, ref, FLOOR[dtype]),
+                                 ("grad", our_grad, stock_grad, ref_grad, FLOOR[logits.dtype])):
+        if r.isnan().any():
+            assert torch.equal(o.isnan(), s.isnan()), f"{what} {name}: NaN where stock has none or not"
+            continue
+        e_ours, e_stock = rel_err(o, r), rel_err(s, r)
+        assert e_ours <= max(2 * e_stock, floor), f"{what} {name}: ours {e_ours:.3g} stock {e_stock:.3g}"
+    again = run(logits, target, reduction, ignore_index, dtype, True)
+    assert torch.equal(ours, again[0]) and torch.equal(our_grad, again[1]), f"{what}: not reproducible"
+
+
+def test_random_cases():
+    seed = fresh_seed()
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    for case in range(40):
+        dtype = rng.choice(DTYPES)
+        loss_dtype = rng.choice([dtype, torch.float32])
+        rows = rng.choice([1, 3, 64, 1000, 4096])
+        cols = rng.choice([1, 2, 7, 8, 1000, 1003, 32000, 50304])
+        logits = (torch.randn(rows, cols, device="cuda") * rng.choice([1.0, 4.0, 30.0])).to(dtype)
+        ignore_index = rng.choice([-100, 0, 5])
+        target = torch.randint(0, cols, (rows,), device="cuda")
+        if rng.random() < 0.5:
+            target[torch.rand(rows, device="cuda") < 0.3] = ignore_index
+        reduction = rng.choice([0, 1, 2])
+        check(logits, target, reduction, ignore_index, loss_dtype,
+              f"seed {seed} case {case}: {dtype}->{loss_dtype} {rows}x{cols} ignore {ignore_index} "
+              f"{REDUCTIONS[reduction]}")
+
+
+def test_every_row_ignored_gives_stocks_nan_and_zero_grads():
+    logits = torch.randn(16, 100, device="cuda", dtype=torch.bfloat16)
+    target = torch.full((16,), -100, device="cuda")
+    ours, grad, _ = run(logits, target, 1, -100, torch.float32, True)
+    stock, stock_grad, _ = run(logits, target, 1, -100, torch.float32, False)
+    assert ours.isnan() and stock.isnan()
+    assert torch.equal(grad, stock_grad) and not grad.any()
+
+
+def test_large_vocabulary_and_many_rows():
+    """Llama-3's vocabulary; 65536 rows x 128256 classes is past 2^31 elements (16 GB in bf16)."""
+    torch.manual_seed(fresh_seed())
+    logits = torch.randn(64, 128256, device="cuda", dtype=torch.bfloat16) * 3
+    target = torch.randint(0, 128256, (64,), device="cuda")
+    check(logits, target, 1, -100, torch.float32, "64x128256")
+    if torch.cuda.get_device_properties(0).total_memory < 60 << 30:
+        pytest.skip("the 2^31-element case needs 60 GB of GPU memory")
+    rows = (1 << 31) // 128256 + 64
+    big = torch.randn(rows, 128256, device="cuda", dtype=torch.bfloat16)
+    target = torch.randint(0, 128256, (rows,), device="cuda")
+    before = fused_count(OP)
+    loss = torch.ops.torchfuse.cross_entropy(big, target, 0, -100, 0.0, torch.float32)
+    assert fused_count(OP) == before + 1
+    last = slice(rows - 8, rows)
+    expected = F.cross_entropy(big[last].float(), target[last], reduction="none")
+    assert (loss[last] - expected).abs().max() < 1e-3
+
+
+def test_what_is_not_served_goes_to_stock():
+    logits = torch.randn(8, 50, device="cuda")
+    target = torch.randint(0, 50, (8,), device="cuda")
+    cases = [
+        (lambda: torch.ops.torchfuse.cross_entropy(logits, target, 1, -100, 0.1, None), "label_smoothing is not served"),
+        (lambda: torch.ops.torchfuse.cross_entropy(logits.t().contiguous().t(), target, 1, -100, 0.0, None), "non-contiguous input"),
+        (lambda: torch.ops.torchfuse.cross_entropy(logits.double(), target, 1, -100, 0.0, None), "unsupported dtype"),
+    ]
+    for call, why in cases:
+        before = stock_reasons(OP).get(why, 0)
+        ours = call()
+        assert stock_reasons(OP).get(why, 0) == before + 1, (why, stock_reasons(OP))
+        with enabled("cross_entropy", False):
+            assert torch.equal(ours, call())
+
+
+def test_bad_targets_fail_as_stock():
+    """A class index out of range: stock's nll_loss asserts on the device (the CUDA context is
+    lost), so each side runs in a fresh process; both must fail, neither may return a loss."""
+    code = f"""
+import torch, sys
+torch.ops.load_library({str(LIB_DIR / 'libtorchfuse.so')!r})
+torch.ops.torchfuse._serve_below_thresholds(True)
+torch.ops.torchfuse.set_enabled("cross_entropy", sys.argv[1] == "on")
+x = torch.randn(4, 10, device="cuda")
+t = torch.tensor([1, 2, 10, 3], device="cuda")
+print(torch.ops.torchfuse.cross_entropy(x, t, 1, -100, 0.0, None).item())
+"""
+    for side in ("on", "off"):
+        proc = subprocess.run([sys.executable, "-c", code, side], env=clean_env(), capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode != 0, (side, proc.stdout, proc.stderr[-2000:])
+
+
+def test_hf_causal_lm_loss_rewritten_gives_the_originals_loss_and_grad():
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(ROOT / "python"))
+    from torchfuse import rewrites
+    import transformers.loss.loss_utils as L
+    original = getattr(L.ForCausalLMLoss, "__wrapped__", L.ForCausalLMLoss)
+    rewritten = rewrites._causal_lm_loss(torch, original, "hf_causal_lm_loss")
+    torch.manual_seed(fresh_seed())
+    logits = torch.randn(4, 257, 32000, device="cuda", dtype=torch.bfloat16) * 3
+    labels = torch.randint(0, 32000, (4, 257), device="cuda")
+    labels[:, :5] = -100
+    for items in (None, torch.tensor(700, device="cuda")):
+        before = fused_count(OP)
+        out = []
+        for fn in (rewritten, original):
+            x = logits.detach().requires_grad_(True)
+            loss = fn(x, labels, 32000, num_items_in_batch=items)
+            (g,) = torch.autograd.grad(loss, x)
+            out.append((loss, g))
+        (ours, our_grad), (theirs, their_grad) = out
+        assert fused_count(OP) == before + 1
+        assert ours.dtype == theirs.dtype == torch.float32 and our_grad.dtype == torch.bfloat16
+        assert rel_err(ours, theirs) < 1e-5 and rel_err(our_grad, their_grad) < FLOOR[torch.bfloat16]
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
+def test_aten_cross_entropy_from_any_caller(autocast):
+    """F.cross_entropy itself (aten::cross_entropy_loss, taken at AutogradCUDA): stock's dtypes
+    (under autocast a 16-bit logits' loss is fp32, as stock's log_softmax gives), values and
+    gradients within the contract; class weights stay stock's."""
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    for dtype in DTYPES:
+        for reduction in ("none", "mean", "sum"):
+            logits = (torch.randn(512, 1003, device="cuda") * 4).to(dtype)
+            target = torch.randint(0, 1003, (512,), device="cuda")
+            target[::7] = -100
+
+            def go(on):
+                x = logits.detach().requires_grad_(True)
+                with enabled("cross_entropy", on), torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+                    loss = F.cross_entropy(x, target, reduction=reduction)
+                grad_loss = incoming_grad(512, 0 if reduction == "none" else 1, loss.dtype)
+                (grad,) = torch.autograd.grad(loss, x, grad_loss)
+                return loss.detach(), grad, grad_loss
+
+            what = f"seed {seed} {dtype} {reduction} autocast={autocast}"
+            before = fused_count("cross_entropy_loss")
+            ours, our_grad, grad_loss = go(True)
+            assert fused_count("cross_entropy_loss") == before + 1, (what, stock_reasons("cross_entropy_loss"))
+            stock, stock_grad, _ = go(False)
+            assert ours.dtype == stock.dtype and our_grad.dtype == stock_grad.dtype == dtype, what
+            x64 = logits.detach().double().requires_grad_(True)
+            ref = F.cross_entropy(x64, target, reduction=reduction)
+            (ref_grad,) = torch.autograd.grad(ref, x64, grad_loss.double())
+            for name, o, s, r, floor in (("loss", ours, stock, ref, FLOOR[ours.dtype]),
+                                         ("grad", our_grad, stock_grad, ref_grad, FLOOR[dtype])):
+                e_ours, e_stock = rel_err(o, r), rel_err(s, r)
+                assert e_ours <= max(2 * e_stock, floor), f"{what} {name}: ours {e_ours:.3g} stock {e_stock:.3g}"
+    logits = torch.randn(64, 10, device="cuda")
+    target = torch.randint(0, 10, (64,), device="cuda")
+    before = fused_count("cross_entropy_loss")
+    weighted = F.cross_entropy(logits, target, weight=torch.rand(10, device="cuda"))
+    smoothed = F.cross_entropy(logits, target, label_smoothing=0.1)
+    assert fused_count("cross_entropy_loss") == before
+    assert weighted.isfinite() and smoothed.isfinite()
