@@ -23,7 +23,7 @@
 // so results are bitwise reproducible.
 //
 // NaN logits give NaN (as stock's log_softmax): fmaxf skips a NaN max but its exp is NaN and
-// enters the sum. A target outside [0, cols) that is not ignore_index traps the kernel, the
+// enters the sum. An ignored row's gradient is 0 whatever its logits (stock: NaN there). A target outside [0, cols) that is not ignore_index traps the kernel, the
 // device-side failure stock's nll_loss asserts with; nothing out of bounds is read.
 //
 // Dtypes: the logits (and their gradient) are TF_DTYPE. TF_WIDE = 1: the loss (forward) and
@@ -65,10 +65,10 @@ typedef tf_storage tf_loss;
 // NVRTC has no math.h: -inf from its bits.
 #define NEG_INF __int_as_float(0xff800000)
 
-// exp(x - m) through exp2: one FMA and ex2. m = -inf only while every x seen is -inf, whose
-// terms are 0 (not exp(nan)).
+// exp(x - m) through exp2: one FMA and ex2. m = -inf only while every x seen is -inf or NaN:
+// a -inf term is 0 (not exp(nan)); a NaN stays NaN.
 __device__ __forceinline__ float exp_shifted(float x, float m) {
-  return m == NEG_INF ? 0.f : exp2f((x - m) * LOG2E);
+  return (m == NEG_INF && x == NEG_INF) ? 0.f : exp2f((x - m) * LOG2E);
 }
 
 // (m, s) of two parts combined: max and rescaled sums.
@@ -147,7 +147,8 @@ extern "C" __global__ void __launch_bounds__(TF_THREADS)
       const float row_lse = tm == NEG_INF ? NEG_INF : tm + logf(ts);
       const tf_i64 t = checked_target(target, row, cols, ignore_index);
       lse[row] = row_lse;
-      loss_rows[row] = t < 0 ? 0.f : row_lse - tf_float(x[t]);
+      // (max - x_t) + log(sum) rather than lse - x_t: no cancellation in confident rows.
+      loss_rows[row] = t < 0 ? 0.f : (tm - tf_float(x[t])) + logf(ts);
     }
     __syncthreads();  // part_m / part_s are rewritten for the next row
   }

@@ -31,6 +31,17 @@ _SOURCES = {
     "fast_gelu": """def forward(self, input):
     return 0.5 * input * (1.0 + torch.tanh(input * 0.7978845608 * (1.0 + 0.044715 * input * input)))
 """,
+    # transformers.models.llama.modeling_llama.LlamaMLP.forward (the gated MLP), and its copies.
+    # What it computes depends on its act_fn too: the rewrite checks that at every call.
+    "hf_gated_mlp": """def forward(self, x):
+    down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    return down_proj
+""",
+    # transformers.activations.SiLUActivation.forward (ACT2FN["silu"]): an act_fn the gated
+    # MLP may have.
+    "hf_silu": """def forward(self, input):
+    return nn.functional.silu(input)
+""",
     # transformers.models.llama.modeling_llama.LlamaRMSNorm.forward, and its copies.
     "hf_rms_norm": """def forward(self, hidden_states):
     input_dtype = hidden_states.dtype
@@ -74,7 +85,7 @@ _FUNCTION_SOURCES = {
 
 # Form name -> the composition it computes.
 COMPUTES = {"new_gelu": "gelu_tanh", "fast_gelu": "gelu_tanh", "hf_rms_norm": "hf_rms_norm",
-            "hf_causal_lm_loss": "cross_entropy"}
+            "hf_causal_lm_loss": "cross_entropy", "hf_gated_mlp": "swiglu"}
 
 
 def _compiled(source):
@@ -141,6 +152,14 @@ def function_form_of(function):
                  if _matches(function, reference, defaults)), None)
 
 
+def is_silu(module_type, torch):
+    """Whether modules of this type compute SiLU: torch.nn.SiLU, or a class whose forward is
+    HF's SiLUActivation form."""
+    return module_type is torch.nn.SiLU or (
+        form_of(module_type.__dict__.get("forward")) == "hf_silu"
+        and module_type.__mro__[1] is torch.nn.Module)
+
+
 def scan_functions(module):
     """The functions defined in `module` that are a known form whose composition torchfuse
     serves: {attribute name: form}."""
@@ -154,13 +173,14 @@ def scan_functions(module):
 
 
 def scan(module):
-    """The classes defined in `module` whose own `forward` is a known form: {class: form}."""
+    """The classes defined in `module` whose own `forward` is a known form whose composition
+    torchfuse serves: {class: form}."""
     found = {}
     for value in list(vars(module).values()):
         if not isinstance(value, type) or value.__module__ != module.__name__:
             continue
         forward = value.__dict__.get("forward")
         form = form_of(forward) if forward is not None else None
-        if form is not None:
+        if form is not None and form in COMPUTES:
             found[value] = form
     return found

@@ -108,10 +108,14 @@ def _causal_lm_loss(torch, original, form):
                 or type(ignore_index) is not int or compiling()):
             return original(logits, labels, vocab_size, num_items_in_batch, ignore_index,
                             shift_labels, **kwargs)
+        try:  # logits the original's view of its fp32 copy would reject: its error, its way
+            flat_logits = logits.view(-1, vocab_size)
+        except RuntimeError:
+            return original(logits, labels, vocab_size, num_items_in_batch, ignore_index,
+                            shift_labels, **kwargs)
         if shift_labels is None:
             labels = pad(labels, (0, 1), value=ignore_index)
             shift_labels = labels[..., 1:].contiguous()
-        flat_logits = logits.view(-1, vocab_size)
         shift_labels = shift_labels.view(-1).to(logits.device)
         loss = op(flat_logits, shift_labels, mean if num_items_in_batch is None else total,
                   ignore_index, 0.0, fp32)
@@ -124,8 +128,36 @@ def _causal_lm_loss(torch, original, form):
     return loss_function
 
 
+def _gated_mlp_forward(torch, original, form):
+    """HF's gated MLP with silu(gate) * up in one op (torchfuse::silu_mul) where act_fn is SiLU
+    and gate and up agree in dtype and shape; the matmuls are the module's own."""
+    op = torch.ops.torchfuse.silu_mul.default
+    tensor, served = torch.Tensor, (torch.float32, torch.bfloat16, torch.float16)
+    compiling = torch.compiler.is_compiling
+    silu_types = {}  # act_fn type -> computes SiLU (and is not in-place)
+
+    @functools.wraps(original)
+    def forward(self, x):
+        act = self.act_fn
+        kind = type(act)
+        silu = silu_types.get(kind)
+        if silu is None:
+            silu = silu_types[kind] = compositions.is_silu(kind, torch)
+        if (not silu or getattr(act, "inplace", False) or act._forward_hooks
+                or act._forward_pre_hooks or type(x) is not tensor or not x.is_cuda or compiling()):
+            return original(self, x)
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if (type(gate) is tensor and type(up) is tensor and gate.dtype == up.dtype
+                and gate.dtype in served and gate.shape == up.shape):
+            return self.down_proj(op(gate, up))
+        return self.down_proj(act(gate) * up)
+
+    return forward
+
+
 # Op -> what makes the rewritten forward from the original.
-_FORWARDS = {"gelu_tanh": _gelu_forward, "hf_rms_norm": _rms_norm_forward}
+_FORWARDS = {"gelu_tanh": _gelu_forward, "hf_rms_norm": _rms_norm_forward,
+             "swiglu": _gated_mlp_forward}
 # Function form -> what makes the rewritten function from the original.
 _FUNCTIONS = {"hf_causal_lm_loss": _causal_lm_loss}
 

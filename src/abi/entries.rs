@@ -7,7 +7,7 @@
 use super::tensor::into_raw;
 use super::types::{
     TfAdamCall, TfAttentionCall, TfCrossEntropyCall, TfEmbeddingCall, TfGeluCall, TfLaunch,
-    TfNormCall, TfOutputs, TfStatus, TF_FUSED, TF_STOCK,
+    TfNormCall, TfOutputs, TfStatus, TfSwigluCall, TF_FUSED, TF_STOCK,
 };
 use crate::ops::adam::Adam;
 use crate::ops::attention::Attention;
@@ -15,6 +15,7 @@ use crate::ops::cross_entropy::CrossEntropy;
 use crate::ops::embedding::Embedding;
 use crate::ops::gelu::Gelu;
 use crate::ops::norm::Norm;
+use crate::ops::swiglu::Swiglu;
 use crate::ops::Family;
 use crate::runtime::stats::{self, Outcome};
 use crate::runtime::Entry;
@@ -167,4 +168,19 @@ pub unsafe extern "C" fn torchfuse_rs_cross_entropy(
     status: *mut TfStatus,
 ) {
     answer::<CrossEntropy>(entry, launch, call, out, status)
+}
+
+/// `torchfuse::silu_mul` and its backward.
+///
+/// # Safety
+/// As `answer`.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_swiglu(
+    entry: u32,
+    launch: *const TfLaunch,
+    call: *const TfSwigluCall,
+    out: *mut TfOutputs,
+    status: *mut TfStatus,
+) {
+    answer::<Swiglu>(entry, launch, call, out, status)
 }

@@ -19,6 +19,7 @@
 #include <ATen/ops/embedding_compositeexplicitautograd_dispatch.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
@@ -422,11 +423,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
 // tensors run), the CUDA kernel (Rust serves it, or stock), and autograd, so a C++ program
 // gets the same op.
 
-// A tensor whose data torchfuse may not read: a Python subclass (fake tensors under
-// torch.compile), a functional wrapper.
+// A tensor whose data torchfuse may not read, or a call a Python dispatch mode watches: a
+// Python subclass (fake tensors under torch.compile), a functional wrapper, an active
+// TorchDispatchMode (FlopCounterMode, make_fx on real tensors), which must see the ops the
+// stock composition runs.
 bool traced(const at::Tensor& t) {
   return t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python,
-                                                  c10::DispatchKey::Functionalize}));
+                                                  c10::DispatchKey::Functionalize})) ||
+         c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Python);
 }
 
 // torchfuse::gelu_tanh(input, dtype): gelu(input, approximate="tanh") with the output in
@@ -486,6 +490,8 @@ class GeluTanhFunction : public torch::autograd::Function<GeluTanhFunction> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const at::Tensor input = ctx->get_saved_variables()[0];
+    // create_graph: PyTorch's own backward ops, which are differentiable (a double backward).
+    if (at::GradMode::is_enabled()) return {gelu_tanh_backward_stock(grads[0], input), at::Tensor()};
     return {call_gelu_tanh_backward(grads[0], input), at::Tensor()};
   }
 };
@@ -527,19 +533,20 @@ at::Tensor cross_entropy_stock(const at::Tensor& logits, const at::Tensor& targe
                                 std::nullopt, reduction, ignore_index, label_smoothing);
 }
 
-// The gradient of the logits from the forward's fp32 lse, composed of PyTorch ops (when Rust
-// does not serve a backward whose forward it served): g_i (softmax - onehot), 0 where ignored.
+// The gradient of the logits composed of PyTorch ops (when Rust does not serve a backward whose
+// forward it served, and for a double backward: these ops are differentiable in the logits and
+// the incoming gradient): g_i (softmax - onehot), 0 where ignored (also where g_i is inf/NaN).
 at::Tensor cross_entropy_backward_stock(const at::Tensor& grad_loss, const at::Tensor& logits,
-                                        const at::Tensor& target, const at::Tensor& lse,
+                                        const at::Tensor& target,
                                         const at::Tensor& total_weight, int64_t reduction,
                                         int64_t ignore_index) {
-  const at::Tensor valid = target.ne(ignore_index);
+  const at::Tensor ignored = target.eq(ignore_index);
   at::Tensor g = grad_loss.to(at::kFloat);
   if (reduction == at::Reduction::Mean) g = g / total_weight;
-  g = g.expand({target.size(0)}) * valid;  // `none`: one a row already
-  at::Tensor grad = at::exp(logits.to(at::kFloat) - lse.unsqueeze(1));
-  grad.scatter_add_(1, target.masked_fill(valid.logical_not(), 0).unsqueeze(1),
-                    valid.to(at::kFloat).neg().unsqueeze(1));
+  g = g.expand({target.size(0)}).masked_fill(ignored, 0.0);  // `none`: one a row already
+  at::Tensor grad = at::softmax(logits.to(at::kFloat), 1);
+  grad = grad.scatter_add(1, target.masked_fill(ignored, 0).unsqueeze(1),
+                          ignored.logical_not().to(at::kFloat).neg().unsqueeze(1));
   return (grad * g.unsqueeze(1)).to(logits.scalar_type());
 }
 
@@ -553,7 +560,9 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
     ctx->save_for_backward({logits, target, lse, total_weight});
     ctx->saved_data["reduction"] = reduction;
     ctx->saved_data["ignore_index"] = ignore_index;
-    return loss;
+    // Not `loss` itself: an input returned as it is becomes a view autograd forbids in-place
+    // changes to (`loss *= scale`), which stock's loss allows.
+    return loss.detach();
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
@@ -573,11 +582,13 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
     call.reduction = static_cast<int32_t>(reduction);
     TfOutputs out{};
     at::Tensor grad_logits;
-    if (fused_by_rust(torchfuse_rs_cross_entropy, TF_ENTRY_CROSS_ENTROPY_BACKWARD, logits, call,
+    // create_graph: the gradient must itself be differentiable, which the fused one is not.
+    if (!at::GradMode::is_enabled() &&
+        fused_by_rust(torchfuse_rs_cross_entropy, TF_ENTRY_CROSS_ENTROPY_BACKWARD, logits, call,
                       out))
       grad_logits = take_outputs(out)[0];
     else
-      grad_logits = cross_entropy_backward_stock(grad_loss, logits, target, lse, total_weight,
+      grad_logits = cross_entropy_backward_stock(grad_loss, logits, target, total_weight,
                                                  reduction, ignore_index);
     return {grad_logits, at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor()};
@@ -589,7 +600,9 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
 at::Tensor cross_entropy_served(TfEntry entry, const at::Tensor& logits, const at::Tensor& target,
                                 int64_t reduction, int64_t ignore_index, double label_smoothing,
                                 at::ScalarType loss_dtype) {
-  if (!logits.is_cuda() || traced(logits) || traced(target)) return at::Tensor();
+  // Forward-mode AD (a tangent on the logits) is stock's: the fused op has no jvp.
+  if (!logits.is_cuda() || traced(logits) || traced(target) || logits._fw_grad(0).defined())
+    return at::Tensor();
   TfCrossEntropyCall call{};
   call.logits = describe(logits);
   call.target = describe(target);
@@ -605,12 +618,21 @@ at::Tensor cross_entropy_served(TfEntry entry, const at::Tensor& logits, const a
                                      ignore_index);
 }
 
+// The dtype of stock's cross-entropy loss of these logits: under CUDA autocast nll_loss (on
+// autocast's fp32 list) makes a 16-bit logits' loss fp32; otherwise the logits' dtype.
+at::ScalarType loss_dtype_under_autocast(const at::Tensor& logits) {
+  const at::ScalarType t = logits.scalar_type();
+  const bool widened = at::autocast::is_autocast_enabled(c10::DeviceType::CUDA) &&
+                       (t == at::kBFloat16 || t == at::kHalf);
+  return widened ? at::kFloat : t;
+}
+
 at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& target, int64_t reduction,
                          int64_t ignore_index, double label_smoothing,
                          std::optional<at::ScalarType> dtype) {
   at::Tensor loss = cross_entropy_served(TF_ENTRY_CROSS_ENTROPY, logits, target, reduction,
                                          ignore_index, label_smoothing,
-                                         dtype.value_or(logits.scalar_type()));
+                                         dtype.value_or(loss_dtype_under_autocast(logits)));
   if (loss.defined()) return loss;
   return cross_entropy_stock(logits, target, reduction, ignore_index, label_smoothing, dtype);
 }
@@ -618,22 +640,104 @@ at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& target, int
 // aten::cross_entropy_loss, at AutogradCUDA (the op is CompositeImplicitAutograd: this kernel
 // takes CUDA calls from any caller before PyTorch decomposes them into log_softmax + nll_loss,
 // which is what runs when Rust does not serve, class weights included). The op has no CUDA
-// autocast kernel, but its parts are on autocast's fp32 list: under autocast stock's loss of
-// 16-bit logits is fp32, and so is ours.
+// autocast kernel, but nll_loss is on autocast's fp32 list: under autocast stock's loss of
+// 16-bit logits is fp32, and so is ours (stock's log-probabilities stay 16-bit; ours are fp32).
 at::Tensor aten_cross_entropy_loss(const at::Tensor& self, const at::Tensor& target,
                                    const std::optional<at::Tensor>& weight, int64_t reduction,
                                    c10::SymInt ignore_index, double label_smoothing) {
   const std::optional<int64_t> ignore = ignore_index.maybe_as_int();
   if (!(weight.has_value() && weight->defined()) && ignore.has_value()) {
-    const bool widened = at::autocast::is_autocast_enabled(c10::DeviceType::CUDA) &&
-                         (self.scalar_type() == at::kBFloat16 || self.scalar_type() == at::kHalf);
     at::Tensor loss =
         cross_entropy_served(TF_ENTRY_CROSS_ENTROPY_LOSS, self, target, reduction, *ignore,
-                             label_smoothing, widened ? at::kFloat : self.scalar_type());
+                             label_smoothing, loss_dtype_under_autocast(self));
     if (loss.defined()) return loss;
   }
   return at::compositeimplicitautograd::cross_entropy_loss_symint(
       self, target, weight, reduction, std::move(ignore_index), label_smoothing);
+}
+
+// torchfuse::silu_mul(gate, up): silu(gate) * up, HF's gated MLP between its matmuls; same
+// dtype and shape for both (anything else is stock's, broadcasting included).
+at::Tensor silu_mul_stock(const at::Tensor& gate, const at::Tensor& up) {
+  return at::silu(gate) * up;
+}
+
+// The original's autograd, op for op: mul's backward, then silu's.
+std::tuple<at::Tensor, at::Tensor> silu_mul_backward_stock(const at::Tensor& grad_out,
+                                                           const at::Tensor& gate,
+                                                           const at::Tensor& up) {
+  return {at::silu_backward(grad_out * up, gate), grad_out * at::silu(gate)};
+}
+
+at::Tensor silu_mul_cuda(const at::Tensor& gate, const at::Tensor& up) {
+  TfSwigluCall call{};
+  call.gate = describe(gate);
+  call.up = describe(up);
+  TfOutputs out{};
+  if (fused_by_rust(torchfuse_rs_swiglu, TF_ENTRY_SILU_MUL, gate, call, out))
+    return take_outputs(out)[0];
+  return silu_mul_stock(gate, up);
+}
+
+std::tuple<at::Tensor, at::Tensor> silu_mul_backward_cuda(const at::Tensor& grad_out,
+                                                          const at::Tensor& gate,
+                                                          const at::Tensor& up) {
+  TfSwigluCall call{};
+  call.gate = describe(gate);
+  call.up = describe(up);
+  call.grad_out = describe(grad_out);
+  TfOutputs out{};
+  if (fused_by_rust(torchfuse_rs_swiglu, TF_ENTRY_SILU_MUL_BACKWARD, gate, call, out)) {
+    auto outputs = take_outputs(out);
+    return {outputs[0], outputs[1]};
+  }
+  return silu_mul_backward_stock(grad_out, gate, up);
+}
+
+at::Tensor call_silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("torchfuse::silu_mul", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  return op.call(gate, up);
+}
+
+std::tuple<at::Tensor, at::Tensor> call_silu_mul_backward(const at::Tensor& grad_out,
+                                                          const at::Tensor& gate,
+                                                          const at::Tensor& up) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("torchfuse::silu_mul_backward", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                    const at::Tensor&)>();
+  return op.call(grad_out, gate, up);
+}
+
+// Keeps gate and up for the backward (the original also keeps silu(gate)).
+class SiluMulFunction : public torch::autograd::Function<SiluMulFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate,
+                            const at::Tensor& up) {
+    ctx->save_for_backward({gate, up});
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return call_silu_mul(gate, up);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &gate = saved[0], &up = saved[1];
+    if (at::GradMode::is_enabled()) {
+      // create_graph: a differentiable composition (a double backward), as autograd's own
+      // formula for silu is under grad mode (silu_backward has no derivative).
+      const at::Tensor s = at::sigmoid(gate);
+      return {grads[0] * up * s * (1 + gate * (1 - s)), grads[0] * (gate * s)};
+    }
+    auto [dgate, dup] = call_silu_mul_backward(grads[0], gate, up);
+    return {dgate, dup};
+  }
+};
+
+at::Tensor silu_mul_autograd(const at::Tensor& gate, const at::Tensor& up) {
+  return SiluMulFunction::apply(gate, up);
 }
 
 // ---------------------------------------------------------------- control ops
@@ -717,6 +821,8 @@ constexpr const char* kEntryNames[TF_ENTRY_COUNT] = {
     "torchfuse::cross_entropy",
     "torchfuse::cross_entropy (backward)",
     "cross_entropy_loss",
+    "torchfuse::silu_mul",
+    "torchfuse::silu_mul_backward",
 };
 
 // torchfuse's own ops: their schemas (added to the namespace the control ops define) and
@@ -772,6 +878,21 @@ void define_own_op(uint32_t entry) {
           .impl("cross_entropy", TORCH_FN(cross_entropy));
       break;
     case TF_ENTRY_CROSS_ENTROPY_BACKWARD: break;  // CrossEntropyFunction's, no op of its own
+    case TF_ENTRY_SILU_MUL:
+      torchfuse_ops().def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+      torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
+          .impl("silu_mul", TORCH_FN(silu_mul_stock));
+      torchfuse_impl(DispatchKey::CUDA).impl("silu_mul", TORCH_FN(silu_mul_cuda));
+      torchfuse_impl(DispatchKey::Autograd).impl("silu_mul", TORCH_FN(silu_mul_autograd));
+      break;
+    case TF_ENTRY_SILU_MUL_BACKWARD:
+      torchfuse_ops().def(
+          "silu_mul_backward(Tensor grad_out, Tensor gate, Tensor up) -> (Tensor, Tensor)");
+      torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
+          .impl("silu_mul_backward", TORCH_FN(silu_mul_backward_stock));
+      torchfuse_impl(DispatchKey::CUDA)
+          .impl("silu_mul_backward", TORCH_FN(silu_mul_backward_cuda));
+      break;
     default: TORCH_CHECK(false, "torchfuse: unknown entry ", entry);
   }
 }
@@ -802,7 +923,9 @@ void register_entry(uint32_t entry) {
     case TF_ENTRY_GELU_TANH_BACKWARD:
     case TF_ENTRY_HF_RMS_NORM:
     case TF_ENTRY_CROSS_ENTROPY:
-    case TF_ENTRY_CROSS_ENTROPY_BACKWARD: define_own_op(entry); break;
+    case TF_ENTRY_CROSS_ENTROPY_BACKWARD:
+    case TF_ENTRY_SILU_MUL:
+    case TF_ENTRY_SILU_MUL_BACKWARD: define_own_op(entry); break;
     case TF_ENTRY_CROSS_ENTROPY_LOSS:
       aten_autograd_cuda_library().impl(name, TORCH_FN(aten_cross_entropy_loss));
       break;
@@ -846,6 +969,7 @@ const std::vector<int64_t>& abi_layout() {
       TF_FIELD(TfCrossEntropyCall, total_weight), TF_FIELD(TfCrossEntropyCall, ignore_index),
       TF_FIELD(TfCrossEntropyCall, label_smoothing), TF_FIELD(TfCrossEntropyCall, reduction),
       TF_FIELD(TfCrossEntropyCall, out_dtype),
+      sizeof(TfSwigluCall), TF_FIELD(TfSwigluCall, up), TF_FIELD(TfSwigluCall, grad_out),
       sizeof(TfEmbeddingCall), TF_FIELD(TfEmbeddingCall, grad),
       TF_FIELD(TfEmbeddingCall, indices), TF_FIELD(TfEmbeddingCall, num_weights),
       TF_FIELD(TfEmbeddingCall, padding_idx), TF_FIELD(TfEmbeddingCall, scale_grad_by_freq),

@@ -46,7 +46,9 @@ enum TfEntry {
   TF_ENTRY_CROSS_ENTROPY = 16,
   TF_ENTRY_CROSS_ENTROPY_BACKWARD = 17,
   TF_ENTRY_CROSS_ENTROPY_LOSS = 18,  // aten::cross_entropy_loss, at AutogradCUDA
-  TF_ENTRY_COUNT = 19
+  TF_ENTRY_SILU_MUL = 19,
+  TF_ENTRY_SILU_MUL_BACKWARD = 20,
+  TF_ENTRY_COUNT = 21
 };
 
 // Status codes.
@@ -125,6 +127,13 @@ typedef struct TfCrossEntropyCall {
   uint8_t unused[2];
 } TfCrossEntropyCall;
 
+// torchfuse::silu_mul (gate, up) and silu_mul_backward (grad_out, gate, up).
+typedef struct TfSwigluCall {
+  TfTensor gate;
+  TfTensor up;
+  TfTensor grad_out;  // backward only
+} TfSwigluCall;
+
 // embedding (weight, indices) and embedding_dense_backward (grad, indices, ...).
 typedef struct TfEmbeddingCall {
   TfTensor weight;  // forward
@@ -193,6 +202,10 @@ void torchfuse_rs_gelu(uint32_t entry, const TfLaunch* launch, const TfGeluCall*
 // Its backward: out = grad_logits.
 void torchfuse_rs_cross_entropy(uint32_t entry, const TfLaunch* launch,
                                 const TfCrossEntropyCall* call, TfOutputs* out, TfStatus* status);
+
+// torchfuse::silu_mul: out = y. Its backward: out = dgate, dup.
+void torchfuse_rs_swiglu(uint32_t entry, const TfLaunch* launch, const TfSwigluCall* call,
+                         TfOutputs* out, TfStatus* status);
 
 // Control ops (torch.ops.torchfuse.*). set_enabled: TF_FUSED when the op now runs through
 // torchfuse, TF_STOCK when it does not, TF_ERROR for an unknown name.

@@ -137,6 +137,14 @@ pub struct TfCrossEntropyCall {
     pub unused: [u8; 2],
 }
 
+/// `TfSwigluCall`.
+#[repr(C)]
+pub struct TfSwigluCall {
+    pub gate: TfTensor,
+    pub up: TfTensor,
+    pub grad_out: TfTensor,
+}
+
 /// `TfEmbeddingCall`.
 #[repr(C)]
 pub struct TfEmbeddingCall {
@@ -272,6 +280,9 @@ mod tests {
             n(offset_of!(TfCrossEntropyCall, label_smoothing)),
             n(offset_of!(TfCrossEntropyCall, reduction)),
             n(offset_of!(TfCrossEntropyCall, out_dtype)),
+            n(size_of::<TfSwigluCall>()),
+            n(offset_of!(TfSwigluCall, up)),
+            n(offset_of!(TfSwigluCall, grad_out)),
             n(size_of::<TfEmbeddingCall>()),
             n(offset_of!(TfEmbeddingCall, grad)),
             n(offset_of!(TfEmbeddingCall, indices)),

@@ -1,4 +1,4 @@
-//! The op families: one module each (norm, adam, embedding, attention, gelu, cross_entropy), each implementing
+//! The op families: one module each (norm, adam, embedding, attention, gelu, cross_entropy, swiglu), each implementing
 //! `Family`: the aten entries it serves and the boundary struct that describes their calls,
 //! how a call is logged, how it is served (checked, planned, launched: `Served`, or the
 //! reason stock runs it), and for the registry the kernels it launches (by name), the
@@ -14,6 +14,7 @@ pub mod embedding;
 pub mod gelu;
 pub mod norm;
 pub mod params;
+pub mod swiglu;
 
 use crate::gpu::{self, Device, Kernels, Launch};
 use crate::runtime::Entry;
@@ -182,6 +183,12 @@ pub enum KernelOp {
     /// As `CrossEntropyBwd`, an fp32 loss gradient.
     #[serde(rename = "cross_entropy_bwd_wide")]
     CrossEntropyBwdWide,
+    /// `torchfuse::silu_mul`; `rows` is the element count.
+    #[serde(rename = "silu_mul_fwd")]
+    SiluMulFwd,
+    /// `torchfuse::silu_mul_backward`; as the forward.
+    #[serde(rename = "silu_mul_bwd")]
+    SiluMulBwd,
 }
 
 impl KernelOp {
@@ -209,6 +216,9 @@ impl KernelOp {
             | KernelOp::CrossEntropyBwd
             | KernelOp::CrossEntropyBwdWide => {
                 OpParams::prepare::<cross_entropy::CrossEntropy>(self, v)
+            }
+            KernelOp::SiluMulFwd | KernelOp::SiluMulBwd => {
+                OpParams::prepare::<swiglu::Swiglu>(self, v)
             }
         }
     }

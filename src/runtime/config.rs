@@ -201,7 +201,8 @@ mod tests {
                 "adam",
                 "gelu_tanh",
                 "hf_rms_norm",
-                "cross_entropy"
+                "cross_entropy",
+                "swiglu"
             ]
         );
         assert_eq!(
@@ -211,7 +212,8 @@ mod tests {
                 "rms_norm",
                 "embedding",
                 "hf_rms_norm",
-                "cross_entropy"
+                "cross_entropy",
+                "swiglu"
             ]
         );
         assert_eq!(
@@ -223,7 +225,8 @@ mod tests {
                 "sdpa",
                 "gelu_tanh",
                 "hf_rms_norm",
-                "cross_entropy"
+                "cross_entropy",
+                "swiglu"
             ]
         );
         assert_eq!(

@@ -20,10 +20,13 @@ pub enum Toggle {
     /// aten::cross_entropy_loss (any caller), and the rewrite of HF's causal-LM loss ->
     /// torchfuse::cross_entropy (bf16 logits read as they are).
     CrossEntropy,
+    /// Rewrite: HF's gated MLP (LlamaMLP and its copies) -> torchfuse::silu_mul between its
+    /// matmuls.
+    Swiglu,
 }
 
 impl Toggle {
-    pub const ALL: [Toggle; 8] = [
+    pub const ALL: [Toggle; 9] = [
         Toggle::LayerNorm,
         Toggle::RmsNorm,
         Toggle::Embedding,
@@ -32,6 +35,7 @@ impl Toggle {
         Toggle::GeluTanh,
         Toggle::HfRmsNorm,
         Toggle::CrossEntropy,
+        Toggle::Swiglu,
     ];
 
     pub fn name(self) -> &'static str {
@@ -44,6 +48,7 @@ impl Toggle {
             Toggle::GeluTanh => "gelu_tanh",
             Toggle::HfRmsNorm => "hf_rms_norm",
             Toggle::CrossEntropy => "cross_entropy",
+            Toggle::Swiglu => "swiglu",
         }
     }
 
@@ -89,10 +94,12 @@ pub enum Entry {
     CrossEntropy = 16,
     CrossEntropyBackward = 17,
     CrossEntropyLoss = 18,
+    SiluMul = 19,
+    SiluMulBackward = 20,
 }
 
 impl Entry {
-    pub const ALL: [Entry; 19] = [
+    pub const ALL: [Entry; 21] = [
         Entry::NativeLayerNorm,
         Entry::NativeLayerNormBackward,
         Entry::FusedRmsNorm,
@@ -112,6 +119,8 @@ impl Entry {
         Entry::CrossEntropy,
         Entry::CrossEntropyBackward,
         Entry::CrossEntropyLoss,
+        Entry::SiluMul,
+        Entry::SiluMulBackward,
     ];
 
     pub fn from_u32(v: u32) -> Option<Entry> {
@@ -140,6 +149,8 @@ impl Entry {
             Entry::CrossEntropy => "torchfuse::cross_entropy",
             Entry::CrossEntropyBackward => "torchfuse::cross_entropy (backward)",
             Entry::CrossEntropyLoss => "cross_entropy_loss",
+            Entry::SiluMul => "torchfuse::silu_mul",
+            Entry::SiluMulBackward => "torchfuse::silu_mul_backward",
         }
     }
 
@@ -160,6 +171,7 @@ impl Entry {
             Entry::CrossEntropy | Entry::CrossEntropyBackward | Entry::CrossEntropyLoss => {
                 Toggle::CrossEntropy
             }
+            Entry::SiluMul | Entry::SiluMulBackward => Toggle::Swiglu,
         }
     }
 }

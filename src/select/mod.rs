@@ -26,4 +26,5 @@ pub const REGISTRY_FILES: &[(&str, &str)] = &[
     ),
     ("gelu.toml", include_str!("../../registry/gelu.toml")),
     ("norm.toml", include_str!("../../registry/norm.toml")),
+    ("swiglu.toml", include_str!("../../registry/swiglu.toml")),
 ];

@@ -33,8 +33,35 @@ def test_hf_activations_recognised_by_code():
 @pytest.mark.parametrize("model", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
 def test_llama_rms_norm_and_its_copies_are_recognised(model):
     found = recognised(f"models.{model}.modeling_{model}")
-    assert list(found.values()) == ["hf_rms_norm"], found
-    assert list(found)[0].endswith("RMSNorm")
+    norms = [name for name, form in found.items() if form == "hf_rms_norm"]
+    assert len(norms) == 1 and norms[0].endswith("RMSNorm"), found
+
+
+@pytest.mark.parametrize("model", ["llama", "mistral", "qwen2", "qwen3"])
+def test_llama_gated_mlp_and_its_copies_are_recognised(model):
+    found = recognised(f"models.{model}.modeling_{model}")
+    assert [name for name, form in found.items() if form == "hf_gated_mlp"] == [f"{found_prefix(found)}MLP"]
+    assert compositions.COMPUTES["hf_gated_mlp"] == "swiglu"
+
+
+def found_prefix(found):
+    return next(name for name in found if name.endswith("RMSNorm"))[:-len("RMSNorm")]
+
+
+def test_silu_act_fns_are_known_and_other_activations_are_not():
+    import torch
+    from transformers import activations
+
+    assert compositions.is_silu(torch.nn.SiLU, torch)
+    assert compositions.is_silu(type(activations.ACT2FN["silu"]), torch)
+    assert not compositions.is_silu(type(activations.ACT2FN["gelu"]), torch)
+    assert not compositions.is_silu(torch.nn.GELU, torch)
+
+    class Tweaked(activations.SiLUActivation):
+        def forward(self, input):
+            return 2 * super().forward(input)
+
+    assert not compositions.is_silu(Tweaked, torch)
 
 
 @pytest.mark.parametrize("model", ["gemma", "gemma2", "t5", "bert"])
@@ -107,7 +134,7 @@ def test_recognition_imports_no_torch():
             "print(sorted(compositions.FORMS))" % str(ROOT / "python"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "['fast_gelu', 'hf_rms_norm', 'new_gelu']"
+    assert out.stdout.strip() == "['fast_gelu', 'hf_gated_mlp', 'hf_rms_norm', 'hf_silu', 'new_gelu']"
 
 
 def test_hf_causal_lm_loss_recognised_by_code_defaults_and_the_function_it_calls():

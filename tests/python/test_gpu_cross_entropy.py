@@ -225,3 +225,30 @@ def test_aten_cross_entropy_from_any_caller(autocast):
     smoothed = F.cross_entropy(logits, target, label_smoothing=0.1)
     assert fused_count("cross_entropy_loss") == before
     assert weighted.isfinite() and smoothed.isfinite()
+
+
+def test_nan_logits_inplace_loss_and_double_backward_like_stock():
+    torch.manual_seed(fresh_seed())
+    logits = torch.randn(6, 9, device="cuda")
+    logits[1, 8] = float("nan")  # the last, partial chunk of a row (the scalar path)
+    logits[2, :] = float("-inf")
+    logits[2, 3] = float("nan")
+    target = torch.tensor([0, 1, 2, -100, 8, 4], device="cuda")
+    ours, _, _ = run(logits, target, 0, -100, torch.float32, True)
+    stock, _, _ = run(logits, target, 0, -100, torch.float32, False)
+    assert torch.equal(ours.isnan(), stock.isnan()), (ours, stock)
+
+    def step(on):
+        x = torch.randn(32, 1000, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).requires_grad_(True)
+        t = torch.randint(0, 1000, (32,), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+        with enabled("cross_entropy", on):
+            loss = F.cross_entropy(x, t)
+            loss *= 3.0  # in place, as a Trainer scales a loss
+            (g,) = torch.autograd.grad(loss, x, create_graph=True)
+            g.square().sum().backward()  # a gradient penalty: the second derivative
+        return loss.detach(), x.grad
+
+    before = fused_count("cross_entropy_loss")
+    ours, stock = step(True), step(False)
+    assert fused_count("cross_entropy_loss") == before + 1
+    assert rel_err(ours[0], stock[0]) < 1e-5 and rel_err(ours[1], stock[1]) < 1e-4

@@ -32,7 +32,8 @@ def rewritten(cls):
 found = {name: rewritten(cls) for name, cls in [
     ("NewGELUActivation", A.NewGELUActivation), ("FastGELUActivation", A.FastGELUActivation),
     ("GELUActivation", A.GELUActivation), ("LlamaRMSNorm", L.LlamaRMSNorm),
-    ("Qwen2RMSNorm", Q.Qwen2RMSNorm), ("GemmaRMSNorm", G.GemmaRMSNorm)]}
+    ("Qwen2RMSNorm", Q.Qwen2RMSNorm), ("GemmaRMSNorm", G.GemmaRMSNorm), ("LlamaMLP", L.LlamaMLP),
+    ("Qwen2MLP", Q.Qwen2MLP)]}
 found["ForCausalLMLoss"] = (hasattr(LU.ForCausalLMLoss, "__wrapped__")
                             and LU.LOSS_MAPPING["ForCausalLM"] is LU.ForCausalLMLoss)
 found["ForMaskedLMLoss"] = hasattr(LU.ForMaskedLMLoss, "__wrapped__")
@@ -44,7 +45,8 @@ def test_known_forms_are_rewritten_and_others_left_alone():
     out, log = run(REWRITTEN)
     assert out == {"NewGELUActivation": True, "FastGELUActivation": True, "GELUActivation": False,
                    "LlamaRMSNorm": True, "Qwen2RMSNorm": True, "GemmaRMSNorm": False,
-                   "ForCausalLMLoss": True, "ForMaskedLMLoss": False}
+                   "ForCausalLMLoss": True, "ForMaskedLMLoss": False, "LlamaMLP": True,
+                   "Qwen2MLP": True}
     assert ("rewrite cross_entropy: transformers.loss.loss_utils.ForCausalLMLoss (hf_causal_lm_loss) -> "
             "torch.ops.torchfuse.cross_entropy") in log
     assert ("rewrite gelu_tanh: transformers.activations.NewGELUActivation.forward (new_gelu) -> "
@@ -55,9 +57,9 @@ def test_known_forms_are_rewritten_and_others_left_alone():
 
 
 def test_a_toggled_off_rewrite_is_not_made():
-    out, log = run(REWRITTEN, TORCHFUSE_OPS="-hf_rms_norm,-cross_entropy")
+    out, log = run(REWRITTEN, TORCHFUSE_OPS="-hf_rms_norm,-cross_entropy,-swiglu")
     assert out["NewGELUActivation"] and not out["LlamaRMSNorm"] and not out["Qwen2RMSNorm"]
-    assert not out["ForCausalLMLoss"]
+    assert not out["ForCausalLMLoss"] and not out["LlamaMLP"]
     assert "rewrite hf_rms_norm off" in log and "rewrite cross_entropy off" in log
 
 
@@ -82,14 +84,18 @@ norm = L.LlamaRMSNorm(33, eps=1e-6)
 with torch.no_grad():
     norm.weight.normal_()
 import transformers.loss.loss_utils as LU
+from transformers import LlamaConfig
+mlp = L.LlamaMLP(LlamaConfig(hidden_size=16, intermediate_size=40, num_attention_heads=2, num_key_value_heads=2, hidden_act="silu"))
+h = torch.randn(3, 16)
 logits = torch.randn(2, 9, 50, dtype=torch.bfloat16)
 labels = torch.randint(0, 50, (2, 9))
 print(json.dumps([torch.equal(gelu(x), A.NewGELUActivation.forward.__wrapped__(gelu, x)),
                   torch.equal(norm(x), L.LlamaRMSNorm.forward.__wrapped__(norm, x)),
                   torch.equal(LU.ForCausalLMLoss(logits, labels, 50),
-                              LU.ForCausalLMLoss.__wrapped__(logits, labels, 50))]))
+                              LU.ForCausalLMLoss.__wrapped__(logits, labels, 50)),
+                  torch.equal(mlp(h), L.LlamaMLP.forward.__wrapped__(mlp, h))]))
 """)
-    assert out == [True, True, True]
+    assert out == [True, True, True, True]
 
 
 def test_the_ops_run_on_cpu_meta_and_under_compile():
@@ -107,6 +113,13 @@ ce = torch.ops.torchfuse.cross_entropy(x, t, 1, -100, 0.0, torch.float32)
 x32 = x.detach().float().requires_grad_(True)
 ce_ref = torch.nn.functional.cross_entropy(x32, t)
 (ce_ref_grad,) = torch.autograd.grad(ce_ref, x32)
+gate, up = torch.randn(4, 6, requires_grad=True), torch.randn(4, 6, requires_grad=True)
+sm = torch.ops.torchfuse.silu_mul(gate, up)
+sm_ref = torch.nn.functional.silu(gate) * up
+sm_grads = torch.autograd.grad(sm.sum(), (gate, up))
+sm_ref_grads = torch.autograd.grad(sm_ref.sum(), (gate, up))
+sm_meta = torch.ops.torchfuse.silu_mul(torch.empty(2, 3, device="meta", dtype=torch.bfloat16),
+                                       torch.empty(2, 3, device="meta", dtype=torch.bfloat16))
 ce_meta = torch.ops.torchfuse.cross_entropy(torch.empty(4, 7, device="meta", dtype=torch.bfloat16),
                                             torch.empty(4, dtype=torch.long, device="meta"), 0)
 compiled = torch.compile(lambda t: torch.ops.torchfuse.gelu_tanh(t, torch.float32) * 2, fullgraph=True)
@@ -115,9 +128,27 @@ print(json.dumps({"dtype": str(y.dtype), "close": torch.allclose(y, ref), "grad"
                   "compiled": torch.allclose(compiled(x.detach()), 2 * ref),
                   "ce": [str(ce.dtype), torch.equal(ce, ce_ref), str(ce_grad.dtype),
                          torch.equal(ce_grad, ce_ref_grad.bfloat16())],
-                  "ce_meta": [str(ce_meta.dtype), list(ce_meta.shape)]}))
+                  "ce_meta": [str(ce_meta.dtype), list(ce_meta.shape)],
+                  "silu_mul": [torch.equal(sm, sm_ref)] + [torch.equal(a, b) for a, b in zip(sm_grads, sm_ref_grads)],
+                  "silu_mul_meta": [str(sm_meta.dtype), list(sm_meta.shape)]}))
 """)
     assert out == {"dtype": "torch.float32", "close": True, "grad": "torch.bfloat16",
                    "meta": ["torch.float32", [3, 4]], "norm": "torch.float32", "compiled": True,
                    "ce": ["torch.float32", True, "torch.bfloat16", True],
-                   "ce_meta": ["torch.bfloat16", [4]]}
+                   "ce_meta": ["torch.bfloat16", [4]], "silu_mul": [True, True, True],
+                   "silu_mul_meta": ["torch.bfloat16", [2, 3]]}
+
+
+def test_the_ops_have_second_derivatives():
+    """create_graph through the ops' C++ autograd (a gradient penalty): PyTorch's gradgradcheck
+    in float64 on CPU, where the first backward takes the differentiable path."""
+    out, _ = run("""
+from torch.autograd import gradcheck, gradgradcheck
+g, u = (torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+silu_mul = lambda a, b: torch.ops.torchfuse.silu_mul(a, b)
+gelu = lambda a: torch.ops.torchfuse.gelu_tanh(a)
+print(json.dumps([gradcheck(silu_mul, (g, u)), gradgradcheck(silu_mul, (g, u)),
+                  gradcheck(gelu, (x,)), gradgradcheck(gelu, (x,))]))
+""")
+    assert out == [True, True, True, True]

@@ -1,0 +1,89 @@
+// SwiGLU's pointwise part, forward and backward: torch.ops.torchfuse.silu_mul[_backward], which
+// serve HF's gated MLP (LlamaMLP and its copies: down(silu(gate(x)) * up(x))) between the
+// matmuls, which stay with cuBLAS.
+//
+//   y      = silu(g) u,            silu(g) = g sigmoid(g)
+//   dg     = dy u sigmoid(g) (1 + g (1 - sigmoid(g)))
+//   du     = dy silu(g)
+//
+// One pass each: the forward reads g and u and writes y (stock: silu, then a multiply, five
+// passes over memory, and autograd keeps silu(g) as well); the backward reads dy, g and u and
+// writes dg and du (stock: three kernels, nine passes). Everything is computed in fp32 from the
+// stored values, sigmoid with the accurate expf, and rounded once on the store.
+//
+// Layout: elementwise.cuh's (chunks of 8 elements, 16-byte accesses where every pointer is
+// aligned) over the tensors' common storage order (the glue passes dense tensors of one
+// layout). No reductions: results do not depend on the launch shape.
+//
+// Compile-time parameters: TF_DTYPE (every tensor); the op's TF_SWIGLU_FWD / TF_SWIGLU_BWD
+// (which kernel) and TF_EW_CHUNK (src/ops/swiglu.rs `defines`); the variant's TF_THREADS,
+// TF_CHUNKS (registry/swiglu.toml).
+#include "elementwise.cuh"
+
+#if !defined(TF_SWIGLU_FWD) || !defined(TF_SWIGLU_BWD)
+#error "TF_SWIGLU_FWD and TF_SWIGLU_BWD must be defined"
+#endif
+#if !defined(TF_THREADS) || !defined(TF_CHUNKS)
+#error "every swiglu variant param (src/ops/swiglu.rs Params) must be defined"
+#endif
+
+__device__ __forceinline__ float sigmoid(float g) { return 1.f / (1.f + expf(-g)); }
+
+#if TF_SWIGLU_FWD
+struct SiluMulFwd {
+  const tf_storage* __restrict__ gate;
+  const tf_storage* __restrict__ up;
+  tf_storage* __restrict__ y;
+  template <int W>
+  __device__ __forceinline__ void apply(tf_i64 i) const {
+    float g[W], u[W];
+    tf_load_elems<W>(gate + i, g);
+    tf_load_elems<W>(up + i, u);
+#pragma unroll
+    for (int j = 0; j < W; ++j) g[j] = g[j] * sigmoid(g[j]) * u[j];
+    tf_store_elems<W>(y + i, g);
+  }
+};
+
+// y = silu(gate) * up over n elements.
+extern "C" __global__ void __launch_bounds__(TF_THREADS)
+    silu_mul_fwd(const tf_storage* __restrict__ gate, const tf_storage* __restrict__ up,
+                 tf_storage* __restrict__ y, tf_i64 n, int vectorized) {
+  tf_for_each_element<TF_THREADS, TF_CHUNKS>(SiluMulFwd{gate, up, y}, n, vectorized);
+}
+#endif
+
+#if TF_SWIGLU_BWD
+struct SiluMulBwd {
+  const tf_storage* __restrict__ dy;
+  const tf_storage* __restrict__ gate;
+  const tf_storage* __restrict__ up;
+  tf_storage* __restrict__ dgate;
+  tf_storage* __restrict__ dup;
+  template <int W>
+  __device__ __forceinline__ void apply(tf_i64 i) const {
+    float d[W], g[W], u[W];
+    tf_load_elems<W>(dy + i, d);
+    tf_load_elems<W>(gate + i, g);
+    tf_load_elems<W>(up + i, u);
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+      const float s = sigmoid(g[j]);
+      const float silu = g[j] * s;
+      const float dsilu = d[j] * u[j];
+      u[j] = d[j] * silu;                            // du
+      g[j] = dsilu * s * (1.f + g[j] * (1.f - s));  // dg
+    }
+    tf_store_elems<W>(dgate + i, g);
+    tf_store_elems<W>(dup + i, u);
+  }
+};
+
+// dgate, dup from dy, gate, up over n elements.
+extern "C" __global__ void __launch_bounds__(TF_THREADS)
+    silu_mul_bwd(const tf_storage* __restrict__ dy, const tf_storage* __restrict__ gate,
+                 const tf_storage* __restrict__ up, tf_storage* __restrict__ dgate,
+                 tf_storage* __restrict__ dup, tf_i64 n, int vectorized) {
+  tf_for_each_element<TF_THREADS, TF_CHUNKS>(SiluMulBwd{dy, gate, up, dgate, dup}, n, vectorized);
+}
+#endif

@@ -1,0 +1,105 @@
+"""torchfuse::silu_mul[_backward] on the GPU, forced past the registry's thresholds, against a
+float64 evaluation of HF's gated MLP's pointwise part, silu(gate) * up, with the original's own
+error as the bar (docs/testing.md): within max(2 x the original's error, the dtype's floor),
+same dtypes, shapes and strides; bitwise reproducible; what is not served goes to stock; and
+the rewritten LlamaMLP gives the original's output and gradients."""
+import random
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import ROOT, requires_cuda
+from gpu_util import FLOOR, enabled, fresh_seed, fused_count, load_torchfuse, rel_err, stock_reasons
+
+pytestmark = requires_cuda
+
+OP, OP_BWD = "torchfuse::silu_mul", "torchfuse::silu_mul_backward"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torchfuse_loaded():
+    """Loaded, with the kernels serving every shape (registry/swiglu.toml)."""
+    load_torchfuse()
+    torch.ops.torchfuse._serve_below_thresholds(True)
+    yield
+    torch.ops.torchfuse._serve_below_thresholds(False)
+
+
+def original(gate, up):
+    return F.silu(gate) * up
+
+
+def grads(fn, gate, up, dy):
+    g, u = gate.detach().requires_grad_(True), up.detach().requires_grad_(True)
+    y = fn(g, u)
+    return (y.detach(),) + torch.autograd.grad(y, (g, u), dy)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_is_the_original_composition(dtype):
+    seed = fresh_seed()
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    shapes = [(1,), (7,), (8,), (3, 5), (2, 9, 17), (4, 2816 + rng.randrange(1, 8)),
+              (rng.randrange(1, 64), rng.randrange(1, 3000)), (4096, 2816)]
+    for shape in shapes:
+        gate = (3 * torch.randn(shape, device="cuda")).to(dtype)
+        up = torch.randn(shape, device="cuda").to(dtype)
+        dy = torch.randn(shape, device="cuda").to(dtype)
+        before = fused_count(OP), fused_count(OP_BWD)
+        ours = grads(torch.ops.torchfuse.silu_mul, gate, up, dy)
+        assert (fused_count(OP), fused_count(OP_BWD)) == (before[0] + 1, before[1] + 1), (
+            shape, stock_reasons(OP), stock_reasons(OP_BWD))
+        theirs = grads(original, gate, up, dy)
+        refs = grads(original, gate.double(), up.double(), dy.double())
+        for name, o, t, r in zip(("y", "dgate", "dup"), ours, theirs, refs):
+            assert o.dtype == t.dtype and o.shape == t.shape and o.stride() == t.stride(), (name, shape)
+            e_ours, e_orig = rel_err(o, r), rel_err(t, r)
+            assert e_ours <= max(2 * e_orig, FLOOR[dtype]), f"seed {seed} {shape} {name}: {e_ours:.3g} vs {e_orig:.3g}"
+        again = grads(torch.ops.torchfuse.silu_mul, gate, up, dy)
+        assert all(torch.equal(a, b) for a, b in zip(ours, again)), f"{shape}: not reproducible"
+
+
+def test_what_is_not_served_goes_to_stock():
+    a = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    cases = [
+        ((a, a[:, :1]), "input stock rejects"),  # broadcasting
+        ((a.t(), a.t()), "non-contiguous input"),
+        ((a, a.float()), "mixed input/parameter dtypes"),
+        ((a.double(), a.double()), "unsupported dtype"),
+    ]
+    for (gate, up), why in cases:
+        before = stock_reasons(OP).get(why, 0)
+        ours = torch.ops.torchfuse.silu_mul(gate, up)
+        assert stock_reasons(OP).get(why, 0) == before + 1, (why, stock_reasons(OP))
+        assert torch.equal(ours, original(gate, up))
+
+
+def test_rewritten_llama_mlp_gives_the_originals_output_and_grads():
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(ROOT / "python"))
+    from torchfuse import rewrites
+    from transformers import LlamaConfig
+    from transformers.models.llama import modeling_llama as L
+
+    forward = getattr(L.LlamaMLP.forward, "__wrapped__", L.LlamaMLP.forward)
+    rewritten = rewrites._gated_mlp_forward(torch, forward, "hf_gated_mlp")
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=704, num_attention_heads=4, num_key_value_heads=4)
+    torch.manual_seed(fresh_seed())
+    mlp = L.LlamaMLP(cfg).cuda()
+    x = torch.randn(4, 33, 256, device="cuda")
+    for autocast in (False, True):
+        out = []
+        for fn in (rewritten, forward):
+            mlp.zero_grad()
+            xi = x.detach().requires_grad_(True)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                y = fn(mlp, xi)
+            y.float().square().sum().backward()
+            out.append([y.detach(), xi.grad] + [p.grad.clone() for p in mlp.parameters()])
+        for o, t in zip(*out):
+            assert o.dtype == t.dtype and o.shape == t.shape
+            assert rel_err(o, t) <= 2 * FLOOR[torch.bfloat16 if autocast else torch.float32], autocast
