@@ -1,0 +1,61 @@
+"""SwiGLU pointwise benchmark per docs/testing.md ("Benchmarks"): torch.ops.torchfuse.silu_mul and
+its backward, torchfuse's kernel vs stock (the same op switched off: PyTorch's silu(gate) * up,
+and silu_backward plus two multiplies), in one process. CUDA events, warm-up, medians of
+interleaved rounds, input sets rotated over more memory than L2, copy bandwidth measured in the
+same run. Bytes: forward = n·(gate + up + y); backward = n·(dy + gate + up + dgate + dup).
+
+Usage: bench_swiglu.py --lib-dir DIR [--out DIR]  (writes DIR/bench_swiglu.md)
+"""
+import argparse
+from pathlib import Path
+
+import torch
+
+from bench_common import copy_bandwidth, run_timings
+
+# (tokens, intermediate size, dtype): the Llama-style bench model (B4 S1024), Llama-7B's MLP at
+# 4096 tokens, the fp32 form, a small call.
+CASES = [
+    (4096, 2816, torch.bfloat16),
+    (4096, 11008, torch.bfloat16),
+    (4096, 11008, torch.float32),
+    (512, 2816, torch.bfloat16),
+]
+NAME = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lib-dir", required=True)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    torch.ops.load_library(str(Path(args.lib_dir) / "libtorchfuse.so"))
+    torch.ops.torchfuse._serve_below_thresholds(True)  # the table the thresholds are read from
+    bandwidth = copy_bandwidth()
+    rows = [f"# SwiGLU pointwise (silu(gate) * up) on {torch.cuda.get_device_name()} (torch {torch.__version__})", "",
+            f"Copy bandwidth in this run: {bandwidth:.2f} TB/s. Times: µs per call, median.", "",
+            "| shape | dtype | direction | stock | torchfuse | vs stock | % of copy bw |", "|---|---|---|---|---|---|---|"]
+    sides = [("stock", False, ""), ("torchfuse", True, "")]
+    for r, c, dtype in CASES:
+        n, b = r * c, torch.finfo(dtype).bits // 8
+        sets = max(2, (256 << 20) // (n * b * 3) + 1)
+        gates = [torch.randn(r, c, device="cuda").to(dtype) for _ in range(sets)]
+        ups = [torch.randn(r, c, device="cuda").to(dtype) for _ in range(sets)]
+        dys = [torch.randn(r, c, device="cuda").to(dtype) for _ in range(sets)]
+        fwd = run_timings("swiglu", torch.ops.torchfuse.silu_mul, list(zip(gates, ups)), sides)
+        bwd = run_timings("swiglu", torch.ops.torchfuse.silu_mul_backward, list(zip(dys, gates, ups)), sides)
+        for direction, t, nbytes in (("forward", fwd, 3 * n * b), ("backward", bwd, 5 * n * b)):
+            roof = nbytes / (bandwidth * 1e12) * 1e6
+            rows.append(f"| {r}x{c} | {NAME[dtype]} | {direction} | {t['stock']:.1f} | {t['torchfuse']:.1f} | "
+                        f"{t['stock'] / t['torchfuse']:.2f}x | {100 * roof / t['torchfuse']:.0f}% |")
+            print(rows[-1], flush=True)
+        del gates, ups, dys
+        torch.cuda.empty_cache()
+    text = "\n".join(rows) + "\n"
+    print(text)
+    if args.out:
+        (Path(args.out) / "bench_swiglu.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
