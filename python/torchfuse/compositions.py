@@ -64,6 +64,39 @@ _FUNCTION_SOURCES = {
         loss = loss / num_items_in_batch
     return loss
 """, (None, -100)),
+    # transformers.models.llama.modeling_llama.rotate_half, and its copies.
+    "hf_rotate_half": ("""def rotate_half(x):
+    \"\"\"Rotates half the hidden dims of the input.\"\"\"
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+""", None),
+    # transformers.models.llama.modeling_llama.apply_rotary_pos_emb, and its copies (the
+    # docstring is a constant of the code, so it is part of the form).
+    "hf_rotary": ("""def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    \"\"\"Applies Rotary Position Embedding to the query and key tensors.
+
+    Args:
+        q (`torch.Tensor`): The query tensor.
+        k (`torch.Tensor`): The key tensor.
+        cos (`torch.Tensor`): The cosine part of the rotary embedding.
+        sin (`torch.Tensor`): The sine part of the rotary embedding.
+        unsqueeze_dim (`int`, *optional*, defaults to 1):
+            The 'unsqueeze_dim' argument specifies the dimension along which to unsqueeze cos[position_ids] and
+            sin[position_ids] so that they can be properly broadcasted to the dimensions of q and k. For example, note
+            that cos[position_ids] and sin[position_ids] have the shape [batch_size, seq_len, head_dim]. Then, if q and
+            k have the shape [batch_size, heads, seq_len, head_dim], then setting unsqueeze_dim=1 makes
+            cos[position_ids] and sin[position_ids] broadcastable to the shapes of q and k. Similarly, if q and k have
+            the shape [batch_size, seq_len, heads, head_dim], then set unsqueeze_dim=2.
+    Returns:
+        `tuple(torch.Tensor)` comprising of the query and key tensors rotated using the Rotary Position Embedding.
+    \"\"\"
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
+""", (1,)),
     # The causal-LM loss every HF *ForCausalLM model's `loss_function` is (LOSS_MAPPING).
     "hf_causal_lm_loss": ("""def ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs):
     # Upcast to float if we need to compute the loss to avoid potential precision issues
@@ -85,7 +118,7 @@ _FUNCTION_SOURCES = {
 
 # Form name -> the composition it computes.
 COMPUTES = {"new_gelu": "gelu_tanh", "fast_gelu": "gelu_tanh", "hf_rms_norm": "hf_rms_norm",
-            "hf_causal_lm_loss": "cross_entropy", "hf_gated_mlp": "swiglu"}
+            "hf_causal_lm_loss": "cross_entropy", "hf_gated_mlp": "swiglu", "hf_rotary": "rotary"}
 
 
 def _compiled(source):
@@ -128,6 +161,8 @@ def _global_is_expected(function, name):
         return expected is not None and value is expected
     if name == "fixed_cross_entropy":
         return function_form_of(value) == "hf_fixed_cross_entropy"
+    if name == "rotate_half":
+        return function_form_of(value) == "hf_rotate_half"
     return False
 
 

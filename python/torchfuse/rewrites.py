@@ -155,11 +155,35 @@ def _gated_mlp_forward(torch, original, form):
     return forward
 
 
+def _rotary(torch, original, form):
+    """HF's apply_rotary_pos_emb with q and k rotated by one op (torchfuse::rotary), for CUDA
+    tensors whose cos and sin need no gradient (HF computes them under no_grad)."""
+    op = torch.ops.torchfuse.rotary.default
+    tensor, compiling = torch.Tensor, torch.compiler.is_compiling
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if (type(q) is tensor and type(k) is tensor and type(cos) is tensor and type(sin) is tensor
+                and q.is_cuda and type(unsqueeze_dim) is int and not cos.requires_grad
+                and not sin.requires_grad and not compiling()):
+            return op(q, k, cos, sin, unsqueeze_dim)
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    return apply_rotary_pos_emb
+
+
+# Toggle -> the op its rewrites call, where the names differ.
+_OP_NAMES = {"swiglu": "silu_mul"}
+
+def _op_path(toggle):
+    return f"torch.ops.torchfuse.{_OP_NAMES.get(toggle, toggle)}"
+
+
 # Op -> what makes the rewritten forward from the original.
 _FORWARDS = {"gelu_tanh": _gelu_forward, "hf_rms_norm": _rms_norm_forward,
              "swiglu": _gated_mlp_forward}
 # Function form -> what makes the rewritten function from the original.
-_FUNCTIONS = {"hf_causal_lm_loss": _causal_lm_loss}
+_FUNCTIONS = {"hf_causal_lm_loss": _causal_lm_loss, "hf_rotary": _rotary}
 
 
 def patch_module(module):
@@ -176,7 +200,7 @@ def patch_module(module):
             _note(torch, f"rewrite {op} off: {where} ({form}) left as it is", debug=True)
             continue
         cls.forward = _FORWARDS[op](torch, cls.forward, form)
-        _note(torch, f"rewrite {op}: {where} ({form}) -> torch.ops.torchfuse.{op}")
+        _note(torch, f"rewrite {op}: {where} ({form}) -> {_op_path(op)}")
     for name, form in compositions.scan_functions(module).items():
         original, op = getattr(module, name), compositions.COMPUTES[form]
         where = f"{module.__name__}.{name}"
@@ -190,7 +214,7 @@ def patch_module(module):
                 for key, value in list(table.items()):
                     if value is original:
                         table[key] = rewritten
-        _note(torch, f"rewrite {op}: {where} ({form}) -> torch.ops.torchfuse.{op}")
+        _note(torch, f"rewrite {op}: {where} ({form}) -> {_op_path(op)}")
     for name, value in list(vars(module).items()):
         if (isinstance(value, type) and value.__module__ == module.__name__ and value not in found
                 and "forward" in value.__dict__ and any(k in name for k in _LOOKALIKES)):

@@ -7,7 +7,7 @@
 use super::tensor::into_raw;
 use super::types::{
     TfAdamCall, TfAttentionCall, TfCrossEntropyCall, TfEmbeddingCall, TfGeluCall, TfLaunch,
-    TfNormCall, TfOutputs, TfStatus, TfSwigluCall, TF_FUSED, TF_STOCK,
+    TfNormCall, TfOutputs, TfRotaryCall, TfStatus, TfSwigluCall, TF_FUSED, TF_STOCK,
 };
 use crate::ops::adam::Adam;
 use crate::ops::attention::Attention;
@@ -15,6 +15,7 @@ use crate::ops::cross_entropy::CrossEntropy;
 use crate::ops::embedding::Embedding;
 use crate::ops::gelu::Gelu;
 use crate::ops::norm::Norm;
+use crate::ops::rotary::Rotary;
 use crate::ops::swiglu::Swiglu;
 use crate::ops::Family;
 use crate::runtime::stats::{self, Outcome};
@@ -183,4 +184,19 @@ pub unsafe extern "C" fn torchfuse_rs_swiglu(
     status: *mut TfStatus,
 ) {
     answer::<Swiglu>(entry, launch, call, out, status)
+}
+
+/// `torchfuse::rotary` and its backward.
+///
+/// # Safety
+/// As `answer`.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_rotary(
+    entry: u32,
+    launch: *const TfLaunch,
+    call: *const TfRotaryCall,
+    out: *mut TfOutputs,
+    status: *mut TfStatus,
+) {
+    answer::<Rotary>(entry, launch, call, out, status)
 }

@@ -740,6 +740,145 @@ at::Tensor silu_mul_autograd(const at::Tensor& gate, const at::Tensor& up) {
   return SiluMulFunction::apply(gate, up);
 }
 
+// torchfuse::rotary(q, k, cos, sin, unsqueeze_dim): HF's apply_rotary_pos_emb (the
+// rotate-half form), q and k in one call. The gradients go to q and k (cos and sin that need
+// one take HF's own ops, autograd included).
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
+}
+
+// rotate_half's transpose: the gradient of rotate_half(x) is cat(dy2, -dy1).
+at::Tensor rotate_half_transposed(const at::Tensor& dy) {
+  const int64_t half = dy.size(-1) / 2;
+  return at::cat({dy.slice(-1, half), -dy.slice(-1, 0, half)}, -1);
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_stock(const at::Tensor& q, const at::Tensor& k,
+                                                const at::Tensor& cos, const at::Tensor& sin,
+                                                int64_t unsqueeze_dim) {
+  const at::Tensor c = cos.unsqueeze(unsqueeze_dim), s = sin.unsqueeze(unsqueeze_dim);
+  return {q * c + rotate_half(q) * s, k * c + rotate_half(k) * s};
+}
+
+// The gradients of q and k from the outputs' (undefined stays undefined), composed of
+// differentiable PyTorch ops, in q's and k's dtype.
+std::tuple<at::Tensor, at::Tensor> rotary_backward_stock(const at::Tensor& grad_q,
+                                                         const at::Tensor& grad_k,
+                                                         const at::Tensor& cos,
+                                                         const at::Tensor& sin,
+                                                         int64_t unsqueeze_dim,
+                                                         at::ScalarType x_dtype) {
+  const at::Tensor c = cos.unsqueeze(unsqueeze_dim), s = sin.unsqueeze(unsqueeze_dim);
+  auto one = [&](const at::Tensor& g) {
+    return g.defined() ? (g * c + rotate_half_transposed(g * s)).to(x_dtype) : at::Tensor();
+  };
+  return {one(grad_q), one(grad_k)};
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_cuda(const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& cos, const at::Tensor& sin,
+                                               int64_t unsqueeze_dim) {
+  TfRotaryCall call{};
+  call.q = describe(q);
+  call.k = describe(k);
+  call.cos = describe(cos);
+  call.sin = describe(sin);
+  call.unsqueeze_dim = unsqueeze_dim;
+  TfOutputs out{};
+  if (fused_by_rust(torchfuse_rs_rotary, TF_ENTRY_ROTARY, q, call, out)) {
+    auto outputs = take_outputs(out);
+    return {outputs[0], outputs[1]};
+  }
+  return rotary_stock(q, k, cos, sin, unsqueeze_dim);
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_backward_cuda(const at::Tensor& grad_q,
+                                                        const at::Tensor& grad_k,
+                                                        const at::Tensor& cos,
+                                                        const at::Tensor& sin,
+                                                        int64_t unsqueeze_dim,
+                                                        at::ScalarType x_dtype) {
+  TfRotaryCall call{};
+  call.grad_q = describe(grad_q);
+  call.grad_k = describe(grad_k);
+  call.cos = describe(cos);
+  call.sin = describe(sin);
+  call.unsqueeze_dim = unsqueeze_dim;
+  call.x_dtype = static_cast<int16_t>(x_dtype);
+  TfOutputs out{};
+  if (fused_by_rust(torchfuse_rs_rotary, TF_ENTRY_ROTARY_BACKWARD, grad_q, call, out)) {
+    auto outputs = take_outputs(out);
+    return {outputs[0], outputs[1]};
+  }
+  return rotary_backward_stock(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype);
+}
+
+std::tuple<at::Tensor, at::Tensor> call_rotary(const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& cos, const at::Tensor& sin,
+                                               int64_t unsqueeze_dim) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("torchfuse::rotary", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                    const at::Tensor&, const at::Tensor&,
+                                                    int64_t)>();
+  return op.call(q, k, cos, sin, unsqueeze_dim);
+}
+
+std::tuple<at::Tensor, at::Tensor> call_rotary_backward(const at::Tensor& grad_q,
+                                                        const at::Tensor& grad_k,
+                                                        const at::Tensor& cos,
+                                                        const at::Tensor& sin,
+                                                        int64_t unsqueeze_dim,
+                                                        at::ScalarType x_dtype) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("torchfuse::rotary_backward", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                    const at::Tensor&, const at::Tensor&,
+                                                    int64_t, at::ScalarType)>();
+  return op.call(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype);
+}
+
+class RotaryFunction : public torch::autograd::Function<RotaryFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& q, const at::Tensor& k,
+                                                const at::Tensor& cos, const at::Tensor& sin,
+                                                int64_t unsqueeze_dim) {
+    ctx->save_for_backward({cos, sin});
+    ctx->saved_data["unsqueeze_dim"] = unsqueeze_dim;
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(q.scalar_type());
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [q_embed, k_embed] = call_rotary(q, k, cos, sin, unsqueeze_dim);
+    return {q_embed, k_embed};
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const int64_t dim = ctx->saved_data["unsqueeze_dim"].toInt();
+    const auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt());
+    // create_graph, or one output unused: the composed, differentiable form.
+    auto [dq, dk] = at::GradMode::is_enabled() || !grads[0].defined() || !grads[1].defined()
+                        ? rotary_backward_stock(grads[0], grads[1], saved[0], saved[1], dim,
+                                                x_dtype)
+                        : call_rotary_backward(grads[0], grads[1], saved[0], saved[1], dim,
+                                               x_dtype);
+    return {dq, dk, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> rotary_autograd(const at::Tensor& q, const at::Tensor& k,
+                                                   const at::Tensor& cos, const at::Tensor& sin,
+                                                   int64_t unsqueeze_dim) {
+  if (q.scalar_type() != k.scalar_type() || (at::GradMode::is_enabled() &&
+                                             (cos.requires_grad() || sin.requires_grad())))
+    return rotary_stock(q, k, cos, sin, unsqueeze_dim);
+  auto outputs = RotaryFunction::apply(q, k, cos, sin, unsqueeze_dim);
+  return {outputs[0], outputs[1]};
+}
+
 // ---------------------------------------------------------------- control ops
 
 bool control_set_enabled(c10::string_view op, bool enabled) {
@@ -823,6 +962,8 @@ constexpr const char* kEntryNames[TF_ENTRY_COUNT] = {
     "cross_entropy_loss",
     "torchfuse::silu_mul",
     "torchfuse::silu_mul_backward",
+    "torchfuse::rotary",
+    "torchfuse::rotary_backward",
 };
 
 // torchfuse's own ops: their schemas (added to the namespace the control ops define) and
@@ -893,6 +1034,24 @@ void define_own_op(uint32_t entry) {
       torchfuse_impl(DispatchKey::CUDA)
           .impl("silu_mul_backward", TORCH_FN(silu_mul_backward_cuda));
       break;
+    case TF_ENTRY_ROTARY:
+      torchfuse_ops().def(
+          "rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, int unsqueeze_dim=1) -> "
+          "(Tensor, Tensor)");
+      torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
+          .impl("rotary", TORCH_FN(rotary_stock));
+      torchfuse_impl(DispatchKey::CUDA).impl("rotary", TORCH_FN(rotary_cuda));
+      torchfuse_impl(DispatchKey::Autograd).impl("rotary", TORCH_FN(rotary_autograd));
+      break;
+    case TF_ENTRY_ROTARY_BACKWARD:
+      torchfuse_ops().def(
+          "rotary_backward(Tensor grad_q, Tensor grad_k, Tensor cos, Tensor sin, "
+          "int unsqueeze_dim, ScalarType x_dtype) -> (Tensor, Tensor)");
+      torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
+          .impl("rotary_backward", TORCH_FN(rotary_backward_stock));
+      torchfuse_impl(DispatchKey::CUDA)
+          .impl("rotary_backward", TORCH_FN(rotary_backward_cuda));
+      break;
     default: TORCH_CHECK(false, "torchfuse: unknown entry ", entry);
   }
 }
@@ -925,7 +1084,9 @@ void register_entry(uint32_t entry) {
     case TF_ENTRY_CROSS_ENTROPY:
     case TF_ENTRY_CROSS_ENTROPY_BACKWARD:
     case TF_ENTRY_SILU_MUL:
-    case TF_ENTRY_SILU_MUL_BACKWARD: define_own_op(entry); break;
+    case TF_ENTRY_SILU_MUL_BACKWARD:
+    case TF_ENTRY_ROTARY:
+    case TF_ENTRY_ROTARY_BACKWARD: define_own_op(entry); break;
     case TF_ENTRY_CROSS_ENTROPY_LOSS:
       aten_autograd_cuda_library().impl(name, TORCH_FN(aten_cross_entropy_loss));
       break;
@@ -970,6 +1131,9 @@ const std::vector<int64_t>& abi_layout() {
       TF_FIELD(TfCrossEntropyCall, label_smoothing), TF_FIELD(TfCrossEntropyCall, reduction),
       TF_FIELD(TfCrossEntropyCall, out_dtype),
       sizeof(TfSwigluCall), TF_FIELD(TfSwigluCall, up), TF_FIELD(TfSwigluCall, grad_out),
+      sizeof(TfRotaryCall), TF_FIELD(TfRotaryCall, k), TF_FIELD(TfRotaryCall, cos),
+      TF_FIELD(TfRotaryCall, sin), TF_FIELD(TfRotaryCall, grad_q), TF_FIELD(TfRotaryCall, grad_k),
+      TF_FIELD(TfRotaryCall, unsqueeze_dim), TF_FIELD(TfRotaryCall, x_dtype),
       sizeof(TfEmbeddingCall), TF_FIELD(TfEmbeddingCall, grad),
       TF_FIELD(TfEmbeddingCall, indices), TF_FIELD(TfEmbeddingCall, num_weights),
       TF_FIELD(TfEmbeddingCall, padding_idx), TF_FIELD(TfEmbeddingCall, scale_grad_by_freq),

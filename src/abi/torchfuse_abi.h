@@ -48,7 +48,9 @@ enum TfEntry {
   TF_ENTRY_CROSS_ENTROPY_LOSS = 18,  // aten::cross_entropy_loss, at AutogradCUDA
   TF_ENTRY_SILU_MUL = 19,
   TF_ENTRY_SILU_MUL_BACKWARD = 20,
-  TF_ENTRY_COUNT = 21
+  TF_ENTRY_ROTARY = 21,
+  TF_ENTRY_ROTARY_BACKWARD = 22,
+  TF_ENTRY_COUNT = 23
 };
 
 // Status codes.
@@ -134,6 +136,17 @@ typedef struct TfSwigluCall {
   TfTensor grad_out;  // backward only
 } TfSwigluCall;
 
+// torchfuse::rotary (q, k, cos, sin, unsqueeze_dim) and rotary_backward (grad_q, grad_k, cos,
+// sin, unsqueeze_dim, x_dtype).
+typedef struct TfRotaryCall {
+  TfTensor q, k;            // forward only
+  TfTensor cos, sin;
+  TfTensor grad_q, grad_k;  // backward only
+  int64_t unsqueeze_dim;
+  int16_t x_dtype;  // backward: q's and k's c10::ScalarType, the gradients' dtype
+  uint8_t unused[6];
+} TfRotaryCall;
+
 // embedding (weight, indices) and embedding_dense_backward (grad, indices, ...).
 typedef struct TfEmbeddingCall {
   TfTensor weight;  // forward
@@ -205,6 +218,10 @@ void torchfuse_rs_cross_entropy(uint32_t entry, const TfLaunch* launch,
 
 // torchfuse::silu_mul: out = y. Its backward: out = dgate, dup.
 void torchfuse_rs_swiglu(uint32_t entry, const TfLaunch* launch, const TfSwigluCall* call,
+                         TfOutputs* out, TfStatus* status);
+
+// torchfuse::rotary: out = q_embed, k_embed. Its backward: out = dq, dk.
+void torchfuse_rs_rotary(uint32_t entry, const TfLaunch* launch, const TfRotaryCall* call,
                          TfOutputs* out, TfStatus* status);
 
 // Control ops (torch.ops.torchfuse.*). set_enabled: TF_FUSED when the op now runs through

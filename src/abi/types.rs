@@ -145,6 +145,20 @@ pub struct TfSwigluCall {
     pub grad_out: TfTensor,
 }
 
+/// `TfRotaryCall`.
+#[repr(C)]
+pub struct TfRotaryCall {
+    pub q: TfTensor,
+    pub k: TfTensor,
+    pub cos: TfTensor,
+    pub sin: TfTensor,
+    pub grad_q: TfTensor,
+    pub grad_k: TfTensor,
+    pub unsqueeze_dim: i64,
+    pub x_dtype: i16,
+    pub unused: [u8; 6],
+}
+
 /// `TfEmbeddingCall`.
 #[repr(C)]
 pub struct TfEmbeddingCall {
@@ -283,6 +297,14 @@ mod tests {
             n(size_of::<TfSwigluCall>()),
             n(offset_of!(TfSwigluCall, up)),
             n(offset_of!(TfSwigluCall, grad_out)),
+            n(size_of::<TfRotaryCall>()),
+            n(offset_of!(TfRotaryCall, k)),
+            n(offset_of!(TfRotaryCall, cos)),
+            n(offset_of!(TfRotaryCall, sin)),
+            n(offset_of!(TfRotaryCall, grad_q)),
+            n(offset_of!(TfRotaryCall, grad_k)),
+            n(offset_of!(TfRotaryCall, unsqueeze_dim)),
+            n(offset_of!(TfRotaryCall, x_dtype)),
             n(size_of::<TfEmbeddingCall>()),
             n(offset_of!(TfEmbeddingCall, grad)),
             n(offset_of!(TfEmbeddingCall, indices)),

@@ -1,4 +1,4 @@
-//! The op families: one module each (norm, adam, embedding, attention, gelu, cross_entropy, swiglu), each implementing
+//! The op families: one module each (norm, adam, embedding, attention, gelu, cross_entropy, swiglu, rotary), each implementing
 //! `Family`: the aten entries it serves and the boundary struct that describes their calls,
 //! how a call is logged, how it is served (checked, planned, launched: `Served`, or the
 //! reason stock runs it), and for the registry the kernels it launches (by name), the
@@ -14,6 +14,7 @@ pub mod embedding;
 pub mod gelu;
 pub mod norm;
 pub mod params;
+pub mod rotary;
 pub mod swiglu;
 
 use crate::gpu::{self, Device, Kernels, Launch};
@@ -189,6 +190,19 @@ pub enum KernelOp {
     /// `torchfuse::silu_mul_backward`; as the forward.
     #[serde(rename = "silu_mul_bwd")]
     SiluMulBwd,
+    /// `torchfuse::rotary`, every tensor in q's dtype; `hidden` is the head dim, `rows` the
+    /// (row, pair) count of q and k.
+    #[serde(rename = "rotary_fwd")]
+    RotaryFwd,
+    /// As `RotaryFwd`, fp32 cos/sin and output of 16-bit q and k (autocast's form).
+    #[serde(rename = "rotary_fwd_wide")]
+    RotaryFwdWide,
+    /// `torchfuse::rotary_backward`; as the forward.
+    #[serde(rename = "rotary_bwd")]
+    RotaryBwd,
+    /// As `RotaryBwd`, fp32 cos/sin and incoming gradients.
+    #[serde(rename = "rotary_bwd_wide")]
+    RotaryBwdWide,
 }
 
 impl KernelOp {
@@ -220,6 +234,10 @@ impl KernelOp {
             KernelOp::SiluMulFwd | KernelOp::SiluMulBwd => {
                 OpParams::prepare::<swiglu::Swiglu>(self, v)
             }
+            KernelOp::RotaryFwd
+            | KernelOp::RotaryFwdWide
+            | KernelOp::RotaryBwd
+            | KernelOp::RotaryBwdWide => OpParams::prepare::<rotary::Rotary>(self, v),
         }
     }
 }

@@ -202,7 +202,8 @@ mod tests {
                 "gelu_tanh",
                 "hf_rms_norm",
                 "cross_entropy",
-                "swiglu"
+                "swiglu",
+                "rotary"
             ]
         );
         assert_eq!(
@@ -213,7 +214,8 @@ mod tests {
                 "embedding",
                 "hf_rms_norm",
                 "cross_entropy",
-                "swiglu"
+                "swiglu",
+                "rotary"
             ]
         );
         assert_eq!(
@@ -226,7 +228,8 @@ mod tests {
                 "gelu_tanh",
                 "hf_rms_norm",
                 "cross_entropy",
-                "swiglu"
+                "swiglu",
+                "rotary"
             ]
         );
         assert_eq!(

@@ -23,10 +23,12 @@ pub enum Toggle {
     /// Rewrite: HF's gated MLP (LlamaMLP and its copies) -> torchfuse::silu_mul between its
     /// matmuls.
     Swiglu,
+    /// Rewrite: HF's apply_rotary_pos_emb (rotate-half form) -> torchfuse::rotary.
+    Rotary,
 }
 
 impl Toggle {
-    pub const ALL: [Toggle; 9] = [
+    pub const ALL: [Toggle; 10] = [
         Toggle::LayerNorm,
         Toggle::RmsNorm,
         Toggle::Embedding,
@@ -36,6 +38,7 @@ impl Toggle {
         Toggle::HfRmsNorm,
         Toggle::CrossEntropy,
         Toggle::Swiglu,
+        Toggle::Rotary,
     ];
 
     pub fn name(self) -> &'static str {
@@ -49,6 +52,7 @@ impl Toggle {
             Toggle::HfRmsNorm => "hf_rms_norm",
             Toggle::CrossEntropy => "cross_entropy",
             Toggle::Swiglu => "swiglu",
+            Toggle::Rotary => "rotary",
         }
     }
 
@@ -96,10 +100,12 @@ pub enum Entry {
     CrossEntropyLoss = 18,
     SiluMul = 19,
     SiluMulBackward = 20,
+    Rotary = 21,
+    RotaryBackward = 22,
 }
 
 impl Entry {
-    pub const ALL: [Entry; 21] = [
+    pub const ALL: [Entry; 23] = [
         Entry::NativeLayerNorm,
         Entry::NativeLayerNormBackward,
         Entry::FusedRmsNorm,
@@ -121,6 +127,8 @@ impl Entry {
         Entry::CrossEntropyLoss,
         Entry::SiluMul,
         Entry::SiluMulBackward,
+        Entry::Rotary,
+        Entry::RotaryBackward,
     ];
 
     pub fn from_u32(v: u32) -> Option<Entry> {
@@ -151,6 +159,8 @@ impl Entry {
             Entry::CrossEntropyLoss => "cross_entropy_loss",
             Entry::SiluMul => "torchfuse::silu_mul",
             Entry::SiluMulBackward => "torchfuse::silu_mul_backward",
+            Entry::Rotary => "torchfuse::rotary",
+            Entry::RotaryBackward => "torchfuse::rotary_backward",
         }
     }
 
@@ -172,6 +182,7 @@ impl Entry {
                 Toggle::CrossEntropy
             }
             Entry::SiluMul | Entry::SiluMulBackward => Toggle::Swiglu,
+            Entry::Rotary | Entry::RotaryBackward => Toggle::Rotary,
         }
     }
 }

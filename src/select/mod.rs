@@ -26,5 +26,6 @@ pub const REGISTRY_FILES: &[(&str, &str)] = &[
     ),
     ("gelu.toml", include_str!("../../registry/gelu.toml")),
     ("norm.toml", include_str!("../../registry/norm.toml")),
+    ("rotary.toml", include_str!("../../registry/rotary.toml")),
     ("swiglu.toml", include_str!("../../registry/swiglu.toml")),
 ];

@@ -162,3 +162,23 @@ def test_hf_causal_lm_loss_recognised_by_code_defaults_and_the_function_it_calls
     assert compositions.function_form_of(
         clone(original, fixed_cross_entropy=lambda *a, **k: torch.zeros(()))) is None
     assert compositions.function_form_of(clone(original, nn=types.SimpleNamespace())) is None
+
+
+def test_hf_rotary_and_its_copies_are_recognised_with_their_rotate_half():
+    import types
+
+    llama = module("models.llama.modeling_llama")
+    assert compositions.scan_functions(llama) == {"apply_rotary_pos_emb": "hf_rotary"}
+    assert compositions.COMPUTES["hf_rotary"] == "rotary"
+    total = 0
+    for name in ("mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo"):
+        found = compositions.scan_functions(module(f"models.{name}.modeling_{name}"))
+        total += found == {"apply_rotary_pos_emb": "hf_rotary"}
+    assert total >= 4, total
+    # GPT-NeoX rotates a partial head dim with its own code: left alone.
+    assert compositions.scan_functions(module("models.gpt_neox.modeling_gpt_neox")) == {}
+    # The same code calling another rotate_half is something else.
+    f = llama.apply_rotary_pos_emb
+    other = types.FunctionType(f.__code__, dict(f.__globals__, rotate_half=lambda x: x), f.__name__,
+                               f.__defaults__)
+    assert compositions.function_form_of(other) is None

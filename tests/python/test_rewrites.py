@@ -37,6 +37,7 @@ found = {name: rewritten(cls) for name, cls in [
 found["ForCausalLMLoss"] = (hasattr(LU.ForCausalLMLoss, "__wrapped__")
                             and LU.LOSS_MAPPING["ForCausalLM"] is LU.ForCausalLMLoss)
 found["ForMaskedLMLoss"] = hasattr(LU.ForMaskedLMLoss, "__wrapped__")
+found["apply_rotary_pos_emb"] = hasattr(L.apply_rotary_pos_emb, "__wrapped__")
 print(json.dumps(found))
 """
 
@@ -46,7 +47,9 @@ def test_known_forms_are_rewritten_and_others_left_alone():
     assert out == {"NewGELUActivation": True, "FastGELUActivation": True, "GELUActivation": False,
                    "LlamaRMSNorm": True, "Qwen2RMSNorm": True, "GemmaRMSNorm": False,
                    "ForCausalLMLoss": True, "ForMaskedLMLoss": False, "LlamaMLP": True,
-                   "Qwen2MLP": True}
+                   "Qwen2MLP": True, "apply_rotary_pos_emb": True}
+    assert ("rewrite swiglu: transformers.models.llama.modeling_llama.LlamaMLP.forward (hf_gated_mlp) -> "
+            "torch.ops.torchfuse.silu_mul") in log
     assert ("rewrite cross_entropy: transformers.loss.loss_utils.ForCausalLMLoss (hf_causal_lm_loss) -> "
             "torch.ops.torchfuse.cross_entropy") in log
     assert ("rewrite gelu_tanh: transformers.activations.NewGELUActivation.forward (new_gelu) -> "
@@ -57,9 +60,9 @@ def test_known_forms_are_rewritten_and_others_left_alone():
 
 
 def test_a_toggled_off_rewrite_is_not_made():
-    out, log = run(REWRITTEN, TORCHFUSE_OPS="-hf_rms_norm,-cross_entropy,-swiglu")
+    out, log = run(REWRITTEN, TORCHFUSE_OPS="-hf_rms_norm,-cross_entropy,-swiglu,-rotary")
     assert out["NewGELUActivation"] and not out["LlamaRMSNorm"] and not out["Qwen2RMSNorm"]
-    assert not out["ForCausalLMLoss"] and not out["LlamaMLP"]
+    assert not out["ForCausalLMLoss"] and not out["LlamaMLP"] and not out["apply_rotary_pos_emb"]
     assert "rewrite hf_rms_norm off" in log and "rewrite cross_entropy off" in log
 
 
@@ -87,15 +90,20 @@ import transformers.loss.loss_utils as LU
 from transformers import LlamaConfig
 mlp = L.LlamaMLP(LlamaConfig(hidden_size=16, intermediate_size=40, num_attention_heads=2, num_key_value_heads=2, hidden_act="silu"))
 h = torch.randn(3, 16)
+q, k = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8)
+cos, sin = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
 logits = torch.randn(2, 9, 50, dtype=torch.bfloat16)
 labels = torch.randint(0, 50, (2, 9))
 print(json.dumps([torch.equal(gelu(x), A.NewGELUActivation.forward.__wrapped__(gelu, x)),
                   torch.equal(norm(x), L.LlamaRMSNorm.forward.__wrapped__(norm, x)),
                   torch.equal(LU.ForCausalLMLoss(logits, labels, 50),
                               LU.ForCausalLMLoss.__wrapped__(logits, labels, 50)),
-                  torch.equal(mlp(h), L.LlamaMLP.forward.__wrapped__(mlp, h))]))
+                  torch.equal(mlp(h), L.LlamaMLP.forward.__wrapped__(mlp, h)),
+                  all(torch.equal(a, b) for a, b in zip(
+                      L.apply_rotary_pos_emb(q, k, cos, sin),
+                      L.apply_rotary_pos_emb.__wrapped__(q, k, cos, sin)))]))
 """)
-    assert out == [True, True, True, True]
+    assert out == [True, True, True, True, True]
 
 
 def test_the_ops_run_on_cpu_meta_and_under_compile():
@@ -145,10 +153,14 @@ def test_the_ops_have_second_derivatives():
     out, _ = run("""
 from torch.autograd import gradcheck, gradgradcheck
 g, u = (torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+q, k = (torch.randn(2, n, 3, 4, dtype=torch.float64, requires_grad=True) for n in (2, 1))
+cos, sin = torch.randn(2, 3, 4, dtype=torch.float64), torch.randn(2, 3, 4, dtype=torch.float64)
+rotary = lambda a, b: torch.ops.torchfuse.rotary(a, b, cos, sin, 1)
 x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
 silu_mul = lambda a, b: torch.ops.torchfuse.silu_mul(a, b)
 gelu = lambda a: torch.ops.torchfuse.gelu_tanh(a)
 print(json.dumps([gradcheck(silu_mul, (g, u)), gradgradcheck(silu_mul, (g, u)),
-                  gradcheck(gelu, (x,)), gradgradcheck(gelu, (x,))]))
+                  gradcheck(gelu, (x,)), gradgradcheck(gelu, (x,)),
+                  gradcheck(rotary, (q, k)), gradgradcheck(rotary, (q, k))]))
 """)
-    assert out == [True, True, True, True]
+    assert out == [True] * 6

@@ -1,0 +1,260 @@
+//! Rotary position embedding in HF's rotate-half form, q and k in one launch, forward and
+//! backward (`torchfuse::rotary[_backward]`, what the rewrite layer sends HF's
+//! apply_rotary_pos_emb to), through kernels/rotary.cu, or why stock (HF's composition, in the
+//! glue) runs a call.
+
+use super::params;
+use super::{Family, KernelOp, Request, Selected, Served, Variant};
+use crate::abi::tensor::{describe, device_addr};
+use crate::abi::types::{TfRotaryCall, TfTensor};
+use crate::gpu::{self, Launch};
+use crate::runtime::Entry;
+use crate::select::{dtype_of, StockReason};
+use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+
+/// The kernel of kernels/rotary.cu (one per direction, by TF_ROPE_BWD).
+const KERNEL: &str = "rope";
+
+/// Grid CTAs at most; they stride over the rest.
+const MAX_GRID: i64 = 1 << 16;
+
+/// Element strides of a [n0, n1, n2, d] view (`RopeStrides` in rotary.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct RopeStrides {
+    s0: i64,
+    s1: i64,
+    s2: i64,
+}
+
+// SAFETY: plain old data, laid out as the kernel's struct.
+unsafe impl DeviceRepr for RopeStrides {}
+
+/// One of q, k (`RopeOperand` in rotary.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct RopeOperand {
+    input: u64,
+    output: u64,
+    n1: i64,
+    n2: i64,
+    pairs: i64,
+    in_s: RopeStrides,
+    out_s: RopeStrides,
+    trig_s: RopeStrides,
+}
+
+// SAFETY: plain old data, laid out as the kernel's struct.
+unsafe impl DeviceRepr for RopeOperand {}
+
+pub struct Rotary;
+
+/// A 4-D tensor's leading strides, if its last dim is contiguous.
+fn strides(t: &Tensor) -> Option<RopeStrides> {
+    match t.stride()[..] {
+        [s0, s1, s2, 1] => Some(RopeStrides { s0, s1, s2 }),
+        _ => None,
+    }
+}
+
+/// cos or sin unsqueezed at `dim` and broadcast to `shape`: its strides (0 where broadcast),
+/// or None when HF's code would not broadcast it so (stock raises or computes it its way).
+fn trig_strides(trig: &Tensor, dim: i64, shape: &[i64]) -> Option<RopeStrides> {
+    let view = trig.f_unsqueeze(dim).ok()?.f_expand(shape, false).ok()?;
+    strides(&view)
+}
+
+/// A new tensor of `like`'s sizes and strides (a dense layout: HF's elementwise ops give their
+/// output the layout of their dense first operand).
+fn empty_like(like: &Tensor, kind: Kind, device: Device) -> Result<Tensor, StockReason> {
+    Tensor::f_empty_strided(like.size(), like.stride(), (kind, device))
+        .map_err(|_| StockReason::InternalError)
+}
+
+impl Family for Rotary {
+    type Call = TfRotaryCall;
+
+    fn serves(entry: Entry) -> bool {
+        matches!(entry, Entry::Rotary | Entry::RotaryBackward)
+    }
+
+    unsafe fn describe(_entry: Entry, call: &TfRotaryCall) -> Option<(&'static str, Vec<i64>)> {
+        let q = call.q.borrow()?;
+        Some(describe(Some(&q)))
+    }
+
+    /// Forward: q_embed, k_embed (in the promoted dtype of q and cos). Backward: dq, dk (in
+    /// `x_dtype`, q's and k's).
+    unsafe fn serve(
+        entry: Entry,
+        launch: Launch,
+        call: &TfRotaryCall,
+        _shape: &[i64],
+    ) -> Result<Served, StockReason> {
+        let backward = entry == Entry::RotaryBackward;
+        // The tensors the kernel reads in place of q and k: the incoming gradients backward.
+        let (a, b) = if backward {
+            (&call.grad_q, &call.grad_k)
+        } else {
+            (&call.q, &call.k)
+        };
+        let dense = |t: &TfTensor| t.dense != 0;
+        if !dense(a) || !dense(b) {
+            return Err(StockReason::NotContiguous);
+        }
+        let a = a.borrow().ok_or(StockReason::InvalidInput)?;
+        let b = b.borrow().ok_or(StockReason::InvalidInput)?;
+        let cos = call.cos.borrow().ok_or(StockReason::InvalidInput)?;
+        let sin = call.sin.borrow().ok_or(StockReason::InvalidInput)?;
+        let device = gpu::torch_device(launch)?;
+        if [&*a, &*b, &*cos, &*sin]
+            .iter()
+            .any(|t| t.device() != device)
+        {
+            return Err(StockReason::InvalidInput);
+        }
+        let (a_size, b_size) = (a.size(), b.size());
+        let (Some(&d), Some(&d_k)) = (a_size.last(), b_size.last()) else {
+            return Err(StockReason::InvalidInput);
+        };
+        if a_size.len() != 4
+            || b_size.len() != 4
+            || d != d_k
+            || d % 2 != 0
+            || cos.size() != sin.size()
+        {
+            return Err(StockReason::InvalidInput);
+        }
+        let a_kind = a.f_kind().map_err(|_| StockReason::UnsupportedDtype)?;
+        let trig_kind = cos.f_kind().map_err(|_| StockReason::UnsupportedDtype)?;
+        if b.f_kind().ok() != Some(a_kind) || sin.f_kind().ok() != Some(trig_kind) {
+            return Err(StockReason::MixedDtypes);
+        }
+        // x: q and k's dtype; the other (cos, sin, y / dy) is x's or, wide, fp32.
+        let x_kind = if backward {
+            crate::abi::tensor::kind_of_scalar_type(call.x_dtype)
+                .ok_or(StockReason::UnsupportedDtype)?
+        } else {
+            a_kind
+        };
+        let other_kind = if backward { a_kind } else { trig_kind };
+        if trig_kind != other_kind {
+            return Err(StockReason::MixedDtypes);
+        }
+        let wide = other_kind != x_kind;
+        if wide && (other_kind != Kind::Float || x_kind == Kind::Float) {
+            return Err(StockReason::MixedDtypes);
+        }
+        let dtype = dtype_of(x_kind).ok_or(StockReason::UnsupportedDtype)?;
+        let operand = |t: &Tensor, out: &Tensor| -> Result<RopeOperand, StockReason> {
+            let size = t.size();
+            let trig_s = trig_strides(&cos, call.unsqueeze_dim, &size)
+                .filter(|s| {
+                    trig_strides(&sin, call.unsqueeze_dim, &size)
+                        .is_some_and(|t| (t.s0, t.s1, t.s2) == (s.s0, s.s1, s.s2))
+                })
+                .ok_or(StockReason::InvalidInput)?;
+            Ok(RopeOperand {
+                input: device_addr(t),
+                output: device_addr(out),
+                n1: size[1],
+                n2: size[2],
+                pairs: size[0] * size[1] * size[2] * (d / 2),
+                in_s: strides(t).ok_or(StockReason::NotContiguous)?,
+                out_s: strides(out).ok_or(StockReason::NotContiguous)?,
+                trig_s,
+            })
+        };
+        let out_kind = if backward { x_kind } else { other_kind };
+        let (out_a, out_b) = (
+            empty_like(&a, out_kind, device)?,
+            empty_like(&b, out_kind, device)?,
+        );
+        let (op_a, op_b) = (operand(&a, &out_a)?, operand(&b, &out_b)?);
+        let total = op_a.pairs + op_b.pairs;
+        if total == 0 {
+            return Err(StockReason::EmptyInput);
+        }
+        let kernel_op = match (backward, wide) {
+            (false, false) => KernelOp::RotaryFwd,
+            (false, true) => KernelOp::RotaryFwdWide,
+            (true, false) => KernelOp::RotaryBwd,
+            (true, true) => KernelOp::RotaryBwdWide,
+        };
+        let Selected {
+            gpu,
+            variant,
+            kernels,
+            params,
+        } = super::select(launch, |sm| Request {
+            op: kernel_op,
+            dtype,
+            hidden: d,
+            rows: total,
+            sm,
+            deterministic: false,
+        })?;
+        let p = Rotary::params(params)?;
+        let blocks = gpu::ceil_div(total, p.threads).min(MAX_GRID);
+        let config = LaunchConfig {
+            grid_dim: (gpu::grid_dim(blocks, 1)?, 1, 1),
+            block_dim: (
+                u32::try_from(p.threads).map_err(|_| StockReason::InternalError)?,
+                1,
+                1,
+            ),
+            shared_mem_bytes: 0,
+        };
+        let (cos_ptr, sin_ptr) = (device_addr(&cos), device_addr(&sin));
+        let half = i32::try_from(d / 2).map_err(|_| StockReason::NoVariantForShape)?;
+        let stream = gpu.stream(launch);
+        let kernel = kernels.get(KERNEL)?;
+        let mut args = stream.launch_builder(&kernel.function);
+        args.arg(&op_a)
+            .arg(&op_b)
+            .arg(&cos_ptr)
+            .arg(&sin_ptr)
+            .arg(&half);
+        // SAFETY: argument types and order match rope (q, k, cos, sin, half); every offset the
+        // kernel forms is within its tensor (sizes and strides read from the tensors, cos/sin's
+        // as broadcast views of themselves), the dtypes are the module's; all live until the
+        // stream is done with them (PyTorch's allocator orders reuse on it).
+        unsafe { args.launch(config) }.map_err(|e| super::launch_failed(variant, e))?;
+        Ok(Served::new(
+            variant.name.as_str(),
+            [Some(out_a), Some(out_b), None],
+        ))
+    }
+
+    fn kernels(_op: KernelOp) -> &'static [&'static str] {
+        &[KERNEL]
+    }
+
+    /// Which direction kernels/rotary.cu compiles, and whether cos/sin/y are fp32.
+    fn defines(op: KernelOp) -> Vec<String> {
+        let backward = matches!(op, KernelOp::RotaryBwd | KernelOp::RotaryBwdWide);
+        let wide = matches!(op, KernelOp::RotaryFwdWide | KernelOp::RotaryBwdWide);
+        vec![
+            format!("-DTF_ROPE_BWD={}", i32::from(backward)),
+            format!("-DTF_WIDE={}", i32::from(wide)),
+        ]
+    }
+
+    type Params = Params;
+
+    fn prepare(v: &Variant) -> Result<Params, String> {
+        let p: Params = params::parse(v)?;
+        params::one_of(v, "THREADS", p.threads, &[128, 256, 512, 1024])?;
+        Ok(p)
+    }
+}
+
+/// A rotary variant's compile-time params (`registry/rotary.toml`).
+#[derive(Clone, Copy, Debug, Deserialize, Serialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE", deny_unknown_fields)]
+pub struct Params {
+    /// Threads per CTA.
+    threads: i64,
+}

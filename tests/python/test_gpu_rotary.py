@@ -1,0 +1,108 @@
+"""torchfuse::rotary[_backward] on the GPU, forced past the registry's thresholds, against a
+float64 evaluation of HF's apply_rotary_pos_emb (rotate-half form), with the original's own
+error as the bar (docs/testing.md): within max(2 x the original's error, the dtype's floor),
+same dtypes, shapes and strides (q and k are transposed views of the projections, as in HF's
+attention; GQA's k has fewer heads); bitwise reproducible; what is not served goes to stock."""
+import random
+
+import pytest
+import torch
+
+from conftest import requires_cuda
+from gpu_util import FLOOR, fresh_seed, fused_count, load_torchfuse, rel_err, stock_reasons
+
+pytestmark = requires_cuda
+
+OP, OP_BWD = "torchfuse::rotary", "torchfuse::rotary_backward"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torchfuse_loaded():
+    """Loaded, with the kernels serving every shape (registry/rotary.toml)."""
+    load_torchfuse()
+    torch.ops.torchfuse._serve_below_thresholds(True)
+    yield
+    torch.ops.torchfuse._serve_below_thresholds(False)
+
+
+def rotate_half(x):  # transformers 5.17, modeling_llama.py
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+def run(fn, q, k, cos, sin, dq, dk, dim):
+    q, k = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
+    qe, ke = fn(q, k, cos, sin, dim)
+    grads = torch.autograd.grad((qe, ke), (q, k), (dq, dk))
+    return [qe.detach(), ke.detach(), *grads]
+
+
+# (x dtype, cos/sin dtype): pure bf16, autocast's form (fp32 cos/sin from fp32 hidden states),
+# fp32, f16.
+FORMS = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+         (torch.float16, torch.float16)]
+
+
+@pytest.mark.parametrize("x_dtype,trig_dtype", FORMS)
+def test_rotary_is_hfs_composition(x_dtype, trig_dtype):
+    seed = fresh_seed()
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    for b, s, hq, hk, d, dim in [(2, 9, 4, 2, 64, 1), (1, 1, 1, 1, 2, 1), (4, 1024, 16, 8, 64, 1),
+                                 (2, rng.randrange(1, 300), 8, 8, 128, 1), (3, 17, 4, 4, 32, 2)]:
+        if dim == 1:  # [B, H, S, D] views of [B, S, H*D] projections, as HF's attention makes them
+            q = torch.randn(b, s, hq * d, device="cuda").to(x_dtype).view(b, s, hq, d).transpose(1, 2)
+            k = torch.randn(b, s, hk * d, device="cuda").to(x_dtype).view(b, s, hk, d).transpose(1, 2)
+        else:  # [B, S, H, D] with unsqueeze_dim=2
+            q = torch.randn(b, s, hq, d, device="cuda").to(x_dtype)
+            k = torch.randn(b, s, hk, d, device="cuda").to(x_dtype)
+        angles = torch.rand(b, s, d // 2, device="cuda") * 100
+        emb = torch.cat((angles, angles), dim=-1)
+        cos, sin = emb.cos().to(trig_dtype), emb.sin().to(trig_dtype)
+        out_dtype = torch.promote_types(x_dtype, trig_dtype)
+        dq = torch.randn(q.shape, device="cuda").to(out_dtype)
+        dk = torch.randn(k.shape, device="cuda").to(out_dtype)
+        before = fused_count(OP), fused_count(OP_BWD)
+        ours = run(torch.ops.torchfuse.rotary, q, k, cos, sin, dq, dk, dim)
+        assert (fused_count(OP), fused_count(OP_BWD)) == (before[0] + 1, before[1] + 1), (
+            stock_reasons(OP), stock_reasons(OP_BWD))
+        theirs = run(apply_rotary_pos_emb, q, k, cos, sin, dq, dk, dim)
+        refs = run(apply_rotary_pos_emb, q.double(), k.double(), cos.double(), sin.double(), dq.double(),
+                   dk.double(), dim)
+        what = f"seed {seed} {x_dtype}/{trig_dtype} {list(q.shape)} {list(k.shape)} dim {dim}"
+        for name, o, t, r in zip(("q_embed", "k_embed", "dq", "dk"), ours, theirs, refs):
+            assert o.dtype == t.dtype and o.shape == t.shape, (what, name)
+            if name.endswith("embed"):
+                assert o.stride() == t.stride(), (what, name, o.stride(), t.stride())
+            e_ours, e_orig = rel_err(o, r), rel_err(t, r)
+            assert e_ours <= max(2 * e_orig, FLOOR[o.dtype]), f"{what} {name}: {e_ours:.3g} vs {e_orig:.3g}"
+        again = run(torch.ops.torchfuse.rotary, q, k, cos, sin, dq, dk, dim)
+        assert all(torch.equal(a, c) for a, c in zip(ours, again)), f"{what}: not reproducible"
+
+
+def test_what_is_not_served_goes_to_stock():
+    q = torch.randn(2, 8, 16, 64, device="cuda", dtype=torch.bfloat16)
+    cos, sin = torch.randn(2, 16, 64, device="cuda"), torch.randn(2, 16, 64, device="cuda")
+    cases = [
+        ((q[..., :32], q[..., :32], cos[..., :32], sin[..., :32]), "non-contiguous input"),  # a slice
+        ((q, q, cos.double(), sin.double()), "mixed input/parameter dtypes"),
+        ((q, q, cos[:, :5], sin[:, :5]), "input stock rejects"),  # not broadcastable: stock raises
+    ]
+    for args, why in cases:
+        before = stock_reasons(OP).get(why, 0)
+        try:
+            ours = torch.ops.torchfuse.rotary(*args, 1)
+        except RuntimeError as e:
+            with pytest.raises(RuntimeError):
+                apply_rotary_pos_emb(*args)
+            assert stock_reasons(OP).get(why, 0) == before + 1, (why, stock_reasons(OP), e)
+            continue
+        assert stock_reasons(OP).get(why, 0) == before + 1, (why, stock_reasons(OP))
+        assert all(torch.equal(a, b) for a, b in zip(ours, apply_rotary_pos_emb(*args)))
