@@ -133,18 +133,27 @@ def _gated_mlp_forward(torch, original, form):
     and gate and up agree in dtype and shape; the matmuls are the module's own."""
     op = torch.ops.torchfuse.silu_mul.default
     tensor, served = torch.Tensor, (torch.float32, torch.bfloat16, torch.float16)
-    compiling = torch.compiler.is_compiling
-    silu_types = {}  # act_fn type -> computes SiLU (and is not in-place)
+    compiling, module = torch.compiler.is_compiling, torch.nn.modules.module
+    silu_types = {}  # (act_fn type, its forward) -> computes SiLU
+
+    def plain_silu(act):
+        """act_fn computes SiLU and nothing else sees or changes its call: not in place, no
+        hooks of its own or global ones, no forward set on the instance."""
+        kind = type(act)
+        key = (kind, kind.__dict__.get("forward"))
+        silu = silu_types.get(key)
+        if silu is None:
+            silu = silu_types[key] = compositions.is_silu(kind, torch)
+        return (silu and not getattr(act, "inplace", False) and "forward" not in act.__dict__
+                and not (act._forward_hooks or act._forward_pre_hooks or act._backward_hooks
+                         or act._backward_pre_hooks)
+                and not (module._global_forward_hooks or module._global_forward_pre_hooks
+                         or module._global_backward_hooks or module._global_backward_pre_hooks))
 
     @functools.wraps(original)
     def forward(self, x):
         act = self.act_fn
-        kind = type(act)
-        silu = silu_types.get(kind)
-        if silu is None:
-            silu = silu_types[kind] = compositions.is_silu(kind, torch)
-        if (not silu or getattr(act, "inplace", False) or act._forward_hooks
-                or act._forward_pre_hooks or type(x) is not tensor or not x.is_cuda or compiling()):
+        if type(x) is not tensor or not x.is_cuda or compiling() or not plain_silu(act):
             return original(self, x)
         gate, up = self.gate_proj(x), self.up_proj(x)
         if (type(gate) is tensor and type(up) is tensor and gate.dtype == up.dtype
@@ -160,12 +169,16 @@ def _rotary(torch, original, form):
     tensors whose cos and sin need no gradient (HF computes them under no_grad)."""
     op = torch.ops.torchfuse.rotary.default
     tensor, compiling = torch.Tensor, torch.compiler.is_compiling
+    # The rotate_half the original calls, as recognised: a module whose rotate_half is replaced
+    # later (another RoPE layout) gets its own code back.
+    module_globals, rotate_half = original.__globals__, original.__globals__.get("rotate_half")
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if (type(q) is tensor and type(k) is tensor and type(cos) is tensor and type(sin) is tensor
                 and q.is_cuda and type(unsqueeze_dim) is int and not cos.requires_grad
-                and not sin.requires_grad and not compiling()):
+                and not sin.requires_grad and not compiling()
+                and module_globals.get("rotate_half") is rotate_half):
             return op(q, k, cos, sin, unsqueeze_dim)
         return original(q, k, cos, sin, unsqueeze_dim)
 

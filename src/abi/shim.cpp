@@ -433,6 +433,14 @@ bool traced(const at::Tensor& t) {
          c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Python);
 }
 
+// Whether any of these tensors carries a forward-mode AD tangent: torchfuse's autograd Functions
+// have no jvp, so such calls run PyTorch's own ops (which do).
+bool has_tangent(std::initializer_list<at::Tensor> tensors) {
+  for (const at::Tensor& t : tensors)
+    if (t.defined() && t._fw_grad(/*level=*/0).defined()) return true;
+  return false;
+}
+
 // torchfuse::gelu_tanh(input, dtype): gelu(input, approximate="tanh") with the output in
 // `dtype` (default: the input's), computed in fp32.
 at::Tensor gelu_tanh_stock(const at::Tensor& input, std::optional<at::ScalarType> dtype) {
@@ -497,6 +505,7 @@ class GeluTanhFunction : public torch::autograd::Function<GeluTanhFunction> {
 };
 
 at::Tensor gelu_tanh_autograd(const at::Tensor& input, std::optional<at::ScalarType> dtype) {
+  if (has_tangent({input})) return gelu_tanh_stock(input, dtype);  // forward-mode AD: no jvp here
   return GeluTanhFunction::apply(input, dtype);
 }
 
@@ -601,7 +610,7 @@ at::Tensor cross_entropy_served(TfEntry entry, const at::Tensor& logits, const a
                                 int64_t reduction, int64_t ignore_index, double label_smoothing,
                                 at::ScalarType loss_dtype) {
   // Forward-mode AD (a tangent on the logits) is stock's: the fused op has no jvp.
-  if (!logits.is_cuda() || traced(logits) || traced(target) || logits._fw_grad(0).defined())
+  if (!logits.is_cuda() || traced(logits) || traced(target) || has_tangent({logits}))
     return at::Tensor();
   TfCrossEntropyCall call{};
   call.logits = describe(logits);
@@ -737,6 +746,7 @@ class SiluMulFunction : public torch::autograd::Function<SiluMulFunction> {
 };
 
 at::Tensor silu_mul_autograd(const at::Tensor& gate, const at::Tensor& up) {
+  if (has_tangent({gate, up})) return silu_mul_stock(gate, up);  // forward-mode AD: no jvp here
   return SiluMulFunction::apply(gate, up);
 }
 
@@ -748,10 +758,12 @@ at::Tensor rotate_half(const at::Tensor& x) {
   return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
 }
 
-// rotate_half's transpose: the gradient of rotate_half(x) is cat(dy2, -dy1).
+// rotate_half's transpose. rotate_half(x) = cat(-x2, x1) with x1 the first d / 2 (rounded
+// down) elements, so -x2 fills the first d - d / 2 of the output: the gradient is
+// cat(dy[d - d/2:], -dy[:d - d/2]).
 at::Tensor rotate_half_transposed(const at::Tensor& dy) {
-  const int64_t half = dy.size(-1) / 2;
-  return at::cat({dy.slice(-1, half), -dy.slice(-1, 0, half)}, -1);
+  const int64_t split = dy.size(-1) - dy.size(-1) / 2;
+  return at::cat({dy.slice(-1, split), -dy.slice(-1, 0, split)}, -1);
 }
 
 std::tuple<at::Tensor, at::Tensor> rotary_stock(const at::Tensor& q, const at::Tensor& k,
@@ -872,8 +884,10 @@ class RotaryFunction : public torch::autograd::Function<RotaryFunction> {
 std::tuple<at::Tensor, at::Tensor> rotary_autograd(const at::Tensor& q, const at::Tensor& k,
                                                    const at::Tensor& cos, const at::Tensor& sin,
                                                    int64_t unsqueeze_dim) {
-  if (q.scalar_type() != k.scalar_type() || (at::GradMode::is_enabled() &&
-                                             (cos.requires_grad() || sin.requires_grad())))
+  // cos/sin that need a gradient, and forward-mode AD (the Function has no jvp): HF's ops.
+  if (q.scalar_type() != k.scalar_type() ||
+      (at::GradMode::is_enabled() && (cos.requires_grad() || sin.requires_grad())) ||
+      has_tangent({q, k, cos, sin}))
     return rotary_stock(q, k, cos, sin, unsqueeze_dim);
   auto outputs = RotaryFunction::apply(q, k, cos, sin, unsqueeze_dim);
   return {outputs[0], outputs[1]};

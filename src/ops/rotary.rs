@@ -80,8 +80,13 @@ impl Family for Rotary {
         matches!(entry, Entry::Rotary | Entry::RotaryBackward)
     }
 
-    unsafe fn describe(_entry: Entry, call: &TfRotaryCall) -> Option<(&'static str, Vec<i64>)> {
-        let q = call.q.borrow()?;
+    /// q (forward) or its gradient (backward: q itself is not passed).
+    unsafe fn describe(entry: Entry, call: &TfRotaryCall) -> Option<(&'static str, Vec<i64>)> {
+        let q = if entry == Entry::RotaryBackward {
+            call.grad_q.borrow()?
+        } else {
+            call.q.borrow()?
+        };
         Some(describe(Some(&q)))
     }
 

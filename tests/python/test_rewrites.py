@@ -164,3 +164,24 @@ print(json.dumps([gradcheck(silu_mul, (g, u)), gradgradcheck(silu_mul, (g, u)),
                   gradcheck(rotary, (q, k)), gradgradcheck(rotary, (q, k))]))
 """)
     assert out == [True] * 6
+
+
+def test_odd_head_dims_and_forward_mode_ad_through_the_ops():
+    """rotary's composed backward splits rotate_half as HF does for an odd head dim; a forward-mode
+    tangent (the ops' Functions have no jvp) runs PyTorch's own ops and keeps its tangent."""
+    out, _ = run("""
+import torch.autograd.forward_ad as fwAD
+from torch.autograd import gradcheck
+q = torch.randn(1, 2, 5, 7, dtype=torch.float64, requires_grad=True)
+k = torch.randn(1, 1, 5, 7, dtype=torch.float64, requires_grad=True)
+cos, sin = torch.randn(1, 5, 7, dtype=torch.float64), torch.randn(1, 5, 7, dtype=torch.float64)
+odd = gradcheck(lambda a, b: torch.ops.torchfuse.rotary(a, b, cos, sin, 1), (q, k))
+x = torch.randn(3, 4, dtype=torch.float64)
+with fwAD.dual_level():
+    d = fwAD.make_dual(x, torch.ones_like(x))
+    tangents = [fwAD.unpack_dual(y).tangent for y in (
+        torch.ops.torchfuse.silu_mul(d, d), torch.ops.torchfuse.gelu_tanh(d),
+        torch.ops.torchfuse.rotary(d.view(1, 1, 3, 4), d.view(1, 1, 3, 4), cos[:, :3, :4], sin[:, :3, :4], 1)[0])]
+print(json.dumps([odd] + [t is not None for t in tangents]))
+""")
+    assert out == [True, True, True, True]
