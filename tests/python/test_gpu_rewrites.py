@@ -181,6 +181,7 @@ import sys, json, torch
 sys.path.insert(0, {python!r})
 import torchfuse
 torchfuse.enable({lib!r})
+torch.ops.torchfuse._serve_below_thresholds({force})
 import transformers
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -208,8 +209,9 @@ print("STATS " + torch.ops.torchfuse.stats())
 """
 
 
-def train(model, compiled, ops):
-    code = TRAIN.format(python=str(ROOT / "python"), lib=str(LIB_DIR), model=model, compiled=compiled)
+def train(model, compiled, ops, force=False):
+    code = TRAIN.format(python=str(ROOT / "python"), lib=str(LIB_DIR), model=model, compiled=compiled,
+                        force=force)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                           env=clean_env(TORCHFUSE_OPS=ops, TORCHFUSE_LOG="info"))
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -219,17 +221,27 @@ def train(model, compiled, ops):
     return losses, stats, proc.stderr
 
 
+# The rewrites of issue 24, whose registry variants serve no shape until measured: their kernels
+# are forced (in both runs), so the runs with and without the rewrite differ by it alone.
+NOT_YET_MEASURED = {"cross_entropy", "swiglu", "rotary"}
+OP_STATS = {"swiglu": "silu_mul"}
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("model,op", [("gpt2", "gelu_tanh"), ("llama", "hf_rms_norm")])
+@pytest.mark.parametrize("model,op", [("gpt2", "gelu_tanh"), ("llama", "hf_rms_norm"), ("llama", "cross_entropy"),
+                                      ("llama", "swiglu"), ("llama", "rotary")])
 def test_unchanged_hf_model_trains_as_without_the_rewrite(model, op, compiled):
     pytest.importorskip("transformers", reason="scripts/setup installs transformers")
-    without, _, _ = train(model, compiled, f"all,-{op}")
-    losses, stats, log = train(model, compiled, "all")
+    if compiled and op in NOT_YET_MEASURED:
+        pytest.skip("under torch.compile every rewrite runs the original code (the gelu/RMSNorm cases check it)")
+    force = op in NOT_YET_MEASURED
+    without, _, _ = train(model, compiled, f"all,-{op}", force)
+    losses, stats, log = train(model, compiled, "all", force)
     assert len(losses) == len(without) == 8
     for a, b in zip(losses, without):
         assert abs(a - b) <= 0.01 * b, (losses, without)
     assert f"rewrite {op}: transformers." in log, log[-3000:]
-    calls = stats["ops"].get(f"torchfuse::{op}", {})
+    calls = stats["ops"].get(f"torchfuse::{OP_STATS.get(op, op)}", {})
     if compiled:
         # Under torch.compile the original composition runs (Inductor fuses it).
         assert not calls, stats
