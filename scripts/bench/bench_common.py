@@ -108,3 +108,29 @@ def matmul_peak():
         a @ b
     us = statistics.median(timed_loop(lambda: a @ b, [()], 20))
     return 2 * n ** 3 / (us * 1e-6) / 1e12
+
+
+def kernel_bench_setup():
+    """The command line every per-op kernel bench takes (--lib-dir, --out), torchfuse loaded with
+    the kernels serving every shape (the tables the registry's thresholds are read from), and the
+    copy bandwidth measured now: (args, TB/s)."""
+    import argparse
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lib-dir", required=True)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    torch.ops.load_library(str(Path(args.lib_dir) / "libtorchfuse.so"))
+    torch.ops.torchfuse._serve_below_thresholds(True)
+    return args, copy_bandwidth()
+
+
+def write_report(rows, out_dir, name):
+    """Prints the table's lines and writes them to OUT_DIR/name when --out was given."""
+    from pathlib import Path
+
+    text = "\n".join(rows) + "\n"
+    print(text)
+    if out_dir:
+        (Path(out_dir) / name).write_text(text)

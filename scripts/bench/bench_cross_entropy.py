@@ -10,14 +10,12 @@ once.
 
 Usage: bench_cross_entropy.py --lib-dir DIR [--out DIR]  (writes DIR/bench_cross_entropy.md)
 """
-import argparse
 import statistics
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench_common import copy_bandwidth, run_timings, timed_loop
+from bench_common import kernel_bench_setup, run_timings, timed_loop, write_report
 
 # (rows, classes, logits dtype, loss dtype): GPT-2 124M at B8 S1024 (HF's form: fp32 loss of
 # bf16 logits), the Llama-style bench model, Llama-3's vocabulary, the pure-bf16 and fp32 forms.
@@ -51,13 +49,7 @@ def liger_loss():
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--lib-dir", required=True)
-    parser.add_argument("--out")
-    args = parser.parse_args()
-    torch.ops.load_library(str(Path(args.lib_dir) / "libtorchfuse.so"))
-    torch.ops.torchfuse._serve_below_thresholds(True)  # the table the thresholds are read from
-    bandwidth = copy_bandwidth()
+    args, bandwidth = kernel_bench_setup()
     liger = liger_loss()
     rows = [f"# Cross-entropy forward + backward on {torch.cuda.get_device_name()} (torch {torch.__version__})", "",
             f"Copy bandwidth in this run: {bandwidth:.2f} TB/s. Times: µs per forward + backward, median. "
@@ -88,10 +80,7 @@ def main():
         print(rows[-1], flush=True)
         del xs, ts, inputs
         torch.cuda.empty_cache()
-    text = "\n".join(rows) + "\n"
-    print(text)
-    if args.out:
-        (Path(args.out) / "bench_cross_entropy.md").write_text(text)
+    write_report(rows, args.out, "bench_cross_entropy.md")
 
 
 if __name__ == "__main__":

@@ -8,14 +8,12 @@ Bytes: forward = n·(in + out); backward = n·(dy + x + dx).
 
 Usage: bench_gelu.py --lib-dir DIR [--out DIR]  (writes DIR/bench_gelu.md)
 """
-import argparse
 import math
 import statistics
-from pathlib import Path
 
 import torch
 
-from bench_common import copy_bandwidth, run_timings, timed_loop
+from bench_common import kernel_bench_setup, run_timings, timed_loop, write_report
 
 # (rows, cols, input dtype, output dtype): GPT-2 124M's MLP activation at B8 S1024 (bf16 under
 # autocast gives fp32), the pure-bf16 and fp32 forms, a Llama-7B-sized one and a small one.
@@ -44,15 +42,7 @@ def median_us(fn, inputs, rounds=5, reps=8):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--lib-dir", required=True)
-    parser.add_argument("--out")
-    args = parser.parse_args()
-    torch.ops.load_library(str(Path(args.lib_dir) / "libtorchfuse.so"))
-    # The kernels on every case, also where the registry sends a dtype pair to stock: this
-    # table is what those thresholds are read from.
-    torch.ops.torchfuse._serve_below_thresholds(True)
-    bandwidth = copy_bandwidth()
+    args, bandwidth = kernel_bench_setup()
     device = torch.cuda.get_device_name()
     rows = [f"# tanh GELU on {device} (torch {torch.__version__})", "",
             f"Copy bandwidth in this run: {bandwidth:.2f} TB/s. Times: µs per call, median.", "",
@@ -82,10 +72,7 @@ def main():
             print(rows[-1], flush=True)
         del xs, dys
         torch.cuda.empty_cache()
-    text = "\n".join(rows) + "\n"
-    print(text)
-    if args.out:
-        (Path(args.out) / "bench_gelu.md").write_text(text)
+    write_report(rows, args.out, "bench_gelu.md")
 
 
 if __name__ == "__main__":

@@ -7,12 +7,10 @@ counted once).
 
 Usage: bench_rotary.py --lib-dir DIR [--out DIR]  (writes DIR/bench_rotary.md)
 """
-import argparse
-from pathlib import Path
 
 import torch
 
-from bench_common import copy_bandwidth, run_timings
+from bench_common import kernel_bench_setup, run_timings, write_report
 
 # (batch, seq, q heads, kv heads, head dim, q/k dtype, cos/sin dtype): the Llama-style bench
 # model under autocast (fp32 cos/sin: fp32 output) and in pure bf16, and Llama-7B at S4096.
@@ -30,13 +28,7 @@ def views(b, s, h, d, dtype):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--lib-dir", required=True)
-    parser.add_argument("--out")
-    args = parser.parse_args()
-    torch.ops.load_library(str(Path(args.lib_dir) / "libtorchfuse.so"))
-    torch.ops.torchfuse._serve_below_thresholds(True)  # the table the thresholds are read from
-    bandwidth = copy_bandwidth()
+    args, bandwidth = kernel_bench_setup()
     rows = [f"# Rotary (HF's rotate-half form, q and k) on {torch.cuda.get_device_name()} (torch {torch.__version__})",
             "", f"Copy bandwidth in this run: {bandwidth:.2f} TB/s. Times: µs per call, median.", "",
             "| q, k | dtypes | direction | stock | torchfuse | vs stock | % of copy bw |", "|---|---|---|---|---|---|---|"]
@@ -65,10 +57,7 @@ def main():
             print(rows[-1], flush=True)
         del qs, ks, dqs, dks
         torch.cuda.empty_cache()
-    text = "\n".join(rows) + "\n"
-    print(text)
-    if args.out:
-        (Path(args.out) / "bench_rotary.md").write_text(text)
+    write_report(rows, args.out, "bench_rotary.md")
 
 
 if __name__ == "__main__":

@@ -6,12 +6,10 @@ same run. Bytes: forward = n·(gate + up + y); backward = n·(dy + gate + up + d
 
 Usage: bench_swiglu.py --lib-dir DIR [--out DIR]  (writes DIR/bench_swiglu.md)
 """
-import argparse
-from pathlib import Path
 
 import torch
 
-from bench_common import copy_bandwidth, run_timings
+from bench_common import kernel_bench_setup, run_timings, write_report
 
 # (tokens, intermediate size, dtype): the Llama-style bench model (B4 S1024), Llama-7B's MLP at
 # 4096 tokens, the fp32 form, a small call.
@@ -25,13 +23,7 @@ NAME = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--lib-dir", required=True)
-    parser.add_argument("--out")
-    args = parser.parse_args()
-    torch.ops.load_library(str(Path(args.lib_dir) / "libtorchfuse.so"))
-    torch.ops.torchfuse._serve_below_thresholds(True)  # the table the thresholds are read from
-    bandwidth = copy_bandwidth()
+    args, bandwidth = kernel_bench_setup()
     rows = [f"# SwiGLU pointwise (silu(gate) * up) on {torch.cuda.get_device_name()} (torch {torch.__version__})", "",
             f"Copy bandwidth in this run: {bandwidth:.2f} TB/s. Times: µs per call, median.", "",
             "| shape | dtype | direction | stock | torchfuse | vs stock | % of copy bw |", "|---|---|---|---|---|---|---|"]
@@ -51,10 +43,7 @@ def main():
             print(rows[-1], flush=True)
         del gates, ups, dys
         torch.cuda.empty_cache()
-    text = "\n".join(rows) + "\n"
-    print(text)
-    if args.out:
-        (Path(args.out) / "bench_swiglu.md").write_text(text)
+    write_report(rows, args.out, "bench_swiglu.md")
 
 
 if __name__ == "__main__":

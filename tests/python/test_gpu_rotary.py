@@ -9,20 +9,13 @@ import pytest
 import torch
 
 from conftest import requires_cuda
-from gpu_util import FLOOR, fresh_seed, fused_count, load_torchfuse, rel_err, stock_reasons
+from gpu_util import (FLOOR, fresh_seed, fused_count, rel_err, stock_reasons,
+                      torchfuse_below_thresholds)
 
-pytestmark = requires_cuda
+# The kernels serve every shape here, also where the registry sends it to stock.
+pytestmark = [requires_cuda, pytest.mark.usefixtures("torchfuse_below_thresholds")]
 
 OP, OP_BWD = "torchfuse::rotary", "torchfuse::rotary_backward"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def torchfuse_loaded():
-    """Loaded, with the kernels serving every shape (registry/rotary.toml)."""
-    load_torchfuse()
-    torch.ops.torchfuse._serve_below_thresholds(True)
-    yield
-    torch.ops.torchfuse._serve_below_thresholds(False)
 
 
 def rotate_half(x):  # transformers 5.17, modeling_llama.py

@@ -11,21 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from conftest import ROOT, requires_cuda
-from gpu_util import FLOOR, enabled, fresh_seed, fused_count, load_torchfuse, rel_err, stock_reasons
+from gpu_util import (FLOOR, fresh_seed, fused_count, rel_err, stock_reasons,
+                      torchfuse_below_thresholds)
 
-pytestmark = requires_cuda
+# The kernels serve every shape here, also where the registry sends it to stock.
+pytestmark = [requires_cuda, pytest.mark.usefixtures("torchfuse_below_thresholds")]
 
 OP, OP_BWD = "torchfuse::silu_mul", "torchfuse::silu_mul_backward"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def torchfuse_loaded():
-    """Loaded, with the kernels serving every shape (registry/swiglu.toml)."""
-    load_torchfuse()
-    torch.ops.torchfuse._serve_below_thresholds(True)
-    yield
-    torch.ops.torchfuse._serve_below_thresholds(False)
 
 
 def original(gate, up):
