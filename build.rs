@@ -47,6 +47,8 @@ fn main() {
         version.starts_with("2.11.0"),
         "torchfuse is built against torch 2.11.0, found {version}"
     );
+    // What `torchfuse doctor` reports and the Python side checks the running torch against.
+    println!("cargo:rustc-env=TORCHFUSE_TORCH_VERSION={version}");
 
     cc::Build::new()
         .cpp(true)

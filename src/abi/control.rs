@@ -129,3 +129,84 @@ pub extern "C" fn torchfuse_rs_serve_below_thresholds(serve: u8) {
 pub extern "C" fn torchfuse_rs_reset_stats() {
     let _ = catch_unwind(stats::reset);
 }
+
+/// `torch.ops.torchfuse.doctor()`: what `torchfuse doctor` reports from inside the library, as
+/// JSON: the versions, the kernel cache, NVRTC, the registry, the toggles, and one kernel of
+/// every family compiled for `arch` (the GPU's; empty: sm_90a). Each check is
+/// `{"ok": bool, "detail": str}`.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_doctor_json(arch: *const c_char, len: usize) -> *mut c_char {
+    catch_unwind(|| {
+        let bytes = std::slice::from_raw_parts(arch.cast::<u8>(), len);
+        let arch = match String::from_utf8_lossy(bytes).into_owned() {
+            a if a.is_empty() => "sm_90a".to_string(),
+            a => a,
+        };
+        CString::new(doctor_report(&arch))
+            .map(CString::into_raw)
+            .unwrap_or(std::ptr::null_mut())
+    })
+    .unwrap_or(std::ptr::null_mut())
+}
+
+fn check(result: Result<String, String>) -> serde_json::Value {
+    match result {
+        Ok(detail) => serde_json::json!({"ok": true, "detail": detail}),
+        Err(detail) => serde_json::json!({"ok": false, "detail": detail}),
+    }
+}
+
+fn doctor_report(arch: &str) -> String {
+    let config = crate::runtime::config::get();
+    let cache = &config.cache_dir;
+    let probe = cache.join(format!(".doctor-{}", std::process::id()));
+    let writable = std::fs::create_dir_all(cache)
+        .and_then(|()| std::fs::write(&probe, b"ok"))
+        .and_then(|()| std::fs::remove_file(&probe))
+        .map(|()| cache.display().to_string())
+        .map_err(|e| {
+            format!(
+                "{}: {e} (set TORCHFUSE_CACHE_DIR to a writable folder)",
+                cache.display()
+            )
+        });
+    let nvrtc = crate::gpu::nvrtc::nvrtc_ready().map(|()| {
+        let (major, minor) = crate::gpu::nvrtc::nvrtc_version();
+        format!("NVRTC {major}.{minor}")
+    });
+    let registry = crate::ops::REGISTRY.as_ref();
+    let mut kernels = serde_json::Map::new();
+    if let (Ok(registry), Ok(())) = (registry, &nvrtc.as_ref().map(|_| ())) {
+        let mut seen = std::collections::BTreeSet::new();
+        for (i, v) in registry.variants().iter().enumerate() {
+            let Some(&dtype) = v.dtypes.first() else {
+                continue;
+            };
+            if !seen.insert(v.source.clone()) {
+                continue;
+            }
+            let options = crate::ops::compile_options(registry.params(i), dtype, arch);
+            let compiled = crate::gpu::nvrtc::nvrtc_compile(&v.source, &options).map(|cubin| {
+                format!(
+                    "{} ({}, {arch}): {} bytes",
+                    v.name,
+                    dtype.name(),
+                    cubin.len()
+                )
+            });
+            kernels.insert(v.source.clone(), check(compiled));
+        }
+    }
+    serde_json::json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "torch_built_against": env!("TORCHFUSE_TORCH_VERSION"),
+        "cache": check(writable),
+        "nvrtc": check(nvrtc),
+        "registry": check(registry.map(|r| format!("{} variants", r.variants().len())).map_err(Clone::clone)),
+        "enabled": crate::runtime::toggles::enabled_map()
+            .into_iter()
+            .collect::<std::collections::BTreeMap<_, _>>(),
+        "kernels": kernels,
+    })
+    .to_string()
+}

@@ -915,6 +915,14 @@ std::string control_stats() {
 
 void control_reset_stats() { torchfuse_rs_reset_stats(); }
 
+std::string control_doctor(c10::string_view arch) {
+  char* json = torchfuse_rs_doctor_json(arch.data(), arch.size());
+  TORCH_CHECK(json != nullptr, "torchfuse: the doctor's report could not be made");
+  std::string text(json);
+  torchfuse_rs_free_string(json);
+  return text;
+}
+
 void control_note(c10::string_view message, bool debug) {
   torchfuse_rs_note(message.data(), message.size(), debug);
 }
@@ -1207,6 +1215,7 @@ __attribute__((visibility("default"))) void torchfuse_cxx_define_control_ops(TfS
     lib->def("set_enabled(str op, bool enabled) -> bool", &control_set_enabled);
     lib->def("stats() -> str", &control_stats);
     lib->def("reset_stats() -> ()", &control_reset_stats);
+    lib->def("doctor(str arch=\"\") -> str", &control_doctor);
     // The launcher's Python hook reports its substitutions here, to torchfuse's log.
     lib->def("note(str message, bool debug=False) -> ()", &control_note);
     // Test hook: kernels also serve shapes below their measured thresholds.

@@ -230,6 +230,10 @@ void torchfuse_rs_set_enabled(const char* name, size_t len, uint8_t enabled, TfS
 // JSON of the calls so far; free with torchfuse_rs_free_string. Null on failure.
 char* torchfuse_rs_stats_json(void);
 void torchfuse_rs_free_string(char* s);
+// `torchfuse doctor`'s report from inside the library (JSON; free with torchfuse_rs_free_string;
+// null on failure): versions, kernel cache, NVRTC, registry, toggles, one kernel of every
+// family compiled for `arch` (e.g. "sm_90a"; empty: sm_90a).
+char* torchfuse_rs_doctor_json(const char* arch, size_t len);
 void torchfuse_rs_reset_stats(void);
 // A message from the Python side, to torchfuse's log at info (debug: at debug).
 void torchfuse_rs_note(const char* msg, size_t len, uint8_t debug);

@@ -1,6 +1,7 @@
-"""torchfuse's Python start-up hook (put on PYTHONPATH by scripts/torchfuse, beside the
-`torchfuse` package of python/): installs the package's hooks, which import nothing until the
-modules they patch are imported (python/torchfuse/_hooks.py).
+"""torchfuse's Python start-up hook (this folder is put on PYTHONPATH by the launcher, `torchfuse
+COMMAND` or scripts/torchfuse, with the `torchfuse` package's own parent): installs the
+package's hooks, which import nothing until the modules they patch are imported
+(torchfuse/_hooks.py).
 
 Python runs one `sitecustomize`; the one this shadows (if any) is run after this one.
 """

@@ -1,0 +1,66 @@
+"""The `torchfuse` command (`python -m torchfuse`, python/torchfuse/cli.py): the launcher and
+`torchfuse doctor`. CPU checks run everywhere (the doctor compiles a kernel of every family with
+NVRTC); on a GPU the doctor also runs one call of every family against PyTorch's."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import LIB_DIR, ROOT, clean_env, requires_cuda
+
+
+def torchfuse(*args, **env):
+    env = clean_env(PYTHONPATH=ROOT / "python", **{"TORCHFUSE_LIB_DIR": LIB_DIR, **env})
+    return subprocess.run([sys.executable, "-m", "torchfuse", *args], env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_without_a_command_it_prints_usage():
+    proc = torchfuse()
+    assert proc.returncode == 2 and "usage" in proc.stderr and "torchfuse doctor" in proc.stderr
+
+
+def test_it_runs_a_command_with_torchfuse_loaded_and_hooked():
+    proc = torchfuse(sys.executable, "-c", "import json, os, torch, torchfuse\n"
+                     "print(json.dumps([torchfuse.loaded(), hasattr(torch.optim.Adam.__init__, '__wrapped__'),"
+                     " 'libtorchfuse_preload.so' in os.environ['LD_PRELOAD']]))")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [True, True, True]
+
+
+def test_a_missing_command_is_an_error_not_a_traceback():
+    proc = torchfuse("no-such-command-here")
+    assert proc.returncode == 127 and "cannot run no-such-command-here" in proc.stderr
+
+
+def test_doctor_reports_every_check():
+    proc = torchfuse("doctor")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    for what in ("torch", "libraries", "torchfuse", "nvrtc", "kernel cache", "registry"):
+        assert any(line.startswith("ok") and f" {what}: " in line for line in lines), (what, proc.stdout)
+    for source in ("norm.cu", "adam.cu", "embedding.cu", "attention.cu", "gelu.cu", "cross_entropy.cu",
+                   "swiglu.cu", "rotary.cu"):
+        assert any(line.startswith("ok   compile " + source) for line in lines), (source, proc.stdout)
+    assert not any(line.startswith("FAIL") for line in lines), proc.stdout
+
+
+@pytest.mark.parametrize("broken", ["libraries", "kernel cache"])
+def test_doctor_fails_with_a_fix(tmp_path, broken):
+    if broken == "libraries":
+        proc = torchfuse("doctor", TORCHFUSE_LIB_DIR=tmp_path)
+    else:
+        (tmp_path / "file").write_text("")
+        proc = torchfuse("doctor", TORCHFUSE_CACHE_DIR=tmp_path / "file" / "cache")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    failed = [line for line in proc.stdout.splitlines() if line.startswith("FAIL")]
+    assert failed and f" {broken}: " in failed[0] and "Fix:" in failed[0], proc.stdout
+
+
+@requires_cuda
+def test_doctor_runs_every_family_on_the_gpu():
+    proc = torchfuse("doctor")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ran = [line for line in proc.stdout.splitlines() if " run " in line]
+    assert len(ran) == 9 and all(line.startswith("ok") for line in ran), proc.stdout
