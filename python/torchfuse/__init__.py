@@ -12,15 +12,64 @@ from pathlib import Path
 
 from ._hooks import install as install_hooks
 
-__all__ = ["enable", "install_hooks", "library_dir", "loaded"]
+__all__ = ["built_against", "enable", "install_hooks", "library_dir", "loaded"]
+
+_MARKER = b"torchfuse-built-against-torch="
+
+
+def built_against(library):
+    """The torch version the library file was built against (its marker), or None."""
+    data = Path(library).read_bytes()
+    start = data.find(_MARKER)
+    if start < 0:
+        return None
+    start += len(_MARKER)
+    return data[start:data.index(b"\0", start)].decode()
+
+
+def version_mismatch(library, torch_version):
+    """One line naming both versions when the library was built for another torch release."""
+    built = built_against(library)
+    if built is not None and built.split("+")[0] != torch_version.split("+")[0]:
+        return (f"torchfuse: {library} was built against torch {built}, this is torch "
+                f"{torch_version}; PyTorch runs unchanged (install the torchfuse built for this "
+                f"torch, or torch {built.split('+')[0]})")
+    return None
 
 
 def library_dir():
-    """Where libtorchfuse.so is: TORCHFUSE_LIB_DIR, else this checkout's target/release."""
+    """Where libtorchfuse.so is: TORCHFUSE_LIB_DIR, else the installed wheel's torchfuse/_lib,
+    else this checkout's target/release."""
     configured = os.environ.get("TORCHFUSE_LIB_DIR")
     if configured:
         return Path(configured)
+    installed = Path(__file__).resolve().parent / "_lib"
+    if (installed / "libtorchfuse.so").is_file():
+        return installed
     return Path(__file__).resolve().parents[2] / "target" / "release"
+
+
+def refuse_other_torch():
+    """At start-up, before torch is imported (the launcher's hook): when the preloaded library
+    was built for another torch release than the one installed, say so once and set
+    TORCHFUSE=0, so the library registers nothing and PyTorch runs unchanged. Reads torch's
+    version from its files: importing torch here would cost every process."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return
+    version_file = Path(spec.origin).parent / "version.py"
+    library = library_dir() / "libtorchfuse.so"
+    try:
+        found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", version_file.read_text(), re.M)
+        mismatch = found and version_mismatch(library, found.group(1))
+    except OSError:
+        return
+    if mismatch:
+        print(mismatch, file=sys.stderr)
+        os.environ["TORCHFUSE"] = "0"
 
 
 def loaded():
@@ -45,6 +94,13 @@ def enable(lib_dir=None):
     if not loaded():
         path = Path(lib_dir) if lib_dir is not None else library_dir()
         library = path / "libtorchfuse.so"
+        try:
+            mismatch = version_mismatch(library, torch.__version__)
+        except OSError:
+            mismatch = None  # no file: load_library below says so
+        if mismatch:
+            print(mismatch, file=sys.stderr)
+            return False
         try:
             torch.ops.load_library(str(library))
         except Exception as e:

@@ -90,6 +90,13 @@ def doctor():
                     "build with scripts/setup, or set TORCHFUSE_LIB_DIR")
         return 1
     report.ok("libraries", str(lib_dir))
+    from . import version_mismatch
+
+    mismatch = version_mismatch(lib_dir / "libtorchfuse.so", torch.__version__)
+    if mismatch:
+        report.fail("torchfuse", mismatch.removeprefix("torchfuse: "),
+                    "install the torchfuse built for this torch")
+        return 1
     try:
         torch.ops.load_library(str(lib_dir / "libtorchfuse.so"))
     except Exception as e:
@@ -129,6 +136,11 @@ def doctor():
         for what, result in _doctor_gpu.run_each_family(torch):
             report.check(f"run {what}", result, "switch the op off with TORCHFUSE_OPS=-<op> and report it")
     return 1 if report.broken else 0
+
+
+def entry():
+    """The `torchfuse` console script."""
+    sys.exit(main(sys.argv[1:]))
 
 
 def main(argv):

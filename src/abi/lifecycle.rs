@@ -122,3 +122,14 @@ extern "C" fn at_exit() {
 fn on_load() {
     init();
 }
+
+/// The torch this library was built against, as a marker in its file: the Python side
+/// (`torchfuse.enable`, the start-up hook, `torchfuse doctor`) reads it before loading the
+/// library, and refuses another torch with one error naming both versions (the job continues
+/// stock).
+#[used]
+static BUILT_AGAINST: &str = concat!(
+    "torchfuse-built-against-torch=",
+    env!("TORCHFUSE_TORCH_VERSION"),
+    "\0"
+);

@@ -2,6 +2,7 @@
 `torchfuse doctor`. CPU checks run everywhere (the doctor compiles a kernel of every family with
 NVRTC); on a GPU the doctor also runs one call of every family against PyTorch's."""
 import json
+import os
 import subprocess
 import sys
 
@@ -11,7 +12,9 @@ from conftest import LIB_DIR, ROOT, clean_env, requires_cuda
 
 
 def torchfuse(*args, **env):
-    env = clean_env(PYTHONPATH=ROOT / "python", **{"TORCHFUSE_LIB_DIR": LIB_DIR, **env})
+    """`python -m torchfuse ARGS` with the checkout's package; a PYTHONPATH given goes after it."""
+    path = os.pathsep.join([str(ROOT / "python")] + ([str(env.pop("PYTHONPATH"))] if "PYTHONPATH" in env else []))
+    env = clean_env(PYTHONPATH=path, **{"TORCHFUSE_LIB_DIR": LIB_DIR, **env})
     return subprocess.run([sys.executable, "-m", "torchfuse", *args], env=env, capture_output=True,
                           text=True, timeout=600)
 
@@ -64,3 +67,17 @@ def test_doctor_runs_every_family_on_the_gpu():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ran = [line for line in proc.stdout.splitlines() if " run " in line]
     assert len(ran) == 9 and all(line.startswith("ok") for line in ran), proc.stdout
+
+
+def test_a_library_built_for_another_torch_is_refused_naming_both(tmp_path):
+    """The launcher's hook reads the version the library was built against (a marker in its
+    file) before torch is imported; a fake torch of another release makes the job run stock."""
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("__version__ = '2.99.0'\n")
+    (fake / "version.py").write_text("__version__ = '2.99.0'\n")
+    proc = torchfuse(sys.executable, "-c", "import os, json; print(json.dumps(os.environ.get('TORCHFUSE')))",
+                     PYTHONPATH=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == "0"
+    assert "built against torch 2.11" in proc.stderr and "this is torch 2.99.0" in proc.stderr, proc.stderr

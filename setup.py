@@ -1,0 +1,30 @@
+"""The wheel's Rust half (pyproject.toml holds the rest): libtorchfuse.so and
+libtorchfuse_preload.so, built by cargo through setuptools-rust, installed into torchfuse/_lib.
+
+build.rs compiles the C++ glue against the torch of the Python that TORCHFUSE_PYTHON names (the
+build's own isolated Python has none): scripts/wheel sets it.
+"""
+import os
+
+from setuptools import setup
+from setuptools_rust import Binding, RustExtension, Strip, build_rust
+
+
+class BuildRust(build_rust):
+    """Keeps the libraries' plain names (the preload library finds libtorchfuse.so beside
+    itself by that name), not Python's extension-module suffix."""
+
+    def get_dylib_ext_path(self, ext, target_fname):
+        path = super().get_dylib_ext_path(ext, target_fname)
+        return os.path.join(os.path.dirname(path), target_fname.rsplit(".", 1)[-1] + ".so")
+
+
+setup(
+    rust_extensions=[
+        RustExtension("torchfuse._lib.libtorchfuse", path="Cargo.toml", binding=Binding.NoBinding,
+                      strip=Strip.All),
+        RustExtension("torchfuse._lib.libtorchfuse_preload", path="preload/Cargo.toml",
+                      binding=Binding.NoBinding, strip=Strip.All),
+    ],
+    cmdclass={"build_rust": BuildRust},
+)
