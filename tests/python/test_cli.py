@@ -81,3 +81,18 @@ def test_a_library_built_for_another_torch_is_refused_naming_both(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == "0"
     assert "built against torch 2.11" in proc.stderr and "this is torch 2.99.0" in proc.stderr, proc.stderr
+
+
+def test_torchrun_children_get_torchfuse(tmp_path):
+    """`torchfuse torchrun ...`: the preload and the start-up hook reach every rank's process."""
+    script = tmp_path / "rank.py"
+    script.write_text("import json, os, torch, torchfuse\n"
+                      "print('RANK ' + json.dumps([int(os.environ['RANK']), torchfuse.loaded(),"
+                      " hasattr(torch.optim.Adam.__init__, '__wrapped__')]))\n")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        pytest.skip("no torchrun beside this Python")
+    proc = torchfuse(torchrun, "--standalone", "--nproc_per_node", "2", str(script))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    ranks = sorted(json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("RANK "))
+    assert ranks == [[0, True, True], [1, True, True]], proc.stdout
