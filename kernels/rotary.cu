@@ -10,10 +10,13 @@
 // multiply, an add) and more in the backward; here each element is read and written once, in
 // fp32, rounded once on the store. No reductions: results do not depend on the launch shape.
 //
-// Layout: a thread owns one pair (j, j+h) of one row of q or k (the first q's pairs, then k's).
-// Every operand is 4-D with a contiguous last dim; the others may be strided (q and k are
-// transposed views of the projections' outputs) and cos/sin are broadcast (stride 0) over the
-// dims they lack. Strides come per operand from src/ops/rotary.rs (`RopeOperand`).
+// Layout: a warp owns a row (one head of one token) of q or k, q's rows first, then k's; lane l
+// takes the pairs (j, j+h) for j = l, l + 32, ...: consecutive lanes read consecutive elements
+// of each half, and a row's index is taken apart once, not per element. TF_THREADS / 32 rows a
+// CTA, the grid strides over the rest. Every operand is 4-D with a contiguous last dim; the
+// others may be strided (q and k are transposed views of the projections' outputs) and cos/sin
+// are broadcast (stride 0) over the dims they lack. Strides come per operand from
+// src/ops/rotary.rs (`RopeOperand`).
 //
 // Dtypes: x (q, k, and the backward's dx) is TF_DTYPE. TF_WIDE = 1: cos, sin and the forward's
 // output (the backward's dy) are fp32 while x is 16-bit, the form autocast gives HF's code
@@ -44,7 +47,7 @@ struct RopeStrides {
 struct RopeOperand {
   const void* in;  // forward: x (tf_x); backward: dy (tf_y)
   void* out;       // forward: y (tf_y); backward: dx (tf_x)
-  tf_i64 n1, n2, pairs;  // pairs = n0 * n1 * n2 * half
+  tf_i64 n1, n2, rows;  // rows = n0 * n1 * n2
   RopeStrides in_s, out_s, trig_s;
 };
 
@@ -53,39 +56,42 @@ __device__ __forceinline__ tf_i64 offset(const RopeStrides& s, tf_i64 i0, tf_i64
 }
 
 template <typename TIn, typename TOut>
-__device__ __forceinline__ void rotate_pair(const RopeOperand& op, const tf_y* __restrict__ cos,
-                                            const tf_y* __restrict__ sin, tf_i64 pair, int half) {
-  const tf_i64 row = pair / half;
-  const int j = static_cast<int>(pair - row * half);
+__device__ __forceinline__ void rotate_row(const RopeOperand& op, const tf_y* __restrict__ cos,
+                                           const tf_y* __restrict__ sin, tf_i64 row, int half,
+                                           int lane) {
   const tf_i64 i2 = row % op.n2, i01 = row / op.n2;
   const tf_i64 i1 = i01 % op.n1, i0 = i01 / op.n1;
   const TIn* in = static_cast<const TIn*>(op.in) + offset(op.in_s, i0, i1, i2);
   TOut* out = static_cast<TOut*>(op.out) + offset(op.out_s, i0, i1, i2);
   const tf_i64 t = offset(op.trig_s, i0, i1, i2);
-  const float a = tf_float(in[j]), b = tf_float(in[j + half]);
-  const float c_lo = tf_float(cos[t + j]), c_hi = tf_float(cos[t + j + half]);
-  const float s_lo = tf_float(sin[t + j]), s_hi = tf_float(sin[t + j + half]);
+  for (int j = lane; j < half; j += 32) {
+    const float a = tf_float(in[j]), b = tf_float(in[j + half]);
+    const float c_lo = tf_float(cos[t + j]), c_hi = tf_float(cos[t + j + half]);
+    const float s_lo = tf_float(sin[t + j]), s_hi = tf_float(sin[t + j + half]);
 #if TF_ROPE_BWD
-  out[j] = tf_cast<TOut>(a * c_lo + b * s_hi);
-  out[j + half] = tf_cast<TOut>(b * c_hi - a * s_lo);
+    out[j] = tf_cast<TOut>(a * c_lo + b * s_hi);
+    out[j + half] = tf_cast<TOut>(b * c_hi - a * s_lo);
 #else
-  out[j] = tf_cast<TOut>(a * c_lo - b * s_lo);
-  out[j + half] = tf_cast<TOut>(b * c_hi + a * s_hi);
+    out[j] = tf_cast<TOut>(a * c_lo - b * s_lo);
+    out[j + half] = tf_cast<TOut>(b * c_hi + a * s_hi);
 #endif
+  }
 }
 
-// q's pairs, then k's: one thread a pair, a grid-stride loop over both.
+// q's rows, then k's: a warp a row, a grid-stride loop over both.
 extern "C" __global__ void __launch_bounds__(TF_THREADS)
     rope(RopeOperand q, RopeOperand k, const tf_y* __restrict__ cos,
          const tf_y* __restrict__ sin, int half) {
-  const tf_i64 total = q.pairs + k.pairs;
-  for (tf_i64 p = static_cast<tf_i64>(blockIdx.x) * TF_THREADS + threadIdx.x; p < total;
-       p += static_cast<tf_i64>(gridDim.x) * TF_THREADS) {
-    const bool is_q = p < q.pairs;
+  constexpr int warps = TF_THREADS / 32;
+  const int lane = threadIdx.x % 32;
+  const tf_i64 total = q.rows + k.rows;
+  for (tf_i64 r = static_cast<tf_i64>(blockIdx.x) * warps + threadIdx.x / 32; r < total;
+       r += static_cast<tf_i64>(gridDim.x) * warps) {
+    const bool is_q = r < q.rows;
 #if TF_ROPE_BWD
-    rotate_pair<tf_y, tf_x>(is_q ? q : k, cos, sin, is_q ? p : p - q.pairs, half);
+    rotate_row<tf_y, tf_x>(is_q ? q : k, cos, sin, is_q ? r : r - q.rows, half, lane);
 #else
-    rotate_pair<tf_x, tf_y>(is_q ? q : k, cos, sin, is_q ? p : p - q.pairs, half);
+    rotate_row<tf_x, tf_y>(is_q ? q : k, cos, sin, is_q ? r : r - q.rows, half, lane);
 #endif
   }
 }

@@ -134,6 +134,9 @@ pub extern "C" fn torchfuse_rs_reset_stats() {
 /// JSON: the versions, the kernel cache, NVRTC, the registry, the toggles, and one kernel of
 /// every family compiled for `arch` (the GPU's; empty: sm_90a). Each check is
 /// `{"ok": bool, "detail": str}`.
+///
+/// # Safety
+/// `arch` points to `len` readable bytes (the glue passes a string view's).
 #[no_mangle]
 pub unsafe extern "C" fn torchfuse_rs_doctor_json(arch: *const c_char, len: usize) -> *mut c_char {
     catch_unwind(|| {

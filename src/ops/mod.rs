@@ -191,7 +191,7 @@ pub enum KernelOp {
     #[serde(rename = "silu_mul_bwd")]
     SiluMulBwd,
     /// `torchfuse::rotary`, every tensor in q's dtype; `hidden` is the head dim, `rows` the
-    /// (row, pair) count of q and k.
+    /// rows (one head of one token) of q and k together.
     #[serde(rename = "rotary_fwd")]
     RotaryFwd,
     /// As `RotaryFwd`, fp32 cos/sin and output of 16-bit q and k (autocast's form).

@@ -17,7 +17,7 @@ use tch::{Device, Kind, Tensor};
 /// The kernel of kernels/rotary.cu (one per direction, by TF_ROPE_BWD).
 const KERNEL: &str = "rope";
 
-/// Grid CTAs at most; they stride over the rest.
+/// Grid CTAs at most (a warp a row); they stride over the rest.
 const MAX_GRID: i64 = 1 << 16;
 
 /// Element strides of a [n0, n1, n2, d] view (`RopeStrides` in rotary.cu).
@@ -40,7 +40,8 @@ struct RopeOperand {
     output: u64,
     n1: i64,
     n2: i64,
-    pairs: i64,
+    /// n0 * n1 * n2: the (batch, head, position) rows, each of head-dim elements.
+    rows: i64,
     in_s: RopeStrides,
     out_s: RopeStrides,
     trig_s: RopeStrides,
@@ -166,7 +167,7 @@ impl Family for Rotary {
                 output: device_addr(out),
                 n1: size[1],
                 n2: size[2],
-                pairs: size[0] * size[1] * size[2] * (d / 2),
+                rows: size[0] * size[1] * size[2],
                 in_s: strides(t).ok_or(StockReason::NotContiguous)?,
                 out_s: strides(out).ok_or(StockReason::NotContiguous)?,
                 trig_s,
@@ -178,8 +179,8 @@ impl Family for Rotary {
             empty_like(&b, out_kind, device)?,
         );
         let (op_a, op_b) = (operand(&a, &out_a)?, operand(&b, &out_b)?);
-        let total = op_a.pairs + op_b.pairs;
-        if total == 0 {
+        let total = op_a.rows + op_b.rows;
+        if total == 0 || d == 0 {
             return Err(StockReason::EmptyInput);
         }
         let kernel_op = match (backward, wide) {
@@ -202,7 +203,7 @@ impl Family for Rotary {
             deterministic: false,
         })?;
         let p = Rotary::params(params)?;
-        let blocks = gpu::ceil_div(total, p.threads).min(MAX_GRID);
+        let blocks = gpu::ceil_div(total, p.threads / 32).min(MAX_GRID);
         let config = LaunchConfig {
             grid_dim: (gpu::grid_dim(blocks, 1)?, 1, 1),
             block_dim: (
