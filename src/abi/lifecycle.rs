@@ -69,6 +69,16 @@ fn register_all() {
         tracing::info!("TORCHFUSE=0: loaded, nothing registered");
         return;
     }
+    if let Some(running) = running_torch_version() {
+        let built = env!("TORCHFUSE_TORCH_VERSION");
+        if !same_release(&running, built) {
+            tracing::warn!(
+                "built against torch {built}, running torch {running}: nothing registered, \
+                 PyTorch runs unchanged (install the torchfuse built for this torch)"
+            );
+            return;
+        }
+    }
     if let Err(e) = crate::ops::REGISTRY.as_ref() {
         tracing::warn!("kernel registry is invalid ({e}); every call goes to stock");
     }
@@ -133,3 +143,62 @@ static BUILT_AGAINST: &str = concat!(
     env!("TORCHFUSE_TORCH_VERSION"),
     "\0"
 );
+
+/// The running torch's version, from the `version.py` beside the libc10 this process loaded
+/// (`torch/lib/libc10.so` -> `torch/version.py`); None when it cannot be read.
+fn running_torch_version() -> Option<String> {
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: `buf` is writable for its length; the glue NUL-terminates within it.
+    let len =
+        unsafe { super::types::torchfuse_cxx_libtorch_file(buf.as_mut_ptr().cast(), buf.len()) };
+    if len == 0 || len >= buf.len() {
+        return None;
+    }
+    let lib = std::path::PathBuf::from(String::from_utf8_lossy(&buf[..len]).into_owned());
+    let text = std::fs::read_to_string(lib.parent()?.parent()?.join("version.py")).ok()?;
+    parse_torch_version(&text)
+}
+
+/// `__version__ = '2.11.0+cu130'` from torch's version.py.
+fn parse_torch_version(text: &str) -> Option<String> {
+    text.lines().find_map(|line| {
+        let rest = line.trim().strip_prefix("__version__")?.trim_start();
+        let value = rest.strip_prefix('=')?.trim();
+        let quote = value.chars().next().filter(|c| *c == '\'' || *c == '"')?;
+        Some(value[1..].split(quote).next()?.to_string())
+    })
+}
+
+/// Two torch versions of one release (`2.11.0+cu130` and `2.11.0`).
+fn same_release(a: &str, b: &str) -> bool {
+    a.split('+').next() == b.split('+').next()
+}
+
+#[cfg(test)]
+mod version_tests {
+    use super::*;
+
+    #[test]
+    fn torch_versions_are_read_and_compared_by_release() {
+        let text =
+            "from typing import Optional\n__version__ = '2.11.0+cu130'\ngit_version = 'abc'\n";
+        assert_eq!(parse_torch_version(text).as_deref(), Some("2.11.0+cu130"));
+        assert_eq!(
+            parse_torch_version("__version__ = \"2.12.1\"\n").as_deref(),
+            Some("2.12.1")
+        );
+        assert_eq!(parse_torch_version("version = '1'\n"), None);
+        assert!(same_release("2.11.0+cu130", "2.11.0"));
+        assert!(!same_release("2.12.0+cu130", "2.11.0+cu130"));
+    }
+
+    #[test]
+    fn the_running_torch_is_the_one_built_against() {
+        let _ = tch::Tensor::zeros([1], (tch::Kind::Float, tch::Device::Cpu)); // libc10 mapped
+        let running = running_torch_version().expect("torch's version.py beside libc10");
+        assert!(
+            same_release(&running, env!("TORCHFUSE_TORCH_VERSION")),
+            "{running}"
+        );
+    }
+}

@@ -24,6 +24,9 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <c10/core/CPUAllocator.h>
+#include <dlfcn.h>
+
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -1234,6 +1237,23 @@ __attribute__((visibility("default"))) size_t torchfuse_cxx_abi_layout(int64_t* 
 
 __attribute__((visibility("default"))) const char* torchfuse_cxx_entry_name(uint32_t entry) {
   return entry < TF_ENTRY_COUNT ? kEntryNames[entry] : nullptr;
+}
+
+__attribute__((visibility("default"))) size_t torchfuse_cxx_libtorch_file(char* out, size_t cap) {
+  try {
+    Dl_info info{};
+    if (dladdr(reinterpret_cast<void*>(&c10::GetCPUAllocator), &info) == 0 ||
+        info.dli_fname == nullptr)
+      return 0;
+    const size_t len = std::strlen(info.dli_fname);
+    if (cap > 0) {
+      std::strncpy(out, info.dli_fname, cap - 1);
+      out[cap - 1] = '\0';
+    }
+    return len;
+  } catch (...) {
+    return 0;
+  }
 }
 
 }  // extern "C"

@@ -254,6 +254,9 @@ void* torchfuse_cxx_empty_unfilled(const int64_t* sizes, size_t ndim, int16_t sc
 // The layout of this file as the C++ compiler sees it, for the cargo test that compares it
 // with Rust's: writes up to `cap` numbers (see shim.cpp) and returns how many there are.
 size_t torchfuse_cxx_abi_layout(int64_t* out, size_t cap);
+// The file the running torch's libc10 was loaded from, into `out` (NUL-terminated, cut to
+// `cap`); returns its full length, 0 when unknown.
+size_t torchfuse_cxx_libtorch_file(char* out, size_t cap);
 // The op (aten's with overload, or torchfuse::name) an entry overrides or defines.
 const char* torchfuse_cxx_entry_name(uint32_t entry);
 

@@ -242,6 +242,7 @@ extern "C" {
     ) -> *mut c_void;
     pub fn torchfuse_cxx_abi_layout(out: *mut i64, cap: usize) -> usize;
     pub fn torchfuse_cxx_entry_name(entry: u32) -> *const c_char;
+    pub fn torchfuse_cxx_libtorch_file(out: *mut c_char, cap: usize) -> usize;
 }
 
 #[cfg(test)]
