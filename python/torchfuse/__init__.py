@@ -27,10 +27,17 @@ def built_against(library):
     return data[start:data.index(b"\0", start)].decode()
 
 
+def same_release(a, b):
+    """Two torch versions of one release (2.11.0+cu130 and 2.11.0)."""
+    return a.split("+")[0] == b.split("+")[0]
+
+
 def version_mismatch(library, torch_version):
-    """One line naming both versions when the library was built for another torch release."""
+    """One line naming both versions when the library was built for another torch release
+    (read from the file, before it is loaded: `enable`, `torchfuse doctor`; a library loaded by
+    the launcher checks the running torch itself)."""
     built = built_against(library)
-    if built is not None and built.split("+")[0] != torch_version.split("+")[0]:
+    if built is not None and not same_release(built, torch_version):
         return (f"torchfuse: {library} was built against torch {built}, this is torch "
                 f"{torch_version}; PyTorch runs unchanged (install the torchfuse built for this "
                 f"torch, or torch {built.split('+')[0]})")
@@ -47,29 +54,6 @@ def library_dir():
     if (installed / "libtorchfuse.so").is_file():
         return installed
     return Path(__file__).resolve().parents[2] / "target" / "release"
-
-
-def refuse_other_torch():
-    """At start-up, before torch is imported (the launcher's hook): when the preloaded library
-    was built for another torch release than the one installed, say so once and set
-    TORCHFUSE=0, so the library registers nothing and PyTorch runs unchanged. Reads torch's
-    version from its files: importing torch here would cost every process."""
-    import importlib.util
-    import re
-
-    spec = importlib.util.find_spec("torch")
-    if spec is None or spec.origin is None:
-        return
-    version_file = Path(spec.origin).parent / "version.py"
-    library = library_dir() / "libtorchfuse.so"
-    try:
-        found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", version_file.read_text(), re.M)
-        mismatch = found and version_mismatch(library, found.group(1))
-    except OSError:
-        return
-    if mismatch:
-        print(mismatch, file=sys.stderr)
-        os.environ["TORCHFUSE"] = "0"
 
 
 def loaded():

@@ -67,11 +67,6 @@ class Report:
             self.fail(what, result.get("detail", "failed"), fix)
 
 
-def _same_release(a, b):
-    """torch versions of one release (2.11.0+cu130 and 2.11.0 match)."""
-    return a.split("+")[0] == b.split("+")[0]
-
-
 def doctor():
     report = Report()
     report.info("python", sys.version.split()[0])
@@ -90,7 +85,7 @@ def doctor():
                     "build with scripts/setup, or set TORCHFUSE_LIB_DIR")
         return 1
     report.ok("libraries", str(lib_dir))
-    from . import version_mismatch
+    from . import same_release, version_mismatch
 
     mismatch = version_mismatch(lib_dir / "libtorchfuse.so", torch.__version__)
     if mismatch:
@@ -114,7 +109,7 @@ def doctor():
         report.info("gpu", "none visible: kernels are compiled below but not run")
     info = json.loads(torch.ops.torchfuse.doctor(arch))
     built = info["torch_built_against"]
-    if _same_release(built, torch.__version__):
+    if same_release(built, torch.__version__):
         report.ok("torchfuse", f"{info['version']}, built against torch {built}")
     else:
         report.fail("torchfuse", f"built against torch {built}, running torch {torch.__version__}",

@@ -56,6 +56,17 @@ fn register_all() {
         let location = info.location().map(|l| l.to_string()).unwrap_or_default();
         *LAST_PANIC.lock().unwrap_or_else(|p| p.into_inner()) = location;
     }));
+    // Before anything is registered with a torch whose ABI may not be the one compiled against.
+    if let Some(running) = running_torch_version() {
+        let built = env!("TORCHFUSE_TORCH_VERSION");
+        if !same_release(&running, built) {
+            tracing::warn!(
+                "built against torch {built}, running torch {running}: nothing registered, \
+                 PyTorch runs unchanged (install the torchfuse built for this torch)"
+            );
+            return;
+        }
+    }
     let mut status = TfStatus::new();
     // SAFETY: status is valid and writable.
     unsafe { torchfuse_cxx_define_control_ops(&mut status) };
@@ -68,16 +79,6 @@ fn register_all() {
     if !config.active {
         tracing::info!("TORCHFUSE=0: loaded, nothing registered");
         return;
-    }
-    if let Some(running) = running_torch_version() {
-        let built = env!("TORCHFUSE_TORCH_VERSION");
-        if !same_release(&running, built) {
-            tracing::warn!(
-                "built against torch {built}, running torch {running}: nothing registered, \
-                 PyTorch runs unchanged (install the torchfuse built for this torch)"
-            );
-            return;
-        }
     }
     if let Err(e) = crate::ops::REGISTRY.as_ref() {
         tracing::warn!("kernel registry is invalid ({e}); every call goes to stock");

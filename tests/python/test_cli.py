@@ -70,17 +70,23 @@ def test_doctor_runs_every_family_on_the_gpu():
 
 
 def test_a_library_built_for_another_torch_is_refused_naming_both(tmp_path):
-    """The launcher's hook reads the version the library was built against (a marker in its
-    file) before torch is imported; a fake torch of another release makes the job run stock."""
-    fake = tmp_path / "torch"
-    fake.mkdir()
-    (fake / "__init__.py").write_text("__version__ = '2.99.0'\n")
-    (fake / "version.py").write_text("__version__ = '2.99.0'\n")
-    proc = torchfuse(sys.executable, "-c", "import os, json; print(json.dumps(os.environ.get('TORCHFUSE')))",
-                     PYTHONPATH=tmp_path)
+    """The version a library was built against is a marker in its file, read before loading it:
+    `torchfuse.enable()` and `torchfuse doctor` refuse another torch release with one message
+    naming both, and nothing is loaded (a library the launcher preloads checks the running torch
+    itself: src/abi/lifecycle.rs)."""
+    for name in ("libtorchfuse.so", "libtorchfuse_preload.so"):
+        (tmp_path / name).write_bytes(b"\x7fELF...torchfuse-built-against-torch=2.99.0+cu999\0...")
+    proc = subprocess.run([sys.executable, "-c", f"""
+import json, torch, torchfuse
+print(json.dumps([torchfuse.enable({str(tmp_path)!r}), torchfuse.loaded()]))
+"""], env=clean_env(PYTHONPATH=ROOT / "python"), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == "0"
-    assert "built against torch 2.11" in proc.stderr and "this is torch 2.99.0" in proc.stderr, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [False, False]
+    assert "built against torch 2.99.0+cu999, this is torch 2.11" in proc.stderr, proc.stderr
+    doctor = torchfuse("doctor", TORCHFUSE_LIB_DIR=tmp_path)
+    assert doctor.returncode == 1, doctor.stdout + doctor.stderr
+    failed = [line for line in doctor.stdout.splitlines() if line.startswith("FAIL")]
+    assert failed and "torch 2.99.0+cu999" in failed[0] and "this is torch 2.11" in failed[0], doctor.stdout
 
 
 def test_torchrun_children_get_torchfuse(tmp_path):

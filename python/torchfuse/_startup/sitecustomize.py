@@ -27,7 +27,6 @@ def _run_shadowed_sitecustomize():
 try:
     import torchfuse
 
-    torchfuse.refuse_other_torch()
     torchfuse.install_hooks()
 except Exception as e:
     print(f"torchfuse: hooks not installed ({e!r})", file=sys.stderr)
