@@ -1,7 +1,7 @@
 """The `torchfuse` command.
 
-    torchfuse COMMAND [ARGS...]   runs an unchanged command with torchfuse, as scripts/torchfuse
-                                  does: `torchfuse python train.py`, `torchfuse torchrun
+    torchfuse COMMAND [ARGS...]   runs an unchanged command with torchfuse (scripts/torchfuse in a
+                                  checkout): `torchfuse python train.py`, `torchfuse torchrun
                                   --nproc_per_node 8 train.py` (the preload and the start-up hook
                                   pass to every child process through the environment)
     torchfuse doctor              checks this machine: each line ok, or what is wrong and how to
