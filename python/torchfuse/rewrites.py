@@ -3,10 +3,11 @@
 When `transformers.activations` or a `transformers.models.<name>.modeling_<name>` module is
 imported, every class defined there whose `forward` is a known form (compositions.py: by its
 code, not its name) gets a forward that calls torchfuse's op instead, provided the op's
-toggle is on (`TORCHFUSE_OPS`). In `transformers.loss.loss_utils` the same holds for known
-module-level functions (the causal-LM loss), replaced in the module and in its LOSS_MAPPING,
-from which every model's `loss_function` is taken. Each rewrite is logged once at info; a class that looks like
-one (its name says RMSNorm or GELU) but whose code differs is left alone and logged at debug.
+toggle is on (`TORCHFUSE_OPS`). The same holds for known module-level functions (the causal-LM
+loss in `transformers.loss.loss_utils`, also replaced in its LOSS_MAPPING, from which every
+model's `loss_function` is taken; the models' `apply_rotary_pos_emb`). Each rewrite is logged
+once at info; a class that looks like one (its name says RMSNorm or GELU) but whose code differs
+is left alone and logged at debug.
 
 The new forward calls the op only for plain CUDA tensors of a dtype the op serves, outside
 torch.compile (Inductor fuses the original composition itself, and sees torchfuse's aten
@@ -60,9 +61,14 @@ def _note(torch, message, debug=False):
         pass
 
 
+def _served_dtypes(torch):
+    """The dtypes torchfuse's kernels take (anything else runs the original code)."""
+    return (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _gelu_forward(torch, original, form):
     op = torch.ops.torchfuse.gelu_tanh.default
-    tensor, served, fp32 = torch.Tensor, (torch.float32, torch.bfloat16, torch.float16), torch.float32
+    tensor, served, fp32 = torch.Tensor, _served_dtypes(torch), torch.float32
     compiling, autocast = torch.compiler.is_compiling, torch.is_autocast_enabled
     widens = _FP32_UNDER_AUTOCAST[form]
 
@@ -97,7 +103,7 @@ def _causal_lm_loss(torch, original, form):
     fp32 copy of the logits is never made. Labels are shifted, flattened and reduced as the
     original does (`mean`, or `sum` / num_items_in_batch)."""
     op = torch.ops.torchfuse.cross_entropy.default
-    tensor, served, fp32 = torch.Tensor, (torch.float32, torch.bfloat16, torch.float16), torch.float32
+    tensor, served, fp32 = torch.Tensor, _served_dtypes(torch), torch.float32
     compiling, pad, is_tensor = torch.compiler.is_compiling, torch.nn.functional.pad, torch.is_tensor
     mean, total = 1, 2  # at::Reduction
 
@@ -132,7 +138,7 @@ def _gated_mlp_forward(torch, original, form):
     """HF's gated MLP with silu(gate) * up in one op (torchfuse::silu_mul) where act_fn is SiLU
     and gate and up agree in dtype and shape; the matmuls are the module's own."""
     op = torch.ops.torchfuse.silu_mul.default
-    tensor, served = torch.Tensor, (torch.float32, torch.bfloat16, torch.float16)
+    tensor, served = torch.Tensor, _served_dtypes(torch)
     compiling, module = torch.compiler.is_compiling, torch.nn.modules.module
     silu_types = {}  # (act_fn type, its forward) -> computes SiLU
 
@@ -187,6 +193,7 @@ def _rotary(torch, original, form):
 
 # Toggle -> the op its rewrites call, where the names differ.
 _OP_NAMES = {"swiglu": "silu_mul"}
+
 
 def _op_path(toggle):
     return f"torch.ops.torchfuse.{_OP_NAMES.get(toggle, toggle)}"

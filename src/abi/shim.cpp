@@ -475,17 +475,22 @@ at::Tensor gelu_tanh_backward_cuda(const at::Tensor& grad_out, const at::Tensor&
   return gelu_tanh_backward_stock(grad_out, input);
 }
 
+// torchfuse's own op `name` as a typed handle, for the autograd Functions to call below
+// autograd; the signature is the caller's own (`own_op<decltype(call_x)>`), kept in a static:
+// one lookup.
+template <class Signature>
+c10::TypedOperatorHandle<Signature> own_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
 at::Tensor call_gelu_tanh(const at::Tensor& input, std::optional<at::ScalarType> dtype) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("torchfuse::gelu_tanh", "")
-                             .typed<at::Tensor(const at::Tensor&, std::optional<at::ScalarType>)>();
+  static const auto op = own_op<decltype(call_gelu_tanh)>("torchfuse::gelu_tanh");
   return op.call(input, dtype);
 }
 
 at::Tensor call_gelu_tanh_backward(const at::Tensor& grad_out, const at::Tensor& input) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("torchfuse::gelu_tanh_backward", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  static const auto op =
+      own_op<decltype(call_gelu_tanh_backward)>("torchfuse::gelu_tanh_backward");
   return op.call(grad_out, input);
 }
 
@@ -502,8 +507,10 @@ class GeluTanhFunction : public torch::autograd::Function<GeluTanhFunction> {
                                                  torch::autograd::variable_list grads) {
     const at::Tensor input = ctx->get_saved_variables()[0];
     // create_graph: PyTorch's own backward ops, which are differentiable (a double backward).
-    if (at::GradMode::is_enabled()) return {gelu_tanh_backward_stock(grads[0], input), at::Tensor()};
-    return {call_gelu_tanh_backward(grads[0], input), at::Tensor()};
+    const at::Tensor grad = at::GradMode::is_enabled()
+                                ? gelu_tanh_backward_stock(grads[0], input)
+                                : call_gelu_tanh_backward(grads[0], input);
+    return {grad, at::Tensor()};
   }
 };
 
@@ -707,9 +714,7 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_backward_cuda(const at::Tensor& grad
 }
 
 at::Tensor call_silu_mul(const at::Tensor& gate, const at::Tensor& up) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("torchfuse::silu_mul", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  static const auto op = own_op<decltype(call_silu_mul)>("torchfuse::silu_mul");
   return op.call(gate, up);
 }
 
@@ -717,10 +722,7 @@ std::tuple<at::Tensor, at::Tensor> call_silu_mul_backward(const at::Tensor& grad
                                                           const at::Tensor& gate,
                                                           const at::Tensor& up) {
   static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("torchfuse::silu_mul_backward", "")
-          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                    const at::Tensor&)>();
+      own_op<decltype(call_silu_mul_backward)>("torchfuse::silu_mul_backward");
   return op.call(grad_out, gate, up);
 }
 
@@ -832,12 +834,7 @@ std::tuple<at::Tensor, at::Tensor> rotary_backward_cuda(const at::Tensor& grad_q
 std::tuple<at::Tensor, at::Tensor> call_rotary(const at::Tensor& q, const at::Tensor& k,
                                                const at::Tensor& cos, const at::Tensor& sin,
                                                int64_t unsqueeze_dim) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("torchfuse::rotary", "")
-          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                    const at::Tensor&, const at::Tensor&,
-                                                    int64_t)>();
+  static const auto op = own_op<decltype(call_rotary)>("torchfuse::rotary");
   return op.call(q, k, cos, sin, unsqueeze_dim);
 }
 
@@ -847,12 +844,7 @@ std::tuple<at::Tensor, at::Tensor> call_rotary_backward(const at::Tensor& grad_q
                                                         const at::Tensor& sin,
                                                         int64_t unsqueeze_dim,
                                                         at::ScalarType x_dtype) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("torchfuse::rotary_backward", "")
-          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                    const at::Tensor&, const at::Tensor&,
-                                                    int64_t, at::ScalarType)>();
+  static const auto op = own_op<decltype(call_rotary_backward)>("torchfuse::rotary_backward");
   return op.call(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype);
 }
 
