@@ -31,8 +31,8 @@
 // fp32 first); otherwise they are TF_DTYPE too.
 //
 // Compile-time parameters: TF_DTYPE; the op's TF_CE_FWD / TF_CE_BWD (which kernels), TF_WIDE,
-// TF_EW_CHUNK (src/ops/cross_entropy.rs `defines`); the variant's TF_THREADS (registry/
-// cross_entropy.toml).
+// TF_EW_CHUNK, TF_CE_REDUCE_THREADS, TF_REDUCTION_NONE / _MEAN (src/ops/cross_entropy.rs
+// `defines`); the variant's TF_THREADS (registry/cross_entropy.toml).
 #include "elementwise.cuh"
 
 #if !defined(TF_CE_FWD) || !defined(TF_CE_BWD) || !defined(TF_WIDE)
@@ -46,8 +46,13 @@
 #endif
 
 #define WARPS (TF_THREADS / 32)
-// The reduction kernel's CTA.
-#define REDUCE_THREADS 1024
+// ce_reduce's CTA and at::Reduction's codes: src/ops/cross_entropy.rs passes them.
+#if !defined(TF_CE_REDUCE_THREADS) || !defined(TF_REDUCTION_NONE) || !defined(TF_REDUCTION_MEAN)
+#error "TF_CE_REDUCE_THREADS, TF_REDUCTION_NONE and TF_REDUCTION_MEAN must be defined"
+#endif
+#define REDUCE_THREADS TF_CE_REDUCE_THREADS
+#define REDUCTION_NONE TF_REDUCTION_NONE
+#define REDUCTION_MEAN TF_REDUCTION_MEAN
 
 typedef tf_storage tf_x;
 #if TF_WIDE
@@ -56,10 +61,6 @@ typedef float tf_loss;  // the loss and its gradient
 typedef tf_storage tf_loss;
 #endif
 
-// at::Reduction's codes.
-#define REDUCTION_NONE 0
-#define REDUCTION_MEAN 1
-#define REDUCTION_SUM 2
 
 #define LOG2E 1.4426950408889634f
 // NVRTC has no math.h: -inf from its bits.

@@ -20,11 +20,12 @@ const FWD_KERNEL: &str = "ce_fwd";
 const REDUCE_KERNEL: &str = "ce_reduce";
 const BWD_KERNEL: &str = "ce_bwd";
 
-/// `REDUCE_THREADS` in the kernel: ce_reduce's CTA.
+/// ce_reduce's CTA (`TF_CE_REDUCE_THREADS`, passed by `defines`).
 const REDUCE_THREADS: u32 = 1024;
 
-/// at::Reduction's codes.
+/// at::Reduction's codes (the kernels get theirs from `defines`).
 const REDUCTION_NONE: i32 = 0;
+const REDUCTION_MEAN: i32 = 1;
 const REDUCTION_SUM: i32 = 2;
 
 /// Rows a launch's grid holds at most; CTAs stride over the rest (the kernels loop).
@@ -151,6 +152,9 @@ impl Family for CrossEntropy {
             format!("-DTF_CE_BWD={}", i32::from(is_backward(op))),
             format!("-DTF_WIDE={}", i32::from(wide)),
             elementwise::define(),
+            format!("-DTF_CE_REDUCE_THREADS={REDUCE_THREADS}"),
+            format!("-DTF_REDUCTION_NONE={REDUCTION_NONE}"),
+            format!("-DTF_REDUCTION_MEAN={REDUCTION_MEAN}"),
         ]
     }
 
