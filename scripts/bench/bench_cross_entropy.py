@@ -18,13 +18,18 @@ import torch.nn.functional as F
 from bench_common import kernel_bench_setup, run_timings, timed_loop, write_report
 
 # (rows, classes, logits dtype, loss dtype): GPT-2 124M at B8 S1024 (HF's form: fp32 loss of
-# bf16 logits), the Llama-style bench model, Llama-3's vocabulary, the pure-bf16 and fp32 forms.
+# bf16 logits), the Llama-style bench model, Llama-3's vocabulary, the pure-bf16 and fp32 forms;
+# then small ones (where the registry's thresholds are decided): one short sequence, an ImageNet
+# classifier's batch (timm: F.cross_entropy of fp32 logits) and a ten-class head.
 CASES = [
     (8192, 50304, torch.bfloat16, torch.float32),
     (4096, 32000, torch.bfloat16, torch.float32),
     (8192, 128256, torch.bfloat16, torch.float32),
     (8192, 50304, torch.bfloat16, torch.bfloat16),
     (8192, 50304, torch.float32, torch.float32),
+    (512, 50304, torch.bfloat16, torch.float32),
+    (256, 1000, torch.float32, torch.float32),
+    (64, 10, torch.float32, torch.float32),
 ]
 NAME = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
@@ -59,7 +64,8 @@ def main():
             "|---|---|---|---|---|---|---|---|---|---|"]
     sides = [("stock", False, ""), ("torchfuse", True, "")]
     for r, c, dtype, loss_dtype in CASES:
-        sets = 2
+        # Input sets rotated over more memory than L2 (50 MB).
+        sets = max(2, min(64, (128 << 20) // (r * c * torch.finfo(dtype).bits // 8)))
         xs = [(torch.randn(r, c, device="cuda") * 4).to(dtype).requires_grad_(True) for _ in range(sets)]
         ts = [torch.randint(0, c, (r,), device="cuda") for _ in range(sets)]
         inputs = list(zip(xs, ts))

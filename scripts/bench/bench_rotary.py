@@ -13,11 +13,13 @@ import torch
 from bench_common import kernel_bench_setup, run_timings, write_report
 
 # (batch, seq, q heads, kv heads, head dim, q/k dtype, cos/sin dtype): the Llama-style bench
-# model under autocast (fp32 cos/sin: fp32 output) and in pure bf16, and Llama-7B at S4096.
+# model under autocast (fp32 cos/sin: fp32 output) and in pure bf16, Llama-7B at S4096, and a
+# short sequence (where a launch costs more than the bytes).
 CASES = [
     (4, 1024, 16, 8, 64, torch.bfloat16, torch.float32),
     (4, 1024, 16, 8, 64, torch.bfloat16, torch.bfloat16),
     (1, 4096, 32, 32, 128, torch.bfloat16, torch.bfloat16),
+    (1, 128, 8, 8, 64, torch.bfloat16, torch.float32),
 ]
 NAME = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 

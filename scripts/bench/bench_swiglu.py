@@ -12,12 +12,13 @@ import torch
 from bench_common import kernel_bench_setup, run_timings, write_report
 
 # (tokens, intermediate size, dtype): the Llama-style bench model (B4 S1024), Llama-7B's MLP at
-# 4096 tokens, the fp32 form, a small call.
+# 4096 tokens, the fp32 form, two small calls.
 CASES = [
     (4096, 2816, torch.bfloat16),
     (4096, 11008, torch.bfloat16),
     (4096, 11008, torch.float32),
     (512, 2816, torch.bfloat16),
+    (64, 1024, torch.bfloat16),
 ]
 NAME = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
