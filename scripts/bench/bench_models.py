@@ -14,6 +14,9 @@ where matplotlib is installed, a PNG bar chart.
 Every run is also appended to OUT/bench_models.jsonl as it ends; `--merge A.jsonl B.jsonl`
 reports the runs of several calls as one table.
 
+A side `torchfuse:SPEC` runs torchfuse with TORCHFUSE_OPS=SPEC, `/` standing for `,` (e.g.
+`torchfuse:-rotary/-swiglu`): which op a loss difference or a slowdown comes from.
+
 With two or more stock runs of a model (rounds, or `stock` named twice in --sides), the
 report adds stock's own run-to-run loss difference: the noise the others are judged against.
 """
@@ -106,6 +109,8 @@ def run(lib_dir, model, side, steps, warmup):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFUSE") and k != "LD_PRELOAD"}
     if side.startswith("torchfuse"):
         env["TORCHFUSE_LIB_DIR"] = str(lib_dir)
+        if ":" in side:
+            env["TORCHFUSE_OPS"] = side.split(":", 1)[1].replace("/", ",")
         cmd = [str(ROOT / "scripts" / "torchfuse")] + cmd
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:

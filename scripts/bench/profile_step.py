@@ -1,0 +1,58 @@
+"""Where a whole training step of a bench_models.py model goes: GPU busy time (the kernels'
+summed durations) against the step's wall time, kernel launches per step, and the largest GPU
+kernels and host-side ops. GPU busy time well under the wall time means the host decides the
+step (Python, dispatch, launches), not the kernels.
+
+  python3 scripts/bench/profile_step.py --model gpt2 [--steps 5] [--top 15]
+  scripts/torchfuse python3 scripts/bench/profile_step.py --model gpt2   # the same under torchfuse
+"""
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench_models import build
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="gpt2")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--top", type=int, default=15)
+    a = p.parse_args()
+    torch.manual_seed(0)
+    model, loss_of, _, what = build(a.model, torch)
+    model = model.cuda().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_of(model)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(a.warmup):
+        step()
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    for _ in range(a.steps):
+        step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - begin) * 1e3 / a.steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_ms = sum(e.device_time for e in kernels) / 1e3 / a.steps
+    print(f"{what}: wall {wall_ms:.2f} ms/step (unprofiled), GPU busy {busy_ms:.2f} ms/step, "
+          f"{len(kernels) / a.steps:.0f} kernels/step")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=a.top, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
