@@ -3,11 +3,13 @@
 // dtype, computed in fp32: no fp32 copy of the logits is ever made).
 //
 //   lse_i  = log sum_j exp(x_ij)            (fp32, kept for the backward: 4 bytes a row)
-//   loss_i = lse_i - x_i,t_i                (0 where t_i == ignore_index)
+//   loss_i = (1 - e) (lse_i - x_i,t_i) + e (lse_i - mean_j x_ij)   (0 where t_i == ignore_index;
+//            e = label_smoothing, C classes: PyTorch's (1 - e) nll + (e / C) sum_j -log p_ij)
 //   loss   = sum_i loss_i / W (mean, W = rows not ignored, fp32 as nll_loss's total_weight),
 //            sum_i loss_i (sum), or loss_i (none)
-//   dx_ij  = g_i (exp(x_ij - lse_i) - [j == t_i]),  g_i = dloss (/ W for mean; dloss_i for none;
-//            0 where ignored)
+//   dx_ij  = g_i (exp(x_ij - lse_i) - (1 - e) [j == t_i] - e / C),  g_i = dloss (/ W for mean;
+//            dloss_i for none; 0 where ignored)
+// With e = 0 the smoothing terms are exact zeros and ones: the same bits as without them.
 //
 // Passes over memory: the forward reads the logits once (ce_fwd), the backward reads them
 // once and writes the gradient once (ce_bwd). One CTA owns a row (TF_THREADS threads; grids
@@ -16,15 +18,16 @@
 // element by element, the same columns).
 //
 // Forward, in registers: each thread keeps a running max m and sum s of exp(x - m) over its
-// columns (rescaled when the max grows: an online softmax over chunks), then the CTA combines
-// the (m, s) pairs, warps by butterfly and then warp by warp in a fixed order. The loss rows
-// and the count of rows not ignored are summed by ce_reduce, one CTA, each thread a fixed
-// stride of rows, then a fixed tree: every reduction runs in an order set by the shape alone,
-// so results are bitwise reproducible.
+// columns (rescaled when the max grows: an online softmax over chunks) and their plain sum
+// (for label smoothing), then the CTA combines the (m, s, sum) triples, warps by butterfly and
+// then warp by warp in a fixed order. The loss rows and the count of rows not ignored are
+// summed by ce_reduce, one CTA, each thread a fixed stride of rows, then a fixed tree: every
+// reduction runs in an order set by the shape alone, so results are bitwise reproducible.
 //
 // NaN logits give NaN (as stock's log_softmax): fmaxf skips a NaN max but its exp is NaN and
-// enters the sum. An ignored row's gradient is 0 whatever its logits (stock: NaN there). A target outside [0, cols) that is not ignore_index traps the kernel, the
-// device-side failure stock's nll_loss asserts with; nothing out of bounds is read.
+// enters the sum. An ignored row's gradient is 0 whatever its logits (stock: NaN there). A
+// target outside [0, cols) that is not ignore_index traps the kernel, the device-side failure
+// stock's nll_loss asserts with; nothing out of bounds is read.
 //
 // Dtypes: the logits (and their gradient) are TF_DTYPE. TF_WIDE = 1: the loss (forward) and
 // its incoming gradient (backward) are fp32, the form HF's code gives (it casts the logits to
@@ -92,16 +95,19 @@ __device__ __forceinline__ tf_i64 checked_target(const tf_i64* target, tf_i64 ro
 // This thread's part of one row's (max, sum of exp).
 template <int W>
 __device__ __forceinline__ void scan_row(const tf_x* __restrict__ x, tf_i64 cols, float& m,
-                                         float& s) {
+                                         float& s, float& sum) {
   for (tf_i64 k = threadIdx.x; k * TF_EW_CHUNK < cols; k += TF_THREADS) {
     float v[TF_EW_CHUNK];
     if constexpr (W == TF_EW_CHUNK) {
       tf_load_elems<TF_EW_CHUNK>(x + k * TF_EW_CHUNK, v);
+#pragma unroll
+      for (int j = 0; j < TF_EW_CHUNK; ++j) sum += v[j];
     } else {
 #pragma unroll
       for (int j = 0; j < TF_EW_CHUNK; ++j) {
         const tf_i64 c = k * TF_EW_CHUNK + j;
         v[j] = c < cols ? tf_float(x[c]) : NEG_INF;
+        if (c < cols) sum += v[j];  // the padding -inf stays out
       }
     }
     float cmax = v[0];
@@ -120,38 +126,47 @@ __device__ __forceinline__ void scan_row(const tf_x* __restrict__ x, tf_i64 cols
 extern "C" __global__ void __launch_bounds__(TF_THREADS)
     ce_fwd(const tf_x* __restrict__ logits, const tf_i64* __restrict__ target,
            float* __restrict__ loss_rows, float* __restrict__ lse, tf_i64 rows, tf_i64 cols,
-           tf_i64 ignore_index, int vectorized) {
-  __shared__ float part_m[WARPS], part_s[WARPS];
+           tf_i64 ignore_index, float smoothing, int vectorized) {
+  __shared__ float part_m[WARPS], part_s[WARPS], part_sum[WARPS];
   for (tf_i64 row = blockIdx.x; row < rows; row += gridDim.x) {
     const tf_x* __restrict__ x = logits + row * cols;
-    float m = NEG_INF, s = 0.f;
+    float m = NEG_INF, s = 0.f, sum = 0.f;
     if (vectorized)
-      scan_row<TF_EW_CHUNK>(x, cols, m, s);
+      scan_row<TF_EW_CHUNK>(x, cols, m, s, sum);
     else
-      scan_row<1>(x, cols, m, s);
+      scan_row<1>(x, cols, m, s, sum);
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {
       const float m2 = __shfl_xor_sync(0xffffffffu, m, offset);
       const float s2 = __shfl_xor_sync(0xffffffffu, s, offset);
       combine(m, s, m2, s2);
     }
+    sum = tf_warp_sum(sum);
     const int warp = threadIdx.x / 32;
     if (threadIdx.x % 32 == 0) {
       part_m[warp] = m;
       part_s[warp] = s;
+      part_sum[warp] = sum;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-      float tm = part_m[0], ts = part_s[0];
-      for (int w = 1; w < WARPS; ++w) combine(tm, ts, part_m[w], part_s[w]);
+      float tm = part_m[0], ts = part_s[0], tsum = part_sum[0];
+      for (int w = 1; w < WARPS; ++w) {
+        combine(tm, ts, part_m[w], part_s[w]);
+        tsum += part_sum[w];
+      }
       // All -inf: log(0) = -inf, and the loss -inf - -inf = NaN, as stock's log_softmax gives.
       const float row_lse = tm == NEG_INF ? NEG_INF : tm + logf(ts);
       const tf_i64 t = checked_target(target, row, cols, ignore_index);
       lse[row] = row_lse;
       // (max - x_t) + log(sum) rather than lse - x_t: no cancellation in confident rows.
-      loss_rows[row] = t < 0 ? 0.f : (tm - tf_float(x[t])) + logf(ts);
+      float loss = t < 0 ? 0.f : (tm - tf_float(x[t])) + logf(ts);
+      if (smoothing != 0.f && t >= 0)
+        loss = (1.f - smoothing) * loss +
+               smoothing * ((tm - tsum / static_cast<float>(cols)) + logf(ts));
+      loss_rows[row] = loss;
     }
-    __syncthreads();  // part_m / part_s are rewritten for the next row
+    __syncthreads();  // the parts are rewritten for the next row
   }
 }
 
@@ -198,7 +213,8 @@ struct RowGrad {
   const tf_x* __restrict__ x;
   tf_x* __restrict__ dx;
   float lse, g;
-  tf_i64 t;  // the target class, -1 when ignored (g is then 0)
+  float on, off;  // 1 - e at the target, e / C everywhere (label smoothing e; 1 and 0 without)
+  tf_i64 t;       // the target class, -1 when ignored (g is then 0)
   template <int W>
   __device__ __forceinline__ void apply(tf_i64 c) const {
     float v[W];
@@ -206,7 +222,7 @@ struct RowGrad {
 #pragma unroll
     for (int j = 0; j < W; ++j) {
       const float p = exp2f((v[j] - lse) * LOG2E);
-      v[j] = g * (c + j == t ? p - 1.f : p);
+      v[j] = g * ((c + j == t ? p - on : p) - off);
     }
     tf_store_elems<W>(dx + c, v);
   }
@@ -218,7 +234,8 @@ extern "C" __global__ void __launch_bounds__(TF_THREADS)
     ce_bwd(const tf_x* __restrict__ logits, const tf_i64* __restrict__ target,
            const float* __restrict__ lse, const float* __restrict__ total_weight,
            const tf_loss* __restrict__ grad_loss, tf_x* __restrict__ grad_logits, tf_i64 rows,
-           tf_i64 cols, tf_i64 ignore_index, int reduction, int vectorized) {
+           tf_i64 cols, tf_i64 ignore_index, float smoothing, int reduction, int vectorized) {
+  const float on = 1.f - smoothing, off = smoothing / static_cast<float>(cols);
   for (tf_i64 row = blockIdx.x; row < rows; row += gridDim.x) {
     const tf_i64 t = checked_target(target, row, cols, ignore_index);
     float g = 0.f;
@@ -232,7 +249,7 @@ extern "C" __global__ void __launch_bounds__(TF_THREADS)
       for (tf_i64 c = threadIdx.x; c < cols; c += TF_THREADS) dx[c] = tf_cast<tf_x>(0.f);
       continue;
     }
-    const RowGrad op{logits + offset, dx, lse[row], g, t};
+    const RowGrad op{logits + offset, dx, lse[row], g, on, off, t};
     if (vectorized) {
       for (tf_i64 k = threadIdx.x; k * TF_EW_CHUNK < cols; k += TF_THREADS)
         op.template apply<TF_EW_CHUNK>(k * TF_EW_CHUNK);

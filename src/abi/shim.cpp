@@ -554,18 +554,21 @@ at::Tensor cross_entropy_stock(const at::Tensor& logits, const at::Tensor& targe
 
 // The gradient of the logits composed of PyTorch ops (when Rust does not serve a backward whose
 // forward it served, and for a double backward: these ops are differentiable in the logits and
-// the incoming gradient): g_i (softmax - onehot), 0 where ignored (also where g_i is inf/NaN).
+// the incoming gradient): g_i (softmax - (1 - e) onehot - e / C) with label smoothing e over C
+// classes, 0 where ignored (also where g_i is inf/NaN).
 at::Tensor cross_entropy_backward_stock(const at::Tensor& grad_loss, const at::Tensor& logits,
                                         const at::Tensor& target,
                                         const at::Tensor& total_weight, int64_t reduction,
-                                        int64_t ignore_index) {
+                                        int64_t ignore_index, double label_smoothing) {
   const at::Tensor ignored = target.eq(ignore_index);
   at::Tensor g = grad_loss.to(at::kFloat);
   if (reduction == at::Reduction::Mean) g = g / total_weight;
   g = g.expand({target.size(0)}).masked_fill(ignored, 0.0);  // `none`: one a row already
   at::Tensor grad = at::softmax(logits.to(at::kFloat), 1);
-  grad = grad.scatter_add(1, target.masked_fill(ignored, 0).unsqueeze(1),
-                          ignored.logical_not().to(at::kFloat).neg().unsqueeze(1));
+  grad = grad.scatter_add(
+      1, target.masked_fill(ignored, 0).unsqueeze(1),
+      ignored.logical_not().to(at::kFloat).mul(label_smoothing - 1.0).unsqueeze(1));
+  if (label_smoothing != 0.0) grad = grad - label_smoothing / static_cast<double>(logits.size(1));
   return (grad * g.unsqueeze(1)).to(logits.scalar_type());
 }
 
@@ -575,10 +578,11 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits,
                             const at::Tensor& target, const at::Tensor& loss,
                             const at::Tensor& lse, const at::Tensor& total_weight,
-                            int64_t reduction, int64_t ignore_index) {
+                            int64_t reduction, int64_t ignore_index, double label_smoothing) {
     ctx->save_for_backward({logits, target, lse, total_weight});
     ctx->saved_data["reduction"] = reduction;
     ctx->saved_data["ignore_index"] = ignore_index;
+    ctx->saved_data["label_smoothing"] = label_smoothing;
     // Not `loss` itself: an input returned as it is becomes a view autograd forbids in-place
     // changes to (`loss *= scale`), which stock's loss allows.
     return loss.detach();
@@ -590,6 +594,7 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
                      &total_weight = saved[3];
     const int64_t reduction = ctx->saved_data["reduction"].toInt();
     const int64_t ignore_index = ctx->saved_data["ignore_index"].toInt();
+    const double label_smoothing = ctx->saved_data["label_smoothing"].toDouble();
     const at::Tensor grad_loss = grads[0].contiguous();
     TfCrossEntropyCall call{};
     call.logits = describe(logits);
@@ -598,6 +603,7 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
     call.lse = describe(lse);
     call.total_weight = describe(total_weight);
     call.ignore_index = ignore_index;
+    call.label_smoothing = label_smoothing;
     call.reduction = static_cast<int32_t>(reduction);
     TfOutputs out{};
     at::Tensor grad_logits;
@@ -608,9 +614,9 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
       grad_logits = take_outputs(out)[0];
     else
       grad_logits = cross_entropy_backward_stock(grad_loss, logits, target, total_weight,
-                                                 reduction, ignore_index);
+                                                 reduction, ignore_index, label_smoothing);
     return {grad_logits, at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -622,6 +628,8 @@ at::Tensor cross_entropy_served(TfEntry entry, const at::Tensor& logits, const a
   // Forward-mode AD (a tangent on the logits) is stock's: the fused op has no jvp.
   if (!logits.is_cuda() || traced(logits) || traced(target) || has_tangent({logits}))
     return at::Tensor();
+  // Stock smooths only where label_smoothing > 0: a negative or NaN one is none at all.
+  if (!(label_smoothing > 0.0)) label_smoothing = 0.0;
   TfCrossEntropyCall call{};
   call.logits = describe(logits);
   call.target = describe(target);
@@ -634,7 +642,7 @@ at::Tensor cross_entropy_served(TfEntry entry, const at::Tensor& logits, const a
   auto [loss, lse, total_weight] = take_outputs(out);
   if (!(at::GradMode::is_enabled() && logits.requires_grad())) return loss;
   return CrossEntropyFunction::apply(logits, target, loss, lse, total_weight, reduction,
-                                     ignore_index);
+                                     ignore_index, label_smoothing);
 }
 
 // The dtype of stock's cross-entropy loss of these logits: under CUDA autocast nll_loss (on

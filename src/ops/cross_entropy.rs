@@ -67,8 +67,10 @@ impl Family for CrossEntropy {
     ) -> Result<Served, StockReason> {
         let logits = call.logits.borrow().ok_or(StockReason::InvalidInput)?;
         let target = call.target.borrow().ok_or(StockReason::InvalidInput)?;
-        if call.label_smoothing != 0.0 {
-            return Err(StockReason::LabelSmoothing);
+        // Above 1 stock's call raises its error (the glue sends a negative or NaN one as 0,
+        // which stock does not smooth).
+        if !(0.0..=1.0).contains(&call.label_smoothing) {
+            return Err(StockReason::InvalidInput);
         }
         if !(REDUCTION_NONE..=REDUCTION_SUM).contains(&call.reduction) {
             return Err(StockReason::InvalidInput);
@@ -221,6 +223,7 @@ unsafe fn forward_launch(
         device_addr(&total_weight),
     );
     let vec = vectorized(s.cols, &[logits]);
+    let smoothing = call.label_smoothing as f32;
     let fwd = kernels.get(FWD_KERNEL)?;
     let mut args = stream.launch_builder(&fwd.function);
     args.arg(&logits_ptr)
@@ -230,9 +233,10 @@ unsafe fn forward_launch(
         .arg(&s.rows)
         .arg(&s.cols)
         .arg(&call.ignore_index)
+        .arg(&smoothing)
         .arg(&vec);
     // SAFETY: argument types and order match ce_fwd (logits, target, loss_rows, lse, rows, cols,
-    // ignore_index, vectorized); logits is [rows, cols] contiguous of the module's dtype,
+    // ignore_index, smoothing, vectorized); logits is [rows, cols] contiguous of the module's dtype,
     // target [rows] int64, loss_rows and lse fp32 [rows]; all live until the stream is done
     // with them (PyTorch's allocator orders reuse on it).
     unsafe { args.launch(row_launch(s.rows, p.threads)?) }
@@ -335,6 +339,7 @@ unsafe fn backward_launch(
         device_addr(&grad_logits),
     ];
     let vec = vectorized(s.cols, &[logits, &grad_logits]);
+    let smoothing = call.label_smoothing as f32;
     let bwd = kernels.get(BWD_KERNEL)?;
     let mut args = stream.launch_builder(&bwd.function);
     for ptr in &ptrs {
@@ -343,10 +348,11 @@ unsafe fn backward_launch(
     args.arg(&s.rows)
         .arg(&s.cols)
         .arg(&call.ignore_index)
+        .arg(&smoothing)
         .arg(&call.reduction)
         .arg(&vec);
     // SAFETY: argument types and order match ce_bwd (logits, target, lse, total_weight,
-    // grad_loss, grad_logits, rows, cols, ignore_index, reduction, vectorized); shapes and
+    // grad_loss, grad_logits, rows, cols, ignore_index, smoothing, reduction, vectorized); shapes and
     // dtypes checked above; grad_logits is new, [rows, cols] of the logits' dtype.
     unsafe { args.launch(row_launch(s.rows, p.threads)?) }
         .map_err(|e| super::launch_failed(variant, e))?;

@@ -14,7 +14,6 @@ pub enum StockReason {
     ScaleGradByFreq,
     UserBackendChoice,
     AttentionFeature,
-    LabelSmoothing,
     InvalidInput,
     NotContiguous,
     KernelUnavailable,
@@ -38,7 +37,6 @@ impl std::fmt::Display for StockReason {
             StockReason::AttentionFeature => {
                 "attn_mask, dropout, nested inputs or a negative scale are not served"
             }
-            StockReason::LabelSmoothing => "label_smoothing is not served",
             StockReason::InvalidInput => "input stock rejects",
             StockReason::NotContiguous => "non-contiguous input",
             StockReason::KernelUnavailable => "kernel unavailable",

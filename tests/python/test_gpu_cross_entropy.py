@@ -32,28 +32,30 @@ def incoming_grad(rows, reduction, dtype):
     return torch.tensor(1.7, device="cuda", dtype=dtype)
 
 
-def run(logits, target, reduction, ignore_index, dtype, on):
+def run(logits, target, reduction, ignore_index, dtype, on, smoothing=0.0):
     """(loss, grad of the logits, the loss's incoming grad) through the op, served (on) or
     stock (off)."""
     x = logits.detach().requires_grad_(True)
     with enabled("cross_entropy", on):
-        loss = torch.ops.torchfuse.cross_entropy(x, target, reduction, ignore_index, 0.0, dtype)
+        loss = torch.ops.torchfuse.cross_entropy(x, target, reduction, ignore_index, smoothing, dtype)
         grad_loss = incoming_grad(target.numel(), reduction, loss.dtype)
         (grad,) = torch.autograd.grad(loss, x, grad_loss)
     return loss.detach(), grad, grad_loss
 
 
-def reference(logits, target, reduction, ignore_index, grad_loss):
+def reference(logits, target, reduction, ignore_index, grad_loss, smoothing=0.0):
     """The float64 loss and gradient, and the size of the terms each one cancels: the loss is
     lse - x[target] and its gradient softmax - onehot, so where the target's probability is ~1
     (large logits) both are far smaller than their terms, and any fp32 evaluation, stock's
     too, is exact only to the terms' rounding. The scale is the target-logit part alone (nll
-    of the raw logits and its gradient)."""
+    of the raw logits and its gradient; with label smoothing e, (1 - e) of it and e of the same
+    for the row's mean logit)."""
     x = logits.detach().double().requires_grad_(True)
     options = dict(ignore_index=ignore_index, reduction=REDUCTIONS[reduction])
-    loss = F.cross_entropy(x, target, **options)
+    loss = F.cross_entropy(x, target, label_smoothing=smoothing, **options)
     (grad,) = torch.autograd.grad(loss, x, grad_loss.double())
-    term = F.nll_loss(x, target, **options)
+    term = ((1 - smoothing) * F.nll_loss(x, target, **options)
+            + smoothing * F.nll_loss(x.mean(1, keepdim=True).expand_as(x), target, **options))
     (term_grad,) = torch.autograd.grad(term, x, grad_loss.double())
     return loss.detach(), grad, term.detach().norm().item(), term_grad.norm().item()
 
@@ -63,13 +65,14 @@ def err(out, ref, scale):
     return rel_err(out, ref) * ref.norm().item() / max(ref.norm().item(), scale, 1e-300)
 
 
-def check(logits, target, reduction, ignore_index, dtype, what):
+def check(logits, target, reduction, ignore_index, dtype, what, smoothing=0.0):
     before = fused_count(OP), fused_count(OP_BWD)
-    ours, our_grad, grad_loss = run(logits, target, reduction, ignore_index, dtype, True)
+    ours, our_grad, grad_loss = run(logits, target, reduction, ignore_index, dtype, True, smoothing)
     assert (fused_count(OP), fused_count(OP_BWD)) == (before[0] + 1, before[1] + 1), (
         what, stock_reasons(OP), stock_reasons(OP_BWD))
-    stock, stock_grad, _ = run(logits, target, reduction, ignore_index, dtype, False)
-    ref, ref_grad, loss_scale, grad_scale = reference(logits, target, reduction, ignore_index, grad_loss)
+    stock, stock_grad, _ = run(logits, target, reduction, ignore_index, dtype, False, smoothing)
+    ref, ref_grad, loss_scale, grad_scale = reference(logits, target, reduction, ignore_index, grad_loss,
+                                                      smoothing)
     assert ours.dtype == stock.dtype == dtype and ours.shape == stock.shape, what
     assert our_grad.dtype == logits.dtype and our_grad.shape == logits.shape, what
     for name, o, s, r, scale, floor in (("loss", ours, stock, ref, loss_scale, FLOOR[dtype]),
@@ -79,7 +82,7 @@ def check(logits, target, reduction, ignore_index, dtype, what):
             continue
         e_ours, e_stock = err(o, r, scale), err(s, r, scale)
         assert e_ours <= max(2 * e_stock, floor), f"{what} {name}: ours {e_ours:.3g} stock {e_stock:.3g}"
-    again = run(logits, target, reduction, ignore_index, dtype, True)
+    again = run(logits, target, reduction, ignore_index, dtype, True, smoothing)
     assert torch.equal(ours, again[0]) and torch.equal(our_grad, again[1]), f"{what}: not reproducible"
 
 
@@ -98,9 +101,10 @@ def test_random_cases():
         if rng.random() < 0.5:
             target[torch.rand(rows, device="cuda") < 0.3] = ignore_index
         reduction = rng.choice([0, 1, 2])
+        smoothing = rng.choice([0.0, 0.0, 0.1, 1.0])
         check(logits, target, reduction, ignore_index, loss_dtype,
               f"seed {seed} case {case}: {dtype}->{loss_dtype} {rows}x{cols} ignore {ignore_index} "
-              f"{REDUCTIONS[reduction]}")
+              f"{REDUCTIONS[reduction]} label_smoothing {smoothing}", smoothing)
 
 
 def test_every_row_ignored_gives_stocks_nan_and_zero_grads():
@@ -135,7 +139,6 @@ def test_what_is_not_served_goes_to_stock():
     logits = torch.randn(8, 50, device="cuda")
     target = torch.randint(0, 50, (8,), device="cuda")
     cases = [
-        (lambda: torch.ops.torchfuse.cross_entropy(logits, target, 1, -100, 0.1, None), "label_smoothing is not served"),
         (lambda: torch.ops.torchfuse.cross_entropy(logits.t().contiguous().t(), target, 1, -100, 0.0, None), "non-contiguous input"),
         (lambda: torch.ops.torchfuse.cross_entropy(logits.double(), target, 1, -100, 0.0, None), "unsupported dtype"),
     ]
@@ -194,11 +197,12 @@ def test_hf_causal_lm_loss_rewritten_gives_the_originals_loss_and_grad():
 def test_aten_cross_entropy_from_any_caller(autocast):
     """F.cross_entropy itself (aten::cross_entropy_loss, taken at AutogradCUDA): stock's dtypes
     (under autocast a 16-bit logits' loss is fp32, as stock's log_softmax gives), values and
-    gradients within the contract; class weights stay stock's."""
+    gradients within the contract, with and without label smoothing; class weights stay
+    stock's, and so does a label smoothing above 1 (stock's error)."""
     seed = fresh_seed()
     torch.manual_seed(seed)
     for dtype in DTYPES:
-        for reduction in ("none", "mean", "sum"):
+        for reduction, smoothing in [(r, e) for r in ("none", "mean", "sum") for e in (0.0, 0.1)]:
             logits = (torch.randn(512, 1003, device="cuda") * 4).to(dtype)
             target = torch.randint(0, 1003, (512,), device="cuda")
             target[::7] = -100
@@ -206,19 +210,19 @@ def test_aten_cross_entropy_from_any_caller(autocast):
             def go(on):
                 x = logits.detach().requires_grad_(True)
                 with enabled("cross_entropy", on), torch.autocast("cuda", torch.bfloat16, enabled=autocast):
-                    loss = F.cross_entropy(x, target, reduction=reduction)
+                    loss = F.cross_entropy(x, target, reduction=reduction, label_smoothing=smoothing)
                 grad_loss = incoming_grad(512, 0 if reduction == "none" else 1, loss.dtype)
                 (grad,) = torch.autograd.grad(loss, x, grad_loss)
                 return loss.detach(), grad, grad_loss
 
-            what = f"seed {seed} {dtype} {reduction} autocast={autocast}"
+            what = f"seed {seed} {dtype} {reduction} label_smoothing {smoothing} autocast={autocast}"
             before = fused_count("cross_entropy_loss")
             ours, our_grad, grad_loss = go(True)
             assert fused_count("cross_entropy_loss") == before + 1, (what, stock_reasons("cross_entropy_loss"))
             stock, stock_grad, _ = go(False)
             assert ours.dtype == stock.dtype and our_grad.dtype == stock_grad.dtype == dtype, what
             x64 = logits.detach().double().requires_grad_(True)
-            ref = F.cross_entropy(x64, target, reduction=reduction)
+            ref = F.cross_entropy(x64, target, reduction=reduction, label_smoothing=smoothing)
             (ref_grad,) = torch.autograd.grad(ref, x64, grad_loss.double())
             for name, o, s, r, floor in (("loss", ours, stock, ref, FLOOR[ours.dtype]),
                                          ("grad", our_grad, stock_grad, ref_grad, FLOOR[dtype])):
@@ -228,9 +232,21 @@ def test_aten_cross_entropy_from_any_caller(autocast):
     target = torch.randint(0, 10, (64,), device="cuda")
     before = fused_count("cross_entropy_loss")
     weighted = F.cross_entropy(logits, target, weight=torch.rand(10, device="cuda"))
-    smoothed = F.cross_entropy(logits, target, label_smoothing=0.1)
-    assert fused_count("cross_entropy_loss") == before
-    assert weighted.isfinite() and smoothed.isfinite()
+    assert fused_count("cross_entropy_loss") == before and weighted.isfinite()
+    with pytest.raises(RuntimeError) as ours:
+        F.cross_entropy(logits, target, label_smoothing=1.5)
+    with enabled("cross_entropy", False), pytest.raises(RuntimeError) as stock:
+        F.cross_entropy(logits, target, label_smoothing=1.5)
+    assert str(ours.value) == str(stock.value) and fused_count("cross_entropy_loss") == before
+    for unsmoothed in (-0.1, float("nan")):  # stock smooths only where label_smoothing > 0
+        x = logits.detach().requires_grad_(True)
+        ours = F.cross_entropy(x, target, label_smoothing=unsmoothed)
+        (our_grad,) = torch.autograd.grad(ours, x)
+        with enabled("cross_entropy", False):
+            stock = F.cross_entropy(x, target, label_smoothing=unsmoothed)
+            (stock_grad,) = torch.autograd.grad(stock, x)
+        assert rel_err(ours, stock) < 1e-6 and rel_err(our_grad, stock_grad) < 1e-6, unsmoothed
+    assert fused_count("cross_entropy_loss") == before + 2
 
 
 def test_nan_logits_inplace_loss_and_double_backward_like_stock():
