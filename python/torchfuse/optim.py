@@ -6,7 +6,15 @@ that: it is exactly torch.optim.Adam or AdamW (not a subclass), the user passed 
 `foreach`, `fused`, `differentiable` (in the constructor or in any param group), every param
 is a CUDA floating-point tensor (what PyTorch's fused step accepts), and torchfuse's `adam`
 toggle is on in this process. Each substitution is logged through torchfuse's log (info
-level). Anything unexpected leaves the optimizer as PyTorch built it.
+level), and so is why CUDA params were left alone. Anything unexpected leaves the optimizer as
+PyTorch built it.
+
+FSDP2 (`fully_shard`) makes the params DTensors: PyTorch's default for them is neither foreach
+nor fused but the per-tensor loop, and PyTorch accepts fused=True for them (DTensor runs
+`_fused_adamw_` on each rank's local shards, which torchfuse then serves). So an optimizer whose
+params are all CUDA DTensors of one device mesh is made fused too; params mixing DTensors and
+plain tensors, or DTensors of several meshes, are left alone (DTensor's fused step would
+reject them), with a log line saying so.
 """
 import json
 import sys
@@ -23,27 +31,47 @@ def _torchfuse_adam_enabled(torch):
     return bool(stats.get("enabled", {}).get("adam", False))
 
 
-def _note(torch, message):
+def _note(torch, message, debug=False):
     try:
-        torch.ops.torchfuse.note(message)
+        torch.ops.torchfuse.note(message, debug)
     except Exception:
         pass
 
 
-def _fused_allowed(torch, optimizer):
-    """The conditions under which PyTorch itself would accept fused=True for these params."""
-    supported_types = (torch.Tensor, torch.nn.Parameter)
+def _dtensor_type(torch):
+    """torch.distributed.tensor.DTensor, or None where this torch has no distributed package."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except Exception:
+        return None
+    return DTensor
+
+
+def _why_not_fused(torch, optimizer):
+    """None where PyTorch itself would accept fused=True for these params (and fused is what
+    torchfuse serves); otherwise why not, and whether that is worth an info line (CUDA params
+    the user may expect to be fused) rather than a debug one."""
+    plain_types, dtensor = (torch.Tensor, torch.nn.Parameter), _dtensor_type(torch)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     for group in optimizer.param_groups:
         if group.get("foreach") is not None or group.get("fused") is not None:
-            return False
+            return "a param group chose foreach or fused", False
         if group.get("differentiable"):
-            return False
-        for p in group["params"]:
-            if type(p) not in supported_types or not p.is_cuda:
-                return False
-            if str(p.dtype).removeprefix("torch.") not in _FUSED_DTYPES:
-                return False
-    return any(group["params"] for group in optimizer.param_groups)
+            return "a param group is differentiable", False
+    if not params:
+        return "no params", False
+    dtensors = [p for p in params if dtensor is not None and isinstance(p, dtensor)]
+    if dtensors and len(dtensors) < len(params):
+        return "params mix DTensors and plain tensors", True
+    if dtensors and len({p.device_mesh for p in dtensors}) > 1:  # DeviceMesh compares by ranks
+        return "DTensor params on more than one device mesh", True
+    if not dtensors and not all(type(p) in plain_types for p in params):
+        return "params of a tensor subclass", True
+    if not all(p.is_cuda for p in params):
+        return "params not all on CUDA", False
+    if not all(str(p.dtype).removeprefix("torch.") in _FUSED_DTYPES for p in params):
+        return "params of a dtype fused Adam does not take", True
+    return None
 
 
 def _make_fused(torch, optimizer):
@@ -72,12 +100,21 @@ def patch_adam(module):
             chosen = any(kwargs.get(k) is not None for k in ("foreach", "fused"))
             if chosen or kwargs.get("differentiable", False):
                 return
-            if not _torchfuse_adam_enabled(torch) or not _fused_allowed(torch, self):
+            if not _torchfuse_adam_enabled(torch):
+                return
+            why_not = _why_not_fused(torch, self)
+            if why_not is not None:
+                why, worth_info = why_not
+                _note(torch, f"{type(self).__name__} left as PyTorch built it: {why}", debug=not worth_info)
                 return
             _make_fused(torch, self)
-            tensors = sum(len(g["params"]) for g in self.param_groups)
-            _note(torch, f"{type(self).__name__}: fused step instead of the foreach default "
-                         f"({tensors} params; torchfuse)")
+            params = [p for g in self.param_groups for p in g["params"]]
+            dtensor = _dtensor_type(torch)
+            default, kind = "the foreach default", ""
+            if dtensor is not None and isinstance(params[0], dtensor):
+                default, kind = "the per-tensor loop DTensors default to", "DTensor "
+            _note(torch, f"{type(self).__name__}: fused step instead of {default} "
+                         f"({len(params)} {kind}params; torchfuse)")
         except Exception as e:  # never break the user's job
             print(f"torchfuse: optimizer hook skipped ({e!r})", file=sys.stderr)
 
