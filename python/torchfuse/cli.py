@@ -6,6 +6,9 @@
                                   pass to every child process through the environment)
     torchfuse doctor              checks this machine: each line ok, or what is wrong and how to
                                   fix it; exit status 1 when something is broken
+    torchfuse stats DIR           the per-rank stats a job run with TORCHFUSE_STATS_DIR=DIR left:
+                                  each rank's calls, their sum, and whether every rank made the
+                                  same choices
 """
 import json
 import os
@@ -138,10 +141,42 @@ def entry():
     sys.exit(main(sys.argv[1:]))
 
 
+def stats(directory):
+    """Prints the stats files of one job's processes (stats-rank{R}-pid{P}.json) side by side.
+    Decisions depend only on each call's inputs, so ranks that ran the same calls report the
+    same counts, kernels and stock reasons; where they differ, the ops are named."""
+    files = sorted(Path(directory).glob("stats-*.json"))
+    runs = [json.loads(f.read_text()) for f in files]
+    ranked = sorted((r for r in runs if r.get("rank") is not None), key=lambda r: int(r["rank"]))
+    if not ranked:
+        print(f"torchfuse: no stats of a rank in {directory} (run the job with "
+              f"TORCHFUSE_STATS_DIR={directory})", file=sys.stderr)
+        return 2
+    print(f"{'rank':>4} {'pid':>8} {'fused':>9} {'stock':>9}")
+    for r in ranked:
+        ops = r["ops"].values()
+        print(f"{r['rank']:>4} {r['pid']:>8} {sum(o['fused'] for o in ops):>9} {sum(o['stock'] for o in ops):>9}")
+    names = sorted({name for r in ranked for name in r["ops"]})
+    print(f"\nall {len(ranked)} ranks:\n  {'op':<46} {'fused':>9} {'stock':>9}")
+    for name in names:
+        fused = sum(r["ops"].get(name, {}).get("fused", 0) for r in ranked)
+        stock = sum(r["ops"].get(name, {}).get("stock", 0) for r in ranked)
+        print(f"  {name:<46} {fused:>9} {stock:>9}")
+    differing = [name for name in names if len({json.dumps(r["ops"].get(name), sort_keys=True) for r in ranked}) > 1]
+    if differing:
+        print(f"\nranks differ in: {', '.join(differing)} (different calls, e.g. uneven last batches, "
+              "or a rank with other settings)")
+    else:
+        print("\nevery rank made the same choices (same calls, kernels and stock reasons)")
+    return 0
+
+
 def main(argv):
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stderr if not argv else sys.stdout)
         return 2 if not argv else 0
     if argv == ["doctor"]:
         return doctor()
+    if len(argv) == 2 and argv[0] == "stats":
+        return stats(argv[1])
     return launch(argv)

@@ -120,12 +120,47 @@ fn register_all() {
 
 extern "C" fn at_exit() {
     let _ = catch_unwind(|| {
+        let config = crate::runtime::config::get();
         if crate::runtime::logging::info_enabled() {
             if let Some(table) = stats::summary_table() {
-                crate::runtime::logging::write_at_exit(crate::runtime::config::get(), &table);
+                crate::runtime::logging::write_at_exit(config, &table);
             }
         }
+        if let Some(dir) = &config.stats_dir {
+            write_stats_file(dir, config.rank.as_deref());
+        }
     });
+}
+
+/// `DIR/stats-rank{R}-pid{P}.json` (`stats-pid{P}.json` in a process without a rank, such as
+/// torchrun's own): this process's stats and rank, for `torchfuse stats DIR` to set a job's
+/// ranks side by side (also a rank that called no op: its empty stats are a fact about it).
+/// Nothing from a process without a rank that called no op (torchrun's own). A failure is one
+/// line on stderr (logging is gone at exit); the job's exit status is not touched.
+fn write_stats_file(dir: &std::path::Path, rank: Option<&str>) {
+    let json = stats::to_json(&crate::runtime::toggles::enabled_map());
+    let Ok(serde_json::Value::Object(mut map)) = serde_json::from_str::<serde_json::Value>(&json)
+    else {
+        return;
+    };
+    let no_calls = map
+        .get("ops")
+        .and_then(|o| o.as_object())
+        .is_none_or(|o| o.is_empty());
+    if rank.is_none() && no_calls {
+        return;
+    }
+    map.insert("rank".to_string(), rank.into());
+    let pid = std::process::id();
+    let name = match rank {
+        Some(r) => format!("stats-rank{r}-pid{pid}.json"),
+        None => format!("stats-pid{pid}.json"),
+    };
+    let path = dir.join(name);
+    let text = serde_json::Value::Object(map).to_string();
+    if let Err(e) = std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&path, text)) {
+        eprintln!("torchfuse: cannot write {path:?} (TORCHFUSE_STATS_DIR): {e}");
+    }
 }
 
 #[cfg(not(test))]

@@ -20,7 +20,12 @@ pub struct Config {
     /// Toggles enabled by `TORCHFUSE_OPS`, indexed by `Toggle::index`.
     pub ops: [bool; Toggle::ALL.len()],
     pub log_filter: String,
+    /// `TORCHFUSE_LOG_FILE`, its `{rank}` replaced by this process's rank.
     pub log_file: Option<PathBuf>,
+    /// `TORCHFUSE_STATS_DIR`: where the process writes its calls' stats at exit.
+    pub stats_dir: Option<PathBuf>,
+    /// `RANK` (torchrun sets it in every rank's environment, not in its own).
+    pub rank: Option<String>,
     pub cache_dir: PathBuf,
     /// Problems found while parsing, logged once logging is up.
     pub warnings: Vec<String>,
@@ -66,7 +71,14 @@ impl Config {
             _ => DEFAULT_LOG_FILTER.to_string(),
         };
 
+        let rank = get("RANK")
+            .map(|r| r.trim().to_string())
+            .filter(|r| !r.is_empty());
+        // A process without a rank is a job's only one: rank 0.
         let log_file = get("TORCHFUSE_LOG_FILE")
+            .filter(|s| !s.trim().is_empty())
+            .map(|f| PathBuf::from(f.replace("{rank}", rank.as_deref().unwrap_or("0"))));
+        let stats_dir = get("TORCHFUSE_STATS_DIR")
             .filter(|s| !s.trim().is_empty())
             .map(PathBuf::from);
 
@@ -90,6 +102,8 @@ impl Config {
             ops,
             log_filter,
             log_file,
+            stats_dir,
+            rank,
             cache_dir,
             warnings,
         }
@@ -263,6 +277,23 @@ mod tests {
         let bad = cfg(&[("TORCHFUSE_LOG", "torchfuse=loud")]);
         assert_eq!(bad.log_filter, "warn");
         assert_eq!(bad.warnings.len(), 1);
+    }
+
+    #[test]
+    fn each_rank_its_own_log_file() {
+        let per_rank = [("TORCHFUSE_LOG_FILE", "/tmp/tf-{rank}.log"), ("RANK", "3")];
+        assert_eq!(
+            cfg(&per_rank).log_file,
+            Some(PathBuf::from("/tmp/tf-3.log"))
+        );
+        assert_eq!(cfg(&per_rank).rank.as_deref(), Some("3"));
+        let no_rank = cfg(&[("TORCHFUSE_LOG_FILE", "/tmp/tf-{rank}.log")]);
+        assert_eq!(no_rank.log_file, Some(PathBuf::from("/tmp/tf-0.log")));
+        assert_eq!(
+            cfg(&[("TORCHFUSE_STATS_DIR", "/s")]).stats_dir,
+            Some(PathBuf::from("/s"))
+        );
+        assert_eq!(cfg(&[]).stats_dir, None);
     }
 
     #[test]

@@ -95,10 +95,75 @@ def test_torchrun_children_get_torchfuse(tmp_path):
     script.write_text("import json, os, torch, torchfuse\n"
                       "print('RANK ' + json.dumps([int(os.environ['RANK']), torchfuse.loaded(),"
                       " hasattr(torch.optim.Adam.__init__, '__wrapped__')]))\n")
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    if not os.path.exists(torchrun):
-        pytest.skip("no torchrun beside this Python")
-    proc = torchfuse(torchrun, "--standalone", "--nproc_per_node", "2", str(script))
+    proc = torchfuse(torchrun_or_skip(), "--standalone", "--nproc_per_node", "2", str(script))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     ranks = sorted(json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("RANK "))
     assert ranks == [[0, True, True], [1, True, True]], proc.stdout
+
+
+def torchrun_or_skip():
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        pytest.skip("no torchrun beside this Python")
+    return torchrun
+
+
+def test_each_rank_logs_to_its_own_file_and_leaves_its_stats(tmp_path):
+    """TORCHFUSE_LOG_FILE with {rank}: a file per rank, its lines tagged with that rank;
+    TORCHFUSE_STATS_DIR: a stats file per rank, which `torchfuse stats` sets side by side."""
+    script = tmp_path / "rank.py"
+    script.write_text("import torch\n")
+    stats_dir = tmp_path / "stats"
+    proc = torchfuse(torchrun_or_skip(), "--standalone", "--nproc_per_node", "2", str(script),
+                     TORCHFUSE_LOG="info", TORCHFUSE_LOG_FILE=str(tmp_path / "log-{rank}.txt"),
+                     TORCHFUSE_STATS_DIR=str(stats_dir))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    for rank in (0, 1):
+        lines = (tmp_path / f"log-{rank}.txt").read_text().splitlines()
+        tagged = [line for line in lines if f" rank={rank}]" in line]
+        assert any("overrides registered for:" in line for line in tagged), lines
+        assert not any(f" rank={1 - rank}]" in line for line in lines), lines
+    files = sorted(p.name.split("-pid")[0] for p in stats_dir.glob("stats-*.json"))
+    assert files == ["stats-rank0", "stats-rank1"], files
+    summary = torchfuse("stats", str(stats_dir))
+    assert summary.returncode == 0, summary.stderr
+    assert "all 2 ranks" in summary.stdout and "every rank made the same choices" in summary.stdout
+    assert torchfuse("stats", str(tmp_path / "nothing-here")).returncode == 2
+
+
+DDP_RANK = """
+import json, os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+# GPT-2's shapes (vocabulary 50304, width 768, 8192 tokens a step): sizes the registry serves.
+model = torch.nn.Sequential(torch.nn.Embedding(50304, 768), torch.nn.LayerNorm(768), torch.nn.Linear(768, 50304)).cuda()
+model = torch.nn.parallel.DistributedDataParallel(model)
+opt = torch.optim.AdamW(model.parameters())
+g = torch.Generator().manual_seed(1 + dist.get_rank())
+for _ in range(3):
+    x = torch.randint(0, 50304, (8, 1024), generator=g).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+dist.destroy_process_group()
+"""
+
+
+@requires_cuda
+def test_ddp_ranks_make_the_same_choices(tmp_path):
+    """Two DDP ranks on one GPU (gloo): every decision is a function of the call's inputs, so
+    both ranks serve the same calls with the same kernels; the launcher's stats say so."""
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_RANK)
+    stats_dir = tmp_path / "stats"
+    proc = torchfuse(torchrun_or_skip(), "--standalone", "--nproc_per_node", "2", str(script),
+                     TORCHFUSE_STATS_DIR=str(stats_dir))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    ranks = [json.loads(p.read_text()) for p in sorted(stats_dir.glob("stats-rank*.json"))]
+    assert len(ranks) == 2 and ranks[0]["ops"] == ranks[1]["ops"], ranks
+    for op in ("native_layer_norm", "cross_entropy_loss", "_fused_adamw_"):
+        assert ranks[0]["ops"].get(op, {}).get("fused", 0) > 0, (op, ranks[0]["ops"])
+    summary = torchfuse("stats", str(stats_dir))
+    assert "every rank made the same choices" in summary.stdout, summary.stdout
