@@ -162,6 +162,11 @@ def stats(directory):
         fused = sum(r["ops"].get(name, {}).get("fused", 0) for r in ranked)
         stock = sum(r["ops"].get(name, {}).get("stock", 0) for r in ranked)
         print(f"  {name:<46} {fused:>9} {stock:>9}")
+    enabled = {r["rank"]: sorted(k for k, on in r.get("enabled", {}).items() if on) for r in ranked}
+    if len({tuple(ops) for ops in enabled.values()}) > 1:
+        print("\nranks enable different ops (TORCHFUSE / TORCHFUSE_OPS differ):")
+        for rank, ops in enabled.items():
+            print(f"  rank {rank}: {', '.join(ops) or 'none'}")
     differing = [name for name in names if len({json.dumps(r["ops"].get(name), sort_keys=True) for r in ranked}) > 1]
     if differing:
         print(f"\nranks differ in: {', '.join(differing)} (different calls, e.g. uneven last batches, "

@@ -76,8 +76,20 @@ fn register_all() {
             status.message()
         );
     }
+    // SAFETY: registering a plain extern "C" fn; this library is never unloaded.
+    unsafe {
+        libc::atexit(at_exit);
+    }
     if !config.active {
-        tracing::info!("TORCHFUSE=0: loaded, nothing registered");
+        match &config.rank {
+            // One rank switched off is a misconfiguration the job survives (same steps, PyTorch's
+            // kernels, slower): say so where the user will look.
+            Some(rank) => tracing::warn!(
+                "TORCHFUSE=0 in rank {rank}: loaded, nothing registered; if other ranks run \
+                 torchfuse, this one computes the same steps with PyTorch's kernels, more slowly"
+            ),
+            None => tracing::info!("TORCHFUSE=0: loaded, nothing registered"),
+        }
         return;
     }
     if let Err(e) = crate::ops::REGISTRY.as_ref() {
@@ -112,10 +124,6 @@ fn register_all() {
             registered.join(", ")
         }
     );
-    // SAFETY: registering a plain extern "C" fn; this library is never unloaded.
-    unsafe {
-        libc::atexit(at_exit);
-    }
 }
 
 extern "C" fn at_exit() {

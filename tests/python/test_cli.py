@@ -131,7 +131,29 @@ def test_each_rank_logs_to_its_own_file_and_leaves_its_stats(tmp_path):
     assert torchfuse("stats", str(tmp_path / "nothing-here")).returncode == 2
 
 
-DDP_RANK = """
+# A rank switched off by hand (TORCHFUSE=0 set before torch loads the library): a
+# misconfiguration the job must survive.
+SWITCH_OFF = """
+import os
+if os.environ["RANK"] == os.environ.get("OFF_RANK"):
+    os.environ["TORCHFUSE"] = "0"
+"""
+
+
+def test_a_rank_switched_off_warns_and_the_stats_show_it(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(SWITCH_OFF + "import torch\n")
+    stats_dir = tmp_path / "stats"
+    proc = torchfuse(torchrun_or_skip(), "--standalone", "--nproc_per_node", "2", str(script),
+                     OFF_RANK="1", TORCHFUSE_STATS_DIR=str(stats_dir))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "rank=1] WARN TORCHFUSE=0 in rank 1: loaded, nothing registered" in proc.stderr, proc.stderr[-3000:]
+    assert "TORCHFUSE=0 in rank 0" not in proc.stderr
+    summary = torchfuse("stats", str(stats_dir)).stdout
+    assert "ranks enable different ops" in summary and "rank 1: none" in summary, summary
+
+
+DDP_RANK = SWITCH_OFF + """
 import json, os, torch, torch.distributed as dist
 dist.init_process_group("gloo")
 torch.manual_seed(0)
@@ -152,16 +174,21 @@ dist.destroy_process_group()
 
 
 @requires_cuda
-def test_ddp_ranks_make_the_same_choices(tmp_path):
+@pytest.mark.parametrize("off_rank", [None, "1"], ids=["all-on", "rank1-off"])
+def test_ddp_ranks_make_the_same_choices(tmp_path, off_rank):
     """Two DDP ranks on one GPU (gloo): every decision is a function of the call's inputs, so
-    both ranks serve the same calls with the same kernels; the launcher's stats say so."""
+    both ranks serve the same calls with the same kernels; the launcher's stats say so. With
+    torchfuse off in one rank the job still trains to the end (no collective waits on us)."""
     script = tmp_path / "ddp.py"
     script.write_text(DDP_RANK)
     stats_dir = tmp_path / "stats"
     proc = torchfuse(torchrun_or_skip(), "--standalone", "--nproc_per_node", "2", str(script),
-                     TORCHFUSE_STATS_DIR=str(stats_dir))
+                     TORCHFUSE_STATS_DIR=str(stats_dir), **({"OFF_RANK": off_rank} if off_rank else {}))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     ranks = [json.loads(p.read_text()) for p in sorted(stats_dir.glob("stats-rank*.json"))]
+    if off_rank:
+        assert len(ranks) == 2 and ranks[1]["ops"] == {} and ranks[0]["ops"], ranks
+        return
     assert len(ranks) == 2 and ranks[0]["ops"] == ranks[1]["ops"], ranks
     for op in ("native_layer_norm", "cross_entropy_loss", "_fused_adamw_"):
         assert ranks[0]["ops"].get(op, {}).get("fused", 0) > 0, (op, ranks[0]["ops"])
