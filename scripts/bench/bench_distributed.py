@@ -1,0 +1,167 @@
+"""Whole training steps of bench_models.py's unchanged HF models on several GPUs of one host,
+launched with torchrun: DistributedDataParallel or FSDP2 (`fully_shard` of every layer of the
+model's layer lists and of the model, bf16 compute and fp32 gradient reduction), stock against
+torchfuse (`scripts/torchfuse torchrun ...`), 1 GPU against N with the same per-GPU batch.
+
+Each (model, parallel, GPUs, side) is one torchrun job; rounds interleave them. Rank 0 reports
+the median step time over CUDA events after warm-up, the peak memory and every step's loss;
+each torchfuse job's ranks leave their stats (TORCHFUSE_STATS_DIR), and `torchfuse stats`
+says whether every rank made the same choices. The table sets torchfuse's speed-up on N GPUs
+beside its speed-up on 1 (issue 26's target: at least 97% of the 1-GPU one).
+
+  python3 scripts/bench/bench_distributed.py --lib-dir .dev --out $OUT [--models gpt2,llama]
+      [--parallel ddp,fsdp2] [--gpus 1,2] [--rounds 1] [--steps 20] [--warmup 8]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# NVLink multicast stays off on shared hosts, also in the jobs this starts.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def worker(a):
+    import torch
+    import torch.distributed as dist
+    from bench_models import build
+
+    dist.init_process_group("nccl")
+    rank, local = dist.get_rank(), int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    torch.manual_seed(0)
+    model, loss_of, per_step, what = build(a.worker, torch)
+    model = model.cuda().train()
+    if a.parallel == "ddp":
+        stepped, autocast = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local]), True
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layers in [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]:
+            for layer in layers:
+                fully_shard(layer, mp_policy=policy)
+        stepped, autocast = fully_shard(model, mp_policy=policy), False
+    opt = torch.optim.AdamW(stepped.parameters(), lr=1e-4)  # unchanged: PyTorch's default step
+    losses, times = [], []
+    for i in range(a.warmup + a.steps):
+        if i == a.warmup:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = loss_of(stepped)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        end.record()
+        losses.append(loss.detach())
+        if i >= a.warmup:
+            times.append((start, end))
+    torch.cuda.synchronize()
+    if rank == 0:
+        print(json.dumps({"model": a.worker, "parallel": a.parallel, "gpus": dist.get_world_size(),
+                          "side": a.side, "what": what, "per_gpu_step": per_step,
+                          "ms": statistics.median(s.elapsed_time(e) for s, e in times),
+                          "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                          "fused_optimizer": opt.param_groups[0].get("fused"),
+                          "losses": [float(x) for x in losses]}))
+    dist.destroy_process_group()
+
+
+def run(a, model, parallel, gpus, side, stats_dir):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFUSE") and k != "LD_PRELOAD"}
+    env.update(NO_MULTICAST)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(Path(__file__).parent), env.get("PYTHONPATH")] if p)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus),
+           __file__, "--worker", model, "--parallel", parallel, "--side", side,
+           "--steps", str(a.steps), "--warmup", str(a.warmup)]
+    if side == "torchfuse":
+        env.update(TORCHFUSE_LIB_DIR=str(Path(a.lib_dir).resolve()), TORCHFUSE_STATS_DIR=str(stats_dir))
+        cmd = [str(ROOT / "scripts" / "torchfuse")] + cmd
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr, flush=True)
+        return None
+    r = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    if side == "torchfuse":
+        summary = subprocess.run([sys.executable, "-m", "torchfuse", "stats", str(stats_dir)], capture_output=True,
+                                 text=True, env=dict(env, PYTHONPATH=str(ROOT / "python")))
+        r["ranks_agree"] = "every rank made the same choices" in summary.stdout
+        (stats_dir / "summary.txt").write_text(summary.stdout + summary.stderr)
+    return r
+
+
+def report(runs, out, command):
+    lines = [f"# Unchanged models on several GPUs (torchrun)\n\nCommand: `{command}`. Rank 0's median step time "
+             "over CUDA events after warm-up, the median over rounds; loss difference: the largest |loss - stock's| "
+             "over the steps of the same (model, parallel, GPUs).\n",
+             "| model | parallel | GPUs | side | ms/step | speed-up vs stock | peak GiB (rank 0) | max loss diff | "
+             "fused optimizer | ranks agree |", "|---|---|---|---|---|---|---|---|---|---|"]
+    keys = sorted({(r["model"], r["parallel"], r["gpus"]) for r in runs})
+    speedups = {}
+    for key in keys:
+        sides = {s: [r for r in runs if (r["model"], r["parallel"], r["gpus"]) == key and r["side"] == s]
+                 for s in ("stock", "torchfuse")}
+        med = {s: statistics.median(r["ms"] for r in rs) for s, rs in sides.items() if rs}
+        for side, rs in sides.items():
+            if not rs:
+                continue
+            base = sides["stock"][0] if sides["stock"] else None
+            diff = max(abs(x - y) for x, y in zip(rs[0]["losses"], base["losses"])) if base else float("nan")
+            vs = med["stock"] / med[side] if "stock" in med else float("nan")
+            if side == "torchfuse":
+                speedups[key] = vs
+            lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {side} | {med[side]:.2f} | {vs:.2f}x | "
+                         f"{max(r['peak_gib'] for r in rs):.2f} | {diff:.2e} | {rs[0]['fused_optimizer']} | "
+                         f"{rs[0].get('ranks_agree', '–')} |")
+    lines.append("\ntorchfuse's speed-up on N GPUs against its speed-up on 1 (target: at least 97% of the 1-GPU one):\n")
+    for (model, parallel, gpus), s in sorted(speedups.items()):
+        one = speedups.get((model, parallel, 1))
+        if gpus > 1 and one:
+            lines.append(f"- {model} {parallel} {gpus} GPUs: {s:.2f}x vs 1 GPU {one:.2f}x "
+                         f"({'met' if s >= 0.97 * one else 'missed'})")
+    (out / "bench_distributed.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--lib-dir", default=str(ROOT / ".dev"))
+    p.add_argument("--out", default="bench-out")
+    p.add_argument("--models", default="gpt2,llama")
+    p.add_argument("--parallel", default="ddp,fsdp2")
+    p.add_argument("--gpus", default="1,2")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--side", default="stock", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        return worker(a)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for rnd in range(a.rounds):
+        for model in a.models.split(","):
+            for parallel in a.parallel.split(","):
+                for gpus in map(int, a.gpus.split(",")):
+                    for side in ("stock", "torchfuse"):
+                        stats_dir = out / "stats" / f"{model}-{parallel}-{gpus}gpu-r{rnd}"
+                        r = run(a, model, parallel, gpus, side, stats_dir)
+                        print(f"round {rnd} {model} {parallel} {gpus} GPUs {side}: "
+                              + (f"{r['ms']:.2f} ms" if r else "failed"), flush=True)
+                        if r:
+                            runs.append(r)
+                            with (out / "bench_distributed.jsonl").open("a") as f:
+                                f.write(json.dumps(r) + "\n")
+    report(runs, out, "python3 scripts/bench/bench_distributed.py " + " ".join(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()
