@@ -10,21 +10,25 @@
 // multiply, an add) and more in the backward; here each element is read and written once, in
 // fp32, rounded once on the store. No reductions: results do not depend on the launch shape.
 //
-// Layout: a warp owns a row (one head of one token) of q or k, q's rows first, then k's; lane l
-// takes the pairs (j, j+h) for j = l, l + 32, ...: consecutive lanes read consecutive elements
-// of each half, and a row's index is taken apart once, not per element. TF_THREADS / 32 rows a
-// CTA, the grid strides over the rest. Every operand is 4-D with a contiguous last dim; the
-// others may be strided (q and k are transposed views of the projections' outputs) and cos/sin
-// are broadcast (stride 0) over the dims they lack. Strides come per operand from
-// src/ops/rotary.rs (`RopeOperand`).
+// Layout: rows (one head of one token) of q, then of k. Chunked (`group` > 0, where every row
+// and both halves start 16-byte aligned: head dims that are multiples of 16): `group` lanes own
+// a row (a power of two, the chunks of a half or fewer: 4 for head dim 64, 8 for 128), 32 /
+// group rows a warp, and each lane takes the pairs of TF_EW_CHUNK consecutive elements at
+// (j, j+h), j = lane's chunk, + group chunks, ..., with 16-byte loads and stores. Otherwise a
+// warp owns a row, element by element: lane l takes j = l, l + 32, .... Either way a row's index
+// is taken apart once (in 32 bits where the rows fit), not per element, and the grid strides
+// over the rows. Every operand is 4-D with a contiguous last dim; the others may be strided (q
+// and k are transposed views of the projections' outputs) and cos/sin are broadcast (stride 0)
+// over the dims they lack. Strides come per operand from src/ops/rotary.rs (`RopeOperand`),
+// and so does `group`.
 //
 // Dtypes: x (q, k, and the backward's dx) is TF_DTYPE. TF_WIDE = 1: cos, sin and the forward's
 // output (the backward's dy) are fp32 while x is 16-bit, the form autocast gives HF's code
 // (cos/sin follow the fp32 hidden states and the product promotes); otherwise all TF_DTYPE.
 //
-// Compile-time parameters: TF_DTYPE; TF_ROPE_BWD (which direction) and TF_WIDE
+// Compile-time parameters: TF_DTYPE; TF_ROPE_BWD (which direction), TF_WIDE and TF_EW_CHUNK
 // (src/ops/rotary.rs `defines`); the variant's TF_THREADS (registry/rotary.toml).
-#include "common.cuh"
+#include "elementwise.cuh"
 
 #if !defined(TF_ROPE_BWD) || !defined(TF_WIDE) || !defined(TF_THREADS)
 #error "TF_ROPE_BWD, TF_WIDE and TF_THREADS must be defined (src/ops/rotary.rs)"
@@ -55,43 +59,87 @@ __device__ __forceinline__ tf_i64 offset(const RopeStrides& s, tf_i64 i0, tf_i64
   return i0 * s.s0 + i1 * s.s1 + i2 * s.s2;
 }
 
-template <typename TIn, typename TOut>
-__device__ __forceinline__ void rotate_row(const RopeOperand& op, const tf_y* __restrict__ cos,
-                                           const tf_y* __restrict__ sin, tf_i64 row, int half,
-                                           int lane) {
-  const tf_i64 i2 = row % op.n2, i01 = row / op.n2;
-  const tf_i64 i1 = i01 % op.n1, i0 = i01 / op.n1;
-  const TIn* in = static_cast<const TIn*>(op.in) + offset(op.in_s, i0, i1, i2);
-  TOut* out = static_cast<TOut*>(op.out) + offset(op.out_s, i0, i1, i2);
-  const tf_i64 t = offset(op.trig_s, i0, i1, i2);
-  for (int j = lane; j < half; j += 32) {
-    const float a = tf_float(in[j]), b = tf_float(in[j + half]);
-    const float c_lo = tf_float(cos[t + j]), c_hi = tf_float(cos[t + j + half]);
-    const float s_lo = tf_float(sin[t + j]), s_hi = tf_float(sin[t + j + half]);
-#if TF_ROPE_BWD
-    out[j] = tf_cast<TOut>(a * c_lo + b * s_hi);
-    out[j + half] = tf_cast<TOut>(b * c_hi - a * s_lo);
-#else
-    out[j] = tf_cast<TOut>(a * c_lo - b * s_lo);
-    out[j + half] = tf_cast<TOut>(b * c_hi + a * s_hi);
-#endif
+// The (i0, i1, i2) of a row of a [n0, n1, n2, d] operand: 32-bit division where the operand's
+// rows fit (64-bit division is a long instruction sequence).
+__device__ __forceinline__ void split_row(const RopeOperand& op, tf_i64 row, tf_i64& i0,
+                                          tf_i64& i1, tf_i64& i2) {
+  if (op.rows <= 0x7fffffff) {
+    const unsigned r = static_cast<unsigned>(row), n1 = static_cast<unsigned>(op.n1),
+                   n2 = static_cast<unsigned>(op.n2);
+    const unsigned i01 = r / n2;
+    i2 = r - i01 * n2;
+    i1 = i01 % n1;
+    i0 = i01 / n1;
+  } else {
+    const tf_i64 i01 = row / op.n2;
+    i2 = row - i01 * op.n2;
+    i1 = i01 % op.n1;
+    i0 = i01 / op.n1;
   }
 }
 
-// q's rows, then k's: a warp a row, a grid-stride loop over both.
+// One row: this lane's W-element pieces of each half, `first` and every `lanes`-th after it.
+template <int W, typename TIn, typename TOut>
+__device__ __forceinline__ void rotate_row(const RopeOperand& op, const tf_y* __restrict__ cos,
+                                           const tf_y* __restrict__ sin, tf_i64 row, int half,
+                                           int first, int lanes) {
+  tf_i64 i0, i1, i2;
+  split_row(op, row, i0, i1, i2);
+  const TIn* in = static_cast<const TIn*>(op.in) + offset(op.in_s, i0, i1, i2);
+  TOut* out = static_cast<TOut*>(op.out) + offset(op.out_s, i0, i1, i2);
+  const tf_y* c = cos + offset(op.trig_s, i0, i1, i2);
+  const tf_y* s = sin + offset(op.trig_s, i0, i1, i2);
+  for (int j = first * W; j < half; j += lanes * W) {
+    float a[W], b[W], c_lo[W], c_hi[W], s_lo[W], s_hi[W], lo[W], hi[W];
+    tf_load_elems<W>(in + j, a);
+    tf_load_elems<W>(in + j + half, b);
+    tf_load_elems<W>(c + j, c_lo);
+    tf_load_elems<W>(c + j + half, c_hi);
+    tf_load_elems<W>(s + j, s_lo);
+    tf_load_elems<W>(s + j + half, s_hi);
+#pragma unroll
+    for (int e = 0; e < W; ++e) {
+#if TF_ROPE_BWD
+      lo[e] = a[e] * c_lo[e] + b[e] * s_hi[e];
+      hi[e] = b[e] * c_hi[e] - a[e] * s_lo[e];
+#else
+      lo[e] = a[e] * c_lo[e] - b[e] * s_lo[e];
+      hi[e] = b[e] * c_hi[e] + a[e] * s_hi[e];
+#endif
+    }
+    tf_store_elems<W>(out + j, lo);
+    tf_store_elems<W>(out + j + half, hi);
+  }
+}
+
+#if TF_ROPE_BWD
+typedef tf_y tf_in;  // dy
+typedef tf_x tf_out;  // dx
+#else
+typedef tf_x tf_in;
+typedef tf_y tf_out;
+#endif
+
+// q's rows, then k's, a grid-stride loop over both: `group` lanes a row chunk by chunk, or
+// (group 0) a warp a row element by element.
 extern "C" __global__ void __launch_bounds__(TF_THREADS)
     rope(RopeOperand q, RopeOperand k, const tf_y* __restrict__ cos,
-         const tf_y* __restrict__ sin, int half) {
+         const tf_y* __restrict__ sin, int half, int group) {
   constexpr int warps = TF_THREADS / 32;
   const int lane = threadIdx.x % 32;
+  const int lanes = group > 0 ? group : 32;  // a row's lanes
+  const int rows_per_warp = 32 / lanes;
   const tf_i64 total = q.rows + k.rows;
-  for (tf_i64 r = static_cast<tf_i64>(blockIdx.x) * warps + threadIdx.x / 32; r < total;
-       r += static_cast<tf_i64>(gridDim.x) * warps) {
+  const tf_i64 step = static_cast<tf_i64>(gridDim.x) * warps * rows_per_warp;
+  for (tf_i64 r = (static_cast<tf_i64>(blockIdx.x) * warps + threadIdx.x / 32) * rows_per_warp +
+                  lane / lanes;
+       r < total; r += step) {
     const bool is_q = r < q.rows;
-#if TF_ROPE_BWD
-    rotate_row<tf_y, tf_x>(is_q ? q : k, cos, sin, is_q ? r : r - q.rows, half, lane);
-#else
-    rotate_row<tf_x, tf_y>(is_q ? q : k, cos, sin, is_q ? r : r - q.rows, half, lane);
-#endif
+    const tf_i64 row = is_q ? r : r - q.rows;
+    if (group > 0)
+      rotate_row<TF_EW_CHUNK, tf_in, tf_out>(is_q ? q : k, cos, sin, row, half, lane % lanes,
+                                             lanes);
+    else
+      rotate_row<1, tf_in, tf_out>(is_q ? q : k, cos, sin, row, half, lane, 32);
   }
 }

@@ -3,9 +3,9 @@
 //! apply_rotary_pos_emb to), through kernels/rotary.cu, or why stock (HF's composition, in the
 //! glue) runs a call.
 
-use super::params;
+use super::{elementwise, params};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
-use crate::abi::tensor::{describe, device_addr};
+use crate::abi::tensor::{aligned16, describe, device_addr};
 use crate::abi::types::{TfRotaryCall, TfTensor};
 use crate::gpu::{self, Launch};
 use crate::runtime::Entry;
@@ -65,6 +65,22 @@ fn strides(t: &Tensor) -> Option<RopeStrides> {
 fn trig_strides(trig: &Tensor, dim: i64, shape: &[i64]) -> Option<RopeStrides> {
     let view = trig.f_unsqueeze(dim).ok()?.f_expand(shape, false).ok()?;
     strides(&view)
+}
+
+/// Lanes a row for the kernel's chunked path (a power of two: the chunks of a half, or the
+/// largest power of two that divides them, at most a warp), or 0 for element by element: chunks
+/// need a half of whole chunks and every row of every operand 16-byte aligned.
+fn lanes_per_row(half: i64, ops: &[&RopeOperand], tensors: &[&Tensor]) -> i32 {
+    let chunk = elementwise::CHUNK;
+    let whole = |s: &RopeStrides| [s.s0, s.s1, s.s2].iter().all(|x| x % chunk == 0);
+    let rows_aligned = ops
+        .iter()
+        .all(|o| whole(&o.in_s) && whole(&o.out_s) && whole(&o.trig_s));
+    if half % chunk != 0 || !rows_aligned || !aligned16(tensors.iter().copied()) {
+        return 0;
+    }
+    let chunks = half / chunk;
+    (chunks & -chunks).min(32) as i32
 }
 
 /// A new tensor of `like`'s sizes and strides (a dense layout: HF's elementwise ops give their
@@ -203,7 +219,13 @@ impl Family for Rotary {
             deterministic: false,
         })?;
         let p = Rotary::params(params)?;
-        let blocks = gpu::ceil_div(total, p.threads / 32).min(MAX_GRID);
+        let group = lanes_per_row(
+            d / 2,
+            &[&op_a, &op_b],
+            &[&a, &b, &out_a, &out_b, &cos, &sin],
+        );
+        let rows_per_warp = if group > 0 { 32 / i64::from(group) } else { 1 };
+        let blocks = gpu::ceil_div(total, p.threads / 32 * rows_per_warp).min(MAX_GRID);
         let config = LaunchConfig {
             grid_dim: (gpu::grid_dim(blocks, 1)?, 1, 1),
             block_dim: (
@@ -222,9 +244,11 @@ impl Family for Rotary {
             .arg(&op_b)
             .arg(&cos_ptr)
             .arg(&sin_ptr)
-            .arg(&half);
-        // SAFETY: argument types and order match rope (q, k, cos, sin, half); every offset the
-        // kernel forms is within its tensor (sizes and strides read from the tensors, cos/sin's
+            .arg(&half)
+            .arg(&group);
+        // SAFETY: argument types and order match rope (q, k, cos, sin, half, group); group > 0
+        // only where every row and half starts 16-byte aligned; every offset the kernel forms
+        // is within its tensor (sizes and strides read from the tensors, cos/sin's
         // as broadcast views of themselves), the dtypes are the module's; all live until the
         // stream is done with them (PyTorch's allocator orders reuse on it).
         unsafe { args.launch(config) }.map_err(|e| super::launch_failed(variant, e))?;
@@ -245,6 +269,7 @@ impl Family for Rotary {
         vec![
             format!("-DTF_ROPE_BWD={}", i32::from(backward)),
             format!("-DTF_WIDE={}", i32::from(wide)),
+            elementwise::define(),
         ]
     }
 
@@ -263,4 +288,44 @@ impl Family for Rotary {
 pub struct Params {
     /// Threads per CTA.
     threads: i64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn operand(stride: i64) -> RopeOperand {
+        let s = RopeStrides {
+            s0: stride * 4,
+            s1: stride,
+            s2: 0,
+        };
+        RopeOperand {
+            input: 0,
+            output: 0,
+            n1: 1,
+            n2: 1,
+            rows: 1,
+            in_s: s,
+            out_s: s,
+            trig_s: s,
+        }
+    }
+
+    #[test]
+    fn chunked_rows_take_a_power_of_two_of_lanes_where_every_row_is_aligned() {
+        let t = Tensor::zeros([64], (Kind::Float, Device::Cpu));
+        let tensors = [&t];
+        let aligned = operand(64);
+        // Head dims 64, 128, 96, 512: halves of 4, 8, 6 and 32 chunks.
+        assert_eq!(lanes_per_row(32, &[&aligned], &tensors), 4);
+        assert_eq!(lanes_per_row(64, &[&aligned], &tensors), 8);
+        assert_eq!(lanes_per_row(48, &[&aligned], &tensors), 2);
+        assert_eq!(lanes_per_row(256, &[&aligned], &tensors), 32);
+        // A half not of whole chunks, a row stride off the chunk, a misaligned pointer.
+        assert_eq!(lanes_per_row(36, &[&aligned], &tensors), 0);
+        assert_eq!(lanes_per_row(32, &[&aligned, &operand(68)], &tensors), 0);
+        let offset = t.narrow(0, 1, 32);
+        assert_eq!(lanes_per_row(32, &[&aligned], &[&offset]), 0);
+    }
 }

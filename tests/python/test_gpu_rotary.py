@@ -54,14 +54,23 @@ def test_rotary_is_hfs_composition(x_dtype, trig_dtype):
     seed = fresh_seed()
     rng = random.Random(seed)
     torch.manual_seed(seed)
+    # Head dims 64, 128 (16-byte chunks, 4 and 8 lanes a row), 32, 96 and 256 (2, 2 and 16 lanes),
+    # 2 and 40 (element by element), and a 64 whose tensors start 2 elements into their memory
+    # (misaligned: element by element).
     for b, s, hq, hk, d, dim in [(2, 9, 4, 2, 64, 1), (1, 1, 1, 1, 2, 1), (4, 1024, 16, 8, 64, 1),
-                                 (2, rng.randrange(1, 300), 8, 8, 128, 1), (3, 17, 4, 4, 32, 2)]:
+                                 (2, rng.randrange(1, 300), 8, 8, 128, 1), (3, 17, 4, 4, 32, 2),
+                                 (2, 5, 3, 1, 96, 1), (1, 7, 2, 2, 40, 2), (1, 3, 2, 1, 256, 1),
+                                 (2, 11, 4, 2, 64, "misaligned")]:
         if dim == 1:  # [B, H, S, D] views of [B, S, H*D] projections, as HF's attention makes them
             q = torch.randn(b, s, hq * d, device="cuda").to(x_dtype).view(b, s, hq, d).transpose(1, 2)
             k = torch.randn(b, s, hk * d, device="cuda").to(x_dtype).view(b, s, hk, d).transpose(1, 2)
-        else:  # [B, S, H, D] with unsqueeze_dim=2
+        elif dim == 2:  # [B, S, H, D] with unsqueeze_dim=2
             q = torch.randn(b, s, hq, d, device="cuda").to(x_dtype)
             k = torch.randn(b, s, hk, d, device="cuda").to(x_dtype)
+        else:  # dense [B, H, S, D] tensors 2 elements into their buffers
+            dim = 1
+            q = torch.randn(b * hq * s * d + 2, device="cuda").to(x_dtype)[2:].view(b, hq, s, d)
+            k = torch.randn(b * hk * s * d + 2, device="cuda").to(x_dtype)[2:].view(b, hk, s, d)
         angles = torch.rand(b, s, d // 2, device="cuda") * 100
         emb = torch.cat((angles, angles), dim=-1)
         cos, sin = emb.cos().to(trig_dtype), emb.sin().to(trig_dtype)
