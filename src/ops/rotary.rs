@@ -6,7 +6,7 @@
 use super::{elementwise, params};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr};
-use crate::abi::types::{TfRotaryCall, TfTensor};
+use crate::abi::types::TfRotaryCall;
 use crate::gpu::{self, Launch};
 use crate::runtime::Entry;
 use crate::select::{dtype_of, StockReason};
@@ -83,11 +83,35 @@ fn lanes_per_row(half: i64, ops: &[&RopeOperand], tensors: &[&Tensor]) -> i32 {
     (chunks & -chunks).min(32) as i32
 }
 
-/// A new tensor of `like`'s sizes and strides (a dense layout: HF's elementwise ops give their
-/// output the layout of their dense first operand).
-fn empty_like(like: &Tensor, kind: Kind, device: Device) -> Result<Tensor, StockReason> {
-    Tensor::f_empty_strided(like.size(), like.stride(), (kind, device))
-        .map_err(|_| StockReason::InternalError)
+/// The strides HF's composition gives its output for a 4-D input with a contiguous last dim:
+/// the input's own where it is dense (PyTorch's elementwise ops keep their first operand's
+/// dense layout), else dense strides in the input's stride order (a slice of the head dim, as
+/// partial rotary takes it, gives a dense output in the same dim order).
+fn output_strides(size: &[i64], stride: &[i64], dense: bool) -> Vec<i64> {
+    if dense {
+        return stride.to_vec();
+    }
+    let mut order = [0, 1, 2];
+    order.sort_by_key(|&i| stride[i]); // the fastest-moving dim first, after the last
+    let mut out = vec![0, 0, 0, 1];
+    let mut step = size[3];
+    for i in order {
+        out[i] = step;
+        step *= size[i];
+    }
+    out
+}
+
+/// A new tensor for the output of `like`, laid out as HF's composition lays it out.
+fn empty_like(
+    like: &Tensor,
+    dense: bool,
+    kind: Kind,
+    device: Device,
+) -> Result<Tensor, StockReason> {
+    let size = like.size();
+    let stride = output_strides(&size, &like.stride(), dense);
+    Tensor::f_empty_strided(&size, &stride, (kind, device)).map_err(|_| StockReason::InternalError)
 }
 
 impl Family for Rotary {
@@ -122,12 +146,20 @@ impl Family for Rotary {
         } else {
             (&call.q, &call.k)
         };
-        let dense = |t: &TfTensor| t.dense != 0;
-        if !dense(a) || !dense(b) {
-            return Err(StockReason::NotContiguous);
-        }
+        let (a_dense, b_dense) = (a.dense != 0, b.dense != 0);
         let a = a.borrow().ok_or(StockReason::InvalidInput)?;
         let b = b.borrow().ok_or(StockReason::InvalidInput)?;
+        // Strided views are served (HF's transposed projections; partial rotary's slices of the
+        // head dim), a broadcast one is not: stock's output layout for it is its own.
+        let broadcast = |t: &Tensor| {
+            t.size()
+                .iter()
+                .zip(t.stride())
+                .any(|(&n, s)| n > 1 && s == 0)
+        };
+        if broadcast(&a) || broadcast(&b) {
+            return Err(StockReason::NotContiguous);
+        }
         let cos = call.cos.borrow().ok_or(StockReason::InvalidInput)?;
         let sin = call.sin.borrow().ok_or(StockReason::InvalidInput)?;
         let device = gpu::torch_device(launch)?;
@@ -191,8 +223,8 @@ impl Family for Rotary {
         };
         let out_kind = if backward { x_kind } else { other_kind };
         let (out_a, out_b) = (
-            empty_like(&a, out_kind, device)?,
-            empty_like(&b, out_kind, device)?,
+            empty_like(&a, a_dense, out_kind, device)?,
+            empty_like(&b, b_dense, out_kind, device)?,
         );
         let (op_a, op_b) = (operand(&a, &out_a)?, operand(&b, &out_b)?);
         let total = op_a.rows + op_b.rows;
@@ -327,5 +359,24 @@ mod tests {
         assert_eq!(lanes_per_row(32, &[&aligned, &operand(68)], &tensors), 0);
         let offset = t.narrow(0, 1, 32);
         assert_eq!(lanes_per_row(32, &[&aligned], &[&offset]), 0);
+    }
+
+    #[test]
+    fn a_strided_input_gets_a_dense_output_in_its_dim_order() {
+        // [b, h, s, 32] slices of [b, s, h, 80] (transposed) and of [b, h, s, 80]; numbers as
+        // PyTorch gives HF's composition (b 2, s 5, h 3).
+        let size = [2, 3, 5, 32];
+        assert_eq!(
+            output_strides(&size, &[1200, 80, 240, 1], false),
+            [480, 32, 96, 1]
+        );
+        assert_eq!(
+            output_strides(&size, &[1200, 400, 80, 1], false),
+            [480, 160, 32, 1]
+        );
+        assert_eq!(
+            output_strides(&size, &[1200, 80, 240, 1], true),
+            [1200, 80, 240, 1]
+        );
     }
 }

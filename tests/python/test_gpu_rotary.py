@@ -55,18 +55,23 @@ def test_rotary_is_hfs_composition(x_dtype, trig_dtype):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     # Head dims 64, 128 (16-byte chunks, 4 and 8 lanes a row), 32, 96 and 256 (2, 2 and 16 lanes),
-    # 2 and 40 (element by element), and a 64 whose tensors start 2 elements into their memory
-    # (misaligned: element by element).
+    # 2 and 40 (element by element), a 64 whose tensors start 2 elements into their memory
+    # (misaligned: element by element), and partial rotary: the first 32 of 80 head dims (a
+    # strided slice, as GPT-NeoX/Phi-style attention passes it).
     for b, s, hq, hk, d, dim in [(2, 9, 4, 2, 64, 1), (1, 1, 1, 1, 2, 1), (4, 1024, 16, 8, 64, 1),
                                  (2, rng.randrange(1, 300), 8, 8, 128, 1), (3, 17, 4, 4, 32, 2),
                                  (2, 5, 3, 1, 96, 1), (1, 7, 2, 2, 40, 2), (1, 3, 2, 1, 256, 1),
-                                 (2, 11, 4, 2, 64, "misaligned")]:
+                                 (2, 11, 4, 2, 64, "misaligned"), (2, 13, 4, 2, 32, "partial")]:
         if dim == 1:  # [B, H, S, D] views of [B, S, H*D] projections, as HF's attention makes them
             q = torch.randn(b, s, hq * d, device="cuda").to(x_dtype).view(b, s, hq, d).transpose(1, 2)
             k = torch.randn(b, s, hk * d, device="cuda").to(x_dtype).view(b, s, hk, d).transpose(1, 2)
         elif dim == 2:  # [B, S, H, D] with unsqueeze_dim=2
             q = torch.randn(b, s, hq, d, device="cuda").to(x_dtype)
             k = torch.randn(b, s, hk, d, device="cuda").to(x_dtype)
+        elif dim == "partial":  # [B, H, S, :d] slices of transposed [B, S, H, 80] projections
+            dim = 1
+            q = torch.randn(b, s, hq, 80, device="cuda").to(x_dtype).transpose(1, 2)[..., :d]
+            k = torch.randn(b, s, hk, 80, device="cuda").to(x_dtype).transpose(1, 2)[..., :d]
         else:  # dense [B, H, S, D] tensors 2 elements into their buffers
             dim = 1
             q = torch.randn(b * hq * s * d + 2, device="cuda").to(x_dtype)[2:].view(b, hq, s, d)
@@ -99,7 +104,7 @@ def test_what_is_not_served_goes_to_stock():
     q = torch.randn(2, 8, 16, 64, device="cuda", dtype=torch.bfloat16)
     cos, sin = torch.randn(2, 16, 64, device="cuda"), torch.randn(2, 16, 64, device="cuda")
     cases = [
-        ((q[..., :32], q[..., :32], cos[..., :32], sin[..., :32]), "non-contiguous input"),  # a slice
+        ((q[:, :1].expand(2, 8, 16, 64), q, cos, sin), "non-contiguous input"),  # broadcast over heads
         ((q, q, cos.double(), sin.double()), "mixed input/parameter dtypes"),
         ((q, q, cos[:, :5], sin[:, :5]), "input stock rejects"),  # not broadcastable: stock raises
     ]
