@@ -142,37 +142,56 @@ def entry():
 
 
 def stats(directory):
-    """Prints the stats files of one job's processes (stats-rank{R}-pid{P}.json) side by side.
-    Decisions depend only on each call's inputs, so ranks that ran the same calls report the
-    same counts, kernels and stock reasons; where they differ, the ops are named."""
-    files = sorted(Path(directory).glob("stats-*.json"))
-    runs = [json.loads(f.read_text()) for f in files]
-    ranked = sorted((r for r in runs if r.get("rank") is not None), key=lambda r: int(r["rank"]))
-    if not ranked:
-        print(f"torchfuse: no stats of a rank in {directory} (run the job with "
-              f"TORCHFUSE_STATS_DIR={directory})", file=sys.stderr)
+    """Prints the stats files of one job's processes (stats-rank{R}-pid{P}.json, written at exit
+    by every process that called an op) side by side. Decisions depend only on each call's
+    inputs, so ranks that ran the same calls report the same counts, kernels and stock reasons;
+    where they differ, the ops are named. Where several processes share a rank (workers inherit
+    it), the one with the most calls is the rank's, the others are listed apart."""
+    runs = [json.loads(f.read_text()) for f in sorted(Path(directory).glob("stats-*.json"))]
+    if not runs:
+        print(f"torchfuse: no stats files in {directory} (a job run with TORCHFUSE_STATS_DIR={directory} "
+              "writes one per process that called an op)", file=sys.stderr)
         return 2
-    print(f"{'rank':>4} {'pid':>8} {'fused':>9} {'stock':>9}")
-    for r in ranked:
+
+    def calls(run):
+        return sum(o["fused"] + o["stock"] for o in run["ops"].values())
+
+    def enabled(run):
+        on = sorted(k for k, v in run.get("enabled", {}).items() if v)
+        return "all" if on and len(on) == len(run.get("enabled", {})) else ", ".join(on) or "none"
+
+    by_rank, others = {}, []
+    for run in sorted(runs, key=calls, reverse=True):
+        key = run.get("rank")
+        if key is not None and key not in by_rank:
+            by_rank[key] = run
+        else:
+            others.append(run)
+    ranks = [by_rank[k] for k in sorted(by_rank, key=int)]
+    shown = ranks or others  # a job without ranks: its processes
+    print(f"{'rank':>4} {'pid':>8} {'fused':>9} {'stock':>9}  enabled ops")
+    for r in shown:
         ops = r["ops"].values()
-        print(f"{r['rank']:>4} {r['pid']:>8} {sum(o['fused'] for o in ops):>9} {sum(o['stock'] for o in ops):>9}")
-    names = sorted({name for r in ranked for name in r["ops"]})
-    print(f"\nall {len(ranked)} ranks:\n  {'op':<46} {'fused':>9} {'stock':>9}")
+        print(f"{r.get('rank') or '-':>4} {r['pid']:>8} {sum(o['fused'] for o in ops):>9} "
+              f"{sum(o['stock'] for o in ops):>9}  {enabled(r)}")
+    if ranks and others:
+        print(f"(also {len(others)} other process(es) of these ranks, e.g. workers: pids "
+              f"{', '.join(str(r['pid']) for r in others)})")
+    names = sorted({name for r in shown for name in r["ops"]})
+    print(f"\nall {len(shown)} {'ranks' if ranks else 'processes'}:\n  {'op':<46} {'fused':>9} {'stock':>9}")
     for name in names:
-        fused = sum(r["ops"].get(name, {}).get("fused", 0) for r in ranked)
-        stock = sum(r["ops"].get(name, {}).get("stock", 0) for r in ranked)
+        fused = sum(r["ops"].get(name, {}).get("fused", 0) for r in shown)
+        stock = sum(r["ops"].get(name, {}).get("stock", 0) for r in shown)
         print(f"  {name:<46} {fused:>9} {stock:>9}")
-    enabled = {r["rank"]: sorted(k for k, on in r.get("enabled", {}).items() if on) for r in ranked}
-    if len({tuple(ops) for ops in enabled.values()}) > 1:
-        print("\nranks enable different ops (TORCHFUSE / TORCHFUSE_OPS differ):")
-        for rank, ops in enabled.items():
-            print(f"  rank {rank}: {', '.join(ops) or 'none'}")
-    differing = [name for name in names if len({json.dumps(r["ops"].get(name), sort_keys=True) for r in ranked}) > 1]
-    if differing:
-        print(f"\nranks differ in: {', '.join(differing)} (different calls, e.g. uneven last batches, "
-              "or a rank with other settings)")
-    else:
-        print("\nevery rank made the same choices (same calls, kernels and stock reasons)")
+    if len(ranks) > 1:
+        if len({enabled(r) for r in ranks}) > 1:
+            print("\nranks enable different ops (TORCHFUSE / TORCHFUSE_OPS differ)")
+        differing = [n for n in names if len({json.dumps(r["ops"].get(n), sort_keys=True) for r in ranks}) > 1]
+        if differing:
+            print(f"\nranks differ in: {', '.join(differing)} (different calls, e.g. uneven last batches, "
+                  "or a rank with other settings)")
+        else:
+            print("\nevery rank made the same choices (same calls, kernels and stock reasons)")
     return 0
 
 
@@ -182,6 +201,9 @@ def main(argv):
         return 2 if not argv else 0
     if argv == ["doctor"]:
         return doctor()
-    if len(argv) == 2 and argv[0] == "stats":
+    if argv[0] == "stats":
+        if len(argv) != 2:
+            print(USAGE, file=sys.stderr)
+            return 2
         return stats(argv[1])
     return launch(argv)

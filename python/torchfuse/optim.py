@@ -9,12 +9,13 @@ toggle is on in this process. Each substitution is logged through torchfuse's lo
 level), and so is why CUDA params were left alone. Anything unexpected leaves the optimizer as
 PyTorch built it.
 
-FSDP2 (`fully_shard`) makes the params DTensors: PyTorch's default for them is neither foreach
-nor fused but the per-tensor loop, and PyTorch accepts fused=True for them (DTensor runs
-`_fused_adamw_` on each rank's local shards, which torchfuse then serves). So an optimizer whose
-params are all CUDA DTensors of one device mesh is made fused too; params mixing DTensors and
-plain tensors, or DTensors of several meshes, are left alone (DTensor's fused step would
-reject them), with a log line saying so.
+FSDP2 (`fully_shard`) makes the params DTensors: PyTorch's default for them is foreach too,
+and it accepts fused=True for them (DTensor runs `_fused_adamw_` on each rank's local shards,
+which torchfuse then serves). So an optimizer whose params are all CUDA DTensors of one device
+mesh is made fused too; params mixing DTensors and plain tensors, or DTensors of several meshes,
+are left alone (DTensor's fused step would reject them), with a log line saying so. For DTensor
+params GradScaler is not handed the fused step's scale: FSDP's ShardedGradScaler agrees on
+skipped steps across ranks only in its unscale_, which that path would skip.
 """
 import json
 import sys
@@ -39,12 +40,10 @@ def _note(torch, message, debug=False):
 
 
 def _dtensor_type(torch):
-    """torch.distributed.tensor.DTensor, or None where this torch has no distributed package."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:
-        return None
-    return DTensor
+    """torch.distributed.tensor.DTensor, or None where it is not imported (then no param can be
+    one) or this torch has no distributed package."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
 
 
 def _why_not_fused(torch, optimizer):
@@ -74,13 +73,14 @@ def _why_not_fused(torch, optimizer):
     return None
 
 
-def _make_fused(torch, optimizer):
+def _make_fused(torch, optimizer, amp_scaling):
     # What Adam.__init__ does for fused=True: the flag in the defaults and every group, and
-    # AMP's GradScaler hands the step its scale instead of unscaling first.
+    # (amp_scaling) AMP's GradScaler hands the step its scale instead of unscaling first.
     optimizer.defaults["fused"] = True
     for group in optimizer.param_groups:
         group["fused"] = True
-    optimizer._step_supports_amp_scaling = True
+    if amp_scaling:
+        optimizer._step_supports_amp_scaling = True
     optimizer._torchfuse_made_fused = True
 
 
@@ -107,14 +107,12 @@ def patch_adam(module):
                 why, worth_info = why_not
                 _note(torch, f"{type(self).__name__} left as PyTorch built it: {why}", debug=not worth_info)
                 return
-            _make_fused(torch, self)
             params = [p for g in self.param_groups for p in g["params"]]
             dtensor = _dtensor_type(torch)
-            default, kind = "the foreach default", ""
-            if dtensor is not None and isinstance(params[0], dtensor):
-                default, kind = "the per-tensor loop DTensors default to", "DTensor "
-            _note(torch, f"{type(self).__name__}: fused step instead of {default} "
-                         f"({len(params)} {kind}params; torchfuse)")
+            sharded = dtensor is not None and isinstance(params[0], dtensor)
+            _make_fused(torch, self, amp_scaling=not sharded)
+            _note(torch, f"{type(self).__name__}: fused step instead of the foreach default "
+                         f"({len(params)} {'DTensor ' if sharded else ''}params; torchfuse)")
         except Exception as e:  # never break the user's job
             print(f"torchfuse: optimizer hook skipped ({e!r})", file=sys.stderr)
 

@@ -11,10 +11,14 @@ beside its speed-up on 1 (issue 26's target: at least 97% of the 1-GPU one).
 
   python3 scripts/bench/bench_distributed.py --lib-dir .dev --out $OUT [--models gpt2,llama]
       [--parallel ddp,fsdp2] [--gpus 1,2] [--rounds 1] [--steps 20] [--warmup 8]
+
+The full matrix is 16 torchrun jobs; on a machine with 10-minute commands, split it by
+--models and --parallel (the runs append to OUT/bench_distributed.jsonl).
 """
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -30,9 +34,10 @@ def worker(a):
     import torch.distributed as dist
     from bench_models import build
 
-    dist.init_process_group("nccl")
-    rank, local = dist.get_rank(), int(os.environ["LOCAL_RANK"])
+    local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
     torch.manual_seed(0)
     model, loss_of, per_step, what = build(a.worker, torch)
     model = model.cuda().train()
@@ -81,13 +86,15 @@ def run(a, model, parallel, gpus, side, stats_dir):
            __file__, "--worker", model, "--parallel", parallel, "--side", side,
            "--steps", str(a.steps), "--warmup", str(a.warmup)]
     if side == "torchfuse":
+        shutil.rmtree(stats_dir, ignore_errors=True)  # this job's files only
         env.update(TORCHFUSE_LIB_DIR=str(Path(a.lib_dir).resolve()), TORCHFUSE_STATS_DIR=str(stats_dir))
         cmd = [str(ROOT / "scripts" / "torchfuse")] + cmd
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    if proc.returncode != 0:
+    reports = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not reports:
         print(proc.stderr[-3000:], file=sys.stderr, flush=True)
         return None
-    r = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    r = json.loads(reports[-1])
     if side == "torchfuse":
         summary = subprocess.run([sys.executable, "-m", "torchfuse", "stats", str(stats_dir)], capture_output=True,
                                  text=True, env=dict(env, PYTHONPATH=str(ROOT / "python")))

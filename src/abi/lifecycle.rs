@@ -86,7 +86,8 @@ fn register_all() {
             // kernels, slower): say so where the user will look.
             Some(rank) => tracing::warn!(
                 "TORCHFUSE=0 in rank {rank}: loaded, nothing registered; if other ranks run \
-                 torchfuse, this one computes the same steps with PyTorch's kernels, more slowly"
+                 torchfuse, this one runs PyTorch's kernels: slower, and equal to theirs within \
+                 rounding"
             ),
             None => tracing::info!("TORCHFUSE=0: loaded, nothing registered"),
         }
@@ -135,17 +136,19 @@ extern "C" fn at_exit() {
             }
         }
         if let Some(dir) = &config.stats_dir {
-            write_stats_file(dir, config.rank.as_deref());
+            write_stats_file(dir, config.rank.as_deref(), config.active);
         }
     });
 }
 
-/// `DIR/stats-rank{R}-pid{P}.json` (`stats-pid{P}.json` in a process without a rank, such as
-/// torchrun's own): this process's stats and rank, for `torchfuse stats DIR` to set a job's
-/// ranks side by side (also a rank that called no op: its empty stats are a fact about it).
-/// Nothing from a process without a rank that called no op (torchrun's own). A failure is one
-/// line on stderr (logging is gone at exit); the job's exit status is not touched.
-fn write_stats_file(dir: &std::path::Path, rank: Option<&str>) {
+/// `DIR/stats-rank{R}-pid{P}.json` (`stats-pid{P}.json` in a process without a rank): this
+/// process's stats and rank, for `torchfuse stats DIR` to set a job's ranks side by side.
+/// Written where ops were called, and by a rank with TORCHFUSE=0 (its empty stats are the
+/// fact to see); not by processes that called nothing (torchrun's own, compile or DataLoader
+/// workers, which inherit the rank). Written whole or not at all (a temporary file renamed).
+/// A failure is one line on stderr (logging is gone at exit); the job's exit status is not
+/// touched.
+fn write_stats_file(dir: &std::path::Path, rank: Option<&str>, active: bool) {
     let json = stats::to_json(&crate::runtime::toggles::enabled_map());
     let Ok(serde_json::Value::Object(mut map)) = serde_json::from_str::<serde_json::Value>(&json)
     else {
@@ -155,7 +158,7 @@ fn write_stats_file(dir: &std::path::Path, rank: Option<&str>) {
         .get("ops")
         .and_then(|o| o.as_object())
         .is_none_or(|o| o.is_empty());
-    if rank.is_none() && no_calls {
+    if no_calls && (active || rank.is_none()) {
         return;
     }
     map.insert("rank".to_string(), rank.into());
@@ -164,9 +167,12 @@ fn write_stats_file(dir: &std::path::Path, rank: Option<&str>) {
         Some(r) => format!("stats-rank{r}-pid{pid}.json"),
         None => format!("stats-pid{pid}.json"),
     };
-    let path = dir.join(name);
+    let (path, partial) = (dir.join(&name), dir.join(format!(".{name}.tmp")));
     let text = serde_json::Value::Object(map).to_string();
-    if let Err(e) = std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&path, text)) {
+    let written = std::fs::create_dir_all(dir)
+        .and_then(|()| std::fs::write(&partial, text))
+        .and_then(|()| std::fs::rename(&partial, &path));
+    if let Err(e) = written {
         eprintln!("torchfuse: cannot write {path:?} (TORCHFUSE_STATS_DIR): {e}");
     }
 }

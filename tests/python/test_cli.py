@@ -108,9 +108,10 @@ def torchrun_or_skip():
     return torchrun
 
 
-def test_each_rank_logs_to_its_own_file_and_leaves_its_stats(tmp_path):
-    """TORCHFUSE_LOG_FILE with {rank}: a file per rank, its lines tagged with that rank;
-    TORCHFUSE_STATS_DIR: a stats file per rank, which `torchfuse stats` sets side by side."""
+def test_each_rank_logs_to_its_own_file(tmp_path):
+    """TORCHFUSE_LOG_FILE with {rank}: a file per rank, its lines tagged with that rank. With
+    TORCHFUSE_STATS_DIR, processes that called no op (CPU ranks, torchrun's own) leave no
+    stats, and `torchfuse stats` says there are none."""
     script = tmp_path / "rank.py"
     script.write_text("import torch\n")
     stats_dir = tmp_path / "stats"
@@ -123,12 +124,10 @@ def test_each_rank_logs_to_its_own_file_and_leaves_its_stats(tmp_path):
         tagged = [line for line in lines if f" rank={rank}]" in line]
         assert any("overrides registered for:" in line for line in tagged), lines
         assert not any(f" rank={1 - rank}]" in line for line in lines), lines
-    files = sorted(p.name.split("-pid")[0] for p in stats_dir.glob("stats-*.json"))
-    assert files == ["stats-rank0", "stats-rank1"], files
+    assert not list(stats_dir.glob("stats-*.json"))
     summary = torchfuse("stats", str(stats_dir))
-    assert summary.returncode == 0, summary.stderr
-    assert "all 2 ranks" in summary.stdout and "every rank made the same choices" in summary.stdout
-    assert torchfuse("stats", str(tmp_path / "nothing-here")).returncode == 2
+    assert summary.returncode == 2 and "no stats files" in summary.stderr, summary.stderr
+    assert torchfuse("stats").returncode == 2
 
 
 # A rank switched off by hand (TORCHFUSE=0 set before torch loads the library): a
@@ -149,8 +148,13 @@ def test_a_rank_switched_off_warns_and_the_stats_show_it(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "rank=1] WARN TORCHFUSE=0 in rank 1: loaded, nothing registered" in proc.stderr, proc.stderr[-3000:]
     assert "TORCHFUSE=0 in rank 0" not in proc.stderr
-    summary = torchfuse("stats", str(stats_dir)).stdout
-    assert "ranks enable different ops" in summary and "rank 1: none" in summary, summary
+    # Rank 1's (empty) stats are there to see; rank 0 called nothing on a CPU machine.
+    files = [p.name.split("-pid")[0] for p in stats_dir.glob("stats-*.json")]
+    assert files == ["stats-rank1"], files
+    summary = torchfuse("stats", str(stats_dir))
+    assert summary.returncode == 0, summary.stderr
+    row = [line.split() for line in summary.stdout.splitlines() if line.split()[:1] == ["1"]]
+    assert row and row[0][-1] == "none", summary.stdout
 
 
 DDP_RANK = SWITCH_OFF + """
@@ -188,6 +192,7 @@ def test_ddp_ranks_make_the_same_choices(tmp_path, off_rank):
     ranks = [json.loads(p.read_text()) for p in sorted(stats_dir.glob("stats-rank*.json"))]
     if off_rank:
         assert len(ranks) == 2 and ranks[1]["ops"] == {} and ranks[0]["ops"], ranks
+        assert "ranks enable different ops" in torchfuse("stats", str(stats_dir)).stdout
         return
     assert len(ranks) == 2 and ranks[0]["ops"] == ranks[1]["ops"], ranks
     for op in ("native_layer_norm", "cross_entropy_loss", "_fused_adamw_"):
