@@ -780,6 +780,72 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
         assert_eq!(r.variant(r.select(&q).unwrap()).name, "small");
     }
 
+    /// The ops the rewrite layer and the cross-entropy override send calls to: served at every
+    /// shape measured (registry/{gelu,cross_entropy,swiglu,rotary}.toml), tiny ones included,
+    /// on sm 80 and 90 alike; what was measured no faster, or has no variant, goes to stock.
+    #[test]
+    fn built_in_registry_routes_the_llm_step_ops() {
+        let r = REGISTRY.as_ref().expect("built-in registry");
+        let pick = |op, dtype, hidden, rows, sm| {
+            r.select(&Request {
+                op,
+                dtype,
+                hidden,
+                rows,
+                sm,
+                deterministic: false,
+            })
+            .map(|i| r.variant(i).name.clone())
+        };
+        use KernelOp::*;
+        let served = [
+            (CrossEntropyFwdWide, DType::BF16, 50304, 8192, "ce_fwd_wide"),
+            (
+                CrossEntropyBwdWide,
+                DType::F16,
+                128256,
+                65536,
+                "ce_bwd_wide",
+            ),
+            (CrossEntropyFwd, DType::F32, 10, 64, "ce_fwd"),
+            (CrossEntropyBwd, DType::F32, 1, 1, "ce_bwd"),
+            (SiluMulFwd, DType::BF16, 1, 4096 * 11008, "silu_mul_fwd"),
+            (SiluMulBwd, DType::F16, 1, 64, "silu_mul_bwd"),
+            (
+                RotaryFwdWide,
+                DType::BF16,
+                64,
+                4 * 1024 * 24,
+                "rope_fwd_wide",
+            ),
+            (RotaryBwd, DType::F32, 128, 1, "rope_bwd"),
+            (
+                GeluTanhFwdWide,
+                DType::BF16,
+                1,
+                8192 * 3072,
+                "gelu_fwd_wide",
+            ),
+        ];
+        for (op, dtype, hidden, rows, prefix) in served {
+            for sm in [80, 90] {
+                let name = pick(op, dtype, hidden, rows, sm)
+                    .unwrap_or_else(|e| panic!("{prefix} sm {sm}: {e}"));
+                assert!(name.starts_with(prefix), "{op:?} {dtype:?}: {name}");
+            }
+        }
+        // Equal-dtype GELU: stock's own kernel is one pass too, measured as fast.
+        assert_eq!(
+            pick(GeluTanhFwd, DType::BF16, 1, 8192 * 3072, 90),
+            Err(StockReason::NotFasterHere)
+        );
+        // fp32 logits with an fp32 loss are not the wide form: no variant takes f32 there.
+        assert_eq!(
+            pick(CrossEntropyFwdWide, DType::F32, 50304, 8192, 90),
+            Err(StockReason::UnsupportedDtype)
+        );
+    }
+
     #[test]
     fn built_in_registry_parses() {
         let r = REGISTRY.as_ref().expect("built-in registry");
