@@ -159,7 +159,7 @@ def report(results, out, command):
         return
     models = list(results)
     fig, ax = plt.subplots(figsize=(8, 4))
-    drawn = [s for s in SIDES if any(r["model"] in models and r["side"] == s for r in rows)]
+    drawn = list(dict.fromkeys(r["side"] for r in rows if r["model"] in models and "ms" in r))
     for i, side in enumerate(drawn):
         ys = [next((r["ms"] for r in rows if r["model"] == m and r["side"] == "stock"), 0) /
               next((r["ms"] for r in rows if r["model"] == m and r["side"] == side), float("inf"))
