@@ -90,15 +90,21 @@ print(json.dumps([torchfuse.enable({str(tmp_path)!r}), torchfuse.loaded()]))
 
 
 def test_torchrun_children_get_torchfuse(tmp_path):
-    """`torchfuse torchrun ...`: the preload and the start-up hook reach every rank's process."""
+    """`torchfuse torchrun ...`: the preload and the start-up hook reach every rank's process:
+    each has the library, the Adam hook and the rewrite layer (HF's GELU rewritten on import)."""
+    pytest.importorskip("transformers", reason="scripts/setup installs transformers")
     script = tmp_path / "rank.py"
-    script.write_text("import json, os, torch, torchfuse\n"
-                      "print('RANK ' + json.dumps([int(os.environ['RANK']), torchfuse.loaded(),"
-                      " hasattr(torch.optim.Adam.__init__, '__wrapped__')]))\n")
+    # One write a line: the ranks share stdout (unbuffered: print's text and newline would be
+    # two writes, which the other rank's could split).
+    script.write_text("import json, os, sys, torch, torchfuse\n"
+                      "from transformers.activations import NewGELUActivation\n"
+                      "sys.stdout.write('RANK ' + json.dumps([int(os.environ['RANK']), torchfuse.loaded(),"
+                      " hasattr(torch.optim.Adam.__init__, '__wrapped__'),"
+                      " hasattr(NewGELUActivation.forward, '__wrapped__')]) + '\\n')\n")
     proc = torchfuse(torchrun_or_skip(), "--standalone", "--nproc_per_node", "2", str(script))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     ranks = sorted(json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("RANK "))
-    assert ranks == [[0, True, True], [1, True, True]], proc.stdout
+    assert ranks == [[0, True, True, True], [1, True, True, True]], proc.stdout
 
 
 def torchrun_or_skip():
