@@ -160,6 +160,9 @@ def stats(directory):
         on = sorted(k for k, v in run.get("enabled", {}).items() if v)
         return "all" if on and len(on) == len(run.get("enabled", {})) else ", ".join(on) or "none"
 
+    def order(rank):
+        return (0, int(rank), "") if str(rank).isdigit() else (1, 0, str(rank))
+
     by_rank, others = {}, []
     for run in sorted(runs, key=calls, reverse=True):
         key = run.get("rank")
@@ -167,7 +170,7 @@ def stats(directory):
             by_rank[key] = run
         else:
             others.append(run)
-    ranks = [by_rank[k] for k in sorted(by_rank, key=int)]
+    ranks = [by_rank[k] for k in sorted(by_rank, key=order)]
     shown = ranks or others  # a job without ranks: its processes
     print(f"{'rank':>4} {'pid':>8} {'fused':>9} {'stock':>9}  enabled ops")
     for r in shown:
@@ -175,14 +178,20 @@ def stats(directory):
         print(f"{r.get('rank') or '-':>4} {r['pid']:>8} {sum(o['fused'] for o in ops):>9} "
               f"{sum(o['stock'] for o in ops):>9}  {enabled(r)}")
     if ranks and others:
-        print(f"(also {len(others)} other process(es) of these ranks, e.g. workers: pids "
+        print(f"(also {len(others)} other process(es), e.g. workers inheriting a rank: pids "
               f"{', '.join(str(r['pid']) for r in others)})")
+    sizes = {int(r["world_size"]) for r in ranks if str(r.get("world_size") or "").isdigit()}
+    missing = sorted(set(range(max(sizes))) - {int(k) for k in by_rank if str(k).isdigit()}) if sizes else []
+    if missing:
+        print(f"ranks without stats: {', '.join(map(str, missing))} (they called no op, or did not exit normally)")
     names = sorted({name for r in shown for name in r["ops"]})
     print(f"\nall {len(shown)} {'ranks' if ranks else 'processes'}:\n  {'op':<46} {'fused':>9} {'stock':>9}")
     for name in names:
         fused = sum(r["ops"].get(name, {}).get("fused", 0) for r in shown)
         stock = sum(r["ops"].get(name, {}).get("stock", 0) for r in shown)
         print(f"  {name:<46} {fused:>9} {stock:>9}")
+    if len(ranks) == 1 and not missing:
+        print("\none rank: nothing to compare")
     if len(ranks) > 1:
         if len({enabled(r) for r in ranks}) > 1:
             print("\nranks enable different ops (TORCHFUSE / TORCHFUSE_OPS differ)")

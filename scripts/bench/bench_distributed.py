@@ -98,7 +98,7 @@ def run(a, model, parallel, gpus, side, stats_dir):
     if side == "torchfuse":
         summary = subprocess.run([sys.executable, "-m", "torchfuse", "stats", str(stats_dir)], capture_output=True,
                                  text=True, env=dict(env, PYTHONPATH=str(ROOT / "python")))
-        r["ranks_agree"] = "every rank made the same choices" in summary.stdout
+        r["ranks_agree"] = ("every rank made the same choices" in summary.stdout if gpus > 1 else "–")
         (stats_dir / "summary.txt").write_text(summary.stdout + summary.stderr)
     return r
 

@@ -142,10 +142,11 @@ extern "C" fn at_exit() {
 }
 
 /// `DIR/stats-rank{R}-pid{P}.json` (`stats-pid{P}.json` in a process without a rank): this
-/// process's stats and rank, for `torchfuse stats DIR` to set a job's ranks side by side.
-/// Written where ops were called, and by a rank with TORCHFUSE=0 (its empty stats are the
-/// fact to see); not by processes that called nothing (torchrun's own, compile or DataLoader
-/// workers, which inherit the rank). Written whole or not at all (a temporary file renamed).
+/// process's stats, rank and world size, for `torchfuse stats DIR` to set a job's ranks side by
+/// side and name the ranks that left none. Written where ops were called, and by a process of a
+/// rank with TORCHFUSE=0 (its empty stats are the fact to see); not by processes that called
+/// nothing with torchfuse on (torchrun's own, compile or DataLoader workers, which inherit the
+/// rank). Written whole or not at all (a temporary file renamed).
 /// A failure is one line on stderr (logging is gone at exit); the job's exit status is not
 /// touched.
 fn write_stats_file(dir: &std::path::Path, rank: Option<&str>, active: bool) {
@@ -162,6 +163,8 @@ fn write_stats_file(dir: &std::path::Path, rank: Option<&str>, active: bool) {
         return;
     }
     map.insert("rank".to_string(), rank.into());
+    let world_size = std::env::var("WORLD_SIZE").ok();
+    map.insert("world_size".to_string(), world_size.into());
     let pid = std::process::id();
     let name = match rank {
         Some(r) => format!("stats-rank{r}-pid{pid}.json"),

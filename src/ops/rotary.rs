@@ -17,7 +17,7 @@ use tch::{Device, Kind, Tensor};
 /// The kernel of kernels/rotary.cu (one per direction, by TF_ROPE_BWD).
 const KERNEL: &str = "rope";
 
-/// Grid CTAs at most (a warp a row); they stride over the rest.
+/// Grid CTAs at most; they stride over the rest of the rows.
 const MAX_GRID: i64 = 1 << 16;
 
 /// Element strides of a [n0, n1, n2, d] view (`RopeStrides` in rotary.cu).
@@ -72,15 +72,41 @@ fn trig_strides(trig: &Tensor, dim: i64, shape: &[i64]) -> Option<RopeStrides> {
 /// need a half of whole chunks and every row of every operand 16-byte aligned.
 fn lanes_per_row(half: i64, ops: &[&RopeOperand], tensors: &[&Tensor]) -> i32 {
     let chunk = elementwise::CHUNK;
-    let whole = |s: &RopeStrides| [s.s0, s.s1, s.s2].iter().all(|x| x % chunk == 0);
+    // A dim of one element never steps: its stride does not matter.
+    let whole = |o: &RopeOperand, s: &RopeStrides| {
+        let n0 = o.rows / (o.n1 * o.n2).max(1);
+        [(n0, s.s0), (o.n1, s.s1), (o.n2, s.s2)]
+            .iter()
+            .all(|&(n, stride)| n <= 1 || stride % chunk == 0)
+    };
     let rows_aligned = ops
         .iter()
-        .all(|o| whole(&o.in_s) && whole(&o.out_s) && whole(&o.trig_s));
+        .all(|o| whole(o, &o.in_s) && whole(o, &o.out_s) && whole(o, &o.trig_s));
     if half % chunk != 0 || !rows_aligned || !aligned16(tensors.iter().copied()) {
         return 0;
     }
     let chunks = half / chunk;
     (chunks & -chunks).min(32) as i32
+}
+
+/// Whether two elements of the view share memory: walking its dims of more than one element
+/// from the smallest stride up, each must step past all of the ones before it.
+fn overlapping(t: &Tensor) -> bool {
+    let mut dims: Vec<(i64, i64)> = t
+        .stride()
+        .into_iter()
+        .zip(t.size())
+        .filter(|&(_, n)| n > 1)
+        .collect();
+    dims.sort_unstable();
+    let mut span = 1;
+    for (stride, n) in dims {
+        if stride < span {
+            return true;
+        }
+        span = stride * n;
+    }
+    false
 }
 
 /// The strides HF's composition gives its output for a 4-D input with a contiguous last dim:
@@ -150,14 +176,9 @@ impl Family for Rotary {
         let a = a.borrow().ok_or(StockReason::InvalidInput)?;
         let b = b.borrow().ok_or(StockReason::InvalidInput)?;
         // Strided views are served (HF's transposed projections; partial rotary's slices of the
-        // head dim), a broadcast one is not: stock's output layout for it is its own.
-        let broadcast = |t: &Tensor| {
-            t.size()
-                .iter()
-                .zip(t.stride())
-                .any(|(&n, s)| n > 1 && s == 0)
-        };
-        if broadcast(&a) || broadcast(&b) {
+        // head dim); one whose elements overlap (broadcast, unfold) is not: stock's output
+        // layout for it is its own.
+        if overlapping(&a) || overlapping(&b) {
             return Err(StockReason::NotContiguous);
         }
         let cos = call.cos.borrow().ok_or(StockReason::InvalidInput)?;
@@ -335,9 +356,9 @@ mod tests {
         RopeOperand {
             input: 0,
             output: 0,
-            n1: 1,
-            n2: 1,
-            rows: 1,
+            n1: 2,
+            n2: 2,
+            rows: 8,
             in_s: s,
             out_s: s,
             trig_s: s,
@@ -357,8 +378,25 @@ mod tests {
         // A half not of whole chunks, a row stride off the chunk, a misaligned pointer.
         assert_eq!(lanes_per_row(36, &[&aligned], &tensors), 0);
         assert_eq!(lanes_per_row(32, &[&aligned, &operand(68)], &tensors), 0);
+        // ... unless that dim has one element (it never steps).
+        let one_head = RopeOperand {
+            n1: 1,
+            rows: 4,
+            ..operand(68)
+        };
+        assert_eq!(lanes_per_row(32, &[&aligned, &one_head], &tensors), 4);
         let offset = t.narrow(0, 1, 32);
         assert_eq!(lanes_per_row(32, &[&aligned], &[&offset]), 0);
+    }
+
+    #[test]
+    fn overlapping_views_are_told_apart_from_strided_ones() {
+        let x = Tensor::zeros([2, 3, 40], (Kind::Float, Device::Cpu));
+        let transposed = Tensor::zeros([2, 5, 3, 80], (Kind::Float, Device::Cpu)).transpose(1, 2);
+        assert!(!overlapping(&transposed.narrow(3, 0, 32))); // partial rotary's slice
+        assert!(!overlapping(&x.unsqueeze(1))); // a size-1 dim's stride is no step
+        assert!(overlapping(&x.unfold(-1, 16, 1).narrow(2, 0, 4))); // rows share elements
+        assert!(overlapping(&x.unsqueeze(1).expand([2, 4, 3, 40], false))); // broadcast
     }
 
     #[test]

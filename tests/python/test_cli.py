@@ -161,6 +161,7 @@ def test_a_rank_switched_off_warns_and_the_stats_show_it(tmp_path):
     assert summary.returncode == 0, summary.stderr
     row = [line.split() for line in summary.stdout.splitlines() if line.split()[:1] == ["1"]]
     assert row and row[0][-1] == "none", summary.stdout
+    assert "ranks without stats: 0 " in summary.stdout, summary.stdout
 
 
 DDP_RANK = SWITCH_OFF + """
