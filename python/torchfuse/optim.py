@@ -17,26 +17,11 @@ are left alone (DTensor's fused step would reject them), with a log line saying 
 params GradScaler is not handed the fused step's scale: FSDP's ShardedGradScaler agrees on
 skipped steps across ranks only in its unscale_, which that path would skip.
 """
-import json
 import sys
 
+from ._library import enabled_toggles, note
+
 _FUSED_DTYPES = ("float16", "bfloat16", "float32", "float64")
-
-
-def _torchfuse_adam_enabled(torch):
-    """True when torchfuse is loaded in this process with its `adam` toggle on."""
-    try:
-        stats = json.loads(torch.ops.torchfuse.stats())
-    except Exception:
-        return False
-    return bool(stats.get("enabled", {}).get("adam", False))
-
-
-def _note(torch, message, debug=False):
-    try:
-        torch.ops.torchfuse.note(message, debug)
-    except Exception:
-        pass
 
 
 def _dtensor_type(torch):
@@ -100,19 +85,19 @@ def patch_adam(module):
             chosen = any(kwargs.get(k) is not None for k in ("foreach", "fused"))
             if chosen or kwargs.get("differentiable", False):
                 return
-            if not _torchfuse_adam_enabled(torch):
+            if not enabled_toggles(torch).get("adam", False):
                 return
             why_not = _why_not_fused(torch, self)
             if why_not is not None:
                 why, worth_info = why_not
-                _note(torch, f"{type(self).__name__} left as PyTorch built it: {why}", debug=not worth_info)
+                note(torch, f"{type(self).__name__} left as PyTorch built it: {why}", debug=not worth_info)
                 return
             params = [p for g in self.param_groups for p in g["params"]]
             dtensor = _dtensor_type(torch)
             sharded = dtensor is not None and isinstance(params[0], dtensor)
             _make_fused(torch, self, amp_scaling=not sharded)
-            _note(torch, f"{type(self).__name__}: fused step instead of the foreach default "
-                         f"({len(params)} {'DTensor ' if sharded else ''}params; torchfuse)")
+            note(torch, f"{type(self).__name__}: fused step instead of the foreach default "
+                        f"({len(params)} {'DTensor ' if sharded else ''}params; torchfuse)")
         except Exception as e:  # never break the user's job
             print(f"torchfuse: optimizer hook skipped ({e!r})", file=sys.stderr)
 

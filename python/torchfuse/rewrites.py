@@ -17,10 +17,10 @@ counted in torchfuse's stats, and `torch.ops.torchfuse.set_enabled(name, False)`
 PyTorch's own kernels.
 """
 import functools
-import json
 import sys
 
 from . import compositions
+from ._library import enabled_toggles, note
 
 # Forms whose code calls torch.pow: under CUDA autocast pow runs in fp32 (autocast's fp32
 # list), so the result is fp32 whatever the activation's dtype.
@@ -44,21 +44,6 @@ MODULES = ("transformers.activations", "transformers.loss.loss_utils")
 def wants(name):
     """Whether the module of this name holds compositions the layer may rewrite."""
     return name in MODULES or is_model_module(name)
-
-
-def _enabled(torch):
-    """The toggles on in this process ({name: bool}), or {} when torchfuse is not loaded."""
-    try:
-        return json.loads(torch.ops.torchfuse.stats()).get("enabled", {})
-    except Exception:
-        return {}
-
-
-def _note(torch, message, debug=False):
-    try:
-        torch.ops.torchfuse.note(message, debug)
-    except Exception:
-        pass
 
 
 def _served_dtypes(torch):
@@ -211,21 +196,21 @@ def patch_module(module):
     torch = sys.modules.get("torch")
     if torch is None:
         return
-    enabled = _enabled(torch)
+    enabled = enabled_toggles(torch)
     found = compositions.scan(module)
     for cls, form in found.items():
         op = compositions.COMPUTES[form]
         where = f"{module.__name__}.{cls.__qualname__}.forward"
         if not enabled.get(op, False):
-            _note(torch, f"rewrite {op} off: {where} ({form}) left as it is", debug=True)
+            note(torch, f"rewrite {op} off: {where} ({form}) left as it is", debug=True)
             continue
         cls.forward = _FORWARDS[op](torch, cls.forward, form)
-        _note(torch, f"rewrite {op}: {where} ({form}) -> {_op_path(op)}")
+        note(torch, f"rewrite {op}: {where} ({form}) -> {_op_path(op)}")
     for name, form in compositions.scan_functions(module).items():
         original, op = getattr(module, name), compositions.COMPUTES[form]
         where = f"{module.__name__}.{name}"
         if not enabled.get(op, False):
-            _note(torch, f"rewrite {op} off: {where} ({form}) left as it is", debug=True)
+            note(torch, f"rewrite {op} off: {where} ({form}) left as it is", debug=True)
             continue
         rewritten = _FUNCTIONS[form](torch, original, form)
         setattr(module, name, rewritten)
@@ -234,9 +219,9 @@ def patch_module(module):
                 for key, value in list(table.items()):
                     if value is original:
                         table[key] = rewritten
-        _note(torch, f"rewrite {op}: {where} ({form}) -> {_op_path(op)}")
+        note(torch, f"rewrite {op}: {where} ({form}) -> {_op_path(op)}")
     for name, value in list(vars(module).items()):
         if (isinstance(value, type) and value.__module__ == module.__name__ and value not in found
                 and "forward" in value.__dict__ and any(k in name for k in _LOOKALIKES)):
-            _note(torch, f"rewrite: {module.__name__}.{name}.forward is not a known form; "
-                         "left alone", debug=True)
+            note(torch, f"rewrite: {module.__name__}.{name}.forward is not a known form; "
+                        "left alone", debug=True)
