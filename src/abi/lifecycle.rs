@@ -150,11 +150,7 @@ extern "C" fn at_exit() {
 /// A failure is one line on stderr (logging is gone at exit); the job's exit status is not
 /// touched.
 fn write_stats_file(dir: &std::path::Path, rank: Option<&str>, active: bool) {
-    let json = stats::to_json(&crate::runtime::toggles::enabled_map());
-    let Ok(serde_json::Value::Object(mut map)) = serde_json::from_str::<serde_json::Value>(&json)
-    else {
-        return;
-    };
+    let mut map = stats::to_map(&crate::runtime::toggles::enabled_map());
     let no_calls = map
         .get("ops")
         .and_then(|o| o.as_object())

@@ -17,12 +17,8 @@ struct ProcessTagged {
     rank: Option<String>,
 }
 
-fn rank() -> Option<String> {
-    std::env::var("RANK").ok().filter(|r| !r.is_empty())
-}
-
-fn tag() -> String {
-    match rank() {
+fn tag(config: &Config) -> String {
+    match &config.rank {
         Some(rank) => format!("torchfuse[pid={} rank={rank}]", std::process::id()),
         None => format!("torchfuse[pid={}]", std::process::id()),
     }
@@ -38,7 +34,7 @@ pub fn info_enabled() -> bool {
 
 /// Writes an info line to the log sink without `tracing`, for use at process exit.
 pub fn write_at_exit(config: &Config, text: &str) {
-    let line = format!("{} INFO {text}\n", tag());
+    let line = format!("{} INFO {text}\n", tag(config));
     let written = config.log_file.as_ref().is_some_and(|path| {
         OpenOptions::new()
             .append(true)
@@ -78,7 +74,9 @@ where
 pub fn init(config: &Config) -> bool {
     let filter = EnvFilter::try_new(&config.log_filter)
         .unwrap_or_else(|_| EnvFilter::new(super::config::DEFAULT_LOG_FILTER));
-    let format = ProcessTagged { rank: rank() };
+    let format = ProcessTagged {
+        rank: config.rank.clone(),
+    };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .event_format(format);

@@ -63,6 +63,11 @@ pub fn reset() {
 
 /// Calls per entry and outcome, as JSON for `torch.ops.torchfuse.stats()`.
 pub fn to_json(enabled: &[(&'static str, bool)]) -> String {
+    serde_json::Value::Object(to_map(enabled)).to_string()
+}
+
+/// The JSON object of [`to_json`]: `pid`, `enabled` and `ops` (empty where no op was called).
+pub fn to_map(enabled: &[(&'static str, bool)]) -> serde_json::Map<String, serde_json::Value> {
     let s = lock();
     let mut ops = serde_json::Map::new();
     for (entry, outcomes) in &s.counts {
@@ -90,7 +95,11 @@ pub fn to_json(enabled: &[(&'static str, bool)]) -> String {
         .iter()
         .map(|(k, v)| (k.to_string(), (*v).into()))
         .collect();
-    serde_json::json!({"pid": std::process::id(), "enabled": enabled, "ops": ops}).to_string()
+    let mut map = serde_json::Map::new();
+    map.insert("pid".to_string(), std::process::id().into());
+    map.insert("enabled".to_string(), enabled.into());
+    map.insert("ops".to_string(), ops.into());
+    map
 }
 
 /// The exit summary: per op, calls fused vs stock, grouped by kernel and by reason.
