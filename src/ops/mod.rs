@@ -516,21 +516,30 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
         assert_eq!(pick(gpt2, true, 80), Err(StockReason::NotFasterHere));
     }
 
+    /// The built-in registry's variant for a call (deterministic algorithms not required), or
+    /// why stock serves it.
+    fn pick(
+        op: KernelOp,
+        dtype: DType,
+        hidden: i64,
+        rows: i64,
+        sm: u32,
+    ) -> Result<String, StockReason> {
+        let r = REGISTRY.as_ref().expect("built-in registry");
+        r.select(&Request {
+            op,
+            dtype,
+            hidden,
+            rows,
+            sm,
+            deterministic: false,
+        })
+        .map(|i| r.variant(i).name.clone())
+    }
+
     /// The built-in registry answers a table of calls as measured (registry/norm.toml).
     #[test]
     fn built_in_registry_routes_a_table_of_calls() {
-        let r = REGISTRY.as_ref().expect("built-in registry");
-        let pick = |op, dtype, hidden, rows, sm| {
-            r.select(&Request {
-                op,
-                dtype,
-                hidden,
-                rows,
-                sm,
-                deterministic: false,
-            })
-            .map(|i| r.variant(i).name.clone())
-        };
         use KernelOp::*;
         let served = [
             (LayerNormFwd, DType::BF16, 768, 16384, "ln_fwd_16bit_h768"),
@@ -785,18 +794,6 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
     /// on sm 80 and 90 alike; what was measured no faster, or has no variant, goes to stock.
     #[test]
     fn built_in_registry_routes_the_llm_step_ops() {
-        let r = REGISTRY.as_ref().expect("built-in registry");
-        let pick = |op, dtype, hidden, rows, sm| {
-            r.select(&Request {
-                op,
-                dtype,
-                hidden,
-                rows,
-                sm,
-                deterministic: false,
-            })
-            .map(|i| r.variant(i).name.clone())
-        };
         use KernelOp::*;
         let served = [
             (CrossEntropyFwdWide, DType::BF16, 50304, 8192, "ce_fwd_wide"),
