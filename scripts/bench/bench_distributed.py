@@ -32,7 +32,7 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 def worker(a):
     import torch
     import torch.distributed as dist
-    from bench_models import build
+    from bench_models import build, timed_steps
 
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
@@ -51,30 +51,12 @@ def worker(a):
                 fully_shard(layer, mp_policy=policy)
         stepped, autocast = fully_shard(model, mp_policy=policy), False
     opt = torch.optim.AdamW(stepped.parameters(), lr=1e-4)  # unchanged: PyTorch's default step
-    losses, times = [], []
-    for i in range(a.warmup + a.steps):
-        if i == a.warmup:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            loss = loss_of(stepped)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        end.record()
-        losses.append(loss.detach())
-        if i >= a.warmup:
-            times.append((start, end))
-    torch.cuda.synchronize()
+    ms, losses = timed_steps(torch, stepped, loss_of, opt, a.warmup, a.steps, autocast)
     if rank == 0:
         print(json.dumps({"model": a.worker, "parallel": a.parallel, "gpus": dist.get_world_size(),
-                          "side": a.side, "what": what, "per_gpu_step": per_step,
-                          "ms": statistics.median(s.elapsed_time(e) for s, e in times),
+                          "side": a.side, "what": what, "per_gpu_step": per_step, "ms": ms,
                           "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-                          "fused_optimizer": opt.param_groups[0].get("fused"),
-                          "losses": [float(x) for x in losses]}))
+                          "fused_optimizer": opt.param_groups[0].get("fused"), "losses": losses}))
     dist.destroy_process_group()
 
 

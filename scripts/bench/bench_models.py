@@ -70,6 +70,35 @@ def build(name, torch):
     return model, lambda m: m(input_ids=ids.cuda(), labels=ids.cuda()).loss, b * s, what
 
 
+def train_step(torch, stepped, loss_of, opt, autocast=True):
+    """One unchanged training step (forward under bf16 autocast, backward, the optimizer's
+    step); its loss."""
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        loss = loss_of(stepped)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def timed_steps(torch, stepped, loss_of, opt, warmup, steps, autocast=True):
+    """The median step time in ms over CUDA events after `warmup` steps (peak memory is counted
+    from there on), and every step's loss."""
+    losses, times = [], []
+    for i in range(warmup + steps):
+        if i == warmup:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        losses.append(train_step(torch, stepped, loss_of, opt, autocast))
+        end.record()
+        if i >= warmup:
+            times.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in times), [float(x) for x in losses]
+
+
 def worker(a):
     import torch
     torch.manual_seed(0)
@@ -80,27 +109,10 @@ def worker(a):
     model = model.cuda().train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)  # unchanged: PyTorch's default step
     stepped = torch.compile(model) if "compile" in a.side else model
-    losses, times = [], []
-    for i in range(a.warmup + a.steps):
-        if i == a.warmup:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = loss_of(stepped)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        end.record()
-        losses.append(loss.detach())
-        if i >= a.warmup:
-            times.append((start, end))
-    torch.cuda.synchronize()
-    ms = statistics.median(s.elapsed_time(e) for s, e in times)
+    ms, losses = timed_steps(torch, stepped, loss_of, opt, a.warmup, a.steps)
     print(json.dumps({"model": a.worker, "side": a.side, "what": what, "ms": ms,
                       "per_step": per_step, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-                      "losses": [float(x) for x in losses]}))
+                      "losses": losses}))
 
 
 def run(lib_dir, model, side, steps, warmup):

@@ -12,7 +12,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_models import build
+from bench_models import build, train_step
 
 
 def main():
@@ -28,11 +28,7 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = loss_of(model)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train_step(torch, model, loss_of, opt)
 
     for _ in range(a.warmup):
         step()
