@@ -10,7 +10,10 @@ says whether every rank made the same choices. The table sets torchfuse's speed-
 beside its speed-up on 1 (issue 26's target: at least 97% of the 1-GPU one).
 
   python3 scripts/bench/bench_distributed.py --lib-dir .dev --out $OUT [--models gpt2,llama]
-      [--parallel ddp,fsdp2] [--gpus 1,2] [--rounds 1] [--steps 20] [--warmup 8]
+      [--parallel ddp,fsdp2] [--gpus 1,2] [--sides stock,torchfuse] [--rounds 1] [--steps 20] [--warmup 8]
+
+Side `torchfuse-rank1-off` is torchfuse with TORCHFUSE=0 in rank 1 only (a misconfiguration a
+user can make): the job must train to the end, rank 1 on stock's kernels.
 
 The full matrix is 16 torchrun jobs; on a machine with 10-minute commands, split it by
 --models and --parallel (the runs append to OUT/bench_distributed.jsonl).
@@ -30,6 +33,8 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 
 
 def worker(a):
+    if a.side == "torchfuse-rank1-off" and os.environ.get("RANK") == "1":
+        os.environ["TORCHFUSE"] = "0"  # before torch loads the library
     import torch
     import torch.distributed as dist
     from bench_models import build, timed_steps
@@ -67,7 +72,7 @@ def run(a, model, parallel, gpus, side, stats_dir):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus),
            __file__, "--worker", model, "--parallel", parallel, "--side", side,
            "--steps", str(a.steps), "--warmup", str(a.warmup)]
-    if side == "torchfuse":
+    if side.startswith("torchfuse"):
         shutil.rmtree(stats_dir, ignore_errors=True)  # this job's files only
         env.update(TORCHFUSE_LIB_DIR=str(Path(a.lib_dir).resolve()), TORCHFUSE_STATS_DIR=str(stats_dir))
         cmd = [str(ROOT / "scripts" / "torchfuse")] + cmd
@@ -77,10 +82,12 @@ def run(a, model, parallel, gpus, side, stats_dir):
         print(proc.stderr[-3000:], file=sys.stderr, flush=True)
         return None
     r = json.loads(reports[-1])
-    if side == "torchfuse":
+    if side.startswith("torchfuse"):
         summary = subprocess.run([sys.executable, "-m", "torchfuse", "stats", str(stats_dir)], capture_output=True,
                                  text=True, env=dict(env, PYTHONPATH=str(ROOT / "python")))
         r["ranks_agree"] = ("every rank made the same choices" in summary.stdout if gpus > 1 else "–")
+        if "ranks enable different ops" in summary.stdout:
+            r["ranks_agree"] = "ranks enable different ops"
         (stats_dir / "summary.txt").write_text(summary.stdout + summary.stderr)
     return r
 
@@ -95,12 +102,12 @@ def report(runs, out, command):
     speedups = {}
     for key in keys:
         sides = {s: [r for r in runs if (r["model"], r["parallel"], r["gpus"]) == key and r["side"] == s]
-                 for s in ("stock", "torchfuse")}
+                 for s in dict.fromkeys(r["side"] for r in runs)}
         med = {s: statistics.median(r["ms"] for r in rs) for s, rs in sides.items() if rs}
         for side, rs in sides.items():
             if not rs:
                 continue
-            base = sides["stock"][0] if sides["stock"] else None
+            base = sides["stock"][0] if sides.get("stock") else None
             diff = max(abs(x - y) for x, y in zip(rs[0]["losses"], base["losses"])) if base else float("nan")
             vs = med["stock"] / med[side] if "stock" in med else float("nan")
             if side == "torchfuse":
@@ -125,6 +132,7 @@ def main():
     p.add_argument("--models", default="gpt2,llama")
     p.add_argument("--parallel", default="ddp,fsdp2")
     p.add_argument("--gpus", default="1,2")
+    p.add_argument("--sides", default="stock,torchfuse")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=8)
@@ -140,7 +148,7 @@ def main():
         for model in a.models.split(","):
             for parallel in a.parallel.split(","):
                 for gpus in map(int, a.gpus.split(",")):
-                    for side in ("stock", "torchfuse"):
+                    for side in a.sides.split(","):
                         stats_dir = out / "stats" / f"{model}-{parallel}-{gpus}gpu-r{rnd}"
                         r = run(a, model, parallel, gpus, side, stats_dir)
                         print(f"round {rnd} {model} {parallel} {gpus} GPUs {side}: "

@@ -107,6 +107,26 @@ def test_torchrun_children_get_torchfuse(tmp_path):
     assert ranks == [[0, True, True, True], [1, True, True, True]], proc.stdout
 
 
+def test_accelerate_launch_children_get_torchfuse(tmp_path):
+    """`torchfuse accelerate launch ...`: HF Accelerate's launcher starts its workers the way
+    torchrun does (two GPUs: one process each through torchrun's machinery; otherwise one
+    process), and each has the library and the Adam hook."""
+    pytest.importorskip("accelerate", reason="accelerate is not installed here")
+    script = tmp_path / "rank.py"
+    script.write_text("import json, os, sys, torch, torchfuse\n"
+                      "sys.stdout.write('RANK ' + json.dumps([int(os.environ.get('RANK', 0)), torchfuse.loaded(),"
+                      " hasattr(torch.optim.Adam.__init__, '__wrapped__')]) + '\\n')\n")
+    import torch
+    procs = 2 if torch.cuda.device_count() >= 2 else 1
+    where = ["--multi_gpu"] if procs == 2 else ["--cpu"]
+    # `accelerate launch` is this module's main().
+    proc = torchfuse(sys.executable, "-m", "accelerate.commands.launch", *where, "--num_processes", str(procs),
+                     "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    ranks = sorted(json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("RANK "))
+    assert ranks == [[rank, True, True] for rank in range(procs)], proc.stdout + proc.stderr[-3000:]
+
+
 def torchrun_or_skip():
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     if not os.path.exists(torchrun):
@@ -166,7 +186,10 @@ def test_a_rank_switched_off_warns_and_the_stats_show_it(tmp_path):
 
 DDP_RANK = SWITCH_OFF + """
 import json, os, torch, torch.distributed as dist
-dist.init_process_group("gloo")
+# Two GPUs: a rank each over NCCL (what jobs use); one GPU: both ranks on it over gloo.
+two_gpus = torch.cuda.device_count() >= 2
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) if two_gpus else 0)
+dist.init_process_group("nccl" if two_gpus else "gloo")
 torch.manual_seed(0)
 # GPT-2's shapes (vocabulary 50304, width 768, 8192 tokens a step): sizes the registry serves.
 model = torch.nn.Sequential(torch.nn.Embedding(50304, 768), torch.nn.LayerNorm(768), torch.nn.Linear(768, 50304)).cuda()
@@ -187,7 +210,7 @@ dist.destroy_process_group()
 @requires_cuda
 @pytest.mark.parametrize("off_rank", [None, "1"], ids=["all-on", "rank1-off"])
 def test_ddp_ranks_make_the_same_choices(tmp_path, off_rank):
-    """Two DDP ranks on one GPU (gloo): every decision is a function of the call's inputs, so
+    """Two DDP ranks (NCCL on two GPUs, gloo on one): every decision is a function of the call's inputs, so
     both ranks serve the same calls with the same kernels; the launcher's stats say so. With
     torchfuse off in one rank the job still trains to the end (no collective waits on us)."""
     script = tmp_path / "ddp.py"
