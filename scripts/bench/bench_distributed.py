@@ -13,7 +13,8 @@ beside its speed-up on 1 (issue 26's target: at least 97% of the 1-GPU one).
       [--parallel ddp,fsdp2] [--gpus 1,2] [--sides stock,torchfuse] [--rounds 1] [--steps 20] [--warmup 8]
 
 Side `torchfuse-rank1-off` is torchfuse with TORCHFUSE=0 in rank 1 only (a misconfiguration a
-user can make): the job must train to the end, rank 1 on stock's kernels.
+user can make): the job must train to the end, rank 1 on stock's kernels. Side `torchfuse:SPEC`
+sets TORCHFUSE_OPS=SPEC as in bench_models.py.
 
 The full matrix is 16 torchrun jobs; on a machine with 10-minute commands, split it by
 --models and --parallel (the runs append to OUT/bench_distributed.jsonl).
@@ -27,9 +28,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench_models import build, side_env, timed_steps
+
 ROOT = Path(__file__).resolve().parents[2]
 # NVLink multicast stays off on shared hosts, also in the jobs this starts.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def shard_fsdp2(torch, model):
+    """FSDP2 as an LLM job sets it up: every layer of the model's layer lists and then the model
+    `fully_shard`ed, bf16 compute and fp32 gradient reduction (so no autocast)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layers in [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]:
+        for layer in layers:
+            fully_shard(layer, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)
 
 
 def worker(a):
@@ -37,7 +51,6 @@ def worker(a):
         os.environ["TORCHFUSE"] = "0"  # before torch loads the library
     import torch
     import torch.distributed as dist
-    from bench_models import build, timed_steps
 
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
@@ -49,12 +62,7 @@ def worker(a):
     if a.parallel == "ddp":
         stepped, autocast = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local]), True
     else:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layers in [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]:
-            for layer in layers:
-                fully_shard(layer, mp_policy=policy)
-        stepped, autocast = fully_shard(model, mp_policy=policy), False
+        stepped, autocast = shard_fsdp2(torch, model), False
     opt = torch.optim.AdamW(stepped.parameters(), lr=1e-4)  # unchanged: PyTorch's default step
     ms, losses = timed_steps(torch, stepped, loss_of, opt, a.warmup, a.steps, autocast)
     if rank == 0:
@@ -66,7 +74,7 @@ def worker(a):
 
 
 def run(a, model, parallel, gpus, side, stats_dir):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFUSE") and k != "LD_PRELOAD"}
+    env = side_env(side, a.lib_dir)
     env.update(NO_MULTICAST)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(Path(__file__).parent), env.get("PYTHONPATH")] if p)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus),
@@ -74,7 +82,7 @@ def run(a, model, parallel, gpus, side, stats_dir):
            "--steps", str(a.steps), "--warmup", str(a.warmup)]
     if side.startswith("torchfuse"):
         shutil.rmtree(stats_dir, ignore_errors=True)  # this job's files only
-        env.update(TORCHFUSE_LIB_DIR=str(Path(a.lib_dir).resolve()), TORCHFUSE_STATS_DIR=str(stats_dir))
+        env["TORCHFUSE_STATS_DIR"] = str(stats_dir)
         cmd = [str(ROOT / "scripts" / "torchfuse")] + cmd
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     reports = [line for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -115,14 +115,22 @@ def worker(a):
                       "losses": losses}))
 
 
+def side_env(side, lib_dir):
+    """This process's environment without torchfuse's settings, and a side's own: for a side
+    `torchfuse[...]` the library folder, and for `torchfuse:SPEC` TORCHFUSE_OPS=SPEC."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFUSE") and k != "LD_PRELOAD"}
+    if side.startswith("torchfuse"):
+        env["TORCHFUSE_LIB_DIR"] = str(Path(lib_dir).resolve())
+        if ":" in side:
+            env["TORCHFUSE_OPS"] = side.split(":", 1)[1].replace("/", ",")
+    return env
+
+
 def run(lib_dir, model, side, steps, warmup):
     cmd = [sys.executable, __file__, "--worker", model, "--side", side,
            "--steps", str(steps), "--warmup", str(warmup)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFUSE") and k != "LD_PRELOAD"}
+    env = side_env(side, lib_dir)
     if side.startswith("torchfuse"):
-        env["TORCHFUSE_LIB_DIR"] = str(lib_dir)
-        if ":" in side:
-            env["TORCHFUSE_OPS"] = side.split(":", 1)[1].replace("/", ",")
         cmd = [str(ROOT / "scripts" / "torchfuse")] + cmd
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:

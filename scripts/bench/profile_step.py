@@ -5,13 +5,18 @@ step (Python, dispatch, launches), not the kernels.
 
   python3 scripts/bench/profile_step.py --model gpt2 [--steps 5] [--top 15]
   scripts/torchfuse python3 scripts/bench/profile_step.py --model gpt2   # the same under torchfuse
+
+With --fsdp2 the model is sharded as bench_distributed.py shards it (a world of one process):
+bf16 parameters in the step, no autocast.
 """
 import argparse
+import os
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench_distributed import shard_fsdp2
 from bench_models import build, train_step
 
 
@@ -21,14 +26,20 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--fsdp2", action="store_true")
     a = p.parse_args()
     torch.manual_seed(0)
     model, loss_of, _, what = build(a.model, torch)
     model = model.cuda().train()
+    if a.fsdp2:
+        for key, value in dict(MASTER_ADDR="localhost", MASTER_PORT="29512", RANK="0", WORLD_SIZE="1").items():
+            os.environ.setdefault(key, value)
+        torch.distributed.init_process_group("nccl")
+        model, what = shard_fsdp2(torch, model), what + " (FSDP2, one GPU)"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step():
-        train_step(torch, model, loss_of, opt)
+        train_step(torch, model, loss_of, opt, autocast=not a.fsdp2)
 
     for _ in range(a.warmup):
         step()
