@@ -120,6 +120,15 @@ typedef tf_x tf_in;
 typedef tf_y tf_out;
 #endif
 
+__device__ __forceinline__ void rope_row(const RopeOperand& op, const tf_y* __restrict__ cos,
+                                         const tf_y* __restrict__ sin, tf_i64 row, int half,
+                                         int group, int lane, int lanes) {
+  if (group > 0)
+    rotate_row<TF_EW_CHUNK, tf_in, tf_out>(op, cos, sin, row, half, lane % lanes, lanes);
+  else
+    rotate_row<1, tf_in, tf_out>(op, cos, sin, row, half, lane, 32);
+}
+
 // q's rows, then k's, a grid-stride loop over both: `group` lanes a row chunk by chunk, or
 // (group 0) a warp a row element by element.
 extern "C" __global__ void __launch_bounds__(TF_THREADS)
@@ -134,12 +143,11 @@ extern "C" __global__ void __launch_bounds__(TF_THREADS)
   for (tf_i64 r = (static_cast<tf_i64>(blockIdx.x) * warps + threadIdx.x / 32) * rows_per_warp +
                   lane / lanes;
        r < total; r += step) {
-    const bool is_q = r < q.rows;
-    const tf_i64 row = is_q ? r : r - q.rows;
-    if (group > 0)
-      rotate_row<TF_EW_CHUNK, tf_in, tf_out>(is_q ? q : k, cos, sin, row, half, lane % lanes,
-                                             lanes);
+    // Each call names its operand: `is_q ? q : k` would copy the chosen one to the stack
+    // (local memory) on every row, where the parameters' constant bank serves them directly.
+    if (r < q.rows)
+      rope_row(q, cos, sin, r, half, group, lane, lanes);
     else
-      rotate_row<1, tf_in, tf_out>(is_q ? q : k, cos, sin, row, half, lane, 32);
+      rope_row(k, cos, sin, r - q.rows, half, group, lane, lanes);
   }
 }
