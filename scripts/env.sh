@@ -5,5 +5,7 @@ TORCHFUSE_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TORCHFUSE_TORCH_VERSION=2.11.0
 # The transformers the GPU machine has: the rewrite layer's CPU tests read its model code.
 TORCHFUSE_TRANSFORMERS_VERSION=5.17.0
+# The launcher's test of `torchfuse accelerate launch` (tests/python/test_cli.py).
+TORCHFUSE_ACCELERATE_VERSION=1.15.0
 TORCHFUSE_VENV="${TORCHFUSE_VENV:-$HOME/.cache/torchfuse/venv-torch$TORCHFUSE_TORCH_VERSION}"
 export TORCHFUSE_ROOT TORCHFUSE_VENV

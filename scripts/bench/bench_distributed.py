@@ -22,6 +22,7 @@ The full matrix is 16 torchrun jobs; on a machine with 10-minute commands, split
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -47,8 +48,11 @@ def shard_fsdp2(torch, model):
 
 
 def worker(a):
+    # TORCHFUSE is read when torch loads the library: this module and bench_models import
+    # no torch at the top, or rank 1 of torchfuse-rank1-off would quietly run with torchfuse.
+    assert "torch" not in sys.modules, "torch imported before the worker's settings"
     if a.side == "torchfuse-rank1-off" and os.environ.get("RANK") == "1":
-        os.environ["TORCHFUSE"] = "0"  # before torch loads the library
+        os.environ["TORCHFUSE"] = "0"
     import torch
     import torch.distributed as dist
 
@@ -97,6 +101,7 @@ def run(a, model, parallel, gpus, side, stats_dir):
         if "ranks enable different ops" in summary.stdout:
             r["ranks_agree"] = "ranks enable different ops"
         (stats_dir / "summary.txt").write_text(summary.stdout + summary.stderr)
+        r["stats"] = summary.stdout  # the per-rank table travels with the run's record
     return r
 
 
@@ -149,6 +154,9 @@ def main():
     a = p.parse_args()
     if a.worker:
         return worker(a)
+    for side in a.sides.split(","):
+        if side not in ("stock", "torchfuse", "torchfuse-rank1-off") and not side.startswith("torchfuse:"):
+            p.error(f"unknown side {side!r}: stock, torchfuse, torchfuse-rank1-off or torchfuse:SPEC")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = []
@@ -157,7 +165,8 @@ def main():
             for parallel in a.parallel.split(","):
                 for gpus in map(int, a.gpus.split(",")):
                     for side in a.sides.split(","):
-                        stats_dir = out / "stats" / f"{model}-{parallel}-{gpus}gpu-r{rnd}"
+                        label = re.sub(r"[^A-Za-z0-9_-]", "_", side)
+                        stats_dir = out / "stats" / f"{model}-{parallel}-{gpus}gpu-r{rnd}-{label}"
                         r = run(a, model, parallel, gpus, side, stats_dir)
                         print(f"round {rnd} {model} {parallel} {gpus} GPUs {side}: "
                               + (f"{r['ms']:.2f} ms" if r else "failed"), flush=True)

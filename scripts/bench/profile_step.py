@@ -61,6 +61,8 @@ def main():
           f"{len(kernels) / a.steps:.0f} kernels/step")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=a.top, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=60))
+    if a.fsdp2:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
