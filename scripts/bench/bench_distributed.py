@@ -105,10 +105,15 @@ def run(a, model, parallel, gpus, side, stats_dir):
     return r
 
 
+def loss_diff(a, b):
+    return max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
+
+
 def report(runs, out, command):
     lines = [f"# Unchanged models on several GPUs (torchrun)\n\nCommand: `{command}`. Rank 0's median step time "
              "over CUDA events after warm-up, the median over rounds; loss difference: the largest |loss - stock's| "
-             "over the steps of the same (model, parallel, GPUs).\n",
+             "over the steps of the same (model, parallel, GPUs) and over every pair of a run of the side and a "
+             "stock run; in stock's row, stock against itself (its noise; nan with one stock run).\n",
              "| model | parallel | GPUs | side | ms/step | speed-up vs stock | peak GiB (rank 0) | max loss diff | "
              "fused optimizer | ranks agree |", "|---|---|---|---|---|---|---|---|---|---|"]
     keys = sorted({(r["model"], r["parallel"], r["gpus"]) for r in runs})
@@ -120,8 +125,8 @@ def report(runs, out, command):
         for side, rs in sides.items():
             if not rs:
                 continue
-            base = sides["stock"][0] if sides.get("stock") else None
-            diff = max(abs(x - y) for x, y in zip(rs[0]["losses"], base["losses"])) if base else float("nan")
+            diff = max((loss_diff(r, b) for r in rs for b in sides.get("stock", []) if r is not b),
+                       default=float("nan"))
             vs = med["stock"] / med[side] if "stock" in med else float("nan")
             if side == "torchfuse":
                 speedups[key] = vs
