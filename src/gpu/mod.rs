@@ -2,6 +2,8 @@
 //! the launch helpers. The only code that uses cudarc's `sys`/`result` layers.
 
 pub mod cache;
+#[cfg(test)]
+pub mod cubin;
 pub mod device;
 pub mod modules;
 pub mod nvrtc;

@@ -855,8 +855,18 @@ mod nvrtc_tests {
     use super::*;
     use crate::gpu::nvrtc::{nvrtc_compile, nvrtc_ready};
 
+    /// A few spilled registers are cheap (L1); more is a copy the kernel should not make.
+    const MAX_STACK_BYTES: u32 = 32;
+    /// Norm backward variants that hold a wide row's elements in registers (64 and 32 a
+    /// thread) and spill some of them: measured as they are (docs/bench/norm/).
+    const SPILLING: [&str; 2] = [
+        "ln_bwd_16bit_h16384_t256x1_e64",
+        "ln_bwd_f32_h16384_t512x1_e32",
+    ];
+
     /// Every registry variant compiles, for every dtype it claims, for sm_80 and sm_90a where
-    /// its SM range includes them (a warpgroup-MMA variant is sm_90a only).
+    /// its SM range includes them (a warpgroup-MMA variant is sm_90a only), with no stack
+    /// frame beyond a few spilled registers.
     /// Needs torch's NVRTC (the test binary links libtorch, so it is found next to it).
     #[test]
     fn every_variant_compiles_for_sm80_and_sm90a() {
@@ -894,6 +904,15 @@ mod nvrtc_tests {
                                     panic!("{} {} {arch}: {e}", variant.name, dtype.name())
                                 });
                             assert_eq!(&cubin[..4], b"\x7fELF", "{} is not a CUBIN", variant.name);
+                            let stack = crate::gpu::cubin::max_stack_bytes(&cubin)
+                                .unwrap_or_else(|e| panic!("{} {arch}: {e}", variant.name));
+                            assert!(
+                                stack <= MAX_STACK_BYTES || SPILLING.contains(&variant.name.as_str()),
+                                "{} {} {arch}: a {stack}-byte stack frame (local memory on every \
+                                 use; an argument or array the compiler could not keep in registers)",
+                                variant.name,
+                                dtype.name()
+                            );
                             for entry in params.kernels() {
                                 assert!(
                                     cubin.windows(entry.len()).any(|w| w == entry.as_bytes()),
