@@ -29,7 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench_models import build, side_env, timed_steps
+from bench_models import build, loss_diff, side_env, timed_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 # NVLink multicast stays off on shared hosts, also in the jobs this starts.
@@ -103,10 +103,6 @@ def run(a, model, parallel, gpus, side, stats_dir):
         (stats_dir / "summary.txt").write_text(summary.stdout + summary.stderr)
         r["stats"] = summary.stdout  # the per-rank table travels with the run's record
     return r
-
-
-def loss_diff(a, b):
-    return max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
 
 
 def report(runs, out, command):

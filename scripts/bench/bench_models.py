@@ -99,6 +99,11 @@ def timed_steps(torch, stepped, loss_of, opt, warmup, steps, autocast=True):
     return statistics.median(s.elapsed_time(e) for s, e in times), [float(x) for x in losses]
 
 
+def loss_diff(a, b):
+    """The largest |loss difference| over the steps of two runs (same data and init)."""
+    return max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
+
+
 def worker(a):
     import torch
     torch.manual_seed(0)
@@ -153,8 +158,7 @@ def report(results, out, command):
             if not runs:
                 continue
             r, ms = runs[0], med[side]
-            diff = (max(abs(x - y) for x, y in zip(r["losses"], base["losses"]))
-                    if base and r.get("losses") and base.get("losses") else float("nan"))
+            diff = loss_diff(r, base) if base and r.get("losses") and base.get("losses") else float("nan")
             vs_c = f"{med['compile'] / ms:.2f}x" if "compile" in med else "–"
             vs_s = f"{med['stock'] / ms:.2f}x" if "stock" in med else "–"
             lines.append(f"| {r['what']} | {side} | {ms:.2f} | {vs_s} | {vs_c} | "
@@ -165,7 +169,7 @@ def report(results, out, command):
     for model, sides in results.items():
         stock = sides.get("stock") or []
         if len(stock) >= 2 and stock[0].get("losses") and stock[1].get("losses"):
-            noise = max(abs(x - y) for x, y in zip(stock[0]["losses"], stock[1]["losses"]))
+            noise = loss_diff(stock[0], stock[1])
             lines.append(f"\n{model}: stock against stock (two runs), max loss diff {noise:.2e}.")
             rows.append({"model": model, "side": "stock vs stock", "max_loss_diff": noise})
     (out / "bench_models.md").write_text("\n".join(lines) + "\n")
