@@ -67,6 +67,7 @@ def worker(a):
         stepped, autocast = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local]), True
     else:
         stepped, autocast = shard_fsdp2(torch, model), False
+        what = what.replace("bf16 autocast", "bf16 parameters, no autocast")
     opt = torch.optim.AdamW(stepped.parameters(), lr=1e-4)  # unchanged: PyTorch's default step
     ms, losses = timed_steps(torch, stepped, loss_of, opt, a.warmup, a.steps, autocast)
     if rank == 0:

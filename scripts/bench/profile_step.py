@@ -6,8 +6,9 @@ step (Python, dispatch, launches), not the kernels.
   python3 scripts/bench/profile_step.py --model gpt2 [--steps 5] [--top 15]
   scripts/torchfuse python3 scripts/bench/profile_step.py --model gpt2   # the same under torchfuse
 
-With --fsdp2 the model is sharded as bench_distributed.py shards it (a world of one process):
-bf16 parameters in the step, no autocast.
+With --fsdp2 the model is sharded as bench_distributed.py shards it, bf16 parameters in the
+step, no autocast: a world of one process, or of N under
+`torchrun --nproc_per_node=N profile_step.py --fsdp2` (rank 0 prints).
 """
 import argparse
 import os
@@ -30,12 +31,18 @@ def main():
     a = p.parse_args()
     torch.manual_seed(0)
     model, loss_of, _, what = build(a.model, torch)
+    rank = 0
+    if a.fsdp2:
+        for key, value in dict(MASTER_ADDR="localhost", MASTER_PORT="29512", RANK="0", WORLD_SIZE="1",
+                               LOCAL_RANK="0").items():
+            os.environ.setdefault(key, value)
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.distributed.init_process_group("nccl")
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        what = what.replace("bf16 autocast", "bf16 parameters, no autocast") + f" (FSDP2, {world} GPU)"
     model = model.cuda().train()
     if a.fsdp2:
-        for key, value in dict(MASTER_ADDR="localhost", MASTER_PORT="29512", RANK="0", WORLD_SIZE="1").items():
-            os.environ.setdefault(key, value)
-        torch.distributed.init_process_group("nccl")
-        model, what = shard_fsdp2(torch, model), what + " (FSDP2, one GPU)"
+        model = shard_fsdp2(torch, model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step():
@@ -57,10 +64,11 @@ def main():
     kernels = [e for e in prof.events()
                if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
     busy_ms = sum(e.device_time for e in kernels) / 1e3 / a.steps
-    print(f"{what}: wall {wall_ms:.2f} ms/step (unprofiled), GPU busy {busy_ms:.2f} ms/step, "
-          f"{len(kernels) / a.steps:.0f} kernels/step")
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=a.top, max_name_column_width=60))
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=60))
+    if rank == 0:
+        print(f"{what}: wall {wall_ms:.2f} ms/step (unprofiled), GPU busy {busy_ms:.2f} ms/step, "
+              f"{len(kernels) / a.steps:.0f} kernels/step")
+        for key in ("self_cuda_time_total", "self_cpu_time_total"):
+            print(prof.key_averages().table(sort_by=key, row_limit=a.top, max_name_column_width=60))
     if a.fsdp2:
         torch.distributed.destroy_process_group()
 
