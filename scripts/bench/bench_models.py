@@ -19,6 +19,8 @@ A side `torchfuse:SPEC` runs torchfuse with TORCHFUSE_OPS=SPEC, `/` standing for
 
 With two or more stock runs of a model (rounds, or `stock` named twice in --sides), the
 report adds stock's own run-to-run loss difference: the noise the others are judged against.
+The side `stock-fused-adam` is stock with PyTorch's own `AdamW(fused=True)`: how far a
+rounding change PyTorch itself offers moves the losses (torchfuse's Adam is a fused step).
 """
 import argparse
 import json
@@ -112,7 +114,8 @@ def worker(a):
         apply_liger_kernel_to_llama()  # what a Liger user adds before building the model
     model, loss_of, per_step, what = build(a.worker, torch)
     model = model.cuda().train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)  # unchanged: PyTorch's default step
+    fused = True if a.side == "stock-fused-adam" else None  # None: PyTorch's default step
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
     stepped = torch.compile(model) if "compile" in a.side else model
     ms, losses = timed_steps(torch, stepped, loss_of, opt, a.warmup, a.steps)
     print(json.dumps({"model": a.worker, "side": a.side, "what": what, "ms": ms,

@@ -28,6 +28,7 @@ def main():
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--fsdp2", action="store_true")
+    p.add_argument("--shapes", action="store_true", help="also the host ops by input shape")
     a = p.parse_args()
     torch.manual_seed(0)
     model, loss_of, _, what = build(a.model, torch)
@@ -56,7 +57,7 @@ def main():
         step()
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - begin) * 1e3 / a.steps
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=a.shapes) as prof:
         for _ in range(a.steps):
             step()
         torch.cuda.synchronize()
@@ -69,6 +70,9 @@ def main():
               f"{len(kernels) / a.steps:.0f} kernels/step")
         for key in ("self_cuda_time_total", "self_cpu_time_total"):
             print(prof.key_averages().table(sort_by=key, row_limit=a.top, max_name_column_width=60))
+        if a.shapes:
+            print(prof.key_averages(group_by_input_shape=True).table(
+                sort_by="cuda_time_total", row_limit=3 * a.top, max_name_column_width=40, max_shapes_column_width=90))
     if a.fsdp2:
         torch.distributed.destroy_process_group()
 
