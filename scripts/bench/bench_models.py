@@ -106,6 +106,13 @@ def loss_diff(a, b):
     return max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
 
 
+def loss_drift(a, b):
+    """|loss difference| of two runs: largest, mean, and mean over the last quarter of the
+    steps. Rounding noise stays flat or shrinks as the loss settles; a drift grows."""
+    d = [abs(x - y) for x, y in zip(a["losses"], b["losses"])]
+    return max(d), statistics.mean(d), statistics.mean(d[-max(1, len(d) // 4):])
+
+
 def worker(a):
     import torch
     torch.manual_seed(0)
@@ -175,6 +182,13 @@ def report(results, out, command):
             noise = loss_diff(stock[0], stock[1])
             lines.append(f"\n{model}: stock against stock (two runs), max loss diff {noise:.2e}.")
             rows.append({"model": model, "side": "stock vs stock", "max_loss_diff": noise})
+        pairs = [(f"{side} vs stock", r) for side, runs in sides.items() for r in runs[:1]
+                 if side != "stock"] + [("stock vs stock", r) for r in stock[1:2]]
+        if stock and stock[0].get("losses") and len(stock[0]["losses"]) >= 40 and pairs:
+            lines += [f"\n{model}, |loss difference| per step over {len(stock[0]['losses'])} steps:\n",
+                      "| pair | largest | mean | mean of the last quarter |", "|---|---|---|---|"]
+            lines += ["| {} | {:.2e} | {:.2e} | {:.2e} |".format(name, *loss_drift(r, stock[0]))
+                      for name, r in pairs if r.get("losses")]
     (out / "bench_models.md").write_text("\n".join(lines) + "\n")
     (out / "bench_models.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
     print("\n".join(lines), flush=True)
