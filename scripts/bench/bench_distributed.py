@@ -29,7 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench_models import build, loss_diff, side_env, timed_steps
+from bench_models import build, drift_lines, loss_diff, side_env, timed_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 # NVLink multicast stays off on shared hosts, also in the jobs this starts.
@@ -130,6 +130,13 @@ def report(runs, out, command):
             lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {side} | {med[side]:.2f} | {vs:.2f}x | "
                          f"{max(r['peak_gib'] for r in rs):.2f} | {diff:.2e} | {rs[0]['fused_optimizer']} | "
                          f"{rs[0].get('ranks_agree', '–')} |")
+    for key in keys:
+        of_key = [r for r in runs if (r["model"], r["parallel"], r["gpus"]) == key]
+        stock = [r for r in of_key if r["side"] == "stock"]
+        pairs = [(f"{r['side']} vs stock", r) for r in of_key if r["side"] != "stock"] + \
+                [("stock vs stock", r) for r in stock[1:2]]
+        if stock:
+            lines += drift_lines(" ".join(map(str, key)) + " GPUs", stock[0], pairs)
     lines.append("\ntorchfuse's speed-up on N GPUs against its speed-up on 1 (target: at least 97% of the 1-GPU one):\n")
     for (model, parallel, gpus), s in sorted(speedups.items()):
         one = speedups.get((model, parallel, 1))

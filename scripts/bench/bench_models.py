@@ -106,11 +106,19 @@ def loss_diff(a, b):
     return max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
 
 
-def loss_drift(a, b):
-    """|loss difference| of two runs: largest, mean, and mean over the last quarter of the
-    steps. Rounding noise stays flat or shrinks as the loss settles; a drift grows."""
-    d = [abs(x - y) for x, y in zip(a["losses"], b["losses"])]
-    return max(d), statistics.mean(d), statistics.mean(d[-max(1, len(d) // 4):])
+def drift_lines(title, base, pairs):
+    """For runs of 40 steps or more: a table of each (name, run)'s |loss difference| from
+    `base` per step, as largest, mean and mean over the last quarter of the steps (rounding
+    noise stays flat or shrinks as the loss settles; a drift grows). [] for shorter runs."""
+    if not base.get("losses") or len(base["losses"]) < 40:
+        return []
+    lines = [f"\n{title}, |loss difference| per step over {len(base['losses'])} steps:\n",
+             "| pair | largest | mean | mean of the last quarter |", "|---|---|---|---|"]
+    for name, r in pairs:
+        d = [abs(x - y) for x, y in zip(r["losses"], base["losses"])]
+        tail = d[-max(1, len(d) // 4):]
+        lines.append(f"| {name} | {max(d):.2e} | {statistics.mean(d):.2e} | {statistics.mean(tail):.2e} |")
+    return lines
 
 
 def worker(a):
@@ -183,12 +191,9 @@ def report(results, out, command):
             lines.append(f"\n{model}: stock against stock (two runs), max loss diff {noise:.2e}.")
             rows.append({"model": model, "side": "stock vs stock", "max_loss_diff": noise})
         pairs = [(f"{side} vs stock", r) for side, runs in sides.items() for r in runs[:1]
-                 if side != "stock"] + [("stock vs stock", r) for r in stock[1:2]]
-        if stock and stock[0].get("losses") and len(stock[0]["losses"]) >= 40 and pairs:
-            lines += [f"\n{model}, |loss difference| per step over {len(stock[0]['losses'])} steps:\n",
-                      "| pair | largest | mean | mean of the last quarter |", "|---|---|---|---|"]
-            lines += ["| {} | {:.2e} | {:.2e} | {:.2e} |".format(name, *loss_drift(r, stock[0]))
-                      for name, r in pairs if r.get("losses")]
+                 if side != "stock" and r.get("losses")] + [("stock vs stock", r) for r in stock[1:2]]
+        if stock:
+            lines += drift_lines(model, stock[0], pairs)
     (out / "bench_models.md").write_text("\n".join(lines) + "\n")
     (out / "bench_models.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
     print("\n".join(lines), flush=True)
