@@ -133,7 +133,8 @@ def report(runs, out, command):
     for key in keys:
         of_key = [r for r in runs if (r["model"], r["parallel"], r["gpus"]) == key]
         stock = [r for r in of_key if r["side"] == "stock"]
-        pairs = [(f"{r['side']} vs stock", r) for r in of_key if r["side"] != "stock"] + \
+        pairs = [(f"{r['side']} (run {[x for x in of_key if x['side'] == r['side']].index(r) + 1}) vs stock", r)
+                 for r in of_key if r["side"] != "stock"] + \
                 [("stock vs stock", r) for r in stock[1:2]]
         if stock:
             lines += drift_lines(" ".join(map(str, key)) + " GPUs", stock[0], pairs)

@@ -107,12 +107,12 @@ def loss_diff(a, b):
 
 
 def drift_lines(title, base, pairs):
-    """For runs of 40 steps or more: a table of each (name, run)'s |loss difference| from
+    """For long runs (100 losses or more): a table of each (name, run)'s |loss difference| from
     `base` per step, as largest, mean and mean over the last quarter of the steps (rounding
     noise stays flat or shrinks as the loss settles; a drift grows). [] for shorter runs."""
-    if not base.get("losses") or len(base["losses"]) < 40:
+    if not base.get("losses") or len(base["losses"]) < 100:
         return []
-    lines = [f"\n{title}, |loss difference| per step over {len(base['losses'])} steps:\n",
+    lines = [f"\n{title}, |loss difference| per step over {len(base['losses'])} steps (warm-up included):\n",
              "| pair | largest | mean | mean of the last quarter |", "|---|---|---|---|"]
     for name, r in pairs:
         d = [abs(x - y) for x, y in zip(r["losses"], base["losses"])]

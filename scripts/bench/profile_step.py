@@ -17,7 +17,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_distributed import shard_fsdp2
+from bench_distributed import NO_MULTICAST, shard_fsdp2
 from bench_models import build, train_step
 
 
@@ -35,12 +35,12 @@ def main():
     rank = 0
     if a.fsdp2:
         for key, value in dict(MASTER_ADDR="localhost", MASTER_PORT="29512", RANK="0", WORLD_SIZE="1",
-                               LOCAL_RANK="0").items():
+                               LOCAL_RANK="0", **NO_MULTICAST).items():
             os.environ.setdefault(key, value)
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         torch.distributed.init_process_group("nccl")
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        what = what.replace("bf16 autocast", "bf16 parameters, no autocast") + f" (FSDP2, {world} GPU)"
+        what = what.replace("bf16 autocast", "bf16 parameters, no autocast") + f" (FSDP2, {world} GPU{'s' if world > 1 else ''})"
     model = model.cuda().train()
     if a.fsdp2:
         model = shard_fsdp2(torch, model)
@@ -62,12 +62,16 @@ def main():
             step()
         torch.cuda.synchronize()
     # GPU-side events, less the spans of user annotations (the optimizer's step shows as one).
+    # NCCL's kernels run on their own streams beside the compute, so they are summed apart.
     kernels = [e for e in prof.events()
                if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
-    busy_ms = sum(e.device_time for e in kernels) / 1e3 / a.steps
+    comm = [e for e in kernels if "nccl" in e.name.lower()]
+    busy_ms = (sum(e.device_time for e in kernels) - sum(e.device_time for e in comm)) / 1e3 / a.steps
+    comm_ms = sum(e.device_time for e in comm) / 1e3 / a.steps
     if rank == 0:
-        print(f"{what}: wall {wall_ms:.2f} ms/step (unprofiled), GPU busy {busy_ms:.2f} ms/step, "
-              f"{len(kernels) / a.steps:.0f} kernels/step")
+        print(f"{what}: wall {wall_ms:.2f} ms/step (unprofiled), GPU busy {busy_ms:.2f} ms/step"
+              + (f" (and NCCL kernels {comm_ms:.2f} ms/step, overlapping)" if comm else "")
+              + f", {len(kernels) / a.steps:.0f} kernels/step")
         for key in ("self_cuda_time_total", "self_cpu_time_total"):
             print(prof.key_averages().table(sort_by=key, row_limit=a.top, max_name_column_width=60))
         if a.shapes:

@@ -221,6 +221,7 @@ def test_ddp_ranks_make_the_same_choices(tmp_path, off_rank):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     ranks = [json.loads(p.read_text()) for p in sorted(stats_dir.glob("stats-rank*.json"))]
     if off_rank:
+        assert "rank=1] WARN TORCHFUSE=0 in rank 1: loaded, nothing registered" in proc.stderr, proc.stderr[-3000:]
         assert len(ranks) == 2 and ranks[1]["ops"] == {} and ranks[0]["ops"], ranks
         assert "ranks enable different ops" in torchfuse("stats", str(stats_dir)).stdout
         return
