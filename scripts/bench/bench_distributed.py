@@ -14,7 +14,8 @@ beside its speed-up on 1 (issue 26's target: at least 97% of the 1-GPU one).
 
 Side `torchfuse-rank1-off` is torchfuse with TORCHFUSE=0 in rank 1 only (a misconfiguration a
 user can make): the job must train to the end, rank 1 on stock's kernels. Side `torchfuse:SPEC`
-sets TORCHFUSE_OPS=SPEC as in bench_models.py.
+sets TORCHFUSE_OPS=SPEC as in bench_models.py. Side `stock-fused-adam` is stock with PyTorch's
+own `AdamW(fused=True)`, as in bench_models.py: a rounding change to judge loss differences by.
 
 The full matrix is 16 torchrun jobs; on a machine with 10-minute commands, split it by
 --models and --parallel (the runs append to OUT/bench_distributed.jsonl).
@@ -68,7 +69,8 @@ def worker(a):
     else:
         stepped, autocast = shard_fsdp2(torch, model), False
         what = what.replace("bf16 autocast", "bf16 parameters, no autocast")
-    opt = torch.optim.AdamW(stepped.parameters(), lr=1e-4)  # unchanged: PyTorch's default step
+    fused = True if a.side == "stock-fused-adam" else None  # None: PyTorch's default step
+    opt = torch.optim.AdamW(stepped.parameters(), lr=1e-4, fused=fused)
     ms, losses = timed_steps(torch, stepped, loss_of, opt, a.warmup, a.steps, autocast)
     if rank == 0:
         print(json.dumps({"model": a.worker, "parallel": a.parallel, "gpus": dist.get_world_size(),
@@ -165,8 +167,10 @@ def main():
     if a.worker:
         return worker(a)
     for side in a.sides.split(","):
-        if side not in ("stock", "torchfuse", "torchfuse-rank1-off") and not side.startswith("torchfuse:"):
-            p.error(f"unknown side {side!r}: stock, torchfuse, torchfuse-rank1-off or torchfuse:SPEC")
+        if side not in ("stock", "stock-fused-adam", "torchfuse", "torchfuse-rank1-off") and \
+                not side.startswith("torchfuse:"):
+            p.error(f"unknown side {side!r}: stock, stock-fused-adam, torchfuse, torchfuse-rank1-off "
+                    "or torchfuse:SPEC")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = []
