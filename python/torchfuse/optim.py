@@ -31,12 +31,11 @@ def _dtensor_type(torch):
     return getattr(module, "DTensor", None)
 
 
-def _why_not_fused(torch, optimizer):
-    """None where PyTorch itself would accept fused=True for these params (and fused is what
-    torchfuse serves); otherwise why not, and whether that is worth an info line (CUDA params
-    the user may expect to be fused) rather than a debug one."""
+def _why_not_fused(torch, optimizer, params):
+    """None where PyTorch itself would accept fused=True for `params` (all of the optimizer's;
+    fused is what torchfuse serves); otherwise why not, and whether that is worth an info line
+    (CUDA params the user may expect to be fused) rather than a debug one."""
     plain_types, dtensor = (torch.Tensor, torch.nn.Parameter), _dtensor_type(torch)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
     for group in optimizer.param_groups:
         if group.get("foreach") is not None or group.get("fused") is not None:
             return "a param group chose foreach or fused", False
@@ -87,12 +86,12 @@ def patch_adam(module):
                 return
             if not enabled_toggles(torch).get("adam", False):
                 return
-            why_not = _why_not_fused(torch, self)
+            params = [p for g in self.param_groups for p in g["params"]]
+            why_not = _why_not_fused(torch, self, params)
             if why_not is not None:
                 why, worth_info = why_not
                 note(torch, f"{type(self).__name__} left as PyTorch built it: {why}", debug=not worth_info)
                 return
-            params = [p for g in self.param_groups for p in g["params"]]
             dtensor = _dtensor_type(torch)
             sharded = dtensor is not None and isinstance(params[0], dtensor)
             _make_fused(torch, self, amp_scaling=not sharded)

@@ -30,7 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench_models import build, drift_lines, loss_diff, side_env, timed_steps
+from bench_models import adamw, build, drift_lines, loss_diff, side_env, timed_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 # NVLink multicast stays off on shared hosts, also in the jobs this starts.
@@ -69,8 +69,7 @@ def worker(a):
     else:
         stepped, autocast = shard_fsdp2(torch, model), False
         what = what.replace("bf16 autocast", "bf16 parameters, no autocast")
-    fused = True if a.side == "stock-fused-adam" else None  # None: PyTorch's default step
-    opt = torch.optim.AdamW(stepped.parameters(), lr=1e-4, fused=fused)
+    opt = adamw(torch, stepped.parameters(), a.side)
     ms, losses = timed_steps(torch, stepped, loss_of, opt, a.warmup, a.steps, autocast)
     if rank == 0:
         print(json.dumps({"model": a.worker, "parallel": a.parallel, "gpus": dist.get_world_size(),
@@ -116,7 +115,7 @@ def report(runs, out, command):
              "| model | parallel | GPUs | side | ms/step | speed-up vs stock | peak GiB (rank 0) | max loss diff | "
              "fused optimizer | ranks agree |", "|---|---|---|---|---|---|---|---|---|---|"]
     keys = sorted({(r["model"], r["parallel"], r["gpus"]) for r in runs})
-    speedups = {}
+    speedups, drift = {}, []
     for key in keys:
         sides = {s: [r for r in runs if (r["model"], r["parallel"], r["gpus"]) == key and r["side"] == s]
                  for s in dict.fromkeys(r["side"] for r in runs)}
@@ -132,14 +131,12 @@ def report(runs, out, command):
             lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {side} | {med[side]:.2f} | {vs:.2f}x | "
                          f"{max(r['peak_gib'] for r in rs):.2f} | {diff:.2e} | {rs[0]['fused_optimizer']} | "
                          f"{rs[0].get('ranks_agree', '–')} |")
-    for key in keys:
-        of_key = [r for r in runs if (r["model"], r["parallel"], r["gpus"]) == key]
-        stock = [r for r in of_key if r["side"] == "stock"]
-        pairs = [(f"{r['side']} (run {[x for x in of_key if x['side'] == r['side']].index(r) + 1}) vs stock", r)
-                 for r in of_key if r["side"] != "stock"] + \
-                [("stock vs stock", r) for r in stock[1:2]]
+        stock = sides.get("stock", [])
+        pairs = [(f"{side} (run {i + 1}) vs stock", r) for side, rs in sides.items() if side != "stock"
+                 for i, r in enumerate(rs)] + [("stock vs stock", r) for r in stock[1:2]]
         if stock:
-            lines += drift_lines(" ".join(map(str, key)) + " GPUs", stock[0], pairs)
+            drift += drift_lines(" ".join(map(str, key)) + " GPUs", stock[0], pairs)
+    lines += drift
     lines.append("\ntorchfuse's speed-up on N GPUs against its speed-up on 1 (target: at least 97% of the 1-GPU one):\n")
     for (model, parallel, gpus), s in sorted(speedups.items()):
         one = speedups.get((model, parallel, 1))

@@ -101,6 +101,12 @@ def timed_steps(torch, stepped, loss_of, opt, warmup, steps, autocast=True):
     return statistics.median(s.elapsed_time(e) for s, e in times), [float(x) for x in losses]
 
 
+def adamw(torch, params, side):
+    """The job's unchanged `AdamW(params, lr=1e-4)` (PyTorch's default step), or for the side
+    `stock-fused-adam` PyTorch's own fused one."""
+    return torch.optim.AdamW(params, lr=1e-4, fused=True if side == "stock-fused-adam" else None)
+
+
 def loss_diff(a, b):
     """The largest |loss difference| over the steps of two runs (same data and init)."""
     return max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
@@ -129,8 +135,7 @@ def worker(a):
         apply_liger_kernel_to_llama()  # what a Liger user adds before building the model
     model, loss_of, per_step, what = build(a.worker, torch)
     model = model.cuda().train()
-    fused = True if a.side == "stock-fused-adam" else None  # None: PyTorch's default step
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+    opt = adamw(torch, model.parameters(), a.side)
     stepped = torch.compile(model) if "compile" in a.side else model
     ms, losses = timed_steps(torch, stepped, loss_of, opt, a.warmup, a.steps)
     print(json.dumps({"model": a.worker, "side": a.side, "what": what, "ms": ms,
