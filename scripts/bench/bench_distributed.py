@@ -18,7 +18,8 @@ sets TORCHFUSE_OPS=SPEC as in bench_models.py. Side `stock-fused-adam` is stock 
 own `AdamW(fused=True)`, as in bench_models.py: a rounding change to judge loss differences by.
 
 The full matrix is 16 torchrun jobs; on a machine with 10-minute commands, split it by
---models and --parallel (the runs append to OUT/bench_distributed.jsonl).
+--models and --parallel (the runs append to OUT/bench_distributed.jsonl); `--merge A.jsonl
+B.jsonl` reports the runs of several calls as one table, losses paired across them.
 """
 import argparse
 import json
@@ -30,7 +31,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench_models import adamw, build, drift_lines, loss_diff, side_env, timed_steps
+from bench_models import adamw, build, drift_lines, max_loss_diff, side_env, timed_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 # NVLink multicast stays off on shared hosts, also in the jobs this starts.
@@ -123,19 +124,14 @@ def report(runs, out, command):
         for side, rs in sides.items():
             if not rs:
                 continue
-            diff = max((loss_diff(r, b) for r in rs for b in sides.get("stock", []) if r is not b),
-                       default=float("nan"))
+            diff = max_loss_diff(rs, sides.get("stock", []))
             vs = med["stock"] / med[side] if "stock" in med else float("nan")
             if side == "torchfuse":
                 speedups[key] = vs
             lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {side} | {med[side]:.2f} | {vs:.2f}x | "
                          f"{max(r['peak_gib'] for r in rs):.2f} | {diff:.2e} | {rs[0]['fused_optimizer']} | "
                          f"{rs[0].get('ranks_agree', '–')} |")
-        stock = sides.get("stock", [])
-        pairs = [(f"{side} (run {i + 1}) vs stock", r) for side, rs in sides.items() if side != "stock"
-                 for i, r in enumerate(rs)] + [("stock vs stock", r) for r in stock[1:2]]
-        if stock:
-            drift += drift_lines(" ".join(map(str, key)) + " GPUs", stock[0], pairs)
+        drift += drift_lines(" ".join(map(str, key)) + " GPUs", sides)
     lines += drift
     lines.append("\ntorchfuse's speed-up on N GPUs against its speed-up on 1 (target: at least 97% of the 1-GPU one):\n")
     for (model, parallel, gpus), s in sorted(speedups.items()):
@@ -158,11 +154,19 @@ def main():
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--merge", nargs="+", metavar="JSONL",
+                   help="no runs: report the runs in these bench_distributed.jsonl files (several calls)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--side", default="stock", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
         return worker(a)
+    command = "python3 scripts/bench/bench_distributed.py " + " ".join(sys.argv[1:])
+    if a.merge:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        runs = [json.loads(line) for path in a.merge for line in Path(path).read_text().splitlines()]
+        return report(runs, out, command)
     for side in a.sides.split(","):
         if side not in ("stock", "stock-fused-adam", "torchfuse", "torchfuse-rank1-off") and \
                 not side.startswith("torchfuse:"):
@@ -185,7 +189,7 @@ def main():
                             runs.append(r)
                             with (out / "bench_distributed.jsonl").open("a") as f:
                                 f.write(json.dumps(r) + "\n")
-    report(runs, out, "python3 scripts/bench/bench_distributed.py " + " ".join(sys.argv[1:]))
+    report(runs, out, command)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,15 @@ reports the runs of several calls as one table.
 A side `torchfuse:SPEC` runs torchfuse with TORCHFUSE_OPS=SPEC, `/` standing for `,` (e.g.
 `torchfuse:-rotary/-swiglu`): which op a loss difference or a slowdown comes from.
 
-With two or more stock runs of a model (rounds, or `stock` named twice in --sides), the
-report adds stock's own run-to-run loss difference: the noise the others are judged against.
+Loss differences are taken over every pair of a side's run and a stock run. With two or more
+stock runs of a model (rounds, or `stock` named twice in --sides), stock's row gives stock's own
+run-to-run difference: the noise the others are judged against. Runs of 100 steps or more add
+a table per model of the differences per step (largest, mean, mean of the last quarter).
 The side `stock-fused-adam` is stock with PyTorch's own `AdamW(fused=True)`: how far a
 rounding change PyTorch itself offers moves the losses (torchfuse's Adam is a fused step).
 """
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -112,18 +115,39 @@ def loss_diff(a, b):
     return max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
 
 
-def drift_lines(title, base, pairs):
-    """For long runs (100 losses or more): a table of each (name, run)'s |loss difference| from
-    `base` per step, as largest, mean and mean over the last quarter of the steps (rounding
-    noise stays flat or shrinks as the loss settles; a drift grows). [] for shorter runs."""
-    if not base.get("losses") or len(base["losses"]) < 100:
+def loss_pairs(runs, stock):
+    """Every pair of a run and a stock run that both have losses; stock's own runs in pairs of
+    two different runs, each pair once."""
+    own = runs is stock
+    runs = [r for r in runs if r.get("losses")]
+    stock = [b for b in stock if b.get("losses")]
+    return list(itertools.combinations(stock, 2)) if own else [(r, b) for r in runs for b in stock]
+
+
+def max_loss_diff(runs, stock):
+    """The largest |loss difference| over every pair of `loss_pairs`: for stock's own runs, its
+    run-to-run noise; nan where there is no pair (one stock run)."""
+    return max((loss_diff(r, b) for r, b in loss_pairs(runs, stock)), default=float("nan"))
+
+
+def drift_lines(title, sides):
+    """For long runs (100 losses or more): each side's |loss difference| per step from stock's
+    runs, over every pair of `loss_pairs`, as largest, mean and mean over the last quarter of
+    the steps (the range over the pairs where there are several). Rounding noise stays flat or
+    shrinks as the loss settles; a drift grows. [] for shorter runs."""
+    stock = sides.get("stock") or []
+    if not stock or len(stock[0].get("losses") or []) < 100:
         return []
-    lines = [f"\n{title}, |loss difference| per step over {len(base['losses'])} steps (warm-up included):\n",
-             "| pair | largest | mean | mean of the last quarter |", "|---|---|---|---|"]
-    for name, r in pairs:
-        d = [abs(x - y) for x, y in zip(r["losses"], base["losses"])]
-        tail = d[-max(1, len(d) // 4):]
-        lines.append(f"| {name} | {max(d):.2e} | {statistics.mean(d):.2e} | {statistics.mean(tail):.2e} |")
+    lines = [f"\n{title}, |loss difference| per step over {len(stock[0]['losses'])} steps (warm-up included):\n",
+             "| pair | pairs of runs | largest | mean | mean of the last quarter |", "|---|---|---|---|---|"]
+    for side, runs in sides.items():
+        per_pair = []
+        for r, b in loss_pairs(runs, stock):
+            d = [abs(x - y) for x, y in zip(r["losses"], b["losses"])]
+            per_pair.append((max(d), statistics.mean(d), statistics.mean(d[-max(1, len(d) // 4):])))
+        if per_pair:
+            cells = [f"{min(c):.2e}" + (f"-{max(c):.2e}" if len(per_pair) > 1 else "") for c in zip(*per_pair)]
+            lines.append(f"| {side} vs stock | {len(per_pair)} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -171,17 +195,19 @@ def report(results, out, command):
     rows = []
     lines = [f"# Whole training steps of unchanged models\n\nCommand: `{command}`. Median step "
              "time over CUDA events after warm-up, the median over rounds; loss difference: the "
-             "largest |loss - stock eager's loss| over the steps (same data and init).\n",
+             "largest |loss - stock eager's loss| over the steps (same data and init) and over every "
+             "pair of a run of the side and a stock run; in stock's row, stock against itself (its "
+             "noise; nan with one stock run).\n",
              "| model | side | ms/step | speed-up vs stock eager | vs stock compile | "
              "samples or tokens/s | peak GiB | max loss diff |", "|---|---|---|---|---|---|---|---|"]
     for model, sides in results.items():
         med = {s: statistics.median(r["ms"] for r in runs) for s, runs in sides.items() if runs}
-        base = (sides.get("stock") or [None])[0]
+        stock = sides.get("stock") or []
         for side, runs in sides.items():
             if not runs:
                 continue
             r, ms = runs[0], med[side]
-            diff = loss_diff(r, base) if base and r.get("losses") and base.get("losses") else float("nan")
+            diff = max_loss_diff(runs, stock)
             vs_c = f"{med['compile'] / ms:.2f}x" if "compile" in med else "–"
             vs_s = f"{med['stock'] / ms:.2f}x" if "stock" in med else "–"
             lines.append(f"| {r['what']} | {side} | {ms:.2f} | {vs_s} | {vs_c} | "
@@ -190,15 +216,7 @@ def report(results, out, command):
             rows.append({"model": model, "side": side, "ms": ms, "rounds": [x["ms"] for x in runs],
                          "peak_gib": max(x["peak_gib"] for x in runs), "max_loss_diff": diff})
     for model, sides in results.items():
-        stock = sides.get("stock") or []
-        if len(stock) >= 2 and stock[0].get("losses") and stock[1].get("losses"):
-            noise = loss_diff(stock[0], stock[1])
-            lines.append(f"\n{model}: stock against stock (two runs), max loss diff {noise:.2e}.")
-            rows.append({"model": model, "side": "stock vs stock", "max_loss_diff": noise})
-        pairs = [(f"{side} vs stock", r) for side, runs in sides.items() for r in runs[:1]
-                 if side != "stock" and r.get("losses")] + [("stock vs stock", r) for r in stock[1:2]]
-        if stock:
-            lines += drift_lines(model, stock[0], pairs)
+        lines += drift_lines(model, sides)
     (out / "bench_models.md").write_text("\n".join(lines) + "\n")
     (out / "bench_models.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
     print("\n".join(lines), flush=True)
