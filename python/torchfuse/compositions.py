@@ -14,6 +14,7 @@ forward, another library version's code are different code and are left alone.
 This module recognises; the rewrite layer (issue 23) decides what serves a recognised form.
 Nothing here imports torch.
 """
+import __future__
 import dis
 import math
 import sys
@@ -41,6 +42,23 @@ _SOURCES = {
     # MLP may have.
     "hf_silu": """def forward(self, input):
     return nn.functional.silu(input)
+""",
+    # transformers.models.gpt2.modeling_gpt2.GPT2MLP.forward, and its copies. What it computes
+    # depends on its act and c_proj too: the rewrite checks them at every call.
+    "hf_conv1d_mlp": """def forward(self, hidden_states):
+    hidden_states = self.c_fc(hidden_states)
+    hidden_states = self.act(hidden_states)
+    hidden_states = self.c_proj(hidden_states)
+    hidden_states = self.dropout(hidden_states)
+    return hidden_states
+""",
+    # transformers.pytorch_utils.Conv1D.forward (GPT-2's projections): a c_proj the MLP above
+    # may have. Under autocast its addmm casts its input to the autocast dtype.
+    "hf_conv1d": """def forward(self, x):
+    size_out = x.size()[:-1] + (self.nf,)
+    x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+    x = x.view(size_out)
+    return x
 """,
     # transformers.models.llama.modeling_llama.LlamaRMSNorm.forward, and its copies.
     "hf_rms_norm": """def forward(self, hidden_states):
@@ -117,7 +135,8 @@ _FUNCTION_SOURCES = {
 }
 
 # Form name -> the composition it computes.
-COMPUTES = {"new_gelu": "gelu_tanh", "fast_gelu": "gelu_tanh", "hf_rms_norm": "hf_rms_norm",
+COMPUTES = {"new_gelu": "gelu_tanh", "fast_gelu": "gelu_tanh", "hf_conv1d_mlp": "gelu_tanh",
+            "hf_rms_norm": "hf_rms_norm",
             "hf_causal_lm_loss": "cross_entropy", "hf_gated_mlp": "swiglu", "hf_rotary": "rotary"}
 
 
@@ -137,6 +156,12 @@ def _globals_loaded(code):
     return {i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"}
 
 
+# Code flags that do not change what a function computes: CO_NESTED (defined inside another
+# function), and `from __future__ import annotations` in its module (annotations kept as
+# strings; transformers.pytorch_utils has it).
+_FLAGS_ASIDE = 0x10 | __future__.annotations.compiler_flag
+
+
 def _same_code(a, b):
     """Equal bytecode, constants, loaded names and signature shape."""
     return (
@@ -147,7 +172,7 @@ def _same_code(a, b):
         and a.co_posonlyargcount == b.co_posonlyargcount
         and a.co_kwonlyargcount == b.co_kwonlyargcount
         and a.co_nlocals == b.co_nlocals
-        and (a.co_flags & ~0x10) == (b.co_flags & ~0x10)  # CO_NESTED aside
+        and (a.co_flags & ~_FLAGS_ASIDE) == (b.co_flags & ~_FLAGS_ASIDE)
     )
 
 

@@ -12,7 +12,9 @@ is left alone and logged at debug.
 The new forward calls the op only for plain CUDA tensors of a dtype the op serves, outside
 torch.compile (Inductor fuses the original composition itself, and sees torchfuse's aten
 overrides where it does not); everything else runs the original code. The ops return what
-the original would: same dtype (under autocast too), shape and strides; their calls are
+the original would: same dtype (under autocast too), shape and strides (GPT-2's MLP, whose
+intermediate the caller never sees, passes its GELU's result to the next matmul in the dtype
+that matmul would have cast it to); their calls are
 counted in torchfuse's stats, and `torch.ops.torchfuse.set_enabled(name, False)` sends them to
 PyTorch's own kernels.
 """
@@ -49,6 +51,21 @@ def wants(name):
 def _served_dtypes(torch):
     """The dtypes torchfuse's kernels take (anything else runs the original code)."""
     return (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _unobserved(torch, module):
+    """Nothing but the module's own forward sees or changes its call: no hooks of its own or
+    global ones, no forward set on the instance."""
+    hooks = torch.nn.modules.module
+    return ("forward" not in module.__dict__
+            and not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                     or module._backward_pre_hooks)
+            and not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks
+                     or hooks._global_backward_hooks or hooks._global_backward_pre_hooks))
+
+
+# Rewritten forward -> the form it replaced (for rewrites that look at a submodule's forward).
+_REWRITTEN = {}
 
 
 def _gelu_forward(torch, original, form):
@@ -124,22 +141,17 @@ def _gated_mlp_forward(torch, original, form):
     and gate and up agree in dtype and shape; the matmuls are the module's own."""
     op = torch.ops.torchfuse.silu_mul.default
     tensor, served = torch.Tensor, _served_dtypes(torch)
-    compiling, module = torch.compiler.is_compiling, torch.nn.modules.module
+    compiling = torch.compiler.is_compiling
     silu_types = {}  # (act_fn type, its forward) -> computes SiLU
 
     def plain_silu(act):
-        """act_fn computes SiLU and nothing else sees or changes its call: not in place, no
-        hooks of its own or global ones, no forward set on the instance."""
+        """act_fn computes SiLU, not in place, and nothing else sees or changes its call."""
         kind = type(act)
         key = (kind, kind.__dict__.get("forward"))
         silu = silu_types.get(key)
         if silu is None:
             silu = silu_types[key] = compositions.is_silu(kind, torch)
-        return (silu and not getattr(act, "inplace", False) and "forward" not in act.__dict__
-                and not (act._forward_hooks or act._forward_pre_hooks or act._backward_hooks
-                         or act._backward_pre_hooks)
-                and not (module._global_forward_hooks or module._global_forward_pre_hooks
-                         or module._global_backward_hooks or module._global_backward_pre_hooks))
+        return silu and not getattr(act, "inplace", False) and _unobserved(torch, act)
 
     @functools.wraps(original)
     def forward(self, x):
@@ -151,6 +163,49 @@ def _gated_mlp_forward(torch, original, form):
                 and gate.dtype in served and gate.shape == up.shape):
             return self.down_proj(op(gate, up))
         return self.down_proj(act(gate) * up)
+
+    return forward
+
+
+def _conv1d_mlp_forward(torch, original, form):
+    """HF's GPT-2 MLP (`dropout(c_proj(act(c_fc(x))))`) under CUDA autocast, where act is the
+    tanh-GELU whose original returns fp32 there (it calls torch.pow, on autocast's fp32 list)
+    and c_proj is a Conv1D or nn.Linear, whose matmul casts its input to the autocast dtype
+    first. The GELU then returns that dtype itself: its fp32 result rounded once, which is what
+    the cast would make of it, and its backward takes the gradient in that dtype, which the
+    cast's backward would only have widened. The fp32 activation, its cast and the cast's
+    backward are never made. Anything else, or a hook on act or c_proj (which would see the
+    dtype change), runs the original code."""
+    op = torch.ops.torchfuse.gelu_tanh.default
+    tensor, compiling = torch.Tensor, torch.compiler.is_compiling
+    autocast, autocast_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+    narrow, linear_forward = (torch.bfloat16, torch.float16), torch.nn.Linear.forward
+    casts_its_input = {}  # (c_proj type, its forward) -> its matmul runs under autocast's cast
+
+    def widening_gelu(act):
+        return _REWRITTEN.get(type(act).forward) == "new_gelu" and _unobserved(torch, act)
+
+    def plain_projection(proj):
+        kind = type(proj)
+        key = (kind, kind.forward)
+        known = casts_its_input.get(key)
+        if known is None:
+            known = casts_its_input[key] = (kind.forward is linear_forward
+                                            or compositions.form_of(kind.forward) == "hf_conv1d")
+        return known and _unobserved(torch, proj)
+
+    @functools.wraps(original)
+    def forward(self, hidden_states):
+        if (type(hidden_states) is not tensor or not hidden_states.is_cuda or compiling()
+                or not autocast("cuda") or autocast_dtype("cuda") not in narrow
+                or not widening_gelu(self.act) or not plain_projection(self.c_proj)):
+            return original(self, hidden_states)
+        hidden_states = self.c_fc(hidden_states)
+        if type(hidden_states) is tensor and hidden_states.dtype == autocast_dtype("cuda"):
+            hidden_states = op(hidden_states, hidden_states.dtype)
+        else:
+            hidden_states = self.act(hidden_states)
+        return self.dropout(self.c_proj(hidden_states))
 
     return forward
 
@@ -184,9 +239,10 @@ def _op_path(toggle):
     return f"torch.ops.torchfuse.{_OP_NAMES.get(toggle, toggle)}"
 
 
-# Op -> what makes the rewritten forward from the original.
+# Op -> what makes the rewritten forward from the original (by form where one op has several).
 _FORWARDS = {"gelu_tanh": _gelu_forward, "hf_rms_norm": _rms_norm_forward,
              "swiglu": _gated_mlp_forward}
+_FORM_FORWARDS = {"hf_conv1d_mlp": _conv1d_mlp_forward}
 # Function form -> what makes the rewritten function from the original.
 _FUNCTIONS = {"hf_causal_lm_loss": _causal_lm_loss, "hf_rotary": _rotary}
 
@@ -204,7 +260,8 @@ def patch_module(module):
         if not enabled.get(op, False):
             note(torch, f"rewrite {op} off: {where} ({form}) left as it is", debug=True)
             continue
-        cls.forward = _FORWARDS[op](torch, cls.forward, form)
+        cls.forward = _FORM_FORWARDS.get(form, _FORWARDS[op])(torch, cls.forward, form)
+        _REWRITTEN[cls.forward] = form
         note(torch, f"rewrite {op}: {where} ({form}) -> {_op_path(op)}")
     for name, form in compositions.scan_functions(module).items():
         original, op = getattr(module, name), compositions.COMPUTES[form]

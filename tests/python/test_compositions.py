@@ -44,6 +44,33 @@ def test_llama_gated_mlp_and_its_copies_are_recognised(model):
     assert compositions.COMPUTES["hf_gated_mlp"] == "swiglu"
 
 
+@pytest.mark.parametrize("model,mlp", [("gpt2", "GPT2MLP"), ("gpt_neo", "GPTNeoMLP"), ("imagegpt", "ImageGPTMLP"),
+                                       ("decision_transformer", "DecisionTransformerGPT2MLP")])
+def test_gpt2_mlp_and_its_copies_are_recognised(model, mlp):
+    found = recognised(f"models.{model}.modeling_{model}")
+    assert [name for name, form in found.items() if form == "hf_conv1d_mlp"] == [mlp], found
+    assert compositions.COMPUTES["hf_conv1d_mlp"] == "gelu_tanh"
+
+
+def test_conv1d_recognised_despite_its_modules_future_annotations():
+    """transformers.pytorch_utils has `from __future__ import annotations`, which sets a code
+    flag that changes nothing computed; a changed Conv1D forward is still not the form."""
+    from transformers.pytorch_utils import Conv1D
+
+    assert Conv1D.forward.__code__.co_flags & __import__("__future__").annotations.compiler_flag
+    assert compositions.form_of(Conv1D.forward) == "hf_conv1d"
+    assert "hf_conv1d" not in compositions.COMPUTES  # recognised for the MLP, not rewritten itself
+
+    class Scaled(Conv1D):
+        def forward(self, x):
+            size_out = x.size()[:-1] + (self.nf,)
+            x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight, alpha=2)
+            return x.view(size_out)
+
+    import torch
+    assert compositions.form_of(Scaled.forward) is None
+
+
 def found_prefix(found):
     return next(name for name in found if name.endswith("RMSNorm"))[:-len("RMSNorm")]
 
@@ -134,7 +161,8 @@ def test_recognition_imports_no_torch():
             "print(sorted(compositions.FORMS))" % str(ROOT / "python"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "['fast_gelu', 'hf_gated_mlp', 'hf_rms_norm', 'hf_silu', 'new_gelu']"
+    assert out.stdout.strip() == ("['fast_gelu', 'hf_conv1d', 'hf_conv1d_mlp', 'hf_gated_mlp', "
+                                  "'hf_rms_norm', 'hf_silu', 'new_gelu']")
 
 
 def test_hf_causal_lm_loss_recognised_by_code_defaults_and_the_function_it_calls():

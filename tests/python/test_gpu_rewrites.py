@@ -176,6 +176,108 @@ def test_hf_rms_norm_is_the_original_composition(dtypes):
 
 # ---------------------------------------------------------------- unchanged tiny HF models
 
+GPT2_MLP = r"""
+import sys, json, math, torch
+sys.path.insert(0, {python!r}); sys.path.insert(0, {tests!r})
+import torchfuse
+torchfuse.enable({lib!r})
+torch.ops.torchfuse._serve_below_thresholds({force})
+from gpu_util import FLOOR, rel_err
+from transformers.activations import NewGELUActivation
+from transformers.models.gpt2.modeling_gpt2 import GPT2Config, GPT2MLP
+
+def new_gelu(input):
+    return 0.5 * input * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (input + 0.044715 * torch.pow(input, 3.0))))
+
+def casts(t):
+    # ToCopyBackward0 nodes in the autograd graph behind t: autocast's casts.
+    seen, todo, n = set(), [t.grad_fn], 0
+    while todo:
+        f = todo.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        n += type(f).__name__ == "ToCopyBackward0"
+        todo += [g for g, _ in f.next_functions]
+    return n
+
+torch.manual_seed({seed})
+failures, checked = [], 0
+for dtype in (torch.bfloat16, torch.float16):
+    for rows, hidden, inter in [(1, 16, 64), (37, 48, 192), (2048, 768, 3072), (5, 24, 100)]:
+        mlp = GPT2MLP(inter, GPT2Config(n_embd=hidden, n_head=4, resid_pdrop=0.0)).cuda()
+        with torch.no_grad():
+            for p in mlp.parameters():
+                p.normal_(0, 0.5)
+        params = list(mlp.parameters())
+        x = torch.randn(rows, hidden, device="cuda", requires_grad=True)
+        grad_out = torch.randn(rows, hidden, device="cuda")
+        def run(forward):
+            with torch.autocast("cuda", dtype=dtype):
+                y = forward(x)
+            grads = torch.autograd.grad(y, [x] + params, grad_out.to(y.dtype))
+            return y, grads
+        ours, g_ours = run(mlp)
+        # HF's code as written, with NewGELU's own composition (no torchfuse op anywhere in it).
+        original, g_original = run(lambda t: mlp.dropout(mlp.c_proj(NewGELUActivation.forward.__wrapped__(mlp.act, mlp.c_fc(t)))))
+        # float64, no autocast: the reference both are judged against.
+        x64 = x.detach().double().requires_grad_(True)
+        p64 = [p.detach().double().requires_grad_(True) for p in params]
+        w_fc, b_fc, w_proj, b_proj = p64
+        ref = torch.addmm(b_proj, new_gelu(torch.addmm(b_fc, x64, w_fc)), w_proj)
+        g_ref = torch.autograd.grad(ref, [x64] + p64, grad_out.double())
+        what = f"{{dtype}} {{rows}}x{{hidden}}x{{inter}}"
+        if (ours.dtype, ours.shape, ours.stride()) != (original.dtype, original.shape, original.stride()):
+            failures.append(f"{{what}}: layout {{ours.dtype}} {{ours.stride()}} vs {{original.dtype}} {{original.stride()}}")
+        for name, a, b, r in [("out", ours, original, ref)] + [(f"grad {{i}}", a, b, r) for i, (a, b, r) in enumerate(zip(g_ours, g_original, g_ref))]:
+            err, err_original = rel_err(a, r), rel_err(b, r)
+            if a.dtype != b.dtype or err > max(2 * err_original, FLOOR[dtype]):
+                failures.append(f"{{what}} {{name}}: {{err}} vs original {{err_original}} ({{a.dtype}}, {{b.dtype}})")
+            checked += 1
+        # Against HF's MLP code with only its GELU rewritten (fp32 out, as NewGELU's torch.pow
+        # makes it): the cast of that output for c_proj is gone, one ToCopyBackward0 fewer.
+        unfused, _ = run(lambda t: GPT2MLP.forward.__wrapped__(mlp, t))
+        if casts(ours) != casts(unfused) - 1:
+            failures.append(f"{{what}}: casts {{casts(ours)}} vs {{casts(unfused)}}")
+
+# A hook on c_proj sees the original's input dtype: the original code runs.
+mlp = GPT2MLP(64, GPT2Config(n_embd=16, n_head=4, resid_pdrop=0.0)).cuda()
+seen = []
+handle = mlp.c_proj.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+with torch.autocast("cuda", dtype=torch.bfloat16):
+    mlp(torch.randn(3, 16, device="cuda"))
+handle.remove()
+# Without autocast the MLP is the original code (its GELU rewritten on its own): bitwise.
+x = torch.randn(9, 16, device="cuda")
+plain = torch.equal(mlp(x), GPT2MLP.forward.__wrapped__(mlp, x))
+print(json.dumps({{"failures": failures, "checked": checked, "hooked_input": str(seen), "plain_bitwise": plain,
+                  "stats": json.loads(torch.ops.torchfuse.stats())["ops"].get("torchfuse::gelu_tanh", {{}})}}))
+"""
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["registry", "kernels"])
+def test_gpt2_mlp_under_autocast_drops_the_gelus_cast(force):
+    """HF's GPT2MLP rewritten (hf_conv1d_mlp): under bf16/fp16 autocast the GELU returns the
+    autocast dtype, which c_proj's matmul would have cast its fp32 output to. Output and every
+    gradient (x, both weights, both biases) against float64, within the bar HF's own code sets
+    under the same autocast; one autocast cast fewer in the graph; a hook on c_proj, or no
+    autocast, runs the original code. With the registry's choice (stock's gelu for equal
+    dtypes) and with torchfuse's kernels forced."""
+    pytest.importorskip("transformers", reason="scripts/setup installs transformers")
+    code = GPT2_MLP.format(python=str(ROOT / "python"), tests=str(ROOT / "tests" / "python"), lib=str(LIB_DIR),
+                           force=force, seed=fresh_seed())
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env=clean_env(TORCHFUSE_LOG="info"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    import json
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["failures"] == [] and out["checked"] == 48, out
+    assert out["hooked_input"] == "[torch.float32]" and out["plain_bitwise"], out
+    assert "rewrite gelu_tanh: transformers.models.gpt2.modeling_gpt2.GPT2MLP.forward (hf_conv1d_mlp)" in proc.stderr
+    if force:
+        assert out["stats"].get("fused", 0) > 0, out
+
+
 TRAIN = r"""
 import sys, json, torch
 sys.path.insert(0, {python!r})
@@ -246,6 +348,12 @@ def test_unchanged_hf_model_trains_as_without_the_rewrite(model, op, compiled):
     if compiled:
         # Under torch.compile the original composition runs (Inductor fuses it).
         assert not calls, stats
+    elif model == "gpt2":
+        # GPT-2's MLP under autocast asks for the GELU in bf16 (hf_conv1d_mlp), where the
+        # registry keeps stock's own one-pass gelu: the op is called, and stock serves it for
+        # that reason only.
+        assert calls.get("fused", 0) + calls.get("stock", 0) > 0, stats
+        assert set(calls.get("stock_reasons", {})) <= {"stock is faster at this shape"}, stats
     else:
         assert calls.get("fused", 0) > 0, stats
 

@@ -27,13 +27,15 @@ import transformers.models.llama.modeling_llama as L
 import transformers.models.qwen2.modeling_qwen2 as Q
 import transformers.models.gemma.modeling_gemma as G
 import transformers.loss.loss_utils as LU
+import transformers.models.gpt2.modeling_gpt2 as GPT2
+import transformers.models.gpt_bigcode.modeling_gpt_bigcode as BIGCODE
 def rewritten(cls):
     return hasattr(cls.forward, "__wrapped__")
 found = {name: rewritten(cls) for name, cls in [
     ("NewGELUActivation", A.NewGELUActivation), ("FastGELUActivation", A.FastGELUActivation),
     ("GELUActivation", A.GELUActivation), ("LlamaRMSNorm", L.LlamaRMSNorm),
     ("Qwen2RMSNorm", Q.Qwen2RMSNorm), ("GemmaRMSNorm", G.GemmaRMSNorm), ("LlamaMLP", L.LlamaMLP),
-    ("Qwen2MLP", Q.Qwen2MLP)]}
+    ("Qwen2MLP", Q.Qwen2MLP), ("GPT2MLP", GPT2.GPT2MLP), ("GPTBigCodeMLP", BIGCODE.GPTBigCodeMLP)]}
 found["ForCausalLMLoss"] = (hasattr(LU.ForCausalLMLoss, "__wrapped__")
                             and LU.LOSS_MAPPING["ForCausalLM"] is LU.ForCausalLMLoss)
 found["ForMaskedLMLoss"] = hasattr(LU.ForMaskedLMLoss, "__wrapped__")
@@ -47,7 +49,9 @@ def test_known_forms_are_rewritten_and_others_left_alone():
     assert out == {"NewGELUActivation": True, "FastGELUActivation": True, "GELUActivation": False,
                    "LlamaRMSNorm": True, "Qwen2RMSNorm": True, "GemmaRMSNorm": False,
                    "ForCausalLMLoss": True, "ForMaskedLMLoss": False, "LlamaMLP": True,
-                   "Qwen2MLP": True, "apply_rotary_pos_emb": True}
+                   "Qwen2MLP": True, "apply_rotary_pos_emb": True, "GPT2MLP": True, "GPTBigCodeMLP": True}
+    assert ("rewrite gelu_tanh: transformers.models.gpt2.modeling_gpt2.GPT2MLP.forward (hf_conv1d_mlp) -> "
+            "torch.ops.torchfuse.gelu_tanh") in log
     assert ("rewrite swiglu: transformers.models.llama.modeling_llama.LlamaMLP.forward (hf_gated_mlp) -> "
             "torch.ops.torchfuse.silu_mul") in log
     assert ("rewrite cross_entropy: transformers.loss.loss_utils.ForCausalLMLoss (hf_causal_lm_loss) -> "
@@ -64,6 +68,9 @@ def test_a_toggled_off_rewrite_is_not_made():
     assert out["NewGELUActivation"] and not out["LlamaRMSNorm"] and not out["Qwen2RMSNorm"]
     assert not out["ForCausalLMLoss"] and not out["LlamaMLP"] and not out["apply_rotary_pos_emb"]
     assert "rewrite hf_rms_norm off" in log and "rewrite cross_entropy off" in log
+    out, log = run(REWRITTEN, TORCHFUSE_OPS="-gelu_tanh")
+    assert not out["NewGELUActivation"] and not out["GPT2MLP"] and out["LlamaMLP"]
+    assert "rewrite gelu_tanh off: transformers.models.gpt2.modeling_gpt2.GPT2MLP.forward" in log
 
 
 def test_without_the_library_nothing_is_rewritten(tmp_path):
@@ -90,6 +97,8 @@ import transformers.loss.loss_utils as LU
 from transformers import LlamaConfig
 mlp = L.LlamaMLP(LlamaConfig(hidden_size=16, intermediate_size=40, num_attention_heads=2, num_key_value_heads=2, hidden_act="silu"))
 h = torch.randn(3, 16)
+import transformers.models.gpt2.modeling_gpt2 as GPT2
+gpt2_mlp = GPT2.GPT2MLP(64, GPT2.GPT2Config(n_embd=16, n_head=2, resid_pdrop=0.0))
 q, k = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8)
 cos, sin = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
 logits = torch.randn(2, 9, 50, dtype=torch.bfloat16)
@@ -99,11 +108,12 @@ print(json.dumps([torch.equal(gelu(x), A.NewGELUActivation.forward.__wrapped__(g
                   torch.equal(LU.ForCausalLMLoss(logits, labels, 50),
                               LU.ForCausalLMLoss.__wrapped__(logits, labels, 50)),
                   torch.equal(mlp(h), L.LlamaMLP.forward.__wrapped__(mlp, h)),
+                  torch.equal(gpt2_mlp(h), GPT2.GPT2MLP.forward.__wrapped__(gpt2_mlp, h)),
                   all(torch.equal(a, b) for a, b in zip(
                       L.apply_rotary_pos_emb(q, k, cos, sin),
                       L.apply_rotary_pos_emb.__wrapped__(q, k, cos, sin)))]))
 """)
-    assert out == [True, True, True, True, True]
+    assert out == [True, True, True, True, True, True]
 
 
 def test_the_ops_run_on_cpu_meta_and_under_compile():
