@@ -115,23 +115,31 @@ def report(runs, out, command):
              "stock run; in stock's row, stock against itself (its noise; nan with one stock run).\n",
              "| model | parallel | GPUs | side | ms/step | speed-up vs stock | peak GiB (rank 0) | max loss diff | "
              "fused optimizer | ranks agree |", "|---|---|---|---|---|---|---|---|---|---|"]
-    keys = sorted({(r["model"], r["parallel"], r["gpus"]) for r in runs})
+    def key_of(r):  # runs of different lengths (merged calls) are kept apart: losses pair step for step
+        return r["model"], r["parallel"], r["gpus"], len(r.get("losses") or [])
+
+    keys = sorted({key_of(r) for r in runs})
+    lengths = {}
+    for model, parallel, _, n in keys:
+        lengths.setdefault((model, parallel), set()).add(n)
     speedups, drift = {}, []
     for key in keys:
-        sides = {s: [r for r in runs if (r["model"], r["parallel"], r["gpus"]) == key and r["side"] == s]
+        model, parallel, gpus, n = key
+        label = model if len(lengths[(model, parallel)]) == 1 else f"{model} ({n} losses)"
+        sides = {s: [r for r in runs if key_of(r) == key and r["side"] == s]
                  for s in dict.fromkeys(r["side"] for r in runs)}
         med = {s: statistics.median(r["ms"] for r in rs) for s, rs in sides.items() if rs}
         for side, rs in sides.items():
             if not rs:
                 continue
-            diff = max_loss_diff(rs, sides.get("stock", []))
+            diff = max_loss_diff(rs, sides.get("stock", []), side == "stock")
             vs = med["stock"] / med[side] if "stock" in med else float("nan")
             if side == "torchfuse":
-                speedups[key] = vs
-            lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {side} | {med[side]:.2f} | {vs:.2f}x | "
+                speedups[(label, parallel, gpus)] = vs
+            lines.append(f"| {label} | {parallel} | {gpus} | {side} | {med[side]:.2f} | {vs:.2f}x | "
                          f"{max(r['peak_gib'] for r in rs):.2f} | {diff:.2e} | {rs[0]['fused_optimizer']} | "
                          f"{rs[0].get('ranks_agree', '–')} |")
-        drift += drift_lines(" ".join(map(str, key)) + " GPUs", sides)
+        drift += drift_lines(f"{label} {parallel} {gpus} GPUs", sides)
     lines += drift
     lines.append("\ntorchfuse's speed-up on N GPUs against its speed-up on 1 (target: at least 97% of the 1-GPU one):\n")
     for (model, parallel, gpus), s in sorted(speedups.items()):
@@ -155,7 +163,8 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--merge", nargs="+", metavar="JSONL",
-                   help="no runs: report the runs in these bench_distributed.jsonl files (several calls)")
+                   help="no runs: report the runs in these bench_distributed.jsonl files (several calls: "
+                        "machines differ, so compare times within one call)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--side", default="stock", help=argparse.SUPPRESS)
     a = p.parse_args()

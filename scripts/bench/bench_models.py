@@ -19,8 +19,9 @@ A side `torchfuse:SPEC` runs torchfuse with TORCHFUSE_OPS=SPEC, `/` standing for
 
 Loss differences are taken over every pair of a side's run and a stock run. With two or more
 stock runs of a model (rounds, or `stock` named twice in --sides), stock's row gives stock's own
-run-to-run difference: the noise the others are judged against. Runs of 100 steps or more add
-a table per model of the differences per step (largest, mean, mean of the last quarter).
+run-to-run difference: the noise the others are judged against. Runs of 100 losses or more add
+a table per model of the differences per step (largest, mean, mean of the last quarter); 100
+losses, warm-up included.
 The side `stock-fused-adam` is stock with PyTorch's own `AdamW(fused=True)`: how far a
 rounding change PyTorch itself offers moves the losses (torchfuse's Adam is a fused step).
 """
@@ -115,19 +116,20 @@ def loss_diff(a, b):
     return max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
 
 
-def loss_pairs(runs, stock):
-    """Every pair of a run and a stock run that both have losses; stock's own runs in pairs of
-    two different runs, each pair once."""
-    own = runs is stock
+def loss_pairs(runs, stock, own):
+    """Every pair of a run and a stock run that both have losses; with `own` (the runs are
+    stock's), every pair of two different stock runs, once. A side's pairs (n_side x n_stock)
+    outnumber stock's own (n_stock choose 2), so a side's largest difference is drawn from more
+    pairs: a comparison of maxima leans against the side."""
     runs = [r for r in runs if r.get("losses")]
     stock = [b for b in stock if b.get("losses")]
     return list(itertools.combinations(stock, 2)) if own else [(r, b) for r in runs for b in stock]
 
 
-def max_loss_diff(runs, stock):
+def max_loss_diff(runs, stock, own):
     """The largest |loss difference| over every pair of `loss_pairs`: for stock's own runs, its
     run-to-run noise; nan where there is no pair (one stock run)."""
-    return max((loss_diff(r, b) for r, b in loss_pairs(runs, stock)), default=float("nan"))
+    return max((loss_diff(r, b) for r, b in loss_pairs(runs, stock, own)), default=float("nan"))
 
 
 def drift_lines(title, sides):
@@ -142,7 +144,7 @@ def drift_lines(title, sides):
              "| pair | pairs of runs | largest | mean | mean of the last quarter |", "|---|---|---|---|---|"]
     for side, runs in sides.items():
         per_pair = []
-        for r, b in loss_pairs(runs, stock):
+        for r, b in loss_pairs(runs, stock, side == "stock"):
             d = [abs(x - y) for x, y in zip(r["losses"], b["losses"])]
             per_pair.append((max(d), statistics.mean(d), statistics.mean(d[-max(1, len(d) // 4):])))
         if per_pair:
@@ -207,10 +209,11 @@ def report(results, out, command):
             if not runs:
                 continue
             r, ms = runs[0], med[side]
-            diff = max_loss_diff(runs, stock)
+            diff = max_loss_diff(runs, stock, side == "stock")
             vs_c = f"{med['compile'] / ms:.2f}x" if "compile" in med else "–"
             vs_s = f"{med['stock'] / ms:.2f}x" if "stock" in med else "–"
-            lines.append(f"| {r['what']} | {side} | {ms:.2f} | {vs_s} | {vs_c} | "
+            what = r["what"] + model[len(r["model"]):]  # merged runs of other lengths: " (N losses)"
+            lines.append(f"| {what} | {side} | {ms:.2f} | {vs_s} | {vs_c} | "
                          f"{r['per_step'] / ms * 1e3:,.0f} | {max(x['peak_gib'] for x in runs):.2f} | "
                          f"{diff:.2e} |")
             rows.append({"model": model, "side": side, "ms": ms, "rounds": [x["ms"] for x in runs],
@@ -251,7 +254,8 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--merge", nargs="+", metavar="JSONL",
-                   help="no runs: report the runs in these bench_models.jsonl files (several calls)")
+                   help="no runs: report the runs in these bench_models.jsonl files (several calls: "
+                        "machines differ, so compare times within one call)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--side", default="stock", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -281,12 +285,18 @@ def main():
 
 
 def merged(paths):
-    """Results of several calls' bench_models.jsonl, runs in the order the files give them."""
+    """Results of several calls' bench_models.jsonl, runs in the order the files give them.
+    Runs of one model with different numbers of losses (steps) are kept apart, as
+    "model (N losses)": their losses cannot be paired step for step."""
+    runs = [json.loads(line) for path in paths for line in Path(path).read_text().splitlines()]
+    lengths = {}
+    for r in runs:
+        lengths.setdefault(r["model"], set()).add(len(r.get("losses") or []))
     results = {}
-    for path in paths:
-        for line in Path(path).read_text().splitlines():
-            r = json.loads(line)
-            results.setdefault(r["model"], {}).setdefault(r["side"], []).append(r)
+    for r in runs:
+        n = len(r.get("losses") or [])
+        key = r["model"] if len(lengths[r["model"]]) == 1 else f"{r['model']} ({n} losses)"
+        results.setdefault(key, {}).setdefault(r["side"], []).append(r)
     return results
 
 
