@@ -55,9 +55,11 @@ def _served_dtypes(torch):
 
 def _unobserved(torch, module):
     """Nothing but the module's own forward sees or changes its call: no hooks of its own or
-    global ones, no forward set on the instance."""
-    hooks = torch.nn.modules.module
+    global ones, no forward set on the instance, no `__call__` of its class's own."""
+    hooks, base = torch.nn.modules.module, torch.nn.Module
+    kind = type(module)
     return ("forward" not in module.__dict__
+            and kind.__call__ is base.__call__ and kind._call_impl is base._call_impl
             and not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                      or module._backward_pre_hooks)
             and not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks
@@ -172,14 +174,19 @@ def _conv1d_mlp_forward(torch, original, form):
     tanh-GELU whose original returns fp32 there (it calls torch.pow, on autocast's fp32 list)
     and c_proj is a Conv1D or nn.Linear, whose matmul casts its input to the autocast dtype
     first. The GELU then returns that dtype itself: its fp32 result rounded once, which is what
-    the cast would make of it, and its backward takes the gradient in that dtype, which the
-    cast's backward would only have widened. The fp32 activation, its cast and the cast's
+    the cast would make of it (equal up to the fp32 rounding of the GELU's arithmetic: where the
+    registry keeps PyTorch's own gelu for equal dtypes, it orders x^3 differently), and its
+    backward takes the gradient in that dtype, which the cast's backward would only have widened. The fp32 activation, its cast and the cast's
     backward are never made. Anything else, or a hook on act or c_proj (which would see the
-    dtype change), runs the original code."""
+    dtype change), or a c_proj whose weight or bias is a tensor subclass or a torch function
+    mode (which see the input before autocast and may act on its dtype: torchao's quantized
+    weights pick kernels and scales by it), runs the original code."""
     op = torch.ops.torchfuse.gelu_tanh.default
     tensor, compiling = torch.Tensor, torch.compiler.is_compiling
     autocast, autocast_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
     narrow, linear_forward = (torch.bfloat16, torch.float16), torch.nn.Linear.forward
+    plain = (torch.Tensor, torch.nn.Parameter)
+    function_mode = torch._C._is_torch_function_mode_enabled
     casts_its_input = {}  # (c_proj type, its forward) -> its matmul runs under autocast's cast
 
     def widening_gelu(act):
@@ -192,12 +199,14 @@ def _conv1d_mlp_forward(torch, original, form):
         if known is None:
             known = casts_its_input[key] = (kind.forward is linear_forward
                                             or compositions.form_of(kind.forward) == "hf_conv1d")
-        return known and _unobserved(torch, proj)
+        bias = getattr(proj, "bias", None)
+        return (known and _unobserved(torch, proj) and type(getattr(proj, "weight", None)) in plain
+                and (bias is None or type(bias) in plain))
 
     @functools.wraps(original)
     def forward(self, hidden_states):
         if (type(hidden_states) is not tensor or not hidden_states.is_cuda or compiling()
-                or not autocast("cuda") or autocast_dtype("cuda") not in narrow
+                or not autocast("cuda") or autocast_dtype("cuda") not in narrow or function_mode()
                 or not widening_gelu(self.act) or not plain_projection(self.c_proj)):
             return original(self, hidden_states)
         hidden_states = self.c_fc(hidden_states)
