@@ -17,6 +17,9 @@ reports the runs of several calls as one table.
 A side `torchfuse:SPEC` runs torchfuse with TORCHFUSE_OPS=SPEC, `/` standing for `,` (e.g.
 `torchfuse:-rotary/-swiglu`): which op a loss difference or a slowdown comes from.
 
+With two or more rounds the report adds each side's speed-up round by round (rounds are
+interleaved: a pair of runs shares the machine's state) beside the ratio of medians.
+
 Loss differences are taken over every pair of a side's run and a stock run. With two or more
 stock runs of a model (rounds, or `stock` named twice in --sides), stock's row gives stock's own
 run-to-run difference: the noise the others are judged against. Runs of 100 losses or more add
@@ -132,6 +135,21 @@ def max_loss_diff(runs, stock, own):
     return max((loss_diff(r, b) for r, b in loss_pairs(runs, stock, own)), default=float("nan"))
 
 
+def paired_lines(title, sides):
+    """With two or more rounds: each side's speed-up round by round (the n-th stock run over the
+    side's n-th run; rounds are interleaved, so a pair shares the machine's state), and their
+    median, beside the table's ratio of medians. [] with one round."""
+    stock = sides.get("stock") or []
+    lines = []
+    for side, runs in sides.items():
+        if side == "stock" or len(runs) < 2 or len(runs) != len(stock):
+            continue
+        ratios = [b["ms"] / r["ms"] for r, b in zip(runs, stock)]
+        lines.append(f"- {title}, {side} round by round: " + ", ".join(f"{x:.2f}x" for x in ratios)
+                     + f" (median {statistics.median(ratios):.2f}x)")
+    return ["\n" + "\n".join(lines)] if lines else []
+
+
 def drift_lines(title, sides):
     """For long runs (100 losses or more): each side's |loss difference| per step from stock's
     runs, over every pair of `loss_pairs`, as largest, mean and mean over the last quarter of
@@ -219,6 +237,7 @@ def report(results, out, command):
             rows.append({"model": model, "side": side, "ms": ms, "rounds": [x["ms"] for x in runs],
                          "peak_gib": max(x["peak_gib"] for x in runs), "max_loss_diff": diff})
     for model, sides in results.items():
+        lines += paired_lines(model, sides)
         lines += drift_lines(model, sides)
     (out / "bench_models.md").write_text("\n".join(lines) + "\n")
     (out / "bench_models.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
