@@ -4,9 +4,10 @@
 //   y  = 0.5 x (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
 //   dx = dy (0.5 (1 + tanh(u)) + 0.5 x (1 - tanh(u)^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2))
 //
-// Everything is computed in fp32 from the stored values, with the accurate tanhf (PyTorch's
-// own gelu(approximate="tanh") computes the same expressions in the same precision), and
-// rounded once on the store.
+// Everything is computed in fp32 from the stored values, with the accurate tanhf, and rounded
+// once on the store. PyTorch's own gelu(approximate="tanh") computes the same expressions in
+// fp32 with its products in another order (kappa (x x x) where this file has ((kappa x) x) x):
+// the two agree to fp32 rounding, not bit for bit.
 //
 // Dtypes: x (and dx) are TF_DTYPE. With TF_WIDE = 1 the other tensor (the forward's y, the
 // backward's dy) is fp32: the form autocast produces for HF's code, where torch.pow runs in
