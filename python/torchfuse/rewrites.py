@@ -176,8 +176,8 @@ def _conv1d_mlp_forward(torch, original, form):
     first. The GELU then returns that dtype itself: its fp32 result rounded once, which is what
     the cast would make of it (equal up to the fp32 rounding of the GELU's arithmetic: where the
     registry keeps PyTorch's own gelu for equal dtypes, it orders x^3 differently), and its
-    backward takes the gradient in that dtype, which the cast's backward would only have widened. The fp32 activation, its cast and the cast's
-    backward are never made. Anything else, or a hook on act or c_proj (which would see the
+    backward takes the gradient in that dtype, which the cast's backward would only have
+    widened. The fp32 activation, its cast and the cast's backward are never made. Anything else, or a hook on act or c_proj (which would see the
     dtype change), or a c_proj whose weight or bias is a tensor subclass or a torch function
     mode (which see the input before autocast and may act on its dtype: torchao's quantized
     weights pick kernels and scales by it), runs the original code."""
@@ -205,13 +205,14 @@ def _conv1d_mlp_forward(torch, original, form):
 
     @functools.wraps(original)
     def forward(self, hidden_states):
+        dtype = autocast_dtype("cuda") if autocast("cuda") else None
         if (type(hidden_states) is not tensor or not hidden_states.is_cuda or compiling()
-                or not autocast("cuda") or autocast_dtype("cuda") not in narrow or function_mode()
+                or dtype not in narrow or function_mode()
                 or not widening_gelu(self.act) or not plain_projection(self.c_proj)):
             return original(self, hidden_states)
         hidden_states = self.c_fc(hidden_states)
-        if type(hidden_states) is tensor and hidden_states.dtype == autocast_dtype("cuda"):
-            hidden_states = op(hidden_states, hidden_states.dtype)
+        if type(hidden_states) is tensor and hidden_states.dtype == dtype:
+            hidden_states = op(hidden_states, dtype)
         else:
             hidden_states = self.act(hidden_states)
         return self.dropout(self.c_proj(hidden_states))

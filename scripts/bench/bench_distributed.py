@@ -31,7 +31,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench_models import adamw, build, drift_lines, max_loss_diff, side_env, timed_steps
+from bench_models import adamw, build, drift_lines, length_label, max_loss_diff, side_env, timed_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 # NVLink multicast stays off on shared hosts, also in the jobs this starts.
@@ -115,17 +115,17 @@ def report(runs, out, command):
              "stock run; in stock's row, stock against itself (its noise; nan with one stock run).\n",
              "| model | parallel | GPUs | side | ms/step | speed-up vs stock | peak GiB (rank 0) | max loss diff | "
              "fused optimizer | ranks agree |", "|---|---|---|---|---|---|---|---|---|---|"]
-    def key_of(r):  # runs of different lengths (merged calls) are kept apart: losses pair step for step
-        return r["model"], r["parallel"], r["gpus"], len(r.get("losses") or [])
+    # Runs of different lengths (merged calls) are kept apart: losses pair step for step.
+    label_of = length_label(runs, lambda r: r["model"], lambda r: (r["model"], r["parallel"]))
 
-    keys = sorted({key_of(r) for r in runs})
-    lengths = {}
-    for model, parallel, _, n in keys:
-        lengths.setdefault((model, parallel), set()).add(n)
+    def key_of(r):
+        return label_of(r), r["parallel"], r["gpus"]
+
+    ordered = sorted(runs, key=lambda r: (r["model"], r["parallel"], r["gpus"], len(r.get("losses") or [])))
+    keys = list(dict.fromkeys(key_of(r) for r in ordered))
     speedups, drift = {}, []
     for key in keys:
-        model, parallel, gpus, n = key
-        label = model if len(lengths[(model, parallel)]) == 1 else f"{model} ({n} losses)"
+        label, parallel, gpus = key
         sides = {s: [r for r in runs if key_of(r) == key and r["side"] == s]
                  for s in dict.fromkeys(r["side"] for r in runs)}
         med = {s: statistics.median(r["ms"] for r in rs) for s, rs in sides.items() if rs}
@@ -135,7 +135,7 @@ def report(runs, out, command):
             diff = max_loss_diff(rs, sides.get("stock", []), side == "stock")
             vs = med["stock"] / med[side] if "stock" in med else float("nan")
             if side == "torchfuse":
-                speedups[(label, parallel, gpus)] = vs
+                speedups[key] = vs
             lines.append(f"| {label} | {parallel} | {gpus} | {side} | {med[side]:.2f} | {vs:.2f}x | "
                          f"{max(r['peak_gib'] for r in rs):.2f} | {diff:.2e} | {rs[0]['fused_optimizer']} | "
                          f"{rs[0].get('ranks_agree', '–')} |")

@@ -135,6 +135,18 @@ def max_loss_diff(runs, stock, own):
     return max((loss_diff(r, b) for r, b in loss_pairs(runs, stock, own)), default=float("nan"))
 
 
+def length_label(runs, name, group=None):
+    """A labelling of runs: `name(r)`, with " (N losses)" added where the runs of its group
+    (`group(r)`, default its name) differ in length, as merged calls' runs may: losses pair step
+    for step only within one length."""
+    group = group or name
+    lengths = {}
+    for r in runs:
+        lengths.setdefault(group(r), set()).add(len(r.get("losses") or []))
+    return lambda r: (name(r) if len(lengths[group(r)]) == 1
+                      else f"{name(r)} ({len(r.get('losses') or [])} losses)")
+
+
 def paired_lines(title, sides):
     """With two or more rounds: each side's speed-up round by round (the n-th stock run over the
     side's n-th run; rounds are interleaved, so a pair shares the machine's state), and their
@@ -308,14 +320,10 @@ def merged(paths):
     Runs of one model with different numbers of losses (steps) are kept apart, as
     "model (N losses)": their losses cannot be paired step for step."""
     runs = [json.loads(line) for path in paths for line in Path(path).read_text().splitlines()]
-    lengths = {}
-    for r in runs:
-        lengths.setdefault(r["model"], set()).add(len(r.get("losses") or []))
+    label = length_label(runs, lambda r: r["model"])
     results = {}
     for r in runs:
-        n = len(r.get("losses") or [])
-        key = r["model"] if len(lengths[r["model"]]) == 1 else f"{r['model']} ({n} losses)"
-        results.setdefault(key, {}).setdefault(r["side"], []).append(r)
+        results.setdefault(label(r), {}).setdefault(r["side"], []).append(r)
     return results
 
 

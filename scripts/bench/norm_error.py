@@ -22,7 +22,7 @@ import torch
 SHAPES = "8192x768,4096x768,4096x1024"
 
 
-def rel_err(out, ref):
+def rel_err(out, ref):  # the contract's measure (docs/testing.md), as tests/python/gpu_util.py has it
     out, ref = out.double(), ref.double()
     denom = ref.norm().item()
     return (out - ref).norm().item() / denom if denom > 0 else (out - ref).norm().item()
