@@ -177,10 +177,11 @@ def _conv1d_mlp_forward(torch, original, form):
     the cast would make of it (equal up to the fp32 rounding of the GELU's arithmetic: where the
     registry keeps PyTorch's own gelu for equal dtypes, it orders x^3 differently), and its
     backward takes the gradient in that dtype, which the cast's backward would only have
-    widened. The fp32 activation, its cast and the cast's backward are never made. Anything else, or a hook on act or c_proj (which would see the
-    dtype change), or a c_proj whose weight or bias is a tensor subclass or a torch function
-    mode (which see the input before autocast and may act on its dtype: torchao's quantized
-    weights pick kernels and scales by it), runs the original code."""
+    widened. The fp32 activation, its cast and the cast's backward are never made.
+    Anything else, or a hook on act or c_proj (which would see the dtype change), or a c_proj
+    whose weight or bias is a tensor subclass or a torch function mode (which see the input
+    before autocast and may act on its dtype: torchao's quantized weights pick kernels and
+    scales by it), runs the original code."""
     op = torch.ops.torchfuse.gelu_tanh.default
     tensor, compiling = torch.Tensor, torch.compiler.is_compiling
     autocast, autocast_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
