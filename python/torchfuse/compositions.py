@@ -191,6 +191,74 @@ def _global_is_expected(function, name):
     return False
 
 
+# The instructions that continue a chain of attribute loads (3.11 loads a method's attribute
+# with LOAD_METHOD; 3.12 with LOAD_ATTR).
+_ATTRIBUTE_LOADS = ("LOAD_ATTR", "LOAD_METHOD")
+
+
+def _global_chains(code):
+    """The chains of names the code loads from its globals: `nn.functional.cross_entropy` is
+    ("nn", "functional", "cross_entropy"), `rotate_half` is ("rotate_half",)."""
+    chains, chain = set(), None
+    for instruction in dis.get_instructions(code):
+        if instruction.opname == "LOAD_GLOBAL":
+            if chain:
+                chains.add(tuple(chain))
+            chain = [instruction.argval]
+        elif chain and instruction.opname in _ATTRIBUTE_LOADS:
+            chain.append(instruction.argval)
+        elif chain:
+            chains.add(tuple(chain))
+            chain = None
+    if chain:
+        chains.add(tuple(chain))
+    return chains
+
+
+def _resolve(namespace, chain):
+    value = namespace.get(chain[0])
+    for name in chain[1:]:
+        value = getattr(value, name, None)
+    return value
+
+
+class Dependencies:
+    """What a recognised function's code calls through its globals (`torch.tanh`,
+    `nn.functional.cross_entropy`, a helper such as `rotate_half` and what that calls in turn),
+    as it was when recognised. A rewrite runs only while `unchanged()`: a patch of any of them
+    (a library's, a user's) means the original code, which calls the patch, must run."""
+
+    def __init__(self, *functions):
+        self._expected = []
+        seen = set()
+        pending = list(functions)
+        while pending:
+            function = pending.pop()
+            if id(function) in seen or getattr(function, "__code__", None) is None:
+                continue
+            seen.add(id(function))
+            namespace = function.__globals__
+            for chain in sorted(_global_chains(function.__code__)):
+                value = _resolve(namespace, chain)
+                self._expected.append((namespace, chain[0], chain[1:], value))
+                if len(chain) == 1 and function_form_of(value) is not None:
+                    pending.append(value)  # a known helper: what it calls counts too
+
+    def add(self, namespace, chain):
+        """Counts one more dependency: `chain` resolved in `namespace` (a module's dict)."""
+        self._expected.append((namespace, chain[0], chain[1:], _resolve(namespace, chain)))
+        return self
+
+    def unchanged(self):
+        for namespace, name, attributes, expected in self._expected:
+            value = namespace.get(name)
+            for attribute in attributes:
+                value = getattr(value, attribute, None)
+            if value is not expected:
+                return False
+        return True
+
+
 def _matches(function, reference, defaults):
     code = getattr(function, "__code__", None)
     return (code is not None and _same_code(code, reference)

@@ -11,7 +11,11 @@ is left alone and logged at debug.
 
 The new forward calls the op only for plain CUDA tensors of a dtype the op serves, outside
 torch.compile (Inductor fuses the original composition itself, and sees torchfuse's aten
-overrides where it does not); everything else runs the original code. The ops return what
+overrides where it does not) and torch.func's transforms (grad, vmap: the ops' C++ autograd
+cannot run under them), and only while everything the original calls through its globals
+(`torch.tanh`, `nn.functional.cross_entropy`, `rotate_half`, ...) is what it was when the code
+was recognised: a patch of any of them (z-loss, Liger's cross-entropy) makes the original code,
+which calls the patch, run. Everything else runs the original code. The ops return what
 the original would: same dtype (under autocast too), shape and strides (GPT-2's MLP, whose
 intermediate the caller never sees, passes its GELU's result to the next matmul in the dtype
 that matmul would have cast it to); their calls are
@@ -66,19 +70,29 @@ def _unobserved(torch, module):
                      or hooks._global_backward_hooks or hooks._global_backward_pre_hooks))
 
 
-# Rewritten forward -> the form it replaced (for rewrites that look at a submodule's forward).
+def _untraced_call(torch):
+    """A function telling whether this call runs outside torch.compile and torch.func's
+    transforms, where a rewrite may run."""
+    compiling, transforms = torch.compiler.is_compiling, torch._C._are_functorch_transforms_active
+    return lambda: not compiling() and not transforms()
+
+
+# Rewritten forward -> (the form it replaced, the original's Dependencies), for rewrites that
+# look at a submodule's forward.
 _REWRITTEN = {}
 
 
 def _gelu_forward(torch, original, form):
     op = torch.ops.torchfuse.gelu_tanh.default
     tensor, served, fp32 = torch.Tensor, _served_dtypes(torch), torch.float32
-    compiling, autocast = torch.compiler.is_compiling, torch.is_autocast_enabled
+    untraced, autocast = _untraced_call(torch), torch.is_autocast_enabled
+    unchanged = compositions.Dependencies(original).unchanged
     widens = _FP32_UNDER_AUTOCAST[form]
 
     @functools.wraps(original)
     def forward(self, input):
-        if type(input) is tensor and input.is_cuda and input.dtype in served and not compiling():
+        if (type(input) is tensor and input.is_cuda and input.dtype in served and untraced()
+                and unchanged()):
             return op(input, fp32 if widens and autocast("cuda") else input.dtype)
         return original(self, input)
 
@@ -88,13 +102,14 @@ def _gelu_forward(torch, original, form):
 def _rms_norm_forward(torch, original, form):
     op = torch.ops.torchfuse.hf_rms_norm.default
     tensor, parameter = torch.Tensor, torch.nn.Parameter
-    compiling = torch.compiler.is_compiling
+    untraced, unchanged = _untraced_call(torch), compositions.Dependencies(original).unchanged
 
     @functools.wraps(original)
     def forward(self, hidden_states):
         weight, eps = self.weight, self.variance_epsilon
         if (type(hidden_states) is tensor and hidden_states.is_cuda
-                and type(weight) in (tensor, parameter) and type(eps) is float and not compiling()):
+                and type(weight) in (tensor, parameter) and type(eps) is float and untraced()
+                and unchanged()):
             return op(hidden_states, weight, eps)
         return original(self, hidden_states)
 
@@ -108,14 +123,15 @@ def _causal_lm_loss(torch, original, form):
     original does (`mean`, or `sum` / num_items_in_batch)."""
     op = torch.ops.torchfuse.cross_entropy.default
     tensor, served, fp32 = torch.Tensor, _served_dtypes(torch), torch.float32
-    compiling, pad, is_tensor = torch.compiler.is_compiling, torch.nn.functional.pad, torch.is_tensor
+    untraced, pad, is_tensor = _untraced_call(torch), torch.nn.functional.pad, torch.is_tensor
+    unchanged = compositions.Dependencies(original).unchanged  # fixed_cross_entropy's too
     mean, total = 1, 2  # at::Reduction
 
     @functools.wraps(original)
     def loss_function(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
                       shift_labels=None, **kwargs):
         if (type(logits) is not tensor or not logits.is_cuda or logits.dtype not in served
-                or type(ignore_index) is not int or compiling()):
+                or type(ignore_index) is not int or not untraced() or not unchanged()):
             return original(logits, labels, vocab_size, num_items_in_batch, ignore_index,
                             shift_labels, **kwargs)
         try:  # logits the original's view of its fp32 copy would reject: its error, its way
@@ -143,7 +159,9 @@ def _gated_mlp_forward(torch, original, form):
     and gate and up agree in dtype and shape; the matmuls are the module's own."""
     op = torch.ops.torchfuse.silu_mul.default
     tensor, served = torch.Tensor, _served_dtypes(torch)
-    compiling = torch.compiler.is_compiling
+    untraced = _untraced_call(torch)
+    # The SiLU that nn.SiLU and HF's SiLUActivation call.
+    dependencies = compositions.Dependencies(original).add(vars(torch.nn), ("functional", "silu"))
     silu_types = {}  # (act_fn type, its forward) -> computes SiLU
 
     def plain_silu(act):
@@ -158,7 +176,8 @@ def _gated_mlp_forward(torch, original, form):
     @functools.wraps(original)
     def forward(self, x):
         act = self.act_fn
-        if type(x) is not tensor or not x.is_cuda or compiling() or not plain_silu(act):
+        if (type(x) is not tensor or not x.is_cuda or not untraced() or not plain_silu(act)
+                or not dependencies.unchanged()):
             return original(self, x)
         gate, up = self.gate_proj(x), self.up_proj(x)
         if (type(gate) is tensor and type(up) is tensor and gate.dtype == up.dtype
@@ -183,7 +202,7 @@ def _conv1d_mlp_forward(torch, original, form):
     before autocast and may act on its dtype: torchao's quantized weights pick kernels and
     scales by it), runs the original code."""
     op = torch.ops.torchfuse.gelu_tanh.default
-    tensor, compiling = torch.Tensor, torch.compiler.is_compiling
+    tensor, untraced = torch.Tensor, _untraced_call(torch)
     autocast, autocast_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
     narrow, linear_forward = (torch.bfloat16, torch.float16), torch.nn.Linear.forward
     plain = (torch.Tensor, torch.nn.Parameter)
@@ -191,7 +210,8 @@ def _conv1d_mlp_forward(torch, original, form):
     casts_its_input = {}  # (c_proj type, its forward) -> its matmul runs under autocast's cast
 
     def widening_gelu(act):
-        return _REWRITTEN.get(type(act).forward) == "new_gelu" and _unobserved(torch, act)
+        form, dependencies = _REWRITTEN.get(type(act).forward, (None, None))
+        return form == "new_gelu" and _unobserved(torch, act) and dependencies.unchanged()
 
     def plain_projection(proj):
         kind = type(proj)
@@ -207,7 +227,7 @@ def _conv1d_mlp_forward(torch, original, form):
     @functools.wraps(original)
     def forward(self, hidden_states):
         dtype = autocast_dtype("cuda") if autocast("cuda") else None
-        if (type(hidden_states) is not tensor or not hidden_states.is_cuda or compiling()
+        if (type(hidden_states) is not tensor or not hidden_states.is_cuda or not untraced()
                 or dtype not in narrow or function_mode()
                 or not widening_gelu(self.act) or not plain_projection(self.c_proj)):
             return original(self, hidden_states)
@@ -225,17 +245,16 @@ def _rotary(torch, original, form):
     """HF's apply_rotary_pos_emb with q and k rotated by one op (torchfuse::rotary), for CUDA
     tensors whose cos and sin need no gradient (HF computes them under no_grad)."""
     op = torch.ops.torchfuse.rotary.default
-    tensor, compiling = torch.Tensor, torch.compiler.is_compiling
-    # The rotate_half the original calls, as recognised: a module whose rotate_half is replaced
-    # later (another RoPE layout) gets its own code back.
-    module_globals, rotate_half = original.__globals__, original.__globals__.get("rotate_half")
+    tensor, untraced = torch.Tensor, _untraced_call(torch)
+    # The rotate_half the original calls (and torch.cat), as recognised: a module whose
+    # rotate_half is replaced later (another RoPE layout) gets its own code back.
+    unchanged = compositions.Dependencies(original).unchanged
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if (type(q) is tensor and type(k) is tensor and type(cos) is tensor and type(sin) is tensor
                 and q.is_cuda and type(unsqueeze_dim) is int and not cos.requires_grad
-                and not sin.requires_grad and not compiling()
-                and module_globals.get("rotate_half") is rotate_half):
+                and not sin.requires_grad and untraced() and unchanged()):
             return op(q, k, cos, sin, unsqueeze_dim)
         return original(q, k, cos, sin, unsqueeze_dim)
 
@@ -271,8 +290,9 @@ def patch_module(module):
         if not enabled.get(op, False):
             note(torch, f"rewrite {op} off: {where} ({form}) left as it is", debug=True)
             continue
-        cls.forward = _FORM_FORWARDS.get(form, _FORWARDS[op])(torch, cls.forward, form)
-        _REWRITTEN[cls.forward] = form
+        original = cls.forward
+        cls.forward = _FORM_FORWARDS.get(form, _FORWARDS[op])(torch, original, form)
+        _REWRITTEN[cls.forward] = (form, compositions.Dependencies(original))
         note(torch, f"rewrite {op}: {where} ({form}) -> {_op_path(op)}")
     for name, form in compositions.scan_functions(module).items():
         original, op = getattr(module, name), compositions.COMPUTES[form]

@@ -63,9 +63,13 @@ TfTensor describe(const at::Tensor& t, bool written = false, const at::Tensor* l
   const bool strided = t.layout() == at::kStrided && !t.is_nested();
   const bool cuda = t.is_cuda();
   f.device = cuda ? static_cast<int16_t>(t.device().index()) : int16_t{-1};
-  if (!strided) return f;
+  // Symbolic sizes (a compiler's fake tensor under dynamic shapes): numel() would raise.
+  f.symbolic = t.unsafeGetTensorImpl()->has_symbolic_sizes_strides();
+  if (!strided || f.symbolic) return f;
   f.numel = t.numel();
-  f.data = !cuda ? nullptr : written ? t.data_ptr() : const_cast<void*>(t.const_data_ptr());
+  // No storage: a torch.func wrapper (grad, vmap) handed to the SDPA backend choice.
+  const bool readable = cuda && t.has_storage();
+  f.data = !readable ? nullptr : written ? t.data_ptr() : const_cast<void*>(t.const_data_ptr());
   f.dense = t.is_non_overlapping_and_dense();
   f.like_first = like != nullptr && same_geometry(t, *like);
   return f;
@@ -427,18 +431,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
 // gets the same op.
 
 // A tensor whose data torchfuse may not read, or a call a Python dispatch mode watches: a
-// Python subclass (fake tensors under torch.compile), a functional wrapper, an active
+// Python subclass (fake tensors under torch.compile), a functional or torch.func wrapper, an active
 // TorchDispatchMode (FlopCounterMode, make_fx on real tensors), which must see the ops the
 // stock composition runs.
 bool traced(const at::Tensor& t) {
-  return t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python,
-                                                  c10::DispatchKey::Functionalize})) ||
+  return t.key_set().has_any(c10::DispatchKeySet(
+             {c10::DispatchKey::Python, c10::DispatchKey::Functionalize,
+              c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::FuncTorchBatched})) ||
          c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Python);
 }
 
-// Whether any of these tensors carries a forward-mode AD tangent: torchfuse's autograd Functions
-// have no jvp, so such calls run PyTorch's own ops (which do).
-bool has_tangent(std::initializer_list<at::Tensor> tensors) {
+// Whether torchfuse's C++ autograd Functions cannot take this call, so PyTorch's own ops
+// (the original composition) must: a torch.func transform is active (grad, vmap, jacrev: C++
+// Functions raise under them), or a tensor carries a forward-mode AD tangent (they have no jvp).
+bool composition_only(std::initializer_list<at::Tensor> tensors) {
+  // functorch includes its front-mode key in the thread's dispatch keys while any transform's
+  // layer is on its stack (its own header needs a JSON library torch does not ship).
+  if (c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode))
+    return true;
   for (const at::Tensor& t : tensors)
     if (t.defined() && t._fw_grad(/*level=*/0).defined()) return true;
   return false;
@@ -515,13 +525,15 @@ class GeluTanhFunction : public torch::autograd::Function<GeluTanhFunction> {
 };
 
 at::Tensor gelu_tanh_autograd(const at::Tensor& input, std::optional<at::ScalarType> dtype) {
-  if (has_tangent({input})) return gelu_tanh_stock(input, dtype);  // forward-mode AD: no jvp here
+  if (composition_only({input})) return gelu_tanh_stock(input, dtype);
   return GeluTanhFunction::apply(input, dtype);
 }
 
 // torchfuse::hf_rms_norm(input, weight, eps): HF's RMSNorm (LlamaRMSNorm.forward and its
-// copies). Rust serves it with aten::rms_norm where that computes the same thing (autograd is
-// then aten's); otherwise HF's composition runs here op for op, as the Python code would.
+// copies). Where Rust decides aten::rms_norm computes the same thing, it runs here (autograd is
+// then aten's, and an exception raised inside it, such as checkpointing's stop of a recompute,
+// reaches the caller as it is); otherwise HF's composition runs op for op, as the Python code
+// would.
 at::Tensor hf_rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps) {
   if (input.is_cuda() && !traced(input) && !traced(weight)) {
     TfNormCall call{};
@@ -531,7 +543,7 @@ at::Tensor hf_rms_norm(const at::Tensor& input, const at::Tensor& weight, double
     call.has_eps = 1;
     TfOutputs out{};
     if (fused_by_rust(torchfuse_rs_norm, TF_ENTRY_HF_RMS_NORM, input, call, out))
-      return take_outputs(out)[0];
+      return at::rms_norm(input, {input.size(-1)}, weight, eps);
   }
   const at::ScalarType input_dtype = input.scalar_type();
   at::Tensor hidden = input.to(at::kFloat);
@@ -625,8 +637,7 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
 at::Tensor cross_entropy_served(TfEntry entry, const at::Tensor& logits, const at::Tensor& target,
                                 int64_t reduction, int64_t ignore_index, double label_smoothing,
                                 at::ScalarType loss_dtype) {
-  // Forward-mode AD (a tangent on the logits) is stock's: the fused op has no jvp.
-  if (!logits.is_cuda() || traced(logits) || traced(target) || has_tangent({logits}))
+  if (!logits.is_cuda() || traced(logits) || traced(target) || composition_only({logits}))
     return at::Tensor();
   // Stock smooths only where label_smoothing > 0: a negative or NaN one is none at all.
   if (!(label_smoothing > 0.0)) label_smoothing = 0.0;
@@ -759,7 +770,7 @@ class SiluMulFunction : public torch::autograd::Function<SiluMulFunction> {
 };
 
 at::Tensor silu_mul_autograd(const at::Tensor& gate, const at::Tensor& up) {
-  if (has_tangent({gate, up})) return silu_mul_stock(gate, up);  // forward-mode AD: no jvp here
+  if (composition_only({gate, up})) return silu_mul_stock(gate, up);
   return SiluMulFunction::apply(gate, up);
 }
 
@@ -767,16 +778,16 @@ at::Tensor silu_mul_autograd(const at::Tensor& gate, const at::Tensor& up) {
 // rotate-half form), q and k in one call. The gradients go to q and k (cos and sin that need
 // one take HF's own ops, autograd included).
 at::Tensor rotate_half(const at::Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
+  const c10::SymInt half = x.sym_size(-1) / 2;
+  return at::cat({-x.slice_symint(-1, half), x.slice_symint(-1, 0, half)}, -1);
 }
 
 // rotate_half's transpose. rotate_half(x) = cat(-x2, x1) with x1 the first d / 2 (rounded
 // down) elements, so -x2 fills the first d - d / 2 of the output: the gradient is
 // cat(dy[d - d/2:], -dy[:d - d/2]).
 at::Tensor rotate_half_transposed(const at::Tensor& dy) {
-  const int64_t split = dy.size(-1) - dy.size(-1) / 2;
-  return at::cat({dy.slice(-1, split), -dy.slice(-1, 0, split)}, -1);
+  const c10::SymInt split = dy.sym_size(-1) - dy.sym_size(-1) / 2;
+  return at::cat({dy.slice_symint(-1, split), -dy.slice_symint(-1, 0, split)}, -1);
 }
 
 std::tuple<at::Tensor, at::Tensor> rotary_stock(const at::Tensor& q, const at::Tensor& k,
@@ -797,6 +808,29 @@ std::tuple<at::Tensor, at::Tensor> rotary_backward_stock(const at::Tensor& grad_
   const at::Tensor c = cos.unsqueeze(unsqueeze_dim), s = sin.unsqueeze(unsqueeze_dim);
   auto one = [&](const at::Tensor& g) {
     return g.defined() ? (g * c + rotate_half_transposed(g * s)).to(x_dtype) : at::Tensor();
+  };
+  return {one(grad_q), one(grad_k)};
+}
+
+// Meta tensors (and a compiler's fake ones, whose sizes may be symbolic, which the slices of
+// rotate_half cannot take there): the outputs' sizes, dtype and layout are those of q * cos
+// (the composition's first product: its later sum keeps that dense layout).
+std::tuple<at::Tensor, at::Tensor> rotary_meta(const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& cos, const at::Tensor& sin,
+                                               int64_t unsqueeze_dim) {
+  const at::Tensor c = cos.unsqueeze(unsqueeze_dim), s = sin.unsqueeze(unsqueeze_dim);
+  return {q * c + q * s, k * c + k * s};
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_backward_meta(const at::Tensor& grad_q,
+                                                        const at::Tensor& grad_k,
+                                                        const at::Tensor& cos,
+                                                        const at::Tensor& sin,
+                                                        int64_t unsqueeze_dim,
+                                                        at::ScalarType x_dtype) {
+  const at::Tensor c = cos.unsqueeze(unsqueeze_dim), s = sin.unsqueeze(unsqueeze_dim);
+  auto one = [&](const at::Tensor& g) {
+    return g.defined() ? (g * c + g * s).to(x_dtype) : at::Tensor();
   };
   return {one(grad_q), one(grad_k)};
 }
@@ -887,10 +921,10 @@ class RotaryFunction : public torch::autograd::Function<RotaryFunction> {
 std::tuple<at::Tensor, at::Tensor> rotary_autograd(const at::Tensor& q, const at::Tensor& k,
                                                    const at::Tensor& cos, const at::Tensor& sin,
                                                    int64_t unsqueeze_dim) {
-  // cos/sin that need a gradient, and forward-mode AD (the Function has no jvp): HF's ops.
+  // cos/sin that need a gradient, and what the Function cannot take: HF's ops.
   if (q.scalar_type() != k.scalar_type() ||
       (at::GradMode::is_enabled() && (cos.requires_grad() || sin.requires_grad())) ||
-      has_tangent({q, k, cos, sin}))
+      composition_only({q, k, cos, sin}))
     return rotary_stock(q, k, cos, sin, unsqueeze_dim);
   auto outputs = RotaryFunction::apply(q, k, cos, sin, unsqueeze_dim);
   return {outputs[0], outputs[1]};
@@ -1001,10 +1035,11 @@ torch::Library& torchfuse_ops() {
 
 torch::Library& torchfuse_impl(c10::DispatchKey key) {
   // One library object per key, made on first use.
-  static std::array<torch::Library*, 4> libs{};
-  static const std::array<c10::DispatchKey, 4> keys = {
+  static std::array<torch::Library*, 5> libs{};
+  static const std::array<c10::DispatchKey, 5> keys = {
       c10::DispatchKey::CUDA, c10::DispatchKey::CompositeExplicitAutograd,
-      c10::DispatchKey::Autograd, c10::DispatchKey::CompositeImplicitAutograd};
+      c10::DispatchKey::Autograd, c10::DispatchKey::CompositeImplicitAutograd,
+      c10::DispatchKey::Meta};
   for (size_t i = 0; i < keys.size(); ++i) {
     if (keys[i] != key) continue;
     if (libs[i] == nullptr)
@@ -1066,6 +1101,7 @@ void define_own_op(uint32_t entry) {
       torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
           .impl("rotary", TORCH_FN(rotary_stock));
       torchfuse_impl(DispatchKey::CUDA).impl("rotary", TORCH_FN(rotary_cuda));
+      torchfuse_impl(DispatchKey::Meta).impl("rotary", TORCH_FN(rotary_meta));
       torchfuse_impl(DispatchKey::Autograd).impl("rotary", TORCH_FN(rotary_autograd));
       break;
     case TF_ENTRY_ROTARY_BACKWARD:
@@ -1076,6 +1112,8 @@ void define_own_op(uint32_t entry) {
           .impl("rotary_backward", TORCH_FN(rotary_backward_stock));
       torchfuse_impl(DispatchKey::CUDA)
           .impl("rotary_backward", TORCH_FN(rotary_backward_cuda));
+      torchfuse_impl(DispatchKey::Meta)
+          .impl("rotary_backward", TORCH_FN(rotary_backward_meta));
       break;
     default: TORCH_CHECK(false, "torchfuse: unknown entry ", entry);
   }
@@ -1142,7 +1180,7 @@ const std::vector<int64_t>& abi_layout() {
       sizeof(TfLaunch), TF_FIELD(TfLaunch, stream),
       sizeof(TfTensor), TF_FIELD(TfTensor, data), TF_FIELD(TfTensor, numel),
       TF_FIELD(TfTensor, dtype), TF_FIELD(TfTensor, device), TF_FIELD(TfTensor, dense),
-      TF_FIELD(TfTensor, like_first),
+      TF_FIELD(TfTensor, like_first), TF_FIELD(TfTensor, symbolic),
       sizeof(TfOutputs),
       sizeof(TfNormCall), TF_FIELD(TfNormCall, weight), TF_FIELD(TfNormCall, bias),
       TF_FIELD(TfNormCall, grad_out), TF_FIELD(TfNormCall, mean), TF_FIELD(TfNormCall, rstd),

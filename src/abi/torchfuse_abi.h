@@ -81,7 +81,10 @@ typedef struct TfTensor {
   uint8_t dense;       // strided, non-overlapping and dense
   uint8_t like_first;  // in a list call: same sizes as the list's reference tensor at its
                        // index, same strides on every dim of size > 1 (stock's rule)
-  uint8_t unused[2];
+  uint8_t symbolic;    // sizes or strides are a tracing compiler's symbols (SymInt, under
+                       // torch.compile's dynamic shapes): numel, data and dense are not read,
+                       // and the call goes to stock
+  uint8_t unused[1];
 } TfTensor;
 
 // Outputs a fused call hands back: owned at::Tensor*, null for an undefined tensor.

@@ -81,12 +81,20 @@ pub struct TfTensor {
     /// In a list call: same sizes as the list's reference tensor at its index, and the same
     /// strides on every dim of size > 1 (stock's rule: the element order is then the same).
     pub like_first: u8,
-    pub unused: [u8; 2],
+    /// Sizes or strides are a tracing compiler's symbols (SymInt, under torch.compile's dynamic
+    /// shapes): `numel`, `data` and `dense` are unread zeros, and the call goes to stock.
+    pub symbolic: u8,
+    pub unused: [u8; 1],
 }
 
 impl TfTensor {
     pub fn present(&self) -> bool {
         !self.handle.is_null()
+    }
+
+    /// The first of `tensors` whose sizes are symbolic (see `symbolic`), if any.
+    pub fn first_symbolic<'a>(tensors: &[&'a TfTensor]) -> Option<&'a TfTensor> {
+        tensors.iter().copied().find(|t| t.symbolic != 0)
     }
 }
 
@@ -271,6 +279,7 @@ mod tests {
             n(offset_of!(TfTensor, device)),
             n(offset_of!(TfTensor, dense)),
             n(offset_of!(TfTensor, like_first)),
+            n(offset_of!(TfTensor, symbolic)),
             n(size_of::<TfOutputs>()),
             n(size_of::<TfNormCall>()),
             n(offset_of!(TfNormCall, weight)),

@@ -170,6 +170,17 @@ impl Family for Adam {
     }
 
     /// The params' dtype, and [tensors, elements].
+    unsafe fn symbolic(call: &TfAdamCall) -> Option<&TfTensor> {
+        let lists = call
+            .lists
+            .iter()
+            .zip(call.lens)
+            .filter(|(list, _)| !list.is_null());
+        let listed = lists.flat_map(|(list, len)| std::slice::from_raw_parts(*list, len));
+        let scalars = [&call.lr_tensor, &call.grad_scale, &call.found_inf];
+        listed.chain(scalars).find(|t| t.symbolic != 0)
+    }
+
     unsafe fn describe(_entry: Entry, call: &TfAdamCall) -> Option<(&'static str, Vec<i64>)> {
         Some(AdamCall::from_c(call).describe())
     }

@@ -10,7 +10,7 @@
 use super::params::{self, flag, one};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, device_addr, empty, Borrowed};
-use crate::abi::types::TfAttentionCall;
+use crate::abi::types::{TfAttentionCall, TfTensor};
 use crate::gpu::{self, Launch};
 use crate::runtime::Entry;
 use crate::select::{dtype_of, DType, StockReason};
@@ -372,6 +372,17 @@ impl Family for Attention {
     }
 
     /// q's dtype and shape.
+    unsafe fn symbolic(call: &TfAttentionCall) -> Option<&TfTensor> {
+        TfTensor::first_symbolic(&[
+            &call.query,
+            &call.key,
+            &call.value,
+            &call.grad_out,
+            &call.output,
+            &call.logsumexp,
+        ])
+    }
+
     unsafe fn describe(_entry: Entry, call: &TfAttentionCall) -> Option<(&'static str, Vec<i64>)> {
         let q = call.query.borrow()?;
         Some(crate::abi::tensor::describe(Some(&q)))

@@ -7,7 +7,7 @@
 use super::{elementwise, params};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr, empty, kind_of_scalar_type};
-use crate::abi::types::TfCrossEntropyCall;
+use crate::abi::types::{TfCrossEntropyCall, TfTensor};
 use crate::gpu::{self, Launch};
 use crate::runtime::Entry;
 use crate::select::{dtype_of, StockReason};
@@ -48,6 +48,16 @@ impl Family for CrossEntropy {
             entry,
             Entry::CrossEntropy | Entry::CrossEntropyBackward | Entry::CrossEntropyLoss
         )
+    }
+
+    unsafe fn symbolic(call: &TfCrossEntropyCall) -> Option<&TfTensor> {
+        TfTensor::first_symbolic(&[
+            &call.logits,
+            &call.target,
+            &call.grad_loss,
+            &call.lse,
+            &call.total_weight,
+        ])
     }
 
     unsafe fn describe(

@@ -6,7 +6,7 @@
 use super::params::{self, flag};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, device_addr, empty};
-use crate::abi::types::TfEmbeddingCall;
+use crate::abi::types::{TfEmbeddingCall, TfTensor};
 use crate::gpu::{self, Launch};
 use crate::runtime::Entry;
 use crate::select::{dtype_of, kind_name, StockReason};
@@ -119,6 +119,10 @@ impl Family for Embedding {
     }
 
     /// The table's (grad's) dtype; forward: indices' shape + [D], backward: grad's shape.
+    unsafe fn symbolic(call: &TfEmbeddingCall) -> Option<&TfTensor> {
+        TfTensor::first_symbolic(&[&call.weight, &call.grad, &call.indices])
+    }
+
     unsafe fn describe(entry: Entry, call: &TfEmbeddingCall) -> Option<(&'static str, Vec<i64>)> {
         let indices = call.indices.borrow()?;
         if entry == Entry::Embedding {

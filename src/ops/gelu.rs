@@ -5,7 +5,7 @@
 use super::{elementwise, params};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr, empty, kind_of_scalar_type};
-use crate::abi::types::TfGeluCall;
+use crate::abi::types::{TfGeluCall, TfTensor};
 use crate::gpu::{self, Launch};
 use crate::runtime::Entry;
 use crate::select::{dtype_of, StockReason};
@@ -24,6 +24,10 @@ impl Family for Gelu {
 
     fn serves(entry: Entry) -> bool {
         matches!(entry, Entry::GeluTanh | Entry::GeluTanhBackward)
+    }
+
+    unsafe fn symbolic(call: &TfGeluCall) -> Option<&TfTensor> {
+        TfTensor::first_symbolic(&[&call.input, &call.grad_out])
     }
 
     unsafe fn describe(_entry: Entry, call: &TfGeluCall) -> Option<(&'static str, Vec<i64>)> {

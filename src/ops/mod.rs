@@ -17,6 +17,7 @@ pub mod params;
 pub mod rotary;
 pub mod swiglu;
 
+use crate::abi::types::TfTensor;
 use crate::gpu::{self, Device, Kernels, Launch};
 use crate::runtime::Entry;
 use crate::select::{self, DType, StockReason};
@@ -52,6 +53,13 @@ pub trait Family {
     /// # Safety
     /// `call` is as the glue built it: its tensors are valid for the call.
     unsafe fn describe(entry: Entry, call: &Self::Call) -> Option<(&'static str, Vec<i64>)>;
+
+    /// A tensor of the call whose sizes are symbolic (a compiler's trace under dynamic shapes),
+    /// if any: such a call goes to stock before anything reads a size.
+    ///
+    /// # Safety
+    /// As `describe`.
+    unsafe fn symbolic(call: &Self::Call) -> Option<&TfTensor>;
 
     /// Bad input stock would not survive: the error to raise instead (default: none).
     ///

@@ -6,7 +6,7 @@
 use super::params::{self, flag, one};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr, empty};
-use crate::abi::types::TfNormCall;
+use crate::abi::types::{TfNormCall, TfTensor};
 use crate::gpu::{self, Kernels, Launch};
 use crate::runtime::Entry;
 use crate::select::{dtype_of, DType, StockReason};
@@ -61,6 +61,17 @@ impl Family for Norm {
         Norm::of(entry).is_some() || entry == Entry::HfRmsNorm
     }
 
+    unsafe fn symbolic(call: &TfNormCall) -> Option<&TfTensor> {
+        TfTensor::first_symbolic(&[
+            &call.input,
+            &call.weight,
+            &call.bias,
+            &call.grad_out,
+            &call.mean,
+            &call.rstd,
+        ])
+    }
+
     unsafe fn describe(_entry: Entry, call: &TfNormCall) -> Option<(&'static str, Vec<i64>)> {
         let input = call.input.borrow()?;
         Some(describe(Some(&input)))
@@ -77,7 +88,7 @@ impl Family for Norm {
         let input = call.input.borrow().ok_or(StockReason::InvalidInput)?;
         if entry == Entry::HfRmsNorm {
             let weight = call.weight.borrow().ok_or(StockReason::InvalidInput)?;
-            return hf_rms_norm(launch, &input, &weight, call.eps);
+            return hf_rms_norm(launch, &input, &weight);
         }
         let (kind, backward) = Norm::of(entry).ok_or(StockReason::InternalError)?;
         let normalized_shape = if call.normalized_ndim == 0 {
@@ -170,14 +181,13 @@ const HF_RMS_NORM_MIN_HIDDEN: i64 = 32;
 /// same statistics in fp32, and the output in that dtype. (HF rounds the normalized value to
 /// the dtype before the weight multiply; rms_norm rounds once, so it is no less accurate.)
 /// Autograd and the kernel choice are aten's from there: on CUDA, `_fused_rms_norm`, which
-/// torchfuse's `rms_norm` toggle serves. Mixed dtypes (an fp32 weight on a bf16 activation,
-/// whose product HF computes in fp32) go to stock: the glue runs HF's composition itself.
-fn hf_rms_norm(
-    launch: Launch,
-    input: &Tensor,
-    weight: &Tensor,
-    eps: f64,
-) -> Result<Served, StockReason> {
+/// torchfuse's `rms_norm` toggle serves. Served means the glue calls `aten::rms_norm` itself
+/// (no outputs here): an exception raised inside it (activation checkpointing stops its
+/// recompute by raising from a saved-tensor hook) must reach the caller unchanged, which a call
+/// through tch, turning every C++ exception into an error value, would not let it. Mixed
+/// dtypes (an fp32 weight on a bf16 activation, whose product HF computes in fp32) go to
+/// stock: the glue runs HF's composition itself.
+fn hf_rms_norm(launch: Launch, input: &Tensor, weight: &Tensor) -> Result<Served, StockReason> {
     let kind = input.f_kind().map_err(|_| StockReason::UnsupportedDtype)?;
     dtype_of(kind).ok_or(StockReason::UnsupportedDtype)?;
     if weight.f_kind().ok() != Some(kind) {
@@ -191,10 +201,7 @@ fn hf_rms_norm(
     if hidden < HF_RMS_NORM_MIN_HIDDEN {
         return Err(StockReason::NoVariantForShape);
     }
-    let y = input
-        .f_rms_norm([hidden].as_slice(), Some(weight), eps)
-        .map_err(|_| StockReason::InvalidInput)?;
-    Ok(Served::new(HF_RMS_NORM_BY_ATEN, [Some(y), None, None]))
+    Ok(Served::new(HF_RMS_NORM_BY_ATEN, [None, None, None]))
 }
 
 /// A norm variant's compile-time params (`registry/norm.toml`), checked once.

@@ -6,7 +6,7 @@
 use super::{elementwise, params};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr};
-use crate::abi::types::TfRotaryCall;
+use crate::abi::types::{TfRotaryCall, TfTensor};
 use crate::gpu::{self, Launch};
 use crate::runtime::Entry;
 use crate::select::{dtype_of, StockReason};
@@ -148,6 +148,17 @@ impl Family for Rotary {
     }
 
     /// q (forward) or its gradient (backward: q itself is not passed).
+    unsafe fn symbolic(call: &TfRotaryCall) -> Option<&TfTensor> {
+        TfTensor::first_symbolic(&[
+            &call.q,
+            &call.k,
+            &call.cos,
+            &call.sin,
+            &call.grad_q,
+            &call.grad_k,
+        ])
+    }
+
     unsafe fn describe(entry: Entry, call: &TfRotaryCall) -> Option<(&'static str, Vec<i64>)> {
         let q = if entry == Entry::RotaryBackward {
             call.grad_q.borrow()?

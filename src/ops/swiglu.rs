@@ -5,7 +5,7 @@
 use super::{elementwise, params};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr, empty};
-use crate::abi::types::TfSwigluCall;
+use crate::abi::types::{TfSwigluCall, TfTensor};
 use crate::gpu::{self, Launch};
 use crate::runtime::Entry;
 use crate::select::{dtype_of, StockReason};
@@ -23,6 +23,10 @@ impl Family for Swiglu {
 
     fn serves(entry: Entry) -> bool {
         matches!(entry, Entry::SiluMul | Entry::SiluMulBackward)
+    }
+
+    unsafe fn symbolic(call: &TfSwigluCall) -> Option<&TfTensor> {
+        TfTensor::first_symbolic(&[&call.gate, &call.up, &call.grad_out])
     }
 
     unsafe fn describe(_entry: Entry, call: &TfSwigluCall) -> Option<(&'static str, Vec<i64>)> {

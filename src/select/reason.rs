@@ -15,6 +15,7 @@ pub enum StockReason {
     UserBackendChoice,
     AttentionFeature,
     InvalidInput,
+    SymbolicSizes,
     NotContiguous,
     KernelUnavailable,
     LaunchFailed,
@@ -38,6 +39,7 @@ impl std::fmt::Display for StockReason {
                 "attn_mask, dropout, nested inputs or a negative scale are not served"
             }
             StockReason::InvalidInput => "input stock rejects",
+            StockReason::SymbolicSizes => "symbolic sizes (a compiler's trace)",
             StockReason::NotContiguous => "non-contiguous input",
             StockReason::KernelUnavailable => "kernel unavailable",
             StockReason::LaunchFailed => "kernel launch failed",

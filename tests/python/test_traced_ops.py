@@ -1,0 +1,159 @@
+"""torchfuse's own ops under what compilers and transforms hand them, on CPU (every machine):
+torch.library.opcheck (schema, autograd registration, fake tensors, AOT dispatch with dynamic
+shapes), torch.compile with dynamic=True across two sizes, torch.func transforms (grad,
+vmap of grad, jvp) against the compositions the ops stand for; and the rewrite layer's guard
+that a patched function (F.cross_entropy, rotate_half, torch.tanh) sends the call back to the
+original code."""
+import json
+
+from conftest import ROOT, check, run_python
+
+# Sample inputs for every torchfuse op with a tensor argument; a new op without one fails
+# test_every_op_passes_opcheck. Built in the child process (torch imported there).
+SAMPLES = r"""
+import torch
+ops = torch.ops.torchfuse
+g = torch.Generator().manual_seed(0)
+def r(*shape, grad=False):
+    return torch.randn(*shape, generator=g).requires_grad_(grad)
+q, k, cos, sin = r(2, 3, 5, 8, grad=True), r(2, 1, 5, 8, grad=True), r(2, 5, 8), r(2, 5, 8)
+x, w = r(5, 64, grad=True), r(64)
+logits, target = r(6, 10, grad=True), torch.randint(0, 10, (6,), generator=g)
+SAMPLES = {
+    "rotary": [(q, k, cos, sin, 1)],
+    "rotary_backward": [(q.detach(), k.detach(), cos, sin, 1, torch.float32)],
+    "gelu_tanh": [(x, None), (x, torch.float32)],
+    "gelu_tanh_backward": [(x.detach(), r(5, 64))],
+    "silu_mul": [(x, r(5, 64, grad=True))],
+    "silu_mul_backward": [(r(5, 64), x.detach(), r(5, 64))],
+    "hf_rms_norm": [(x, w, 1e-6)],
+    "cross_entropy": [(logits, target, 1, -100, 0.0, torch.float32), (logits, target, 0, 3, 0.1, None)],
+}
+def compute_ops():
+    names = [n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("torchfuse::")]
+    return sorted(n for n in names
+                  if any(isinstance(a.type, torch.TensorType) for a in getattr(ops, n).default._schema.arguments))
+"""
+
+
+def run(code):
+    proc = check(run_python(SAMPLES + code, load_library=True))
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_every_op_passes_opcheck():
+    out = run(r"""
+import json
+results = {}
+for name in compute_ops():
+    for args in SAMPLES.get(name, [None]):
+        if args is None:
+            results[name] = "no sample inputs"
+            continue
+        report = torch.library.opcheck(getattr(ops, name).default, args)
+        results.setdefault(name, []).append({k: v for k, v in report.items() if v != "SUCCESS"})
+print(json.dumps(results))
+""")
+    assert set(out) >= {"rotary", "gelu_tanh", "silu_mul", "hf_rms_norm", "cross_entropy"}, out
+    for name, reports in out.items():
+        assert reports != "no sample inputs", f"torchfuse::{name} has no sample in SAMPLES"
+        assert all(report == {} for report in reports), (name, reports)
+
+
+def test_dynamic_compile_of_every_op_matches_eager():
+    """torch.compile(dynamic=True) (the AOT pipeline with symbolic sizes), two sizes, so the
+    second call runs the graph compiled for symbolic ones; forward and gradients."""
+    out = run(r"""
+import json
+def f(q, k, cos, sin, x, w, up, logits, target):
+    a, b = ops.rotary(q, k, cos, sin, 1)
+    y = ops.gelu_tanh(x, torch.float32) + ops.silu_mul(x, up) + ops.hf_rms_norm(x, w, 1e-6)
+    return a.sum() + b.sum() + y.sum() + ops.cross_entropy(logits, target)
+compiled = torch.compile(f, dynamic=True, backend="aot_eager")
+diffs = []
+for n in (5, 7):
+    args = [r(2, 3, n, 8, grad=True), r(2, 1, n, 8, grad=True), r(2, n, 8), r(2, n, 8), r(n, 64, grad=True), r(64),
+            r(n, 64, grad=True), r(n, 10, grad=True), torch.randint(0, 10, (n,), generator=g)]
+    leaves = [a for a in args if a.requires_grad]
+    got = torch.autograd.grad(compiled(*args), leaves)
+    want = torch.autograd.grad(f(*args), leaves)
+    diffs.append(max((a - b).abs().max().item() for a, b in zip(got, want)))
+print(json.dumps({"diffs": diffs, "frames": torch._dynamo.utils.counters["stats"]["unique_graphs"]}))
+""")
+    assert all(d < 1e-5 for d in out["diffs"]), out
+
+
+def test_torch_func_transforms_over_the_ops_match_the_compositions():
+    """grad, vmap(grad) (per-sample gradients) and jvp: torchfuse's C++ autograd Functions cannot
+    run under torch.func's transforms, so the ops compute the compositions there."""
+    out = run(r"""
+import json
+F = torch.nn.functional
+def rotate_half(t):
+    return torch.cat((-t[..., 4:], t[..., :4]), dim=-1)
+pairs = {
+    "gelu_tanh": (lambda t: ops.gelu_tanh(t, None), lambda t: F.gelu(t, approximate="tanh")),
+    "silu_mul": (lambda t: ops.silu_mul(t, t * 2), lambda t: F.silu(t) * (t * 2)),
+    "hf_rms_norm": (lambda t: ops.hf_rms_norm(t, w, 1e-6),
+                    lambda t: w * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6))),
+    "rotary": (lambda t: ops.rotary(t, t, cos[0, :, :], sin[0, :, :], 0)[0],
+               lambda t: t * cos[0] + rotate_half(t) * sin[0]),
+    "cross_entropy": (lambda t: ops.cross_entropy(t, target[:5]), lambda t: F.cross_entropy(t, target[:5])),
+}
+diffs = {}
+for name, (op, ref) in pairs.items():
+    t = r(5, 8) if name != "hf_rms_norm" else r(5, 64)
+    w = r(t.shape[-1])
+    if name == "rotary":
+        t = r(5, 8)
+    scalar = lambda f: (lambda u: f(u).sum())
+    got = [torch.func.grad(scalar(op))(t)]
+    want = [torch.func.grad(scalar(ref))(t)]
+    if name != "cross_entropy":
+        got.append(torch.func.vmap(torch.func.grad(scalar(op)))(t))
+        want.append(torch.func.vmap(torch.func.grad(scalar(ref)))(t))
+    tangent = r(*t.shape)
+    got.append(torch.func.jvp(op, (t,), (tangent,))[1])
+    want.append(torch.func.jvp(ref, (t,), (tangent,))[1])
+    diffs[name] = max((a - b).abs().max().item() for a, b in zip(got, want))
+print(json.dumps(diffs))
+""")
+    assert set(out) == {"gelu_tanh", "silu_mul", "hf_rms_norm", "rotary", "cross_entropy"}, out
+    assert all(d < 1e-4 for d in out.values()), out
+
+
+def test_a_patched_dependency_sends_the_call_to_the_original():
+    """The rewrite layer's guard: what the recognised code calls through its globals, as it was
+    when recognised. A patch of F.cross_entropy (z-loss, Liger), of loss_utils'
+    fixed_cross_entropy, of a model's rotate_half or of torch.tanh is seen; undoing it is too."""
+    proc = check(run_python(f"""
+import json, sys
+sys.path.insert(0, {str(ROOT / "python")!r})
+import torch
+from torchfuse import compositions
+import transformers.activations as activations
+import transformers.loss.loss_utils as loss_utils
+import transformers.models.llama.modeling_llama as llama
+deps = {{"loss": compositions.Dependencies(loss_utils.ForCausalLMLoss),
+        "rotary": compositions.Dependencies(llama.apply_rotary_pos_emb),
+        "gelu": compositions.Dependencies(activations.NewGELUActivation.forward)}}
+def seen(owner, name):
+    original = getattr(owner, name)
+    setattr(owner, name, lambda *a, **k: original(*a, **k))
+    during = {{key: d.unchanged() for key, d in deps.items()}}
+    setattr(owner, name, original)
+    return {{"during": during, "after": {{key: d.unchanged() for key, d in deps.items()}}}}
+print(json.dumps({{"before": {{key: d.unchanged() for key, d in deps.items()}},
+                  "cross_entropy": seen(torch.nn.functional, "cross_entropy"),
+                  "fixed_cross_entropy": seen(loss_utils, "fixed_cross_entropy"),
+                  "rotate_half": seen(llama, "rotate_half"),
+                  "tanh": seen(torch, "tanh")}}))
+"""))
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    every = {"loss": True, "rotary": True, "gelu": True}
+    assert out["before"] == every, out
+    expected_changed = {"cross_entropy": {"loss"}, "fixed_cross_entropy": {"loss"},
+                        "rotate_half": {"rotary"}, "tanh": {"gelu"}}
+    for patched, changed in expected_changed.items():
+        assert out[patched]["after"] == every, (patched, out)
+        assert {k for k, v in out[patched]["during"].items() if not v} == changed, (patched, out)
