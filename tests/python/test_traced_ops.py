@@ -157,3 +157,29 @@ print(json.dumps({{"before": {{key: d.unchanged() for key, d in deps.items()}},
     for patched, changed in expected_changed.items():
         assert out[patched]["after"] == every, (patched, out)
         assert {k for k, v in out[patched]["during"].items() if not v} == changed, (patched, out)
+
+
+def test_export_with_a_dynamic_dim_keeps_the_ops():
+    """torch.export with a dynamic length: the exported program calls torchfuse's ops (not
+    their compositions) and, run at another length, equals eager."""
+    out = run(r"""
+import json
+class Model(torch.nn.Module):
+    def forward(self, q, k, cos, sin, x, w, logits, target):
+        a, b = ops.rotary(q, k, cos, sin, 1)
+        y = ops.gelu_tanh(x, torch.float32) + ops.silu_mul(x, x) + ops.hf_rms_norm(x, w, 1e-6)
+        return a.sum() + b.sum() + y.sum() + ops.cross_entropy(logits, target)
+def inputs(n):
+    return (r(2, 3, n, 8), r(2, 1, n, 8), r(2, n, 8), r(2, n, 8), r(n, 64), w, r(n, 10),
+            torch.randint(0, 10, (n,), generator=g))
+n = torch.export.Dim("n", min=2, max=1024)
+dims = ({2: n}, {2: n}, {1: n}, {1: n}, {0: n}, None, {0: n}, {0: n})
+program = torch.export.export(Model(), inputs(5), dynamic_shapes=dims)
+args = inputs(7)
+print(json.dumps({"diff": (program.module()(*args) - Model()(*args)).abs().item(),
+                  "ops": sorted(str(node.target) for node in program.graph.nodes if "torchfuse" in str(node.target))}))
+""")
+    assert out["diff"] < 1e-4, out
+    assert out["ops"] == ["torchfuse.cross_entropy.default", "torchfuse.gelu_tanh.default",
+                          "torchfuse.hf_rms_norm.default", "torchfuse.rotary.default",
+                          "torchfuse.silu_mul.default"], out
