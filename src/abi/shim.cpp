@@ -431,9 +431,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
 // gets the same op.
 
 // A tensor whose data torchfuse may not read, or a call a Python dispatch mode watches: a
-// Python subclass (fake tensors under torch.compile), a functional or torch.func wrapper, an active
-// TorchDispatchMode (FlopCounterMode, make_fx on real tensors), which must see the ops the
-// stock composition runs.
+// Python subclass (fake tensors under torch.compile), a functional or torch.func wrapper, an
+// active TorchDispatchMode (FlopCounterMode, make_fx on real tensors), which must see the ops
+// the stock composition runs.
 bool traced(const at::Tensor& t) {
   return t.key_set().has_any(c10::DispatchKeySet(
              {c10::DispatchKey::Python, c10::DispatchKey::Functionalize,

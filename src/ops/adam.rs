@@ -511,7 +511,8 @@ mod tests {
             device: 0,
             dense: 0,
             like_first: 0,
-            unused: [0; 2],
+            symbolic: 0,
+            unused: [0; 1],
         }
     }
 
@@ -525,7 +526,8 @@ mod tests {
             device,
             dense: 1,
             like_first: 1,
-            unused: [0; 2],
+            symbolic: 0,
+            unused: [0; 1],
         }
     }
 
@@ -591,6 +593,22 @@ mod tests {
         device: 0,
         stream: std::ptr::null_mut(),
     };
+
+    #[test]
+    fn a_symbolic_tensor_anywhere_in_the_call_is_found() {
+        let mut lists = Lists::new(&[10, 3], SCALAR_FLOAT);
+        lists.call();
+        // SAFETY: the call's lists point into `lists`, alive here.
+        assert!(unsafe { <Adam as Family>::symbolic(&lists.c) }.is_none());
+        lists.lists[3][1].symbolic = 1;
+        lists.call();
+        let found = unsafe { <Adam as Family>::symbolic(&lists.c) };
+        assert_eq!(found.map(|t| t.numel), Some(3));
+        lists.lists[3][1].symbolic = 0;
+        lists.c.found_inf.symbolic = 1;
+        lists.call();
+        assert!(unsafe { <Adam as Family>::symbolic(&lists.c) }.is_some());
+    }
 
     #[test]
     fn checks_send_what_stock_rejects_or_serves_differently_to_stock() {
