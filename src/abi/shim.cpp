@@ -778,48 +778,66 @@ at::Tensor silu_mul_autograd(const at::Tensor& gate, const at::Tensor& up) {
 // rotate-half form), q and k in one call. The gradients go to q and k (cos and sin that need
 // one take HF's own ops, autograd included).
 at::Tensor rotate_half(const at::Tensor& x) {
-  const c10::SymInt half = x.sym_size(-1) / 2;
-  return at::cat({-x.slice_symint(-1, half), x.slice_symint(-1, 0, half)}, -1);
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
 }
 
 // rotate_half's transpose. rotate_half(x) = cat(-x2, x1) with x1 the first d / 2 (rounded
 // down) elements, so -x2 fills the first d - d / 2 of the output: the gradient is
 // cat(dy[d - d/2:], -dy[:d - d/2]).
 at::Tensor rotate_half_transposed(const at::Tensor& dy) {
-  const c10::SymInt split = dy.sym_size(-1) - dy.sym_size(-1) / 2;
-  return at::cat({dy.slice_symint(-1, split), -dy.slice_symint(-1, 0, split)}, -1);
+  const int64_t split = dy.size(-1) - dy.size(-1) / 2;
+  return at::cat({dy.slice(-1, split), -dy.slice(-1, 0, split)}, -1);
+}
+
+// HF's composition, with `rotate` in rotate_half's place (the Meta kernels below pass the
+// identity).
+template <class Rotate>
+std::tuple<at::Tensor, at::Tensor> rotary_composed(const at::Tensor& q, const at::Tensor& k,
+                                                   const at::Tensor& cos, const at::Tensor& sin,
+                                                   int64_t unsqueeze_dim, Rotate rotate) {
+  const at::Tensor c = cos.unsqueeze(unsqueeze_dim), s = sin.unsqueeze(unsqueeze_dim);
+  return {q * c + rotate(q) * s, k * c + rotate(k) * s};
+}
+
+// The gradients of q and k from the outputs' (undefined stays undefined), composed of
+// differentiable PyTorch ops, in q's and k's dtype; `rotate` in rotate_half_transposed's place.
+template <class Rotate>
+std::tuple<at::Tensor, at::Tensor> rotary_backward_composed(
+    const at::Tensor& grad_q, const at::Tensor& grad_k, const at::Tensor& cos,
+    const at::Tensor& sin, int64_t unsqueeze_dim, at::ScalarType x_dtype, Rotate rotate) {
+  const at::Tensor c = cos.unsqueeze(unsqueeze_dim), s = sin.unsqueeze(unsqueeze_dim);
+  auto one = [&](const at::Tensor& g) {
+    return g.defined() ? (g * c + rotate(g * s)).to(x_dtype) : at::Tensor();
+  };
+  return {one(grad_q), one(grad_k)};
 }
 
 std::tuple<at::Tensor, at::Tensor> rotary_stock(const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& cos, const at::Tensor& sin,
                                                 int64_t unsqueeze_dim) {
-  const at::Tensor c = cos.unsqueeze(unsqueeze_dim), s = sin.unsqueeze(unsqueeze_dim);
-  return {q * c + rotate_half(q) * s, k * c + rotate_half(k) * s};
+  return rotary_composed(q, k, cos, sin, unsqueeze_dim, rotate_half);
 }
 
-// The gradients of q and k from the outputs' (undefined stays undefined), composed of
-// differentiable PyTorch ops, in q's and k's dtype.
 std::tuple<at::Tensor, at::Tensor> rotary_backward_stock(const at::Tensor& grad_q,
                                                          const at::Tensor& grad_k,
                                                          const at::Tensor& cos,
                                                          const at::Tensor& sin,
                                                          int64_t unsqueeze_dim,
                                                          at::ScalarType x_dtype) {
-  const at::Tensor c = cos.unsqueeze(unsqueeze_dim), s = sin.unsqueeze(unsqueeze_dim);
-  auto one = [&](const at::Tensor& g) {
-    return g.defined() ? (g * c + rotate_half_transposed(g * s)).to(x_dtype) : at::Tensor();
-  };
-  return {one(grad_q), one(grad_k)};
+  return rotary_backward_composed(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype,
+                                  rotate_half_transposed);
 }
 
-// Meta tensors (and a compiler's fake ones, whose sizes may be symbolic, which the slices of
-// rotate_half cannot take there): the outputs' sizes, dtype and layout are those of q * cos
-// (the composition's first product: its later sum keeps that dense layout).
+// Meta tensors (and a compiler's fake ones, whose symbolic sizes the slices of rotate_half
+// cannot take there): the rotation changes neither sizes, dtype nor layout, so the composition
+// without it gives the outputs' metadata.
+const auto unrotated = [](const at::Tensor& t) { return t; };
+
 std::tuple<at::Tensor, at::Tensor> rotary_meta(const at::Tensor& q, const at::Tensor& k,
                                                const at::Tensor& cos, const at::Tensor& sin,
                                                int64_t unsqueeze_dim) {
-  const at::Tensor c = cos.unsqueeze(unsqueeze_dim), s = sin.unsqueeze(unsqueeze_dim);
-  return {q * c + q * s, k * c + k * s};
+  return rotary_composed(q, k, cos, sin, unsqueeze_dim, unrotated);
 }
 
 std::tuple<at::Tensor, at::Tensor> rotary_backward_meta(const at::Tensor& grad_q,
@@ -828,11 +846,7 @@ std::tuple<at::Tensor, at::Tensor> rotary_backward_meta(const at::Tensor& grad_q
                                                         const at::Tensor& sin,
                                                         int64_t unsqueeze_dim,
                                                         at::ScalarType x_dtype) {
-  const at::Tensor c = cos.unsqueeze(unsqueeze_dim), s = sin.unsqueeze(unsqueeze_dim);
-  auto one = [&](const at::Tensor& g) {
-    return g.defined() ? (g * c + g * s).to(x_dtype) : at::Tensor();
-  };
-  return {one(grad_q), one(grad_k)};
+  return rotary_backward_composed(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype, unrotated);
 }
 
 std::tuple<at::Tensor, at::Tensor> rotary_cuda(const at::Tensor& q, const at::Tensor& k,
