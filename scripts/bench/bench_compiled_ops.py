@@ -8,6 +8,11 @@ Llama-style model at their bench batches), forward + backward of:
 - `op compiled`: torch.compile of a function calling torchfuse's op (Inductor calls it as an
   extern kernel, as a compiled graph of a rewritten model would);
 - `op eager`: the op called eagerly.
+torchfuse::hf_rms_norm and torchfuse::cross_entropy are CompositeImplicitAutograd today: a
+compiled graph gets their decomposition (aten::rms_norm; PyTorch's cross-entropy), not our
+kernels, so their `op compiled` column measures Inductor on that decomposition. Calling our
+kernels from a compiled graph needs them as ops with their own Meta and autograd kernels, as
+gelu_tanh, silu_mul and rotary are.
 CUDA events, warm-up, medians of interleaved rounds, input sets rotated over more memory than
 L2, copy bandwidth measured in the same run.
 
