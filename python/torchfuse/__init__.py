@@ -12,7 +12,11 @@ from pathlib import Path
 
 from ._hooks import install as install_hooks
 
-__all__ = ["built_against", "enable", "install_hooks", "library_dir", "loaded"]
+__all__ = ["__version__", "built_against", "enable", "install_hooks", "library_dir", "loaded"]
+
+# The one place the version is written: pyproject.toml reads it from here, and a test holds
+# Cargo.toml to it.
+__version__ = "0.1.0"
 
 _MARKER = b"torchfuse-built-against-torch="
 

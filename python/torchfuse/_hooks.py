@@ -66,9 +66,19 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None
 
 
+# The spellings of TORCHFUSE that switch torchfuse off, in any case (the library reads the same:
+# src/runtime/config.rs; a test holds the two together).
+OFF = ("0", "false", "no", "off")
+
+
+def switched_off():
+    """Whether TORCHFUSE switches torchfuse off in this process."""
+    return os.environ.get("TORCHFUSE", "").strip().lower() in OFF
+
+
 def install():
-    """Installs the patches (idempotent); nothing under TORCHFUSE=0."""
-    if os.environ.get("TORCHFUSE", "1") == "0":
+    """Installs the patches (idempotent); nothing when TORCHFUSE switches torchfuse off."""
+    if switched_off():
         return False
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())

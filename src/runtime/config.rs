@@ -42,12 +42,15 @@ impl Config {
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Config {
         let mut warnings = Vec::new();
 
-        let active = match get("TORCHFUSE").as_deref().map(str::trim) {
-            None | Some("") | Some("1") => true,
-            Some("0") => false,
+        // The spellings Python users give a switch, in any case.
+        let active = match get("TORCHFUSE").map(|v| v.trim().to_ascii_lowercase()) {
+            None => true,
+            Some(v) if matches!(v.as_str(), "" | "1" | "true" | "yes" | "on") => true,
+            Some(v) if matches!(v.as_str(), "0" | "false" | "no" | "off") => false,
             Some(other) => {
                 warnings.push(format!(
-                    "TORCHFUSE={other:?} is not valid (use 0 or 1); using 1"
+                    "TORCHFUSE={other:?} is not valid (use 1, true, yes or on; 0, false, no or \
+                     off); using 1"
                 ));
                 true
             }
@@ -56,18 +59,14 @@ impl Config {
         let ops = parse_ops(get("TORCHFUSE_OPS").as_deref(), &mut warnings);
 
         let log_filter = match get("TORCHFUSE_LOG") {
-            Some(f) if !f.trim().is_empty() => {
-                let f = f.trim().to_string();
-                if tracing_subscriber::EnvFilter::try_new(&f).is_ok() {
-                    f
-                } else {
-                    warnings.push(format!(
-                        "TORCHFUSE_LOG={f:?} is not a valid filter (use warn, info, debug, \
-                         trace or target=level); using {DEFAULT_LOG_FILTER}"
-                    ));
-                    DEFAULT_LOG_FILTER.to_string()
-                }
-            }
+            Some(f) if !f.trim().is_empty() => log_filter(f.trim()).unwrap_or_else(|| {
+                warnings.push(format!(
+                    "TORCHFUSE_LOG={:?} is not a valid filter (use error, warn, info, debug, \
+                     trace or target=level); using {DEFAULT_LOG_FILTER}",
+                    f.trim()
+                ));
+                DEFAULT_LOG_FILTER.to_string()
+            }),
             _ => DEFAULT_LOG_FILTER.to_string(),
         };
 
@@ -114,20 +113,51 @@ impl Config {
     }
 }
 
+/// A tracing filter from `TORCHFUSE_LOG`, with Python's level names taken as tracing's
+/// (`warning`, `WARNING`, `critical`); None where it is not one. A bare word that is no level
+/// is refused: tracing would read it as a target, which silences torchfuse's own messages,
+/// the warning about this very setting included.
+fn log_filter(value: &str) -> Option<String> {
+    let level = |word: &str| -> Option<&'static str> {
+        Some(match word.trim().to_ascii_lowercase().as_str() {
+            "trace" => "trace",
+            "debug" => "debug",
+            "info" => "info",
+            "warn" | "warning" => "warn",
+            "error" | "critical" | "fatal" => "error",
+            "off" => "off",
+            _ => return None,
+        })
+    };
+    let directives: Option<Vec<String>> = value
+        .split(',')
+        .map(|directive| match directive.rsplit_once('=') {
+            Some((target, word)) => Some(format!("{target}={}", level(word)?)),
+            None => level(directive).map(str::to_string),
+        })
+        .collect();
+    let filter = directives?.join(",");
+    tracing_subscriber::EnvFilter::try_new(&filter)
+        .is_ok()
+        .then_some(filter)
+}
+
 fn valid_names() -> String {
     format!("all, none, {}", Toggle::names())
 }
 
 /// `all`, `none`, a comma list (`layer_norm,adam`), or removals (`-sdpa`), applied left to
-/// right; a list that starts with a removal starts from `all`.
+/// right; a list that starts with a removal starts from `all`. Names in any case. A list with
+/// an unknown name is not used at all (a typo must not switch every other op off): one warning
+/// names the unknown ones and the valid ones, and every op stays on, the default.
 fn parse_ops(value: Option<&str>, warnings: &mut Vec<String>) -> [bool; Toggle::ALL.len()] {
     let all = [true; Toggle::ALL.len()];
     let Some(value) = value.map(str::trim).filter(|v| !v.is_empty()) else {
         return all;
     };
-    let tokens: Vec<&str> = value
+    let tokens: Vec<String> = value
         .split(',')
-        .map(str::trim)
+        .map(|t| t.trim().to_ascii_lowercase())
         .filter(|t| !t.is_empty())
         .collect();
     let mut ops = if tokens.first().is_some_and(|t| t.starts_with('-')) {
@@ -135,22 +165,28 @@ fn parse_ops(value: Option<&str>, warnings: &mut Vec<String>) -> [bool; Toggle::
     } else {
         [false; Toggle::ALL.len()]
     };
-    for token in tokens {
+    let mut unknown = Vec::new();
+    for token in &tokens {
         let (remove, name) = match token.strip_prefix('-') {
             Some(rest) => (true, rest.trim()),
-            None => (false, token),
+            None => (false, token.as_str()),
         };
         match (name, Toggle::from_name(name)) {
             ("all", _) => ops = [!remove; Toggle::ALL.len()],
             ("none", _) => ops = [remove; Toggle::ALL.len()],
             (_, Some(t)) => ops[t.index()] = !remove,
-            (_, None) => warnings.push(format!(
-                "TORCHFUSE_OPS: unknown op {name:?} ignored (valid: {})",
-                valid_names()
-            )),
+            (_, None) => unknown.push(format!("{name:?}")),
         }
     }
-    ops
+    if unknown.is_empty() {
+        return ops;
+    }
+    warnings.push(format!(
+        "TORCHFUSE_OPS={value:?}: unknown op {} (valid: {}); using all",
+        unknown.join(", "),
+        valid_names()
+    ));
+    all
 }
 
 #[cfg(test)]
@@ -194,10 +230,23 @@ mod tests {
 
     #[test]
     fn bad_master_switch_warns_and_stays_on() {
-        let c = cfg(&[("TORCHFUSE", "yes")]);
+        let c = cfg(&[("TORCHFUSE", "maybe")]);
         assert!(c.active);
         assert_eq!(c.warnings.len(), 1);
-        assert!(c.warnings[0].contains("use 0 or 1"));
+        assert!(c.warnings[0].contains("\"maybe\" is not valid"));
+        assert!(c.warnings[0].contains("0, false, no or off"));
+    }
+
+    #[test]
+    fn the_master_switch_takes_pythons_spellings() {
+        for off in ["0", "false", "False", "NO", "off", " Off "] {
+            let c = cfg(&[("TORCHFUSE", off)]);
+            assert!(!c.active && c.warnings.is_empty(), "{off:?}");
+        }
+        for on in ["1", "true", "TRUE", "yes", "on", ""] {
+            let c = cfg(&[("TORCHFUSE", on)]);
+            assert!(c.active && c.warnings.is_empty(), "{on:?}");
+        }
     }
 
     #[test]
@@ -258,12 +307,23 @@ mod tests {
     }
 
     #[test]
-    fn unknown_op_names_warn_with_the_valid_ones() {
-        let c = cfg(&[("TORCHFUSE_OPS", "layer_norm,attention")]);
-        assert_eq!(enabled(&c), vec!["layer_norm"]);
-        assert_eq!(c.warnings.len(), 1);
-        assert!(c.warnings[0].contains("\"attention\""));
-        assert!(c.warnings[0].contains("rms_norm, embedding, adam, sdpa"));
+    fn unknown_op_names_warn_with_the_valid_ones_and_keep_the_default() {
+        for value in ["layer_norm,attention", "layernorm", "-sdpa,bogus"] {
+            let c = cfg(&[("TORCHFUSE_OPS", value)]);
+            assert_eq!(enabled(&c).len(), Toggle::ALL.len(), "{value}");
+            assert_eq!(c.warnings.len(), 1, "{value}");
+            assert!(c.warnings[0].contains("rms_norm, embedding, adam, sdpa"));
+            assert!(c.warnings[0].contains("using all"));
+        }
+        let c = cfg(&[("TORCHFUSE_OPS", "layer_norm,attention,bogus")]);
+        assert!(c.warnings[0].contains("unknown op \"attention\", \"bogus\""));
+    }
+
+    #[test]
+    fn op_names_in_any_case() {
+        let c = cfg(&[("TORCHFUSE_OPS", "Layer_Norm,ADAM")]);
+        assert_eq!(enabled(&c), vec!["layer_norm", "adam"]);
+        assert!(c.warnings.is_empty());
     }
 
     #[test]
@@ -277,6 +337,30 @@ mod tests {
         let bad = cfg(&[("TORCHFUSE_LOG", "torchfuse=loud")]);
         assert_eq!(bad.log_filter, "warn");
         assert_eq!(bad.warnings.len(), 1);
+    }
+
+    #[test]
+    fn log_levels_take_pythons_names_and_refuse_bare_targets() {
+        for (value, filter) in [
+            ("warning", "warn"),
+            ("WARNING", "warn"),
+            ("Info", "info"),
+            ("critical", "error"),
+            ("torchfuse=warning,info", "torchfuse=warn,info"),
+        ] {
+            let c = cfg(&[("TORCHFUSE_LOG", value)]);
+            assert_eq!(
+                (c.log_filter.as_str(), c.warnings.len()),
+                (filter, 0),
+                "{value}"
+            );
+        }
+        // tracing would read a bare word as a target and silence torchfuse's own messages.
+        for value in ["verbose", "torchfuse", "info,chatty"] {
+            let c = cfg(&[("TORCHFUSE_LOG", value)]);
+            assert_eq!(c.log_filter, "warn", "{value}");
+            assert_eq!(c.warnings.len(), 1, "{value}");
+        }
     }
 
     #[test]

@@ -85,3 +85,17 @@ print(json.dumps({{"fused": opt.param_groups[0]["fused"],
 """)
     assert out["fused"] is True
     assert out["served"] == 1
+
+
+def test_one_version_everywhere():
+    """torchfuse.__version__ is the one written: the wheel's metadata reads it (pyproject's
+    dynamic version), and the Rust crates carry the same."""
+    import re
+    import tomllib
+
+    out = run("import json, torchfuse; print(json.dumps(torchfuse.__version__))")
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["dynamic"] == ["version"]
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "torchfuse.__version__"}
+    for cargo in (ROOT / "Cargo.toml", ROOT / "preload" / "Cargo.toml"):
+        assert re.search(r'^version = "([^"]+)"', cargo.read_text(), re.M).group(1) == out, cargo

@@ -52,16 +52,38 @@ def test_torchfuse_ops_selects_exactly_those(setting, expected):
     assert registered(run_python(DUMP, load_library=True, TORCHFUSE_OPS=setting)) == want
 
 
-def test_torchfuse_zero_registers_nothing():
-    assert registered(run_python(DUMP, load_library=True, TORCHFUSE="0")) == set()
+# The library and the Python hooks read TORCHFUSE alike: off, on, or (a bad value) on with a
+# warning.
+SWITCH = "import sys; sys.path.insert(0, %r); from torchfuse import _hooks; print('OFF', _hooks.switched_off())\n"
 
 
-def test_unknown_op_name_warns_once_and_keeps_the_rest():
-    proc = run_python(DUMP, load_library=True, TORCHFUSE_OPS="layer_norm,atention")
-    assert registered(proc) == set(OPS["layer_norm"])
+@pytest.mark.parametrize("value,on", [("0", False), ("false", False), ("OFF", False), ("No", False),
+                                      ("1", True), ("true", True), ("yes", True), ("maybe", True)])
+def test_torchfuse_switch_spellings(value, on):
+    from conftest import ROOT
+    proc = run_python(SWITCH % str(ROOT / "python") + DUMP, load_library=True, TORCHFUSE=value)
+    assert registered(proc) == (set(ALL_ATEN) if on else set())
+    assert f"OFF {not on}" in proc.stdout
     warnings = [l for l in proc.stderr.splitlines() if "WARN" in l]
-    assert len(warnings) == 1, proc.stderr
-    assert "atention" in warnings[0] and "rms_norm" in warnings[0]
+    assert len(warnings) == (value == "maybe"), proc.stderr
+
+
+def test_unknown_op_name_warns_once_and_keeps_the_default():
+    """A typo must not switch every other op off: the whole setting falls back to `all`."""
+    for setting in ("layer_norm,atention", "layernorm"):
+        proc = run_python(DUMP, load_library=True, TORCHFUSE_OPS=setting)
+        assert registered(proc) == set(ALL_ATEN)
+        warnings = [l for l in proc.stderr.splitlines() if "WARN" in l]
+        assert len(warnings) == 1, proc.stderr
+        assert "using all" in warnings[0] and "rms_norm" in warnings[0]
+
+
+def test_a_python_spelled_log_level_still_shows_warnings():
+    """TORCHFUSE_LOG=warning (Python's name) is warn: the warning about a bad op name shows."""
+    proc = run_python(DUMP, load_library=True, TORCHFUSE_OPS="bogus", TORCHFUSE_LOG="warning")
+    assert "bogus" in proc.stderr and "using all" in proc.stderr, proc.stderr
+    proc = run_python(DUMP, load_library=True, TORCHFUSE_OPS="bogus", TORCHFUSE_LOG="chatty")
+    assert "bogus" in proc.stderr and "TORCHFUSE_LOG=\"chatty\"" in proc.stderr, proc.stderr
 
 
 def test_override_warning_goes_to_our_debug_log_not_stderr():
