@@ -6,13 +6,17 @@ that embeds Python) calls `torchfuse.enable()` instead, after which the process 
 the launcher: the library is loaded and the hooks are installed (they apply to objects built
 from then on).
 """
+import contextlib
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from ._hooks import install as install_hooks
+from ._library import enabled_toggles, rewrites
 
-__all__ = ["__version__", "built_against", "enable", "install_hooks", "library_dir", "loaded"]
+__all__ = ["__version__", "built_against", "disable", "disabled", "enable", "install_hooks",
+           "library_dir", "loaded"]
 
 # The one place the version is written: pyproject.toml reads it from here, and a test holds
 # Cargo.toml to it.
@@ -72,28 +76,99 @@ def loaded():
         return False
 
 
+_warned = set()
+
+
+def _warn(message):
+    """A RuntimeWarning to the user, once a process for each message, however often enable()
+    is called."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _loaded_library():
+    """The path of the libtorchfuse.so this process has mapped, or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rstrip("\n").split(" ", 5)[-1].strip()
+                if path.endswith("/libtorchfuse.so"):
+                    return Path(path)
+    except OSError:
+        pass
+    return None
+
+
 def enable(lib_dir=None):
     """Loads libtorchfuse.so into this process unless it is loaded already (by the launcher,
-    LD_PRELOAD or an earlier call), and installs the Python hooks. Returns True when torchfuse
-    is loaded; without the library it warns once and returns False, and PyTorch runs
-    unchanged."""
+    LD_PRELOAD or an earlier call), installs the Python hooks, and switches torchfuse on again
+    after a `disable()`. Returns True when torchfuse is loaded. Where it cannot be (no library
+    in `lib_dir`, one built for another torch, a load error) it warns (RuntimeWarning) and
+    returns False, and PyTorch runs unchanged. Once a library is loaded, a `lib_dir` holding
+    another (or none) is not loaded: a warning says which library keeps serving."""
     import torch
 
+    path = Path(lib_dir) if lib_dir is not None else library_dir()
+    library = path / "libtorchfuse.so"
     if not loaded():
-        path = Path(lib_dir) if lib_dir is not None else library_dir()
-        library = path / "libtorchfuse.so"
-        try:
-            mismatch = version_mismatch(library, torch.__version__)
-        except OSError:
-            mismatch = None  # no file: load_library below says so
+        if not library.is_file():
+            _warn(f"torchfuse: no libtorchfuse.so in {path} (build it with scripts/setup, install "
+                  "the torchfuse wheel, or point TORCHFUSE_LIB_DIR or lib_dir at it); PyTorch runs "
+                  "unchanged")
+            return False
+        mismatch = version_mismatch(library, torch.__version__)
         if mismatch:
-            print(mismatch, file=sys.stderr)
+            _warn(mismatch)
             return False
         try:
             torch.ops.load_library(str(library))
         except Exception as e:
-            print(f"torchfuse: cannot load {library} ({e!r}); PyTorch runs unchanged",
-                  file=sys.stderr)
+            _warn(f"torchfuse: cannot load {library} ({e}); PyTorch runs unchanged")
             return False
+    elif lib_dir is not None:
+        serving = _loaded_library()
+        if serving is None or not library.is_file() or serving.resolve() != library.resolve():
+            _warn(f"torchfuse: {serving or 'libtorchfuse.so'} is loaded already and keeps serving; "
+                  f"{library} is not loaded (one library a process)")
     install_hooks()
+    if not rewrites.on:  # after disable()
+        _switch(True)
     return True
+
+
+def _switch(on):
+    """Every op of the loaded library on or off at run time, and the rewrites with them."""
+    import torch
+
+    rewrites.on = on
+    torch.ops.torchfuse.set_enabled("all", on)
+
+
+def disable():
+    """Switches torchfuse off in this process: every call goes to PyTorch's own kernels and the
+    rewritten Python code runs its original (optimizers built from now on are left as PyTorch
+    builds them). `enable()` switches it on again. Returns whether torchfuse was loaded."""
+    if not loaded():
+        return False
+    _switch(False)
+    return True
+
+
+@contextlib.contextmanager
+def disabled():
+    """`with torchfuse.disabled(): ...` runs the block as stock PyTorch; each op's state (on or
+    off, TORCHFUSE_OPS and set_enabled included) comes back after it."""
+    if not loaded():
+        yield
+        return
+    import torch
+
+    before, rewrites_before = enabled_toggles(torch), rewrites.on
+    _switch(False)
+    try:
+        yield
+    finally:
+        rewrites.on = rewrites_before
+        for name, on in before.items():
+            torch.ops.torchfuse.set_enabled(name, on)

@@ -1,6 +1,12 @@
 """What the Python layer asks of the loaded library (torch.ops.torchfuse), answering as if
 torchfuse were off where it is not loaded: the hooks never break the user's job."""
 import json
+import types
+
+# Whether the rewritten Python code may call torchfuse's ops: torchfuse.disable() (and the
+# `disabled()` context) turn it off, so the original code runs; the library's toggles switch
+# the ops themselves.
+rewrites = types.SimpleNamespace(on=True)
 
 
 def enabled_toggles(torch):

@@ -26,7 +26,7 @@ import functools
 import sys
 
 from . import compositions
-from ._library import enabled_toggles, note
+from ._library import enabled_toggles, note, rewrites
 
 # Forms whose code calls torch.pow: under CUDA autocast pow runs in fp32 (autocast's fp32
 # list), so the result is fp32 whatever the activation's dtype.
@@ -72,9 +72,10 @@ def _unobserved(torch, module):
 
 def _untraced_call(torch):
     """A function telling whether this call runs outside torch.compile and torch.func's
-    transforms, where a rewrite may run."""
+    transforms, with the rewrites not switched off by torchfuse.disable(): where a rewrite may
+    run."""
     compiling, transforms = torch.compiler.is_compiling, torch._C._are_functorch_transforms_active
-    return lambda: not compiling() and not transforms()
+    return lambda: rewrites.on and not compiling() and not transforms()
 
 
 # Rewritten forward -> (the form it replaced, the original's Dependencies), for rewrites that

@@ -55,31 +55,42 @@ pub unsafe extern "C" fn torchfuse_rs_set_enabled(
     let name = String::from_utf8_lossy(bytes);
     let enabled = enabled != 0;
     let answer = catch_unwind(|| {
-        let toggle = Toggle::from_name(&name)?;
-        toggle.set_active(enabled);
-        let registered = toggle.registered();
-        if enabled && !registered {
+        // `all` as in TORCHFUSE_OPS: every toggle at once.
+        let name = name.trim().to_ascii_lowercase();
+        let toggles = match name.as_str() {
+            "all" => Toggle::ALL.to_vec(),
+            one => vec![Toggle::from_name(one)?],
+        };
+        let mut unregistered = Vec::new();
+        for toggle in toggles {
+            toggle.set_active(enabled);
+            if !toggle.registered() {
+                unregistered.push(toggle.name());
+            }
+        }
+        // `all` is every op TORCHFUSE / TORCHFUSE_OPS registered: the others need no warning,
+        // and it is served where any one is.
+        let every = name == "all";
+        let served = enabled
+            && if every {
+                unregistered.len() < Toggle::ALL.len()
+            } else {
+                unregistered.is_empty()
+            };
+        if enabled && !every && !unregistered.is_empty() {
             tracing::warn!(
-                "set_enabled({}, True): not registered in this process (TORCHFUSE / TORCHFUSE_OPS), stock keeps serving it",
-                toggle.name()
+                "set_enabled({name}, True): {} not registered in this process (TORCHFUSE / TORCHFUSE_OPS), stock keeps serving it",
+                unregistered.join(", ")
             );
         }
-        tracing::info!(
-            "{} {}",
-            toggle.name(),
-            if enabled && registered {
-                "enabled"
-            } else {
-                "disabled"
-            }
-        );
-        Some(enabled && registered)
+        tracing::info!("{name} {}", if served { "enabled" } else { "disabled" });
+        Some(served)
     });
     match answer {
         Ok(Some(true)) => status.code = TF_FUSED,
         Ok(Some(false)) => status.code = TF_STOCK,
         _ => status.fail(&format!(
-            "torchfuse.set_enabled: unknown op '{name}' (valid: {})",
+            "torchfuse.set_enabled: unknown op '{name}' (valid: all, {})",
             Toggle::names()
         )),
     }

@@ -56,7 +56,53 @@ ok = torchfuse.enable({str(tmp_path)!r})
 print(json.dumps({{"ok": ok, "hooked": hasattr(torch.optim.Adam.__init__, "__wrapped__")}}))
 """, PYTHONPATH=PACKAGE_DIR))
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"ok": False, "hooked": False}
-    assert "cannot load" in proc.stderr
+    assert f"RuntimeWarning: torchfuse: no libtorchfuse.so in {tmp_path}" in proc.stderr
+
+
+def test_enable_warns_once_and_names_the_library_that_serves(tmp_path):
+    """A failing enable() warns with warnings.warn, once however often it is called; after a
+    success, a lib_dir without the library is not loaded, and the warning names the one that
+    keeps serving."""
+    proc = check(run_python(f"""
+import json, warnings, torch, torchfuse
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    first = [torchfuse.enable({str(tmp_path)!r}) for _ in range(3)]
+    ok = torchfuse.enable({str(LIB_DIR)!r})
+    again = torchfuse.enable({str(tmp_path)!r})
+print(json.dumps({{"first": first, "ok": ok, "again": again,
+                  "warnings": [(w.category.__name__, str(w.message)) for w in caught]}}))
+""", PYTHONPATH=PACKAGE_DIR))
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["first"] == [False, False, False] and out["ok"] and out["again"], out
+    assert [category for category, _ in out["warnings"]] == ["RuntimeWarning"] * 2, out
+    assert "no libtorchfuse.so in" in out["warnings"][0][1]
+    assert f"{LIB_DIR / 'libtorchfuse.so'} is loaded already and keeps serving" in out["warnings"][1][1]
+    assert proc.stderr.strip() == "", proc.stderr  # nothing printed besides the warnings caught
+
+
+def test_disable_and_the_disabled_context():
+    """disable() switches every op and the rewrites off, enable() back on; `disabled()` restores
+    each op's own state after the block (TORCHFUSE_OPS and set_enabled included)."""
+    out = run(f"""
+import json, torch, torchfuse
+from torchfuse._library import rewrites
+def on():
+    return sorted(k for k, v in json.loads(torch.ops.torchfuse.stats())["enabled"].items() if v)
+torchfuse.enable({str(LIB_DIR)!r})
+start = on()
+torch.ops.torchfuse.set_enabled("adam", False)
+with torchfuse.disabled():
+    inside = (on(), rewrites.on)
+after = (on(), rewrites.on)
+off = (torchfuse.disable(), on(), rewrites.on)
+back = (torchfuse.enable(), on(), rewrites.on)
+print(json.dumps({{"start": start, "inside": inside, "after": after, "off": off, "back": back}}))
+""", TORCHFUSE_OPS="layer_norm,adam")
+    assert out["start"] == ["adam", "layer_norm"], out
+    assert out["inside"] == [[], False] and out["after"] == [["layer_norm"], True], out
+    assert out["off"] == [True, [], False], out
+    assert out["back"] == [True, ["adam", "layer_norm"], True], out
 
 
 def test_modules_imported_before_enable_are_patched_at_enable():

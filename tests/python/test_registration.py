@@ -102,15 +102,21 @@ print("ENABLED", stats["enabled"])
 print("OFF", torch.ops.torchfuse.set_enabled("layer_norm", False))
 print("ON", torch.ops.torchfuse.set_enabled("layer_norm", True))
 print("NOTREG", torch.ops.torchfuse.set_enabled("adam", True))
+print("ALLOFF", torch.ops.torchfuse.set_enabled("all", False), json.loads(torch.ops.torchfuse.stats())["enabled"]["layer_norm"])
+print("ALLON", torch.ops.torchfuse.set_enabled("ALL", True), json.loads(torch.ops.torchfuse.stats())["enabled"]["layer_norm"])
 try:
     torch.ops.torchfuse.set_enabled("attention", True)
 except RuntimeError as e:
     print("ERR", e)
 """
-    out = check(run_python(code, load_library=True, TORCHFUSE_OPS="layer_norm")).stdout
+    proc = check(run_python(code, load_library=True, TORCHFUSE_OPS="layer_norm"))
+    out = proc.stdout
     assert "'layer_norm': True" in out and "'adam': False" in out
     assert "OFF False" in out and "ON True" in out and "NOTREG False" in out
-    assert "ERR torchfuse.set_enabled: unknown op 'attention'" in out
+    # `all` (as TORCHFUSE_OPS spells it): every registered op, no warning for the others.
+    assert "ALLOFF False False" in out and "ALLON True True" in out
+    assert "ERR torchfuse.set_enabled: unknown op 'attention' (valid: all, " in out
+    assert proc.stderr.count("WARN") == 1, proc.stderr  # adam's, not registered
 
 
 def test_log_file_and_process_tag(tmp_path):
