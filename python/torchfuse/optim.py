@@ -4,7 +4,8 @@ step, which torchfuse serves, instead of PyTorch's foreach default (about 3x slo
 When such an optimizer is built, it becomes what `fused=True` would have made it, provided
 that: it is exactly torch.optim.Adam or AdamW (not a subclass), the user passed none of
 `foreach`, `fused`, `differentiable` (in the constructor or in any param group), every param
-is a CUDA floating-point tensor (what PyTorch's fused step accepts), and torchfuse's `adam`
+is a CUDA floating-point tensor (what PyTorch's fused step accepts) and none is float16 (AMP's
+GradScaler refuses fp16 gradients in the default step, not in the fused one), and torchfuse's `adam`
 toggle is on in this process. Each substitution is logged through torchfuse's log (info
 level), and so is why CUDA params were left alone. Anything unexpected leaves the optimizer as
 PyTorch built it.
@@ -54,6 +55,11 @@ def _why_not_fused(torch, optimizer, params):
         return "params not all on CUDA", False
     if not all(str(p.dtype).removeprefix("torch.") in _FUSED_DTYPES for p in params):
         return "params of a dtype fused Adam does not take", True
+    if any(p.dtype == torch.float16 for p in params):
+        # AMP's GradScaler refuses fp16 gradients in PyTorch's default step ("Attempting to
+        # unscale FP16 gradients") but takes them in the fused one: pure-fp16 training would
+        # silently run where stock stops it.
+        return "float16 params (GradScaler refuses their gradients in the default step)", True
     return None
 
 

@@ -127,3 +127,27 @@ torch.ops.torchfuse.set_enabled("adam", False)
 print(json.dumps(describe(torch.optim.AdamW(torch.nn.Linear(8, 8).cuda().parameters()))))
 """
     assert last_json(launch(off_at_run_time))["fused"] is None
+
+
+@requires_cuda
+def test_fp16_params_keep_stocks_step_and_gradscalers_error():
+    """A pure-fp16 model with AMP's GradScaler: stock's default AdamW raises (fp16 gradients
+    cannot be unscaled); under the launcher the optimizer stays unfused, so the job stops the
+    same way instead of silently training pure fp16."""
+    code = DESCRIBE + """
+m = torch.nn.Linear(8, 8).cuda().half()
+opt = torch.optim.AdamW(m.parameters())
+scaler = torch.amp.GradScaler("cuda")
+scaler.scale(m(torch.randn(4, 8, device="cuda", dtype=torch.half)).float().sum()).backward()
+try:
+    scaler.step(opt)
+    error = None
+except ValueError as e:
+    error = str(e)
+print(json.dumps({"optimizer": describe(opt), "error": error}))
+"""
+    proc = launch(code, TORCHFUSE_LOG="info")
+    out = last_json(proc)
+    assert out["optimizer"]["fused"] is None, out
+    assert out["error"] == "Attempting to unscale FP16 gradients.", out
+    assert "float16 params" in proc.stderr
