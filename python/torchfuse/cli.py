@@ -1,17 +1,31 @@
 """The `torchfuse` command.
 
-    torchfuse COMMAND [ARGS...]   runs an unchanged command with torchfuse (scripts/torchfuse in a
-                                  checkout): `torchfuse python train.py`, `torchfuse torchrun
-                                  --nproc_per_node 8 train.py` (the preload and the start-up hook
-                                  pass to every child process through the environment)
-    torchfuse doctor              checks this machine: each line ok, or what is wrong and how to
-                                  fix it; exit status 1 when something is broken
-    torchfuse stats DIR           the per-rank stats a job run with TORCHFUSE_STATS_DIR=DIR left:
-                                  each rank's calls, their sum, and whether every rank made the
-                                  same choices
+    torchfuse [--] COMMAND [ARGS...]  runs an unchanged command with torchfuse (scripts/torchfuse
+                                      in a checkout): `torchfuse python train.py`, `torchfuse
+                                      torchrun --nproc_per_node 8 train.py` (the preload and the
+                                      start-up hook pass to every child process through the
+                                      environment); `--` ends torchfuse's options, so that what
+                                      follows is the command even where it is named like one of
+                                      torchfuse's words (`torchfuse -- doctor` runs a program
+                                      named doctor)
+    torchfuse doctor                  checks this machine: each line ok, or what is wrong and how
+                                      to fix it
+    torchfuse stats DIR               the per-rank stats a job run with TORCHFUSE_STATS_DIR=DIR
+                                      left: each rank's calls, their sum, and whether every rank
+                                      made the same choices; a damaged file (a rank killed while
+                                      writing it) is named on stderr and left out
+    torchfuse --version, -V           torchfuse's version, and torch's
+    torchfuse --help, -h              this text (`torchfuse doctor --help`: one command's)
+
+Exit status: the command's own; 127 when it is not found, 126 when it cannot be executed; 2 for
+a usage error, or when the built libraries are missing. `doctor`: 1 when something is broken.
+`stats`: 1 when the report leaves out a damaged file, 2 when no file is usable.
 """
 import json
 import os
+import re
+import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -20,8 +34,54 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 LIBRARIES = ("libtorchfuse.so", "libtorchfuse_preload.so")
 
 
+def usage(subcommand):
+    """The usage of `torchfuse SUBCOMMAND`: its row of the table above and the lines continuing it."""
+    rows = re.split(r"\n(?=    torchfuse )", __doc__.split("\n\n")[1])
+    return "usage:\n" + next(row for row in rows if row.startswith(f"    torchfuse {subcommand} ")) + "\n"
+
+
+def usage_error(message, subcommand=None):
+    """`message`, then the usage of the subcommand it is about (the whole usage is too long to
+    leave the message in sight)."""
+    print(f"torchfuse: {message}\n{usage(subcommand) if subcommand else 'see `torchfuse --help`'}",
+          file=sys.stderr)
+    return 2
+
+
+def version():
+    from . import __version__
+
+    try:
+        import torch
+    except (ImportError, OSError):  # OSError: a torch whose CUDA libraries are missing
+        return f"torchfuse {__version__} (torch does not import)"
+    return f"torchfuse {__version__} (torch {torch.__version__})"
+
+
+def cannot_run(program):
+    """Why `program` cannot be run, and the shell's exit status for it (127 not found, 126 not
+    executable), or None. Checked before exec, so that the user reads a sentence, not an errno."""
+    if "/" not in program:
+        return None if shutil.which(program) else ("not found on PATH", 127)
+    if not os.path.exists(program):
+        return "no such file", 127
+    if os.path.isdir(program):
+        return "it is a folder", 126
+    if not os.access(program, os.X_OK):
+        return "not executable (permission denied)", 126
+    return None
+
+
 def launch(command):
     """Replaces this process with `command`, torchfuse preloaded and its hook on the path."""
+    problem = cannot_run(command[0])
+    if problem:
+        why, status = problem
+        # A script named without its interpreter: the usual slip.
+        python = shlex.join(["python", *command])
+        hint = f" (did you mean 'torchfuse {python}'?)" if command[0].endswith(".py") else ""
+        print(f"torchfuse: cannot run {command[0]!r}: {why}{hint}", file=sys.stderr)
+        return status
     from . import library_dir
 
     lib_dir = library_dir().resolve()
@@ -38,9 +98,11 @@ def launch(command):
     env["TORCHFUSE_LIB_DIR"] = str(lib_dir)
     try:
         os.execvpe(command[0], command, env)
-    except OSError as e:
-        print(f"torchfuse: cannot run {command[0]}: {e}", file=sys.stderr)
-        return 127
+    except OSError as e:  # found and executable, yet not a program the kernel runs
+        missing_interpreter = isinstance(e, FileNotFoundError)
+        why = "the interpreter its #! line names does not exist" if missing_interpreter else e.strerror
+        print(f"torchfuse: cannot run {command[0]!r}: {why}", file=sys.stderr)
+        return 126
 
 
 class Report:
@@ -146,8 +208,18 @@ def stats(directory):
     by every process that called an op) side by side. Decisions depend only on each call's
     inputs, so ranks that ran the same calls report the same counts, kernels and stock reasons;
     where they differ, the ops are named. Where several processes share a rank (workers inherit
-    it), the one with the most calls is the rank's, the others are listed apart."""
-    runs = [json.loads(f.read_text()) for f in sorted(Path(directory).glob("stats-*.json"))]
+    it), the one with the most calls is the rank's, the others are listed apart. A file that
+    cannot be read is named on stderr and left out (exit status 1: the report is not whole)."""
+    runs, skipped = [], 0
+    for path in sorted(Path(directory).glob("stats-*.json")):
+        try:
+            runs.append(read_stats(path))
+        except ValueError as e:
+            skipped += 1
+            print(f"torchfuse stats: skipped {path}: {e}", file=sys.stderr)
+    if not runs and skipped:
+        print(f"torchfuse: no usable stats files in {directory} ({skipped} skipped)", file=sys.stderr)
+        return 2
     if not runs:
         print(f"torchfuse: no stats files in {directory} (a job run with TORCHFUSE_STATS_DIR={directory} "
               "writes one per process that called an op)", file=sys.stderr)
@@ -201,18 +273,60 @@ def stats(directory):
                   "or a rank with other settings)")
         else:
             print("\nevery rank made the same choices (same calls, kernels and stock reasons)")
+    if skipped:
+        print(f"torchfuse stats: this report leaves out {skipped} damaged file(s), named above",
+              file=sys.stderr)
+        return 1
     return 0
 
 
+def read_stats(path):
+    """One process's stats file; a ValueError says why it cannot be used (a rank killed while
+    writing it, or a file of something else)."""
+    try:
+        text = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read it ({e.strerror})") from None
+    if not text.strip():
+        raise ValueError("empty (a rank killed before it wrote it?)")
+    try:
+        run = json.loads(text)
+    except ValueError:
+        raise ValueError("not valid JSON (truncated? a rank killed before it finished writing)") from None
+    ops = run.get("ops") if isinstance(run, dict) else None
+    counted = isinstance(ops, dict) and all(
+        isinstance(op, dict) and isinstance(op.get("fused"), int) and isinstance(op.get("stock"), int)
+        for op in ops.values())
+    if not (counted and "pid" in run):
+        raise ValueError("not a torchfuse stats file (no pid, or no ops with fused and stock counts)")
+    return run
+
+
 def main(argv):
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE, file=sys.stderr if not argv else sys.stdout)
-        return 2 if not argv else 0
-    if argv == ["doctor"]:
-        return doctor()
-    if argv[0] == "stats":
-        if len(argv) != 2:
-            print(USAGE, file=sys.stderr)
-            return 2
-        return stats(argv[1])
+    if not argv:
+        print(USAGE, file=sys.stderr)
+        return 2
+    word, args = argv[0], argv[1:]
+    if word in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if word in ("-V", "--version"):
+        print(version())
+        return 0
+    if word in ("doctor", "stats"):
+        if "-h" in args or "--help" in args:
+            print(usage(word))
+            return 0
+        option = next((arg for arg in args if arg.startswith("-")), None)
+        if option:
+            return usage_error(f"unknown option {option!r} for `torchfuse {word}`", word)
+        if word == "doctor" and args:
+            return usage_error(f"`torchfuse doctor` takes no arguments, not {args[0]!r}", word)
+        if word == "stats" and len(args) != 1:
+            return usage_error("`torchfuse stats` takes one folder", word)
+        return doctor() if word == "doctor" else stats(args[0])
+    if word == "--":
+        return launch(args) if args else usage_error("`--` needs a command after it")
+    if word.startswith("-"):
+        return usage_error(f"unknown option {word!r} (a command that starts with '-' goes after `--`)")
     return launch(argv)

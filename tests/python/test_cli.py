@@ -1,6 +1,7 @@
-"""The `torchfuse` command (`python -m torchfuse`, python/torchfuse/cli.py): the launcher and
-`torchfuse doctor`. CPU checks run everywhere (the doctor compiles a kernel of every family with
-NVRTC); on a GPU the doctor also runs one call of every family against PyTorch's."""
+"""The `torchfuse` command (`python -m torchfuse`, python/torchfuse/cli.py): the launcher, its
+options and errors, `torchfuse doctor` and `torchfuse stats`. CPU checks run everywhere (the
+doctor compiles a kernel of every family with NVRTC); on a GPU the doctor also runs one call of
+every family against PyTorch's."""
 import json
 import os
 import subprocess
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import LIB_DIR, ROOT, clean_env, requires_cuda
+from conftest import LIB_DIR, ROOT, check, clean_env, requires_cuda, run_python
 
 
 def torchfuse(*args, **env):
@@ -34,7 +35,107 @@ def test_it_runs_a_command_with_torchfuse_loaded_and_hooked():
 
 def test_a_missing_command_is_an_error_not_a_traceback():
     proc = torchfuse("no-such-command-here")
-    assert proc.returncode == 127 and "cannot run no-such-command-here" in proc.stderr
+    assert proc.returncode == 127, proc.stderr
+    assert proc.stderr == "torchfuse: cannot run 'no-such-command-here': not found on PATH\n"
+
+
+def test_help_prints_the_usage():
+    for option in ("--help", "-h"):
+        proc = torchfuse(option)
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        assert proc.stdout.startswith("usage:\n    torchfuse [--] COMMAND"), proc.stdout
+        for form in ("torchfuse doctor", "torchfuse stats DIR", "torchfuse --version, -V", "Exit status"):
+            assert form in proc.stdout, (form, proc.stdout)
+
+
+def test_version_names_torchfuse_and_torch():
+    import torch
+    version = check(run_python("import torchfuse; print(torchfuse.__version__)", PYTHONPATH=ROOT / "python"))
+    for option in ("--version", "-V"):
+        proc = torchfuse(option)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == f"torchfuse {version.stdout.strip()} (torch {torch.__version__})\n"
+
+
+def test_version_without_torch(tmp_path):
+    """A torch that does not import (here one that raises on import) still leaves the version."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('no torch here')\n")
+    proc = torchfuse("--version", PYTHONPATH=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("torchfuse ") and proc.stdout.endswith(" (torch does not import)\n"), proc.stdout
+
+
+@pytest.mark.parametrize("subcommand", ["doctor", "stats"])
+def test_a_subcommand_help_prints_its_usage(subcommand):
+    for option in ("--help", "-h"):
+        proc = torchfuse(subcommand, option)
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        assert proc.stdout.startswith(f"usage:\n    torchfuse {subcommand} "), proc.stdout
+        assert "COMMAND" not in proc.stdout and "--version" not in proc.stdout, proc.stdout
+
+
+# The usage of the subcommand an error is about follows it; otherwise where to find the whole usage.
+DOCTOR_USAGE = "usage:\n    torchfuse doctor "
+STATS_USAGE = "usage:\n    torchfuse stats DIR "
+SEE_HELP = "see `torchfuse --help`"
+
+
+@pytest.mark.parametrize("args, error, then", [
+    (["doctor", "--bogus"], "unknown option '--bogus' for `torchfuse doctor`", DOCTOR_USAGE),
+    (["doctor", "extra"], "`torchfuse doctor` takes no arguments, not 'extra'", DOCTOR_USAGE),
+    (["stats", "--bogus", "dir"], "unknown option '--bogus' for `torchfuse stats`", STATS_USAGE),
+    (["stats", "one", "two"], "`torchfuse stats` takes one folder", STATS_USAGE),
+    (["--bogus", "python", "x.py"], "unknown option '--bogus' (a command that starts with '-' goes after `--`)",
+     SEE_HELP),
+    (["--"], "`--` needs a command after it", SEE_HELP),
+])
+def test_a_usage_error_names_the_word_and_exits_2(args, error, then):
+    proc = torchfuse(*args)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    assert proc.stderr.startswith(f"torchfuse: {error}\n{then}"), proc.stderr
+
+
+def test_double_dash_ends_torchfuses_words(tmp_path):
+    """`torchfuse -- COMMAND`: the command runs (with torchfuse preloaded), even one named like a
+    torchfuse word: `torchfuse -- doctor` runs the program `doctor` on PATH."""
+    script = tmp_path / "train.py"
+    script.write_text("import os, sys\n"
+                      "print('train', sys.argv[1:], 'libtorchfuse_preload.so' in os.environ['LD_PRELOAD'])\n")
+    proc = torchfuse("--", sys.executable, str(script), "--lr", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "train ['--lr', '1'] True\n", proc.stdout
+    doctor = tmp_path / "doctor"
+    doctor.write_text("#!/bin/sh\necho the program named doctor \"$@\"\n")
+    doctor.chmod(0o755)
+    proc = torchfuse("--", "doctor", "--help", PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "the program named doctor --help\n", proc.stdout
+
+
+def test_a_command_that_cannot_run_is_one_line_with_the_shells_status(tmp_path):
+    """127: not found; 126: found but not executable. A script named without `python` gets the
+    hint; no errno tuple or raw bytes path."""
+    script = tmp_path / "train.py"
+    script.write_text("print('never')\n")
+    bad_interpreter = tmp_path / "bad"
+    bad_interpreter.write_text("#!/no/such/interpreter\n")
+    bad_interpreter.chmod(0o755)
+    cases = [
+        (["pyhton", "x.py"], 127, "cannot run 'pyhton': not found on PATH\n"),
+        (["train.py", "--lr", "1"], 127,
+         "cannot run 'train.py': not found on PATH (did you mean 'torchfuse python train.py --lr 1'?)\n"),
+        ([str(tmp_path / "missing.py")], 127, f"cannot run '{tmp_path}/missing.py': no such file "
+         f"(did you mean 'torchfuse python {tmp_path}/missing.py'?)\n"),
+        ([str(script)], 126, f"cannot run '{script}': not executable (permission denied) "
+         f"(did you mean 'torchfuse python {script}'?)\n"),
+        ([str(tmp_path)], 126, f"cannot run '{tmp_path}': it is a folder\n"),
+        ([str(bad_interpreter)], 126, f"cannot run '{bad_interpreter}': the interpreter its #! line names "
+         "does not exist\n"),
+    ]
+    for args, status, message in cases:
+        proc = torchfuse(*args)
+        assert (proc.returncode, proc.stdout, proc.stderr) == (status, "", "torchfuse: " + message), args
 
 
 def test_doctor_reports_every_check():
@@ -182,6 +283,45 @@ def test_a_rank_switched_off_warns_and_the_stats_show_it(tmp_path):
     row = [line.split() for line in summary.stdout.splitlines() if line.split()[:1] == ["1"]]
     assert row and row[0][-1] == "none", summary.stdout
     assert "ranks without stats: 0 " in summary.stdout, summary.stdout
+
+
+def stats_file(rank, pid, fused):
+    """What a process of a job run with TORCHFUSE_STATS_DIR writes at exit (src/abi/lifecycle.rs)."""
+    op = {"fused": fused, "stock": 0, "kernels": {}, "stock_reasons": {}}
+    return json.dumps({"ops": {"native_layer_norm": op}, "enabled": {"layer_norm": True}, "rank": str(rank),
+                       "world_size": "3", "pid": pid})
+
+
+def test_stats_skip_a_damaged_file_naming_it(tmp_path):
+    """A rank killed while writing leaves an empty or cut-short file: each is one line on stderr
+    naming it and why, the report covers the rest, and the exit status (1) says it is not whole."""
+    (tmp_path / "stats-rank0-pid41.json").write_text(stats_file(0, 41, fused=5))
+    (tmp_path / "stats-rank1-pid42.json").write_text(stats_file(1, 42, fused=5)[:40])
+    (tmp_path / "stats-rank2-pid43.json").write_text("")
+    proc = torchfuse("stats", str(tmp_path))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"torchfuse stats: skipped {tmp_path}/stats-rank1-pid42.json: not valid JSON (truncated? a rank "
+        "killed before it finished writing)",
+        f"torchfuse stats: skipped {tmp_path}/stats-rank2-pid43.json: empty (a rank killed before it wrote it?)",
+        "torchfuse stats: this report leaves out 2 damaged file(s), named above",
+    ], proc.stderr
+    assert proc.stdout.splitlines()[1].split() == ["0", "41", "5", "0", "all"], proc.stdout
+    assert "ranks without stats: 1, 2 " in proc.stdout, proc.stdout
+
+
+def test_stats_with_no_usable_file_exit_2(tmp_path):
+    (tmp_path / "stats-rank0-pid41.json").write_text(stats_file(0, 41, fused=5)[:-1])
+    (tmp_path / "stats-rank1-pid42.json").write_text(json.dumps({"something": "else"}))
+    proc = torchfuse("stats", str(tmp_path))
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    assert proc.stderr.splitlines() == [
+        f"torchfuse stats: skipped {tmp_path}/stats-rank0-pid41.json: not valid JSON (truncated? a rank "
+        "killed before it finished writing)",
+        f"torchfuse stats: skipped {tmp_path}/stats-rank1-pid42.json: not a torchfuse stats file (no pid, "
+        "or no ops with fused and stock counts)",
+        f"torchfuse: no usable stats files in {tmp_path} (2 skipped)",
+    ], proc.stderr
 
 
 DDP_RANK = SWITCH_OFF + """
