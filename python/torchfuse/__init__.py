@@ -10,6 +10,7 @@ import contextlib
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 from ._hooks import install as install_hooks
@@ -25,7 +26,7 @@ __version__ = "0.1.0"
 _MARKER = b"torchfuse-built-against-torch="
 
 
-def built_against(library):
+def built_against(library: str | os.PathLike) -> str | None:
     """The torch version the library file was built against (its marker), or None."""
     data = Path(library).read_bytes()
     start = data.find(_MARKER)
@@ -52,7 +53,7 @@ def version_mismatch(library, torch_version):
     return None
 
 
-def library_dir():
+def library_dir() -> Path:
     """Where libtorchfuse.so is: TORCHFUSE_LIB_DIR, else the installed wheel's torchfuse/_lib,
     else this checkout's target/release."""
     configured = os.environ.get("TORCHFUSE_LIB_DIR")
@@ -64,7 +65,7 @@ def library_dir():
     return Path(__file__).resolve().parents[2] / "target" / "release"
 
 
-def loaded():
+def loaded() -> bool:
     """Whether libtorchfuse is loaded in this process (its torch.ops.torchfuse ops exist)."""
     torch = sys.modules.get("torch")
     if torch is None:
@@ -100,7 +101,7 @@ def _loaded_library():
     return None
 
 
-def enable(lib_dir=None):
+def enable(lib_dir: str | os.PathLike | None = None) -> bool:
     """Loads libtorchfuse.so into this process unless it is loaded already (by the launcher,
     LD_PRELOAD or an earlier call), installs the Python hooks, and switches torchfuse on again
     after a `disable()`. Returns True when torchfuse is loaded. Where it cannot be (no library
@@ -145,7 +146,7 @@ def _switch(on):
     torch.ops.torchfuse.set_enabled("all", on)
 
 
-def disable():
+def disable() -> bool:
     """Switches torchfuse off in this process: every call goes to PyTorch's own kernels and the
     rewritten Python code runs its original (optimizers built from now on are left as PyTorch
     builds them). `enable()` switches it on again. Returns whether torchfuse was loaded."""
@@ -156,7 +157,7 @@ def disable():
 
 
 @contextlib.contextmanager
-def disabled():
+def disabled() -> Iterator[None]:
     """`with torchfuse.disabled(): ...` runs the block as stock PyTorch; each op's state (on or
     off, TORCHFUSE_OPS and set_enabled included) comes back after it."""
     if not loaded():
