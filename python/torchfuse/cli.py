@@ -18,7 +18,8 @@
     torchfuse --help, -h              this text (`torchfuse doctor --help`: one command's)
 
 Exit status: the command's own; 127 when it is not found, 126 when it cannot be executed; 2 for
-a usage error, or when the built libraries are missing. `doctor`: 1 when something is broken.
+a usage error, or when the built libraries are missing. `doctor`: 1 when something is broken,
+3 when nothing is but torchfuse would serve nothing here (no GPU, every op off).
 `stats`: 1 when the report leaves out a damaged file, 2 when no file is usable.
 """
 import json
@@ -195,7 +196,29 @@ def doctor():
 
         for what, result in _doctor_gpu.run_each_family(torch):
             report.check(f"run {what}", result, "switch the op off with TORCHFUSE_OPS=-<op> and report it")
-    return 1 if report.broken else 0
+    idle = idle_because(gpus, enabled)
+    if idle:
+        report.info("serving", f"nothing on this machine: {idle}")
+    else:
+        report.ok("serving", f"{', '.join(enabled)} on {len(gpus)} GPU(s)")
+    return 1 if report.broken else IDLE if idle else 0
+
+
+# `torchfuse doctor`'s exit status when nothing is broken but nothing would be served.
+IDLE = 3
+# The oldest GPU architecture torchfuse's kernels are built for (Ampere, SM 8.0).
+MIN_SM = (8, 0)
+
+
+def idle_because(gpus, enabled):
+    """Why torchfuse would serve nothing here, or None."""
+    if not enabled:
+        return "every op is off (TORCHFUSE / TORCHFUSE_OPS)"
+    if not gpus:
+        return "no CUDA GPU visible (torchfuse's overrides take CUDA tensors only)"
+    if all((p.major, p.minor) < MIN_SM for p in gpus):
+        return f"no GPU of SM {MIN_SM[0]}.{MIN_SM[1]} or newer (torchfuse's kernels need Ampere or later)"
+    return None
 
 
 def entry():

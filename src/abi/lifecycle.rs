@@ -131,7 +131,16 @@ extern "C" fn at_exit() {
     let _ = catch_unwind(|| {
         let config = crate::runtime::config::get();
         if crate::runtime::logging::info_enabled() {
-            if let Some(table) = stats::summary_table() {
+            // A process where nothing reached torchfuse says so: on a machine without a GPU, or
+            // a job on CPU tensors, torchfuse is idle and the user should know.
+            let table = stats::summary_table().or_else(|| {
+                config.active.then(|| {
+                    "nothing served in this process: no call reached an enabled op (the overrides \
+                     take CUDA tensors only)"
+                        .to_string()
+                })
+            });
+            if let Some(table) = table {
                 crate::runtime::logging::write_at_exit(config, &table);
             }
         }

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import LIB_DIR, ROOT, check, clean_env, requires_cuda, run_python
+from conftest import HAS_CUDA, LIB_DIR, ROOT, check, clean_env, requires_cuda, run_python
 
 
 def torchfuse(*args, **env):
@@ -139,15 +139,29 @@ def test_a_command_that_cannot_run_is_one_line_with_the_shells_status(tmp_path):
 
 
 def test_doctor_reports_every_check():
+    """Every check passes; the last line says what would be served, and without a GPU that
+    nothing would (exit 3: nothing broken, torchfuse idle)."""
     proc = torchfuse("doctor")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == (0 if HAS_CUDA else 3), proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
+    if HAS_CUDA:
+        assert lines[-1].startswith("ok   serving: ") and "layer_norm" in lines[-1], lines[-1]
+    else:
+        assert lines[-1] == ("--   serving: nothing on this machine: no CUDA GPU visible (torchfuse's "
+                             "overrides take CUDA tensors only)"), lines[-1]
     for what in ("torch", "libraries", "torchfuse", "nvrtc", "kernel cache", "registry"):
         assert any(line.startswith("ok") and f" {what}: " in line for line in lines), (what, proc.stdout)
     for source in ("norm.cu", "adam.cu", "embedding.cu", "attention.cu", "gelu.cu", "cross_entropy.cu",
                    "swiglu.cu", "rotary.cu"):
         assert any(line.startswith("ok   compile " + source) for line in lines), (source, proc.stdout)
     assert not any(line.startswith("FAIL") for line in lines), proc.stdout
+
+
+def test_doctor_says_when_every_op_is_off():
+    proc = torchfuse("doctor", TORCHFUSE="off")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[-1] == ("--   serving: nothing on this machine: every op is off "
+                                            "(TORCHFUSE / TORCHFUSE_OPS)"), proc.stdout
 
 
 @pytest.mark.parametrize("broken", ["libraries", "kernel cache"])

@@ -125,3 +125,13 @@ def test_log_file_and_process_tag(tmp_path):
     text = log.read_text()
     assert "rank=3" in text and "pid=" in text
     assert "overrides registered for: layer_norm, rms_norm, embedding, adam, sdpa" in text
+
+
+def test_an_idle_process_says_so_at_info():
+    """A process where no call reached torchfuse (CPU tensors, no GPU) ends with one info line
+    saying nothing was served; under TORCHFUSE=0 the load line says it instead."""
+    code = "import torch; torch.nn.functional.layer_norm(torch.randn(2, 8), (8,))"
+    idle = check(run_python(code, load_library=True, TORCHFUSE_LOG="info"))
+    assert "nothing served in this process: no call reached an enabled op" in idle.stderr, idle.stderr
+    off = check(run_python(code, load_library=True, TORCHFUSE_LOG="info", TORCHFUSE="0"))
+    assert "nothing served" not in off.stderr and "TORCHFUSE=0: loaded, nothing registered" in off.stderr
