@@ -151,3 +151,21 @@ print(json.dumps({"optimizer": describe(opt), "error": error}))
     assert out["optimizer"]["fused"] is None, out
     assert out["error"] == "Attempting to unscale FP16 gradients.", out
     assert "float16 params" in proc.stderr
+
+
+def test_from_a_checkout_the_projects_environment_runs_the_command():
+    """No environment active: scripts/torchfuse runs the command with the Python environment
+    scripts/setup made (the torch the libraries are built against), and says so; an active one
+    is the user's choice and is kept."""
+    venv = sys.prefix  # this test's own environment stands for the project's
+    code = "import json, sys, torch; print(json.dumps(sys.prefix))"
+    env = {k: v for k, v in clean_env(TORCHFUSE_LIB_DIR=LIB_DIR, TORCHFUSE_VENV=venv).items()
+           if k not in ("VIRTUAL_ENV", "CONDA_PREFIX")}
+    env["PATH"] = "/usr/bin:/bin"
+    proc = subprocess.run([str(LAUNCHER), "python3", "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert last_json(proc) == venv, proc.stderr
+    assert f"torchfuse: using the project's Python environment {venv}" in proc.stderr
+    mine = subprocess.run([str(LAUNCHER), sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**env, "VIRTUAL_ENV": sys.prefix}, timeout=600)
+    assert last_json(mine) == sys.prefix and "project's Python environment" not in mine.stderr
