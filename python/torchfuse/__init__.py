@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ._hooks import install as install_hooks
-from ._library import enabled_toggles, rewrites
+from ._library import enabled_toggles, rewrite_switch
 
 __all__ = ["__version__", "built_against", "disable", "disabled", "enable", "install_hooks",
            "library_dir", "loaded"]
@@ -133,7 +133,7 @@ def enable(lib_dir: str | os.PathLike | None = None) -> bool:
             _warn(f"torchfuse: {serving or 'libtorchfuse.so'} is loaded already and keeps serving; "
                   f"{library} is not loaded (one library a process)")
     install_hooks()
-    if not rewrites.on:  # after disable()
+    if not rewrite_switch.on:  # after disable()
         _switch(True)
     return True
 
@@ -142,7 +142,7 @@ def _switch(on):
     """Every op of the loaded library on or off at run time, and the rewrites with them."""
     import torch
 
-    rewrites.on = on
+    rewrite_switch.on = on
     torch.ops.torchfuse.set_enabled("all", on)
 
 
@@ -165,11 +165,11 @@ def disabled() -> Iterator[None]:
         return
     import torch
 
-    before, rewrites_before = enabled_toggles(torch), rewrites.on
+    before, rewrites_before = enabled_toggles(torch), rewrite_switch.on
     _switch(False)
     try:
         yield
     finally:
-        rewrites.on = rewrites_before
+        rewrite_switch.on = rewrites_before
         for name, on in before.items():
             torch.ops.torchfuse.set_enabled(name, on)

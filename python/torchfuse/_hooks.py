@@ -27,15 +27,20 @@ def _warn(what, error):
 
 
 def _apply(module):
-    """Runs the module's patches once (a module patched already is left as it is)."""
-    if getattr(module, "_torchfuse_patched", False):
-        return
-    module._torchfuse_patched = True
+    """Runs each of the module's patches once. A patch that returns False could not act yet
+    (the rewrites need the library, which `enable()` may load later): it runs again at the next
+    `install()`."""
+    done = module.__dict__.setdefault("_torchfuse_patched", set())
     for patch in patches_for(module.__name__):
+        name = f"{patch.__module__}.{patch.__name__}"
+        if name in done:
+            continue
         try:
-            patch(module)
+            if patch(module) is not False:
+                done.add(name)
         except Exception as e:  # never break the user's job
-            _warn(f"{patch.__module__}.{patch.__name__} not applied", e)
+            done.add(name)
+            _warn(f"{name} not applied", e)
 
 
 class _PatchingLoader(importlib.abc.Loader):

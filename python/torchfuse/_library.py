@@ -6,7 +6,7 @@ import types
 # Whether the rewritten Python code may call torchfuse's ops: torchfuse.disable() (and the
 # `disabled()` context) turn it off, so the original code runs; the library's toggles switch
 # the ops themselves.
-rewrites = types.SimpleNamespace(on=True)
+rewrite_switch = types.SimpleNamespace(on=True)
 
 
 def enabled_toggles(torch):

@@ -149,6 +149,8 @@ def _compiled(source):
 FORMS = {name: _compiled(source) for name, source in _SOURCES.items()}
 FUNCTION_FORMS = {name: (_compiled(source), defaults)
                   for name, (source, defaults) in _FUNCTION_SOURCES.items()}
+# Function form -> the name the library defines it under (`apply_rotary_pos_emb`).
+FUNCTION_NAMES = {form: code.co_name for form, (code, _) in FUNCTION_FORMS.items()}
 
 
 def _globals_loaded(code):

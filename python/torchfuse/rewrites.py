@@ -24,9 +24,10 @@ PyTorch's own kernels.
 """
 import functools
 import sys
+import types
 
 from . import compositions
-from ._library import enabled_toggles, note, rewrites
+from ._library import enabled_toggles, note, rewrite_switch
 
 # Forms whose code calls torch.pow: under CUDA autocast pow runs in fp32 (autocast's fp32
 # list), so the result is fp32 whatever the activation's dtype.
@@ -75,7 +76,7 @@ def _untraced_call(torch):
     transforms, with the rewrites not switched off by torchfuse.disable(): where a rewrite may
     run."""
     compiling, transforms = torch.compiler.is_compiling, torch._C._are_functorch_transforms_active
-    return lambda: rewrites.on and not compiling() and not transforms()
+    return lambda: rewrite_switch.on and not compiling() and not transforms()
 
 
 # Rewritten forward -> (the form it replaced, the original's Dependencies), for rewrites that
@@ -279,11 +280,13 @@ _FUNCTIONS = {"hf_causal_lm_loss": _causal_lm_loss, "hf_rotary": _rotary}
 
 
 def patch_module(module):
-    """Rewrites the known compositions `module` defines (see the module docstring)."""
+    """Rewrites the known compositions `module` defines (see the module docstring). False where
+    the library is not loaded yet (hooks installed before it): nothing is decided, and the
+    module is patched when `enable()` loads it."""
     torch = sys.modules.get("torch")
-    if torch is None:
-        return
-    enabled = enabled_toggles(torch)
+    enabled = enabled_toggles(torch) if torch is not None else {}
+    if not enabled:
+        return False
     found = compositions.scan(module)
     for cls, form in found.items():
         op = compositions.COMPUTES[form]
@@ -295,7 +298,8 @@ def patch_module(module):
         cls.forward = _FORM_FORWARDS.get(form, _FORWARDS[op])(torch, original, form)
         _REWRITTEN[cls.forward] = (form, compositions.Dependencies(original))
         note(torch, f"rewrite {op}: {where} ({form}) -> {_op_path(op)}")
-    for name, form in compositions.scan_functions(module).items():
+    functions = compositions.scan_functions(module)
+    for name, form in functions.items():
         original, op = getattr(module, name), compositions.COMPUTES[form]
         where = f"{module.__name__}.{name}"
         if not enabled.get(op, False):
@@ -309,6 +313,16 @@ def patch_module(module):
                     if value is original:
                         table[key] = rewritten
         note(torch, f"rewrite {op}: {where} ({form}) -> {_op_path(op)}")
+    for form, name in compositions.FUNCTION_NAMES.items():
+        value = vars(module).get(name)
+        if form in _FUNCTIONS and value is not None and name not in functions:
+            # Another object under the known name (the `kernels` package wraps HF's functions in
+            # modules where it is installed) is said at info; other code (another model's RoPE
+            # layout) at debug, as for classes.
+            op, plain = compositions.COMPUTES[form], isinstance(value, types.FunctionType)
+            note(torch, f"rewrite {op}: {module.__name__}.{name} is not the known {form} function "
+                        f"(a {type(value).__module__}.{type(value).__qualname__}); left alone",
+                 debug=plain)
     for name, value in list(vars(module).items()):
         if (isinstance(value, type) and value.__module__ == module.__name__ and value not in found
                 and "forward" in value.__dict__ and any(k in name for k in _LOOKALIKES)):

@@ -86,17 +86,17 @@ def test_disable_and_the_disabled_context():
     each op's own state after the block (TORCHFUSE_OPS and set_enabled included)."""
     out = run(f"""
 import json, torch, torchfuse
-from torchfuse._library import rewrites
+from torchfuse._library import rewrite_switch
 def on():
     return sorted(k for k, v in json.loads(torch.ops.torchfuse.stats())["enabled"].items() if v)
 torchfuse.enable({str(LIB_DIR)!r})
 start = on()
 torch.ops.torchfuse.set_enabled("adam", False)
 with torchfuse.disabled():
-    inside = (on(), rewrites.on)
-after = (on(), rewrites.on)
-off = (torchfuse.disable(), on(), rewrites.on)
-back = (torchfuse.enable(), on(), rewrites.on)
+    inside = (on(), rewrite_switch.on)
+after = (on(), rewrite_switch.on)
+off = (torchfuse.disable(), on(), rewrite_switch.on)
+back = (torchfuse.enable(), on(), rewrite_switch.on)
 print(json.dumps({{"start": start, "inside": inside, "after": after, "off": off, "back": back}}))
 """, TORCHFUSE_OPS="layer_norm,adam")
     assert out["start"] == ["adam", "layer_norm"], out

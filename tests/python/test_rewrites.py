@@ -83,6 +83,43 @@ print(json.dumps(hasattr(A.NewGELUActivation.forward, "__wrapped__")))
     assert proc.stdout.strip().splitlines()[-1] == "false"
 
 
+def test_hooks_installed_before_the_library_rewrite_once_enable_loads_it():
+    """Modules imported while the hooks ran without the library (start-up hook without the
+    preload, hooks installed before enable()) are not marked done: enable() rewrites them."""
+    proc = check(run_python(f"""
+import json, torch, torchfuse
+torchfuse.install_hooks()
+import transformers.models.llama.modeling_llama as L
+before = hasattr(L.LlamaRMSNorm.forward, "__wrapped__"), hasattr(L.apply_rotary_pos_emb, "__wrapped__")
+ok = torchfuse.enable({str(LIB_DIR)!r})
+after = hasattr(L.LlamaRMSNorm.forward, "__wrapped__"), hasattr(L.apply_rotary_pos_emb, "__wrapped__")
+torchfuse.enable({str(LIB_DIR)!r})  # once only
+print(json.dumps({{"before": before, "ok": ok, "after": after,
+                  "twice": hasattr(L.LlamaRMSNorm.forward.__wrapped__, "__wrapped__")}}))
+""", PYTHONPATH=ROOT / "python"))
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"before": [False, False], "ok": True, "after": [True, True], "twice": False}, out
+
+
+def test_another_object_under_a_known_function_name_is_said_at_info():
+    """The `kernels` package, where installed, wraps HF's apply_rotary_pos_emb in a module: the
+    rewrite is skipped, and an info line says why."""
+    proc = check(run_python(f"""
+import sys, types, torch, torchfuse
+torchfuse.enable({str(LIB_DIR)!r})
+from torchfuse import rewrites
+class Kernelized(torch.nn.Module):
+    pass
+module = types.ModuleType("transformers.models.fake.modeling_fake")
+module.apply_rotary_pos_emb = Kernelized()
+rewrites.patch_module(module)
+print(type(module.apply_rotary_pos_emb).__name__)
+""", PYTHONPATH=ROOT / "python", TORCHFUSE_LOG="info"))
+    assert proc.stdout.strip().splitlines()[-1] == "Kernelized"
+    assert ("rewrite rotary: transformers.models.fake.modeling_fake.apply_rotary_pos_emb is not the known "
+            "hf_rotary function (a __main__.Kernelized); left alone") in proc.stderr, proc.stderr
+
+
 def test_cpu_inputs_run_the_original_code_bitwise():
     out, _ = run("""
 import transformers.activations as A
