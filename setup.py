@@ -1,10 +1,12 @@
 """The wheel's Rust half (pyproject.toml holds the rest): libtorchfuse.so and
 libtorchfuse_preload.so, built by cargo through setuptools-rust, installed into torchfuse/_lib.
 
-build.rs compiles the C++ glue against the torch of the Python that TORCHFUSE_PYTHON names (the
-build's own isolated Python has none): scripts/wheel sets it.
+build.rs compiles the C++ glue against the torch of the Python that TORCHFUSE_PYTHON names:
+scripts/wheel sets it to the project's venv; otherwise it is the Python running this build,
+which in pip's isolated build (`pip install .`) sees the torch pyproject.toml requires.
 """
 import os
+import sys
 
 from setuptools import setup
 from setuptools_rust import Binding, RustExtension, Strip, build_rust
@@ -18,6 +20,8 @@ class BuildRust(build_rust):
         path = super().get_dylib_ext_path(ext, target_fname)
         return os.path.join(os.path.dirname(path), target_fname.rsplit(".", 1)[-1] + ".so")
 
+
+os.environ.setdefault("TORCHFUSE_PYTHON", sys.executable)
 
 setup(
     rust_extensions=[
