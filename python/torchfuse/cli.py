@@ -206,8 +206,9 @@ def doctor():
 
 # `torchfuse doctor`'s exit status when nothing is broken but nothing would be served.
 IDLE = 3
-# The oldest GPU architecture torchfuse's kernels are built for (Ampere, SM 8.0).
-MIN_SM = (8, 0)
+# The GPU architectures torchfuse's kernels are built for (registry/*.toml: SM 8.0 to 9.0,
+# Ampere, Ada and Hopper); PyTorch serves every call on others.
+SERVED_SM = ((8, 0), (9, 0))
 
 
 def idle_because(gpus, enabled):
@@ -216,8 +217,10 @@ def idle_because(gpus, enabled):
         return "every op is off (TORCHFUSE / TORCHFUSE_OPS)"
     if not gpus:
         return "no CUDA GPU visible (torchfuse's overrides take CUDA tensors only)"
-    if all((p.major, p.minor) < MIN_SM for p in gpus):
-        return f"no GPU of SM {MIN_SM[0]}.{MIN_SM[1]} or newer (torchfuse's kernels need Ampere or later)"
+    low, high = SERVED_SM
+    if not any(low <= (p.major, p.minor) <= high for p in gpus):
+        return (f"no GPU of SM {low[0]}.{low[1]} to {high[0]}.{high[1]} (Ampere, Ada, Hopper), which "
+                "torchfuse's kernels are built for")
     return None
 
 
