@@ -65,6 +65,15 @@ def library_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "target" / "release"
 
 
+def how_to_build() -> str:
+    """What makes the libraries, where this package lives: scripts/setup in a checkout, a
+    reinstall of the wheel otherwise."""
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "scripts" / "setup").is_file():
+        return f"build them with {checkout / 'scripts' / 'setup'}"
+    return "reinstall the torchfuse wheel built for this torch"
+
+
 def loaded() -> bool:
     """Whether libtorchfuse is loaded in this process (its torch.ops.torchfuse ops exist)."""
     torch = sys.modules.get("torch")
@@ -114,9 +123,8 @@ def enable(lib_dir: str | os.PathLike | None = None) -> bool:
     library = path / "libtorchfuse.so"
     if not loaded():
         if not library.is_file():
-            _warn(f"torchfuse: no libtorchfuse.so in {path} (build it with scripts/setup, install "
-                  "the torchfuse wheel, or point TORCHFUSE_LIB_DIR or lib_dir at it); PyTorch runs "
-                  "unchanged")
+            _warn(f"torchfuse: no libtorchfuse.so in {path} ({how_to_build()}, or point "
+                  "TORCHFUSE_LIB_DIR or lib_dir at them); PyTorch runs unchanged")
             return False
         mismatch = version_mismatch(library, torch.__version__)
         if mismatch:

@@ -83,18 +83,20 @@ def launch(command):
         hint = f" (did you mean 'torchfuse {python}'?)" if command[0].endswith(".py") else ""
         print(f"torchfuse: cannot run {command[0]!r}: {why}{hint}", file=sys.stderr)
         return status
-    from . import library_dir
+    from . import how_to_build, library_dir
 
     lib_dir = library_dir().resolve()
     missing = [name for name in LIBRARIES if not (lib_dir / name).is_file()]
     if missing:
-        print(f"torchfuse: {', '.join(missing)} not in {lib_dir} (build with scripts/setup, or set "
+        print(f"torchfuse: {', '.join(missing)} not in {lib_dir} ({how_to_build()}, or set "
               "TORCHFUSE_LIB_DIR); run `torchfuse doctor`", file=sys.stderr)
         return 2
     env = dict(os.environ)
     preload = str(lib_dir / "libtorchfuse_preload.so")
     env["LD_PRELOAD"] = preload + (":" + env["LD_PRELOAD"] if env.get("LD_PRELOAD") else "")
-    paths = [str(PACKAGE_DIR / "_startup"), str(PACKAGE_DIR.parent)]
+    # Only the start-up hook's folder goes ahead of the command's own paths: the hook finds the
+    # torchfuse package itself, after them (the package's parent may be a whole site-packages).
+    paths = [str(PACKAGE_DIR / "_startup")]
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["TORCHFUSE_LIB_DIR"] = str(lib_dir)
     try:
@@ -142,13 +144,13 @@ def doctor():
         report.fail("torch", f"cannot import torch ({e})", "pip install torch==2.11.*")
         return 1
     report.ok("torch", f"{torch.__version__} (CUDA {torch.version.cuda})")
-    from . import library_dir
+    from . import how_to_build, library_dir
 
     lib_dir = library_dir()
     missing = [name for name in LIBRARIES if not (lib_dir / name).is_file()]
     if missing:
         report.fail("libraries", f"{', '.join(missing)} not in {lib_dir}",
-                    "build with scripts/setup, or set TORCHFUSE_LIB_DIR")
+                    f"{how_to_build()}, or set TORCHFUSE_LIB_DIR")
         return 1
     report.ok("libraries", str(lib_dir))
     from . import same_release, version_mismatch
@@ -162,7 +164,7 @@ def doctor():
         torch.ops.load_library(str(lib_dir / "libtorchfuse.so"))
     except Exception as e:
         report.fail("load", f"torch.ops.load_library failed ({e})",
-                    "a torchfuse built for this torch (scripts/setup rebuilds it)")
+                    f"a torchfuse built for this torch: {how_to_build()}")
         return 1
     gpus = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
     arch = ""

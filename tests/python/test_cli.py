@@ -384,3 +384,26 @@ def test_ddp_ranks_make_the_same_choices(tmp_path, off_rank):
         assert ranks[0]["ops"].get(op, {}).get("fused", 0) > 0, (op, ranks[0]["ops"])
     summary = torchfuse("stats", str(stats_dir))
     assert "every rank made the same choices" in summary.stdout, summary.stdout
+
+
+def test_the_launched_python_keeps_its_own_paths_first(tmp_path):
+    """An installed wheel's package sits in a whole site-packages: the launcher puts only its
+    start-up hook ahead of the command's paths, and the hook adds the package's folder after
+    the command's own standard library and site-packages."""
+    import shutil as sh
+
+    site = tmp_path / "site"
+    sh.copytree(ROOT / "python" / "torchfuse", site / "torchfuse",
+                ignore=sh.ignore_patterns("__pycache__"))
+    child = ("import json, sys, sysconfig, torchfuse; print(json.dumps({'path': sys.path, "
+             "'stdlib': sysconfig.get_paths()['stdlib'], 'package': torchfuse.__file__}))")
+    launcher = (f"import sys; sys.path.insert(0, {str(site)!r}); from torchfuse import cli; "
+                f"sys.exit(cli.main([sys.executable, '-c', {child!r}]))")
+    env = clean_env(TORCHFUSE_LIB_DIR=LIB_DIR)
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([sys.executable, "-c", launcher], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["package"] == str(site / "torchfuse" / "__init__.py"), out
+    assert out["path"].index(str(site)) > out["path"].index(out["stdlib"]), out["path"]

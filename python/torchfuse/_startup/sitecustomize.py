@@ -1,7 +1,8 @@
 """torchfuse's Python start-up hook (this folder is put on PYTHONPATH by the launcher, `torchfuse
-COMMAND` or scripts/torchfuse, with the `torchfuse` package's own parent): installs the
-package's hooks, which import nothing until the modules they patch are imported
-(torchfuse/_hooks.py).
+COMMAND` or scripts/torchfuse): installs the package's hooks, which import nothing until the
+modules they patch are imported (torchfuse/_hooks.py). Where the command's Python cannot import
+the `torchfuse` package from its own paths, the package's folder is added after them, not ahead
+of its standard library (in an installed wheel that folder is a whole site-packages).
 
 Python runs one `sitecustomize`; the one this shadows (if any) is run after this one.
 """
@@ -25,6 +26,8 @@ def _run_shadowed_sitecustomize():
 
 
 try:
+    if importlib.util.find_spec("torchfuse") is None:
+        sys.path.append(os.path.dirname(os.path.dirname(_HOOK_DIR)))
     import torchfuse
 
     torchfuse.install_hooks()
