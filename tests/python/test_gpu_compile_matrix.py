@@ -6,8 +6,10 @@ the issue's SDPA under dynamic shapes. No mode may fail under torchfuse where it
 it, and each step's loss must follow stock's in the same mode within 1% (the bar of the other
 end-to-end tests: a few steps of bf16 autocast training)."""
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -44,8 +46,15 @@ def run_sides(model):
 
 @pytest.fixture(scope="module", params=list(MATRIX))
 def matrix(request):
+    """One model's results; with TORCHFUSE_TEST_RECORD_DIR set, also written there as
+    compile-matrix-MODEL.json (both sides, every mode: the record's table is made from it)."""
     pytest.importorskip("transformers", reason="scripts/setup installs transformers")
-    return request.param, run_sides(request.param)
+    results = run_sides(request.param)
+    record_dir = os.environ.get("TORCHFUSE_TEST_RECORD_DIR")
+    if record_dir:
+        path = Path(record_dir) / f"compile-matrix-{request.param}.json"
+        path.write_text(json.dumps(results, indent=1))
+    return request.param, results
 
 
 def close(a, b, rel=0.01):
