@@ -126,7 +126,10 @@ def enable(lib_dir: str | os.PathLike | None = None) -> bool:
             _warn(f"torchfuse: no libtorchfuse.so in {path} ({how_to_build()}, or point "
                   "TORCHFUSE_LIB_DIR or lib_dir at them); PyTorch runs unchanged")
             return False
-        mismatch = version_mismatch(library, torch.__version__)
+        try:
+            mismatch = version_mismatch(library, torch.__version__)
+        except OSError:
+            mismatch = None  # unreadable: load_library below says why
         if mismatch:
             _warn(mismatch)
             return False
