@@ -9,6 +9,7 @@ import os
 import sys
 
 from setuptools import setup
+from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools_rust import Binding, RustExtension, Strip, build_rust
 
 
@@ -21,6 +22,15 @@ class BuildRust(build_rust):
         return os.path.join(os.path.dirname(path), target_fname.rsplit(".", 1)[-1] + ".so")
 
 
+class BdistWheel(bdist_wheel):
+    """One wheel for every CPython: the libraries link no libpython (they are loaded into
+    torch's process, not imported as extension modules), so the tag is py3-none-<platform>.
+    scripts/wheel then gives the platform its manylinux name (auditwheel)."""
+
+    def get_tag(self):
+        return ("py3", "none", super().get_tag()[2])
+
+
 os.environ.setdefault("TORCHFUSE_PYTHON", sys.executable)
 
 setup(
@@ -30,5 +40,5 @@ setup(
         RustExtension("torchfuse._lib.libtorchfuse_preload", path="preload/Cargo.toml",
                       binding=Binding.NoBinding, strip=Strip.All),
     ],
-    cmdclass={"build_rust": BuildRust},
+    cmdclass={"build_rust": BuildRust, "bdist_wheel": BdistWheel},
 )
