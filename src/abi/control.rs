@@ -55,11 +55,14 @@ pub unsafe extern "C" fn torchfuse_rs_set_enabled(
     let name = String::from_utf8_lossy(bytes);
     let enabled = enabled != 0;
     let answer = catch_unwind(|| {
-        // `all` as in TORCHFUSE_OPS: every toggle at once.
+        // `all` as in TORCHFUSE_OPS: every op TORCHFUSE / TORCHFUSE_OPS registered (the others
+        // need no warning), served where any one is.
         let name = name.trim().to_ascii_lowercase();
-        let toggles = match name.as_str() {
-            "all" => Toggle::ALL.to_vec(),
-            one => vec![Toggle::from_name(one)?],
+        let every = name == "all";
+        let toggles = if every {
+            Toggle::ALL.to_vec()
+        } else {
+            vec![Toggle::from_name(&name)?]
         };
         let mut unregistered = Vec::new();
         for toggle in toggles {
@@ -68,9 +71,6 @@ pub unsafe extern "C" fn torchfuse_rs_set_enabled(
                 unregistered.push(toggle.name());
             }
         }
-        // `all` is every op TORCHFUSE / TORCHFUSE_OPS registered: the others need no warning,
-        // and it is served where any one is.
-        let every = name == "all";
         let served = enabled
             && if every {
                 unregistered.len() < Toggle::ALL.len()
