@@ -193,7 +193,9 @@ def doctor():
     for source, result in sorted(info["kernels"].items()):
         report.check(f"compile {source}", result, "run `TORCHFUSE_LOG=debug torchfuse doctor` and "
                      "report the NVRTC log")
-    if gpus:
+    if gpus and not enabled:
+        report.info("run", "skipped: no op is registered to run (every op is off)")
+    elif gpus:
         from . import _doctor_gpu
 
         for what, result in _doctor_gpu.run_each_family(torch):

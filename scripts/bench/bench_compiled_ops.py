@@ -13,8 +13,11 @@ compiled graph gets their decomposition (aten::rms_norm; PyTorch's cross-entropy
 kernels, so their `op compiled` column measures Inductor on that decomposition. Calling our
 kernels from a compiled graph needs them as ops with their own Meta and autograd kernels, as
 gelu_tanh, silu_mul and rotary are.
-CUDA events, warm-up, medians of interleaved rounds, input sets rotated over more memory than
-L2, copy bandwidth measured in the same run.
+Each side's forward + backward over the input sets is captured in a CUDA graph and the replays
+timed with CUDA events (a compiled callable's host work, guards and autograd bookkeeping, is a
+few hundred µs a call and would otherwise be all that is measured); warm-up, medians of
+interleaved rounds, input sets rotated over more memory than L2, copy bandwidth measured in the
+same run.
 
 Usage: bench_compiled_ops.py --lib-dir DIR [--out DIR]  (writes DIR/bench_compiled_ops.md)
 """
@@ -24,7 +27,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from bench_common import kernel_bench_setup, timed_loop, write_report
+from bench_common import capture_graph, kernel_bench_setup, replay_times, write_report
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -100,7 +103,7 @@ def fwd_bwd(fn):
 def main():
     args, bandwidth = kernel_bench_setup()
     rows = [f"# torchfuse's ops against Inductor's kernels for the same compositions ({torch.cuda.get_device_name()})",
-            "", f"copy bandwidth {bandwidth:.2f} TB/s; forward + backward, µs (medians of interleaved rounds); "
+            "", f"copy bandwidth {bandwidth:.2f} TB/s; forward + backward, GPU µs (CUDA-graph replays, medians of interleaved rounds); "
             "ratio = inductor / op compiled (> 1: our op is faster inside a compiled graph)", "",
             "| composition | shape | inductor | op compiled | op eager | ratio | one pass of the data at copy bandwidth |",
             "|---|---|---|---|---|---|---|"]
@@ -109,16 +112,19 @@ def main():
         inputs = [make() for _ in range(3)]
         sides = {"inductor": fwd_bwd(torch.compile(original)), "op compiled": fwd_bwd(torch.compile(op_call)),
                  "op eager": fwd_bwd(op_call)}
-        times = {label: [] for label in sides}
-        for fn in sides.values():
-            timed_loop(fn, inputs, 3)  # compiles, warms up
-        for _ in range(5):
-            for label, fn in sides.items():
-                times[label] += timed_loop(fn, inputs, 4)
+        graphs = {}
+        for label, fn in sides.items():  # compiles, warms up, captures
+            try:
+                graphs[label] = capture_graph(fn, inputs)
+            except RuntimeError as e:
+                print(f"  {name} {shape} {label}: no graph ({str(e).splitlines()[0]})", flush=True)
+        times = replay_times(graphs, len(inputs), rounds=5, reps=4)
+        del graphs, inputs
+        if len(times) < len(sides):
+            continue
         us = {label: statistics.median(t) for label, t in times.items()}
         rows.append(f"| {name} | {shape} | {us['inductor']:.1f} | {us['op compiled']:.1f} | {us['op eager']:.1f} | "
                     f"{us['inductor'] / us['op compiled']:.2f}x | {bytes_once / (bandwidth * 1e12) * 1e6:.1f} |")
-        del inputs
     write_report(rows, args.out, "bench_compiled_ops.md")
 
 
