@@ -126,21 +126,39 @@ def _causal_lm_loss(torch, original, form):
     op = torch.ops.torchfuse.cross_entropy.default
     tensor, served, fp32 = torch.Tensor, _served_dtypes(torch), torch.float32
     untraced, pad, is_tensor = _untraced_call(torch), torch.nn.functional.pad, torch.is_tensor
+    compiling = torch.compiler.is_compiling
     unchanged = compositions.Dependencies(original).unchanged  # fixed_cross_entropy's too
+    # Under torch.compile the op runs too (the one rewrite measured faster than Inductor's
+    # kernels for its composition: docs/bench/compile): the check of the original's
+    # dependencies is made once per trace, as a constant of the graph.
+    @torch.compiler.assume_constant_result
+    def unchanged_when_traced():
+        return unchanged()
+
     mean, total = 1, 2  # at::Reduction
 
     @functools.wraps(original)
     def loss_function(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
                       shift_labels=None, **kwargs):
-        if (type(logits) is not tensor or not logits.is_cuda or logits.dtype not in served
-                or type(ignore_index) is not int or not untraced() or not unchanged()):
+        if type(logits) is not tensor or not logits.is_cuda or logits.dtype not in served \
+                or type(ignore_index) is not int:
             return original(logits, labels, vocab_size, num_items_in_batch, ignore_index,
                             shift_labels, **kwargs)
-        try:  # logits the original's view of its fp32 copy would reject: its error, its way
+        if compiling():
+            # Contiguous logits: the view below is the original's view of its fp32 copy.
+            if not (rewrite_switch.on and logits.is_contiguous() and unchanged_when_traced()):
+                return original(logits, labels, vocab_size, num_items_in_batch, ignore_index,
+                                shift_labels, **kwargs)
             flat_logits = logits.view(-1, vocab_size)
-        except RuntimeError:
+        elif not untraced() or not unchanged():
             return original(logits, labels, vocab_size, num_items_in_batch, ignore_index,
                             shift_labels, **kwargs)
+        else:
+            try:  # logits the original's view of its fp32 copy would reject: its error, its way
+                flat_logits = logits.view(-1, vocab_size)
+            except RuntimeError:
+                return original(logits, labels, vocab_size, num_items_in_batch, ignore_index,
+                                shift_labels, **kwargs)
         if shift_labels is None:
             labels = pad(labels, (0, 1), value=ignore_index)
             shift_labels = labels[..., 1:].contiguous()

@@ -8,11 +8,10 @@ Llama-style model at their bench batches), forward + backward of:
 - `op compiled`: torch.compile of a function calling torchfuse's op (Inductor calls it as an
   extern kernel, as a compiled graph of a rewritten model would);
 - `op eager`: the op called eagerly.
-torchfuse::hf_rms_norm and torchfuse::cross_entropy are CompositeImplicitAutograd today: a
-compiled graph gets their decomposition (aten::rms_norm; PyTorch's cross-entropy), not our
-kernels, so their `op compiled` column measures Inductor on that decomposition. Calling our
-kernels from a compiled graph needs them as ops with their own Meta and autograd kernels, as
-gelu_tanh, silu_mul and rotary are.
+torchfuse::hf_rms_norm is CompositeImplicitAutograd: a compiled graph gets its decomposition
+(aten::rms_norm), so its `op compiled` column measures Inductor on that. torchfuse::cross_entropy
+has its own autograd kernel: a compiled graph of static shapes Rust would serve calls
+torchfuse::cross_entropy_fwd / _bwd, torchfuse's kernels.
 Each side's forward + backward over the input sets is captured in a CUDA graph and the replays
 timed with CUDA events (a compiled callable's host work, guards and autograd bookkeeping, is a
 few hundred µs a call and would otherwise be all that is measured); warm-up, medians of

@@ -10,6 +10,7 @@ where matplotlib is installed, a PNG bar chart.
 
   python3 scripts/bench/bench_models.py --lib-dir .dev --out $OUT [--models gpt2,llama]
       [--sides stock,torchfuse,compile,torchfuse+compile,liger] [--rounds 2] [--steps 30]
+  (--models also takes gpt2-b32: GPT-2 at batch 32)
 
 Every run is also appended to OUT/bench_models.jsonl as it ends; `--merge A.jsonl B.jsonl`
 reports the runs of several calls as one table.
@@ -48,12 +49,13 @@ LIGER_MODELS = {"llama"}
 def build(name, torch):
     """(model, batch maker, tokens or samples per step, description) for one model."""
     g = torch.Generator(device="cpu").manual_seed(0)
-    if name == "gpt2":
+    if name in ("gpt2", "gpt2-b32"):
         from transformers import GPT2Config, GPT2LMHeadModel
         cfg = GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50304,
                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        model, (b, s), vocab = GPT2LMHeadModel(cfg), (8, 1024), 50304
-        what = "HF GPT-2 124M, B8 S1024, bf16 autocast"
+        batch = 32 if name == "gpt2-b32" else 8  # B32: the throughput regime llm.c is run at
+        model, (b, s), vocab = GPT2LMHeadModel(cfg), (batch, 1024), 50304
+        what = f"HF GPT-2 124M, B{batch} S1024, bf16 autocast"
     elif name == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
         cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,

@@ -70,7 +70,9 @@ unsafe fn answer<F: Family>(
     match result {
         Ok(Err(message)) => status.fail(&message),
         Ok(Ok(Some((dtype, shape, Ok(served))))) => {
-            stats::record(entry, Outcome::Fused(served.kernel), dtype, &shape);
+            if F::counted(call) {
+                stats::record(entry, Outcome::Fused(served.kernel), dtype, &shape);
+            }
             if let Some(out) = out.as_mut() {
                 for (slot, t) in out.tensors.iter_mut().zip(served.outputs) {
                     *slot = t.map_or(std::ptr::null_mut(), into_raw);
@@ -79,7 +81,9 @@ unsafe fn answer<F: Family>(
             status.code = TF_FUSED;
         }
         Ok(Ok(Some((dtype, shape, Err(reason))))) => {
-            stats::record(entry, Outcome::Stock(reason), dtype, &shape);
+            if F::counted(call) {
+                stats::record(entry, Outcome::Stock(reason), dtype, &shape);
+            }
         }
         Ok(Ok(None)) => {}
         Err(payload) => super::lifecycle::warn_internal_error(entry, &*payload),

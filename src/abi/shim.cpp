@@ -67,8 +67,13 @@ TfTensor describe(const at::Tensor& t, bool written = false, const at::Tensor* l
   f.symbolic = t.unsafeGetTensorImpl()->has_symbolic_sizes_strides();
   if (!strided || f.symbolic) return f;
   f.numel = t.numel();
-  // No storage: a torch.func wrapper (grad, vmap) handed to the SDPA backend choice.
-  const bool readable = cuda && t.has_storage();
+  // No storage: a torch.func wrapper (grad, vmap) handed to the SDPA backend choice. A Python
+  // or functionalization key: a compiler's fake or functional tensor, whose pointer means
+  // nothing (and may raise when read).
+  const bool readable =
+      cuda && t.has_storage() &&
+      !t.key_set().has_any(c10::DispatchKeySet(
+          {c10::DispatchKey::Python, c10::DispatchKey::Functionalize}));
   f.data = !readable ? nullptr : written ? t.data_ptr() : const_cast<void*>(t.const_data_ptr());
   f.dense = t.is_non_overlapping_and_dense();
   f.like_first = like != nullptr && same_geometry(t, *like);
@@ -584,6 +589,117 @@ at::Tensor cross_entropy_backward_stock(const at::Tensor& grad_loss, const at::T
   return (grad * g.unsqueeze(1)).to(logits.scalar_type());
 }
 
+// torchfuse::cross_entropy_bwd(grad_loss, logits, target, lse, total_weight, reduction,
+// ignore_index, label_smoothing): the gradient of the logits, from the forward's lse and
+// total_weight. Rust serves it on CUDA where it can; otherwise (and on fake tensors) the
+// composition above.
+at::Tensor cross_entropy_bwd_stock(const at::Tensor& grad_loss, const at::Tensor& logits,
+                                   const at::Tensor& target, const at::Tensor& /*lse*/,
+                                   const at::Tensor& total_weight, int64_t reduction,
+                                   int64_t ignore_index, double label_smoothing) {
+  return cross_entropy_backward_stock(grad_loss, logits, target, total_weight, reduction,
+                                      ignore_index, label_smoothing);
+}
+
+at::Tensor cross_entropy_bwd_cuda(const at::Tensor& grad_loss_in, const at::Tensor& logits,
+                                  const at::Tensor& target, const at::Tensor& lse,
+                                  const at::Tensor& total_weight, int64_t reduction,
+                                  int64_t ignore_index, double label_smoothing) {
+  const at::Tensor grad_loss = grad_loss_in.contiguous();
+  TfCrossEntropyCall call{};
+  call.logits = describe(logits);
+  call.target = describe(target);
+  call.grad_loss = describe(grad_loss);
+  call.lse = describe(lse);
+  call.total_weight = describe(total_weight);
+  call.ignore_index = ignore_index;
+  call.label_smoothing = label_smoothing;
+  call.reduction = static_cast<int32_t>(reduction);
+  TfOutputs out{};
+  if (fused_by_rust(torchfuse_rs_cross_entropy, TF_ENTRY_CROSS_ENTROPY_BACKWARD, logits, call,
+                    out))
+    return take_outputs(out)[0];
+  return cross_entropy_backward_stock(grad_loss, logits, target, total_weight, reduction,
+                                      ignore_index, label_smoothing);
+}
+
+// Its shape on meta and fake tensors (symbolic sizes included): the logits'.
+at::Tensor cross_entropy_bwd_meta(const at::Tensor& /*grad_loss*/, const at::Tensor& logits,
+                                  const at::Tensor& /*target*/, const at::Tensor& /*lse*/,
+                                  const at::Tensor& /*total_weight*/, int64_t /*reduction*/,
+                                  int64_t /*ignore_index*/, double /*label_smoothing*/) {
+  return at::empty_symint(logits.sym_sizes(), logits.options());
+}
+
+at::Tensor call_cross_entropy_bwd(const at::Tensor& grad_loss, const at::Tensor& logits,
+                                  const at::Tensor& target, const at::Tensor& lse,
+                                  const at::Tensor& total_weight, int64_t reduction,
+                                  int64_t ignore_index, double label_smoothing) {
+  static const auto op =
+      own_op<decltype(call_cross_entropy_bwd)>("torchfuse::cross_entropy_bwd");
+  return op.call(grad_loss, logits, target, lse, total_weight, reduction, ignore_index,
+                 label_smoothing);
+}
+
+// torchfuse::cross_entropy_fwd(logits, target, reduction, ignore_index, label_smoothing,
+// dtype) -> (loss, lse, total_weight): the forward a compiled graph calls (the loss in `dtype`,
+// the fp32 log-sum-exp a row, the fp32 count of rows not ignored; 0 for `none`). Rust serves
+// it on CUDA; where it does not at run time (switched off since the trace, a failure), and on
+// fake tensors, PyTorch's loss with the log-sum-exp computed beside it.
+using CrossEntropyOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+CrossEntropyOutputs cross_entropy_fwd_stock(const at::Tensor& logits, const at::Tensor& target,
+                                            int64_t reduction, int64_t ignore_index,
+                                            double label_smoothing, at::ScalarType dtype) {
+  const at::Tensor loss =
+      cross_entropy_stock(logits, target, reduction, ignore_index, label_smoothing, dtype);
+  const at::Tensor lse = at::logsumexp(logits.to(at::kFloat), {1});
+  const at::Tensor total_weight = reduction == at::Reduction::None
+                                      ? at::zeros({}, logits.options().dtype(at::kFloat))
+                                      : target.ne(ignore_index).sum().to(at::kFloat);
+  return {loss, lse, total_weight};
+}
+
+CrossEntropyOutputs cross_entropy_fwd_cuda(const at::Tensor& logits, const at::Tensor& target,
+                                           int64_t reduction, int64_t ignore_index,
+                                           double label_smoothing, at::ScalarType dtype) {
+  TfCrossEntropyCall call{};
+  call.logits = describe(logits);
+  call.target = describe(target);
+  call.ignore_index = ignore_index;
+  call.label_smoothing = label_smoothing > 0.0 ? label_smoothing : 0.0;
+  call.reduction = static_cast<int32_t>(reduction);
+  call.out_dtype = static_cast<int16_t>(dtype);
+  TfOutputs out{};
+  if (!traced(logits) &&
+      fused_by_rust(torchfuse_rs_cross_entropy, TF_ENTRY_CROSS_ENTROPY, logits, call, out)) {
+    auto [loss, lse, total_weight] = take_outputs(out);
+    return {loss, lse, total_weight};
+  }
+  return cross_entropy_fwd_stock(logits, target, reduction, ignore_index, label_smoothing,
+                                 dtype);
+}
+
+// Its shapes on meta and fake tensors (symbolic sizes included), as both paths above give.
+CrossEntropyOutputs cross_entropy_fwd_meta(const at::Tensor& logits, const at::Tensor& /*target*/,
+                                           int64_t reduction, int64_t /*ignore_index*/,
+                                           double /*label_smoothing*/, at::ScalarType dtype) {
+  const c10::SymInt rows = logits.sym_size(0);
+  const at::TensorOptions fp32 = logits.options().dtype(at::kFloat);
+  const at::Tensor loss = reduction == at::Reduction::None
+                              ? at::empty_symint({rows}, logits.options().dtype(dtype))
+                              : at::empty({}, logits.options().dtype(dtype));
+  return {loss, at::empty_symint({rows}, fp32), at::empty({}, fp32)};
+}
+
+CrossEntropyOutputs call_cross_entropy_fwd(const at::Tensor& logits, const at::Tensor& target,
+                                           int64_t reduction, int64_t ignore_index,
+                                           double label_smoothing, at::ScalarType dtype) {
+  static const auto op =
+      own_op<decltype(call_cross_entropy_fwd)>("torchfuse::cross_entropy_fwd");
+  return op.call(logits, target, reduction, ignore_index, label_smoothing, dtype);
+}
+
 class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunction> {
  public:
   // `loss`, `lse` and `total_weight` are the outputs of the forward Rust served.
@@ -607,26 +723,14 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
     const int64_t reduction = ctx->saved_data["reduction"].toInt();
     const int64_t ignore_index = ctx->saved_data["ignore_index"].toInt();
     const double label_smoothing = ctx->saved_data["label_smoothing"].toDouble();
-    const at::Tensor grad_loss = grads[0].contiguous();
-    TfCrossEntropyCall call{};
-    call.logits = describe(logits);
-    call.target = describe(target);
-    call.grad_loss = describe(grad_loss);
-    call.lse = describe(lse);
-    call.total_weight = describe(total_weight);
-    call.ignore_index = ignore_index;
-    call.label_smoothing = label_smoothing;
-    call.reduction = static_cast<int32_t>(reduction);
-    TfOutputs out{};
-    at::Tensor grad_logits;
     // create_graph: the gradient must itself be differentiable, which the fused one is not.
-    if (!at::GradMode::is_enabled() &&
-        fused_by_rust(torchfuse_rs_cross_entropy, TF_ENTRY_CROSS_ENTROPY_BACKWARD, logits, call,
-                      out))
-      grad_logits = take_outputs(out)[0];
-    else
-      grad_logits = cross_entropy_backward_stock(grad_loss, logits, target, total_weight,
-                                                 reduction, ignore_index, label_smoothing);
+    // Otherwise through torchfuse::cross_entropy_bwd, which a compiled graph records.
+    const at::Tensor grad_logits =
+        at::GradMode::is_enabled()
+            ? cross_entropy_backward_stock(grads[0], logits, target, total_weight, reduction,
+                                           ignore_index, label_smoothing)
+            : call_cross_entropy_bwd(grads[0], logits, target, lse, total_weight, reduction,
+                                     ignore_index, label_smoothing);
     return {grad_logits, at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -673,6 +777,55 @@ at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& target, int
                                          dtype.value_or(loss_dtype_under_autocast(logits)));
   if (loss.defined()) return loss;
   return cross_entropy_stock(logits, target, reduction, ignore_index, label_smoothing, dtype);
+}
+
+// A compiler's trace (static sizes) of a call Rust would serve: the graph gets
+// torchfuse::cross_entropy_fwd, and CrossEntropyFunction's backward torchfuse::cross_entropy_bwd,
+// which run Rust's kernels at run time, in place of PyTorch's decomposition (Inductor's own
+// kernels for it were measured slower). An undefined tensor: the decomposition is traced.
+at::Tensor cross_entropy_traced(const at::Tensor& logits, const at::Tensor& target,
+                                int64_t reduction, int64_t ignore_index, double label_smoothing,
+                                at::ScalarType loss_dtype) {
+  if (!logits.is_cuda()) return at::Tensor();
+  if (!(label_smoothing > 0.0)) label_smoothing = 0.0;
+  TfCrossEntropyCall call{};
+  call.logits = describe(logits);
+  call.target = describe(target);
+  call.ignore_index = ignore_index;
+  call.label_smoothing = label_smoothing;
+  call.reduction = static_cast<int32_t>(reduction);
+  call.out_dtype = static_cast<int16_t>(loss_dtype);
+  call.plan_only = 1;
+  TfOutputs out{};
+  if (!fused_by_rust(torchfuse_rs_cross_entropy, TF_ENTRY_CROSS_ENTROPY, logits, call, out))
+    return at::Tensor();
+  CrossEntropyOutputs outputs;
+  {
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    outputs = call_cross_entropy_fwd(logits, target, reduction, ignore_index, label_smoothing,
+                                     loss_dtype);
+  }
+  auto& [loss, lse, total_weight] = outputs;
+  if (!(at::GradMode::is_enabled() && logits.requires_grad())) return loss;
+  return CrossEntropyFunction::apply(logits, target, loss, lse, total_weight, reduction,
+                                     ignore_index, label_smoothing);
+}
+
+// torchfuse::cross_entropy at the Autograd key: the composition under torch.func and forward
+// AD, the op pair in a compiler's trace where Rust would serve, and otherwise `cross_entropy`.
+at::Tensor cross_entropy_autograd(const at::Tensor& logits, const at::Tensor& target,
+                                  int64_t reduction, int64_t ignore_index,
+                                  double label_smoothing, std::optional<at::ScalarType> dtype) {
+  if (composition_only({logits}))
+    return cross_entropy_stock(logits, target, reduction, ignore_index, label_smoothing, dtype);
+  if (traced(logits) || traced(target)) {
+    const at::Tensor loss =
+        cross_entropy_traced(logits, target, reduction, ignore_index, label_smoothing,
+                             dtype.value_or(loss_dtype_under_autocast(logits)));
+    if (loss.defined()) return loss;
+    return cross_entropy_stock(logits, target, reduction, ignore_index, label_smoothing, dtype);
+  }
+  return cross_entropy(logits, target, reduction, ignore_index, label_smoothing, dtype);
 }
 
 // aten::cross_entropy_loss, at AutogradCUDA (the op is CompositeImplicitAutograd: this kernel
@@ -1089,10 +1242,27 @@ void define_own_op(uint32_t entry) {
       torchfuse_ops().def(
           "cross_entropy(Tensor logits, Tensor target, int reduction=1, int ignore_index=-100, "
           "float label_smoothing=0.0, ScalarType? dtype=None) -> Tensor");
-      torchfuse_impl(DispatchKey::CompositeImplicitAutograd)
+      torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
           .impl("cross_entropy", TORCH_FN(cross_entropy));
+      torchfuse_impl(DispatchKey::Autograd)
+          .impl("cross_entropy", TORCH_FN(cross_entropy_autograd));
+      torchfuse_ops().def(
+          "cross_entropy_fwd(Tensor logits, Tensor target, int reduction, int ignore_index, "
+          "float label_smoothing, ScalarType dtype) -> (Tensor, Tensor, Tensor)");
+      torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
+          .impl("cross_entropy_fwd", TORCH_FN(cross_entropy_fwd_stock));
+      torchfuse_impl(DispatchKey::CUDA).impl("cross_entropy_fwd", TORCH_FN(cross_entropy_fwd_cuda));
+      torchfuse_impl(DispatchKey::Meta).impl("cross_entropy_fwd", TORCH_FN(cross_entropy_fwd_meta));
       break;
-    case TF_ENTRY_CROSS_ENTROPY_BACKWARD: break;  // CrossEntropyFunction's, no op of its own
+    case TF_ENTRY_CROSS_ENTROPY_BACKWARD:
+      torchfuse_ops().def(
+          "cross_entropy_bwd(Tensor grad_loss, Tensor logits, Tensor target, Tensor lse, "
+          "Tensor total_weight, int reduction, int ignore_index, float label_smoothing) -> Tensor");
+      torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
+          .impl("cross_entropy_bwd", TORCH_FN(cross_entropy_bwd_stock));
+      torchfuse_impl(DispatchKey::CUDA).impl("cross_entropy_bwd", TORCH_FN(cross_entropy_bwd_cuda));
+      torchfuse_impl(DispatchKey::Meta).impl("cross_entropy_bwd", TORCH_FN(cross_entropy_bwd_meta));
+      break;
     case TF_ENTRY_SILU_MUL:
       torchfuse_ops().def("silu_mul(Tensor gate, Tensor up) -> Tensor");
       torchfuse_impl(DispatchKey::CompositeExplicitAutograd)

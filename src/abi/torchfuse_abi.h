@@ -129,7 +129,10 @@ typedef struct TfCrossEntropyCall {
   double label_smoothing;
   int32_t reduction;  // at::Reduction: 0 none, 1 mean, 2 sum
   int16_t out_dtype;  // forward: the loss's c10::ScalarType (what the logits are cast to first)
-  uint8_t unused[2];
+  // Forward, nonzero: whether a kernel would serve the call, decided and not launched or
+  // counted (a compiler's trace of static sizes: its graph then calls the op at run time).
+  uint8_t plan_only;
+  uint8_t unused;
 } TfCrossEntropyCall;
 
 // torchfuse::silu_mul (gate, up) and silu_mul_backward (grad_out, gate, up).

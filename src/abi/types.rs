@@ -142,7 +142,8 @@ pub struct TfCrossEntropyCall {
     pub label_smoothing: f64,
     pub reduction: i32,
     pub out_dtype: i16,
-    pub unused: [u8; 2],
+    pub plan_only: u8,
+    pub unused: u8,
 }
 
 /// `TfSwigluCall`.

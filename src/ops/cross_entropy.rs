@@ -2,7 +2,10 @@
 //! (any caller) and `torchfuse::cross_entropy` (what the rewrite layer sends HF's causal-LM loss
 //! to, the loss in fp32 from 16-bit logits), through kernels/cross_entropy.cu, or why stock
 //! (PyTorch's `cross_entropy` on the logits cast to the loss dtype, in the glue) runs a call.
-//! Both forwards share one backward entry (the glue's CrossEntropyFunction).
+//! Both forwards share one backward entry (the glue's CrossEntropyFunction). In a compiler's
+//! trace of static sizes the glue asks first (`plan_only`: decided, not launched or counted)
+//! whether a kernel would serve; where one would, the graph calls `torchfuse::cross_entropy_fwd`
+//! and `_bwd`, which arrive here at run time as the same entries.
 
 use super::{elementwise, params};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
@@ -58,6 +61,10 @@ impl Family for CrossEntropy {
             &call.lse,
             &call.total_weight,
         ])
+    }
+
+    unsafe fn counted(call: &TfCrossEntropyCall) -> bool {
+        call.plan_only == 0
     }
 
     unsafe fn describe(
@@ -133,6 +140,13 @@ impl Family for CrossEntropy {
             sm,
             deterministic: false,
         })?;
+        if call.plan_only != 0 {
+            // The kernels are loaded now, at trace time; the graph's calls launch them.
+            return Ok(Served::new(
+                selected.variant.name.as_str(),
+                [None, None, None],
+            ));
+        }
         let s = Shape {
             rows,
             cols,

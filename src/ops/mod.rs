@@ -61,6 +61,16 @@ pub trait Family {
     /// As `describe`.
     unsafe fn symbolic(call: &Self::Call) -> Option<&TfTensor>;
 
+    /// Whether the answer to this call is counted in the stats (default: yes). A call that only
+    /// asks whether a kernel would serve (a compiler's trace) is not: the calls its graph makes
+    /// at run time are.
+    ///
+    /// # Safety
+    /// As `describe`.
+    unsafe fn counted(_call: &Self::Call) -> bool {
+        true
+    }
+
     /// Bad input stock would not survive: the error to raise instead (default: none).
     ///
     /// # Safety

@@ -84,13 +84,19 @@ def test_every_mode_runs_and_follows_stocks_losses(matrix):
 def test_torchfuse_served_where_it_should(matrix):
     """The comparison above is not vacuous: eager and checkpointed training ran torchfuse's
     kernels and rewrites (GLM-4's post-norm RMSNorm among them, the op whose recompute
-    checkpointing stops from inside), and compiled SDPA under dynamic shapes reached torchfuse's
-    backend choice and went to stock for its symbolic sizes."""
+    checkpointing stops from inside), compiled graphs of static shapes call torchfuse's
+    cross-entropy (the causal-LM loss, forward and backward: the one rewrite faster than
+    Inductor's kernels), and compiled SDPA under dynamic shapes reached torchfuse's backend
+    choice and went to stock for its symbolic sizes."""
     model, results = matrix
     ours = results["torchfuse"]
     expected = {"gpt2": "native_layer_norm", "llama": "torchfuse::hf_rms_norm",
                 "glm4": "torchfuse::hf_rms_norm"}[model]
     for mode in ("eager", *CHECKPOINTED):
         assert ours[mode].get("fused", {}).get(expected, 0) > 0, (mode, ours[mode])
+    for mode in ("compile", "reduce-overhead"):
+        if mode in ours:
+            for op in ("torchfuse::cross_entropy", "torchfuse::cross_entropy (backward)"):
+                assert ours[mode].get("fused", {}).get(op, 0) > 0, (mode, op, ours[mode])
     if "sdpa-dynamic" in ours:
         assert "symbolic sizes (a compiler's trace)" in ours["sdpa-dynamic"]["stock_reasons"], ours["sdpa-dynamic"]

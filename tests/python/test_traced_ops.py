@@ -28,6 +28,10 @@ SAMPLES = {
     "silu_mul_backward": [(r(5, 64), x.detach(), r(5, 64))],
     "hf_rms_norm": [(x, w, 1e-6)],
     "cross_entropy": [(logits, target, 1, -100, 0.0, torch.float32), (logits, target, 0, 3, 0.1, None)],
+    "cross_entropy_fwd": [(logits.detach(), target, 1, -100, 0.0, torch.float32),
+                          (logits.detach(), target, 0, 3, 0.1, torch.float32)],
+    "cross_entropy_bwd": [(torch.ones(()), logits.detach(), target, r(6), torch.tensor(6.0), 1, -100, 0.0),
+                          (r(6), logits.detach(), target, r(6), torch.tensor(0.0), 0, 3, 0.1)],
 }
 def compute_ops():
     names = [n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("torchfuse::")]
