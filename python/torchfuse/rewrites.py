@@ -126,7 +126,13 @@ def _causal_lm_loss(torch, original, form):
     op = torch.ops.torchfuse.cross_entropy.default
     tensor, served, fp32 = torch.Tensor, _served_dtypes(torch), torch.float32
     untraced, pad, is_tensor = _untraced_call(torch), torch.nn.functional.pad, torch.is_tensor
-    compiling = torch.compiler.is_compiling
+    compiling, compiler = torch.compiler.is_compiling, torch.compiler
+
+    def exporting():
+        # The flag torch.export sets, read as a global Dynamo guards on: `is_exporting()` itself
+        # is True in any Dynamo trace. Without the flag (another torch), as if exporting.
+        return getattr(compiler, "_is_exporting_flag", True)
+
     unchanged = compositions.Dependencies(original).unchanged  # fixed_cross_entropy's too
     # Under torch.compile the op runs too (the one rewrite measured faster than Inductor's
     # kernels for its composition: docs/bench/compile): the check of the original's
@@ -145,8 +151,10 @@ def _causal_lm_loss(torch, original, form):
             return original(logits, labels, vocab_size, num_items_in_batch, ignore_index,
                             shift_labels, **kwargs)
         if compiling():
-            # Contiguous logits: the view below is the original's view of its fp32 copy.
-            if not (rewrite_switch.on and logits.is_contiguous() and unchanged_when_traced()):
+            # Contiguous logits: the view below is the original's view of its fp32 copy. An
+            # exported program keeps the original (it must load without torchfuse).
+            if not (rewrite_switch.on and not exporting() and logits.is_contiguous()
+                    and unchanged_when_traced()):
                 return original(logits, labels, vocab_size, num_items_in_batch, ignore_index,
                                 shift_labels, **kwargs)
             flat_logits = logits.view(-1, vocab_size)

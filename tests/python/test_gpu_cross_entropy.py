@@ -210,6 +210,46 @@ def test_hf_causal_lm_loss_rewritten_gives_the_originals_loss_and_grad():
         assert rel_err(ours, theirs) < 1e-5 and rel_err(our_grad, their_grad) < FLOOR[torch.bfloat16]
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_hf_causal_lm_loss_compiled_calls_torchfuses_kernels(dynamic):
+    """Under torch.compile (fullgraph: no graph break in the rewrite), a trace of static sizes
+    records torchfuse::cross_entropy_fwd / _bwd, whose runs are counted as the op's calls; with
+    symbolic sizes the decomposition is traced (nothing counted). Both give the original's loss
+    and logits gradient; torch.export keeps the original code (no torchfuse op in the program)."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(ROOT / "python"))
+    from torchfuse import rewrites
+    import transformers.loss.loss_utils as L
+    original = getattr(L.ForCausalLMLoss, "__wrapped__", L.ForCausalLMLoss)
+    rewritten = rewrites._causal_lm_loss(torch, original, "hf_causal_lm_loss")
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, y: rewritten(x, y, 32000), fullgraph=True, dynamic=dynamic)
+    torch.manual_seed(fresh_seed())
+    logits = torch.randn(4, 257, 32000, device="cuda", dtype=torch.bfloat16) * 3
+    labels = torch.randint(0, 32000, (4, 257), device="cuda")
+    labels[:, :5] = -100
+    before = fused_count(OP), fused_count(OP_BWD)
+    out = []
+    for fn in (compiled, lambda x, y: original(x, y, 32000)):
+        x = logits.detach().requires_grad_(True)
+        loss = fn(x, labels)
+        (g,) = torch.autograd.grad(loss, x)
+        out.append((loss, g))
+    (ours, our_grad), (theirs, their_grad) = out
+    served = 0 if dynamic else 1
+    assert (fused_count(OP), fused_count(OP_BWD)) == (before[0] + served, before[1] + served), (
+        stock_reasons(OP), stock_reasons(OP_BWD))
+    assert ours.dtype == theirs.dtype == torch.float32 and our_grad.dtype == torch.bfloat16
+    assert rel_err(ours, theirs) < 1e-5 and rel_err(our_grad, their_grad) < FLOOR[torch.bfloat16]
+
+    class Loss(torch.nn.Module):
+        def forward(self, x, y):
+            return rewritten(x, y, 32000)
+
+    program = torch.export.export(Loss(), (logits, labels))
+    assert "torchfuse" not in str(program.graph), program.graph
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
 def test_aten_cross_entropy_from_any_caller(autocast):
     """F.cross_entropy itself (aten::cross_entropy_loss, taken at AutogradCUDA): stock's dtypes
