@@ -67,14 +67,14 @@ def train(mode):
             gradient_checkpointing_kwargs={"use_reentrant": mode == "checkpoint-reentrant"})
     if mode in ("compile", "compile-dynamic", "shape-change", "reduce-overhead", "max-autotune"):
         options = {"compile-dynamic": {"dynamic": True}, "reduce-overhead": {"mode": "reduce-overhead"},
-                   "max-autotune": {"mode": "max-autotune-no-cudagraphs"}}.get(mode, {})
+                   "max-autotune": {"mode": "max-autotune"}}.get(mode, {})
         model = torch.compile(model, **options)
     if mode == "compiled-optimizer":
         step_fn = torch.compile(opt.step)
     losses = []
     for step, shape in enumerate(batches(mode)):
         ids = data(shape, step)
-        if mode == "reduce-overhead":
+        if mode in ("reduce-overhead", "max-autotune"):  # both run CUDA-graph trees
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
