@@ -84,11 +84,11 @@ def _untraced_call(torch):
 _REWRITTEN = {}
 
 
-def _gelu_forward(torch, original, form):
+def _gelu_forward(torch, original, form, dependencies=None):
     op = torch.ops.torchfuse.gelu_tanh.default
     tensor, served, fp32 = torch.Tensor, _served_dtypes(torch), torch.float32
     untraced, autocast = _untraced_call(torch), torch.is_autocast_enabled
-    unchanged = compositions.Dependencies(original).unchanged
+    unchanged = (dependencies or compositions.Dependencies(original)).unchanged
     widens = _FP32_UNDER_AUTOCAST[form]
 
     @functools.wraps(original)
@@ -101,10 +101,11 @@ def _gelu_forward(torch, original, form):
     return forward
 
 
-def _rms_norm_forward(torch, original, form):
+def _rms_norm_forward(torch, original, form, dependencies=None):
     op = torch.ops.torchfuse.hf_rms_norm.default
     tensor, parameter = torch.Tensor, torch.nn.Parameter
-    untraced, unchanged = _untraced_call(torch), compositions.Dependencies(original).unchanged
+    untraced = _untraced_call(torch)
+    unchanged = (dependencies or compositions.Dependencies(original)).unchanged
 
     @functools.wraps(original)
     def forward(self, hidden_states):
@@ -182,14 +183,15 @@ def _causal_lm_loss(torch, original, form):
     return loss_function
 
 
-def _gated_mlp_forward(torch, original, form):
+def _gated_mlp_forward(torch, original, form, dependencies=None):
     """HF's gated MLP with silu(gate) * up in one op (torchfuse::silu_mul) where act_fn is SiLU
     and gate and up agree in dtype and shape; the matmuls are the module's own."""
     op = torch.ops.torchfuse.silu_mul.default
     tensor, served = torch.Tensor, _served_dtypes(torch)
     untraced = _untraced_call(torch)
     # The SiLU that nn.SiLU and HF's SiLUActivation call.
-    dependencies = compositions.Dependencies(original).add(vars(torch.nn), ("functional", "silu"))
+    dependencies = (dependencies or compositions.Dependencies(original)).add(vars(torch.nn),
+                                                                             ("functional", "silu"))
     silu_types = {}  # (act_fn type, its forward) -> computes SiLU
 
     def plain_silu(act):
@@ -216,7 +218,7 @@ def _gated_mlp_forward(torch, original, form):
     return forward
 
 
-def _conv1d_mlp_forward(torch, original, form):
+def _conv1d_mlp_forward(torch, original, form, dependencies=None):
     """HF's GPT-2 MLP (`dropout(c_proj(act(c_fc(x))))`) under CUDA autocast, where act is the
     tanh-GELU whose original returns fp32 there (it calls torch.pow, on autocast's fp32 list)
     and c_proj is a Conv1D or nn.Linear, whose matmul casts its input to the autocast dtype
@@ -228,7 +230,8 @@ def _conv1d_mlp_forward(torch, original, form):
     Anything else, or a hook on act or c_proj (which would see the dtype change), or a c_proj
     whose weight or bias is a tensor subclass or a torch function mode (which see the input
     before autocast and may act on its dtype: torchao's quantized weights pick kernels and
-    scales by it), runs the original code."""
+    scales by it), runs the original code. (Its original calls only the module's own
+    submodules: `dependencies`, the factories' common argument, is not needed here.)"""
     op = torch.ops.torchfuse.gelu_tanh.default
     tensor, untraced = torch.Tensor, _untraced_call(torch)
     autocast, autocast_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
@@ -321,8 +324,11 @@ def patch_module(module):
             note(torch, f"rewrite {op} off: {where} ({form}) left as it is", debug=True)
             continue
         original = cls.forward
-        cls.forward = _FORM_FORWARDS.get(form, _FORWARDS[op])(torch, original, form)
-        _REWRITTEN[cls.forward] = (form, compositions.Dependencies(original))
+        # Built once: the rewritten forward checks it, and rewrites of an enclosing module
+        # check it through _REWRITTEN.
+        dependencies = compositions.Dependencies(original)
+        cls.forward = _FORM_FORWARDS.get(form, _FORWARDS[op])(torch, original, form, dependencies)
+        _REWRITTEN[cls.forward] = (form, dependencies)
         note(torch, f"rewrite {op}: {where} ({form}) -> {_op_path(op)}")
     functions = compositions.scan_functions(module)
     for name, form in functions.items():
