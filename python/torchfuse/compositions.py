@@ -314,3 +314,38 @@ def scan(module):
         if form is not None and form in COMPUTES:
             found[value] = form
     return found
+
+
+# What a class's forward near a known form looks like, by form: its class name or the
+# attributes its code reads. A guide to the forms to add next (`scripts/bench/coverage.py`), not
+# a recognition: nothing is rewritten on it.
+_NEAR_CLASS = {
+    "hf_rms_norm": lambda name, names: name.endswith("RMSNorm") or {"pow", "mean", "rsqrt"} <= names,
+    "hf_gated_mlp": lambda name, names: "down_proj" in names and bool({"gate_proj", "gate_up_proj"} & names),
+    "new_gelu": lambda name, names: "GELU" in name and "tanh" in names,
+}
+
+
+def near_forms(module):
+    """The classes and functions defined in `module` that look like a form torchfuse serves but
+    are not one (another composition under a familiar name or call shape: Gemma's `(1 + w)`
+    RMSNorm, GPT-NeoX's partial rotary): {name: the form they are near}."""
+    near = {}
+    for name, value in list(vars(module).items()):
+        if getattr(value, "__module__", None) != module.__name__:
+            continue
+        if isinstance(value, type):
+            forward = value.__dict__.get("forward")
+            code = getattr(forward, "__code__", None)
+            if code is None or form_of(forward) in COMPUTES:
+                continue
+            names = set(code.co_names)
+            for form, looks_like in _NEAR_CLASS.items():
+                if looks_like(value.__name__, names):
+                    near[value.__name__] = form
+                    break
+        elif callable(value):
+            for form, function_name in FUNCTION_NAMES.items():
+                if name == function_name and form in COMPUTES and function_form_of(value) != form:
+                    near[name] = form
+    return near

@@ -210,3 +210,32 @@ def test_hf_rotary_and_its_copies_are_recognised_with_their_rotate_half():
     other = types.FunctionType(f.__code__, dict(f.__globals__, rotate_half=lambda x: x), f.__name__,
                                f.__defaults__)
     assert compositions.function_form_of(other) is None
+
+
+@pytest.mark.parametrize("model, near", [
+    ("llama", {}),
+    ("gemma", {"GemmaRMSNorm": "hf_rms_norm"}),  # (1 + weight), the norm in fp32
+    ("gpt_neox", {"apply_rotary_pos_emb": "hf_rotary"}),  # partial rotary: a slice, then cat
+    ("t5", {"T5LayerNorm": "hf_rms_norm"}),  # an RMSNorm under another name
+    ("phi3", {"Phi3MLP": "hf_gated_mlp", "apply_rotary_pos_emb": "hf_rotary"}),  # gate_up_proj
+])
+def test_near_forms_name_what_is_like_a_known_form_but_is_not(model, near):
+    """The coverage harness's guide to the forms to add next: what looks like a served form (its
+    name, or the attributes its code reads) without being one; a recognised form is not near."""
+    found = compositions.near_forms(module(f"models.{model}.modeling_{model}"))
+    assert found == near, found
+
+
+def test_the_coverage_report_covers_the_installed_transformers():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "coverage.py")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    llama = next(line for line in lines if line.startswith("| llama |"))
+    for name in ("`LlamaRMSNorm` (hf_rms_norm)", "`LlamaMLP` (hf_gated_mlp)", "`apply_rotary_pos_emb` (hf_rotary)"):
+        assert name in llama, llama
+    gemma = next(line for line in lines if line.startswith("| gemma |"))
+    assert gemma.endswith("| `GemmaRMSNorm` (hf_rms_norm) |"), gemma
+    # Gemma's norm and its copies are one group of the same code.
+    group = next(line for line in lines if "`gemma.GemmaRMSNorm`" in line)
+    assert group.startswith("| hf_rms_norm | ") and int(group.split("|")[2]) >= 3, group

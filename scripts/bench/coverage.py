@@ -1,0 +1,114 @@
+"""Which code forms of the installed transformers torchfuse recognises (issue 39's coverage
+harness, its CPU part): every `transformers.models.*.modeling_*` module is imported and scanned
+as the rewrite layer scans it; the report lists per module the classes and functions
+recognised (and the op their form computes) and those near a known form (a familiar name or
+call shape, other code: what to add next), and counts the near ones by form.
+
+A recognised form is served at run time only where its guards hold (a gated MLP whose act_fn
+is not SiLU, Gemma's GELU MLP, runs the original code).
+
+  python3 scripts/bench/coverage.py [--out DIR]   (writes DIR/coverage.md; no GPU needed)
+"""
+import argparse
+import collections
+import importlib
+import pkgutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "python"))
+
+from torchfuse import compositions  # noqa: E402
+
+
+def modeling_modules():
+    """(model family, its modeling module or the import error's text), every family in order,
+    after the shared modules the rewrite layer also scans (activations, the loss functions)."""
+    import transformers.models as models
+
+    for shared in ("activations", "loss.loss_utils"):
+        yield shared, importlib.import_module(f"transformers.{shared}")
+
+    for info in sorted(pkgutil.iter_modules(models.__path__), key=lambda i: i.name):
+        name = f"transformers.models.{info.name}.modeling_{info.name}"
+        try:
+            yield info.name, importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:  # the family has such a module, which needs a package not here
+                yield info.name, f"{type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - a family that cannot import is reported, not fatal
+            yield info.name, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def scan(module):
+    """({name: form} recognised, {name: form} near) of one modeling module."""
+    recognised = {cls.__name__: form for cls, form in compositions.scan(module).items()}
+    recognised.update(compositions.scan_functions(module))
+    return recognised, compositions.near_forms(module)
+
+
+def code_of(module, name):
+    """The code a near class's forward or a near function runs."""
+    value = getattr(module, name)
+    return getattr(value.__dict__.get("forward") if isinstance(value, type) else value, "__code__", None)
+
+
+def code_key(code):
+    """Codes that are the same composition (bytecode, the names it loads, its constants other
+    than nested code and docstrings) share a key, whatever the class is called."""
+    consts = tuple(c for c in code.co_consts if not hasattr(c, "co_code") and not isinstance(c, str))
+    return code.co_code, code.co_names, repr(consts)
+
+
+def report():
+    import transformers
+
+    rows, near_count, recognised_count, failed = [], collections.Counter(), collections.Counter(), []
+    near_codes = collections.defaultdict(list)  # (form, code key) -> [family.name]
+    for family, module in modeling_modules():
+        if isinstance(module, str):
+            failed.append(f"- `{family}`: {module}")
+            continue
+        recognised, near = scan(module)
+        recognised_count.update(recognised.values())
+        near_count.update(near.values())
+        for name, form in near.items():
+            code = code_of(module, name)
+            if code is not None:
+                near_codes[(form, code_key(code))].append(f"{family}.{name}")
+        if recognised or near:
+            show = lambda d: ", ".join(f"`{n}` ({f})" for n, f in sorted(d.items())) or "–"  # noqa: E731
+            rows.append(f"| {family} | {show(recognised)} | {show(near)} |")
+    lines = [f"# Code forms torchfuse recognises in transformers {transformers.__version__}", "",
+             "`python3 scripts/bench/coverage.py --out DIR`. Recognised: the rewrite layer replaces it "
+             "(where its guards hold at run time); near: a familiar name or call shape with other code, "
+             "left as it is.", "",
+             "| form | op | modules recognised | modules near |", "|---|---|---|---|"]
+    for form in sorted(set(recognised_count) | set(near_count)):
+        lines.append(f"| {form} | {compositions.COMPUTES.get(form, '–')} | {recognised_count[form]} | "
+                     f"{near_count[form]} |")
+    lines += ["", "Near forms grouped by code (the same composition under many names), most copies first: "
+              "the forms to add next.", "", "| form it is near | copies | e.g. |", "|---|---|---|"]
+    groups = sorted(near_codes.items(), key=lambda item: -len(item[1]))
+    for (form, _), names in groups[:20]:
+        lines.append(f"| {form} | {len(names)} | {', '.join(f'`{n}`' for n in names[:3])} |")
+    lines += ["", "| model family | recognised | near a known form |", "|---|---|---|", *rows]
+    if failed:
+        lines += ["", "Modeling modules that did not import here:", "", *failed]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    text = report()
+    print(text)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "coverage.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
