@@ -1376,7 +1376,7 @@ const std::vector<int64_t>& abi_layout() {
       TF_FIELD(TfCrossEntropyCall, grad_loss), TF_FIELD(TfCrossEntropyCall, lse),
       TF_FIELD(TfCrossEntropyCall, total_weight), TF_FIELD(TfCrossEntropyCall, ignore_index),
       TF_FIELD(TfCrossEntropyCall, label_smoothing), TF_FIELD(TfCrossEntropyCall, reduction),
-      TF_FIELD(TfCrossEntropyCall, out_dtype),
+      TF_FIELD(TfCrossEntropyCall, out_dtype), TF_FIELD(TfCrossEntropyCall, plan_only),
       sizeof(TfSwigluCall), TF_FIELD(TfSwigluCall, up), TF_FIELD(TfSwigluCall, grad_out),
       sizeof(TfRotaryCall), TF_FIELD(TfRotaryCall, k), TF_FIELD(TfRotaryCall, cos),
       TF_FIELD(TfRotaryCall, sin), TF_FIELD(TfRotaryCall, grad_q), TF_FIELD(TfRotaryCall, grad_k),

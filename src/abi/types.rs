@@ -305,6 +305,7 @@ mod tests {
             n(offset_of!(TfCrossEntropyCall, label_smoothing)),
             n(offset_of!(TfCrossEntropyCall, reduction)),
             n(offset_of!(TfCrossEntropyCall, out_dtype)),
+            n(offset_of!(TfCrossEntropyCall, plan_only)),
             n(size_of::<TfSwigluCall>()),
             n(offset_of!(TfSwigluCall, up)),
             n(offset_of!(TfSwigluCall, grad_out)),
