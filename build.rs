@@ -13,7 +13,7 @@ print("VERSION=" + torch.__version__)
 "#;
 
 fn main() {
-    println!("cargo:rerun-if-changed=src/abi/shim.cpp");
+    println!("cargo:rerun-if-changed=src/abi/glue");
     println!("cargo:rerun-if-changed=src/abi/torchfuse_abi.h");
     println!("cargo:rerun-if-env-changed=TORCHFUSE_PYTHON");
     println!("cargo:rerun-if-env-changed=VIRTUAL_ENV");
@@ -61,7 +61,7 @@ fn main() {
         .define("GLOG_USE_GLOG_EXPORT", None)
         .flag("-fvisibility=hidden")
         .flag("-Wno-unused-parameter")
-        .file("src/abi/shim.cpp")
+        .files(glue_sources())
         .compile("torchfuse_glue");
 
     let lib_dir = torch_root.join("lib");
@@ -69,4 +69,16 @@ fn main() {
     for lib in ["torch_cuda", "torch_cpu", "c10"] {
         println!("cargo:rustc-link-lib=dylib={lib}");
     }
+}
+
+/// The glue's files (src/abi/glue/*.cpp: one per op family, the shared calls, registration),
+/// in a stable order.
+fn glue_sources() -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir("src/abi/glue")
+        .expect("src/abi/glue is part of the source tree")
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .filter(|path| path.extension().is_some_and(|ext| ext == "cpp"))
+        .collect();
+    files.sort();
+    files
 }

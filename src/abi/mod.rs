@@ -1,4 +1,4 @@
-//! The boundary with PyTorch: the C++ glue (`shim.cpp`, registering the overrides with the
+//! The boundary with PyTorch: the C++ glue (`glue/*.cpp`, registering the overrides with the
 //! dispatcher and calling stock), the Rust entry points it calls, load-time registration, and
 //! the tensors that cross (borrowed in, owned out).
 

@@ -37,7 +37,7 @@ pub unsafe fn borrow(ptr: *const c_void) -> Option<Borrowed> {
     (!ptr.is_null()).then(|| Borrowed(ManuallyDrop::new(Tensor::from_ptr(ptr as *mut _))))
 }
 
-/// Hands an owned tensor to C++, which takes it with `take()` in shim.cpp.
+/// Hands an owned tensor to C++, which takes it with `take()` in glue/call.cpp.
 pub fn into_raw(tensor: Tensor) -> *mut c_void {
     let mut tensor = ManuallyDrop::new(tensor);
     tensor.as_mut_ptr().cast()

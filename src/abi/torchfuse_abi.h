@@ -1,5 +1,5 @@
 // torchfuse_abi.h: the one definition of everything that crosses between the C++ glue
-// (shim.cpp) and Rust (src/abi/types.rs mirrors it; a cargo test compares every size, offset
+// (src/abi/glue/) and Rust (src/abi/types.rs mirrors it; a cargo test compares every size, offset
 // and code with what the C++ compiler makes of this file: torchfuse_cxx_abi_layout).
 //
 // Protocol.
@@ -258,7 +258,8 @@ void torchfuse_cxx_define_control_ops(TfStatus* status);
 void* torchfuse_cxx_empty_unfilled(const int64_t* sizes, size_t ndim, int16_t scalar_type,
                                    int16_t device, TfStatus* status);
 // The layout of this file as the C++ compiler sees it, for the cargo test that compares it
-// with Rust's: writes up to `cap` numbers (see shim.cpp) and returns how many there are.
+// with Rust's: writes up to `cap` numbers (see glue/registration.cpp) and returns how many
+// there are.
 size_t torchfuse_cxx_abi_layout(int64_t* out, size_t cap);
 // The file the running torch's libc10 was loaded from, into `out` (NUL-terminated, cut to
 // `cap`); returns its full length, 0 when unknown.

@@ -238,7 +238,7 @@ pub const SCALAR_FLOAT: i16 = 6;
 pub const SCALAR_DOUBLE: i16 = 7;
 pub const SCALAR_BFLOAT16: i16 = 15;
 
-// Implemented in C++ (shim.cpp).
+// Implemented in C++ (glue/registration.cpp).
 extern "C" {
     pub fn torchfuse_cxx_register(entry: u32, status: *mut TfStatus);
     pub fn torchfuse_cxx_define_control_ops(status: *mut TfStatus);
@@ -260,7 +260,7 @@ mod tests {
     use crate::runtime::Entry;
     use std::mem::{offset_of, size_of};
 
-    /// The header's layout as Rust sees it, in `abi_layout`'s order (shim.cpp).
+    /// The header's layout as Rust sees it, in `abi_layout`'s order (glue/registration.cpp).
     fn rust_layout() -> Vec<i64> {
         let n = |x: usize| x as i64;
         vec![

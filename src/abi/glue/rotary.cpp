@@ -1,0 +1,207 @@
+// torchfuse::rotary (HF's apply_rotary_pos_emb) and its backward.
+#include "glue.h"
+
+namespace torchfuse_glue {
+namespace {
+
+// torchfuse::rotary(q, k, cos, sin, unsqueeze_dim): HF's apply_rotary_pos_emb (the
+// rotate-half form), q and k in one call. The gradients go to q and k (cos and sin that need
+// one take HF's own ops, autograd included).
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
+}
+
+// rotate_half's transpose. rotate_half(x) = cat(-x2, x1) with x1 the first d / 2 (rounded
+// down) elements, so -x2 fills the first d - d / 2 of the output: the gradient is
+// cat(dy[d - d/2:], -dy[:d - d/2]).
+at::Tensor rotate_half_transposed(const at::Tensor& dy) {
+  const int64_t split = dy.size(-1) - dy.size(-1) / 2;
+  return at::cat({dy.slice(-1, split), -dy.slice(-1, 0, split)}, -1);
+}
+
+// HF's composition, with `rotate` in rotate_half's place (the Meta kernels below pass the
+// identity).
+template <class Rotate>
+std::tuple<at::Tensor, at::Tensor> rotary_composed(const at::Tensor& q, const at::Tensor& k,
+                                                   const at::Tensor& cos, const at::Tensor& sin,
+                                                   int64_t unsqueeze_dim, Rotate rotate) {
+  const at::Tensor c = cos.unsqueeze(unsqueeze_dim), s = sin.unsqueeze(unsqueeze_dim);
+  return {q * c + rotate(q) * s, k * c + rotate(k) * s};
+}
+
+// The gradients of q and k from the outputs' (undefined stays undefined), composed of
+// differentiable PyTorch ops, in q's and k's dtype; `rotate` in rotate_half_transposed's place.
+template <class Rotate>
+std::tuple<at::Tensor, at::Tensor> rotary_backward_composed(
+    const at::Tensor& grad_q, const at::Tensor& grad_k, const at::Tensor& cos,
+    const at::Tensor& sin, int64_t unsqueeze_dim, at::ScalarType x_dtype, Rotate rotate) {
+  const at::Tensor c = cos.unsqueeze(unsqueeze_dim), s = sin.unsqueeze(unsqueeze_dim);
+  auto one = [&](const at::Tensor& g) {
+    return g.defined() ? (g * c + rotate(g * s)).to(x_dtype) : at::Tensor();
+  };
+  return {one(grad_q), one(grad_k)};
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_stock(const at::Tensor& q, const at::Tensor& k,
+                                                const at::Tensor& cos, const at::Tensor& sin,
+                                                int64_t unsqueeze_dim) {
+  return rotary_composed(q, k, cos, sin, unsqueeze_dim, rotate_half);
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_backward_stock(const at::Tensor& grad_q,
+                                                         const at::Tensor& grad_k,
+                                                         const at::Tensor& cos,
+                                                         const at::Tensor& sin,
+                                                         int64_t unsqueeze_dim,
+                                                         at::ScalarType x_dtype) {
+  return rotary_backward_composed(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype,
+                                  rotate_half_transposed);
+}
+
+// Meta tensors (and a compiler's fake ones, whose symbolic sizes the slices of rotate_half
+// cannot take there): the rotation changes neither sizes, dtype nor layout, so the composition
+// without it gives the outputs' metadata.
+const auto unrotated = [](const at::Tensor& t) { return t; };
+
+std::tuple<at::Tensor, at::Tensor> rotary_meta(const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& cos, const at::Tensor& sin,
+                                               int64_t unsqueeze_dim) {
+  return rotary_composed(q, k, cos, sin, unsqueeze_dim, unrotated);
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_backward_meta(const at::Tensor& grad_q,
+                                                        const at::Tensor& grad_k,
+                                                        const at::Tensor& cos,
+                                                        const at::Tensor& sin,
+                                                        int64_t unsqueeze_dim,
+                                                        at::ScalarType x_dtype) {
+  return rotary_backward_composed(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype, unrotated);
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_cuda(const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& cos, const at::Tensor& sin,
+                                               int64_t unsqueeze_dim) {
+  TfRotaryCall call{};
+  call.q = describe(q);
+  call.k = describe(k);
+  call.cos = describe(cos);
+  call.sin = describe(sin);
+  call.unsqueeze_dim = unsqueeze_dim;
+  TfOutputs out{};
+  if (fused_by_rust(torchfuse_rs_rotary, TF_ENTRY_ROTARY, q, call, out)) {
+    auto outputs = take_outputs(out);
+    return {outputs[0], outputs[1]};
+  }
+  return rotary_stock(q, k, cos, sin, unsqueeze_dim);
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_backward_cuda(const at::Tensor& grad_q,
+                                                        const at::Tensor& grad_k,
+                                                        const at::Tensor& cos,
+                                                        const at::Tensor& sin,
+                                                        int64_t unsqueeze_dim,
+                                                        at::ScalarType x_dtype) {
+  TfRotaryCall call{};
+  call.grad_q = describe(grad_q);
+  call.grad_k = describe(grad_k);
+  call.cos = describe(cos);
+  call.sin = describe(sin);
+  call.unsqueeze_dim = unsqueeze_dim;
+  call.x_dtype = static_cast<int16_t>(x_dtype);
+  TfOutputs out{};
+  if (fused_by_rust(torchfuse_rs_rotary, TF_ENTRY_ROTARY_BACKWARD, grad_q, call, out)) {
+    auto outputs = take_outputs(out);
+    return {outputs[0], outputs[1]};
+  }
+  return rotary_backward_stock(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype);
+}
+
+std::tuple<at::Tensor, at::Tensor> call_rotary(const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& cos, const at::Tensor& sin,
+                                               int64_t unsqueeze_dim) {
+  static const auto op = own_op<decltype(call_rotary)>("torchfuse::rotary");
+  return op.call(q, k, cos, sin, unsqueeze_dim);
+}
+
+std::tuple<at::Tensor, at::Tensor> call_rotary_backward(const at::Tensor& grad_q,
+                                                        const at::Tensor& grad_k,
+                                                        const at::Tensor& cos,
+                                                        const at::Tensor& sin,
+                                                        int64_t unsqueeze_dim,
+                                                        at::ScalarType x_dtype) {
+  static const auto op = own_op<decltype(call_rotary_backward)>("torchfuse::rotary_backward");
+  return op.call(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype);
+}
+
+class RotaryFunction : public torch::autograd::Function<RotaryFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& q, const at::Tensor& k,
+                                                const at::Tensor& cos, const at::Tensor& sin,
+                                                int64_t unsqueeze_dim) {
+    ctx->save_for_backward({cos, sin});
+    ctx->saved_data["unsqueeze_dim"] = unsqueeze_dim;
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(q.scalar_type());
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [q_embed, k_embed] = call_rotary(q, k, cos, sin, unsqueeze_dim);
+    return {q_embed, k_embed};
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const int64_t dim = ctx->saved_data["unsqueeze_dim"].toInt();
+    const auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt());
+    // create_graph, or one output unused: the composed, differentiable form.
+    auto [dq, dk] = at::GradMode::is_enabled() || !grads[0].defined() || !grads[1].defined()
+                        ? rotary_backward_stock(grads[0], grads[1], saved[0], saved[1], dim,
+                                                x_dtype)
+                        : call_rotary_backward(grads[0], grads[1], saved[0], saved[1], dim,
+                                               x_dtype);
+    return {dq, dk, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> rotary_autograd(const at::Tensor& q, const at::Tensor& k,
+                                                   const at::Tensor& cos, const at::Tensor& sin,
+                                                   int64_t unsqueeze_dim) {
+  // cos/sin that need a gradient, and what the Function cannot take: HF's ops.
+  if (q.scalar_type() != k.scalar_type() ||
+      (at::GradMode::is_enabled() && (cos.requires_grad() || sin.requires_grad())) ||
+      composition_only({q, k, cos, sin}))
+    return rotary_stock(q, k, cos, sin, unsqueeze_dim);
+  auto outputs = RotaryFunction::apply(q, k, cos, sin, unsqueeze_dim);
+  return {outputs[0], outputs[1]};
+}
+
+}  // namespace
+
+bool register_rotary(uint32_t entry, const char* /*name*/) {
+  using c10::DispatchKey;
+  switch (entry) {
+    case TF_ENTRY_ROTARY:
+      torchfuse_ops().def(
+          "rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, int unsqueeze_dim=1) -> "
+          "(Tensor, Tensor)");
+      torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
+          .impl("rotary", TORCH_FN(rotary_stock));
+      torchfuse_impl(DispatchKey::CUDA).impl("rotary", TORCH_FN(rotary_cuda));
+      torchfuse_impl(DispatchKey::Meta).impl("rotary", TORCH_FN(rotary_meta));
+      torchfuse_impl(DispatchKey::Autograd).impl("rotary", TORCH_FN(rotary_autograd));
+      return true;
+    case TF_ENTRY_ROTARY_BACKWARD:
+      torchfuse_ops().def(
+          "rotary_backward(Tensor grad_q, Tensor grad_k, Tensor cos, Tensor sin, "
+          "int unsqueeze_dim, ScalarType x_dtype) -> (Tensor, Tensor)");
+      torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
+          .impl("rotary_backward", TORCH_FN(rotary_backward_stock));
+      torchfuse_impl(DispatchKey::CUDA)
+          .impl("rotary_backward", TORCH_FN(rotary_backward_cuda));
+      torchfuse_impl(DispatchKey::Meta)
+          .impl("rotary_backward", TORCH_FN(rotary_backward_meta));
+      return true;
+    default: return false;
+  }
+}
+
+}  // namespace torchfuse_glue
