@@ -239,3 +239,18 @@ def test_the_coverage_report_covers_the_installed_transformers():
     # Gemma's norm and its copies are one group of the same code.
     group = next(line for line in lines if "`gemma.GemmaRMSNorm`" in line)
     assert group.startswith("| hf_rms_norm | ") and int(group.split("|")[2]) >= 3, group
+
+
+def test_the_coverage_training_part_reports_each_model(tmp_path):
+    """The harness's training part, on CPU (stock only; the GPU runs both sides): a model that
+    trains gets its row, one that cannot build gets its error, and the others still run."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "coverage.py"), "--train", "--device",
+                           "cpu", "--models", "not_a_model,llama", "--chunk", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = (tmp_path / "coverage-train.md").read_text().splitlines()
+    assert "1 of 2 train stock; 0 fail under torchfuse only." in rows
+    llama = next(r for r in rows if r.startswith("| llama |"))
+    assert llama.startswith("| llama | tiny |") and llama.endswith("|  |"), llama
+    bad = next(r for r in rows if r.startswith("| not_a_model |"))
+    assert "tiny: " in bad and "shallow: " in bad, bad
