@@ -110,8 +110,9 @@ WORKER = Path(__file__).resolve().parent / "coverage_worker.py"
 
 
 def run_chunk(side, device, models, lib_dir):
-    """{model: result} of one worker; a model the worker did not report (it was killed, or
-    stopped) gets the worker's exit and last words as its error."""
+    """{model: result} of one worker. Where it stops early (killed: out of memory), the first
+    model it did not report gets the worker's exit and last words as its error, and the rest run
+    in a fresh worker."""
     import json
     import subprocess
 
@@ -122,10 +123,13 @@ def run_chunk(side, device, models, lib_dir):
         if line.startswith("{"):
             result = json.loads(line)
             results[result["model"]] = result
-    last = (proc.stderr.strip().splitlines() or [""])[-1][:200]
-    for model in models:
-        results.setdefault(model, {"model": model, "side": side,
-                                   "error": f"worker exit {proc.returncode} before it: {last}"})
+    missing = [model for model in models if model not in results]
+    if missing:
+        last = (proc.stderr.strip().splitlines() or [""])[-1][:200]
+        results[missing[0]] = {"model": missing[0], "side": side,
+                               "error": f"worker exit {proc.returncode} in it: {last}"}
+        if missing[1:]:
+            results.update(run_chunk(side, device, missing[1:], lib_dir))
     return results
 
 
