@@ -242,23 +242,17 @@ class Dependencies:
             namespace = function.__globals__
             for chain in sorted(_global_chains(function.__code__)):
                 value = _resolve(namespace, chain)
-                self._expected.append((namespace, chain[0], chain[1:], value))
+                self._expected.append((namespace, chain, value))
                 if len(chain) == 1 and function_form_of(value) is not None:
                     pending.append(value)  # a known helper: what it calls counts too
 
     def add(self, namespace, chain):
         """Counts one more dependency: `chain` resolved in `namespace` (a module's dict)."""
-        self._expected.append((namespace, chain[0], chain[1:], _resolve(namespace, chain)))
+        self._expected.append((namespace, chain, _resolve(namespace, chain)))
         return self
 
     def unchanged(self):
-        for namespace, name, attributes, expected in self._expected:
-            value = namespace.get(name)
-            for attribute in attributes:
-                value = getattr(value, attribute, None)
-            if value is not expected:
-                return False
-        return True
+        return all(_resolve(namespace, chain) is expected for namespace, chain, expected in self._expected)
 
 
 def _matches(function, reference, defaults):

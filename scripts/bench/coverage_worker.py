@@ -86,7 +86,11 @@ def train(model_type):
         try:
             return train_at(model_type, SHALLOW), "shallow"
         except Exception as shallow:  # noqa: BLE001
-            raise RuntimeError(f"tiny: {one_line(tiny)}; shallow: {one_line(shallow)}") from shallow
+            raise SizesFailed(f"tiny: {one_line(tiny)}; shallow: {one_line(shallow)}") from shallow
+
+
+class SizesFailed(Exception):
+    """The model trained at neither size: its message names both errors."""
 
 
 def one_line(e):
@@ -117,7 +121,7 @@ for model_type in TYPES:
     try:
         result["losses"], result["sizes"] = train(model_type)
     except Exception as e:  # noqa: BLE001 - a model that fails is reported, the others go on
-        result["error"] = str(e) if isinstance(e, RuntimeError) and str(e).startswith("tiny: ") else one_line(e)
+        result["error"] = str(e) if isinstance(e, SizesFailed) else one_line(e)
         result["where"] = traceback.format_exc().splitlines()[-3:-1]
     if SIDE == "torchfuse":
         ops = json.loads(torch.ops.torchfuse.stats())["ops"]

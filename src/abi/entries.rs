@@ -69,20 +69,21 @@ unsafe fn answer<F: Family>(
     }));
     match result {
         Ok(Err(message)) => status.fail(&message),
-        Ok(Ok(Some((dtype, shape, Ok(served))))) => {
+        Ok(Ok(Some((dtype, shape, outcome)))) => {
             if F::counted(call) {
-                stats::record(entry, Outcome::Fused(served.kernel), dtype, &shape);
+                let counted = match &outcome {
+                    Ok(served) => Outcome::Fused(served.kernel),
+                    Err(reason) => Outcome::Stock(*reason),
+                };
+                stats::record(entry, counted, dtype, &shape);
             }
-            if let Some(out) = out.as_mut() {
-                for (slot, t) in out.tensors.iter_mut().zip(served.outputs) {
-                    *slot = t.map_or(std::ptr::null_mut(), into_raw);
+            if let Ok(served) = outcome {
+                if let Some(out) = out.as_mut() {
+                    for (slot, t) in out.tensors.iter_mut().zip(served.outputs) {
+                        *slot = t.map_or(std::ptr::null_mut(), into_raw);
+                    }
                 }
-            }
-            status.code = TF_FUSED;
-        }
-        Ok(Ok(Some((dtype, shape, Err(reason))))) => {
-            if F::counted(call) {
-                stats::record(entry, Outcome::Stock(reason), dtype, &shape);
+                status.code = TF_FUSED;
             }
         }
         Ok(Ok(None)) => {}

@@ -96,6 +96,25 @@ at::Tensor call_cross_entropy_bwd(const at::Tensor& grad_loss, const at::Tensor&
 // fake tensors, PyTorch's loss with the log-sum-exp computed beside it.
 using CrossEntropyOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
+// Stock smooths only where label_smoothing > 0: a negative or NaN one is none at all.
+double effective_smoothing(double label_smoothing) {
+  return label_smoothing > 0.0 ? label_smoothing : 0.0;
+}
+
+// A forward call for Rust (the loss in `loss_dtype`), its smoothing already effective.
+TfCrossEntropyCall forward_call(const at::Tensor& logits, const at::Tensor& target,
+                                int64_t reduction, int64_t ignore_index, double label_smoothing,
+                                at::ScalarType loss_dtype) {
+  TfCrossEntropyCall call{};
+  call.logits = describe(logits);
+  call.target = describe(target);
+  call.ignore_index = ignore_index;
+  call.label_smoothing = label_smoothing;
+  call.reduction = static_cast<int32_t>(reduction);
+  call.out_dtype = static_cast<int16_t>(loss_dtype);
+  return call;
+}
+
 CrossEntropyOutputs cross_entropy_fwd_stock(const at::Tensor& logits, const at::Tensor& target,
                                             int64_t reduction, int64_t ignore_index,
                                             double label_smoothing, at::ScalarType dtype) {
@@ -111,13 +130,8 @@ CrossEntropyOutputs cross_entropy_fwd_stock(const at::Tensor& logits, const at::
 CrossEntropyOutputs cross_entropy_fwd_cuda(const at::Tensor& logits, const at::Tensor& target,
                                            int64_t reduction, int64_t ignore_index,
                                            double label_smoothing, at::ScalarType dtype) {
-  TfCrossEntropyCall call{};
-  call.logits = describe(logits);
-  call.target = describe(target);
-  call.ignore_index = ignore_index;
-  call.label_smoothing = label_smoothing > 0.0 ? label_smoothing : 0.0;
-  call.reduction = static_cast<int32_t>(reduction);
-  call.out_dtype = static_cast<int16_t>(dtype);
+  const TfCrossEntropyCall call = forward_call(logits, target, reduction, ignore_index,
+                                               effective_smoothing(label_smoothing), dtype);
   TfOutputs out{};
   if (!traced(logits) &&
       fused_by_rust(torchfuse_rs_cross_entropy, TF_ENTRY_CROSS_ENTROPY, logits, call, out)) {
@@ -184,6 +198,17 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
   }
 };
 
+// The loss of a forward Rust serves (or a compiled graph's op will), with CrossEntropyFunction's
+// autograd where the logits need a gradient.
+at::Tensor with_gradient(const at::Tensor& logits, const at::Tensor& target,
+                         const at::Tensor& loss, const at::Tensor& lse,
+                         const at::Tensor& total_weight, int64_t reduction, int64_t ignore_index,
+                         double label_smoothing) {
+  if (!(at::GradMode::is_enabled() && logits.requires_grad())) return loss;
+  return CrossEntropyFunction::apply(logits, target, loss, lse, total_weight, reduction,
+                                     ignore_index, label_smoothing);
+}
+
 // The loss (with CrossEntropyFunction's autograd where the logits need a gradient) when Rust
 // serves the forward; an undefined tensor when stock must run the call.
 at::Tensor cross_entropy_served(TfEntry entry, const at::Tensor& logits, const at::Tensor& target,
@@ -191,21 +216,14 @@ at::Tensor cross_entropy_served(TfEntry entry, const at::Tensor& logits, const a
                                 at::ScalarType loss_dtype) {
   if (!logits.is_cuda() || traced(logits) || traced(target) || composition_only({logits}))
     return at::Tensor();
-  // Stock smooths only where label_smoothing > 0: a negative or NaN one is none at all.
-  if (!(label_smoothing > 0.0)) label_smoothing = 0.0;
-  TfCrossEntropyCall call{};
-  call.logits = describe(logits);
-  call.target = describe(target);
-  call.ignore_index = ignore_index;
-  call.label_smoothing = label_smoothing;
-  call.reduction = static_cast<int32_t>(reduction);
-  call.out_dtype = static_cast<int16_t>(loss_dtype);
+  label_smoothing = effective_smoothing(label_smoothing);
+  const TfCrossEntropyCall call =
+      forward_call(logits, target, reduction, ignore_index, label_smoothing, loss_dtype);
   TfOutputs out{};
   if (!fused_by_rust(torchfuse_rs_cross_entropy, entry, logits, call, out)) return at::Tensor();
   auto [loss, lse, total_weight] = take_outputs(out);
-  if (!(at::GradMode::is_enabled() && logits.requires_grad())) return loss;
-  return CrossEntropyFunction::apply(logits, target, loss, lse, total_weight, reduction,
-                                     ignore_index, label_smoothing);
+  return with_gradient(logits, target, loss, lse, total_weight, reduction, ignore_index,
+                       label_smoothing);
 }
 
 // The dtype of stock's cross-entropy loss of these logits: under CUDA autocast nll_loss (on
@@ -235,14 +253,9 @@ at::Tensor cross_entropy_traced(const at::Tensor& logits, const at::Tensor& targ
                                 int64_t reduction, int64_t ignore_index, double label_smoothing,
                                 at::ScalarType loss_dtype) {
   if (!logits.is_cuda()) return at::Tensor();
-  if (!(label_smoothing > 0.0)) label_smoothing = 0.0;
-  TfCrossEntropyCall call{};
-  call.logits = describe(logits);
-  call.target = describe(target);
-  call.ignore_index = ignore_index;
-  call.label_smoothing = label_smoothing;
-  call.reduction = static_cast<int32_t>(reduction);
-  call.out_dtype = static_cast<int16_t>(loss_dtype);
+  label_smoothing = effective_smoothing(label_smoothing);
+  TfCrossEntropyCall call =
+      forward_call(logits, target, reduction, ignore_index, label_smoothing, loss_dtype);
   call.plan_only = 1;
   TfOutputs out{};
   if (!fused_by_rust(torchfuse_rs_cross_entropy, TF_ENTRY_CROSS_ENTROPY, logits, call, out))
@@ -254,9 +267,8 @@ at::Tensor cross_entropy_traced(const at::Tensor& logits, const at::Tensor& targ
                                      loss_dtype);
   }
   auto& [loss, lse, total_weight] = outputs;
-  if (!(at::GradMode::is_enabled() && logits.requires_grad())) return loss;
-  return CrossEntropyFunction::apply(logits, target, loss, lse, total_weight, reduction,
-                                     ignore_index, label_smoothing);
+  return with_gradient(logits, target, loss, lse, total_weight, reduction, ignore_index,
+                       label_smoothing);
 }
 
 // torchfuse::cross_entropy at the Autograd key: the composition under torch.func and forward
