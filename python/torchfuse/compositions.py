@@ -132,12 +132,90 @@ _FUNCTION_SOURCES = {
     loss = fixed_cross_entropy(logits, shift_labels, num_items_in_batch, ignore_index, **kwargs)
     return loss
 """, (None, -100, None)),
+    # transformers.masking_utils (5.17): HF's decisions to build no SDPA mask (`is_causal=True`
+    # for a causal one, nothing for a bidirectional one), which they refuse in any trace.
+    "hf_ignore_causal_mask_sdpa": ("""def _ignore_causal_mask_sdpa(
+    padding_mask: torch.Tensor | None,
+    q_length: int,
+    kv_length: int,
+    q_offset: int,
+    kv_offset: int,
+    local_attention_size: int | None = None,
+) -> bool:
+    \"\"\"
+    Detects whether the causal mask can be ignored in case PyTorch's SDPA is used, rather relying on SDPA's `is_causal` argument.
+
+    In case no token is masked in the 2D `padding_mask` argument, if `query_length == 1` or
+    `key_value_length == query_length`, we rather rely on SDPA `is_causal` argument to use causal/non-causal masks,
+    allowing to dispatch to the flash attention kernel (that can otherwise not be used if a custom `attn_mask` is
+    passed).
+    \"\"\"
+    if padding_mask is not None and padding_mask.shape[-1] > kv_length:
+        mask_indices = torch.arange(kv_length, device=padding_mask.device) + kv_offset
+        padding_mask = padding_mask[:, mask_indices]
+
+    # When using `torch.export` or `torch.onnx.dynamo_export`, we must pass an example input, and `is_causal` behavior is
+    # hard-coded to the forward. If a user exports a model with query_length > 1, the exported model will hard-code `is_causal=True`
+    # which is in general wrong (see https://github.com/pytorch/pytorch/issues/108108). Thus, we only set
+    # `ignore_causal_mask = True` if we are not tracing
+    if is_tracing(padding_mask):
+        return False
+    # In this case, we need to add special patterns to the mask no matter what, so we cannot use any of the later skip conditions
+    if local_attention_size is not None and kv_length >= local_attention_size:
+        return False
+
+    # If `q_length == 1`, we then use `is_causal=False` in sdpa integration to mimic lower-right alignment. If `kv_length == q_length`,
+    # we use `is_causal=True` as upper-left alignment (torch's default) is the same as lower-right in this case. If we have padding,
+    # we need to add padding to the mask, so cannot be skipped
+    if (q_length == 1 or kv_length == q_length) and (padding_mask is None or fast_all(padding_mask)):
+        return True
+    # Additional case to optimize prefill: if the cache is empty (`q_offset == 0`), we can use `is_causal=True` even
+    # with a padding_mask, if the padding_mask only contains padding related to "future k/v tokens" of the static k/v states
+    # returned by StaticCaches. This works thanks to the upper-left alignment of sdpa's `is_causal` mask
+    if q_offset == 0 and (
+        padding_mask is None or (fast_all(padding_mask[:, :q_length]) and fast_all(~padding_mask[:, q_length:]))
+    ):
+        return True
+
+    return False
+""", (None,)),
+    "hf_ignore_bidirectional_mask_sdpa": ("""def _ignore_bidirectional_mask_sdpa(
+    padding_mask: torch.Tensor | None,
+    kv_length: int,
+    local_attention_size: int | None = None,
+) -> bool:
+    \"\"\"
+    Detects whether the bidirectional mask can be ignored in case PyTorch's SDPA is used.
+
+    In case no token is masked in the 2D `padding_mask` argument and no local attention constraint applies
+    (i.e. `local_attention_size` is None or `kv_length < local_attention_size`), we skip mask creation,
+    allowing to dispatch to the flash attention kernel (that can otherwise not be used if a custom `attn_mask` is
+    passed).
+    \"\"\"
+    if _is_torch_xpu_available:
+        # XPU devices have special handling for mask skipping:
+        # - Skip if no padding and no local attention constraint
+        return _can_skip_bidirectional_mask_xpu(padding_mask, kv_length, local_attention_size)
+
+    # When using `torch.export` or `torch.onnx.dynamo_export`, we need to avoid to check the contents of the mask;
+    # otherwise, we will encounter dynamic control flows
+    if (
+        not is_tracing(padding_mask)
+        and (padding_mask is None or padding_mask.all())
+        # in this case we need to add special patterns to the mask so cannot be skipped otherwise
+        and (local_attention_size is None or kv_length < local_attention_size)
+    ):
+        return True
+
+    return False
+""", (None,)),
 }
 
 # Form name -> the composition it computes.
 COMPUTES = {"new_gelu": "gelu_tanh", "fast_gelu": "gelu_tanh", "hf_conv1d_mlp": "gelu_tanh",
             "hf_rms_norm": "hf_rms_norm",
-            "hf_causal_lm_loss": "cross_entropy", "hf_gated_mlp": "swiglu", "hf_rotary": "rotary"}
+            "hf_causal_lm_loss": "cross_entropy", "hf_gated_mlp": "swiglu", "hf_rotary": "rotary",
+            "hf_ignore_causal_mask_sdpa": "sdpa", "hf_ignore_bidirectional_mask_sdpa": "sdpa"}
 
 
 def _compiled(source):
@@ -190,7 +268,16 @@ def _global_is_expected(function, name):
         return function_form_of(value) == "hf_fixed_cross_entropy"
     if name == "rotate_half":
         return function_form_of(value) == "hf_rotate_half"
+    if name in _UNCALLED_HELPERS:
+        return getattr(value, "__module__", "").startswith("transformers.") or type(value) is bool
     return False
+
+
+# Helpers of transformers.masking_utils the mask-skip forms load, which their rewrite never
+# calls (it decides only where these would not: no padding mask; the XPU path left to the
+# original): HF's own, whatever their code.
+_UNCALLED_HELPERS = ("is_tracing", "fast_all", "_is_torch_xpu_available",
+                     "_can_skip_bidirectional_mask_xpu")
 
 
 # The instructions that continue a chain of attribute loads (3.11 loads a method's attribute

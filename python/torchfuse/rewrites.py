@@ -5,13 +5,16 @@ imported, every class defined there whose `forward` is a known form (composition
 code, not its name) gets a forward that calls torchfuse's op instead, provided the op's
 toggle is on (`TORCHFUSE_OPS`). The same holds for known module-level functions (the causal-LM
 loss in `transformers.loss.loss_utils`, also replaced in its LOSS_MAPPING, from which every
-model's `loss_function` is taken; the models' `apply_rotary_pos_emb`). Each rewrite is logged
+model's `loss_function` is taken; the models' `apply_rotary_pos_emb`; in
+`transformers.masking_utils`, HF's decisions to build no attention mask, see
+`_mask_skip_under_compile`). Each rewrite is logged
 once at info; a class that looks like one (its name says RMSNorm or GELU) but whose code differs
 is left alone and logged at debug.
 
 The new forward calls the op only for plain CUDA tensors of a dtype the op serves, outside
 torch.compile (Inductor fuses the original composition itself, and sees torchfuse's aten
-overrides where it does not) and torch.func's transforms (grad, vmap: the ops' C++ autograd
+overrides where it does not; the causal-LM loss, whose kernel is faster than Inductor's, is
+the exception) and torch.func's transforms (grad, vmap: the ops' C++ autograd
 cannot run under them), and only while everything the original calls through its globals
 (`torch.tanh`, `nn.functional.cross_entropy`, `rotate_half`, ...) is what it was when the code
 was recognised: a patch of any of them (z-loss, Liger's cross-entropy) makes the original code,
@@ -45,7 +48,7 @@ def is_model_module(name):
         "modeling_")
 
 
-MODULES = ("transformers.activations", "transformers.loss.loss_utils")
+MODULES = ("transformers.activations", "transformers.loss.loss_utils", "transformers.masking_utils")
 
 
 def wants(name):
@@ -119,6 +122,55 @@ def _rms_norm_forward(torch, original, form, dependencies=None):
     return forward
 
 
+def _exporting(torch):
+    """A function telling whether torch.export is tracing: the flag it sets, read as a global
+    Dynamo guards on (`is_exporting()` itself is True in any Dynamo trace). Without the flag
+    (another torch), as if exporting."""
+    compiler = torch.compiler
+    return lambda: getattr(compiler, "_is_exporting_flag", True)
+
+
+def _mask_skip_under_compile(torch, original, form):
+    """HF's decision to build no SDPA mask where none is needed (a causal mask with no padding:
+    SDPA's `is_causal=True`; a bidirectional one: no mask), taken in eager and refused by the
+    original in any trace, because an exported program would keep it for any input
+    (pytorch#108108). Under torch.compile, not export, and without a padding mask, the decision
+    depends on sizes only, which Dynamo guards on (a size that changes it recompiles): there
+    this takes the original's eager decision, so a compiled model's attention runs the causal
+    kernels as in eager instead of a materialised mask (cuDNN's attention 2.3x slower with one,
+    GPT-2 at B32). Elsewhere, and wherever the original would read a padding mask's values,
+    the original decides."""
+    compiling, exporting = torch.compiler.is_compiling, _exporting(torch)
+
+    def eager_decision_is_shape_only(padding_mask):
+        return padding_mask is None and rewrite_switch.on and compiling() and not exporting()
+
+    if form == "hf_ignore_causal_mask_sdpa":
+        @functools.wraps(original)
+        def ignore_causal_mask_sdpa(padding_mask, q_length, kv_length, q_offset, kv_offset,
+                                    local_attention_size=None):
+            if eager_decision_is_shape_only(padding_mask):
+                if local_attention_size is not None and kv_length >= local_attention_size:
+                    return False
+                if q_length == 1 or kv_length == q_length:
+                    return True
+                # (the original's next case reads q_offset, a tensor under a cache: left to it)
+            return original(padding_mask, q_length, kv_length, q_offset, kv_offset,
+                            local_attention_size)
+
+        return ignore_causal_mask_sdpa
+
+    on_xpu = original.__globals__.get("_is_torch_xpu_available") is not False
+
+    @functools.wraps(original)
+    def ignore_bidirectional_mask_sdpa(padding_mask, kv_length, local_attention_size=None):
+        if not on_xpu and eager_decision_is_shape_only(padding_mask):
+            return local_attention_size is None or kv_length < local_attention_size
+        return original(padding_mask, kv_length, local_attention_size)
+
+    return ignore_bidirectional_mask_sdpa
+
+
 def _causal_lm_loss(torch, original, form):
     """HF's ForCausalLMLoss with the loss computed by torchfuse::cross_entropy from the logits
     as they are (fp32 arithmetic, fp32 loss, as the original's `logits.float()` gives), so the
@@ -127,13 +179,7 @@ def _causal_lm_loss(torch, original, form):
     op = torch.ops.torchfuse.cross_entropy.default
     tensor, served, fp32 = torch.Tensor, _served_dtypes(torch), torch.float32
     untraced, pad, is_tensor = _untraced_call(torch), torch.nn.functional.pad, torch.is_tensor
-    compiling, compiler = torch.compiler.is_compiling, torch.compiler
-
-    def exporting():
-        # The flag torch.export sets, read as a global Dynamo guards on: `is_exporting()` itself
-        # is True in any Dynamo trace. Without the flag (another torch), as if exporting.
-        return getattr(compiler, "_is_exporting_flag", True)
-
+    compiling, exporting = torch.compiler.is_compiling, _exporting(torch)
     unchanged = compositions.Dependencies(original).unchanged  # fixed_cross_entropy's too
     # Under torch.compile the op runs too (the one rewrite measured faster than Inductor's
     # kernels for its composition: docs/bench/compile): the check of the original's
@@ -305,7 +351,14 @@ _FORWARDS = {"gelu_tanh": _gelu_forward, "hf_rms_norm": _rms_norm_forward,
              "swiglu": _gated_mlp_forward}
 _FORM_FORWARDS = {"hf_conv1d_mlp": _conv1d_mlp_forward}
 # Function form -> what makes the rewritten function from the original.
-_FUNCTIONS = {"hf_causal_lm_loss": _causal_lm_loss, "hf_rotary": _rotary}
+_FUNCTIONS = {"hf_causal_lm_loss": _causal_lm_loss, "hf_rotary": _rotary,
+              "hf_ignore_causal_mask_sdpa": _mask_skip_under_compile,
+              "hf_ignore_bidirectional_mask_sdpa": _mask_skip_under_compile}
+# Function form -> what its rewrite does, where it calls no op of torchfuse.
+_DECISIONS = {"hf_ignore_causal_mask_sdpa": "under torch.compile, eager's is_causal=True where "
+                                            "sizes decide",
+              "hf_ignore_bidirectional_mask_sdpa": "under torch.compile, eager's no mask where "
+                                                   "sizes decide"}
 
 
 def patch_module(module):
@@ -344,7 +397,7 @@ def patch_module(module):
                 for key, value in list(table.items()):
                     if value is original:
                         table[key] = rewritten
-        note(torch, f"rewrite {op}: {where} ({form}) -> {_op_path(op)}")
+        note(torch, f"rewrite {op}: {where} ({form}) -> {_DECISIONS.get(form) or _op_path(op)}")
     for form, name in compositions.FUNCTION_NAMES.items():
         value = vars(module).get(name)
         if form in _FUNCTIONS and value is not None and name not in functions:

@@ -6,6 +6,9 @@ step (Python, dispatch, launches), not the kernels.
   python3 scripts/bench/profile_step.py --model gpt2 [--steps 5] [--top 15]
   scripts/torchfuse python3 scripts/bench/profile_step.py --model gpt2   # the same under torchfuse
 
+With --compile the model's forward is torch.compile'd as bench_models.py's compile sides do
+(Inductor's kernels show as triton_* names).
+
 With --fsdp2 the model is sharded as bench_distributed.py shards it, bf16 parameters in the
 step, no autocast: a world of one process, or of N under
 `torchrun --nproc_per_node=N profile_step.py --fsdp2` (rank 0 prints).
@@ -28,6 +31,7 @@ def main():
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--fsdp2", action="store_true")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model's forward")
     p.add_argument("--shapes", action="store_true", help="also the host ops by input shape")
     a = p.parse_args()
     torch.manual_seed(0)
@@ -45,9 +49,12 @@ def main():
     if a.fsdp2:
         model = shard_fsdp2(torch, model)
     opt = adamw(torch, model.parameters(), "stock")  # the benches' unchanged AdamW
+    stepped = torch.compile(model) if a.compile else model
+    if a.compile:
+        what += ", torch.compile"
 
     def step():
-        train_step(torch, model, loss_of, opt, autocast=not a.fsdp2)
+        train_step(torch, stepped, loss_of, opt, autocast=not a.fsdp2)
 
     for _ in range(a.warmup):
         step()

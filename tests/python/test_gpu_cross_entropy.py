@@ -228,17 +228,19 @@ def test_hf_causal_lm_loss_compiled_calls_torchfuses_kernels(dynamic):
     logits = torch.randn(4, 257, 32000, device="cuda", dtype=torch.bfloat16) * 3
     labels = torch.randint(0, 32000, (4, 257), device="cuda")
     labels[:, :5] = -100
-    before = fused_count(OP), fused_count(OP_BWD)
-    out = []
+    out, counts = [], []
     for fn in (compiled, lambda x, y: original(x, y, 32000)):
         x = logits.detach().requires_grad_(True)
+        before = fused_count(OP), fused_count(OP_BWD)
         loss = fn(x, labels)
         (g,) = torch.autograd.grad(loss, x)
         out.append((loss, g))
+        counts.append((fused_count(OP) - before[0], fused_count(OP_BWD) - before[1]))
     (ours, our_grad), (theirs, their_grad) = out
+    # Counted only for the compiled call (the original's eager F.cross_entropy is counted as
+    # aten's cross_entropy_loss, its backward under the shared backward name).
     served = 0 if dynamic else 1
-    assert (fused_count(OP), fused_count(OP_BWD)) == (before[0] + served, before[1] + served), (
-        stock_reasons(OP), stock_reasons(OP_BWD))
+    assert counts[0] == (served, served), (counts, stock_reasons(OP), stock_reasons(OP_BWD))
     assert ours.dtype == theirs.dtype == torch.float32 and our_grad.dtype == torch.bfloat16
     assert rel_err(ours, theirs) < 1e-5 and rel_err(our_grad, their_grad) < FLOOR[torch.bfloat16]
 

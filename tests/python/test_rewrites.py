@@ -232,3 +232,40 @@ with fwAD.dual_level():
 print(json.dumps([odd] + [t is not None for t in tangents]))
 """)
     assert out == [True, True, True, True]
+
+
+def test_mask_skip_takes_eagers_decision_under_compile_only():
+    """HF's decisions to build no SDPA mask: under torch.compile without a padding mask they give
+    what the original gives in eager (is_causal=True where q and kv lengths agree or q is one
+    token; no bidirectional mask), never where a local window applies; with a padding mask, in
+    eager and under torch.export the original decides (False in any trace); TORCHFUSE_OPS=-sdpa
+    leaves them alone."""
+    code = """
+import transformers.masking_utils as M
+causal, bidirectional = M._ignore_causal_mask_sdpa, M._ignore_bidirectional_mask_sdpa
+def traced(decide):
+    torch._dynamo.reset()  # each a new trace, not a recompile of the same lambda
+    return torch.compile(lambda x: x + int(decide()), backend="eager", fullgraph=True)(torch.zeros(())).item()
+class Export(torch.nn.Module):
+    def forward(self, x):
+        return x + int(causal(None, 8, 8, 0, 0))
+exported = torch.export.export(Export(), (torch.zeros(()),)).module()(torch.zeros(())).item()
+padding = torch.ones(2, 8, dtype=torch.bool)
+print(json.dumps({
+    "rewritten": [hasattr(causal, "__wrapped__"), hasattr(bidirectional, "__wrapped__")],
+    "eager": [causal(None, 8, 8, 0, 0), causal(None, 8, 8, 0, 0, 4), bidirectional(None, 8)],
+    "compiled": [traced(lambda: causal(None, 8, 8, 0, 0)), traced(lambda: causal(None, 1, 9, 8, 0)),
+                 traced(lambda: causal(None, 8, 8, 0, 0, 4)), traced(lambda: causal(None, 8, 8, 0, 0, 9)),
+                 traced(lambda: causal(None, 4, 8, 0, 0)), traced(lambda: bidirectional(None, 8)),
+                 traced(lambda: bidirectional(None, 8, 8)), traced(lambda: bidirectional(None, 8, 9))],
+    "padding": [traced(lambda: causal(padding, 8, 8, 0, 0)), traced(lambda: bidirectional(padding, 8))],
+    "exported": exported}))
+"""
+    out, log = run(code)
+    assert out == {"rewritten": [True, True], "eager": [True, False, True],
+                   "compiled": [1, 1, 0, 1, 0, 1, 0, 1], "padding": [0, 0], "exported": 0}
+    assert ("rewrite sdpa: transformers.masking_utils._ignore_causal_mask_sdpa "
+            "(hf_ignore_causal_mask_sdpa) -> under torch.compile") in log
+    out, log = run(code, TORCHFUSE_OPS="-sdpa")
+    assert out["rewritten"] == [False, False] and out["compiled"] == [0] * 8
+    assert out["eager"] == [True, False, True]
