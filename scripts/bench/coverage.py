@@ -141,34 +141,44 @@ def train_report(args):
     models = args.models.split(",") if args.models else list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     sides = ["stock", "torchfuse"] if args.device == "cuda" else ["stock"]
     runs = {side: {} for side in sides}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.from_jsonl:  # the table again from a run's results (one cut short: what it reached)
+        for line in Path(args.from_jsonl).read_text().splitlines():
+            result = json.loads(line)
+            runs.setdefault(result["side"], {})[result["model"]] = result
+        models = [m for m in models if m in runs["stock"]]
     for start in range(0, len(models), args.chunk):
+        if args.from_jsonl:
+            break
         chunk = models[start:start + args.chunk]
         for side in sides:
             runs[side].update(run_chunk(side, args.device, chunk, args.lib_dir))
             print(f"{side}: {min(start + args.chunk, len(models))}/{len(models)}", file=sys.stderr, flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "coverage-train.jsonl", "w") as f:
-        for side in sides:
-            for result in runs[side].values():
-                f.write(json.dumps(result) + "\n")
+        with open(out / "coverage-train.jsonl", "w") as f:  # after each chunk: a cut run keeps its part
+            for side in sides:
+                for result in runs[side].values():
+                    f.write(json.dumps(result) + "\n")
     lines = [f"# Tiny causal LMs of the installed transformers trained stock and under torchfuse ({args.device})", "",
              f"`python3 scripts/bench/coverage.py --train --device {args.device} ...`: each model "
              "at tiny sizes (or, where its own dims do not follow from them, its default widths at two layers), "
-             "3 steps of bf16 autocast, AdamW; loss diff: the largest |torchfuse - stock| over the steps.", "",
-             "| model | sizes | torchfuse served | loss diff | error |", "|---|---|---|---|---|"]
+             "3 steps of bf16 autocast, AdamW; first-step diff: |torchfuse - stock| / |stock| of the loss before any "
+             "update (the ops alone); loss diff: the largest relative difference over the steps (the updates "
+             "amplify it where a model's training diverges at these sizes).", "",
+             "| model | sizes | torchfuse served | first-step diff | loss diff | error |", "|---|---|---|---|---|---|"]
     trained = failed_ours = 0
     for model in models:
         stock, ours = runs["stock"][model], runs.get("torchfuse", {}).get(model, {})
         served = ", ".join(sorted(ours.get("fused", {}))) or "–"
-        diff = "–"
+        first = diff = "–"
         if "losses" in stock and "losses" in ours:
-            diff = f"{max(abs(a - b) for a, b in zip(stock['losses'], ours['losses'])):.2e}"
+            relative = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours["losses"], stock["losses"])]
+            first, diff = f"{relative[0]:.1e}", f"{max(relative):.1e}"
         error = stock.get("error", "")
         if ours.get("error") and not error:
             error, failed_ours = "torchfuse only: " + ours["error"], failed_ours + 1
         trained += "losses" in stock
-        lines.append(f"| {model} | {stock.get('sizes', '–')} | {served} | {diff} | {error[:240]} |")
+        lines.append(f"| {model} | {stock.get('sizes', '–')} | {served} | {first} | {diff} | {error[:240]} |")
     lines[4:4] = [f"{trained} of {len(models)} train stock; {failed_ours} fail under torchfuse only.", ""]
     text = "\n".join(lines) + "\n"
     (out / "coverage-train.md").write_text(text)
@@ -183,6 +193,7 @@ def main():
     parser.add_argument("--models", help="model types, comma-separated (default: every causal LM)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--chunk", type=int, default=20)
+    parser.add_argument("--from-jsonl", help="with --train: the table from this coverage-train.jsonl, nothing run")
     args = parser.parse_args()
     if args.train:
         if not args.out:

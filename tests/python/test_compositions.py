@@ -254,3 +254,10 @@ def test_the_coverage_training_part_reports_each_model(tmp_path):
     assert llama.startswith("| llama | tiny |") and llama.endswith("|  |"), llama
     bad = next(r for r in rows if r.startswith("| not_a_model |"))
     assert "tiny: " in bad and "shallow: " in bad, bad
+    # The table again from the run's JSONL (how a run cut by a time limit gets its table).
+    again = tmp_path / "again"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "coverage.py"), "--train", "--device",
+                           "cpu", "--models", "not_a_model,llama", "--from-jsonl", str(tmp_path / "coverage-train.jsonl"),
+                           "--out", str(again)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (again / "coverage-train.md").read_text().splitlines() == rows
