@@ -1,7 +1,9 @@
-//! Compiles the thin C++ dispatcher glue against the torch found in the project's Python
-//! (the same way torch-sys does with LIBTORCH_USE_PYTORCH=1) and links it into libtorchfuse.
+//! Generates the op catalog's Rust and C sides from `src/catalog.toml`, compiles the thin C++
+//! dispatcher glue against the torch found in the project's Python (the same way torch-sys
+//! does with LIBTORCH_USE_PYTORCH=1) and links it into libtorchfuse.
 
-use std::path::PathBuf;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const PROBE: &str = r#"
@@ -15,6 +17,9 @@ print("VERSION=" + torch.__version__)
 fn main() {
     println!("cargo:rerun-if-changed=src/abi/glue");
     println!("cargo:rerun-if-changed=src/abi/torchfuse_abi.h");
+    println!("cargo:rerun-if-changed=src/catalog.toml");
+    let out_dir = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    catalog::generate(Path::new("src/catalog.toml"), &out_dir);
     println!("cargo:rerun-if-env-changed=TORCHFUSE_PYTHON");
     println!("cargo:rerun-if-env-changed=VIRTUAL_ENV");
     let python = std::env::var("TORCHFUSE_PYTHON").unwrap_or_else(|_| {
@@ -55,6 +60,7 @@ fn main() {
         .pic(true)
         .std("c++17")
         .opt_level(2)
+        .include(&out_dir) // torchfuse_catalog.h
         .include(torch_root.join("include"))
         .include(torch_root.join("include/torch/csrc/api/include"))
         .define("_GLIBCXX_USE_CXX11_ABI", field("CXX11_ABI").as_str())
@@ -81,4 +87,240 @@ fn glue_sources() -> Vec<PathBuf> {
         .collect();
     files.sort();
     files
+}
+
+/// The op catalog (`src/catalog.toml`): read, checked, and written out as `catalog.rs` (the
+/// Rust enums) and `torchfuse_catalog.h` (`TfEntry` and the X-macro the glue registers with).
+mod catalog {
+    use super::*;
+
+    struct Toggle {
+        name: String,
+        what: String,
+    }
+
+    struct Entry {
+        id: String,
+        op: String,
+        toggle: String,
+        family: String,
+    }
+
+    fn field(table: &toml::Table, key: &str, what: &str) -> String {
+        match table.get(key) {
+            Some(toml::Value::String(s)) if !s.is_empty() => s.clone(),
+            _ => panic!("src/catalog.toml: a {what} without a `{key}` string: {table:?}"),
+        }
+    }
+
+    fn list<'a>(doc: &'a toml::Table, key: &str) -> Vec<&'a toml::Table> {
+        match doc.get(key) {
+            Some(toml::Value::Array(items)) => items
+                .iter()
+                .map(|v| {
+                    v.as_table()
+                        .unwrap_or_else(|| panic!("src/catalog.toml: [[{key}]] holds a non-table"))
+                })
+                .collect(),
+            _ => panic!("src/catalog.toml has no [[{key}]]"),
+        }
+    }
+
+    /// `layer_norm` -> `LayerNorm`.
+    fn camel(snake: &str) -> String {
+        snake
+            .split('_')
+            .map(|w| {
+                let mut c = w.chars();
+                c.next()
+                    .map(|f| f.to_ascii_uppercase().to_string() + c.as_str())
+                    .unwrap_or_default()
+            })
+            .collect()
+    }
+
+    /// `FusedAdamwTensorLr` -> `FUSED_ADAMW_TENSOR_LR`.
+    fn caps(camel: &str) -> String {
+        let mut out = String::new();
+        for (i, ch) in camel.chars().enumerate() {
+            if ch.is_ascii_uppercase() && i > 0 {
+                out.push('_');
+            }
+            out.push(ch.to_ascii_uppercase());
+        }
+        out
+    }
+
+    fn read(path: &Path) -> (Vec<Toggle>, Vec<Entry>) {
+        let text =
+            std::fs::read_to_string(path).expect("src/catalog.toml is part of the source tree");
+        let doc: toml::Table = text
+            .parse()
+            .unwrap_or_else(|e| panic!("src/catalog.toml does not parse: {e}"));
+        let toggles: Vec<Toggle> = list(&doc, "toggle")
+            .into_iter()
+            .map(|t| Toggle {
+                name: field(t, "name", "toggle"),
+                what: field(t, "what", "toggle"),
+            })
+            .collect();
+        let entries: Vec<Entry> = list(&doc, "entry")
+            .into_iter()
+            .map(|t| Entry {
+                id: field(t, "id", "entry"),
+                op: field(t, "op", "entry"),
+                toggle: field(t, "toggle", "entry"),
+                family: field(t, "family", "entry"),
+            })
+            .collect();
+        let mut seen = std::collections::HashSet::new();
+        for name in toggles
+            .iter()
+            .map(|t| &t.name)
+            .chain(entries.iter().map(|e| &e.id))
+        {
+            assert!(
+                seen.insert(name.clone()),
+                "src/catalog.toml: `{name}` declared twice"
+            );
+        }
+        for e in &entries {
+            assert!(
+                toggles.iter().any(|t| t.name == e.toggle),
+                "src/catalog.toml: entry {} names toggle `{}`, which is not declared",
+                e.id,
+                e.toggle
+            );
+            assert!(
+                e.id.chars().all(|c| c.is_ascii_alphanumeric())
+                    && e.family.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+                    && !e.op.contains('"'),
+                "src/catalog.toml: entry {}: id CamelCase, family snake_case, op without quotes",
+                e.id
+            );
+        }
+        for t in &toggles {
+            assert!(
+                entries.iter().any(|e| e.toggle == t.name),
+                "src/catalog.toml: toggle `{}` switches no entry",
+                t.name
+            );
+        }
+        (toggles, entries)
+    }
+
+    fn families(entries: &[Entry]) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for e in entries {
+            if !out.contains(&e.family) {
+                out.push(e.family.clone());
+            }
+        }
+        out
+    }
+
+    fn rust(toggles: &[Toggle], entries: &[Entry]) -> String {
+        let families = families(entries);
+        let mut r = String::from(
+            "// Generated by build.rs from src/catalog.toml: edit that file, not this one.\n\n",
+        );
+        let derive = "#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]\n";
+        r +=
+            "/// A user-facing toggle name (`TORCHFUSE_OPS`, `torch.ops.torchfuse.set_enabled`).\n";
+        r += derive;
+        r += "pub enum Toggle {\n";
+        for t in toggles {
+            let _ = writeln!(r, "    /// {}.\n    {},", t.what, camel(&t.name));
+        }
+        r += "}\n\nimpl Toggle {\n";
+        let _ = writeln!(r, "    pub const ALL: [Toggle; {}] = [", toggles.len());
+        for t in toggles {
+            let _ = writeln!(r, "        Toggle::{},", camel(&t.name));
+        }
+        r += "    ];\n\n    pub fn name(self) -> &'static str {\n        match self {\n";
+        for t in toggles {
+            let _ = writeln!(r, "            Toggle::{} => {:?},", camel(&t.name), t.name);
+        }
+        r += "        }\n    }\n\n    /// What it covers.\n    pub fn what(self) -> &'static str {\n        match self {\n";
+        for t in toggles {
+            let _ = writeln!(r, "            Toggle::{} => {:?},", camel(&t.name), t.what);
+        }
+        r += "        }\n    }\n}\n\n";
+        r += "/// The op family that serves an entry (`ops::<family>`, the glue's `register_<family>`).\n";
+        r += derive;
+        r += "pub enum OpFamily {\n";
+        for f in &families {
+            let _ = writeln!(r, "    {},", camel(f));
+        }
+        r += "}\n\n";
+        r += "/// One override point: an aten op at a dispatch key, or one of torchfuse's own ops. The\n";
+        r += "/// numbering is `TfEntry` of the generated `torchfuse_catalog.h`.\n#[repr(u32)]\n";
+        r += derive;
+        r += "pub enum Entry {\n";
+        for (i, e) in entries.iter().enumerate() {
+            let _ = writeln!(r, "    {} = {i},", e.id);
+        }
+        r += "}\n\nimpl Entry {\n";
+        let _ = writeln!(r, "    pub const ALL: [Entry; {}] = [", entries.len());
+        for e in entries {
+            let _ = writeln!(r, "        Entry::{},", e.id);
+        }
+        r += "    ];\n\n    /// The op's name (aten's with overload, or `torchfuse::name`) as the logs show it.\n";
+        r += "    pub fn aten_name(self) -> &'static str {\n        match self {\n";
+        for e in entries {
+            let _ = writeln!(r, "            Entry::{} => {:?},", e.id, e.op);
+        }
+        r += "        }\n    }\n\n    pub fn toggle(self) -> Toggle {\n        match self {\n";
+        for e in entries {
+            let _ = writeln!(
+                r,
+                "            Entry::{} => Toggle::{},",
+                e.id,
+                camel(&e.toggle)
+            );
+        }
+        r += "        }\n    }\n\n    pub fn family(self) -> OpFamily {\n        match self {\n";
+        for e in entries {
+            let _ = writeln!(
+                r,
+                "            Entry::{} => OpFamily::{},",
+                e.id,
+                camel(&e.family)
+            );
+        }
+        r += "        }\n    }\n}\n";
+        r
+    }
+
+    fn header(entries: &[Entry]) -> String {
+        let mut h = String::from(
+            "// Generated by build.rs from src/catalog.toml: edit that file, not this one.\n\
+             #ifndef TORCHFUSE_CATALOG_H\n#define TORCHFUSE_CATALOG_H\n\n\
+             // The override points, numbered as src/catalog.toml lists them.\nenum TfEntry {\n",
+        );
+        for (i, e) in entries.iter().enumerate() {
+            let _ = writeln!(h, "  TF_ENTRY_{} = {i},", caps(&e.id));
+        }
+        let _ = writeln!(h, "  TF_ENTRY_COUNT = {}\n}};\n", entries.len());
+        h += "// X(ID, op name as logged, family): every entry, in TfEntry order.\n#define TF_FOR_EACH_ENTRY(X)";
+        for e in entries {
+            let _ = write!(h, " \\\n  X({}, \"{}\", {})", caps(&e.id), e.op, e.family);
+        }
+        h += "\n\n#endif  // TORCHFUSE_CATALOG_H\n";
+        h
+    }
+
+    /// Writes a generated file only when its text changed (no rebuild of the glue otherwise).
+    fn write(path: PathBuf, text: String) {
+        if std::fs::read_to_string(&path).ok().as_deref() != Some(text.as_str()) {
+            std::fs::write(&path, text)
+                .unwrap_or_else(|e| panic!("cannot write {}: {e}", path.display()));
+        }
+    }
+
+    pub fn generate(path: &Path, out_dir: &Path) {
+        let (toggles, entries) = read(path);
+        write(out_dir.join("catalog.rs"), rust(&toggles, &entries));
+        write(out_dir.join("torchfuse_catalog.h"), header(&entries));
+    }
 }

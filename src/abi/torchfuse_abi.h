@@ -24,34 +24,9 @@
 extern "C" {
 #endif
 
-// The override points (`Entry` in src/runtime/toggles.rs): aten ops at the CUDA key, then
-// torchfuse's own ops, which the Python rewrite layer calls (torch.ops.torchfuse.*).
-enum TfEntry {
-  TF_ENTRY_NATIVE_LAYER_NORM = 0,
-  TF_ENTRY_NATIVE_LAYER_NORM_BACKWARD = 1,
-  TF_ENTRY_FUSED_RMS_NORM = 2,
-  TF_ENTRY_FUSED_RMS_NORM_BACKWARD = 3,
-  TF_ENTRY_EMBEDDING = 4,
-  TF_ENTRY_EMBEDDING_DENSE_BACKWARD = 5,
-  TF_ENTRY_FUSED_ADAM = 6,
-  TF_ENTRY_FUSED_ADAM_TENSOR_LR = 7,
-  TF_ENTRY_FUSED_ADAMW = 8,
-  TF_ENTRY_FUSED_ADAMW_TENSOR_LR = 9,
-  TF_ENTRY_SDP_CHOICE = 10,
-  TF_ENTRY_FLASH_ATTENTION = 11,
-  TF_ENTRY_FLASH_ATTENTION_BACKWARD = 12,
-  TF_ENTRY_GELU_TANH = 13,
-  TF_ENTRY_GELU_TANH_BACKWARD = 14,
-  TF_ENTRY_HF_RMS_NORM = 15,
-  TF_ENTRY_CROSS_ENTROPY = 16,
-  TF_ENTRY_CROSS_ENTROPY_BACKWARD = 17,
-  TF_ENTRY_CROSS_ENTROPY_LOSS = 18,  // aten::cross_entropy_loss, at AutogradCUDA
-  TF_ENTRY_SILU_MUL = 19,
-  TF_ENTRY_SILU_MUL_BACKWARD = 20,
-  TF_ENTRY_ROTARY = 21,
-  TF_ENTRY_ROTARY_BACKWARD = 22,
-  TF_ENTRY_COUNT = 23
-};
+// The override points (`TfEntry`: `Entry` in Rust), numbered as the op catalog
+// (src/catalog.toml) lists them; the build generates this header from it.
+#include "torchfuse_catalog.h"
 
 // Status codes.
 #define TF_STOCK 0

@@ -11,7 +11,7 @@ use crate::abi::types::{
     TfAdamCall, TfTensor, SCALAR_BFLOAT16, SCALAR_DOUBLE, SCALAR_FLOAT, SCALAR_HALF,
 };
 use crate::gpu::Launch;
-use crate::runtime::Entry;
+use crate::runtime::{Entry, OpFamily};
 use crate::select::{DType, StockReason};
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use serde::{Deserialize, Serialize};
@@ -159,15 +159,7 @@ pub struct Adam;
 impl Family for Adam {
     type Call = TfAdamCall;
 
-    fn serves(entry: Entry) -> bool {
-        matches!(
-            entry,
-            Entry::FusedAdam
-                | Entry::FusedAdamTensorLr
-                | Entry::FusedAdamw
-                | Entry::FusedAdamwTensorLr
-        )
-    }
+    const FAMILY: OpFamily = OpFamily::Adam;
 
     /// The params' dtype, and [tensors, elements].
     unsafe fn symbolic(call: &TfAdamCall) -> Option<&TfTensor> {

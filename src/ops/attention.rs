@@ -12,7 +12,7 @@ use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, device_addr, empty, Borrowed};
 use crate::abi::types::{TfAttentionCall, TfTensor};
 use crate::gpu::{self, Launch};
-use crate::runtime::Entry;
+use crate::runtime::{Entry, OpFamily};
 use crate::select::{dtype_of, DType, StockReason};
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use serde::{Deserialize, Serialize};
@@ -364,12 +364,7 @@ pub struct Attention;
 impl Family for Attention {
     type Call = TfAttentionCall;
 
-    fn serves(entry: Entry) -> bool {
-        matches!(
-            entry,
-            Entry::SdpChoice | Entry::FlashAttention | Entry::FlashAttentionBackward
-        )
-    }
+    const FAMILY: OpFamily = OpFamily::Attention;
 
     /// q's dtype and shape.
     unsafe fn symbolic(call: &TfAttentionCall) -> Option<&TfTensor> {

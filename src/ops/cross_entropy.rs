@@ -12,7 +12,7 @@ use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr, empty, kind_of_scalar_type};
 use crate::abi::types::{TfCrossEntropyCall, TfTensor};
 use crate::gpu::{self, Launch};
-use crate::runtime::Entry;
+use crate::runtime::{Entry, OpFamily};
 use crate::select::{dtype_of, StockReason};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use serde::{Deserialize, Serialize};
@@ -46,12 +46,7 @@ struct Shape {
 impl Family for CrossEntropy {
     type Call = TfCrossEntropyCall;
 
-    fn serves(entry: Entry) -> bool {
-        matches!(
-            entry,
-            Entry::CrossEntropy | Entry::CrossEntropyBackward | Entry::CrossEntropyLoss
-        )
-    }
+    const FAMILY: OpFamily = OpFamily::CrossEntropy;
 
     unsafe fn symbolic(call: &TfCrossEntropyCall) -> Option<&TfTensor> {
         TfTensor::first_symbolic(&[

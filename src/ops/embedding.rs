@@ -8,7 +8,7 @@ use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, device_addr, empty};
 use crate::abi::types::{TfEmbeddingCall, TfTensor};
 use crate::gpu::{self, Launch};
-use crate::runtime::Entry;
+use crate::runtime::{Entry, OpFamily};
 use crate::select::{dtype_of, kind_name, StockReason};
 use cudarc::driver::{DriverError, LaunchConfig, PushKernelArg};
 use serde::{Deserialize, Serialize};
@@ -114,9 +114,7 @@ pub struct Embedding;
 impl Family for Embedding {
     type Call = TfEmbeddingCall;
 
-    fn serves(entry: Entry) -> bool {
-        matches!(entry, Entry::Embedding | Entry::EmbeddingDenseBackward)
-    }
+    const FAMILY: OpFamily = OpFamily::Embedding;
 
     /// The table's (grad's) dtype; forward: indices' shape + [D], backward: grad's shape.
     unsafe fn symbolic(call: &TfEmbeddingCall) -> Option<&TfTensor> {

@@ -7,7 +7,7 @@ use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr, empty, kind_of_scalar_type};
 use crate::abi::types::{TfGeluCall, TfTensor};
 use crate::gpu::{self, Launch};
-use crate::runtime::Entry;
+use crate::runtime::{Entry, OpFamily};
 use crate::select::{dtype_of, StockReason};
 use cudarc::driver::PushKernelArg;
 use serde::{Deserialize, Serialize};
@@ -22,9 +22,7 @@ pub struct Gelu;
 impl Family for Gelu {
     type Call = TfGeluCall;
 
-    fn serves(entry: Entry) -> bool {
-        matches!(entry, Entry::GeluTanh | Entry::GeluTanhBackward)
-    }
+    const FAMILY: OpFamily = OpFamily::Gelu;
 
     unsafe fn symbolic(call: &TfGeluCall) -> Option<&TfTensor> {
         TfTensor::first_symbolic(&[&call.input, &call.grad_out])

@@ -19,7 +19,7 @@ pub mod swiglu;
 
 use crate::abi::types::TfTensor;
 use crate::gpu::{self, Device, Kernels, Launch};
-use crate::runtime::Entry;
+use crate::runtime::{Entry, OpFamily};
 use crate::select::{self, DType, StockReason};
 use once_cell::sync::Lazy;
 use serde::{Deserialize, Serialize};
@@ -44,8 +44,13 @@ pub trait Family {
     /// The boundary struct its entries' calls arrive in (`torchfuse_abi.h`).
     type Call;
 
-    /// Whether `entry` is one of this family's.
-    fn serves(entry: Entry) -> bool;
+    /// Which family of the op catalog (src/catalog.toml) it is.
+    const FAMILY: OpFamily;
+
+    /// Whether `entry` is one of this family's (the catalog says).
+    fn serves(entry: Entry) -> bool {
+        entry.family() == Self::FAMILY
+    }
 
     /// The dtype name and shape a call is logged and counted under; None: not a call to
     /// count (a required tensor is missing).

@@ -8,7 +8,7 @@ use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr, empty};
 use crate::abi::types::{TfNormCall, TfTensor};
 use crate::gpu::{self, Kernels, Launch};
-use crate::runtime::Entry;
+use crate::runtime::{Entry, OpFamily};
 use crate::select::{dtype_of, DType, StockReason};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use serde::{Deserialize, Serialize};
@@ -57,9 +57,7 @@ impl Norm {
 impl Family for Norm {
     type Call = TfNormCall;
 
-    fn serves(entry: Entry) -> bool {
-        Norm::of(entry).is_some() || entry == Entry::HfRmsNorm
-    }
+    const FAMILY: OpFamily = OpFamily::Norm;
 
     unsafe fn symbolic(call: &TfNormCall) -> Option<&TfTensor> {
         TfTensor::first_symbolic(&[

@@ -8,7 +8,7 @@ use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr};
 use crate::abi::types::{TfRotaryCall, TfTensor};
 use crate::gpu::{self, Launch};
-use crate::runtime::Entry;
+use crate::runtime::{Entry, OpFamily};
 use crate::select::{dtype_of, StockReason};
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use serde::{Deserialize, Serialize};
@@ -143,9 +143,7 @@ fn empty_like(
 impl Family for Rotary {
     type Call = TfRotaryCall;
 
-    fn serves(entry: Entry) -> bool {
-        matches!(entry, Entry::Rotary | Entry::RotaryBackward)
-    }
+    const FAMILY: OpFamily = OpFamily::Rotary;
 
     /// q (forward) or its gradient (backward: q itself is not passed).
     unsafe fn symbolic(call: &TfRotaryCall) -> Option<&TfTensor> {

@@ -7,7 +7,7 @@ use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr, empty};
 use crate::abi::types::{TfSwigluCall, TfTensor};
 use crate::gpu::{self, Launch};
-use crate::runtime::Entry;
+use crate::runtime::{Entry, OpFamily};
 use crate::select::{dtype_of, StockReason};
 use cudarc::driver::PushKernelArg;
 use serde::{Deserialize, Serialize};
@@ -21,9 +21,7 @@ pub struct Swiglu;
 impl Family for Swiglu {
     type Call = TfSwigluCall;
 
-    fn serves(entry: Entry) -> bool {
-        matches!(entry, Entry::SiluMul | Entry::SiluMulBackward)
-    }
+    const FAMILY: OpFamily = OpFamily::Swiglu;
 
     unsafe fn symbolic(call: &TfSwigluCall) -> Option<&TfTensor> {
         TfTensor::first_symbolic(&[&call.gate, &call.up, &call.grad_out])

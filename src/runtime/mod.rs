@@ -7,4 +7,4 @@ pub mod stats;
 pub mod toggles;
 
 pub use config::Config;
-pub use toggles::{Entry, Toggle};
+pub use toggles::{Entry, OpFamily, Toggle};

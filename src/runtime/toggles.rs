@@ -1,61 +1,15 @@
 //! The op families users toggle (aten overrides, and the rewrites of Python compositions the
 //! `torchfuse` package makes, which call torchfuse's own ops), the entries each one owns, and
 //! their state in this process: registered with the dispatcher (at load), enabled at run time
-//! (`torch.ops.torchfuse.set_enabled`). The one place toggle names are written.
+//! (`torch.ops.torchfuse.set_enabled`). Their names come from the op catalog, src/catalog.toml.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-/// A user-facing toggle name (`TORCHFUSE_OPS`, `torch.ops.torchfuse.set_enabled`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Toggle {
-    LayerNorm,
-    RmsNorm,
-    Embedding,
-    Adam,
-    Sdpa,
-    /// Rewrite: HF's tanh GELU compositions -> torchfuse::gelu_tanh.
-    GeluTanh,
-    /// Rewrite: HF's RMSNorm composition (LlamaRMSNorm and its copies) -> torchfuse::hf_rms_norm.
-    HfRmsNorm,
-    /// aten::cross_entropy_loss (any caller), and the rewrite of HF's causal-LM loss ->
-    /// torchfuse::cross_entropy (bf16 logits read as they are).
-    CrossEntropy,
-    /// Rewrite: HF's gated MLP (LlamaMLP and its copies) -> torchfuse::silu_mul between its
-    /// matmuls.
-    Swiglu,
-    /// Rewrite: HF's apply_rotary_pos_emb (rotate-half form) -> torchfuse::rotary.
-    Rotary,
-}
+// Toggle, Entry and OpFamily, generated from src/catalog.toml (the one place an op's identity
+// is written): names, numbering, each entry's toggle and family.
+include!(concat!(env!("OUT_DIR"), "/catalog.rs"));
 
 impl Toggle {
-    pub const ALL: [Toggle; 10] = [
-        Toggle::LayerNorm,
-        Toggle::RmsNorm,
-        Toggle::Embedding,
-        Toggle::Adam,
-        Toggle::Sdpa,
-        Toggle::GeluTanh,
-        Toggle::HfRmsNorm,
-        Toggle::CrossEntropy,
-        Toggle::Swiglu,
-        Toggle::Rotary,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Toggle::LayerNorm => "layer_norm",
-            Toggle::RmsNorm => "rms_norm",
-            Toggle::Embedding => "embedding",
-            Toggle::Adam => "adam",
-            Toggle::Sdpa => "sdpa",
-            Toggle::GeluTanh => "gelu_tanh",
-            Toggle::HfRmsNorm => "hf_rms_norm",
-            Toggle::CrossEntropy => "cross_entropy",
-            Toggle::Swiglu => "swiglu",
-            Toggle::Rotary => "rotary",
-        }
-    }
-
     /// Every toggle name, comma-separated (for messages listing the valid ones).
     pub fn names() -> String {
         Toggle::ALL.map(Toggle::name).join(", ")
@@ -74,116 +28,9 @@ impl Toggle {
     }
 }
 
-/// One override point: an aten op at the CUDA key, or one of torchfuse's own ops. The
-/// numbering is `TfEntry` of `src/abi/torchfuse_abi.h`.
-#[repr(u32)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Entry {
-    NativeLayerNorm = 0,
-    NativeLayerNormBackward = 1,
-    FusedRmsNorm = 2,
-    FusedRmsNormBackward = 3,
-    Embedding = 4,
-    EmbeddingDenseBackward = 5,
-    FusedAdam = 6,
-    FusedAdamTensorLr = 7,
-    FusedAdamw = 8,
-    FusedAdamwTensorLr = 9,
-    SdpChoice = 10,
-    FlashAttention = 11,
-    FlashAttentionBackward = 12,
-    GeluTanh = 13,
-    GeluTanhBackward = 14,
-    HfRmsNorm = 15,
-    CrossEntropy = 16,
-    CrossEntropyBackward = 17,
-    CrossEntropyLoss = 18,
-    SiluMul = 19,
-    SiluMulBackward = 20,
-    Rotary = 21,
-    RotaryBackward = 22,
-}
-
 impl Entry {
-    pub const ALL: [Entry; 23] = [
-        Entry::NativeLayerNorm,
-        Entry::NativeLayerNormBackward,
-        Entry::FusedRmsNorm,
-        Entry::FusedRmsNormBackward,
-        Entry::Embedding,
-        Entry::EmbeddingDenseBackward,
-        Entry::FusedAdam,
-        Entry::FusedAdamTensorLr,
-        Entry::FusedAdamw,
-        Entry::FusedAdamwTensorLr,
-        Entry::SdpChoice,
-        Entry::FlashAttention,
-        Entry::FlashAttentionBackward,
-        Entry::GeluTanh,
-        Entry::GeluTanhBackward,
-        Entry::HfRmsNorm,
-        Entry::CrossEntropy,
-        Entry::CrossEntropyBackward,
-        Entry::CrossEntropyLoss,
-        Entry::SiluMul,
-        Entry::SiluMulBackward,
-        Entry::Rotary,
-        Entry::RotaryBackward,
-    ];
-
     pub fn from_u32(v: u32) -> Option<Entry> {
         Entry::ALL.get(v as usize).copied()
-    }
-
-    /// The op's name (aten's with overload, or `torchfuse::name`) as the logs show it.
-    pub fn aten_name(self) -> &'static str {
-        match self {
-            Entry::NativeLayerNorm => "native_layer_norm",
-            Entry::NativeLayerNormBackward => "native_layer_norm_backward",
-            Entry::FusedRmsNorm => "_fused_rms_norm",
-            Entry::FusedRmsNormBackward => "_fused_rms_norm_backward",
-            Entry::Embedding => "embedding",
-            Entry::EmbeddingDenseBackward => "embedding_dense_backward",
-            Entry::FusedAdam => "_fused_adam_",
-            Entry::FusedAdamTensorLr => "_fused_adam_.tensor_lr",
-            Entry::FusedAdamw => "_fused_adamw_",
-            Entry::FusedAdamwTensorLr => "_fused_adamw_.tensor_lr",
-            Entry::SdpChoice => "sdpa backend choice",
-            Entry::FlashAttention => "_scaled_dot_product_flash_attention",
-            Entry::FlashAttentionBackward => "_scaled_dot_product_flash_attention_backward",
-            Entry::GeluTanh => "torchfuse::gelu_tanh",
-            Entry::GeluTanhBackward => "torchfuse::gelu_tanh_backward",
-            Entry::HfRmsNorm => "torchfuse::hf_rms_norm",
-            Entry::CrossEntropy => "torchfuse::cross_entropy",
-            Entry::CrossEntropyBackward => "torchfuse::cross_entropy (backward)",
-            Entry::CrossEntropyLoss => "cross_entropy_loss",
-            Entry::SiluMul => "torchfuse::silu_mul",
-            Entry::SiluMulBackward => "torchfuse::silu_mul_backward",
-            Entry::Rotary => "torchfuse::rotary",
-            Entry::RotaryBackward => "torchfuse::rotary_backward",
-        }
-    }
-
-    pub fn toggle(self) -> Toggle {
-        match self {
-            Entry::NativeLayerNorm | Entry::NativeLayerNormBackward => Toggle::LayerNorm,
-            Entry::FusedRmsNorm | Entry::FusedRmsNormBackward => Toggle::RmsNorm,
-            Entry::Embedding | Entry::EmbeddingDenseBackward => Toggle::Embedding,
-            Entry::FusedAdam
-            | Entry::FusedAdamTensorLr
-            | Entry::FusedAdamw
-            | Entry::FusedAdamwTensorLr => Toggle::Adam,
-            Entry::SdpChoice | Entry::FlashAttention | Entry::FlashAttentionBackward => {
-                Toggle::Sdpa
-            }
-            Entry::GeluTanh | Entry::GeluTanhBackward => Toggle::GeluTanh,
-            Entry::HfRmsNorm => Toggle::HfRmsNorm,
-            Entry::CrossEntropy | Entry::CrossEntropyBackward | Entry::CrossEntropyLoss => {
-                Toggle::CrossEntropy
-            }
-            Entry::SiluMul | Entry::SiluMulBackward => Toggle::Swiglu,
-            Entry::Rotary | Entry::RotaryBackward => Toggle::Rotary,
-        }
     }
 }
 
@@ -249,5 +96,21 @@ mod tests {
         }
         assert_eq!(owned, Entry::ALL.len());
         assert_eq!(Toggle::from_name("layernorm"), None);
+    }
+
+    #[test]
+    fn the_readme_names_every_toggle_of_the_catalog() {
+        let readme = include_str!("../../README.md");
+        let names = readme
+            .lines()
+            .find(|l| l.starts_with("Op names:"))
+            .expect("README.md has its `Op names:` paragraph");
+        for t in Toggle::ALL {
+            assert!(
+                names.contains(&format!("`{}`", t.name())),
+                "README.md: {} missing",
+                t.name()
+            );
+        }
     }
 }

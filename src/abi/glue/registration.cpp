@@ -52,41 +52,22 @@ class WarningsToLog : public c10::WarningHandler {
   }
 };
 
-// The aten op each entry overrides, in TfEntry order (the SDPA backend choice is a dispatch
-// stub, not an op).
-constexpr const char* kEntryNames[TF_ENTRY_COUNT] = {
-    "native_layer_norm",
-    "native_layer_norm_backward",
-    "_fused_rms_norm",
-    "_fused_rms_norm_backward",
-    "embedding",
-    "embedding_dense_backward",
-    "_fused_adam_",
-    "_fused_adam_.tensor_lr",
-    "_fused_adamw_",
-    "_fused_adamw_.tensor_lr",
-    "sdpa backend choice",
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_backward",
-    "torchfuse::gelu_tanh",
-    "torchfuse::gelu_tanh_backward",
-    "torchfuse::hf_rms_norm",
-    "torchfuse::cross_entropy",
-    "torchfuse::cross_entropy (backward)",
-    "cross_entropy_loss",
-    "torchfuse::silu_mul",
-    "torchfuse::silu_mul_backward",
-    "torchfuse::rotary",
-    "torchfuse::rotary_backward",
-};
+// The op each entry overrides or defines, in TfEntry order (the catalog's; the SDPA backend
+// choice is a dispatch stub, not an op).
+#define TF_ENTRY_NAME(id, op, family) op,
+constexpr const char* kEntryNames[TF_ENTRY_COUNT] = {TF_FOR_EACH_ENTRY(TF_ENTRY_NAME)};
+#undef TF_ENTRY_NAME
 
+// Registers one entry with its family's register_<family> (the catalog says which).
 void register_entry(uint32_t entry) {
-  TORCH_CHECK(entry < TF_ENTRY_COUNT, "torchfuse: unknown entry ", entry);
-  const char* name = kEntryNames[entry];
-  const bool registered = register_norm(entry, name) || register_embedding(entry, name) ||
-                          register_adam(entry, name) || register_attention(entry, name) ||
-                          register_gelu(entry, name) || register_cross_entropy(entry, name) ||
-                          register_swiglu(entry, name) || register_rotary(entry, name);
+  bool registered = false;
+  switch (entry) {
+#define TF_REGISTER(id, op, family) \
+  case TF_ENTRY_##id: registered = register_##family(entry, op); break;
+    TF_FOR_EACH_ENTRY(TF_REGISTER)
+#undef TF_REGISTER
+    default: break;
+  }
   TORCH_CHECK(registered, "torchfuse: unknown entry ", entry);
 }
 
