@@ -28,13 +28,10 @@ PyTorch's own kernels.
 import functools
 import sys
 import types
+import typing
 
 from . import compositions
 from ._library import enabled_toggles, note, rewrite_switch
-
-# Forms whose code calls torch.pow: under CUDA autocast pow runs in fp32 (autocast's fp32
-# list), so the result is fp32 whatever the activation's dtype.
-_FP32_UNDER_AUTOCAST = {"new_gelu": True, "fast_gelu": False}
 
 # Class-name fragments of compositions we know of but may not recognise in every model (a
 # different form): those classes are logged at debug as left alone.
@@ -87,12 +84,13 @@ def _untraced_call(torch):
 _REWRITTEN = {}
 
 
-def _gelu_forward(torch, original, form, dependencies=None):
+def _gelu_forward(torch, original, form, dependencies=None, widens=False):
+    """HF's tanh GELU in one op; `widens`: the form calls torch.pow, which CUDA autocast runs in
+    fp32 (its fp32 list), so its result is fp32 whatever the input's dtype."""
     op = torch.ops.torchfuse.gelu_tanh.default
     tensor, served, fp32 = torch.Tensor, _served_dtypes(torch), torch.float32
     untraced, autocast = _untraced_call(torch), torch.is_autocast_enabled
     unchanged = (dependencies or compositions.Dependencies(original)).unchanged
-    widens = _FP32_UNDER_AUTOCAST[form]
 
     @functools.wraps(original)
     def forward(self, input):
@@ -130,7 +128,7 @@ def _exporting(torch):
     return lambda: getattr(compiler, "_is_exporting_flag", True)
 
 
-def _mask_skip_under_compile(torch, original, form):
+def _mask_skip_under_compile(torch, original, form, dependencies=None):
     """HF's decision to build no SDPA mask where none is needed (a causal mask with no padding:
     SDPA's `is_causal=True`; a bidirectional one: no mask), taken in eager and refused by the
     original in any trace, because an exported program would keep it for any input
@@ -171,7 +169,7 @@ def _mask_skip_under_compile(torch, original, form):
     return ignore_bidirectional_mask_sdpa
 
 
-def _causal_lm_loss(torch, original, form):
+def _causal_lm_loss(torch, original, form, dependencies=None):
     """HF's ForCausalLMLoss with the loss computed by torchfuse::cross_entropy from the logits
     as they are (fp32 arithmetic, fp32 loss, as the original's `logits.float()` gives), so the
     fp32 copy of the logits is never made. Labels are shifted, flattened and reduced as the
@@ -318,7 +316,7 @@ def _conv1d_mlp_forward(torch, original, form, dependencies=None):
     return forward
 
 
-def _rotary(torch, original, form):
+def _rotary(torch, original, form, dependencies=None):
     """HF's apply_rotary_pos_emb with q and k rotated by one op (torchfuse::rotary), for CUDA
     tensors whose cos and sin need no gradient (HF computes them under no_grad)."""
     op = torch.ops.torchfuse.rotary.default
@@ -338,27 +336,34 @@ def _rotary(torch, original, form):
     return apply_rotary_pos_emb
 
 
-# Toggle -> the op its rewrites call, where the names differ.
-_OP_NAMES = {"swiglu": "silu_mul"}
+class Rewrite(typing.NamedTuple):
+    """One rewrite of a recognised form (compositions.py holds its reference code and the
+    toggle that switches it): what makes the replacement from the original
+    (`make(torch, original, form, dependencies)`), and what the replacement calls, as the log
+    says it."""
+    make: typing.Callable
+    calls: str
 
 
-def _op_path(toggle):
-    return f"torch.ops.torchfuse.{_OP_NAMES.get(toggle, toggle)}"
+_OPS = "torch.ops.torchfuse."
 
-
-# Op -> what makes the rewritten forward from the original (by form where one op has several).
-_FORWARDS = {"gelu_tanh": _gelu_forward, "hf_rms_norm": _rms_norm_forward,
-             "swiglu": _gated_mlp_forward}
-_FORM_FORWARDS = {"hf_conv1d_mlp": _conv1d_mlp_forward}
-# Function form -> what makes the rewritten function from the original.
-_FUNCTIONS = {"hf_causal_lm_loss": _causal_lm_loss, "hf_rotary": _rotary,
-              "hf_ignore_causal_mask_sdpa": _mask_skip_under_compile,
-              "hf_ignore_bidirectional_mask_sdpa": _mask_skip_under_compile}
-# Function form -> what its rewrite does, where it calls no op of torchfuse.
-_DECISIONS = {"hf_ignore_causal_mask_sdpa": "under torch.compile, eager's is_causal=True where "
-                                            "sizes decide",
-              "hf_ignore_bidirectional_mask_sdpa": "under torch.compile, eager's no mask where "
-                                                   "sizes decide"}
+# Every rewrite, by the form it replaces: the one table (a test holds it to the forms
+# compositions.COMPUTES says are served).
+REWRITES = {
+    # A class's forward.
+    "new_gelu": Rewrite(functools.partial(_gelu_forward, widens=True), _OPS + "gelu_tanh"),
+    "fast_gelu": Rewrite(_gelu_forward, _OPS + "gelu_tanh"),
+    "hf_conv1d_mlp": Rewrite(_conv1d_mlp_forward, _OPS + "gelu_tanh"),
+    "hf_rms_norm": Rewrite(_rms_norm_forward, _OPS + "hf_rms_norm"),
+    "hf_gated_mlp": Rewrite(_gated_mlp_forward, _OPS + "silu_mul"),
+    # A module-level function.
+    "hf_causal_lm_loss": Rewrite(_causal_lm_loss, _OPS + "cross_entropy"),
+    "hf_rotary": Rewrite(_rotary, _OPS + "rotary"),
+    "hf_ignore_causal_mask_sdpa": Rewrite(
+        _mask_skip_under_compile, "under torch.compile, eager's is_causal=True where sizes decide"),
+    "hf_ignore_bidirectional_mask_sdpa": Rewrite(
+        _mask_skip_under_compile, "under torch.compile, eager's no mask where sizes decide"),
+}
 
 
 def patch_module(module):
@@ -380,9 +385,10 @@ def patch_module(module):
         # Built once: the rewritten forward checks it, and rewrites of an enclosing module
         # check it through _REWRITTEN.
         dependencies = compositions.Dependencies(original)
-        cls.forward = _FORM_FORWARDS.get(form, _FORWARDS[op])(torch, original, form, dependencies)
+        rewrite = REWRITES[form]
+        cls.forward = rewrite.make(torch, original, form, dependencies)
         _REWRITTEN[cls.forward] = (form, dependencies)
-        note(torch, f"rewrite {op}: {where} ({form}) -> {_op_path(op)}")
+        note(torch, f"rewrite {op}: {where} ({form}) -> {rewrite.calls}")
     functions = compositions.scan_functions(module)
     for name, form in functions.items():
         original, op = getattr(module, name), compositions.COMPUTES[form]
@@ -390,17 +396,18 @@ def patch_module(module):
         if not enabled.get(op, False):
             note(torch, f"rewrite {op} off: {where} ({form}) left as it is", debug=True)
             continue
-        rewritten = _FUNCTIONS[form](torch, original, form)
+        rewrite = REWRITES[form]
+        rewritten = rewrite.make(torch, original, form)
         setattr(module, name, rewritten)
         for table in vars(module).values():  # LOSS_MAPPING: name -> loss function
             if isinstance(table, dict):
                 for key, value in list(table.items()):
                     if value is original:
                         table[key] = rewritten
-        note(torch, f"rewrite {op}: {where} ({form}) -> {_DECISIONS.get(form) or _op_path(op)}")
+        note(torch, f"rewrite {op}: {where} ({form}) -> {rewrite.calls}")
     for form, name in compositions.FUNCTION_NAMES.items():
         value = vars(module).get(name)
-        if form in _FUNCTIONS and value is not None and name not in functions:
+        if form in REWRITES and value is not None and name not in functions:
             # Another object under the known name (the `kernels` package wraps HF's functions in
             # modules where it is installed) is said at info; other code (another model's RoPE
             # layout) at debug, as for classes.

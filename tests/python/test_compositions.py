@@ -261,3 +261,11 @@ def test_the_coverage_training_part_reports_each_model(tmp_path):
                            "--out", str(again)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (again / "coverage-train.md").read_text().splitlines() == rows
+
+
+def test_every_served_form_has_its_one_rewrite():
+    """The rewrite layer's one table holds a rewrite for each form compositions says is served,
+    and nothing else."""
+    from torchfuse import rewrites
+    assert set(rewrites.REWRITES) == set(compositions.COMPUTES)
+    assert all(callable(r.make) and r.calls for r in rewrites.REWRITES.values())
