@@ -60,6 +60,20 @@ _SOURCES = {
     x = x.view(size_out)
     return x
 """,
+    # transformers.models.gemma.modeling_gemma.GemmaRMSNorm.forward (Gemma 1, 2, 3 and their
+    # copies): the norm in fp32, times (1 + weight) in fp32, then the input's dtype. What it
+    # computes depends on its _norm too (the form below): the rewrite checks that at every call.
+    "gemma_rms_norm": """def forward(self, x):
+    output = self._norm(x.float())
+    # Llama does x.to(float16) * w whilst Gemma is (x * w).to(float16)
+    # See https://github.com/huggingface/transformers/pull/29402
+    output = output * (1.0 + self.weight.float())
+    return output.type_as(x)
+""",
+    # GemmaRMSNorm._norm: the _norm the form above may call.
+    "gemma_norm": """def _norm(self, x):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+""",
     # transformers.models.llama.modeling_llama.LlamaRMSNorm.forward, and its copies.
     "hf_rms_norm": """def forward(self, hidden_states):
     input_dtype = hidden_states.dtype
@@ -213,7 +227,7 @@ _FUNCTION_SOURCES = {
 
 # Form name -> the composition it computes.
 COMPUTES = {"new_gelu": "gelu_tanh", "fast_gelu": "gelu_tanh", "hf_conv1d_mlp": "gelu_tanh",
-            "hf_rms_norm": "hf_rms_norm",
+            "hf_rms_norm": "hf_rms_norm", "gemma_rms_norm": "hf_rms_norm",
             "hf_causal_lm_loss": "cross_entropy", "hf_gated_mlp": "swiglu", "hf_rotary": "rotary",
             "hf_ignore_causal_mask_sdpa": "sdpa", "hf_ignore_bidirectional_mask_sdpa": "sdpa"}
 

@@ -120,6 +120,39 @@ def _rms_norm_forward(torch, original, form, dependencies=None):
     return forward
 
 
+def _gemma_rms_norm_forward(torch, original, form, dependencies=None):
+    """Gemma's RMSNorm: x normalised in fp32, times `1 + weight` in fp32, rounded once to x's
+    dtype. That is aten::rms_norm of `x.float()` with the weight `1.0 + weight.float()` (as the
+    original makes it, so its gradient reaches the weight the same way), then the original's
+    cast: one norm kernel (torchfuse's `_fused_rms_norm`, where it serves the shape) where the
+    original launches six. The instance's `_norm` must be the recognised one (what forward
+    calls), and what it calls unchanged."""
+    rms_norm, tensor, parameter = torch.rms_norm, torch.Tensor, torch.nn.Parameter
+    served, untraced = _served_dtypes(torch), _untraced_call(torch)
+    unchanged = (dependencies or compositions.Dependencies(original)).unchanged
+    norms = {}  # a _norm function -> its Dependencies if it is the known form, else None
+
+    def known_norm(method):
+        function = getattr(method, "__func__", None)
+        if function not in norms:
+            known = compositions.form_of(function) == "gemma_norm"
+            norms[function] = compositions.Dependencies(function) if known else None
+        dependencies = norms[function]
+        return dependencies is not None and dependencies.unchanged()
+
+    @functools.wraps(original)
+    def forward(self, x):
+        weight, eps = self.weight, self.eps
+        if (type(x) is tensor and x.is_cuda and x.dtype in served and x.dim() >= 1
+                and type(weight) in (tensor, parameter) and weight.dtype in served
+                and weight.dim() == 1 and weight.shape[0] == x.shape[-1] and type(eps) is float
+                and untraced() and unchanged() and known_norm(self._norm)):
+            return rms_norm(x.float(), (x.shape[-1],), 1.0 + weight.float(), eps).type_as(x)
+        return original(self, x)
+
+    return forward
+
+
 def _exporting(torch):
     """A function telling whether torch.export is tracing: the flag it sets, read as a global
     Dynamo guards on (`is_exporting()` itself is True in any Dynamo trace). Without the flag
@@ -355,6 +388,7 @@ REWRITES = {
     "fast_gelu": Rewrite(_gelu_forward, _OPS + "gelu_tanh"),
     "hf_conv1d_mlp": Rewrite(_conv1d_mlp_forward, _OPS + "gelu_tanh"),
     "hf_rms_norm": Rewrite(_rms_norm_forward, _OPS + "hf_rms_norm"),
+    "gemma_rms_norm": Rewrite(_gemma_rms_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm)"),
     "hf_gated_mlp": Rewrite(_gated_mlp_forward, _OPS + "silu_mul"),
     # A module-level function.
     "hf_causal_lm_loss": Rewrite(_causal_lm_loss, _OPS + "cross_entropy"),

@@ -93,9 +93,24 @@ def test_silu_act_fns_are_known_and_other_activations_are_not():
 
 @pytest.mark.parametrize("model", ["gemma", "gemma2", "t5", "bert"])
 def test_other_forms_are_left_alone(model):
-    # Gemma multiplies by (1 + weight) in fp32; T5's norm casts to the weight's dtype first.
+    # Gemma multiplies by (1 + weight) in fp32 (its own form); T5's norm casts to the weight's
+    # dtype first.
     found = recognised(f"models.{model}.modeling_{model}")
     assert "hf_rms_norm" not in found.values(), found
+
+
+@pytest.mark.parametrize("model", ["gemma", "gemma2", "gemma3"])
+def test_gemmas_rms_norm_is_its_own_form_with_its_norm(model):
+    """Gemma 1, 2 and 3 write the same RMSNorm: its forward is the gemma_rms_norm form, its
+    _norm the gemma_norm form; a _norm computing something else is not."""
+    mod = module(f"models.{model}.modeling_{model}")
+    cls = next(c for c, form in compositions.scan(mod).items() if form == "gemma_rms_norm")
+    assert cls.__name__.endswith("RMSNorm") and compositions.COMPUTES["gemma_rms_norm"] == "hf_rms_norm"
+    assert compositions.form_of(cls._norm) == "gemma_norm" and "gemma_norm" not in compositions.COMPUTES
+    import types
+    other = types.FunctionType(cls._norm.__code__, dict(cls._norm.__globals__, torch=types.SimpleNamespace()),
+                               "_norm")
+    assert compositions.form_of(other) is None
 
 
 def test_dozens_of_models_share_llamas_rms_norm():
@@ -161,8 +176,8 @@ def test_recognition_imports_no_torch():
             "print(sorted(compositions.FORMS))" % str(ROOT / "python"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == ("['fast_gelu', 'hf_conv1d', 'hf_conv1d_mlp', 'hf_gated_mlp', "
-                                  "'hf_rms_norm', 'hf_silu', 'new_gelu']")
+    assert out.stdout.strip() == ("['fast_gelu', 'gemma_norm', 'gemma_rms_norm', 'hf_conv1d', 'hf_conv1d_mlp', "
+                                  "'hf_gated_mlp', 'hf_rms_norm', 'hf_silu', 'new_gelu']")
 
 
 def test_hf_causal_lm_loss_recognised_by_code_defaults_and_the_function_it_calls():
@@ -214,7 +229,7 @@ def test_hf_rotary_and_its_copies_are_recognised_with_their_rotate_half():
 
 @pytest.mark.parametrize("model, near", [
     ("llama", {}),
-    ("gemma", {"GemmaRMSNorm": "hf_rms_norm"}),  # (1 + weight), the norm in fp32
+    ("gemma", {}),  # (1 + weight), the norm in fp32: its own form now
     ("gpt_neox", {"apply_rotary_pos_emb": "hf_rotary"}),  # partial rotary: a slice, then cat
     ("t5", {"T5LayerNorm": "hf_rms_norm"}),  # an RMSNorm under another name
     ("phi3", {"Phi3MLP": "hf_gated_mlp", "apply_rotary_pos_emb": "hf_rotary"}),  # gate_up_proj
@@ -235,9 +250,9 @@ def test_the_coverage_report_covers_the_installed_transformers():
     for name in ("`LlamaRMSNorm` (hf_rms_norm)", "`LlamaMLP` (hf_gated_mlp)", "`apply_rotary_pos_emb` (hf_rotary)"):
         assert name in llama, llama
     gemma = next(line for line in lines if line.startswith("| gemma |"))
-    assert gemma.endswith("| `GemmaRMSNorm` (hf_rms_norm) |"), gemma
-    # Gemma's norm and its copies are one group of the same code.
-    group = next(line for line in lines if "`gemma.GemmaRMSNorm`" in line)
+    assert "`GemmaRMSNorm` (gemma_rms_norm)" in gemma and gemma.endswith("| – |"), gemma
+    # T5's norm and its copies are one group of the same code, near a known form.
+    group = next(line for line in lines if "`longt5.LongT5LayerNorm`" in line)
     assert group.startswith("| hf_rms_norm | ") and int(group.split("|")[2]) >= 3, group
 
 

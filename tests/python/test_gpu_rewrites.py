@@ -174,6 +174,58 @@ def test_hf_rms_norm_is_the_original_composition(dtypes):
             assert err <= bound(err_original, t.dtype), f"{what} d{name}: {err} vs original {err_original}"
 
 
+def gemma_reference(x, weight, eps):
+    """GemmaRMSNorm's arithmetic (transformers 5.17), for the float64 reference."""
+    output = x.float() if x.dtype != torch.float64 else x
+    output = output * torch.rsqrt(output.pow(2).mean(-1, keepdim=True) + eps)
+    return output * (1.0 + weight)
+
+
+@pytest.mark.parametrize("x_dtype", DTYPES)
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
+def test_gemma_rms_norm_is_the_original_composition(x_dtype, autocast):
+    """Gemma's RMSNorm class, rewritten, against its own original forward: same dtype, shape and
+    strides, values and both gradients within the original's error to float64; the fp32 norm
+    is served by torchfuse's _fused_rms_norm; a _norm set on the instance runs the original."""
+    pytest.importorskip("transformers")
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    original_forward = GemmaRMSNorm.forward.__wrapped__
+    seed = fresh_seed()
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    for shape in [(1, 32), (3, 7), (2, 5, 64), (rng.randrange(1, 300), rng.randrange(32, 3000)), (4, 512, 2048)]:
+        norm = GemmaRMSNorm(shape[-1], eps=1e-6).cuda()
+        with torch.no_grad():
+            norm.weight.normal_(0, 0.1)
+        x = torch.randn(shape, device="cuda").to(x_dtype).requires_grad_(True)
+        what = f"seed {seed} {x_dtype} autocast={autocast} {shape}"
+        served = fused_count("_fused_rms_norm")
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            ours = norm(x)
+            original = original_forward(norm, x)
+        if shape == (4, 512, 2048):
+            assert fused_count("_fused_rms_norm") == served + 1, (what, stock_reasons("_fused_rms_norm"))
+        assert (ours.dtype, ours.shape, ours.stride()) == (original.dtype, original.shape, original.stride()), what
+        x64 = x.detach().double().requires_grad_(True)
+        w64 = norm.weight.detach().double().requires_grad_(True)
+        ref = gemma_reference(x64, w64, 1e-6)
+        err, err_original = rel_err(ours, ref), rel_err(original, ref)
+        assert err <= bound(err_original, x_dtype), f"{what}: {err} vs original {err_original}"
+        grad_out = torch.randn_like(original)
+        g_ours = torch.autograd.grad(ours, (x, norm.weight), grad_out)
+        g_original = torch.autograd.grad(original, (x, norm.weight), grad_out)
+        g_ref = torch.autograd.grad(ref, (x64, w64), grad_out.double())
+        for name, a, b, r, t in zip("xw", g_ours, g_original, g_ref, (x, norm.weight)):
+            assert a.dtype == t.dtype, what
+            err, err_original = rel_err(a, r), rel_err(b, r)
+            assert err <= bound(err_original, t.dtype), f"{what} d{name}: {err} vs original {err_original}"
+    # A _norm of the instance's own is what forward calls: the original runs it.
+    norm._norm = lambda h: h * 0
+    served = fused_count("_fused_rms_norm")
+    assert torch.equal(norm(x.detach()), original_forward(norm, x.detach()))
+    assert fused_count("_fused_rms_norm") == served
+
+
 # ---------------------------------------------------------------- unchanged tiny HF models
 
 GPT2_MLP = r"""

@@ -47,7 +47,7 @@ print(json.dumps(found))
 def test_known_forms_are_rewritten_and_others_left_alone():
     out, log = run(REWRITTEN)
     assert out == {"NewGELUActivation": True, "FastGELUActivation": True, "GELUActivation": False,
-                   "LlamaRMSNorm": True, "Qwen2RMSNorm": True, "GemmaRMSNorm": False,
+                   "LlamaRMSNorm": True, "Qwen2RMSNorm": True, "GemmaRMSNorm": True,
                    "ForCausalLMLoss": True, "ForMaskedLMLoss": False, "LlamaMLP": True,
                    "Qwen2MLP": True, "apply_rotary_pos_emb": True, "GPT2MLP": True, "GPTBigCodeMLP": True}
     assert ("rewrite gelu_tanh: transformers.models.gpt2.modeling_gpt2.GPT2MLP.forward (hf_conv1d_mlp) -> "
@@ -59,7 +59,8 @@ def test_known_forms_are_rewritten_and_others_left_alone():
     assert ("rewrite gelu_tanh: transformers.activations.NewGELUActivation.forward (new_gelu) -> "
             "torch.ops.torchfuse.gelu_tanh") in log
     assert "rewrite hf_rms_norm: transformers.models.llama.modeling_llama.LlamaRMSNorm.forward" in log
-    assert "transformers.models.gemma.modeling_gemma.GemmaRMSNorm.forward is not a known form" in log
+    assert ("rewrite hf_rms_norm: transformers.models.gemma.modeling_gemma.GemmaRMSNorm.forward "
+            "(gemma_rms_norm) -> aten::rms_norm in fp32") in log
     assert log.count("rewrite gelu_tanh: transformers.activations.NewGELUActivation") == 1
 
 
@@ -269,3 +270,44 @@ print(json.dumps({
     out, log = run(code, TORCHFUSE_OPS="-sdpa")
     assert out["rewritten"] == [False, False] and out["compiled"] == [0] * 8
     assert out["eager"] == [True, False, True]
+
+
+def test_gemmas_rms_norm_replacement_is_its_arithmetic_on_cpu():
+    """What the Gemma rewrite calls on CUDA (aten::rms_norm of x.float() with the weight
+    1 + weight.float(), then x's dtype), checked on CPU against the class's original forward
+    and a float64 evaluation: values and both gradients; the rewritten forward itself runs the
+    original on CPU, bitwise."""
+    out, _ = run("""
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+torch.manual_seed(0)
+result = {}
+for dtype in (torch.float32, torch.bfloat16):
+    norm = GemmaRMSNorm(96, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(0, 0.1)
+    x = (torch.randn(5, 7, 96) * 3).to(dtype).requires_grad_(True)
+    original = GemmaRMSNorm.forward.__wrapped__(norm, x)
+    replacement = torch.rms_norm(x.float(), (96,), 1.0 + norm.weight.float(), 1e-6).type_as(x)
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = norm.weight.detach().double().requires_grad_(True)
+    h = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
+    ref = h * (1.0 + w64)
+    g = torch.randn_like(ref)
+    grads = [torch.autograd.grad(y, (x, norm.weight), g.to(y.dtype)) for y in (original, replacement)]
+    ref_grads = torch.autograd.grad(ref, (x64, w64), g)
+    def err(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+    result[str(dtype)] = {
+        "dtypes": [str(original.dtype), str(replacement.dtype)],
+        "value": [err(original, ref), err(replacement, ref)],
+        "dx": [err(grads[0][0], ref_grads[0]), err(grads[1][0], ref_grads[0])],
+        "dw": [err(grads[0][1], ref_grads[1]), err(grads[1][1], ref_grads[1])],
+        "cpu_is_original": torch.equal(norm(x), original)}
+print(json.dumps(result))
+""")
+    for dtype, floor in (("torch.float32", 1e-5), ("torch.bfloat16", 8e-3)):
+        r = out[dtype]
+        assert r["dtypes"] == [dtype, dtype] and r["cpu_is_original"], r
+        for key in ("value", "dx", "dw"):
+            original, replacement = r[key]
+            assert replacement <= max(2 * original, floor), (dtype, key, r[key])
