@@ -10,7 +10,8 @@ where matplotlib is installed, a PNG bar chart.
 
   python3 scripts/bench/bench_models.py --lib-dir .dev --out $OUT [--models gpt2,llama]
       [--sides stock,torchfuse,compile,torchfuse+compile,liger] [--rounds 2] [--steps 30]
-  (--models also takes gpt2-b32: GPT-2 at batch 32)
+  (--models also takes gpt2-b32, GPT-2 at batch 32, and the families of FAMILIES at realistic
+  sizes: qwen2.5-0.5b, gemma-2b, pythia-410m, mistral-0.9b, phi3-2b, qwen3-0.6b)
 
 Every run is also appended to OUT/bench_models.jsonl as it ends; `--merge A.jsonl B.jsonl`
 reports the runs of several calls as one table.
@@ -46,6 +47,42 @@ SIDES = ["stock", "torchfuse", "compile", "torchfuse+compile", "liger"]
 LIGER_MODELS = {"llama"}
 
 
+# Issue 39's families at realistic sizes, random weights (as large as fits with AdamW's fp32
+# states on one H100): name -> (config class, model class, its dims, (batch, length), what).
+FAMILIES = {
+    "qwen2.5-0.5b": ("Qwen2Config", "Qwen2ForCausalLM",
+                     dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                          num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                          tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=1024),
+                     (4, 1024), "HF Qwen2.5-0.5B shape"),
+    "gemma-2b": ("GemmaConfig", "GemmaForCausalLM",
+                 dict(hidden_size=2048, intermediate_size=16384, num_hidden_layers=18,
+                      num_attention_heads=8, num_key_value_heads=1, head_dim=256, vocab_size=256000,
+                      max_position_embeddings=1024),
+                 (2, 1024), "HF Gemma-2B shape"),
+    "pythia-410m": ("GPTNeoXConfig", "GPTNeoXForCausalLM",
+                    dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                         num_attention_heads=16, rotary_pct=0.25, vocab_size=50304,
+                         max_position_embeddings=1024, hidden_dropout=0.0, attention_dropout=0.0),
+                    (4, 1024), "HF Pythia-410M shape (GPT-NeoX, partial rotary)"),
+    "mistral-0.9b": ("MistralConfig", "MistralForCausalLM",
+                   dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                        num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
+                        sliding_window=4096, max_position_embeddings=1024),
+                   (4, 1024), "HF Mistral-style 0.9B (16 layers, hidden 2048, GQA 16/8)"),
+    "phi3-2b": ("Phi3Config", "Phi3ForCausalLM",
+                dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=32, vocab_size=32064,
+                     max_position_embeddings=1024, pad_token_id=0),
+                (2, 1024), "HF Phi-3-mini shape at 16 of its 32 layers (fused gate_up, qkv)"),
+    "qwen3-0.6b": ("Qwen3Config", "Qwen3ForCausalLM",
+                   dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                        vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=1024),
+                   (4, 1024), "HF Qwen3-0.6B shape (q/k RMSNorm)"),
+}
+
+
 def build(name, torch):
     """(model, batch maker, tokens or samples per step, description) for one model."""
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -63,6 +100,12 @@ def build(name, torch):
                           max_position_embeddings=1024)
         model, (b, s), vocab = LlamaForCausalLM(cfg), (4, 1024), 32000
         what = "HF Llama-style (12 layers, hidden 1024, GQA 16/8, vocab 32000), B4 S1024, bf16 autocast"
+    elif name in FAMILIES:
+        import transformers
+        config_name, model_name, dims, (b, s), what = FAMILIES[name]
+        cfg = getattr(transformers, config_name)(**dims)
+        model, vocab = getattr(transformers, model_name)(cfg), cfg.vocab_size
+        what = f"{what}, B{b} S{s}, bf16 autocast"
     elif name == "bert":
         from transformers import BertConfig, BertForMaskedLM
         cfg = BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
