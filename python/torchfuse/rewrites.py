@@ -369,6 +369,31 @@ def _rotary(torch, original, form, dependencies=None):
     return apply_rotary_pos_emb
 
 
+def _partial_rotary(torch, original, form, dependencies=None):
+    """GPT-NeoX's apply_rotary_pos_emb (and its copies): the rotate-half rotary of the first
+    `cos.shape[-1]` features of each head (Pythia: a quarter), the rest passed through, then
+    cat. The rotated slices go to torchfuse::rotary as the views the original makes (the op
+    takes a slice of the head dim, and returns what HF's composition returns for it), and the
+    cats are the original's. An odd or too-wide rotary dim runs the original."""
+    op, cat = torch.ops.torchfuse.rotary.default, torch.cat
+    tensor, untraced = torch.Tensor, _untraced_call(torch)
+    unchanged = (dependencies or compositions.Dependencies(original)).unchanged
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if (type(q) is tensor and type(k) is tensor and type(cos) is tensor and type(sin) is tensor
+                and q.is_cuda and type(unsqueeze_dim) is int and not cos.requires_grad
+                and not sin.requires_grad and untraced() and unchanged()):
+            rotary_dim = cos.unsqueeze(unsqueeze_dim).shape[-1]  # as the original reads it
+            if rotary_dim % 2 == 0 and 0 < rotary_dim <= min(q.shape[-1], k.shape[-1]):
+                q_embed, k_embed = op(q[..., :rotary_dim], k[..., :rotary_dim], cos, sin, unsqueeze_dim)
+                return (cat([q_embed, q[..., rotary_dim:]], dim=-1),
+                        cat([k_embed, k[..., rotary_dim:]], dim=-1))
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    return apply_rotary_pos_emb
+
+
 class Rewrite(typing.NamedTuple):
     """One rewrite of a recognised form (compositions.py holds its reference code and the
     toggle that switches it): what makes the replacement from the original
@@ -393,6 +418,9 @@ REWRITES = {
     # A module-level function.
     "hf_causal_lm_loss": Rewrite(_causal_lm_loss, _OPS + "cross_entropy"),
     "hf_rotary": Rewrite(_rotary, _OPS + "rotary"),
+    "hf_partial_rotary": Rewrite(_partial_rotary, _OPS + "rotary, then the original's cat"),
+    "hf_partial_rotary_glm_doc": Rewrite(_partial_rotary, _OPS + "rotary, then the original's cat"),
+    "hf_partial_rotary_inline": Rewrite(_partial_rotary, _OPS + "rotary, then the original's cat"),
     "hf_ignore_causal_mask_sdpa": Rewrite(
         _mask_skip_under_compile, "under torch.compile, eager's is_causal=True where sizes decide"),
     "hf_ignore_bidirectional_mask_sdpa": Rewrite(
@@ -439,9 +467,11 @@ def patch_module(module):
                     if value is original:
                         table[key] = rewritten
         note(torch, f"rewrite {op}: {where} ({form}) -> {rewrite.calls}")
+    said = set()  # a name several forms share (apply_rotary_pos_emb) is said once
     for form, name in compositions.FUNCTION_NAMES.items():
         value = vars(module).get(name)
-        if form in REWRITES and value is not None and name not in functions:
+        if form in REWRITES and value is not None and name not in functions and name not in said:
+            said.add(name)
             # Another object under the known name (the `kernels` package wraps HF's functions in
             # modules where it is installed) is said at info; other code (another model's RoPE
             # layout) at debug, as for classes.

@@ -17,12 +17,31 @@ sys.path.insert(0, str(ROOT / "python"))
 
 
 def cases():
-    """(name, module, input shape, input dtype): Gemma's norm on its fp32 residual stream
-    (Gemma-2B width, 8192 tokens) and on bf16 q/k heads (Gemma 3's q_norm: head dim 256)."""
+    """(name, make): make() gives (inputs needing grad, the call, its outputs' grads maker).
+    Gemma's norm on its fp32 residual stream (Gemma-2B width, 8192 tokens) and on bf16 q heads
+    (Gemma 3's q_norm: head dim 256); Pythia-410M's partial rotary (16 heads of 64, a quarter
+    rotated, q and k as views of the projection, bf16 with fp32 cos/sin as under autocast)."""
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
-    yield "GemmaRMSNorm 8192x2048 fp32", GemmaRMSNorm(2048), (8192, 2048), torch.float32
-    yield "GemmaRMSNorm 8192x2048 bf16", GemmaRMSNorm(2048), (8192, 2048), torch.bfloat16
-    yield "GemmaRMSNorm q heads 8192x8x256 bf16", GemmaRMSNorm(256), (8192, 8, 256), torch.bfloat16
+    from transformers.models.gpt_neox import modeling_gpt_neox
+
+    def norm(width, shape, dtype):
+        module = GemmaRMSNorm(width).cuda()
+        return lambda: ((torch.randn(shape, device="cuda").to(dtype).requires_grad_(True),), module)
+
+    def neox_rotary(b, s, h, d, rotary_dim):
+        def make():
+            qkv = torch.randn(b, s, 3, h, d, device="cuda").to(torch.bfloat16)
+            q, k = (qkv[:, :, i].transpose(1, 2).detach().requires_grad_(True) for i in (0, 1))
+            angles = torch.rand(b, s, rotary_dim // 2, device="cuda") * 100
+            emb = torch.cat((angles, angles), dim=-1)
+            cos, sin = emb.cos(), emb.sin()
+            return (q, k), lambda q, k: modeling_gpt_neox.apply_rotary_pos_emb(q, k, cos, sin)
+        return make
+
+    yield "GemmaRMSNorm 8192x2048 fp32", norm(2048, (8192, 2048), torch.float32)
+    yield "GemmaRMSNorm 8192x2048 bf16", norm(2048, (8192, 2048), torch.bfloat16)
+    yield "GemmaRMSNorm q heads 8192x8x256 bf16", norm(256, (8192, 8, 256), torch.bfloat16)
+    yield "GPT-NeoX rotary, Pythia-410M B4 S1024 (16 of 64 dims)", neox_rotary(4, 1024, 16, 64, 16)
 
 
 def time_us(fn, reps=30):
@@ -50,17 +69,18 @@ def main():
     lines = [f"# Rewritten HF modules vs their original code ({torch.cuda.get_device_name()})", "",
              f"`python3 scripts/bench/bench_rewrites.py --lib-dir {a.lib_dir}`; forward + backward, GPU µs "
              f"(CUDA events, median of {a.rounds} interleaved rounds of 30); copy bandwidth {bandwidth / 1e12:.2f} TB/s", "",
-             "| module | original | rewritten | speed-up | one read + write of the input at copy bandwidth |",
+             "| module or function | original | rewritten | speed-up | one read + write of the inputs at copy bandwidth |",
              "|---|---|---|---|---|"]
-    for name, module, shape, dtype in cases():
-        module = module.cuda()
+    for name, make in cases():
         results = {"original": [], "rewritten": []}
         for _ in range(a.rounds):
-            x = torch.randn(shape, device="cuda").to(dtype).requires_grad_(True)
-            grad = torch.randn_like(x)
+            inputs, call = make()
+            outputs = call(*inputs)
+            outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+            grads = [torch.randn_like(o) for o in outputs]
 
             def step():
-                module(x).backward(grad)
+                torch.autograd.backward(call(*inputs), grads)
 
             for side in results:
                 if side == "original":
@@ -71,7 +91,8 @@ def main():
                     step()
                     results[side].append(time_us(step))
         original, rewritten = (statistics.median(v) for v in results.values())
-        roofline = 2 * x.numel() * x.element_size() / bandwidth * 1e6
+        nbytes = sum(t.numel() * t.element_size() for t in inputs)
+        roofline = 2 * nbytes / bandwidth * 1e6
         lines.append(f"| {name} | {original:.1f} | {rewritten:.1f} | {original / rewritten:.2f}x | {roofline:.1f} |")
     text = "\n".join(lines) + "\n"
     print(text)

@@ -218,8 +218,14 @@ def test_hf_rotary_and_its_copies_are_recognised_with_their_rotate_half():
         found = compositions.scan_functions(module(f"models.{name}.modeling_{name}"))
         total += found == {"apply_rotary_pos_emb": "hf_rotary"}
     assert total >= 4, total
-    # GPT-NeoX rotates a partial head dim with its own code: left alone.
-    assert compositions.scan_functions(module("models.gpt_neox.modeling_gpt_neox")) == {}
+    # GPT-NeoX rotates a partial head dim with its own code: its own form (three writings).
+    assert compositions.scan_functions(module("models.gpt_neox.modeling_gpt_neox")) == {
+        "apply_rotary_pos_emb": "hf_partial_rotary"}
+    assert compositions.scan_functions(module("models.phi3.modeling_phi3")) == {
+        "apply_rotary_pos_emb": "hf_partial_rotary_inline"}
+    assert compositions.scan_functions(module("models.qwen3_next.modeling_qwen3_next")) == {
+        "apply_rotary_pos_emb": "hf_partial_rotary_glm_doc"}
+    assert compositions.COMPUTES["hf_partial_rotary"] == "rotary"
     # The same code calling another rotate_half is something else.
     f = llama.apply_rotary_pos_emb
     other = types.FunctionType(f.__code__, dict(f.__globals__, rotate_half=lambda x: x), f.__name__,
@@ -230,9 +236,10 @@ def test_hf_rotary_and_its_copies_are_recognised_with_their_rotate_half():
 @pytest.mark.parametrize("model, near", [
     ("llama", {}),
     ("gemma", {}),  # (1 + weight), the norm in fp32: its own form now
-    ("gpt_neox", {"apply_rotary_pos_emb": "hf_rotary"}),  # partial rotary: a slice, then cat
+    ("gpt_neox", {}),  # partial rotary: a slice, then cat (its own form now)
     ("t5", {"T5LayerNorm": "hf_rms_norm"}),  # an RMSNorm under another name
-    ("phi3", {"Phi3MLP": "hf_gated_mlp", "apply_rotary_pos_emb": "hf_rotary"}),  # gate_up_proj
+    ("phi3", {"Phi3MLP": "hf_gated_mlp"}),  # gate_up_proj
+    ("glm", {"GlmMLP": "hf_gated_mlp", "apply_rotary_pos_emb": "hf_rotary"}),  # interleaved rotary
 ])
 def test_near_forms_name_what_is_like_a_known_form_but_is_not(model, near):
     """The coverage harness's guide to the forms to add next: what looks like a served form (its

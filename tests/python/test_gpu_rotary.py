@@ -136,3 +136,43 @@ def test_odd_head_dims_and_forward_ad_take_hfs_ops():
     expected = apply_rotary_pos_emb(torch.ones_like(q, dtype=torch.float32), k.detach().float() * 0, cos.float(),
                                     sin.float())[0]
     assert torch.allclose(tangent, expected)
+
+
+@pytest.mark.parametrize("module_name", ["gpt_neox", "phi3"])
+def test_partial_rotary_rewrite_is_the_original_function(module_name):
+    """The rewrite of GPT-NeoX's (and Phi-3's) apply_rotary_pos_emb: the first cos.shape[-1]
+    features rotated by torchfuse::rotary (a quarter of the head dim, as Pythia; all of it, as
+    Phi-3), the rest passed through, against the original function: dtypes, layouts, values and
+    gradients within the original's error to float64."""
+    pytest.importorskip("transformers")
+    import importlib
+    import sys
+
+    from conftest import ROOT
+    sys.path.insert(0, str(ROOT / "python"))
+    from torchfuse import rewrites
+    module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+    original = getattr(module.apply_rotary_pos_emb, "__wrapped__", module.apply_rotary_pos_emb)
+    rewritten = rewrites._partial_rotary(torch, original, "hf_partial_rotary")
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    for (x_dtype, trig_dtype), rotary_dim in [(FORMS[0], 16), (FORMS[1], 16), (FORMS[1], 64), (FORMS[2], 32)]:
+        b, s, h, d = 2, 129, 8, 64
+        q = torch.randn(b, s, h * d, device="cuda").to(x_dtype).view(b, s, h, d).transpose(1, 2)
+        k = torch.randn(b, s, h * d, device="cuda").to(x_dtype).view(b, s, h, d).transpose(1, 2)
+        angles = torch.rand(b, s, rotary_dim // 2, device="cuda") * 100
+        emb = torch.cat((angles, angles), dim=-1)
+        cos, sin = emb.cos().to(trig_dtype), emb.sin().to(trig_dtype)
+        out_dtype = torch.promote_types(x_dtype, trig_dtype)
+        dq, dk = (torch.randn(t.shape, device="cuda").to(out_dtype) for t in (q, k))
+        before = fused_count(OP)
+        ours = run(rewritten, q, k, cos, sin, dq, dk, 1)
+        assert fused_count(OP) == before + 1, stock_reasons(OP)
+        theirs = run(original, q, k, cos, sin, dq, dk, 1)
+        refs = run(original, q.double(), k.double(), cos.double(), sin.double(), dq.double(), dk.double(), 1)
+        what = f"seed {seed} {module_name} {x_dtype}/{trig_dtype} rotary_dim {rotary_dim}"
+        for name, o, t, r in zip(("q_embed", "k_embed", "dq", "dk"), ours, theirs, refs):
+            assert o.dtype == t.dtype and o.shape == t.shape, (what, name)
+            assert same_layout(o, t), (what, name, o.stride(), t.stride())
+            e_ours, e_orig = rel_err(o, r), rel_err(t, r)
+            assert e_ours <= max(2 * e_orig, FLOOR[o.dtype]), f"{what} {name}: {e_ours:.3g} vs {e_orig:.3g}"

@@ -311,3 +311,33 @@ print(json.dumps(result))
         for key in ("value", "dx", "dw"):
             original, replacement = r[key]
             assert replacement <= max(2 * original, floor), (dtype, key, r[key])
+
+
+def test_partial_rotary_replacement_is_the_original_on_cpu():
+    """What the partial-rotary rewrite computes on CUDA (torchfuse::rotary of the first
+    cos.shape[-1] features as views, then the original's cat), checked on CPU, where the op runs
+    HF's composition, against GPT-NeoX's and Phi-3's originals: bitwise, dtypes and strides,
+    for a quarter of the head dim (Pythia), all of it, bf16 q with fp32 cos; the rewritten
+    function itself runs the original on CPU."""
+    out, _ = run("""
+import transformers.models.gpt_neox.modeling_gpt_neox as N
+import transformers.models.phi3.modeling_phi3 as P
+torch.manual_seed(0)
+result = []
+for module in (N, P):
+    original = module.apply_rotary_pos_emb.__wrapped__
+    for rotary_dim, q_dtype, trig_dtype, unsqueeze in ((16, torch.float32, torch.float32, 1), (64, torch.bfloat16, torch.float32, 1),
+                                                       (16, torch.bfloat16, torch.bfloat16, 2)):
+        shape = (2, 4, 5, 64) if unsqueeze == 1 else (2, 5, 4, 64)
+        q, k = torch.randn(shape).to(q_dtype), torch.randn(shape).to(q_dtype)
+        cos, sin = torch.randn(2, 5, rotary_dim).to(trig_dtype), torch.randn(2, 5, rotary_dim).to(trig_dtype)
+        expected = original(q, k, cos, sin, unsqueeze)
+        q_embed, k_embed = torch.ops.torchfuse.rotary(q[..., :rotary_dim], k[..., :rotary_dim], cos, sin, unsqueeze)
+        ours = (torch.cat([q_embed, q[..., rotary_dim:]], dim=-1), torch.cat([k_embed, k[..., rotary_dim:]], dim=-1))
+        result.append(all(torch.equal(a, b) and a.dtype == b.dtype and a.stride() == b.stride()
+                          for a, b in zip(ours, expected))
+                      and all(torch.equal(a, b) for a, b in zip(module.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze), expected)))
+print(json.dumps({"rewritten": [hasattr(N.apply_rotary_pos_emb, "__wrapped__"), hasattr(P.apply_rotary_pos_emb, "__wrapped__")],
+                  "equal": result}))
+""")
+    assert out == {"rewritten": [True, True], "equal": [True] * 6}
