@@ -184,6 +184,28 @@ mod catalog {
                 "src/catalog.toml: `{name}` declared twice"
             );
         }
+        // Names that become identifiers must map one to one (CamelCase ids, snake_case toggles
+        // and families); text that lands in generated code holds no quote, backslash or control.
+        let camel_case = |s: &str| {
+            s.starts_with(|c: char| c.is_ascii_uppercase())
+                && s.chars().all(|c| c.is_ascii_alphanumeric())
+        };
+        let snake_case = |s: &str| {
+            !s.is_empty()
+                && s.split('_').all(|w| {
+                    w.starts_with(|c: char| c.is_ascii_lowercase())
+                        && w.chars()
+                            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
+                })
+        };
+        let plain = |s: &str| !s.chars().any(|c| c.is_control() || c == '"' || c == '\\');
+        for t in &toggles {
+            assert!(
+                snake_case(&t.name) && plain(&t.what),
+                "src/catalog.toml: toggle `{}`: a snake_case name, a `what` of plain text",
+                t.name
+            );
+        }
         for e in &entries {
             assert!(
                 toggles.iter().any(|t| t.name == e.toggle),
@@ -192,10 +214,8 @@ mod catalog {
                 e.toggle
             );
             assert!(
-                e.id.chars().all(|c| c.is_ascii_alphanumeric())
-                    && e.family.chars().all(|c| c.is_ascii_lowercase() || c == '_')
-                    && !e.op.contains('"'),
-                "src/catalog.toml: entry {}: id CamelCase, family snake_case, op without quotes",
+                camel_case(&e.id) && snake_case(&e.family) && plain(&e.op),
+                "src/catalog.toml: entry {}: id CamelCase, family snake_case, op of plain text",
                 e.id
             );
         }

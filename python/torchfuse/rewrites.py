@@ -120,6 +120,26 @@ def _rms_norm_forward(torch, original, form, dependencies=None):
     return forward
 
 
+def _rows_view(x):
+    """x with its dims ordered as they lie in memory, if that is dense with the last dim
+    innermost (q and k heads as HF transposes them out of a projection), else None; and the
+    permutation back (None where x is contiguous). A row-wise op of that view, permuted back,
+    has x's strides, as an elementwise composition's result has."""
+    if x.is_contiguous():
+        return x, None
+    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
+    view = x.permute(order)
+    if order[-1] != x.dim() - 1 or not view.is_contiguous():
+        return None, None
+    return view, sorted(range(x.dim()), key=order.__getitem__)
+
+
+# Narrower rows keep the original's code: aten's fused RMSNorm backward is off a float64
+# reference where the input gradient nearly cancels (measured on one-feature rows; the same
+# bound as HF_RMS_NORM_MIN_HIDDEN in src/ops/norm.rs for the Llama form).
+_RMS_NORM_MIN_HIDDEN = 32
+
+
 def _gemma_rms_norm_forward(torch, original, form, dependencies=None):
     """Gemma's RMSNorm: x normalised in fp32, times `1 + weight` in fp32, rounded once to x's
     dtype. That is aten::rms_norm of `x.float()` with the weight `1.0 + weight.float()` (as the
@@ -132,8 +152,11 @@ def _gemma_rms_norm_forward(torch, original, form, dependencies=None):
     unchanged = (dependencies or compositions.Dependencies(original)).unchanged
     norms = {}  # a _norm function -> its Dependencies if it is the known form, else None
 
-    def known_norm(method):
+    def known_norm(self):
+        method = self._norm  # the instance's own, bound to it (another's reads another eps)
         function = getattr(method, "__func__", None)
+        if getattr(method, "__self__", None) is not self:
+            return False
         if function not in norms:
             known = compositions.form_of(function) == "gemma_norm"
             norms[function] = compositions.Dependencies(function) if known else None
@@ -144,10 +167,16 @@ def _gemma_rms_norm_forward(torch, original, form, dependencies=None):
     def forward(self, x):
         weight, eps = self.weight, self.eps
         if (type(x) is tensor and x.is_cuda and x.dtype in served and x.dim() >= 1
+                and x.shape[-1] >= _RMS_NORM_MIN_HIDDEN
                 and type(weight) in (tensor, parameter) and weight.dtype in served
                 and weight.dim() == 1 and weight.shape[0] == x.shape[-1] and type(eps) is float
-                and untraced() and unchanged() and known_norm(self._norm)):
-            return rms_norm(x.float(), (x.shape[-1],), 1.0 + weight.float(), eps).type_as(x)
+                and untraced() and unchanged() and known_norm(self)):
+            rows, back = _rows_view(x)
+            if rows is not None:
+                out = rms_norm(rows.float(), (x.shape[-1],), 1.0 + weight.float(), eps).type_as(x)
+                out = out if back is None else out.permute(back)
+                if out.stride() == x.stride():
+                    return out
         return original(self, x)
 
     return forward
@@ -172,20 +201,26 @@ def _mask_skip_under_compile(torch, original, form, dependencies=None):
     GPT-2 at B32). Elsewhere, and wherever the original would read a padding mask's values,
     the original decides."""
     compiling, exporting = torch.compiler.is_compiling, _exporting(torch)
+    # True only where the sizes settle it without a new guard (the same symbol on both sides,
+    # or plain ints): a guard the original never made could break a ranged `mark_dynamic`.
+    known = torch.fx.experimental.symbolic_shapes.statically_known_true
 
     def eager_decision_is_shape_only(padding_mask):
         return padding_mask is None and rewrite_switch.on and compiling() and not exporting()
+
+    def outside_window(kv_length, local_attention_size):
+        return local_attention_size is None or known(kv_length < local_attention_size)
 
     if form == "hf_ignore_causal_mask_sdpa":
         @functools.wraps(original)
         def ignore_causal_mask_sdpa(padding_mask, q_length, kv_length, q_offset, kv_offset,
                                     local_attention_size=None):
-            if eager_decision_is_shape_only(padding_mask):
-                if local_attention_size is not None and kv_length >= local_attention_size:
-                    return False
-                if q_length == 1 or kv_length == q_length:
-                    return True
-                # (the original's next case reads q_offset, a tensor under a cache: left to it)
+            if (eager_decision_is_shape_only(padding_mask)
+                    and outside_window(kv_length, local_attention_size)
+                    and (known(q_length == 1) or known(kv_length == q_length))):
+                return True
+            # Elsewhere the original's answer in a trace (False: build the mask) is eager's too,
+            # or its next case reads q_offset, a tensor under a cache.
             return original(padding_mask, q_length, kv_length, q_offset, kv_offset,
                             local_attention_size)
 
@@ -195,8 +230,9 @@ def _mask_skip_under_compile(torch, original, form, dependencies=None):
 
     @functools.wraps(original)
     def ignore_bidirectional_mask_sdpa(padding_mask, kv_length, local_attention_size=None):
-        if not on_xpu and eager_decision_is_shape_only(padding_mask):
-            return local_attention_size is None or kv_length < local_attention_size
+        if (not on_xpu and eager_decision_is_shape_only(padding_mask)
+                and outside_window(kv_length, local_attention_size)):
+            return True
         return original(padding_mask, kv_length, local_attention_size)
 
     return ignore_bidirectional_mask_sdpa

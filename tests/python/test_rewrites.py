@@ -251,6 +251,19 @@ class Export(torch.nn.Module):
     def forward(self, x):
         return x + int(causal(None, 8, 8, 0, 0))
 exported = torch.export.export(Export(), (torch.zeros(()),)).module()(torch.zeros(())).item()
+def ranged(n):
+    # Lengths a ranged mark_dynamic leaves symbolic: decided only where no guard is needed (q
+    # and kv the same symbol, no window), else the original's False; never a guard that breaks
+    # the range (a window of 8 inside 2..64).
+    torch._dynamo.reset()
+    def decide(x):
+        n = x.shape[0]
+        return torch.stack([x.sum() * 0 + int(causal(None, n, n, 0, 0)),
+                            x.sum() * 0 + int(causal(None, n, n, 0, 0, 8)),
+                            x.sum() * 0 + int(bidirectional(None, n, 8))])
+    x = torch.zeros(n)
+    torch._dynamo.mark_dynamic(x, 0, min=2, max=64)
+    return torch.compile(decide, backend="eager", fullgraph=True)(x).int().tolist()
 padding = torch.ones(2, 8, dtype=torch.bool)
 print(json.dumps({
     "rewritten": [hasattr(causal, "__wrapped__"), hasattr(bidirectional, "__wrapped__")],
@@ -260,11 +273,12 @@ print(json.dumps({
                  traced(lambda: causal(None, 4, 8, 0, 0)), traced(lambda: bidirectional(None, 8)),
                  traced(lambda: bidirectional(None, 8, 8)), traced(lambda: bidirectional(None, 8, 9))],
     "padding": [traced(lambda: causal(padding, 8, 8, 0, 0)), traced(lambda: bidirectional(padding, 8))],
-    "exported": exported}))
+    "exported": exported, "ranged": [ranged(n) for n in (5, 20)]}))
 """
     out, log = run(code)
     assert out == {"rewritten": [True, True], "eager": [True, False, True],
-                   "compiled": [1, 1, 0, 1, 0, 1, 0, 1], "padding": [0, 0], "exported": 0}
+                   "compiled": [1, 1, 0, 1, 0, 1, 0, 1], "padding": [0, 0], "exported": 0,
+                   "ranged": [[1, 0, 0], [1, 0, 0]]}
     assert ("rewrite sdpa: transformers.masking_utils._ignore_causal_mask_sdpa "
             "(hf_ignore_causal_mask_sdpa) -> under torch.compile") in log
     out, log = run(code, TORCHFUSE_OPS="-sdpa")
@@ -303,8 +317,23 @@ for dtype in (torch.float32, torch.bfloat16):
         "dx": [err(grads[0][0], ref_grads[0]), err(grads[1][0], ref_grads[0])],
         "dw": [err(grads[0][1], ref_grads[1]), err(grads[1][1], ref_grads[1])],
         "cpu_is_original": torch.equal(norm(x), original)}
+# Gemma 3's q_norm input: heads transposed out of the projection. The rewrite normalises the
+# rows as they lie in memory and permutes back: the original's strides and values.
+from torchfuse.rewrites import _rows_view
+norm = GemmaRMSNorm(32, eps=1e-6)
+with torch.no_grad():
+    norm.weight.normal_(0, 0.1)
+x = torch.randn(2, 9, 4, 32).to(torch.bfloat16).transpose(1, 2)
+rows, back = _rows_view(x)
+ours = torch.rms_norm(rows.float(), (32,), 1.0 + norm.weight.float(), 1e-6).type_as(x).permute(back)
+original = GemmaRMSNorm.forward.__wrapped__(norm, x)
+overlapping = torch.randn(1, 32).expand(4, 32)
+result["transposed"] = [ours.stride() == original.stride() == x.stride(),
+                        ((ours.float() - original.float()).abs().max() / original.float().abs().max()).item() < 8e-3,
+                        _rows_view(overlapping) == (None, None), _rows_view(x.contiguous())[1] is None]
 print(json.dumps(result))
 """)
+    assert out["transposed"] == [True, True, True, True], out["transposed"]
     for dtype, floor in (("torch.float32", 1e-5), ("torch.bfloat16", 8e-3)):
         r = out[dtype]
         assert r["dtypes"] == [dtype, dtype] and r["cpu_is_original"], r
