@@ -74,6 +74,24 @@ _SOURCES = {
     "gemma_norm": """def _norm(self, x):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 """,
+    # transformers.models.t5.modeling_t5.T5LayerNorm.forward, and its copies (LongT5, Idefics,
+    # Kosmos-2.5, ...): the statistics in fp32, x times rstd promoted to fp32, rounded to the
+    # weight's dtype where that is 16-bit, then times the weight.
+    "t5_rms_norm": """def forward(self, hidden_states):
+    # T5 uses a layer_norm which only scales and doesn't shift, which is also known as Root Mean
+    # Square Layer Normalization https://huggingface.co/papers/1910.07467 thus variance is calculated
+    # w/o mean and there is no bias. Additionally we want to make sure that the accumulation for
+    # half-precision inputs is done in fp32
+
+    variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+
+    # convert into half-precision if necessary
+    if self.weight.dtype in [torch.float16, torch.bfloat16]:
+        hidden_states = hidden_states.to(self.weight.dtype)
+
+    return self.weight * hidden_states
+""",
     # transformers.models.llama.modeling_llama.LlamaRMSNorm.forward, and its copies.
     "hf_rms_norm": """def forward(self, hidden_states):
     input_dtype = hidden_states.dtype
@@ -283,7 +301,7 @@ _FUNCTION_SOURCES = {
 
 # Form name -> the composition it computes.
 COMPUTES = {"new_gelu": "gelu_tanh", "fast_gelu": "gelu_tanh", "hf_conv1d_mlp": "gelu_tanh",
-            "hf_rms_norm": "hf_rms_norm", "gemma_rms_norm": "hf_rms_norm",
+            "hf_rms_norm": "hf_rms_norm", "gemma_rms_norm": "hf_rms_norm", "t5_rms_norm": "hf_rms_norm",
             "hf_causal_lm_loss": "cross_entropy", "hf_gated_mlp": "swiglu", "hf_rotary": "rotary",
             "hf_partial_rotary": "rotary", "hf_partial_rotary_glm_doc": "rotary",
             "hf_partial_rotary_inline": "rotary",

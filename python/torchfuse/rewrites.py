@@ -182,6 +182,38 @@ def _gemma_rms_norm_forward(torch, original, form, dependencies=None):
     return forward
 
 
+def _t5_rms_norm_forward(torch, original, form, dependencies=None):
+    """T5's RMSNorm (T5LayerNorm and its copies): x times rstd is fp32 (x promoted), rounded to
+    the weight's dtype where that is 16-bit, then times the weight. With an fp32 weight that is
+    aten::rms_norm of `x.float()` (fp32 out, as the original's promotion gives); with a 16-bit
+    weight of x's dtype it is Llama's composition, torchfuse::hf_rms_norm. Other dtype pairs,
+    and rows under 32 features with an fp32 weight, run the original."""
+    rms_norm, hf_rms_norm = torch.rms_norm, torch.ops.torchfuse.hf_rms_norm.default
+    tensor, parameter, fp32 = torch.Tensor, torch.nn.Parameter, torch.float32
+    served, untraced = _served_dtypes(torch), _untraced_call(torch)
+    unchanged = (dependencies or compositions.Dependencies(original)).unchanged
+
+    @functools.wraps(original)
+    def forward(self, hidden_states):
+        x, weight, eps = hidden_states, self.weight, self.variance_epsilon
+        if (type(x) is tensor and x.is_cuda and x.dtype in served and x.dim() >= 1
+                and type(weight) in (tensor, parameter) and weight.dim() == 1
+                and weight.shape[0] == x.shape[-1] and type(eps) is float and untraced()
+                and unchanged()):
+            if weight.dtype == x.dtype and weight.dtype != fp32:
+                return hf_rms_norm(x, weight, eps)
+            if weight.dtype == fp32 and x.shape[-1] >= _RMS_NORM_MIN_HIDDEN:
+                rows, back = _rows_view(x)
+                if rows is not None:
+                    out = rms_norm(rows.float(), (x.shape[-1],), weight, eps)
+                    out = out if back is None else out.permute(back)
+                    if out.stride() == x.stride():
+                        return out
+        return original(self, hidden_states)
+
+    return forward
+
+
 def _exporting(torch):
     """A function telling whether torch.export is tracing: the flag it sets, read as a global
     Dynamo guards on (`is_exporting()` itself is True in any Dynamo trace). Without the flag
@@ -450,6 +482,8 @@ REWRITES = {
     "hf_conv1d_mlp": Rewrite(_conv1d_mlp_forward, _OPS + "gelu_tanh"),
     "hf_rms_norm": Rewrite(_rms_norm_forward, _OPS + "hf_rms_norm"),
     "gemma_rms_norm": Rewrite(_gemma_rms_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm)"),
+    "t5_rms_norm": Rewrite(_t5_rms_norm_forward, "aten::rms_norm in fp32 with an fp32 weight, else "
+                                                 + _OPS + "hf_rms_norm"),
     "hf_gated_mlp": Rewrite(_gated_mlp_forward, _OPS + "silu_mul"),
     # A module-level function.
     "hf_causal_lm_loss": Rewrite(_causal_lm_loss, _OPS + "cross_entropy"),

@@ -99,6 +99,13 @@ def test_other_forms_are_left_alone(model):
     assert "hf_rms_norm" not in found.values(), found
 
 
+@pytest.mark.parametrize("model, cls", [("t5", "T5LayerNorm"), ("longt5", "LongT5LayerNorm"),
+                                        ("switch_transformers", "SwitchTransformersLayerNorm")])
+def test_t5s_rms_norm_is_its_own_form(model, cls):
+    found = recognised(f"models.{model}.modeling_{model}")
+    assert found[cls] == "t5_rms_norm" and compositions.COMPUTES["t5_rms_norm"] == "hf_rms_norm"
+
+
 @pytest.mark.parametrize("model", ["gemma", "gemma2", "gemma3"])
 def test_gemmas_rms_norm_is_its_own_form_with_its_norm(model):
     """Gemma 1, 2 and 3 write the same RMSNorm: its forward is the gemma_rms_norm form, its
@@ -177,7 +184,7 @@ def test_recognition_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ("['fast_gelu', 'gemma_norm', 'gemma_rms_norm', 'hf_conv1d', 'hf_conv1d_mlp', "
-                                  "'hf_gated_mlp', 'hf_rms_norm', 'hf_silu', 'new_gelu']")
+                                  "'hf_gated_mlp', 'hf_rms_norm', 'hf_silu', 'new_gelu', 't5_rms_norm']")
 
 
 def test_hf_causal_lm_loss_recognised_by_code_defaults_and_the_function_it_calls():
@@ -237,7 +244,10 @@ def test_hf_rotary_and_its_copies_are_recognised_with_their_rotate_half():
     ("llama", {}),
     ("gemma", {}),  # (1 + weight), the norm in fp32: its own form now
     ("gpt_neox", {}),  # partial rotary: a slice, then cat (its own form now)
-    ("t5", {"T5LayerNorm": "hf_rms_norm"}),  # an RMSNorm under another name
+    ("t5", {}),  # T5's RMSNorm (cast to the weight's dtype first): its own form now
+    # with_scale (another norm), the MLP's activation sparsity, the rotary under another docstring
+    ("gemma3n", {"Gemma3nRMSNorm": "hf_rms_norm", "Gemma3nTextMLP": "hf_gated_mlp",
+                 "apply_rotary_pos_emb": "hf_rotary"}),
     ("phi3", {"Phi3MLP": "hf_gated_mlp"}),  # gate_up_proj
     ("glm", {"GlmMLP": "hf_gated_mlp", "apply_rotary_pos_emb": "hf_rotary"}),  # interleaved rotary
 ])
@@ -258,8 +268,8 @@ def test_the_coverage_report_covers_the_installed_transformers():
         assert name in llama, llama
     gemma = next(line for line in lines if line.startswith("| gemma |"))
     assert "`GemmaRMSNorm` (gemma_rms_norm)" in gemma and gemma.endswith("| – |"), gemma
-    # T5's norm and its copies are one group of the same code, near a known form.
-    group = next(line for line in lines if "`longt5.LongT5LayerNorm`" in line)
+    # Gemma 3n's norm and its copies are one group of the same code, near a known form.
+    group = next(line for line in lines if "`gemma3n.Gemma3nRMSNorm`" in line)
     assert group.startswith("| hf_rms_norm | ") and int(group.split("|")[2]) >= 3, group
 
 

@@ -240,6 +240,56 @@ def test_gemma_rms_norm_is_the_original_composition(x_dtype, autocast):
         assert fused_count("_fused_rms_norm") == served
 
 
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                    (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                    (torch.float32, torch.bfloat16)],
+                         ids=["f32", "bf16-x-f32-weight", "bf16", "f16", "f32-x-bf16-weight"])
+def test_t5_rms_norm_is_the_original_composition(dtypes):
+    """T5's RMSNorm class, rewritten, against its own original forward: an fp32 weight takes
+    aten::rms_norm of x.float() (torchfuse's _fused_rms_norm), a 16-bit weight of x's dtype
+    torchfuse::hf_rms_norm, an fp32 x with a bf16 weight the original; same dtype, shape and
+    strides, values and both gradients within the original's error to float64."""
+    pytest.importorskip("transformers")
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+    sys.path.insert(0, str(ROOT / "python"))
+    from torchfuse import rewrites
+    original_forward = getattr(T5LayerNorm.forward, "__wrapped__", T5LayerNorm.forward)
+    rewritten = rewrites._t5_rms_norm_forward(torch, original_forward, "t5_rms_norm")
+    x_dtype, w_dtype = dtypes
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    for shape in [(3, 7), (2, 5, 64), (4, 512, 1024)]:
+        norm = T5LayerNorm(shape[-1], eps=1e-6).cuda()
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(shape[-1], device="cuda"))
+        norm = norm.to(w_dtype)
+        x = torch.randn(shape, device="cuda").to(x_dtype).requires_grad_(True)
+        what = f"seed {seed} {dtypes} {shape}"
+        counts = fused_count("_fused_rms_norm"), fused_count(HF_RMS)
+        ours = rewritten(norm, x)
+        after = fused_count("_fused_rms_norm"), fused_count(HF_RMS)
+        if shape == (4, 512, 1024):
+            expected = {torch.float32: (1, 0), torch.bfloat16: (0, 1), torch.float16: (0, 1)}[w_dtype]
+            if x_dtype == torch.float32 and w_dtype != torch.float32:
+                expected = (0, 0)
+            assert (after[0] - counts[0], after[1] - counts[1]) == expected, (what, stock_reasons("_fused_rms_norm"))
+        original = original_forward(norm, x)
+        assert (ours.dtype, ours.shape, ours.stride()) == (original.dtype, original.shape, original.stride()), what
+        x64 = x.detach().double().requires_grad_(True)
+        w64 = norm.weight.detach().double().requires_grad_(True)
+        ref = w64 * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6))
+        err, err_original = rel_err(ours, ref), rel_err(original, ref)
+        assert err <= bound(err_original, ours.dtype), f"{what}: {err} vs original {err_original}"
+        grad_out = torch.randn_like(original)
+        g_ours = torch.autograd.grad(ours, (x, norm.weight), grad_out)
+        g_original = torch.autograd.grad(original, (x, norm.weight), grad_out)
+        g_ref = torch.autograd.grad(ref, (x64, w64), grad_out.double())
+        for name, a, b, r, t in zip("xw", g_ours, g_original, g_ref, (x, norm.weight)):
+            assert a.dtype == t.dtype, what
+            err, err_original = rel_err(a, r), rel_err(b, r)
+            assert err <= bound(err_original, t.dtype), f"{what} d{name}: {err} vs original {err_original}"
+
+
 # ---------------------------------------------------------------- unchanged tiny HF models
 
 GPT2_MLP = r"""

@@ -370,3 +370,47 @@ print(json.dumps({"rewritten": [hasattr(N.apply_rotary_pos_emb, "__wrapped__"), 
                   "equal": result}))
 """)
     assert out == {"rewritten": [True, True], "equal": [True] * 6}
+
+
+def test_t5s_rms_norm_replacement_is_its_arithmetic_on_cpu():
+    """What the T5 rewrite calls on CUDA, checked on CPU against T5LayerNorm's original forward
+    and float64: with an fp32 weight, aten::rms_norm of x.float() (fp32 out, for fp32 and bf16
+    x); with a bf16 weight and bf16 x, torchfuse::hf_rms_norm (Llama's composition: x rounded
+    to bf16 after the fp32 norm, then times the weight). Values, dtypes, both gradients."""
+    out, _ = run("""
+from transformers.models.t5.modeling_t5 import T5LayerNorm
+torch.manual_seed(0)
+result = {}
+for x_dtype, w_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)):
+    norm = T5LayerNorm(96, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(96))
+    norm = norm.to(w_dtype)
+    x = (torch.randn(5, 7, 96) * 3).to(x_dtype).requires_grad_(True)
+    original = T5LayerNorm.forward.__wrapped__(norm, x)
+    if w_dtype == torch.float32:
+        replacement = torch.rms_norm(x.float(), (96,), norm.weight, 1e-6)
+    else:
+        replacement = torch.ops.torchfuse.hf_rms_norm(x, norm.weight, 1e-6)
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = norm.weight.detach().double().requires_grad_(True)
+    ref = w64 * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6))
+    g = torch.randn_like(ref)
+    grads = [torch.autograd.grad(y, (x, norm.weight), g.to(y.dtype)) for y in (original, replacement)]
+    ref_grads = torch.autograd.grad(ref, (x64, w64), g)
+    def err(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+    result[f"{x_dtype}/{w_dtype}"] = {
+        "dtypes": [str(original.dtype), str(replacement.dtype)],
+        "value": [err(original, ref), err(replacement, ref)],
+        "dx": [err(grads[0][0], ref_grads[0]), err(grads[1][0], ref_grads[0])],
+        "dw": [err(grads[0][1], ref_grads[1]), err(grads[1][1], ref_grads[1])],
+        "cpu_is_original": torch.equal(norm(x), original)}
+print(json.dumps(result))
+""")
+    floors = {"torch.float32": 1e-5, "torch.bfloat16": 8e-3}
+    for case, r in out.items():
+        assert r["dtypes"][0] == r["dtypes"][1] and r["cpu_is_original"], (case, r)
+        for key in ("value", "dx", "dw"):
+            original, replacement = r[key]
+            assert replacement <= max(2 * original, floors[r["dtypes"][0]]), (case, key, r[key])
