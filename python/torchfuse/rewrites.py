@@ -114,7 +114,9 @@ def _rms_norm_forward(torch, original, form, dependencies=None):
         if (type(hidden_states) is tensor and hidden_states.is_cuda
                 and type(weight) in (tensor, parameter) and type(eps) is float and untraced()
                 and unchanged()):
-            return op(hidden_states, weight, eps)
+            out = _row_wise(hidden_states, lambda rows: op(rows, weight, eps))
+            if out is not None:
+                return out
         return original(self, hidden_states)
 
     return forward
@@ -132,6 +134,18 @@ def _rows_view(x):
     if order[-1] != x.dim() - 1 or not view.is_contiguous():
         return None, None
     return view, sorted(range(x.dim()), key=order.__getitem__)
+
+
+def _row_wise(x, norm):
+    """`norm` (a row-wise op returning a dense result) of x as it lies in memory, permuted back
+    to x's strides, which the original's elementwise composition keeps; None where that cannot
+    be had (x not dense, or strides a dense result cannot take): the original runs."""
+    rows, back = _rows_view(x)
+    if rows is None:
+        return None
+    out = norm(rows)
+    out = out if back is None else out.permute(back)
+    return out if out.stride() == x.stride() else None
 
 
 # Narrower rows keep the original's code: aten's fused RMSNorm backward is off a float64
@@ -171,12 +185,10 @@ def _gemma_rms_norm_forward(torch, original, form, dependencies=None):
                 and type(weight) in (tensor, parameter) and weight.dtype in served
                 and weight.dim() == 1 and weight.shape[0] == x.shape[-1] and type(eps) is float
                 and untraced() and unchanged() and known_norm(self)):
-            rows, back = _rows_view(x)
-            if rows is not None:
-                out = rms_norm(rows.float(), (x.shape[-1],), 1.0 + weight.float(), eps).type_as(x)
-                out = out if back is None else out.permute(back)
-                if out.stride() == x.stride():
-                    return out
+            out = _row_wise(x, lambda rows: rms_norm(rows.float(), (x.shape[-1],),
+                                                     1.0 + weight.float(), eps).type_as(x))
+            if out is not None:
+                return out
         return original(self, x)
 
     return forward
@@ -186,8 +198,10 @@ def _t5_rms_norm_forward(torch, original, form, dependencies=None):
     """T5's RMSNorm (T5LayerNorm and its copies): x times rstd is fp32 (x promoted), rounded to
     the weight's dtype where that is 16-bit, then times the weight. With an fp32 weight that is
     aten::rms_norm of `x.float()` (fp32 out, as the original's promotion gives); with a 16-bit
-    weight of x's dtype it is Llama's composition, torchfuse::hf_rms_norm. Other dtype pairs,
-    and rows under 32 features with an fp32 weight, run the original."""
+    weight of x's dtype its forward is Llama's composition, torchfuse::hf_rms_norm (whose x
+    gradient is rounded once, where the original's two 16-bit paths are rounded and summed in
+    16 bits: closer to exact). Other dtype pairs, and rows under 32 features with an fp32
+    weight, run the original; a strided x is normalised as it lies in memory (`_row_wise`)."""
     rms_norm, hf_rms_norm = torch.rms_norm, torch.ops.torchfuse.hf_rms_norm.default
     tensor, parameter, fp32 = torch.Tensor, torch.nn.Parameter, torch.float32
     served, untraced = _served_dtypes(torch), _untraced_call(torch)
@@ -200,15 +214,13 @@ def _t5_rms_norm_forward(torch, original, form, dependencies=None):
                 and type(weight) in (tensor, parameter) and weight.dim() == 1
                 and weight.shape[0] == x.shape[-1] and type(eps) is float and untraced()
                 and unchanged()):
+            out = None
             if weight.dtype == x.dtype and weight.dtype != fp32:
-                return hf_rms_norm(x, weight, eps)
-            if weight.dtype == fp32 and x.shape[-1] >= _RMS_NORM_MIN_HIDDEN:
-                rows, back = _rows_view(x)
-                if rows is not None:
-                    out = rms_norm(rows.float(), (x.shape[-1],), weight, eps)
-                    out = out if back is None else out.permute(back)
-                    if out.stride() == x.stride():
-                        return out
+                out = _row_wise(x, lambda rows: hf_rms_norm(rows, weight, eps))
+            elif weight.dtype == fp32 and x.shape[-1] >= _RMS_NORM_MIN_HIDDEN:
+                out = _row_wise(x, lambda rows: rms_norm(rows.float(), (x.shape[-1],), weight, eps))
+            if out is not None:
+                return out
         return original(self, hidden_states)
 
     return forward
@@ -231,7 +243,9 @@ def _mask_skip_under_compile(torch, original, form, dependencies=None):
     this takes the original's eager decision, so a compiled model's attention runs the causal
     kernels as in eager instead of a materialised mask (cuDNN's attention 2.3x slower with one,
     GPT-2 at B32). Elsewhere, and wherever the original would read a padding mask's values,
-    the original decides."""
+    the original decides. Only what the sizes settle without a new guard is taken: a symbolic
+    length against a sliding window (Mistral, Gemma 2/3's local layers under dynamic shapes)
+    keeps the original's mask, since the guard would break a ranged `mark_dynamic`."""
     compiling, exporting = torch.compiler.is_compiling, _exporting(torch)
     # True only where the sizes settle it without a new guard (the same symbol on both sides,
     # or plain ints): a guard the original never made could break a ranged `mark_dynamic`.

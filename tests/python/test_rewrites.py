@@ -406,8 +406,18 @@ for x_dtype, w_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.
         "dx": [err(grads[0][0], ref_grads[0]), err(grads[1][0], ref_grads[0])],
         "dw": [err(grads[0][1], ref_grads[1]), err(grads[1][1], ref_grads[1])],
         "cpu_is_original": torch.equal(norm(x), original)}
+# Idefics' q/k norms (T5's form) take heads transposed out of the projection: normalised as
+# they lie in memory and permuted back, the original's strides and forward values.
+from torchfuse.rewrites import _row_wise
+norm = T5LayerNorm(64, eps=1e-6).to(torch.bfloat16)
+x = torch.randn(2, 9, 4, 64).to(torch.bfloat16).transpose(1, 2)
+ours = _row_wise(x, lambda rows: torch.ops.torchfuse.hf_rms_norm(rows, norm.weight, 1e-6))
+original = T5LayerNorm.forward.__wrapped__(norm, x)
+result["transposed"] = [ours.stride() == original.stride(), torch.equal(ours, original),
+                        _row_wise(torch.randn(1, 64).expand(3, 64), lambda rows: rows) is None]
 print(json.dumps(result))
 """)
+    assert out.pop("transposed") == [True, True, True]
     floors = {"torch.float32": 1e-5, "torch.bfloat16": 8e-3}
     for case, r in out.items():
         assert r["dtypes"][0] == r["dtypes"][1] and r["cpu_is_original"], (case, r)
