@@ -174,6 +174,29 @@ def test_hf_rms_norm_is_the_original_composition(dtypes):
             assert err <= bound(err_original, t.dtype), f"{what} d{name}: {err} vs original {err_original}"
 
 
+def assert_like_the_original(ours, original, x, weight, reference, what):
+    """A norm rewrite's output and its gradients to x and the weight, each within max(2 x the
+    original's error, the dtype's floor) of `reference(x64, w64, 1e-6)` in float64."""
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = weight.detach().double().requires_grad_(True)
+    ref = reference(x64, w64, 1e-6)
+    err, err_original = rel_err(ours, ref), rel_err(original, ref)
+    assert err <= bound(err_original, ours.dtype), f"{what}: {err} vs original {err_original}"
+    grad_out = torch.randn_like(original)
+    g_ours = torch.autograd.grad(ours, (x, weight), grad_out)
+    g_original = torch.autograd.grad(original, (x, weight), grad_out)
+    g_ref = torch.autograd.grad(ref, (x64, w64), grad_out.double())
+    for name, a, b, r, t in zip("xw", g_ours, g_original, g_ref, (x, weight)):
+        assert a.dtype == t.dtype, what
+        err, err_original = rel_err(a, r), rel_err(b, r)
+        assert err <= bound(err_original, t.dtype), f"{what} d{name}: {err} vs original {err_original}"
+
+
+def t5_reference(x, weight, eps):
+    """T5LayerNorm's arithmetic, for the float64 reference."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
 def gemma_reference(x, weight, eps):
     """GemmaRMSNorm's arithmetic (transformers 5.17), for the float64 reference."""
     output = x.float() if x.dtype != torch.float64 else x
@@ -217,19 +240,7 @@ def test_gemma_rms_norm_is_the_original_composition(x_dtype, autocast):
         elif shape[-1] < 32:
             assert fused_count("_fused_rms_norm") == served, what
         assert (ours.dtype, ours.shape, ours.stride()) == (original.dtype, original.shape, original.stride()), what
-        x64 = x.detach().double().requires_grad_(True)
-        w64 = norm.weight.detach().double().requires_grad_(True)
-        ref = gemma_reference(x64, w64, 1e-6)
-        err, err_original = rel_err(ours, ref), rel_err(original, ref)
-        assert err <= bound(err_original, x_dtype), f"{what}: {err} vs original {err_original}"
-        grad_out = torch.randn_like(original)
-        g_ours = torch.autograd.grad(ours, (x, norm.weight), grad_out)
-        g_original = torch.autograd.grad(original, (x, norm.weight), grad_out)
-        g_ref = torch.autograd.grad(ref, (x64, w64), grad_out.double())
-        for name, a, b, r, t in zip("xw", g_ours, g_original, g_ref, (x, norm.weight)):
-            assert a.dtype == t.dtype, what
-            err, err_original = rel_err(a, r), rel_err(b, r)
-            assert err <= bound(err_original, t.dtype), f"{what} d{name}: {err} vs original {err_original}"
+        assert_like_the_original(ours, original, x, norm.weight, gemma_reference, what)
     # A _norm of the instance's own is what forward calls, and another instance's _norm reads
     # its own eps: the original runs either.
     other = GemmaRMSNorm(shape[-1], eps=0.5).cuda()
@@ -277,19 +288,7 @@ def test_t5_rms_norm_is_the_original_composition(dtypes):
             assert (after[0] - counts[0], after[1] - counts[1]) == expected, (what, stock_reasons("_fused_rms_norm"))
         original = original_forward(norm, x)
         assert (ours.dtype, ours.shape, ours.stride()) == (original.dtype, original.shape, original.stride()), what
-        x64 = x.detach().double().requires_grad_(True)
-        w64 = norm.weight.detach().double().requires_grad_(True)
-        ref = w64 * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6))
-        err, err_original = rel_err(ours, ref), rel_err(original, ref)
-        assert err <= bound(err_original, ours.dtype), f"{what}: {err} vs original {err_original}"
-        grad_out = torch.randn_like(original)
-        g_ours = torch.autograd.grad(ours, (x, norm.weight), grad_out)
-        g_original = torch.autograd.grad(original, (x, norm.weight), grad_out)
-        g_ref = torch.autograd.grad(ref, (x64, w64), grad_out.double())
-        for name, a, b, r, t in zip("xw", g_ours, g_original, g_ref, (x, norm.weight)):
-            assert a.dtype == t.dtype, what
-            err, err_original = rel_err(a, r), rel_err(b, r)
-            assert err <= bound(err_original, t.dtype), f"{what} d{name}: {err} vs original {err_original}"
+        assert_like_the_original(ours, original, x, norm.weight, t5_reference, what)
 
 
 # ---------------------------------------------------------------- unchanged tiny HF models
