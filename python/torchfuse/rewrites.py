@@ -154,6 +154,23 @@ def _row_wise(x, norm):
 _RMS_NORM_MIN_HIDDEN = 32
 
 
+def _norm_call(torch, original, dependencies=None):
+    """A function telling whether a call of an RMSNorm form (x, its weight, its eps) may go to
+    a norm op: a plain CUDA x of a served dtype, a plain 1-D weight of x's width, a float eps,
+    outside traces, and what the original calls unchanged."""
+    tensor, weight_types = torch.Tensor, (torch.Tensor, torch.nn.Parameter)
+    served, untraced = _served_dtypes(torch), _untraced_call(torch)
+    unchanged = (dependencies or compositions.Dependencies(original)).unchanged
+
+    def plain(x, weight, eps):
+        return (type(x) is tensor and x.is_cuda and x.dtype in served and x.dim() >= 1
+                and type(weight) in weight_types and weight.dim() == 1
+                and weight.shape[0] == x.shape[-1] and type(eps) is float and untraced()
+                and unchanged())
+
+    return plain
+
+
 def _gemma_rms_norm_forward(torch, original, form, dependencies=None):
     """Gemma's RMSNorm: x normalised in fp32, times `1 + weight` in fp32, rounded once to x's
     dtype. That is aten::rms_norm of `x.float()` with the weight `1.0 + weight.float()` (as the
@@ -161,9 +178,8 @@ def _gemma_rms_norm_forward(torch, original, form, dependencies=None):
     cast: one norm kernel (torchfuse's `_fused_rms_norm`, where it serves the shape) where the
     original launches six. The instance's `_norm` must be the recognised one (what forward
     calls), and what it calls unchanged."""
-    rms_norm, tensor, parameter = torch.rms_norm, torch.Tensor, torch.nn.Parameter
-    served, untraced = _served_dtypes(torch), _untraced_call(torch)
-    unchanged = (dependencies or compositions.Dependencies(original)).unchanged
+    rms_norm, served = torch.rms_norm, _served_dtypes(torch)
+    plain = _norm_call(torch, original, dependencies)
     norms = {}  # a _norm function -> its Dependencies if it is the known form, else None
 
     def known_norm(self):
@@ -180,11 +196,8 @@ def _gemma_rms_norm_forward(torch, original, form, dependencies=None):
     @functools.wraps(original)
     def forward(self, x):
         weight, eps = self.weight, self.eps
-        if (type(x) is tensor and x.is_cuda and x.dtype in served and x.dim() >= 1
-                and x.shape[-1] >= _RMS_NORM_MIN_HIDDEN
-                and type(weight) in (tensor, parameter) and weight.dtype in served
-                and weight.dim() == 1 and weight.shape[0] == x.shape[-1] and type(eps) is float
-                and untraced() and unchanged() and known_norm(self)):
+        if (plain(x, weight, eps) and x.shape[-1] >= _RMS_NORM_MIN_HIDDEN
+                and weight.dtype in served and known_norm(self)):
             out = _row_wise(x, lambda rows: rms_norm(rows.float(), (x.shape[-1],),
                                                      1.0 + weight.float(), eps).type_as(x))
             if out is not None:
@@ -203,17 +216,12 @@ def _t5_rms_norm_forward(torch, original, form, dependencies=None):
     16 bits: closer to exact). Other dtype pairs, and rows under 32 features with an fp32
     weight, run the original; a strided x is normalised as it lies in memory (`_row_wise`)."""
     rms_norm, hf_rms_norm = torch.rms_norm, torch.ops.torchfuse.hf_rms_norm.default
-    tensor, parameter, fp32 = torch.Tensor, torch.nn.Parameter, torch.float32
-    served, untraced = _served_dtypes(torch), _untraced_call(torch)
-    unchanged = (dependencies or compositions.Dependencies(original)).unchanged
+    fp32, plain = torch.float32, _norm_call(torch, original, dependencies)
 
     @functools.wraps(original)
     def forward(self, hidden_states):
         x, weight, eps = hidden_states, self.weight, self.variance_epsilon
-        if (type(x) is tensor and x.is_cuda and x.dtype in served and x.dim() >= 1
-                and type(weight) in (tensor, parameter) and weight.dim() == 1
-                and weight.shape[0] == x.shape[-1] and type(eps) is float and untraced()
-                and unchanged()):
+        if plain(x, weight, eps):
             out = None
             if weight.dtype == x.dtype and weight.dtype != fp32:
                 out = _row_wise(x, lambda rows: hf_rms_norm(rows, weight, eps))
@@ -431,20 +439,30 @@ def _conv1d_mlp_forward(torch, original, form, dependencies=None):
     return forward
 
 
-def _rotary(torch, original, form, dependencies=None):
-    """HF's apply_rotary_pos_emb with q and k rotated by one op (torchfuse::rotary), for CUDA
-    tensors whose cos and sin need no gradient (HF computes them under no_grad)."""
-    op = torch.ops.torchfuse.rotary.default
+def _rotary_call(torch, original, dependencies=None):
+    """A function telling whether a call of an apply_rotary_pos_emb form may go to
+    torchfuse::rotary: plain CUDA tensors, cos and sin needing no gradient (HF computes them
+    under no_grad), an int unsqueeze_dim, outside traces, and the rotate_half the original calls
+    (and torch.cat) as recognised: a module whose rotate_half is replaced later (another RoPE
+    layout) gets its own code back."""
     tensor, untraced = torch.Tensor, _untraced_call(torch)
-    # The rotate_half the original calls (and torch.cat), as recognised: a module whose
-    # rotate_half is replaced later (another RoPE layout) gets its own code back.
-    unchanged = compositions.Dependencies(original).unchanged
+    unchanged = (dependencies or compositions.Dependencies(original)).unchanged
+
+    def served(q, k, cos, sin, unsqueeze_dim):
+        return (type(q) is tensor and type(k) is tensor and type(cos) is tensor
+                and type(sin) is tensor and q.is_cuda and type(unsqueeze_dim) is int
+                and not cos.requires_grad and not sin.requires_grad and untraced() and unchanged())
+
+    return served
+
+
+def _rotary(torch, original, form, dependencies=None):
+    """HF's apply_rotary_pos_emb with q and k rotated by one op (torchfuse::rotary)."""
+    op, served = torch.ops.torchfuse.rotary.default, _rotary_call(torch, original, dependencies)
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if (type(q) is tensor and type(k) is tensor and type(cos) is tensor and type(sin) is tensor
-                and q.is_cuda and type(unsqueeze_dim) is int and not cos.requires_grad
-                and not sin.requires_grad and untraced() and unchanged()):
+        if served(q, k, cos, sin, unsqueeze_dim):
             return op(q, k, cos, sin, unsqueeze_dim)
         return original(q, k, cos, sin, unsqueeze_dim)
 
@@ -458,14 +476,11 @@ def _partial_rotary(torch, original, form, dependencies=None):
     takes a slice of the head dim, and returns what HF's composition returns for it), and the
     cats are the original's. An odd or too-wide rotary dim runs the original."""
     op, cat = torch.ops.torchfuse.rotary.default, torch.cat
-    tensor, untraced = torch.Tensor, _untraced_call(torch)
-    unchanged = (dependencies or compositions.Dependencies(original)).unchanged
+    served = _rotary_call(torch, original, dependencies)
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if (type(q) is tensor and type(k) is tensor and type(cos) is tensor and type(sin) is tensor
-                and q.is_cuda and type(unsqueeze_dim) is int and not cos.requires_grad
-                and not sin.requires_grad and untraced() and unchanged()):
+        if served(q, k, cos, sin, unsqueeze_dim):
             rotary_dim = cos.unsqueeze(unsqueeze_dim).shape[-1]  # as the original reads it
             if rotary_dim % 2 == 0 and 0 < rotary_dim <= min(q.shape[-1], k.shape[-1]):
                 q_embed, k_embed = op(q[..., :rotary_dim], k[..., :rotary_dim], cos, sin, unsqueeze_dim)
@@ -502,9 +517,9 @@ REWRITES = {
     # A module-level function.
     "hf_causal_lm_loss": Rewrite(_causal_lm_loss, _OPS + "cross_entropy"),
     "hf_rotary": Rewrite(_rotary, _OPS + "rotary"),
-    "hf_partial_rotary": Rewrite(_partial_rotary, _OPS + "rotary, then the original's cat"),
-    "hf_partial_rotary_glm_doc": Rewrite(_partial_rotary, _OPS + "rotary, then the original's cat"),
-    "hf_partial_rotary_inline": Rewrite(_partial_rotary, _OPS + "rotary, then the original's cat"),
+    # GPT-NeoX's partial rotary, in its three writings.
+    **dict.fromkeys(("hf_partial_rotary", "hf_partial_rotary_glm_doc", "hf_partial_rotary_inline"),
+                    Rewrite(_partial_rotary, _OPS + "rotary, then the original's cat")),
     "hf_ignore_causal_mask_sdpa": Rewrite(
         _mask_skip_under_compile, "under torch.compile, eager's is_causal=True where sizes decide"),
     "hf_ignore_bidirectional_mask_sdpa": Rewrite(

@@ -6,6 +6,7 @@ round. The copy roofline: one read and one write of the input at copy bandwidth,
   python3 scripts/bench/bench_rewrites.py --lib-dir DIR [--out DIR]
 """
 import argparse
+import contextlib
 import statistics
 import sys
 from pathlib import Path
@@ -86,14 +87,10 @@ def main():
             def step():
                 torch.autograd.backward(call(*inputs), grads)
 
-            for side in results:
-                if side == "original":
-                    with torchfuse.disabled():
-                        step()
-                        results[side].append(time_us(step))
-                else:
-                    step()
-                    results[side].append(time_us(step))
+            for side, times in results.items():
+                with torchfuse.disabled() if side == "original" else contextlib.nullcontext():
+                    step()  # warm
+                    times.append(time_us(step))
         original, rewritten = (statistics.median(v) for v in results.values())
         nbytes = sum(t.numel() * t.element_size() for t in inputs)
         roofline = 2 * nbytes / bandwidth * 1e6
