@@ -49,6 +49,12 @@ def stock_reasons(op):
     return stats()["ops"].get(op, {}).get("stock_reasons", {})
 
 
+def asked_count(op):
+    """Calls of aten `op` that reached torchfuse so far: served, or sent to stock with a reason
+    (the registry sends a shape to stock where no kernel of ours beats it)."""
+    return fused_count(op) + sum(stock_reasons(op).values())
+
+
 class enabled:
     """Context manager: torchfuse on or off for one toggle."""
 

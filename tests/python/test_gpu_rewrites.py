@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import LIB_DIR, ROOT, clean_env, requires_cuda
-from gpu_util import FLOOR, enabled, fresh_seed, fused_count, load_torchfuse, rel_err, stock_reasons
+from gpu_util import FLOOR, asked_count, enabled, fresh_seed, fused_count, load_torchfuse, rel_err, stock_reasons
 
 pytestmark = requires_cuda
 
@@ -209,7 +209,8 @@ def gemma_reference(x, weight, eps):
 def test_gemma_rms_norm_is_the_original_composition(x_dtype, autocast):
     """Gemma's RMSNorm class, rewritten, against its own original forward: same dtype, shape and
     strides, values and both gradients within the original's error to float64; the fp32 norm
-    is served by torchfuse's _fused_rms_norm; a _norm set on the instance runs the original."""
+    reaches aten's fused RMSNorm (which torchfuse's registry serves or sends to stock's); a
+    _norm set on the instance runs the original."""
     pytest.importorskip("transformers")
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
     sys.path.insert(0, str(ROOT / "python"))
@@ -231,14 +232,13 @@ def test_gemma_rms_norm_is_the_original_composition(x_dtype, autocast):
         else:
             x = torch.randn(shape, device="cuda").to(x_dtype).requires_grad_(True)
         what = f"seed {seed} {x_dtype} autocast={autocast} {shape}"
-        served = fused_count("_fused_rms_norm")
+        asked = asked_count("_fused_rms_norm")
         with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
             ours = rewritten(norm, x)
             original = original_forward(norm, x)
-        if shape in ((4, 512, 2048), (2, 9, 4, 256)):
-            assert fused_count("_fused_rms_norm") == served + 1, (what, stock_reasons("_fused_rms_norm"))
-        elif shape[-1] < 32:
-            assert fused_count("_fused_rms_norm") == served, what
+        # The rewrite reaches aten's fused RMSNorm once (whose registry serves it or sends the
+        # shape to stock's); narrower rows run the original's composition.
+        assert asked_count("_fused_rms_norm") == asked + (shape[-1] >= 32), what
         assert (ours.dtype, ours.shape, ours.stride()) == (original.dtype, original.shape, original.stride()), what
         assert_like_the_original(ours, original, x, norm.weight, gemma_reference, what)
     # A _norm of the instance's own is what forward calls, and another instance's _norm reads
@@ -278,11 +278,13 @@ def test_t5_rms_norm_is_the_original_composition(dtypes):
         x = torch.randn(shape, device="cuda").to(x_dtype)
         x = (x.transpose(1, 2) if len(shape) == 4 else x).detach().requires_grad_(True)
         what = f"seed {seed} {dtypes} {shape}"
-        counts = fused_count("_fused_rms_norm"), fused_count(HF_RMS)
+        counts = asked_count("_fused_rms_norm"), fused_count(HF_RMS)
         ours = rewritten(norm, x)
-        after = fused_count("_fused_rms_norm"), fused_count(HF_RMS)
+        after = asked_count("_fused_rms_norm"), fused_count(HF_RMS)
         if shape == (4, 512, 1024):
-            expected = {torch.float32: (1, 0), torch.bfloat16: (0, 1), torch.float16: (0, 1)}[w_dtype]
+            # (aten's fused RMSNorm reached, torchfuse::hf_rms_norm served): hf_rms_norm is
+            # served by calling aten::rms_norm, so a 16-bit weight reaches both.
+            expected = {torch.float32: (1, 0), torch.bfloat16: (1, 1), torch.float16: (1, 1)}[w_dtype]
             if x_dtype == torch.float32 and w_dtype != torch.float32:
                 expected = (0, 0)
             assert (after[0] - counts[0], after[1] - counts[1]) == expected, (what, stock_reasons("_fused_rms_norm"))
