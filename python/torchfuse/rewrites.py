@@ -103,21 +103,31 @@ def _gelu_forward(torch, original, form, dependencies=None, widens=False):
 
 
 def _rms_norm_forward(torch, original, form, dependencies=None):
-    op = torch.ops.torchfuse.hf_rms_norm.default
-    tensor, parameter = torch.Tensor, torch.nn.Parameter
-    untraced = _untraced_call(torch)
+    """Llama's RMSNorm (LlamaRMSNorm and its copies): `weight * (x.float() * rstd).to(x.dtype)`.
+    A 16-bit x with an fp32 weight (q/k norms under autocast: the projection's output is 16-bit,
+    the weight fp32) is HF's norm without a weight, rounded to x's dtype, times the fp32 weight
+    (an fp32 result, by promotion): aten::rms_norm of x with no weight (fp32 statistics, the
+    result rounded once to x's dtype; autocast leaves rms_norm alone), then the original's
+    multiply: two kernels for eight. Any other call goes to torchfuse::hf_rms_norm, which serves
+    x and a weight of one dtype and runs the composition otherwise."""
+    op, rms_norm = torch.ops.torchfuse.hf_rms_norm.default, torch.rms_norm
+    tensor, parameter, fp32 = torch.Tensor, torch.nn.Parameter, torch.float32
+    untraced, plain = _untraced_call(torch), _norm_call(torch, original, dependencies)
     unchanged = (dependencies or compositions.Dependencies(original)).unchanged
 
     @functools.wraps(original)
     def forward(self, hidden_states):
-        weight, eps = self.weight, self.variance_epsilon
-        if (type(hidden_states) is tensor and hidden_states.is_cuda
-                and type(weight) in (tensor, parameter) and type(eps) is float and untraced()
-                and unchanged()):
-            out = _row_wise(hidden_states, lambda rows: op(rows, weight, eps))
-            if out is not None:
-                return out
-        return original(self, hidden_states)
+        x, weight, eps = hidden_states, self.weight, self.variance_epsilon
+        if (type(x) is tensor and type(weight) in (tensor, parameter) and weight.dtype == fp32
+                and x.dtype != fp32 and x.dim() >= 1 and x.shape[-1] >= _RMS_NORM_MIN_HIDDEN
+                and plain(x, weight, eps)):
+            out = _row_wise(x, lambda rows: weight * rms_norm(rows, (x.shape[-1],), None, eps))
+        elif (type(x) is tensor and x.is_cuda and type(weight) in (tensor, parameter)
+                and type(eps) is float and untraced() and unchanged()):
+            out = _row_wise(x, lambda rows: op(rows, weight, eps))
+        else:
+            out = None
+        return original(self, hidden_states) if out is None else out
 
     return forward
 
@@ -509,7 +519,8 @@ REWRITES = {
     "new_gelu": Rewrite(functools.partial(_gelu_forward, widens=True), _OPS + "gelu_tanh"),
     "fast_gelu": Rewrite(_gelu_forward, _OPS + "gelu_tanh"),
     "hf_conv1d_mlp": Rewrite(_conv1d_mlp_forward, _OPS + "gelu_tanh"),
-    "hf_rms_norm": Rewrite(_rms_norm_forward, _OPS + "hf_rms_norm"),
+    "hf_rms_norm": Rewrite(_rms_norm_forward, _OPS + "hf_rms_norm; a 16-bit x with an fp32 weight: "
+                                              "aten::rms_norm without the weight, then the weight"),
     "gemma_rms_norm": Rewrite(_gemma_rms_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm)"),
     "t5_rms_norm": Rewrite(_t5_rms_norm_forward, "aten::rms_norm in fp32 with an fp32 weight, else "
                                                  + _OPS + "hf_rms_norm"),

@@ -21,8 +21,9 @@ def cases():
     """(name, make): make() gives (inputs needing grad, the call, its outputs' grads maker).
     Gemma's norm on its fp32 residual stream (Gemma-2B width, 8192 tokens) and on bf16 q heads
     (Gemma 3's q_norm: head dim 256); Pythia-410M's partial rotary (16 heads of 64, a quarter
-    rotated, q and k as views of the projection, bf16 with fp32 cos/sin as under autocast); T5's
-    norm on its fp32 residual stream (T5-large width)."""
+    rotated, q and k as views of the projection, bf16 with fp32 cos/sin as under autocast); Qwen3's
+    q_norm (Llama's form) on bf16 heads with its fp32 weight, as under autocast; T5's norm on its
+    fp32 residual stream (T5-large width)."""
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
     from transformers.models.gpt_neox import modeling_gpt_neox
 
@@ -44,6 +45,10 @@ def cases():
     yield "GemmaRMSNorm 8192x2048 bf16", norm(2048, (8192, 2048), torch.bfloat16)
     yield "GemmaRMSNorm q heads 8192x8x256 bf16", norm(256, (8192, 8, 256), torch.bfloat16)
     yield "GPT-NeoX rotary, Pythia-410M B4 S1024 (16 of 64 dims)", neox_rotary(4, 1024, 16, 64, 16)
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+    q_norm = Qwen3RMSNorm(128).cuda()
+    yield ("Qwen3RMSNorm q heads 8192x16x128 bf16, fp32 weight (autocast)",
+           lambda: ((torch.randn(8192, 16, 128, device="cuda").to(torch.bfloat16).requires_grad_(True),), q_norm))
     from transformers.models.t5.modeling_t5 import T5LayerNorm
     t5 = T5LayerNorm(1024).cuda()
     yield "T5LayerNorm 16384x1024 fp32", lambda: ((torch.randn(16384, 1024, device="cuda").requires_grad_(True),), t5)

@@ -372,6 +372,53 @@ print(json.dumps({"rewritten": [hasattr(N.apply_rotary_pos_emb, "__wrapped__"), 
     assert out == {"rewritten": [True, True], "equal": [True] * 6}
 
 
+def test_llamas_rms_norm_with_a_wider_weight_is_its_arithmetic_on_cpu():
+    """What Llama's RMSNorm rewrite calls on CUDA for a 16-bit x and an fp32 weight (Qwen3's
+    q/k norms under autocast), checked on CPU against LlamaRMSNorm's original forward and
+    float64: the weight times aten::rms_norm of x without a weight. Values, the fp32 result
+    dtype, both gradients; heads transposed out of a projection keep the original's strides."""
+    out, _ = run("""
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from torchfuse.rewrites import _row_wise
+torch.manual_seed(0)
+original_forward = LlamaRMSNorm.forward.__wrapped__
+result = {}
+for x_dtype in (torch.bfloat16, torch.float16):
+    norm = LlamaRMSNorm(96, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(96))
+    x = (torch.randn(5, 7, 96) * 3).to(x_dtype).requires_grad_(True)
+    original = original_forward(norm, x)
+    replacement = norm.weight * torch.rms_norm(x, (96,), None, 1e-6)
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = norm.weight.detach().double().requires_grad_(True)
+    ref = w64 * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6))
+    g = torch.randn_like(ref)
+    grads = [torch.autograd.grad(y, (x, norm.weight), g.to(y.dtype)) for y in (original, replacement)]
+    ref_grads = torch.autograd.grad(ref, (x64, w64), g)
+    def err(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+    result[str(x_dtype)] = {
+        "dtypes": [str(original.dtype), str(replacement.dtype)],
+        "grad_dtypes": [str(t.dtype) for t in grads[1]] == [str(x_dtype), "torch.float32"],
+        "value": [err(original, ref), err(replacement, ref)],
+        "dx": [err(grads[0][0], ref_grads[0]), err(grads[1][0], ref_grads[0])],
+        "dw": [err(grads[0][1], ref_grads[1]), err(grads[1][1], ref_grads[1])]}
+norm = LlamaRMSNorm(64, eps=1e-6)
+x = torch.randn(2, 9, 4, 64).to(torch.bfloat16).transpose(1, 2)
+ours = _row_wise(x, lambda rows: norm.weight * torch.rms_norm(rows, (64,), None, 1e-6))
+result["transposed"] = ours.stride() == original_forward(norm, x).stride()
+print(json.dumps(result))
+""")
+    assert out.pop("transposed") is True
+    for case, r in out.items():
+        assert r["dtypes"] == ["torch.float32", "torch.float32"] and r["grad_dtypes"], (case, r)
+        for key in ("value", "dx", "dw"):
+            original, replacement = r[key]
+            # The result is fp32 of a 16-bit normalised x: the 16-bit rounding sets the floor.
+            assert replacement <= max(2 * original, 8e-3), (case, key, r[key])
+
+
 def test_t5s_rms_norm_replacement_is_its_arithmetic_on_cpu():
     """What the T5 rewrite calls on CUDA, checked on CPU against T5LayerNorm's original forward
     and float64: with an fp32 weight, aten::rms_norm of x.float() (fp32 out, for fp32 and bf16
