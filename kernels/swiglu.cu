@@ -1,6 +1,7 @@
-// SwiGLU's pointwise part, forward and backward: torch.ops.torchfuse.silu_mul[_backward], which
-// serve HF's gated MLP (LlamaMLP and its copies: down(silu(gate(x)) * up(x))) between the
-// matmuls, which stay with cuBLAS.
+// SwiGLU's pointwise part, forward and backward: torch.ops.torchfuse.silu_mul[_backward] and
+// silu_mul_packed[_backward], which serve HF's gated MLPs between the matmuls, which stay with
+// cuBLAS: LlamaMLP and its copies (down(silu(gate(x)) * up(x))), and Phi-3's and its copies
+// (one gate_up_proj, chunked in two).
 //
 //   y      = silu(g) u,            silu(g) = g sigmoid(g)
 //   dg     = dy u sigmoid(g) (1 + g (1 - sigmoid(g)))
@@ -12,8 +13,13 @@
 // stored values, sigmoid with the accurate expf, and rounded once on the store.
 //
 // Layout: elementwise.cuh's (chunks of 8 elements, 16-byte accesses where every pointer is
-// aligned) over the tensors' common storage order (the glue passes dense tensors of one
-// layout). No reductions: results do not depend on the launch shape.
+// aligned) over y's (and dy's) dense order. gate and up (and dgate and dup) lie in rows of
+// `width` elements `stride` apart: dense tensors (stride == width) for torchfuse::silu_mul,
+// the two halves of one [.., 2 width] tensor (stride == 2 width; up, dup start `width` after
+// gate, dgate) for torchfuse::silu_mul_packed, Phi-3's gate_up_proj output and its gradient,
+// which the backward writes whole (no chunk backward's concatenation). Vectorized launches
+// have width % 8 == 0, so a chunk never crosses a row. No reductions: results do not depend
+// on the launch shape.
 //
 // Compile-time parameters: TF_DTYPE (every tensor); the op's TF_SWIGLU_FWD / TF_SWIGLU_BWD
 // (which kernel) and TF_EW_CHUNK (src/ops/swiglu.rs `defines`); the variant's TF_THREADS,
@@ -29,27 +35,36 @@
 
 __device__ __forceinline__ float sigmoid(float g) { return 1.f / (1.f + expf(-g)); }
 
+// Where element i of the dense order lies in rows of `width` elements `stride` apart.
+__device__ __forceinline__ tf_i64 row_offset(tf_i64 i, tf_i64 width, tf_i64 stride) {
+  return stride == width ? i : i + (i / width) * (stride - width);
+}
+
 #if TF_SWIGLU_FWD
 struct SiluMulFwd {
   const tf_storage* __restrict__ gate;
   const tf_storage* __restrict__ up;
   tf_storage* __restrict__ y;
+  tf_i64 width, stride;
   template <int W>
   __device__ __forceinline__ void apply(tf_i64 i) const {
     float g[W], u[W];
-    tf_load_elems<W>(gate + i, g);
-    tf_load_elems<W>(up + i, u);
+    const tf_i64 at = row_offset(i, width, stride);
+    tf_load_elems<W>(gate + at, g);
+    tf_load_elems<W>(up + at, u);
 #pragma unroll
     for (int j = 0; j < W; ++j) g[j] = g[j] * sigmoid(g[j]) * u[j];
     tf_store_elems<W>(y + i, g);
   }
 };
 
-// y = silu(gate) * up over n elements.
+// y = silu(gate) * up over n elements (y dense; gate, up in rows of width, stride apart).
 extern "C" __global__ void __launch_bounds__(TF_THREADS)
     silu_mul_fwd(const tf_storage* __restrict__ gate, const tf_storage* __restrict__ up,
-                 tf_storage* __restrict__ y, tf_i64 n, int vectorized) {
-  tf_for_each_element<TF_THREADS, TF_CHUNKS>(SiluMulFwd{gate, up, y}, n, vectorized);
+                 tf_storage* __restrict__ y, tf_i64 n, int vectorized, tf_i64 width,
+                 tf_i64 stride) {
+  tf_for_each_element<TF_THREADS, TF_CHUNKS>(SiluMulFwd{gate, up, y, width, stride}, n,
+                                             vectorized);
 }
 #endif
 
@@ -60,12 +75,14 @@ struct SiluMulBwd {
   const tf_storage* __restrict__ up;
   tf_storage* __restrict__ dgate;
   tf_storage* __restrict__ dup;
+  tf_i64 width, stride;
   template <int W>
   __device__ __forceinline__ void apply(tf_i64 i) const {
     float d[W], g[W], u[W];
+    const tf_i64 at = row_offset(i, width, stride);
     tf_load_elems<W>(dy + i, d);
-    tf_load_elems<W>(gate + i, g);
-    tf_load_elems<W>(up + i, u);
+    tf_load_elems<W>(gate + at, g);
+    tf_load_elems<W>(up + at, u);
 #pragma unroll
     for (int j = 0; j < W; ++j) {
       const float s = sigmoid(g[j]);
@@ -74,16 +91,19 @@ struct SiluMulBwd {
       u[j] = d[j] * silu;                            // du
       g[j] = dsilu * s * (1.f + g[j] * (1.f - s));  // dg
     }
-    tf_store_elems<W>(dgate + i, g);
-    tf_store_elems<W>(dup + i, u);
+    tf_store_elems<W>(dgate + at, g);
+    tf_store_elems<W>(dup + at, u);
   }
 };
 
-// dgate, dup from dy, gate, up over n elements.
+// dgate, dup from dy, gate, up over n elements (dy dense; the others in rows of width, stride
+// apart).
 extern "C" __global__ void __launch_bounds__(TF_THREADS)
     silu_mul_bwd(const tf_storage* __restrict__ dy, const tf_storage* __restrict__ gate,
                  const tf_storage* __restrict__ up, tf_storage* __restrict__ dgate,
-                 tf_storage* __restrict__ dup, tf_i64 n, int vectorized) {
-  tf_for_each_element<TF_THREADS, TF_CHUNKS>(SiluMulBwd{dy, gate, up, dgate, dup}, n, vectorized);
+                 tf_storage* __restrict__ dup, tf_i64 n, int vectorized, tf_i64 width,
+                 tf_i64 stride) {
+  tf_for_each_element<TF_THREADS, TF_CHUNKS>(SiluMulBwd{dy, gate, up, dgate, dup, width, stride},
+                                             n, vectorized);
 }
 #endif

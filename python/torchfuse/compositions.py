@@ -38,6 +38,17 @@ _SOURCES = {
     down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
     return down_proj
 """,
+    # transformers.models.phi3.modeling_phi3.Phi3MLP.forward (one projection for gate and up,
+    # chunked), and its copies (GLM, GLM-4, Dia, ...). Depends on its activation_fn as the gated
+    # MLP on its act_fn.
+    "hf_packed_gated_mlp": """def forward(self, hidden_states):
+    up_states = self.gate_up_proj(hidden_states)
+
+    gate, up_states = up_states.chunk(2, dim=-1)
+    up_states = up_states * self.activation_fn(gate)
+
+    return self.down_proj(up_states)
+""",
     # transformers.activations.SiLUActivation.forward (ACT2FN["silu"]): an act_fn the gated
     # MLP may have.
     "hf_silu": """def forward(self, input):
@@ -302,7 +313,8 @@ _FUNCTION_SOURCES = {
 # Form name -> the composition it computes.
 COMPUTES = {"new_gelu": "gelu_tanh", "fast_gelu": "gelu_tanh", "hf_conv1d_mlp": "gelu_tanh",
             "hf_rms_norm": "hf_rms_norm", "gemma_rms_norm": "hf_rms_norm", "t5_rms_norm": "hf_rms_norm",
-            "hf_causal_lm_loss": "cross_entropy", "hf_gated_mlp": "swiglu", "hf_rotary": "rotary",
+            "hf_causal_lm_loss": "cross_entropy", "hf_gated_mlp": "swiglu",
+            "hf_packed_gated_mlp": "swiglu", "hf_rotary": "rotary",
             "hf_partial_rotary": "rotary", "hf_partial_rotary_glm_doc": "rotary",
             "hf_partial_rotary_inline": "rotary",
             "hf_ignore_causal_mask_sdpa": "sdpa", "hf_ignore_bidirectional_mask_sdpa": "sdpa"}

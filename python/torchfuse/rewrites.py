@@ -360,25 +360,35 @@ def _causal_lm_loss(torch, original, form, dependencies=None):
     return loss_function
 
 
-def _gated_mlp_forward(torch, original, form, dependencies=None):
-    """HF's gated MLP with silu(gate) * up in one op (torchfuse::silu_mul) where act_fn is SiLU
-    and gate and up agree in dtype and shape; the matmuls are the module's own."""
-    op = torch.ops.torchfuse.silu_mul.default
-    tensor, served = torch.Tensor, _served_dtypes(torch)
-    untraced = _untraced_call(torch)
-    # The SiLU that nn.SiLU and HF's SiLUActivation call.
-    dependencies = (dependencies or compositions.Dependencies(original)).add(vars(torch.nn),
-                                                                             ("functional", "silu"))
-    silu_types = {}  # (act_fn type, its forward) -> computes SiLU
+def _silu_dependencies(torch, original, dependencies=None):
+    """The original's Dependencies and the SiLU that nn.SiLU and HF's SiLUActivation call."""
+    return (dependencies or compositions.Dependencies(original)).add(vars(torch.nn),
+                                                                     ("functional", "silu"))
+
+
+def _plain_silu(torch):
+    """A function telling whether a gated MLP's activation computes SiLU, not in place, with
+    nothing else seeing or changing its call."""
+    silu_types = {}  # (activation type, its forward) -> computes SiLU
 
     def plain_silu(act):
-        """act_fn computes SiLU, not in place, and nothing else sees or changes its call."""
         kind = type(act)
         key = (kind, kind.__dict__.get("forward"))
         silu = silu_types.get(key)
         if silu is None:
             silu = silu_types[key] = compositions.is_silu(kind, torch)
         return silu and not getattr(act, "inplace", False) and _unobserved(torch, act)
+
+    return plain_silu
+
+
+def _gated_mlp_forward(torch, original, form, dependencies=None):
+    """HF's gated MLP with silu(gate) * up in one op (torchfuse::silu_mul) where act_fn is SiLU
+    and gate and up agree in dtype and shape; the matmuls are the module's own."""
+    op = torch.ops.torchfuse.silu_mul.default
+    tensor, served = torch.Tensor, _served_dtypes(torch)
+    untraced, plain_silu = _untraced_call(torch), _plain_silu(torch)
+    dependencies = _silu_dependencies(torch, original, dependencies)
 
     @functools.wraps(original)
     def forward(self, x):
@@ -391,6 +401,34 @@ def _gated_mlp_forward(torch, original, form, dependencies=None):
                 and gate.dtype in served and gate.shape == up.shape):
             return self.down_proj(op(gate, up))
         return self.down_proj(act(gate) * up)
+
+    return forward
+
+
+def _packed_gated_mlp_forward(torch, original, form, dependencies=None):
+    """Phi-3's gated MLP (one gate_up_proj, its output chunked into gate and up) with
+    `up * silu(gate)` in one op of the projection's output (torchfuse::silu_mul_packed, whose
+    backward writes the projection's gradient whole, where the original's chunk backward
+    concatenates two) where activation_fn is SiLU and the last dim is even (an odd one is
+    chunked unevenly: the original's arithmetic and its error); the matmuls are the module's
+    own."""
+    op = torch.ops.torchfuse.silu_mul_packed.default
+    tensor, served = torch.Tensor, _served_dtypes(torch)
+    untraced, plain_silu = _untraced_call(torch), _plain_silu(torch)
+    dependencies = _silu_dependencies(torch, original, dependencies)
+
+    @functools.wraps(original)
+    def forward(self, hidden_states):
+        act = self.activation_fn
+        if (type(hidden_states) is not tensor or not hidden_states.is_cuda or not untraced()
+                or not plain_silu(act) or not dependencies.unchanged()):
+            return original(self, hidden_states)
+        gate_up = self.gate_up_proj(hidden_states)
+        if (type(gate_up) is tensor and gate_up.dtype in served and gate_up.dim() >= 1
+                and gate_up.shape[-1] % 2 == 0):
+            return self.down_proj(op(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(up * act(gate))
 
     return forward
 
@@ -525,6 +563,7 @@ REWRITES = {
     "t5_rms_norm": Rewrite(_t5_rms_norm_forward, "aten::rms_norm in fp32 with an fp32 weight, else "
                                                  + _OPS + "hf_rms_norm"),
     "hf_gated_mlp": Rewrite(_gated_mlp_forward, _OPS + "silu_mul"),
+    "hf_packed_gated_mlp": Rewrite(_packed_gated_mlp_forward, _OPS + "silu_mul_packed"),
     # A module-level function.
     "hf_causal_lm_loss": Rewrite(_causal_lm_loss, _OPS + "cross_entropy"),
     "hf_rotary": Rewrite(_rotary, _OPS + "rotary"),

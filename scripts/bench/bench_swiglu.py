@@ -1,8 +1,10 @@
 """SwiGLU pointwise benchmark per docs/testing.md ("Benchmarks"): torch.ops.torchfuse.silu_mul and
-its backward, torchfuse's kernel vs stock (the same op switched off: PyTorch's silu(gate) * up,
-and silu_backward plus two multiplies), in one process. CUDA events, warm-up, medians of
-interleaved rounds, input sets rotated over more memory than L2, copy bandwidth measured in the
-same run. Bytes: forward = n·(gate + up + y); backward = n·(dy + gate + up + dgate + dup).
+silu_mul_packed (Phi-3's halves of one gate_up tensor) and their backwards, torchfuse's kernel
+vs stock (the same op switched off: PyTorch's silu(gate) * up, and silu_backward plus two
+multiplies; packed: of chunk's views, the backward's halves concatenated), in one process. CUDA
+events, warm-up, medians of interleaved rounds, input sets rotated over more memory than L2,
+copy bandwidth measured in the same run. Bytes (n = elements of y): forward = n·(gate + up + y);
+backward = n·(dy + gate + up + dgate + dup).
 
 Usage: bench_swiglu.py --lib-dir DIR [--out DIR]  (writes DIR/bench_swiglu.md)
 """
@@ -19,6 +21,13 @@ CASES = [
     (4096, 11008, torch.float32),
     (512, 2816, torch.bfloat16),
     (64, 1024, torch.bfloat16),
+]
+# (tokens, intermediate size, dtype) of silu_mul_packed: Phi-3-mini's MLP (8192) at 4096 tokens,
+# a GLM-4-9B-like 13696 at 2048, a small call.
+PACKED_CASES = [
+    (4096, 8192, torch.bfloat16),
+    (2048, 13696, torch.bfloat16),
+    (512, 8192, torch.bfloat16),
 ]
 NAME = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
@@ -43,6 +52,20 @@ def main():
                         f"{t['stock'] / t['torchfuse']:.2f}x | {100 * roof / t['torchfuse']:.0f}% |")
             print(rows[-1], flush=True)
         del gates, ups, dys
+        torch.cuda.empty_cache()
+    for r, c, dtype in PACKED_CASES:
+        n, b = r * c, torch.finfo(dtype).bits // 8
+        sets = max(2, (256 << 20) // (n * b * 3) + 1)
+        packed = [torch.randn(r, 2 * c, device="cuda").to(dtype) for _ in range(sets)]
+        dys = [torch.randn(r, c, device="cuda").to(dtype) for _ in range(sets)]
+        fwd = run_timings("swiglu", torch.ops.torchfuse.silu_mul_packed, [(t,) for t in packed], sides)
+        bwd = run_timings("swiglu", torch.ops.torchfuse.silu_mul_packed_backward, list(zip(dys, packed)), sides)
+        for direction, t, nbytes in (("forward", fwd, 3 * n * b), ("backward", bwd, 5 * n * b)):
+            roof = nbytes / (bandwidth * 1e12) * 1e6
+            rows.append(f"| packed {r}x2x{c} | {NAME[dtype]} | {direction} | {t['stock']:.1f} | "
+                        f"{t['torchfuse']:.1f} | {t['stock'] / t['torchfuse']:.2f}x | {100 * roof / t['torchfuse']:.0f}% |")
+            print(rows[-1], flush=True)
+        del packed, dys
         torch.cuda.empty_cache()
     write_report(rows, args.out, "bench_swiglu.md")
 

@@ -1,6 +1,8 @@
 //! SwiGLU's pointwise part, forward and backward (`torchfuse::silu_mul[_backward]`, what the
-//! rewrite layer sends HF's gated MLP to between its matmuls), through kernels/swiglu.cu, or
-//! why stock (PyTorch's `silu(gate) * up` and its autograd ops, in the glue) runs a call.
+//! rewrite layer sends HF's gated MLP to between its matmuls, and `silu_mul_packed[_backward]`,
+//! the same of the two halves of one tensor: Phi-3's gate_up_proj output), through
+//! kernels/swiglu.cu, or why stock (PyTorch's `silu(gate) * up` and its autograd ops, in the
+//! glue) runs a call.
 
 use super::{elementwise, params};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
@@ -32,29 +34,37 @@ impl Family for Swiglu {
         Some(describe(Some(&gate)))
     }
 
-    /// Forward: y. Backward: dgate, dup. Every tensor has the gate's dtype and shape.
+    /// silu_mul: forward y; backward dgate, dup, every tensor of the gate's dtype and shape.
+    /// silu_mul_packed (gate and up the halves of one [.., 2 w] tensor): forward y [.., w];
+    /// backward the gradient of the packed tensor, whole.
     unsafe fn serve(
         entry: Entry,
         launch: Launch,
         call: &TfSwigluCall,
         shape: &[i64],
     ) -> Result<Served, StockReason> {
+        let packed = matches!(entry, Entry::SiluMulPacked | Entry::SiluMulPackedBackward);
+        let backward = matches!(entry, Entry::SiluMulBackward | Entry::SiluMulPackedBackward);
         let gate = call.gate.borrow().ok_or(StockReason::InvalidInput)?;
-        let up = call.up.borrow().ok_or(StockReason::InvalidInput)?;
-        let backward = entry == Entry::SiluMulBackward;
+        let up = call.up.borrow();
         let grad_out = call.grad_out.borrow();
-        if backward && grad_out.is_none() {
+        if (backward && grad_out.is_none()) || (!packed && up.is_none()) {
             return Err(StockReason::InvalidInput);
         }
         let kind = gate.f_kind().map_err(|_| StockReason::UnsupportedDtype)?;
         let dtype = dtype_of(kind).ok_or(StockReason::UnsupportedDtype)?;
         let device = gpu::torch_device(launch)?;
-        let mut others = vec![&*up];
-        if let Some(dy) = &grad_out {
-            others.push(dy);
+        let layout = Layout::of(packed, shape)?;
+        let out_shape = layout.out_shape(shape);
+        let mut others: Vec<(&tch::Tensor, &[i64])> = Vec::new();
+        if let Some(up) = &up {
+            others.push((up, shape));
         }
-        for t in std::iter::once(&*gate).chain(others.iter().copied()) {
-            if t.size() != shape || t.device() != device {
+        if let Some(dy) = &grad_out {
+            others.push((dy, &out_shape));
+        }
+        for (t, want) in std::iter::once((&*gate, shape)).chain(others) {
+            if t.size() != want || t.device() != device {
                 return Err(StockReason::InvalidInput); // broadcasting: stock's
             }
             if t.f_kind().ok() != Some(kind) {
@@ -64,8 +74,7 @@ impl Family for Swiglu {
                 return Err(StockReason::NotContiguous);
             }
         }
-        let n = gate.numel() as i64;
-        if n == 0 {
+        if layout.n == 0 {
             return Err(StockReason::EmptyInput);
         }
         let op = if backward {
@@ -82,42 +91,54 @@ impl Family for Swiglu {
             op,
             dtype,
             hidden: 1,
-            rows: n,
+            rows: layout.n,
             sm,
             deterministic: false,
         })?;
         let p = Swiglu::params(params)?;
-        let config = elementwise::launch_config(n, p.threads, p.chunks)?;
+        let config = elementwise::launch_config(layout.n, p.threads, p.chunks)?;
         let stream = gpu.stream(launch);
-        let (gate_ptr, up_ptr) = (device_addr(&gate), device_addr(&up));
+        let up_offset = layout.up_offset * kind.elt_size_in_bytes() as u64;
+        let gate_ptr = device_addr(&gate);
+        let up_ptr = up.as_ref().map_or(gate_ptr + up_offset, |u| device_addr(u));
+        let (n, width, stride) = (layout.n, layout.width, layout.stride);
         if let Some(dy) = &grad_out {
+            // silu_mul: dgate and dup; silu_mul_packed: one tensor of gate_up's shape, both.
             let dgate = empty(shape, kind, device)?;
-            let dup = empty(shape, kind, device)?;
-            let vectorized = i32::from(aligned16([&*gate, &*up, &**dy, &dgate, &dup]));
-            let ptrs = [
-                device_addr(dy),
-                gate_ptr,
-                up_ptr,
-                device_addr(&dgate),
-                device_addr(&dup),
+            let dup = if packed {
+                None
+            } else {
+                Some(empty(shape, kind, device)?)
+            };
+            let dgate_ptr = device_addr(&dgate);
+            let dup_ptr = dup.as_ref().map_or(dgate_ptr + up_offset, device_addr);
+            let dense = [
+                Some(&*gate),
+                up.as_deref(),
+                Some(&**dy),
+                Some(&dgate),
+                dup.as_ref(),
             ];
+            let vectorized =
+                i32::from(layout.vectorizable() && aligned16(dense.into_iter().flatten()));
+            let ptrs = [device_addr(dy), gate_ptr, up_ptr, dgate_ptr, dup_ptr];
             let kernel = kernels.get(BWD_KERNEL)?;
             let mut args = stream.launch_builder(&kernel.function);
             for ptr in &ptrs {
                 args.arg(ptr);
             }
-            args.arg(&n).arg(&vectorized);
+            args.arg(&n).arg(&vectorized).arg(&width).arg(&stride);
             // SAFETY: argument types and order match silu_mul_bwd (dy, gate, up, dgate, dup, n,
-            // vectorized); every tensor is contiguous with n elements of the module's dtype and
-            // lives until the stream is done with it (PyTorch's allocator orders reuse on it).
+            // vectorized, width, stride); dy is contiguous with n elements, gate, up, dgate and
+            // dup hold n / width rows of width elements stride apart inside their tensors (the
+            // layout checked above), all of the op's dtype, and live until the stream is done
+            // with them (PyTorch's allocator orders reuse on it).
             unsafe { args.launch(config) }.map_err(|e| super::launch_failed(variant, e))?;
-            return Ok(Served::new(
-                variant.name.as_str(),
-                [Some(dgate), Some(dup), None],
-            ));
+            return Ok(Served::new(variant.name.as_str(), [Some(dgate), dup, None]));
         }
-        let y = empty(shape, kind, device)?;
-        let vectorized = i32::from(aligned16([&*gate, &*up, &y]));
+        let y = empty(&out_shape, kind, device)?;
+        let dense = [Some(&*gate), up.as_deref(), Some(&y)];
+        let vectorized = i32::from(layout.vectorizable() && aligned16(dense.into_iter().flatten()));
         let y_ptr = device_addr(&y);
         let kernel = kernels.get(FWD_KERNEL)?;
         let mut args = stream.launch_builder(&kernel.function);
@@ -125,9 +146,11 @@ impl Family for Swiglu {
             .arg(&up_ptr)
             .arg(&y_ptr)
             .arg(&n)
-            .arg(&vectorized);
-        // SAFETY: argument types and order match silu_mul_fwd (gate, up, y, n, vectorized);
-        // as the backward's.
+            .arg(&vectorized)
+            .arg(&width)
+            .arg(&stride);
+        // SAFETY: argument types and order match silu_mul_fwd (gate, up, y, n, vectorized,
+        // width, stride); as the backward's.
         unsafe { args.launch(config) }.map_err(|e| super::launch_failed(variant, e))?;
         Ok(Served::new(variant.name.as_str(), [Some(y), None, None]))
     }
@@ -160,6 +183,57 @@ impl Family for Swiglu {
     }
 }
 
+/// Where an op's gate and up lie, for the kernels: `n` elements of y, in rows of `width`
+/// elements `stride` apart in gate and up (and dgate and dup); up starts `up_offset` elements
+/// after gate (silu_mul: separate dense tensors, one row of n; silu_mul_packed: the halves of
+/// each row of one [.., 2 w] tensor).
+#[derive(Debug, PartialEq, Eq)]
+struct Layout {
+    n: i64,
+    width: i64,
+    stride: i64,
+    up_offset: u64,
+}
+
+impl Layout {
+    /// `shape`: the gate's (silu_mul) or the packed tensor's (silu_mul_packed).
+    fn of(packed: bool, shape: &[i64]) -> Result<Layout, StockReason> {
+        let numel: i64 = shape.iter().product();
+        if !packed {
+            return Ok(Layout {
+                n: numel,
+                width: numel.max(1),
+                stride: numel.max(1),
+                up_offset: 0,
+            });
+        }
+        // An odd last dim is chunked unevenly: the composition's (and its error) then.
+        match shape.last() {
+            Some(&last) if last % 2 == 0 && last > 0 => Ok(Layout {
+                n: numel / 2,
+                width: last / 2,
+                stride: last,
+                up_offset: (last / 2) as u64,
+            }),
+            _ => Err(StockReason::InvalidInput),
+        }
+    }
+
+    /// y's (and dy's) shape: the gate's, or the packed tensor's with half its last dim.
+    fn out_shape(&self, shape: &[i64]) -> Vec<i64> {
+        let mut out = shape.to_vec();
+        if let (true, Some(last)) = (self.up_offset > 0, out.last_mut()) {
+            *last = self.width;
+        }
+        out
+    }
+
+    /// 16-byte accesses need chunks of 8 that stay in a row, and up's start aligned like gate's.
+    fn vectorizable(&self) -> bool {
+        self.stride == self.width || self.width % 8 == 0
+    }
+}
+
 /// A swiglu variant's compile-time params (`registry/swiglu.toml`).
 #[derive(Clone, Copy, Debug, Deserialize, Serialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE", deny_unknown_fields)]
@@ -168,4 +242,42 @@ pub struct Params {
     threads: i64,
     /// Chunks of 8 elements per thread.
     chunks: i64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_packed_tensor_is_two_halves_of_each_row() {
+        let packed = Layout::of(true, &[4, 3, 16]).expect("even last dim");
+        assert_eq!(
+            packed,
+            Layout {
+                n: 96,
+                width: 8,
+                stride: 16,
+                up_offset: 8
+            }
+        );
+        assert_eq!(packed.out_shape(&[4, 3, 16]), vec![4, 3, 8]);
+        assert!(packed.vectorizable());
+        // Halves of 7: element by element (a chunk of 8 would cross into up).
+        assert!(!Layout::of(true, &[2, 14]).expect("even").vectorizable());
+        // Chunked unevenly, or nothing to chunk: the composition's.
+        assert_eq!(Layout::of(true, &[2, 5]), Err(StockReason::InvalidInput));
+        assert_eq!(Layout::of(true, &[]), Err(StockReason::InvalidInput));
+        assert_eq!(Layout::of(true, &[3, 0]), Err(StockReason::InvalidInput));
+    }
+
+    #[test]
+    fn separate_tensors_are_one_dense_row() {
+        let dense = Layout::of(false, &[4, 5]).expect("any shape");
+        assert_eq!(
+            (dense.n, dense.width, dense.stride, dense.up_offset),
+            (20, 20, 20, 0)
+        );
+        assert_eq!(dense.out_shape(&[4, 5]), vec![4, 5]);
+        assert!(dense.vectorizable());
+    }
 }

@@ -184,7 +184,8 @@ def test_recognition_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ("['fast_gelu', 'gemma_norm', 'gemma_rms_norm', 'hf_conv1d', 'hf_conv1d_mlp', "
-                                  "'hf_gated_mlp', 'hf_rms_norm', 'hf_silu', 'new_gelu', 't5_rms_norm']")
+                                  "'hf_gated_mlp', 'hf_packed_gated_mlp', 'hf_rms_norm', 'hf_silu', 'new_gelu', "
+                                  "'t5_rms_norm']")
 
 
 def test_hf_causal_lm_loss_recognised_by_code_defaults_and_the_function_it_calls():
@@ -248,8 +249,8 @@ def test_hf_rotary_and_its_copies_are_recognised_with_their_rotate_half():
     # with_scale (another norm), the MLP's activation sparsity, the rotary under another docstring
     ("gemma3n", {"Gemma3nRMSNorm": "hf_rms_norm", "Gemma3nTextMLP": "hf_gated_mlp",
                  "apply_rotary_pos_emb": "hf_rotary"}),
-    ("phi3", {"Phi3MLP": "hf_gated_mlp"}),  # gate_up_proj
-    ("glm", {"GlmMLP": "hf_gated_mlp", "apply_rotary_pos_emb": "hf_rotary"}),  # interleaved rotary
+    ("phi3", {}),  # gate_up_proj, chunked: its own form now
+    ("glm", {"apply_rotary_pos_emb": "hf_rotary"}),  # interleaved rotary
 ])
 def test_near_forms_name_what_is_like_a_known_form_but_is_not(model, near):
     """The coverage harness's guide to the forms to add next: what looks like a served form (its

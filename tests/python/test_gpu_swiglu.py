@@ -1,8 +1,9 @@
-"""torchfuse::silu_mul[_backward] on the GPU, forced past the registry's thresholds, against a
-float64 evaluation of HF's gated MLP's pointwise part, silu(gate) * up, with the original's own
-error as the bar (docs/testing.md): within max(2 x the original's error, the dtype's floor),
-same dtypes, shapes and strides; bitwise reproducible; what is not served goes to stock; and
-the rewritten LlamaMLP gives the original's output and gradients."""
+"""torchfuse::silu_mul[_backward] and silu_mul_packed[_backward] on the GPU, forced past the
+registry's thresholds, against a float64 evaluation of HF's gated MLPs' pointwise part,
+silu(gate) * up (LlamaMLP's; Phi3MLP's `up * silu(gate)` of one tensor's halves), with the
+original's own error as the bar (docs/testing.md): within max(2 x the original's error, the
+dtype's floor), same dtypes, shapes and strides; bitwise reproducible; what is not served goes
+to stock; and the rewritten LlamaMLP and Phi3MLP give the originals' outputs and gradients."""
 import random
 import sys
 
@@ -18,6 +19,7 @@ from gpu_util import (FLOOR, fresh_seed, fused_count, rel_err, stock_reasons,
 pytestmark = [requires_cuda, pytest.mark.usefixtures("torchfuse_below_thresholds")]
 
 OP, OP_BWD = "torchfuse::silu_mul", "torchfuse::silu_mul_backward"
+PACKED, PACKED_BWD = "torchfuse::silu_mul_packed", "torchfuse::silu_mul_packed_backward"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -56,6 +58,57 @@ def test_silu_mul_is_the_original_composition(dtype):
         assert all(torch.equal(a, b) for a, b in zip(ours, again)), f"{shape}: not reproducible"
 
 
+def packed_original(gate_up):
+    """Phi3MLP's pointwise part, as it writes it."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return up * F.silu(gate)
+
+
+def packed_grads(fn, gate_up, dy):
+    t = gate_up.detach().requires_grad_(True)
+    y = fn(t)
+    return (y.detach(),) + torch.autograd.grad(y, (t,), dy)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_packed_is_phi3s_composition(dtype):
+    """Widths of 8k (16-byte accesses along each half-row) and not (element by element), one
+    row and many, Phi-3-mini's 2 x 8192; the gradient of the packed tensor is one dense tensor
+    of its shape, as chunk's backward gives."""
+    seed = fresh_seed()
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    shapes = [(2,), (14,), (16,), (3, 10), (2, 9, 34), (5, 48), (4, 2 * (2816 + rng.randrange(1, 8))),
+              (rng.randrange(1, 64), 2 * rng.randrange(1, 1500)), (2048, 2 * 8192)]
+    for shape in shapes:
+        gate_up = (3 * torch.randn(shape, device="cuda")).to(dtype)
+        dy = torch.randn(shape[:-1] + (shape[-1] // 2,), device="cuda").to(dtype)
+        before = fused_count(PACKED), fused_count(PACKED_BWD)
+        ours = packed_grads(torch.ops.torchfuse.silu_mul_packed, gate_up, dy)
+        assert (fused_count(PACKED), fused_count(PACKED_BWD)) == (before[0] + 1, before[1] + 1), (
+            shape, stock_reasons(PACKED), stock_reasons(PACKED_BWD))
+        theirs = packed_grads(packed_original, gate_up, dy)
+        refs = packed_grads(packed_original, gate_up.double(), dy.double())
+        for name, o, t, r in zip(("y", "dgate_up"), ours, theirs, refs):
+            assert o.dtype == t.dtype and o.shape == t.shape and o.stride() == t.stride(), (name, shape)
+            e_ours, e_orig = rel_err(o, r), rel_err(t, r)
+            assert e_ours <= max(2 * e_orig, FLOOR[dtype]), f"seed {seed} {shape} {name}: {e_ours:.3g} vs {e_orig:.3g}"
+        again = packed_grads(torch.ops.torchfuse.silu_mul_packed, gate_up, dy)
+        assert all(torch.equal(a, b) for a, b in zip(ours, again)), f"{shape}: not reproducible"
+
+
+def test_silu_mul_packed_not_served_goes_to_stock():
+    """An odd last dim (chunked unevenly: the original's error), a strided tensor, a dtype the
+    kernels do not take: stock's composition, and its result or error."""
+    a = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    for gate_up, why in [(a.t(), "non-contiguous input"), (a.double(), "unsupported dtype")]:
+        before = stock_reasons(PACKED).get(why, 0)
+        assert torch.equal(torch.ops.torchfuse.silu_mul_packed(gate_up), packed_original(gate_up))
+        assert stock_reasons(PACKED).get(why, 0) == before + 1, (why, stock_reasons(PACKED))
+    with pytest.raises(RuntimeError, match="must match the size"):
+        torch.ops.torchfuse.silu_mul_packed(a[:, :255])
+
+
 def test_what_is_not_served_goes_to_stock():
     a = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
     cases = [
@@ -91,6 +144,37 @@ def test_rewritten_llama_mlp_gives_the_originals_output_and_grads():
             xi = x.detach().requires_grad_(True)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
                 y = fn(mlp, xi)
+            y.float().square().sum().backward()
+            out.append([y.detach(), xi.grad] + [p.grad.clone() for p in mlp.parameters()])
+        for o, t in zip(*out):
+            assert o.dtype == t.dtype and o.shape == t.shape
+            assert rel_err(o, t) <= 2 * FLOOR[torch.bfloat16 if autocast else torch.float32], autocast
+
+
+def test_rewritten_phi3_mlp_gives_the_originals_output_and_grads():
+    """Phi3MLP (and GLM's, Dia's copies): the rewrite sends gate_up_proj's output to
+    silu_mul_packed, whose backward writes the projection's gradient whole."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(ROOT / "python"))
+    from torchfuse import rewrites
+    from transformers import Phi3Config
+    from transformers.models.phi3 import modeling_phi3 as P
+
+    forward = getattr(P.Phi3MLP.forward, "__wrapped__", P.Phi3MLP.forward)
+    rewritten = rewrites._packed_gated_mlp_forward(torch, forward, "hf_packed_gated_mlp")
+    cfg = Phi3Config(hidden_size=256, intermediate_size=704, num_attention_heads=4, num_key_value_heads=4)
+    torch.manual_seed(fresh_seed())
+    mlp = P.Phi3MLP(cfg).cuda()
+    x = torch.randn(4, 33, 256, device="cuda")
+    for autocast in (False, True):
+        out = []
+        for fn in (rewritten, forward):
+            mlp.zero_grad()
+            xi = x.detach().requires_grad_(True)
+            served = fused_count(PACKED)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                y = fn(mlp, xi)
+            assert fused_count(PACKED) == served + (fn is rewritten), (autocast, stock_reasons(PACKED))
             y.float().square().sum().backward()
             out.append([y.detach(), xi.grad] + [p.grad.clone() for p in mlp.parameters()])
         for o, t in zip(*out):

@@ -26,6 +26,8 @@ SAMPLES = {
     "gelu_tanh_backward": [(x.detach(), r(5, 64))],
     "silu_mul": [(x, r(5, 64, grad=True))],
     "silu_mul_backward": [(r(5, 64), x.detach(), r(5, 64))],
+    "silu_mul_packed": [(x,)],
+    "silu_mul_packed_backward": [(r(5, 32), x.detach())],
     "hf_rms_norm": [(x, w, 1e-6)],
     "cross_entropy": [(logits, target, 1, -100, 0.0, torch.float32), (logits, target, 0, 3, 0.1, None)],
     "cross_entropy_fwd": [(logits.detach(), target, 1, -100, 0.0, torch.float32),
@@ -72,7 +74,7 @@ import json
 def f(q, k, cos, sin, x, w, up, logits, target):
     a, b = ops.rotary(q, k, cos, sin, 1)
     y = ops.gelu_tanh(x, torch.float32) + ops.silu_mul(x, up) + ops.hf_rms_norm(x, w, 1e-6)
-    return a.sum() + b.sum() + y.sum() + ops.cross_entropy(logits, target)
+    return a.sum() + b.sum() + y.sum() + ops.silu_mul_packed(up).sum() + ops.cross_entropy(logits, target)
 compiled = torch.compile(f, dynamic=True, backend="aot_eager")
 diffs = []
 for n in (5, 7):
@@ -98,6 +100,7 @@ def rotate_half(t):
 pairs = {
     "gelu_tanh": (lambda t: ops.gelu_tanh(t, None), lambda t: F.gelu(t, approximate="tanh")),
     "silu_mul": (lambda t: ops.silu_mul(t, t * 2), lambda t: F.silu(t) * (t * 2)),
+    "silu_mul_packed": (lambda t: ops.silu_mul_packed(t), lambda t: t[..., 4:] * F.silu(t[..., :4])),
     "hf_rms_norm": (lambda t: ops.hf_rms_norm(t, w, 1e-6),
                     lambda t: w * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6))),
     "rotary": (lambda t: ops.rotary(t, t, cos[0, :, :], sin[0, :, :], 0)[0],
@@ -122,7 +125,7 @@ for name, (op, ref) in pairs.items():
     diffs[name] = max((a - b).abs().max().item() for a, b in zip(got, want))
 print(json.dumps(diffs))
 """)
-    assert set(out) == {"gelu_tanh", "silu_mul", "hf_rms_norm", "rotary", "cross_entropy"}, out
+    assert set(out) == {"gelu_tanh", "silu_mul", "silu_mul_packed", "hf_rms_norm", "rotary", "cross_entropy"}, out
     assert all(d < 1e-4 for d in out.values()), out
 
 
@@ -172,7 +175,7 @@ class Model(torch.nn.Module):
     def forward(self, q, k, cos, sin, x, w, logits, target):
         a, b = ops.rotary(q, k, cos, sin, 1)
         y = ops.gelu_tanh(x, torch.float32) + ops.silu_mul(x, x) + ops.hf_rms_norm(x, w, 1e-6)
-        return a.sum() + b.sum() + y.sum() + ops.cross_entropy(logits, target)
+        return a.sum() + b.sum() + y.sum() + ops.silu_mul_packed(x).sum() + ops.cross_entropy(logits, target)
 def inputs(n):
     return (r(2, 3, n, 8), r(2, 1, n, 8), r(2, n, 8), r(2, n, 8), r(n, 64), w, r(n, 10),
             torch.randint(0, 10, (n,), generator=g))
@@ -186,4 +189,4 @@ print(json.dumps({"diff": (program.module()(*args) - Model()(*args)).abs().item(
     assert out["diff"] < 1e-4, out
     assert out["ops"] == ["torchfuse.cross_entropy.default", "torchfuse.gelu_tanh.default",
                           "torchfuse.hf_rms_norm.default", "torchfuse.rotary.default",
-                          "torchfuse.silu_mul.default"], out
+                          "torchfuse.silu_mul.default", "torchfuse.silu_mul_packed.default"], out

@@ -1,4 +1,5 @@
-// torchfuse::silu_mul (HF's gated MLP between its matmuls) and its backward.
+// torchfuse::silu_mul (HF's gated MLP between its matmuls), silu_mul_packed (the same of the
+// two halves of one tensor: Phi-3's gate_up_proj output), and their backwards.
 #include "glue.h"
 
 namespace torchfuse_glue {
@@ -84,6 +85,79 @@ at::Tensor silu_mul_autograd(const at::Tensor& gate, const at::Tensor& up) {
   return SiluMulFunction::apply(gate, up);
 }
 
+// torchfuse::silu_mul_packed(gate_up): silu(gate) * up of `gate, up = gate_up.chunk(2, -1)`
+// (Phi3MLP and its copies); an odd last dim is chunked unevenly, and broadcasting then fails as
+// in the original.
+at::Tensor silu_mul_packed_stock(const at::Tensor& gate_up) {
+  const auto halves = gate_up.chunk(2, -1);
+  return silu_mul_stock(halves[0], halves[1]);
+}
+
+// The gradient of gate_up, whole: the original's autograd (mul's, silu's) of each half, then
+// chunk's backward, which concatenates them.
+at::Tensor silu_mul_packed_backward_stock(const at::Tensor& grad_out, const at::Tensor& gate_up) {
+  const auto halves = gate_up.chunk(2, -1);
+  auto [dgate, dup] = silu_mul_backward_stock(grad_out, halves[0], halves[1]);
+  return at::cat({dgate, dup}, -1);
+}
+
+at::Tensor silu_mul_packed_cuda(const at::Tensor& gate_up) {
+  TfSwigluCall call{};
+  call.gate = describe(gate_up);
+  TfOutputs out{};
+  if (fused_by_rust(torchfuse_rs_swiglu, TF_ENTRY_SILU_MUL_PACKED, gate_up, call, out))
+    return take_outputs(out)[0];
+  return silu_mul_packed_stock(gate_up);
+}
+
+at::Tensor silu_mul_packed_backward_cuda(const at::Tensor& grad_out, const at::Tensor& gate_up) {
+  TfSwigluCall call{};
+  call.gate = describe(gate_up);
+  call.grad_out = describe(grad_out);
+  TfOutputs out{};
+  if (fused_by_rust(torchfuse_rs_swiglu, TF_ENTRY_SILU_MUL_PACKED_BACKWARD, gate_up, call, out))
+    return take_outputs(out)[0];
+  return silu_mul_packed_backward_stock(grad_out, gate_up);
+}
+
+at::Tensor call_silu_mul_packed(const at::Tensor& gate_up) {
+  static const auto op = own_op<decltype(call_silu_mul_packed)>("torchfuse::silu_mul_packed");
+  return op.call(gate_up);
+}
+
+at::Tensor call_silu_mul_packed_backward(const at::Tensor& grad_out, const at::Tensor& gate_up) {
+  static const auto op =
+      own_op<decltype(call_silu_mul_packed_backward)>("torchfuse::silu_mul_packed_backward");
+  return op.call(grad_out, gate_up);
+}
+
+// Keeps gate_up for the backward (the original keeps both halves and silu(gate)).
+class SiluMulPackedFunction : public torch::autograd::Function<SiluMulPackedFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate_up) {
+    ctx->save_for_backward({gate_up});
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return call_silu_mul_packed(gate_up);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor gate_up = ctx->get_saved_variables()[0];
+    if (at::GradMode::is_enabled()) {
+      // create_graph: a differentiable composition (a double backward), as silu_mul's.
+      const auto halves = gate_up.chunk(2, -1);
+      const at::Tensor &gate = halves[0], &up = halves[1];
+      const at::Tensor s = at::sigmoid(gate);
+      return {at::cat({grads[0] * up * s * (1 + gate * (1 - s)), grads[0] * (gate * s)}, -1)};
+    }
+    return {call_silu_mul_packed_backward(grads[0], gate_up)};
+  }
+};
+
+at::Tensor silu_mul_packed_autograd(const at::Tensor& gate_up) {
+  if (composition_only({gate_up})) return silu_mul_packed_stock(gate_up);
+  return SiluMulPackedFunction::apply(gate_up);
+}
+
 }  // namespace
 
 bool register_swiglu(uint32_t entry, const char* /*name*/) {
@@ -103,6 +177,21 @@ bool register_swiglu(uint32_t entry, const char* /*name*/) {
           .impl("silu_mul_backward", TORCH_FN(silu_mul_backward_stock));
       torchfuse_impl(DispatchKey::CUDA)
           .impl("silu_mul_backward", TORCH_FN(silu_mul_backward_cuda));
+      return true;
+    case TF_ENTRY_SILU_MUL_PACKED:
+      torchfuse_ops().def("silu_mul_packed(Tensor gate_up) -> Tensor");
+      torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
+          .impl("silu_mul_packed", TORCH_FN(silu_mul_packed_stock));
+      torchfuse_impl(DispatchKey::CUDA).impl("silu_mul_packed", TORCH_FN(silu_mul_packed_cuda));
+      torchfuse_impl(DispatchKey::Autograd)
+          .impl("silu_mul_packed", TORCH_FN(silu_mul_packed_autograd));
+      return true;
+    case TF_ENTRY_SILU_MUL_PACKED_BACKWARD:
+      torchfuse_ops().def("silu_mul_packed_backward(Tensor grad_out, Tensor gate_up) -> Tensor");
+      torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
+          .impl("silu_mul_packed_backward", TORCH_FN(silu_mul_packed_backward_stock));
+      torchfuse_impl(DispatchKey::CUDA)
+          .impl("silu_mul_packed_backward", TORCH_FN(silu_mul_packed_backward_cuda));
       return true;
     default: return false;
   }
