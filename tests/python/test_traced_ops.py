@@ -1,9 +1,11 @@
 """torchfuse's own ops under what compilers and transforms hand them, on CPU (every machine):
 torch.library.opcheck (schema, autograd registration, fake tensors, AOT dispatch with dynamic
-shapes), torch.compile with dynamic=True across two sizes, torch.func transforms (grad,
-vmap of grad, jvp) against the compositions the ops stand for; and the rewrite layer's guard
-that a patched function (F.cross_entropy, rotate_half, torch.tanh) sends the call back to the
-original code."""
+shapes), torch.compile with dynamic=True across two sizes, torch.export with a dynamic length,
+torch.func transforms (grad, vmap of grad, jvp) against the compositions the ops stand for;
+and the rewrite layer's guard that a patched function (F.cross_entropy, rotate_half,
+torch.tanh) sends the call back to the original code. The checks run over two tables, SAMPLES
+(opcheck's inputs, every op) and CASES (one record per forward op): a new op adds a line to
+each, and a test fails where it has none."""
 import json
 
 from conftest import ROOT, check, run_python
@@ -35,6 +37,58 @@ SAMPLES = {
     "cross_entropy_bwd": [(torch.ones(()), logits.detach(), target, r(6), torch.tensor(6.0), 1, -100, 0.0),
                           (r(6), logits.detach(), target, r(6), torch.tensor(0.0), 0, 3, 0.1)],
 }
+F = torch.nn.functional
+def rotate_half(t):
+    return torch.cat((-t[..., 4:], t[..., :4]), dim=-1)
+w8 = r(64)
+# One record per op the rewrite layer calls (the forward ops; their backwards are reached
+# through autograd), the standard checks below run on every one: `inputs(n)`, a call's
+# arguments of length n in the dims `dims` names (torch.compile with dynamic sizes,
+# torch.export); `call(*inputs)`, a scalar of the op's outputs; `pair`, the op and the
+# composition it stands for, of one tensor of `shape` (torch.func's transforms; `vmap`: also
+# per-row gradients). A new op without a record fails test_every_forward_op_has_a_case.
+N = torch.export.Dim("n", min=2, max=1024)
+CASES = {
+    "rotary": dict(
+        inputs=lambda n: [r(2, 3, n, 8, grad=True), r(2, 1, n, 8, grad=True), r(2, n, 8), r(2, n, 8)],
+        dims=[{2: N}, {2: N}, {1: N}, {1: N}],
+        call=lambda q, k, cos, sin: sum(t.sum() for t in ops.rotary(q, k, cos, sin, 1)),
+        pair=(lambda t: ops.rotary(t, t, cos[0], sin[0], 0)[0], lambda t: t * cos[0] + rotate_half(t) * sin[0]),
+        shape=(5, 8), vmap=True),
+    "gelu_tanh": dict(
+        inputs=lambda n: [r(n, 64, grad=True)], dims=[{0: N}],
+        call=lambda x: ops.gelu_tanh(x, torch.float32).sum(),
+        pair=(lambda t: ops.gelu_tanh(t, None), lambda t: F.gelu(t, approximate="tanh")), shape=(5, 8), vmap=True),
+    "silu_mul": dict(
+        inputs=lambda n: [r(n, 64, grad=True), r(n, 64, grad=True)], dims=[{0: N}, {0: N}],
+        call=lambda gate, up: ops.silu_mul(gate, up).sum(),
+        pair=(lambda t: ops.silu_mul(t, t * 2), lambda t: F.silu(t) * (t * 2)), shape=(5, 8), vmap=True),
+    "silu_mul_packed": dict(
+        inputs=lambda n: [r(n, 64, grad=True)], dims=[{0: N}],
+        call=lambda gate_up: ops.silu_mul_packed(gate_up).sum(),
+        pair=(ops.silu_mul_packed, lambda t: t[..., 4:] * F.silu(t[..., :4])), shape=(5, 8), vmap=True),
+    "hf_rms_norm": dict(
+        inputs=lambda n: [r(n, 64, grad=True), w], dims=[{0: N}, None],
+        call=lambda x, weight: ops.hf_rms_norm(x, weight, 1e-6).sum(),
+        pair=(lambda t: ops.hf_rms_norm(t, w8, 1e-6),
+              lambda t: w8 * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6))), shape=(5, 64), vmap=True),
+    "cross_entropy": dict(
+        inputs=lambda n: [r(n, 10, grad=True), torch.randint(0, 10, (n,), generator=g)], dims=[{0: N}, {0: N}],
+        call=lambda logits, target: ops.cross_entropy(logits, target),
+        pair=(lambda t: ops.cross_entropy(t, target[:5]), lambda t: F.cross_entropy(t, target[:5])),
+        shape=(5, 8), vmap=False),
+}
+# Every case's inputs at length n, flat, and a function of them summing every case's call.
+def all_cases(n):
+    inputs = {name: case["inputs"](n) for name, case in CASES.items()}
+    def f(*flat):
+        total, at = 0, 0
+        for name, case in CASES.items():
+            k = len(inputs[name])
+            total = total + case["call"](*flat[at:at + k])
+            at += k
+        return total
+    return [a for name in CASES for a in inputs[name]], f
 def compute_ops():
     names = [n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("torchfuse::")]
     return sorted(n for n in names
@@ -71,15 +125,11 @@ def test_dynamic_compile_of_every_op_matches_eager():
     second call runs the graph compiled for symbolic ones; forward and gradients."""
     out = run(r"""
 import json
-def f(q, k, cos, sin, x, w, up, logits, target):
-    a, b = ops.rotary(q, k, cos, sin, 1)
-    y = ops.gelu_tanh(x, torch.float32) + ops.silu_mul(x, up) + ops.hf_rms_norm(x, w, 1e-6)
-    return a.sum() + b.sum() + y.sum() + ops.silu_mul_packed(up).sum() + ops.cross_entropy(logits, target)
+_, f = all_cases(5)
 compiled = torch.compile(f, dynamic=True, backend="aot_eager")
 diffs = []
 for n in (5, 7):
-    args = [r(2, 3, n, 8, grad=True), r(2, 1, n, 8, grad=True), r(2, n, 8), r(2, n, 8), r(n, 64, grad=True), r(64),
-            r(n, 64, grad=True), r(n, 10, grad=True), torch.randint(0, 10, (n,), generator=g)]
+    args, _ = all_cases(n)
     leaves = [a for a in args if a.requires_grad]
     got = torch.autograd.grad(compiled(*args), leaves)
     want = torch.autograd.grad(f(*args), leaves)
@@ -94,29 +144,14 @@ def test_torch_func_transforms_over_the_ops_match_the_compositions():
     run under torch.func's transforms, so the ops compute the compositions there."""
     out = run(r"""
 import json
-F = torch.nn.functional
-def rotate_half(t):
-    return torch.cat((-t[..., 4:], t[..., :4]), dim=-1)
-pairs = {
-    "gelu_tanh": (lambda t: ops.gelu_tanh(t, None), lambda t: F.gelu(t, approximate="tanh")),
-    "silu_mul": (lambda t: ops.silu_mul(t, t * 2), lambda t: F.silu(t) * (t * 2)),
-    "silu_mul_packed": (lambda t: ops.silu_mul_packed(t), lambda t: t[..., 4:] * F.silu(t[..., :4])),
-    "hf_rms_norm": (lambda t: ops.hf_rms_norm(t, w, 1e-6),
-                    lambda t: w * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6))),
-    "rotary": (lambda t: ops.rotary(t, t, cos[0, :, :], sin[0, :, :], 0)[0],
-               lambda t: t * cos[0] + rotate_half(t) * sin[0]),
-    "cross_entropy": (lambda t: ops.cross_entropy(t, target[:5]), lambda t: F.cross_entropy(t, target[:5])),
-}
 diffs = {}
-for name, (op, ref) in pairs.items():
-    t = r(5, 8) if name != "hf_rms_norm" else r(5, 64)
-    w = r(t.shape[-1])
-    if name == "rotary":
-        t = r(5, 8)
+for name, case in CASES.items():
+    op, ref = case["pair"]
+    t = r(*case["shape"])
     scalar = lambda f: (lambda u: f(u).sum())
     got = [torch.func.grad(scalar(op))(t)]
     want = [torch.func.grad(scalar(ref))(t)]
-    if name != "cross_entropy":
+    if case["vmap"]:
         got.append(torch.func.vmap(torch.func.grad(scalar(op)))(t))
         want.append(torch.func.vmap(torch.func.grad(scalar(ref)))(t))
     tangent = r(*t.shape)
@@ -171,22 +206,30 @@ def test_export_with_a_dynamic_dim_keeps_the_ops():
     their compositions) and, run at another length, equals eager."""
     out = run(r"""
 import json
+args, f = all_cases(5)
 class Model(torch.nn.Module):
-    def forward(self, q, k, cos, sin, x, w, logits, target):
-        a, b = ops.rotary(q, k, cos, sin, 1)
-        y = ops.gelu_tanh(x, torch.float32) + ops.silu_mul(x, x) + ops.hf_rms_norm(x, w, 1e-6)
-        return a.sum() + b.sum() + y.sum() + ops.silu_mul_packed(x).sum() + ops.cross_entropy(logits, target)
-def inputs(n):
-    return (r(2, 3, n, 8), r(2, 1, n, 8), r(2, n, 8), r(2, n, 8), r(n, 64), w, r(n, 10),
-            torch.randint(0, 10, (n,), generator=g))
-n = torch.export.Dim("n", min=2, max=1024)
-dims = ({2: n}, {2: n}, {1: n}, {1: n}, {0: n}, None, {0: n}, {0: n})
-program = torch.export.export(Model(), inputs(5), dynamic_shapes=dims)
-args = inputs(7)
+    def forward(self, *flat):
+        return f(*flat)
+dims = [d for case in CASES.values() for d in case["dims"]]
+program = torch.export.export(Model(), tuple(a.detach() for a in args), dynamic_shapes=(tuple(dims),))
+args, _ = all_cases(7)
+args = [a.detach() for a in args]
 print(json.dumps({"diff": (program.module()(*args) - Model()(*args)).abs().item(),
-                  "ops": sorted(str(node.target) for node in program.graph.nodes if "torchfuse" in str(node.target))}))
+                  "ops": sorted(str(node.target) for node in program.graph.nodes if "torchfuse" in str(node.target)),
+                  "cases": sorted(CASES)}))
 """)
     assert out["diff"] < 1e-4, out
-    assert out["ops"] == ["torchfuse.cross_entropy.default", "torchfuse.gelu_tanh.default",
-                          "torchfuse.hf_rms_norm.default", "torchfuse.rotary.default",
-                          "torchfuse.silu_mul.default", "torchfuse.silu_mul_packed.default"], out
+    assert out["ops"] == [f"torchfuse.{name}.default" for name in out["cases"]], out
+
+
+def test_every_forward_op_has_a_case():
+    """The template's table covers every op the rewrite layer can call: each torchfuse op with a
+    tensor argument is a case of CASES, or a backward (or a forward/backward half) reached
+    through a case's autograd."""
+    out = run(r"""
+import json
+print(json.dumps({"ops": compute_ops(), "cases": sorted(CASES)}))
+""")
+    halves = ("_backward", "_fwd", "_bwd")
+    forward = sorted(name for name in out["ops"] if not name.endswith(halves))
+    assert forward == out["cases"], out
