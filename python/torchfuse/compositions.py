@@ -38,6 +38,11 @@ _SOURCES = {
     down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
     return down_proj
 """,
+    # The same gated MLP returned without the name (EXAONE 4.5's, GLM-4V's vision MLP and their
+    # copies).
+    "hf_gated_mlp_inline": """def forward(self, hidden_state):
+    return self.down_proj(self.act_fn(self.gate_proj(hidden_state)) * self.up_proj(hidden_state))
+""",
     # transformers.models.phi3.modeling_phi3.Phi3MLP.forward (one projection for gate and up,
     # chunked), and its copies (GLM, GLM-4, Dia, ...). Depends on its activation_fn as the gated
     # MLP on its act_fn.
@@ -102,6 +107,15 @@ _SOURCES = {
         hidden_states = hidden_states.to(self.weight.dtype)
 
     return self.weight * hidden_states
+""",
+    # transformers.models.gpt_oss.modeling_gpt_oss.GptOssRMSNorm.forward and its copies (AFMoE,
+    # FlexOlmo, ...): Llama's, with the weight multiplied in fp32 before the cast back.
+    "gpt_oss_rms_norm": """def forward(self, hidden_states):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return (self.weight * hidden_states).to(input_dtype)  # main diff with Llama
 """,
     # transformers.models.llama.modeling_llama.LlamaRMSNorm.forward, and its copies.
     "hf_rms_norm": """def forward(self, hidden_states):
@@ -214,6 +228,16 @@ _FUNCTION_SOURCES = {
     k_embed = torch.cat([(k_rot * cos) + (rotate_half(k_rot) * sin), k_pass], dim=-1)
     return q_embed, k_embed
 """), (1,)),
+    # OLMo's (and its copies'): Llama's, each result cast back to its input's dtype.
+    "hf_rotary_cast_back": (_rope_source("""Applies Rotary Position Embedding to the query and key tensors.
+
+""", """    q_type, k_type = q.dtype, k.dtype
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed.to(q_type), k_embed.to(k_type)
+"""), (1,)),
     # The causal-LM loss every HF *ForCausalLM model's `loss_function` is (LOSS_MAPPING).
     "hf_causal_lm_loss": ("""def ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs):
     # Upcast to float if we need to compute the loss to avoid potential precision issues
@@ -314,7 +338,8 @@ _FUNCTION_SOURCES = {
 COMPUTES = {"new_gelu": "gelu_tanh", "fast_gelu": "gelu_tanh", "hf_conv1d_mlp": "gelu_tanh",
             "hf_rms_norm": "hf_rms_norm", "gemma_rms_norm": "hf_rms_norm", "t5_rms_norm": "hf_rms_norm",
             "hf_causal_lm_loss": "cross_entropy", "hf_gated_mlp": "swiglu",
-            "hf_packed_gated_mlp": "swiglu", "hf_rotary": "rotary",
+            "hf_packed_gated_mlp": "swiglu", "hf_gated_mlp_inline": "swiglu", "hf_rotary": "rotary",
+            "hf_rotary_cast_back": "rotary", "gpt_oss_rms_norm": "hf_rms_norm",
             "hf_partial_rotary": "rotary", "hf_partial_rotary_glm_doc": "rotary",
             "hf_partial_rotary_inline": "rotary",
             "hf_ignore_causal_mask_sdpa": "sdpa", "hf_ignore_bidirectional_mask_sdpa": "sdpa"}

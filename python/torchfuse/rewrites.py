@@ -244,6 +244,28 @@ def _t5_rms_norm_forward(torch, original, form, dependencies=None):
     return forward
 
 
+def _gpt_oss_rms_norm_forward(torch, original, form, dependencies=None):
+    """GPT-OSS's RMSNorm and its copies (OLMo 2 and 3, AFMoE, FlexOlmo): Llama's statistics in
+    fp32, then `(weight * x_normed).to(x's dtype)`, the weight multiplied in fp32 (a 16-bit one
+    promoted exactly). That is aten::rms_norm of `x.float()` with the weight in fp32, then the
+    original's cast: one norm kernel and a cast where the original launches seven. Rows under
+    32 features, and weights of other dtypes, run the original; a strided x is normalised as
+    it lies in memory (`_row_wise`)."""
+    rms_norm, served = torch.rms_norm, _served_dtypes(torch)
+    plain = _norm_call(torch, original, dependencies)
+
+    @functools.wraps(original)
+    def forward(self, hidden_states):
+        x, weight, eps = hidden_states, self.weight, self.variance_epsilon
+        if plain(x, weight, eps) and x.shape[-1] >= _RMS_NORM_MIN_HIDDEN and weight.dtype in served:
+            out = _row_wise(x, lambda rows: rms_norm(rows.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype))
+            if out is not None:
+                return out
+        return original(self, hidden_states)
+
+    return forward
+
+
 def _exporting(torch):
     """A function telling whether torch.export is tracing: the flag it sets, read as a global
     Dynamo guards on (`is_exporting()` itself is True in any Dynamo trace). Without the flag
@@ -517,6 +539,22 @@ def _rotary(torch, original, form, dependencies=None):
     return apply_rotary_pos_emb
 
 
+def _rotary_cast_back(torch, original, form, dependencies=None):
+    """OLMo's apply_rotary_pos_emb (and its copies): Llama's rotary, each result cast back to
+    its input's dtype: torchfuse::rotary (the original's arithmetic and result dtype), then the
+    original's casts."""
+    op, served = torch.ops.torchfuse.rotary.default, _rotary_call(torch, original, dependencies)
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if served(q, k, cos, sin, unsqueeze_dim):
+            q_embed, k_embed = op(q, k, cos, sin, unsqueeze_dim)
+            return q_embed.to(q.dtype), k_embed.to(k.dtype)
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    return apply_rotary_pos_emb
+
+
 def _partial_rotary(torch, original, form, dependencies=None):
     """GPT-NeoX's apply_rotary_pos_emb (and its copies): the rotate-half rotary of the first
     `cos.shape[-1]` features of each head (Pythia: a quarter), the rest passed through, then
@@ -560,13 +598,16 @@ REWRITES = {
     "hf_rms_norm": Rewrite(_rms_norm_forward, _OPS + "hf_rms_norm; a 16-bit x with an fp32 weight: "
                                               "aten::rms_norm without the weight, then the weight"),
     "gemma_rms_norm": Rewrite(_gemma_rms_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm)"),
+    "gpt_oss_rms_norm": Rewrite(_gpt_oss_rms_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm), "
+                                                           "then the original's cast"),
     "t5_rms_norm": Rewrite(_t5_rms_norm_forward, "aten::rms_norm in fp32 with an fp32 weight, else "
                                                  + _OPS + "hf_rms_norm"),
-    "hf_gated_mlp": Rewrite(_gated_mlp_forward, _OPS + "silu_mul"),
+    **dict.fromkeys(("hf_gated_mlp", "hf_gated_mlp_inline"), Rewrite(_gated_mlp_forward, _OPS + "silu_mul")),
     "hf_packed_gated_mlp": Rewrite(_packed_gated_mlp_forward, _OPS + "silu_mul_packed"),
     # A module-level function.
     "hf_causal_lm_loss": Rewrite(_causal_lm_loss, _OPS + "cross_entropy"),
     "hf_rotary": Rewrite(_rotary, _OPS + "rotary"),
+    "hf_rotary_cast_back": Rewrite(_rotary_cast_back, _OPS + "rotary, then the original's casts"),
     # GPT-NeoX's partial rotary, in its three writings.
     **dict.fromkeys(("hf_partial_rotary", "hf_partial_rotary_glm_doc", "hf_partial_rotary_inline"),
                     Rewrite(_partial_rotary, _OPS + "rotary, then the original's cat")),

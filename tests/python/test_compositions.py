@@ -106,6 +106,25 @@ def test_t5s_rms_norm_is_its_own_form(model, cls):
     assert found[cls] == "t5_rms_norm" and compositions.COMPUTES["t5_rms_norm"] == "hf_rms_norm"
 
 
+@pytest.mark.parametrize("model, expected", [
+    ("gpt_oss", {"GptOssRMSNorm": "gpt_oss_rms_norm"}),
+    ("olmo2", {"Olmo2RMSNorm": "gpt_oss_rms_norm", "apply_rotary_pos_emb": "hf_rotary_cast_back"}),
+    ("olmo", {"apply_rotary_pos_emb": "hf_rotary_cast_back"}),
+    ("qwen2_5_vl", {"Qwen2_5_VLMLP": "hf_gated_mlp_inline"}),
+    ("exaone4_5", {"Exaone4_5_MLP": "hf_gated_mlp_inline"}),
+])
+def test_gpt_oss_norm_olmo_rotary_and_the_inline_gated_mlp_are_their_own_forms(model, expected):
+    """GPT-OSS's RMSNorm (the weight multiplied in fp32, then cast), OLMo's rotary (cast back to
+    the inputs' dtypes) and the gated MLP returned without a name, in the models that write
+    them, each served by the op of its family."""
+    mod = module(f"models.{model}.modeling_{model}")
+    found = {cls.__name__: form for cls, form in compositions.scan(mod).items()}
+    found.update(compositions.scan_functions(mod))
+    assert {name: found.get(name) for name in expected} == expected, found
+    ops = {"gpt_oss_rms_norm": "hf_rms_norm", "hf_rotary_cast_back": "rotary", "hf_gated_mlp_inline": "swiglu"}
+    assert all(compositions.COMPUTES[form] == ops[form] for form in expected.values())
+
+
 @pytest.mark.parametrize("model", ["gemma", "gemma2", "gemma3"])
 def test_gemmas_rms_norm_is_its_own_form_with_its_norm(model):
     """Gemma 1, 2 and 3 write the same RMSNorm: its forward is the gemma_rms_norm form, its
@@ -183,9 +202,9 @@ def test_recognition_imports_no_torch():
             "print(sorted(compositions.FORMS))" % str(ROOT / "python"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == ("['fast_gelu', 'gemma_norm', 'gemma_rms_norm', 'hf_conv1d', 'hf_conv1d_mlp', "
-                                  "'hf_gated_mlp', 'hf_packed_gated_mlp', 'hf_rms_norm', 'hf_silu', 'new_gelu', "
-                                  "'t5_rms_norm']")
+    assert out.stdout.strip() == ("['fast_gelu', 'gemma_norm', 'gemma_rms_norm', 'gpt_oss_rms_norm', 'hf_conv1d', "
+                                  "'hf_conv1d_mlp', 'hf_gated_mlp', 'hf_gated_mlp_inline', 'hf_packed_gated_mlp', "
+                                  "'hf_rms_norm', 'hf_silu', 'new_gelu', 't5_rms_norm']")
 
 
 def test_hf_causal_lm_loss_recognised_by_code_defaults_and_the_function_it_calls():
@@ -250,6 +269,8 @@ def test_hf_rotary_and_its_copies_are_recognised_with_their_rotate_half():
     ("gemma3n", {"Gemma3nRMSNorm": "hf_rms_norm", "Gemma3nTextMLP": "hf_gated_mlp",
                  "apply_rotary_pos_emb": "hf_rotary"}),
     ("phi3", {}),  # gate_up_proj, chunked: its own form now
+    ("olmo2", {}),  # the weight multiplied in fp32, the rotary cast back: their own forms now
+    ("exaone4_5", {}),  # the gated MLP returned without a name: its own form now
     ("glm", {"apply_rotary_pos_emb": "hf_rotary"}),  # interleaved rotary
 ])
 def test_near_forms_name_what_is_like_a_known_form_but_is_not(model, near):

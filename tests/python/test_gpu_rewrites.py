@@ -290,6 +290,41 @@ def test_llama_rms_norm_of_a_16bit_x_with_an_fp32_weight_is_the_original(x_dtype
 
 
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                    (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)],
+                         ids=["f32", "bf16-x-f32-weight", "bf16", "f16-x-f32-weight"])
+def test_gpt_oss_rms_norm_is_the_original_composition(dtypes):
+    """GPT-OSS's RMSNorm class (OLMo 2's, AFMoE's copies), rewritten, against its own original
+    forward: x's dtype out, shape and strides, values and both gradients within the original's
+    error to float64; rows of 32 features or more reach aten's fused RMSNorm once, narrower
+    rows run the original."""
+    pytest.importorskip("transformers")
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+    sys.path.insert(0, str(ROOT / "python"))
+    from torchfuse import rewrites
+    original_forward = getattr(GptOssRMSNorm.forward, "__wrapped__", GptOssRMSNorm.forward)
+    rewritten = rewrites._gpt_oss_rms_norm_forward(torch, original_forward, "gpt_oss_rms_norm")
+    x_dtype, w_dtype = dtypes
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    # (2, 9, 4, 64): heads transposed out of a projection (a strided view).
+    for shape in [(3, 7), (2, 5, 64), (4, 512, 2880), (2, 9, 4, 64)]:
+        norm = GptOssRMSNorm(shape[-1], eps=1e-6).cuda()
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(shape[-1], device="cuda"))
+        norm = norm.to(w_dtype)
+        x = torch.randn(shape, device="cuda").to(x_dtype)
+        x = (x.transpose(1, 2) if len(shape) == 4 else x).detach().requires_grad_(True)
+        what = f"seed {seed} {dtypes} {shape}"
+        asked = asked_count("_fused_rms_norm")
+        ours = rewritten(norm, x)
+        assert asked_count("_fused_rms_norm") == asked + (shape[-1] >= 32), what
+        original = original_forward(norm, x)
+        assert (ours.dtype, ours.shape, ours.stride()) == (original.dtype, original.shape, original.stride()), what
+        assert ours.dtype == x_dtype, what
+        assert_like_the_original(ours, original, x, norm.weight, rms_reference, what)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                     (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
                                     (torch.float32, torch.bfloat16)],
                          ids=["f32", "bf16-x-f32-weight", "bf16", "f16", "f32-x-bf16-weight"])

@@ -419,6 +419,68 @@ print(json.dumps(result))
             assert replacement <= max(2 * original, 8e-3), (case, key, r[key])
 
 
+def test_gpt_oss_norm_and_olmo_rotary_replacements_are_their_arithmetic_on_cpu():
+    """What the GPT-OSS norm and OLMo rotary rewrites call on CUDA, checked on CPU against the
+    originals: aten::rms_norm of x.float() with the weight in fp32, cast to x's dtype (values and
+    both gradients against float64, dtypes, the strides of heads transposed out of a
+    projection); torchfuse::rotary (HF's composition on CPU) cast back, bitwise; the rewritten
+    function itself runs the original on CPU."""
+    out, _ = run("""
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+import transformers.models.olmo2.modeling_olmo2 as O
+from torchfuse.rewrites import _row_wise
+torch.manual_seed(0)
+original_forward = GptOssRMSNorm.forward.__wrapped__
+result = {}
+for x_dtype, w_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)):
+    norm = GptOssRMSNorm(96, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(96))
+    norm = norm.to(w_dtype)
+    x = (torch.randn(5, 7, 96) * 3).to(x_dtype).requires_grad_(True)
+    original = original_forward(norm, x)
+    replacement = torch.rms_norm(x.float(), (96,), norm.weight.float(), 1e-6).to(x.dtype)
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = norm.weight.detach().double().requires_grad_(True)
+    ref = w64 * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6))
+    g = torch.randn_like(ref)
+    grads = [torch.autograd.grad(y, (x, norm.weight), g.to(y.dtype)) for y in (original, replacement)]
+    ref_grads = torch.autograd.grad(ref, (x64, w64), g)
+    def err(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+    result[f"{x_dtype}/{w_dtype}"] = {
+        "dtypes": [str(original.dtype), str(replacement.dtype)],
+        "grad_dtypes": [str(t.dtype) for t in grads[0]] == [str(t.dtype) for t in grads[1]],
+        "value": [err(original, ref), err(replacement, ref)],
+        "dx": [err(grads[0][0], ref_grads[0]), err(grads[1][0], ref_grads[0])],
+        "dw": [err(grads[0][1], ref_grads[1]), err(grads[1][1], ref_grads[1])]}
+norm = GptOssRMSNorm(64, eps=1e-6)
+x = torch.randn(2, 9, 4, 64).to(torch.bfloat16).transpose(1, 2)
+ours = _row_wise(x, lambda rows: torch.rms_norm(rows.float(), (64,), norm.weight.float(), 1e-6).to(x.dtype))
+result["transposed"] = ours.stride() == original_forward(norm, x).stride()
+rotary = []
+original = O.apply_rotary_pos_emb.__wrapped__ if hasattr(O.apply_rotary_pos_emb, "__wrapped__") else O.apply_rotary_pos_emb
+for q_dtype, trig_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)):
+    q, k = torch.randn(2, 4, 5, 64).to(q_dtype), torch.randn(2, 2, 5, 64).to(q_dtype)
+    cos, sin = torch.randn(2, 5, 64).to(trig_dtype), torch.randn(2, 5, 64).to(trig_dtype)
+    expected = original(q, k, cos, sin)
+    q_embed, k_embed = torch.ops.torchfuse.rotary(q, k, cos, sin, 1)
+    ours = (q_embed.to(q.dtype), k_embed.to(k.dtype))
+    rotary.append(all(torch.equal(a, b) and a.dtype == b.dtype == q_dtype for a, b in zip(ours, expected))
+                  and all(torch.equal(a, b) for a, b in zip(O.apply_rotary_pos_emb(q, k, cos, sin), expected)))
+result["rotary"] = [hasattr(O.apply_rotary_pos_emb, "__wrapped__")] + rotary
+print(json.dumps(result))
+""")
+    assert out.pop("transposed") is True
+    assert out.pop("rotary") == [True] * 4
+    floors = {"torch.float32": 1e-5, "torch.bfloat16": 8e-3}
+    for case, r in out.items():
+        assert r["dtypes"][0] == r["dtypes"][1] and r["grad_dtypes"], (case, r)
+        for key in ("value", "dx", "dw"):
+            original, replacement = r[key]
+            assert replacement <= max(2 * original, floors[r["dtypes"][0]]), (case, key, r[key])
+
+
 def test_t5s_rms_norm_replacement_is_its_arithmetic_on_cpu():
     """What the T5 rewrite calls on CUDA, checked on CPU against T5LayerNorm's original forward
     and float64: with an fp32 weight, aten::rms_norm of x.float() (fp32 out, for fp32 and bf16
