@@ -238,6 +238,16 @@ _FUNCTION_SOURCES = {
     k_embed = (k * cos) + (rotate_half(k) * sin)
     return q_embed.to(q_type), k_embed.to(k_type)
 """), (1,)),
+    # ModernBERT's (and ESM's, Evolla's): Llama's of q and k upcast to fp32, cast back.
+    "hf_rotary_upcast": (_rope_source("""Applies Rotary Position Embedding to the query and key tensors.
+
+""", """    original_dtype = q.dtype
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q.float() * cos) + (rotate_half(q.float()) * sin)
+    k_embed = (k.float() * cos) + (rotate_half(k.float()) * sin)
+    return q_embed.to(original_dtype), k_embed.to(original_dtype)
+"""), (1,)),
     # The causal-LM loss every HF *ForCausalLM model's `loss_function` is (LOSS_MAPPING).
     "hf_causal_lm_loss": ("""def ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs):
     # Upcast to float if we need to compute the loss to avoid potential precision issues
@@ -339,7 +349,7 @@ COMPUTES = {"new_gelu": "gelu_tanh", "fast_gelu": "gelu_tanh", "hf_conv1d_mlp": 
             "hf_rms_norm": "hf_rms_norm", "gemma_rms_norm": "hf_rms_norm", "t5_rms_norm": "hf_rms_norm",
             "hf_causal_lm_loss": "cross_entropy", "hf_gated_mlp": "swiglu",
             "hf_packed_gated_mlp": "swiglu", "hf_gated_mlp_inline": "swiglu", "hf_rotary": "rotary",
-            "hf_rotary_cast_back": "rotary", "gpt_oss_rms_norm": "hf_rms_norm",
+            "hf_rotary_cast_back": "rotary", "hf_rotary_upcast": "rotary", "gpt_oss_rms_norm": "hf_rms_norm",
             "hf_partial_rotary": "rotary", "hf_partial_rotary_glm_doc": "rotary",
             "hf_partial_rotary_inline": "rotary",
             "hf_ignore_causal_mask_sdpa": "sdpa", "hf_ignore_bidirectional_mask_sdpa": "sdpa"}

@@ -541,13 +541,20 @@ def _rotary(torch, original, form, dependencies=None):
 
 def _rotary_cast_back(torch, original, form, dependencies=None):
     """OLMo's apply_rotary_pos_emb (and its copies): Llama's rotary, each result cast back to
-    its input's dtype: torchfuse::rotary (the original's arithmetic and result dtype), then the
-    original's casts."""
+    its input's dtype; ModernBERT's (ESM's, Evolla's) computes it of q and k upcast to fp32
+    first. torchfuse::rotary (Llama's arithmetic and result dtype, computed in fp32 where it
+    serves), then the original's casts. The upcast form goes to the op only where Llama's
+    arithmetic promotes to fp32 anyway (cos, sin or q and k in fp32: ModernBERT's cos and sin
+    under autocast): the op's own fallback, HF's composition in the inputs' dtypes, then computes
+    what the original does; otherwise the original runs."""
     op, served = torch.ops.torchfuse.rotary.default, _rotary_call(torch, original, dependencies)
+    fp32, promote = torch.float32, torch.promote_types
+    upcast = form == "hf_rotary_upcast"
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if served(q, k, cos, sin, unsqueeze_dim):
+        if served(q, k, cos, sin, unsqueeze_dim) and (
+                not upcast or all(promote(t.dtype, trig.dtype) == fp32 for t in (q, k) for trig in (cos, sin))):
             q_embed, k_embed = op(q, k, cos, sin, unsqueeze_dim)
             return q_embed.to(q.dtype), k_embed.to(k.dtype)
         return original(q, k, cos, sin, unsqueeze_dim)
@@ -607,7 +614,8 @@ REWRITES = {
     # A module-level function.
     "hf_causal_lm_loss": Rewrite(_causal_lm_loss, _OPS + "cross_entropy"),
     "hf_rotary": Rewrite(_rotary, _OPS + "rotary"),
-    "hf_rotary_cast_back": Rewrite(_rotary_cast_back, _OPS + "rotary, then the original's casts"),
+    **dict.fromkeys(("hf_rotary_cast_back", "hf_rotary_upcast"),
+                    Rewrite(_rotary_cast_back, _OPS + "rotary, then the original's casts")),
     # GPT-NeoX's partial rotary, in its three writings.
     **dict.fromkeys(("hf_partial_rotary", "hf_partial_rotary_glm_doc", "hf_partial_rotary_inline"),
                     Rewrite(_partial_rotary, _OPS + "rotary, then the original's cat")),

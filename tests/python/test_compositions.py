@@ -110,18 +110,21 @@ def test_t5s_rms_norm_is_its_own_form(model, cls):
     ("gpt_oss", {"GptOssRMSNorm": "gpt_oss_rms_norm"}),
     ("olmo2", {"Olmo2RMSNorm": "gpt_oss_rms_norm", "apply_rotary_pos_emb": "hf_rotary_cast_back"}),
     ("olmo", {"apply_rotary_pos_emb": "hf_rotary_cast_back"}),
+    ("modernbert", {"apply_rotary_pos_emb": "hf_rotary_upcast"}),
+    ("esm", {"apply_rotary_pos_emb": "hf_rotary_upcast"}),
     ("qwen2_5_vl", {"Qwen2_5_VLMLP": "hf_gated_mlp_inline"}),
     ("exaone4_5", {"Exaone4_5_MLP": "hf_gated_mlp_inline"}),
 ])
 def test_gpt_oss_norm_olmo_rotary_and_the_inline_gated_mlp_are_their_own_forms(model, expected):
     """GPT-OSS's RMSNorm (the weight multiplied in fp32, then cast), OLMo's rotary (cast back to
-    the inputs' dtypes) and the gated MLP returned without a name, in the models that write
-    them, each served by the op of its family."""
+    the inputs' dtypes), ModernBERT's (of q and k upcast) and the gated MLP returned without a
+    name, in the models that write them, each served by the op of its family."""
     mod = module(f"models.{model}.modeling_{model}")
     found = {cls.__name__: form for cls, form in compositions.scan(mod).items()}
     found.update(compositions.scan_functions(mod))
     assert {name: found.get(name) for name in expected} == expected, found
-    ops = {"gpt_oss_rms_norm": "hf_rms_norm", "hf_rotary_cast_back": "rotary", "hf_gated_mlp_inline": "swiglu"}
+    ops = {"gpt_oss_rms_norm": "hf_rms_norm", "hf_rotary_cast_back": "rotary", "hf_rotary_upcast": "rotary",
+           "hf_gated_mlp_inline": "swiglu"}
     assert all(compositions.COMPUTES[form] == ops[form] for form in expected.values())
 
 

@@ -468,11 +468,19 @@ for q_dtype, trig_dtype in ((torch.bfloat16, torch.float32), (torch.float32, tor
     ours = (q_embed.to(q.dtype), k_embed.to(k.dtype))
     rotary.append(all(torch.equal(a, b) and a.dtype == b.dtype == q_dtype for a, b in zip(ours, expected))
                   and all(torch.equal(a, b) for a, b in zip(O.apply_rotary_pos_emb(q, k, cos, sin), expected)))
-result["rotary"] = [hasattr(O.apply_rotary_pos_emb, "__wrapped__")] + rotary
+# ModernBERT's upcast form: the op (HF's composition on CPU) of bf16 q with fp32 cos is its
+# arithmetic bitwise; the rewrite takes only such calls.
+import transformers.models.modernbert.modeling_modernbert as MB
+upcast = MB.apply_rotary_pos_emb.__wrapped__
+q, k = torch.randn(2, 4, 5, 64).to(torch.bfloat16), torch.randn(2, 2, 5, 64).to(torch.bfloat16)
+cos, sin = torch.randn(2, 5, 64), torch.randn(2, 5, 64)
+q_embed, k_embed = torch.ops.torchfuse.rotary(q, k, cos, sin, 1)
+rotary.append(all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip((q_embed, k_embed), upcast(q, k, cos, sin))))
+result["rotary"] = [hasattr(O.apply_rotary_pos_emb, "__wrapped__"), hasattr(MB.apply_rotary_pos_emb, "__wrapped__")] + rotary
 print(json.dumps(result))
 """)
     assert out.pop("transposed") is True
-    assert out.pop("rotary") == [True] * 4
+    assert out.pop("rotary") == [True] * 6
     floors = {"torch.float32": 1e-5, "torch.bfloat16": 8e-3}
     for case, r in out.items():
         assert r["dtypes"][0] == r["dtypes"][1] and r["grad_dtypes"], (case, r)
