@@ -90,6 +90,20 @@ _SOURCES = {
     "gemma_norm": """def _norm(self, x):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 """,
+    # transformers.models.gemma4.modeling_gemma4.Gemma4RMSNorm.forward, and Gemma 3n's and
+    # their copies: Gemma's without the `1 +`, the weight optional (`with_scale`).
+    "gemma4_rms_norm": """def forward(self, hidden_states):
+    normed_output = self._norm(hidden_states.float())
+    if self.with_scale:
+        normed_output = normed_output * self.weight.float()
+    return normed_output.type_as(hidden_states)
+""",
+    # Gemma4RMSNorm._norm: the _norm the form above may call.
+    "gemma4_norm": """def _norm(self, hidden_states):
+    mean_squared = hidden_states.pow(2).mean(-1, keepdim=True) + self.eps
+    # Use torch.pow() (over torch.sqrt() or torch.rsqrt()) to address compiler differences between Torch and JAX
+    return hidden_states * torch.pow(mean_squared, -0.5)
+""",
     # transformers.models.t5.modeling_t5.T5LayerNorm.forward, and its copies (LongT5, Idefics,
     # Kosmos-2.5, ...): the statistics in fp32, x times rstd promoted to fp32, rounded to the
     # weight's dtype where that is 16-bit, then times the weight.
@@ -350,6 +364,7 @@ COMPUTES = {"new_gelu": "gelu_tanh", "fast_gelu": "gelu_tanh", "hf_conv1d_mlp": 
             "hf_causal_lm_loss": "cross_entropy", "hf_gated_mlp": "swiglu",
             "hf_packed_gated_mlp": "swiglu", "hf_gated_mlp_inline": "swiglu", "hf_rotary": "rotary",
             "hf_rotary_cast_back": "rotary", "hf_rotary_upcast": "rotary", "gpt_oss_rms_norm": "hf_rms_norm",
+            "gemma4_rms_norm": "hf_rms_norm",
             "hf_partial_rotary": "rotary", "hf_partial_rotary_glm_doc": "rotary",
             "hf_partial_rotary_inline": "rotary",
             "hf_ignore_causal_mask_sdpa": "sdpa", "hf_ignore_bidirectional_mask_sdpa": "sdpa"}

@@ -166,19 +166,40 @@ _RMS_NORM_MIN_HIDDEN = 32
 
 def _norm_call(torch, original, dependencies=None):
     """A function telling whether a call of an RMSNorm form (x, its weight, its eps) may go to
-    a norm op: a plain CUDA x of a served dtype, a plain 1-D weight of x's width, a float eps,
-    outside traces, and what the original calls unchanged."""
+    a norm op: a plain CUDA x of a served dtype, a plain 1-D weight of x's width (`None` only
+    where the caller says the form has none: `weightless=True`), a float eps, outside traces,
+    and what the original calls unchanged."""
     tensor, weight_types = torch.Tensor, (torch.Tensor, torch.nn.Parameter)
     served, untraced = _served_dtypes(torch), _untraced_call(torch)
     unchanged = (dependencies or compositions.Dependencies(original)).unchanged
 
-    def plain(x, weight, eps):
+    def plain(x, weight, eps, weightless=False):
         return (type(x) is tensor and x.is_cuda and x.dtype in served and x.dim() >= 1
-                and type(weight) in weight_types and weight.dim() == 1
-                and weight.shape[0] == x.shape[-1] and type(eps) is float and untraced()
-                and unchanged())
+                and ((weightless and weight is None)
+                     or (type(weight) in weight_types and weight.dim() == 1 and weight.shape[0] == x.shape[-1]))
+                and type(eps) is float and untraced() and unchanged())
 
     return plain
+
+
+def _own_norm(norm_form):
+    """A function telling whether a module's `_norm` (what its forward calls) is the instance's
+    own method and of the known form `norm_form`, with what it calls unchanged: another
+    instance's `_norm` reads another eps, a replaced one computes something else."""
+    norms = {}  # a _norm function -> its Dependencies if it is the known form, else None
+
+    def known_norm(self):
+        method = self._norm
+        function = getattr(method, "__func__", None)
+        if getattr(method, "__self__", None) is not self:
+            return False
+        if function not in norms:
+            known = compositions.form_of(function) == norm_form
+            norms[function] = compositions.Dependencies(function) if known else None
+        dependencies = norms[function]
+        return dependencies is not None and dependencies.unchanged()
+
+    return known_norm
 
 
 def _gemma_rms_norm_forward(torch, original, form, dependencies=None):
@@ -189,19 +210,7 @@ def _gemma_rms_norm_forward(torch, original, form, dependencies=None):
     original launches six. The instance's `_norm` must be the recognised one (what forward
     calls), and what it calls unchanged."""
     rms_norm, served = torch.rms_norm, _served_dtypes(torch)
-    plain = _norm_call(torch, original, dependencies)
-    norms = {}  # a _norm function -> its Dependencies if it is the known form, else None
-
-    def known_norm(self):
-        method = self._norm  # the instance's own, bound to it (another's reads another eps)
-        function = getattr(method, "__func__", None)
-        if getattr(method, "__self__", None) is not self:
-            return False
-        if function not in norms:
-            known = compositions.form_of(function) == "gemma_norm"
-            norms[function] = compositions.Dependencies(function) if known else None
-        dependencies = norms[function]
-        return dependencies is not None and dependencies.unchanged()
+    plain, known_norm = _norm_call(torch, original, dependencies), _own_norm("gemma_norm")
 
     @functools.wraps(original)
     def forward(self, x):
@@ -213,6 +222,31 @@ def _gemma_rms_norm_forward(torch, original, form, dependencies=None):
             if out is not None:
                 return out
         return original(self, x)
+
+    return forward
+
+
+def _gemma4_rms_norm_forward(torch, original, form, dependencies=None):
+    """Gemma 4's and Gemma 3n's RMSNorm (and their copies): x normalised in fp32 (rstd as
+    `pow(mean + eps, -0.5)`), times the weight in fp32 where `with_scale` (v_norm has none),
+    rounded once to x's dtype: aten::rms_norm of `x.float()` with the weight in fp32 or none,
+    then the original's cast (rsqrt for pow(., -0.5): the same value to an fp32 rounding). The
+    instance's `_norm` must be the recognised one; rows under 32 features run the original."""
+    rms_norm, served = torch.rms_norm, _served_dtypes(torch)
+    plain, known_norm = _norm_call(torch, original, dependencies), _own_norm("gemma4_norm")
+
+    @functools.wraps(original)
+    def forward(self, hidden_states):
+        x, scaled, eps = hidden_states, self.with_scale, self.eps
+        weight = getattr(self, "weight", None) if scaled is True else None
+        if (type(scaled) is bool and plain(x, weight, eps, weightless=not scaled)
+                and x.shape[-1] >= _RMS_NORM_MIN_HIDDEN and (weight is None or weight.dtype in served)
+                and known_norm(self)):
+            out = _row_wise(x, lambda rows: rms_norm(rows.float(), (x.shape[-1],),
+                                                     None if weight is None else weight.float(), eps).type_as(x))
+            if out is not None:
+                return out
+        return original(self, hidden_states)
 
     return forward
 
@@ -605,6 +639,8 @@ REWRITES = {
     "hf_rms_norm": Rewrite(_rms_norm_forward, _OPS + "hf_rms_norm; a 16-bit x with an fp32 weight: "
                                               "aten::rms_norm without the weight, then the weight"),
     "gemma_rms_norm": Rewrite(_gemma_rms_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm)"),
+    "gemma4_rms_norm": Rewrite(_gemma4_rms_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm), "
+                                                         "then the original's cast"),
     "gpt_oss_rms_norm": Rewrite(_gpt_oss_rms_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm), "
                                                            "then the original's cast"),
     "t5_rms_norm": Rewrite(_t5_rms_norm_forward, "aten::rms_norm in fp32 with an fp32 weight, else "

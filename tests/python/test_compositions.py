@@ -114,17 +114,20 @@ def test_t5s_rms_norm_is_its_own_form(model, cls):
     ("esm", {"apply_rotary_pos_emb": "hf_rotary_upcast"}),
     ("qwen2_5_vl", {"Qwen2_5_VLMLP": "hf_gated_mlp_inline"}),
     ("exaone4_5", {"Exaone4_5_MLP": "hf_gated_mlp_inline"}),
+    ("gemma4", {"Gemma4RMSNorm": "gemma4_rms_norm"}),
+    ("gemma3n", {"Gemma3nRMSNorm": "gemma4_rms_norm"}),
 ])
 def test_gpt_oss_norm_olmo_rotary_and_the_inline_gated_mlp_are_their_own_forms(model, expected):
-    """GPT-OSS's RMSNorm (the weight multiplied in fp32, then cast), OLMo's rotary (cast back to
-    the inputs' dtypes), ModernBERT's (of q and k upcast) and the gated MLP returned without a
-    name, in the models that write them, each served by the op of its family."""
+    """GPT-OSS's RMSNorm (the weight multiplied in fp32, then cast), Gemma 4's and 3n's (Gemma's
+    without `1 +`, the weight optional), OLMo's rotary (cast back to the inputs' dtypes),
+    ModernBERT's (of q and k upcast) and the gated MLP returned without a name, in the models
+    that write them, each served by the op of its family."""
     mod = module(f"models.{model}.modeling_{model}")
     found = {cls.__name__: form for cls, form in compositions.scan(mod).items()}
     found.update(compositions.scan_functions(mod))
     assert {name: found.get(name) for name in expected} == expected, found
-    ops = {"gpt_oss_rms_norm": "hf_rms_norm", "hf_rotary_cast_back": "rotary", "hf_rotary_upcast": "rotary",
-           "hf_gated_mlp_inline": "swiglu"}
+    ops = {"gpt_oss_rms_norm": "hf_rms_norm", "gemma4_rms_norm": "hf_rms_norm", "hf_rotary_cast_back": "rotary",
+           "hf_rotary_upcast": "rotary", "hf_gated_mlp_inline": "swiglu"}
     assert all(compositions.COMPUTES[form] == ops[form] for form in expected.values())
 
 
@@ -205,9 +208,10 @@ def test_recognition_imports_no_torch():
             "print(sorted(compositions.FORMS))" % str(ROOT / "python"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == ("['fast_gelu', 'gemma_norm', 'gemma_rms_norm', 'gpt_oss_rms_norm', 'hf_conv1d', "
-                                  "'hf_conv1d_mlp', 'hf_gated_mlp', 'hf_gated_mlp_inline', 'hf_packed_gated_mlp', "
-                                  "'hf_rms_norm', 'hf_silu', 'new_gelu', 't5_rms_norm']")
+    assert out.stdout.strip() == ("['fast_gelu', 'gemma4_norm', 'gemma4_rms_norm', 'gemma_norm', 'gemma_rms_norm', "
+                                  "'gpt_oss_rms_norm', 'hf_conv1d', 'hf_conv1d_mlp', 'hf_gated_mlp', "
+                                  "'hf_gated_mlp_inline', 'hf_packed_gated_mlp', 'hf_rms_norm', 'hf_silu', 'new_gelu', "
+                                  "'t5_rms_norm']")
 
 
 def test_hf_causal_lm_loss_recognised_by_code_defaults_and_the_function_it_calls():
@@ -268,9 +272,9 @@ def test_hf_rotary_and_its_copies_are_recognised_with_their_rotate_half():
     ("gemma", {}),  # (1 + weight), the norm in fp32: its own form now
     ("gpt_neox", {}),  # partial rotary: a slice, then cat (its own form now)
     ("t5", {}),  # T5's RMSNorm (cast to the weight's dtype first): its own form now
-    # with_scale (another norm), the MLP's activation sparsity, the rotary under another docstring
-    ("gemma3n", {"Gemma3nRMSNorm": "hf_rms_norm", "Gemma3nTextMLP": "hf_gated_mlp",
-                 "apply_rotary_pos_emb": "hf_rotary"}),
+    # the MLP's activation sparsity, the rotary under another docstring (its with_scale norm: its
+    # own form now)
+    ("gemma3n", {"Gemma3nTextMLP": "hf_gated_mlp", "apply_rotary_pos_emb": "hf_rotary"}),
     ("phi3", {}),  # gate_up_proj, chunked: its own form now
     ("olmo2", {}),  # the weight multiplied in fp32, the rotary cast back: their own forms now
     ("exaone4_5", {}),  # the gated MLP returned without a name: its own form now
@@ -293,9 +297,12 @@ def test_the_coverage_report_covers_the_installed_transformers():
         assert name in llama, llama
     gemma = next(line for line in lines if line.startswith("| gemma |"))
     assert "`GemmaRMSNorm` (gemma_rms_norm)" in gemma and gemma.endswith("| – |"), gemma
-    # Gemma 3n's norm and its copies are one group of the same code, near a known form.
-    group = next(line for line in lines if "`gemma3n.Gemma3nRMSNorm`" in line)
+    # Qwen 3.5's gated norm and its copies are one group of the same code, near a known form;
+    # Gemma 3n's norm is a form of its own.
+    group = next(line for line in lines if "`qwen3_5.Qwen3_5RMSNormGated`" in line)
     assert group.startswith("| hf_rms_norm | ") and int(group.split("|")[2]) >= 3, group
+    gemma3n = next(line for line in lines if line.startswith("| gemma3n |"))
+    assert "`Gemma3nRMSNorm` (gemma4_rms_norm)" in gemma3n, gemma3n
 
 
 def test_the_coverage_training_part_reports_each_model(tmp_path):

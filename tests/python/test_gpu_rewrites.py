@@ -289,6 +289,49 @@ def test_llama_rms_norm_of_a_16bit_x_with_an_fp32_weight_is_the_original(x_dtype
         assert_like_the_original(ours, original, x, norm.weight, rms_reference, what)
 
 
+@pytest.mark.parametrize("x_dtype", DTYPES)
+@pytest.mark.parametrize("scaled", [True, False], ids=["with_scale", "without"])
+def test_gemma4_rms_norm_is_the_original_composition(x_dtype, scaled):
+    """Gemma 4's RMSNorm class (Gemma 3n's copies: q/k norms with a weight, v_norm without),
+    rewritten, against its own original forward: same dtype, shape and strides, values and
+    gradients within the original's error to float64; rows of 32 features or more reach aten's
+    fused RMSNorm once; a _norm set on the instance runs the original."""
+    pytest.importorskip("transformers")
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+    sys.path.insert(0, str(ROOT / "python"))
+    from torchfuse import rewrites
+    original_forward = getattr(Gemma4RMSNorm.forward, "__wrapped__", Gemma4RMSNorm.forward)
+    rewritten = rewrites._gemma4_rms_norm_forward(torch, original_forward, "gemma4_rms_norm")
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    for shape in [(3, 7), (2, 5, 64), (4, 512, 2560), (2, 9, 4, 256)]:
+        norm = Gemma4RMSNorm(shape[-1], eps=1e-6, with_scale=scaled).cuda()
+        weight = getattr(norm, "weight", None)
+        if scaled:
+            with torch.no_grad():
+                weight.normal_(1, 0.1)
+        x = torch.randn(shape, device="cuda").to(x_dtype)
+        x = (x.transpose(1, 2) if len(shape) == 4 else x).detach().requires_grad_(True)
+        what = f"seed {seed} {x_dtype} with_scale={scaled} {shape}"
+        asked = asked_count("_fused_rms_norm")
+        ours = rewritten(norm, x)
+        assert asked_count("_fused_rms_norm") == asked + (shape[-1] >= 32), what
+        original = original_forward(norm, x)
+        assert (ours.dtype, ours.shape, ours.stride()) == (original.dtype, original.shape, original.stride()), what
+        if scaled:
+            assert_like_the_original(ours, original, x, weight, rms_reference, what)
+        else:
+            ref = rms_reference(x.detach().double(), torch.ones(shape[-1], device="cuda", dtype=torch.float64), 1e-6)
+            assert rel_err(ours, ref) <= bound(rel_err(original, ref), x_dtype), what
+            grad_out = torch.randn_like(original)
+            (g_ours,), (g_original,) = (torch.autograd.grad(y, (x,), grad_out) for y in (ours, original))
+            assert g_ours.dtype == x_dtype and rel_err(g_ours, g_original.double()) <= 2 * FLOOR[x_dtype], what
+    norm._norm = lambda h: h * 0
+    asked = asked_count("_fused_rms_norm")
+    assert torch.equal(rewritten(norm, x.detach()), original_forward(norm, x.detach()))
+    assert asked_count("_fused_rms_norm") == asked
+
+
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                     (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)],
                          ids=["f32", "bf16-x-f32-weight", "bf16", "f16-x-f32-weight"])

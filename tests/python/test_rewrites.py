@@ -489,6 +489,52 @@ print(json.dumps(result))
             assert replacement <= max(2 * original, floors[r["dtypes"][0]]), (case, key, r[key])
 
 
+def test_gemma4s_rms_norm_replacement_is_its_arithmetic_on_cpu():
+    """What the Gemma 4 norm rewrite calls on CUDA, checked on CPU against Gemma4RMSNorm's
+    original forward and float64: aten::rms_norm of x.float() with the weight in fp32 (or none,
+    with_scale=False, as Gemma 3n's v_norm), cast to x's dtype. Values, dtypes, gradients."""
+    out, _ = run("""
+from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+torch.manual_seed(0)
+original_forward = Gemma4RMSNorm.forward.__wrapped__
+result = {}
+for x_dtype in (torch.float32, torch.bfloat16):
+    for scaled in (True, False):
+        norm = Gemma4RMSNorm(96, eps=1e-6, with_scale=scaled)
+        weight = getattr(norm, "weight", None)
+        if scaled:
+            with torch.no_grad():
+                weight.copy_(1 + 0.1 * torch.randn(96))
+        x = (torch.randn(5, 7, 96) * 3).to(x_dtype).requires_grad_(True)
+        original = original_forward(norm, x)
+        replacement = torch.rms_norm(x.float(), (96,), None if weight is None else weight.float(), 1e-6).type_as(x)
+        x64 = x.detach().double().requires_grad_(True)
+        w64 = (weight.detach() if scaled else torch.ones(96)).double().requires_grad_(scaled)
+        ref = w64 * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6))
+        g = torch.randn_like(ref)
+        leaves = (x, weight) if scaled else (x,)
+        grads = [torch.autograd.grad(y, leaves, g.to(y.dtype)) for y in (original, replacement)]
+        ref_grads = torch.autograd.grad(ref, (x64, w64) if scaled else (x64,), g)
+        def err(a, b):
+            return ((a.double() - b).norm() / b.norm()).item()
+        case = {"dtypes": [str(original.dtype), str(replacement.dtype)],
+                "value": [err(original, ref), err(replacement, ref)],
+                "dx": [err(grads[0][0], ref_grads[0]), err(grads[1][0], ref_grads[0])]}
+        if scaled:
+            case["dw"] = [err(grads[0][1], ref_grads[1]), err(grads[1][1], ref_grads[1])]
+        result[f"{x_dtype}/{scaled}"] = case
+print(json.dumps(result))
+""")
+    floors = {"torch.float32": 1e-5, "torch.bfloat16": 8e-3}
+    assert len(out) == 4, out
+    for case, r in out.items():
+        assert r["dtypes"][0] == r["dtypes"][1], (case, r)
+        for key in ("value", "dx", "dw"):
+            if key in r:
+                original, replacement = r[key]
+                assert replacement <= max(2 * original, floors[r["dtypes"][0]]), (case, key, r[key])
+
+
 def test_t5s_rms_norm_replacement_is_its_arithmetic_on_cpu():
     """What the T5 rewrite calls on CUDA, checked on CPU against T5LayerNorm's original forward
     and float64: with an fp32 weight, aten::rms_norm of x.float() (fp32 out, for fp32 and bf16
