@@ -104,6 +104,17 @@ _SOURCES = {
     # Use torch.pow() (over torch.sqrt() or torch.rsqrt()) to address compiler differences between Torch and JAX
     return hidden_states * torch.pow(mean_squared, -0.5)
 """,
+    # transformers.models.cohere.modeling_cohere.CohereLayerNorm.forward and its copies
+    # (Cohere 2, Cohere2-MoE, ...): LayerNorm without a bias, in fp32, the weight in fp32.
+    "cohere_layer_norm": """def forward(self, hidden_states):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    mean = hidden_states.mean(-1, keepdim=True)
+    variance = (hidden_states - mean).pow(2).mean(-1, keepdim=True)
+    hidden_states = (hidden_states - mean) * torch.rsqrt(variance + self.variance_epsilon)
+    hidden_states = self.weight.to(torch.float32) * hidden_states
+    return hidden_states.to(input_dtype)
+""",
     # transformers.models.t5.modeling_t5.T5LayerNorm.forward, and its copies (LongT5, Idefics,
     # Kosmos-2.5, ...): the statistics in fp32, x times rstd promoted to fp32, rounded to the
     # weight's dtype where that is 16-bit, then times the weight.
@@ -364,7 +375,7 @@ COMPUTES = {"new_gelu": "gelu_tanh", "fast_gelu": "gelu_tanh", "hf_conv1d_mlp": 
             "hf_causal_lm_loss": "cross_entropy", "hf_gated_mlp": "swiglu",
             "hf_packed_gated_mlp": "swiglu", "hf_gated_mlp_inline": "swiglu", "hf_rotary": "rotary",
             "hf_rotary_cast_back": "rotary", "hf_rotary_upcast": "rotary", "gpt_oss_rms_norm": "hf_rms_norm",
-            "gemma4_rms_norm": "hf_rms_norm",
+            "gemma4_rms_norm": "hf_rms_norm", "cohere_layer_norm": "layer_norm",
             "hf_partial_rotary": "rotary", "hf_partial_rotary_glm_doc": "rotary",
             "hf_partial_rotary_inline": "rotary",
             "hf_ignore_causal_mask_sdpa": "sdpa", "hf_ignore_bidirectional_mask_sdpa": "sdpa"}

@@ -251,6 +251,28 @@ def _gemma4_rms_norm_forward(torch, original, form, dependencies=None):
     return forward
 
 
+def _cohere_layer_norm_forward(torch, original, form, dependencies=None):
+    """Cohere's LayerNorm (and its copies): mean and variance of x in fp32, no bias, times the
+    weight in fp32, cast back to x's dtype: aten::layer_norm of `x.float()` with the weight in
+    fp32 (torchfuse's native_layer_norm where it serves), then the original's cast. A 1-D
+    weight only (Cohere's q/k norms carry one per head: the original runs them); rows under 32
+    features run the original, as the RMSNorm forms do."""
+    layer_norm, served = torch.layer_norm, _served_dtypes(torch)
+    plain = _norm_call(torch, original, dependencies)
+
+    @functools.wraps(original)
+    def forward(self, hidden_states):
+        x, weight, eps = hidden_states, self.weight, self.variance_epsilon
+        if plain(x, weight, eps) and x.shape[-1] >= _RMS_NORM_MIN_HIDDEN and weight.dtype in served:
+            out = _row_wise(x, lambda rows: layer_norm(rows.float(), (x.shape[-1],), weight.float(), None,
+                                                       eps).to(x.dtype))
+            if out is not None:
+                return out
+        return original(self, hidden_states)
+
+    return forward
+
+
 def _t5_rms_norm_forward(torch, original, form, dependencies=None):
     """T5's RMSNorm (T5LayerNorm and its copies): x times rstd is fp32 (x promoted), rounded to
     the weight's dtype where that is 16-bit, then times the weight. With an fp32 weight that is
@@ -639,6 +661,8 @@ REWRITES = {
     "hf_rms_norm": Rewrite(_rms_norm_forward, _OPS + "hf_rms_norm; a 16-bit x with an fp32 weight: "
                                               "aten::rms_norm without the weight, then the weight"),
     "gemma_rms_norm": Rewrite(_gemma_rms_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm)"),
+    "cohere_layer_norm": Rewrite(_cohere_layer_norm_forward, "aten::layer_norm in fp32 (torchfuse's "
+                                                             "native_layer_norm), then the original's cast"),
     "gemma4_rms_norm": Rewrite(_gemma4_rms_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm), "
                                                          "then the original's cast"),
     "gpt_oss_rms_norm": Rewrite(_gpt_oss_rms_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm), "

@@ -116,17 +116,19 @@ def test_t5s_rms_norm_is_its_own_form(model, cls):
     ("exaone4_5", {"Exaone4_5_MLP": "hf_gated_mlp_inline"}),
     ("gemma4", {"Gemma4RMSNorm": "gemma4_rms_norm"}),
     ("gemma3n", {"Gemma3nRMSNorm": "gemma4_rms_norm"}),
+    ("cohere2", {"Cohere2LayerNorm": "cohere_layer_norm"}),
 ])
 def test_gpt_oss_norm_olmo_rotary_and_the_inline_gated_mlp_are_their_own_forms(model, expected):
     """GPT-OSS's RMSNorm (the weight multiplied in fp32, then cast), Gemma 4's and 3n's (Gemma's
-    without `1 +`, the weight optional), OLMo's rotary (cast back to the inputs' dtypes),
+    without `1 +`, the weight optional), Cohere's LayerNorm (fp32, no bias), OLMo's rotary (cast back to the inputs' dtypes),
     ModernBERT's (of q and k upcast) and the gated MLP returned without a name, in the models
     that write them, each served by the op of its family."""
     mod = module(f"models.{model}.modeling_{model}")
     found = {cls.__name__: form for cls, form in compositions.scan(mod).items()}
     found.update(compositions.scan_functions(mod))
     assert {name: found.get(name) for name in expected} == expected, found
-    ops = {"gpt_oss_rms_norm": "hf_rms_norm", "gemma4_rms_norm": "hf_rms_norm", "hf_rotary_cast_back": "rotary",
+    ops = {"gpt_oss_rms_norm": "hf_rms_norm", "gemma4_rms_norm": "hf_rms_norm", "cohere_layer_norm": "layer_norm",
+           "hf_rotary_cast_back": "rotary",
            "hf_rotary_upcast": "rotary", "hf_gated_mlp_inline": "swiglu"}
     assert all(compositions.COMPUTES[form] == ops[form] for form in expected.values())
 
@@ -208,7 +210,8 @@ def test_recognition_imports_no_torch():
             "print(sorted(compositions.FORMS))" % str(ROOT / "python"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == ("['fast_gelu', 'gemma4_norm', 'gemma4_rms_norm', 'gemma_norm', 'gemma_rms_norm', "
+    assert out.stdout.strip() == ("['cohere_layer_norm', 'fast_gelu', 'gemma4_norm', 'gemma4_rms_norm', 'gemma_norm', "
+                                  "'gemma_rms_norm', "
                                   "'gpt_oss_rms_norm', 'hf_conv1d', 'hf_conv1d_mlp', 'hf_gated_mlp', "
                                   "'hf_gated_mlp_inline', 'hf_packed_gated_mlp', 'hf_rms_norm', 'hf_silu', 'new_gelu', "
                                   "'t5_rms_norm']")

@@ -289,6 +289,45 @@ def test_llama_rms_norm_of_a_16bit_x_with_an_fp32_weight_is_the_original(x_dtype
         assert_like_the_original(ours, original, x, norm.weight, rms_reference, what)
 
 
+def layer_reference(x, weight, eps):
+    """LayerNorm without a bias (Cohere's), for the float64 reference."""
+    centred = x - x.mean(-1, keepdim=True)
+    return weight * (centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                    (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)],
+                         ids=["f32", "bf16-x-f32-weight", "bf16", "f16-x-f32-weight"])
+def test_cohere_layer_norm_is_the_original_composition(dtypes):
+    """Cohere's LayerNorm class (Cohere 2's copies), rewritten, against its own original forward:
+    x's dtype, shape and strides, values and both gradients within the original's error to
+    float64; rows of 32 features or more reach aten's native_layer_norm once (torchfuse's
+    LayerNorm or, by the registry, stock's), narrower rows run the original."""
+    pytest.importorskip("transformers")
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+    sys.path.insert(0, str(ROOT / "python"))
+    from torchfuse import rewrites
+    original_forward = getattr(CohereLayerNorm.forward, "__wrapped__", CohereLayerNorm.forward)
+    rewritten = rewrites._cohere_layer_norm_forward(torch, original_forward, "cohere_layer_norm")
+    x_dtype, w_dtype = dtypes
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    for shape in [(3, 7), (2, 5, 64), (4, 512, 4096), (2, 9, 4, 128)]:
+        norm = CohereLayerNorm(shape[-1], eps=1e-5).cuda()
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(shape[-1], device="cuda"))
+        norm = norm.to(w_dtype)
+        x = (torch.randn(shape, device="cuda") + 0.5).to(x_dtype)
+        x = (x.transpose(1, 2) if len(shape) == 4 else x).detach().requires_grad_(True)
+        what = f"seed {seed} {dtypes} {shape}"
+        asked = asked_count("native_layer_norm")
+        ours = rewritten(norm, x)
+        assert asked_count("native_layer_norm") == asked + (shape[-1] >= 32), what
+        original = original_forward(norm, x)
+        assert (ours.dtype, ours.shape, ours.stride()) == (original.dtype, original.shape, original.stride()), what
+        assert_like_the_original(ours, original, x, norm.weight, layer_reference, what)
+
+
 @pytest.mark.parametrize("x_dtype", DTYPES)
 @pytest.mark.parametrize("scaled", [True, False], ids=["with_scale", "without"])
 def test_gemma4_rms_norm_is_the_original_composition(x_dtype, scaled):

@@ -535,6 +535,48 @@ print(json.dumps(result))
                 assert replacement <= max(2 * original, floors[r["dtypes"][0]]), (case, key, r[key])
 
 
+def test_coheres_layer_norm_replacement_is_its_arithmetic_on_cpu():
+    """What the Cohere LayerNorm rewrite calls on CUDA, checked on CPU against CohereLayerNorm's
+    original forward and float64: aten::layer_norm of x.float() with the weight in fp32, no
+    bias, cast to x's dtype. Values, dtypes, both gradients."""
+    out, _ = run("""
+from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+torch.manual_seed(0)
+original_forward = CohereLayerNorm.forward.__wrapped__
+result = {}
+for x_dtype, w_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)):
+    norm = CohereLayerNorm(96, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(96))
+    norm = norm.to(w_dtype)
+    x = (torch.randn(5, 7, 96) * 3 + 1).to(x_dtype).requires_grad_(True)
+    original = original_forward(norm, x)
+    replacement = torch.layer_norm(x.float(), (96,), norm.weight.float(), None, 1e-5).to(x.dtype)
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = norm.weight.detach().double().requires_grad_(True)
+    centred = x64 - x64.mean(-1, keepdim=True)
+    ref = w64 * (centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + 1e-5))
+    g = torch.randn_like(ref)
+    grads = [torch.autograd.grad(y, (x, norm.weight), g.to(y.dtype)) for y in (original, replacement)]
+    ref_grads = torch.autograd.grad(ref, (x64, w64), g)
+    def err(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+    result[f"{x_dtype}/{w_dtype}"] = {
+        "dtypes": [str(t.dtype) for t in (original, replacement, *grads[0], *grads[1])],
+        "value": [err(original, ref), err(replacement, ref)],
+        "dx": [err(grads[0][0], ref_grads[0]), err(grads[1][0], ref_grads[0])],
+        "dw": [err(grads[0][1], ref_grads[1]), err(grads[1][1], ref_grads[1])]}
+print(json.dumps(result))
+""")
+    floors = {"torch.float32": 1e-5, "torch.bfloat16": 8e-3}
+    for case, r in out.items():
+        dtypes = r["dtypes"]
+        assert dtypes[0] == dtypes[1] and dtypes[2:4] == dtypes[4:6], (case, r)
+        for key in ("value", "dx", "dw"):
+            original, replacement = r[key]
+            assert replacement <= max(2 * original, floors[dtypes[0]]), (case, key, r[key])
+
+
 def test_t5s_rms_norm_replacement_is_its_arithmetic_on_cpu():
     """What the T5 rewrite calls on CUDA, checked on CPU against T5LayerNorm's original forward
     and float64: with an fp32 weight, aten::rms_norm of x.float() (fp32 out, for fp32 and bf16
