@@ -295,37 +295,53 @@ def layer_reference(x, weight, eps):
     return weight * (centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps))
 
 
+# Norm forms rewritten to one aten norm of x.float() with the weight in fp32, then the cast back:
+# (transformers model, class, rewrite factory, form, the aten op reached, float64 reference, a
+# realistic width).
+CAST_BACK_NORMS = {
+    "gpt_oss": ("gpt_oss", "GptOssRMSNorm", "_gpt_oss_rms_norm_forward", "gpt_oss_rms_norm", "_fused_rms_norm",
+                rms_reference, 2880),
+    "cohere": ("cohere", "CohereLayerNorm", "_cohere_layer_norm_forward", "cohere_layer_norm", "native_layer_norm",
+               layer_reference, 4096),
+}
+
+
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                     (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)],
                          ids=["f32", "bf16-x-f32-weight", "bf16", "f16-x-f32-weight"])
-def test_cohere_layer_norm_is_the_original_composition(dtypes):
-    """Cohere's LayerNorm class (Cohere 2's copies), rewritten, against its own original forward:
-    x's dtype, shape and strides, values and both gradients within the original's error to
-    float64; rows of 32 features or more reach aten's native_layer_norm once (torchfuse's
-    LayerNorm or, by the registry, stock's), narrower rows run the original."""
+@pytest.mark.parametrize("norm_name", sorted(CAST_BACK_NORMS))
+def test_cast_back_norm_is_the_original_composition(norm_name, dtypes):
+    """GPT-OSS's RMSNorm (OLMo 2's, AFMoE's copies) and Cohere's LayerNorm (Cohere 2's), each
+    rewritten, against its own original forward: x's dtype out, shape and strides, values and
+    both gradients within the original's error to float64; rows of 32 features or more reach
+    the aten norm once (torchfuse's kernel or, by the registry, stock's), narrower rows run the
+    original; (2, 9, 4, 64): heads transposed out of a projection (a strided view)."""
     pytest.importorskip("transformers")
-    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+    import importlib
+    model, cls, factory, form, aten_op, reference, width = CAST_BACK_NORMS[norm_name]
+    norm_class = getattr(importlib.import_module(f"transformers.models.{model}.modeling_{model}"), cls)
     sys.path.insert(0, str(ROOT / "python"))
     from torchfuse import rewrites
-    original_forward = getattr(CohereLayerNorm.forward, "__wrapped__", CohereLayerNorm.forward)
-    rewritten = rewrites._cohere_layer_norm_forward(torch, original_forward, "cohere_layer_norm")
+    original_forward = getattr(norm_class.forward, "__wrapped__", norm_class.forward)
+    rewritten = getattr(rewrites, factory)(torch, original_forward, form)
     x_dtype, w_dtype = dtypes
     seed = fresh_seed()
     torch.manual_seed(seed)
-    for shape in [(3, 7), (2, 5, 64), (4, 512, 4096), (2, 9, 4, 128)]:
-        norm = CohereLayerNorm(shape[-1], eps=1e-5).cuda()
+    for shape in [(3, 7), (2, 5, 64), (4, 512, width), (2, 9, 4, 64)]:
+        norm = norm_class(shape[-1], eps=1e-6).cuda()
         with torch.no_grad():
             norm.weight.copy_(1 + 0.1 * torch.randn(shape[-1], device="cuda"))
         norm = norm.to(w_dtype)
         x = (torch.randn(shape, device="cuda") + 0.5).to(x_dtype)
         x = (x.transpose(1, 2) if len(shape) == 4 else x).detach().requires_grad_(True)
-        what = f"seed {seed} {dtypes} {shape}"
-        asked = asked_count("native_layer_norm")
+        what = f"seed {seed} {norm_name} {dtypes} {shape}"
+        asked = asked_count(aten_op)
         ours = rewritten(norm, x)
-        assert asked_count("native_layer_norm") == asked + (shape[-1] >= 32), what
+        assert asked_count(aten_op) == asked + (shape[-1] >= 32), what
         original = original_forward(norm, x)
         assert (ours.dtype, ours.shape, ours.stride()) == (original.dtype, original.shape, original.stride()), what
-        assert_like_the_original(ours, original, x, norm.weight, layer_reference, what)
+        assert ours.dtype == x_dtype, what
+        assert_like_the_original(ours, original, x, norm.weight, reference, what)
 
 
 @pytest.mark.parametrize("x_dtype", DTYPES)
@@ -369,41 +385,6 @@ def test_gemma4_rms_norm_is_the_original_composition(x_dtype, scaled):
     asked = asked_count("_fused_rms_norm")
     assert torch.equal(rewritten(norm, x.detach()), original_forward(norm, x.detach()))
     assert asked_count("_fused_rms_norm") == asked
-
-
-@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
-                                    (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)],
-                         ids=["f32", "bf16-x-f32-weight", "bf16", "f16-x-f32-weight"])
-def test_gpt_oss_rms_norm_is_the_original_composition(dtypes):
-    """GPT-OSS's RMSNorm class (OLMo 2's, AFMoE's copies), rewritten, against its own original
-    forward: x's dtype out, shape and strides, values and both gradients within the original's
-    error to float64; rows of 32 features or more reach aten's fused RMSNorm once, narrower
-    rows run the original."""
-    pytest.importorskip("transformers")
-    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
-    sys.path.insert(0, str(ROOT / "python"))
-    from torchfuse import rewrites
-    original_forward = getattr(GptOssRMSNorm.forward, "__wrapped__", GptOssRMSNorm.forward)
-    rewritten = rewrites._gpt_oss_rms_norm_forward(torch, original_forward, "gpt_oss_rms_norm")
-    x_dtype, w_dtype = dtypes
-    seed = fresh_seed()
-    torch.manual_seed(seed)
-    # (2, 9, 4, 64): heads transposed out of a projection (a strided view).
-    for shape in [(3, 7), (2, 5, 64), (4, 512, 2880), (2, 9, 4, 64)]:
-        norm = GptOssRMSNorm(shape[-1], eps=1e-6).cuda()
-        with torch.no_grad():
-            norm.weight.copy_(1 + 0.1 * torch.randn(shape[-1], device="cuda"))
-        norm = norm.to(w_dtype)
-        x = torch.randn(shape, device="cuda").to(x_dtype)
-        x = (x.transpose(1, 2) if len(shape) == 4 else x).detach().requires_grad_(True)
-        what = f"seed {seed} {dtypes} {shape}"
-        asked = asked_count("_fused_rms_norm")
-        ours = rewritten(norm, x)
-        assert asked_count("_fused_rms_norm") == asked + (shape[-1] >= 32), what
-        original = original_forward(norm, x)
-        assert (ours.dtype, ours.shape, ours.stride()) == (original.dtype, original.shape, original.stride()), what
-        assert ours.dtype == x_dtype, what
-        assert_like_the_original(ours, original, x, norm.weight, rms_reference, what)
 
 
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),

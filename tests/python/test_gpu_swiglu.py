@@ -124,57 +124,45 @@ def test_what_is_not_served_goes_to_stock():
         assert torch.equal(ours, original(gate, up))
 
 
-def test_rewritten_llama_mlp_gives_the_originals_output_and_grads():
+# The gated MLPs rewritten, by model: (its MLP class, its config class, the rewrite factory, the
+# form, the op the rewrite calls).
+MLPS = {
+    "llama": ("LlamaMLP", "LlamaConfig", "_gated_mlp_forward", "hf_gated_mlp", OP),
+    # Phi-3's (GLM's, Dia's copies): gate_up_proj's output to silu_mul_packed, whose backward
+    # writes the projection's gradient whole.
+    "phi3": ("Phi3MLP", "Phi3Config", "_packed_gated_mlp_forward", "hf_packed_gated_mlp", PACKED),
+}
+
+
+@pytest.mark.parametrize("model", sorted(MLPS))
+def test_rewritten_mlp_gives_the_originals_output_and_grads(model):
+    """The rewritten gated MLP against its original forward, plain and under bf16 autocast: the
+    output and every gradient (input, each projection's weight) within twice the dtype's floor,
+    the rewrite's op called once a forward."""
     pytest.importorskip("transformers")
+    import importlib
+
+    import transformers
     sys.path.insert(0, str(ROOT / "python"))
     from torchfuse import rewrites
-    from transformers import LlamaConfig
-    from transformers.models.llama import modeling_llama as L
-
-    forward = getattr(L.LlamaMLP.forward, "__wrapped__", L.LlamaMLP.forward)
-    rewritten = rewrites._gated_mlp_forward(torch, forward, "hf_gated_mlp")
-    cfg = LlamaConfig(hidden_size=256, intermediate_size=704, num_attention_heads=4, num_key_value_heads=4)
+    cls, config, factory, form, op = MLPS[model]
+    mlp_class = getattr(importlib.import_module(f"transformers.models.{model}.modeling_{model}"), cls)
+    forward = getattr(mlp_class.forward, "__wrapped__", mlp_class.forward)
+    rewritten = getattr(rewrites, factory)(torch, forward, form)
+    cfg = getattr(transformers, config)(hidden_size=256, intermediate_size=704, num_attention_heads=4,
+                                        num_key_value_heads=4)
     torch.manual_seed(fresh_seed())
-    mlp = L.LlamaMLP(cfg).cuda()
+    mlp = mlp_class(cfg).cuda()
     x = torch.randn(4, 33, 256, device="cuda")
     for autocast in (False, True):
         out = []
         for fn in (rewritten, forward):
             mlp.zero_grad()
             xi = x.detach().requires_grad_(True)
+            served = fused_count(op)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
                 y = fn(mlp, xi)
-            y.float().square().sum().backward()
-            out.append([y.detach(), xi.grad] + [p.grad.clone() for p in mlp.parameters()])
-        for o, t in zip(*out):
-            assert o.dtype == t.dtype and o.shape == t.shape
-            assert rel_err(o, t) <= 2 * FLOOR[torch.bfloat16 if autocast else torch.float32], autocast
-
-
-def test_rewritten_phi3_mlp_gives_the_originals_output_and_grads():
-    """Phi3MLP (and GLM's, Dia's copies): the rewrite sends gate_up_proj's output to
-    silu_mul_packed, whose backward writes the projection's gradient whole."""
-    pytest.importorskip("transformers")
-    sys.path.insert(0, str(ROOT / "python"))
-    from torchfuse import rewrites
-    from transformers import Phi3Config
-    from transformers.models.phi3 import modeling_phi3 as P
-
-    forward = getattr(P.Phi3MLP.forward, "__wrapped__", P.Phi3MLP.forward)
-    rewritten = rewrites._packed_gated_mlp_forward(torch, forward, "hf_packed_gated_mlp")
-    cfg = Phi3Config(hidden_size=256, intermediate_size=704, num_attention_heads=4, num_key_value_heads=4)
-    torch.manual_seed(fresh_seed())
-    mlp = P.Phi3MLP(cfg).cuda()
-    x = torch.randn(4, 33, 256, device="cuda")
-    for autocast in (False, True):
-        out = []
-        for fn in (rewritten, forward):
-            mlp.zero_grad()
-            xi = x.detach().requires_grad_(True)
-            served = fused_count(PACKED)
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-                y = fn(mlp, xi)
-            assert fused_count(PACKED) == served + (fn is rewritten), (autocast, stock_reasons(PACKED))
+            assert fused_count(op) == served + (fn is rewritten), (autocast, stock_reasons(op))
             y.float().square().sum().backward()
             out.append([y.detach(), xi.grad] + [p.grad.clone() for p in mlp.parameters()])
         for o, t in zip(*out):

@@ -372,94 +372,98 @@ print(json.dumps({"rewritten": [hasattr(N.apply_rotary_pos_emb, "__wrapped__"), 
     assert out == {"rewritten": [True, True], "equal": [True] * 6}
 
 
-def test_llamas_rms_norm_with_a_wider_weight_is_its_arithmetic_on_cpu():
-    """What Llama's RMSNorm rewrite calls on CUDA for a 16-bit x and an fp32 weight (Qwen3's
-    q/k norms under autocast), checked on CPU against LlamaRMSNorm's original forward and
-    float64: the weight times aten::rms_norm of x without a weight. Values, the fp32 result
-    dtype, both gradients; heads transposed out of a projection keep the original's strides."""
-    out, _ = run("""
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
+# Each norm rewrite's CUDA replacement, written out, checked on CPU against the class's original
+# forward: (transformers model, class, constructor kwargs, (x dtype, weight dtype) pairs, the
+# replacement of (norm, x), the float64 reference of (x, weight, eps)). LayerNorm's reference
+# centres x first.
+NORM_REPLACEMENTS = {
+    "llama-16bit-x-fp32-weight": ("llama", "LlamaRMSNorm", {}, [("bfloat16", "float32"), ("float16", "float32")],
+                                  "norm.weight * torch.rms_norm(x, (x.shape[-1],), None, 1e-6)", "rms"),
+    "gpt_oss": ("gpt_oss", "GptOssRMSNorm", {}, [("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16")],
+                "torch.rms_norm(x.float(), (x.shape[-1],), norm.weight.float(), 1e-6).to(x.dtype)", "rms"),
+    "gemma4": ("gemma4", "Gemma4RMSNorm", {}, [("float32", "float32"), ("bfloat16", "float32")],
+               "torch.rms_norm(x.float(), (x.shape[-1],), norm.weight.float(), 1e-6).type_as(x)", "rms"),
+    "gemma4-without-scale": ("gemma4", "Gemma4RMSNorm", {"with_scale": False}, [("float32", None), ("bfloat16", None)],
+                             "torch.rms_norm(x.float(), (x.shape[-1],), None, 1e-6).type_as(x)", "rms"),
+    "cohere": ("cohere", "CohereLayerNorm", {}, [("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16")],
+               "torch.layer_norm(x.float(), (x.shape[-1],), norm.weight.float(), None, 1e-6).to(x.dtype)", "layer"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NORM_REPLACEMENTS))
+def test_norm_replacements_are_their_arithmetic_on_cpu(name):
+    """What each norm rewrite calls on CUDA (aten::rms_norm or layer_norm of x, mostly x.float()
+    with the weight in fp32, then the original's cast), on CPU against the class's original
+    forward and float64: the output dtype and the gradients' dtypes equal the original's, the
+    value and the gradients to x and the weight within max(2 x the original's error, the
+    dtype's floor); heads transposed out of a projection keep the original's strides
+    (`_row_wise`)."""
+    model, cls, kwargs, dtype_pairs, replacement, reference = NORM_REPLACEMENTS[name]
+    out, _ = run(f"""
+from transformers.models.{model}.modeling_{model} import {cls} as Norm
 from torchfuse.rewrites import _row_wise
 torch.manual_seed(0)
-original_forward = LlamaRMSNorm.forward.__wrapped__
-result = {}
-for x_dtype in (torch.bfloat16, torch.float16):
-    norm = LlamaRMSNorm(96, eps=1e-6)
-    with torch.no_grad():
-        norm.weight.copy_(1 + 0.1 * torch.randn(96))
-    x = (torch.randn(5, 7, 96) * 3).to(x_dtype).requires_grad_(True)
-    original = original_forward(norm, x)
-    replacement = norm.weight * torch.rms_norm(x, (96,), None, 1e-6)
+original_forward = Norm.forward.__wrapped__
+def replacement(norm, x):
+    return {replacement}
+def reference(x, w):
+    if {reference!r} == "layer":
+        x = x - x.mean(-1, keepdim=True)
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+def err(a, b):
+    return ((a.double() - b).norm() / b.norm()).item()
+result = {{}}
+for x_name, w_name in {dtype_pairs!r}:
+    norm = Norm(96, eps=1e-6, **{kwargs!r})
+    weight = getattr(norm, "weight", None)
+    if weight is not None:
+        with torch.no_grad():
+            weight.copy_(1 + 0.1 * torch.randn(96))
+        norm = norm.to(getattr(torch, w_name))
+        weight = norm.weight
+    x = (torch.randn(5, 7, 96) * 3 + 1).to(getattr(torch, x_name)).requires_grad_(True)
+    leaves = (x,) if weight is None else (x, weight)
+    original, ours = original_forward(norm, x), replacement(norm, x)
     x64 = x.detach().double().requires_grad_(True)
-    w64 = norm.weight.detach().double().requires_grad_(True)
-    ref = w64 * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6))
+    w64 = (torch.ones(96) if weight is None else weight.detach()).double().requires_grad_(weight is not None)
+    ref = reference(x64, w64)
     g = torch.randn_like(ref)
-    grads = [torch.autograd.grad(y, (x, norm.weight), g.to(y.dtype)) for y in (original, replacement)]
-    ref_grads = torch.autograd.grad(ref, (x64, w64), g)
-    def err(a, b):
-        return ((a.double() - b).norm() / b.norm()).item()
-    result[str(x_dtype)] = {
-        "dtypes": [str(original.dtype), str(replacement.dtype)],
-        "grad_dtypes": [str(t.dtype) for t in grads[1]] == [str(x_dtype), "torch.float32"],
-        "value": [err(original, ref), err(replacement, ref)],
-        "dx": [err(grads[0][0], ref_grads[0]), err(grads[1][0], ref_grads[0])],
-        "dw": [err(grads[0][1], ref_grads[1]), err(grads[1][1], ref_grads[1])]}
-norm = LlamaRMSNorm(64, eps=1e-6)
+    grads = [torch.autograd.grad(y, leaves, g.to(y.dtype)) for y in (original, ours)]
+    ref_grads = torch.autograd.grad(ref, (x64, w64)[:len(leaves)], g)
+    case = {{"dtypes": [str(original.dtype), str(ours.dtype)],
+            "grad_dtypes": [[str(t.dtype) for t in gs] for gs in grads],
+            "value": [err(original, ref), err(ours, ref)]}}
+    for i, key in enumerate(("dx", "dw")[:len(leaves)]):
+        case[key] = [err(grads[0][i], ref_grads[i]), err(grads[1][i], ref_grads[i])]
+    result[f"{{x_name}}/{{w_name}}"] = case
+norm = Norm(64, eps=1e-6, **{kwargs!r}).to(torch.bfloat16)
 x = torch.randn(2, 9, 4, 64).to(torch.bfloat16).transpose(1, 2)
-ours = _row_wise(x, lambda rows: norm.weight * torch.rms_norm(rows, (64,), None, 1e-6))
-result["transposed"] = ours.stride() == original_forward(norm, x).stride()
+result["transposed"] = _row_wise(x, lambda rows: replacement(norm, rows)).stride() == original_forward(norm, x).stride()
 print(json.dumps(result))
 """)
     assert out.pop("transposed") is True
+    assert len(out) == len(dtype_pairs), out
+    floors = {"torch.float32": 1e-5, "torch.bfloat16": 8e-3, "torch.float16": 1e-3}
     for case, r in out.items():
-        assert r["dtypes"] == ["torch.float32", "torch.float32"] and r["grad_dtypes"], (case, r)
+        assert r["dtypes"][0] == r["dtypes"][1] and r["grad_dtypes"][0] == r["grad_dtypes"][1], (case, r)
+        floor = max(floors["torch." + case.split("/")[0]], floors[r["dtypes"][0]])
         for key in ("value", "dx", "dw"):
-            original, replacement = r[key]
-            # The result is fp32 of a 16-bit normalised x: the 16-bit rounding sets the floor.
-            assert replacement <= max(2 * original, 8e-3), (case, key, r[key])
+            if key in r:
+                original, replacement = r[key]
+                assert replacement <= max(2 * original, floor), (case, key, r[key])
 
 
-def test_gpt_oss_norm_and_olmo_rotary_replacements_are_their_arithmetic_on_cpu():
-    """What the GPT-OSS norm and OLMo rotary rewrites call on CUDA, checked on CPU against the
-    originals: aten::rms_norm of x.float() with the weight in fp32, cast to x's dtype (values and
-    both gradients against float64, dtypes, the strides of heads transposed out of a
-    projection); torchfuse::rotary (HF's composition on CPU) cast back, bitwise; the rewritten
-    function itself runs the original on CPU."""
+def test_olmo_and_modernbert_rotary_replacements_are_their_arithmetic_on_cpu():
+    """What the OLMo and ModernBERT rotary rewrites call on CUDA, checked on CPU against the
+    originals: torchfuse::rotary (HF's composition on CPU) cast back, bitwise (ModernBERT's only
+    where cos is fp32, as the rewrite takes it); the rewritten functions themselves run the
+    originals on CPU."""
     out, _ = run("""
-from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
 import transformers.models.olmo2.modeling_olmo2 as O
-from torchfuse.rewrites import _row_wise
+import transformers.models.modernbert.modeling_modernbert as MB
 torch.manual_seed(0)
-original_forward = GptOssRMSNorm.forward.__wrapped__
-result = {}
-for x_dtype, w_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)):
-    norm = GptOssRMSNorm(96, eps=1e-6)
-    with torch.no_grad():
-        norm.weight.copy_(1 + 0.1 * torch.randn(96))
-    norm = norm.to(w_dtype)
-    x = (torch.randn(5, 7, 96) * 3).to(x_dtype).requires_grad_(True)
-    original = original_forward(norm, x)
-    replacement = torch.rms_norm(x.float(), (96,), norm.weight.float(), 1e-6).to(x.dtype)
-    x64 = x.detach().double().requires_grad_(True)
-    w64 = norm.weight.detach().double().requires_grad_(True)
-    ref = w64 * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6))
-    g = torch.randn_like(ref)
-    grads = [torch.autograd.grad(y, (x, norm.weight), g.to(y.dtype)) for y in (original, replacement)]
-    ref_grads = torch.autograd.grad(ref, (x64, w64), g)
-    def err(a, b):
-        return ((a.double() - b).norm() / b.norm()).item()
-    result[f"{x_dtype}/{w_dtype}"] = {
-        "dtypes": [str(original.dtype), str(replacement.dtype)],
-        "grad_dtypes": [str(t.dtype) for t in grads[0]] == [str(t.dtype) for t in grads[1]],
-        "value": [err(original, ref), err(replacement, ref)],
-        "dx": [err(grads[0][0], ref_grads[0]), err(grads[1][0], ref_grads[0])],
-        "dw": [err(grads[0][1], ref_grads[1]), err(grads[1][1], ref_grads[1])]}
-norm = GptOssRMSNorm(64, eps=1e-6)
-x = torch.randn(2, 9, 4, 64).to(torch.bfloat16).transpose(1, 2)
-ours = _row_wise(x, lambda rows: torch.rms_norm(rows.float(), (64,), norm.weight.float(), 1e-6).to(x.dtype))
-result["transposed"] = ours.stride() == original_forward(norm, x).stride()
-rotary = []
-original = O.apply_rotary_pos_emb.__wrapped__ if hasattr(O.apply_rotary_pos_emb, "__wrapped__") else O.apply_rotary_pos_emb
+rotary = [hasattr(O.apply_rotary_pos_emb, "__wrapped__"), hasattr(MB.apply_rotary_pos_emb, "__wrapped__")]
+original = O.apply_rotary_pos_emb.__wrapped__
 for q_dtype, trig_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)):
     q, k = torch.randn(2, 4, 5, 64).to(q_dtype), torch.randn(2, 2, 5, 64).to(q_dtype)
     cos, sin = torch.randn(2, 5, 64).to(trig_dtype), torch.randn(2, 5, 64).to(trig_dtype)
@@ -468,113 +472,15 @@ for q_dtype, trig_dtype in ((torch.bfloat16, torch.float32), (torch.float32, tor
     ours = (q_embed.to(q.dtype), k_embed.to(k.dtype))
     rotary.append(all(torch.equal(a, b) and a.dtype == b.dtype == q_dtype for a, b in zip(ours, expected))
                   and all(torch.equal(a, b) for a, b in zip(O.apply_rotary_pos_emb(q, k, cos, sin), expected)))
-# ModernBERT's upcast form: the op (HF's composition on CPU) of bf16 q with fp32 cos is its
-# arithmetic bitwise; the rewrite takes only such calls.
-import transformers.models.modernbert.modeling_modernbert as MB
 upcast = MB.apply_rotary_pos_emb.__wrapped__
 q, k = torch.randn(2, 4, 5, 64).to(torch.bfloat16), torch.randn(2, 2, 5, 64).to(torch.bfloat16)
 cos, sin = torch.randn(2, 5, 64), torch.randn(2, 5, 64)
 q_embed, k_embed = torch.ops.torchfuse.rotary(q, k, cos, sin, 1)
-rotary.append(all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip((q_embed, k_embed), upcast(q, k, cos, sin))))
-result["rotary"] = [hasattr(O.apply_rotary_pos_emb, "__wrapped__"), hasattr(MB.apply_rotary_pos_emb, "__wrapped__")] + rotary
-print(json.dumps(result))
+rotary.append(all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip((q_embed, k_embed), upcast(q, k, cos, sin)))
+              and all(torch.equal(a, b) for a, b in zip(MB.apply_rotary_pos_emb(q, k, cos, sin), upcast(q, k, cos, sin))))
+print(json.dumps(rotary))
 """)
-    assert out.pop("transposed") is True
-    assert out.pop("rotary") == [True] * 6
-    floors = {"torch.float32": 1e-5, "torch.bfloat16": 8e-3}
-    for case, r in out.items():
-        assert r["dtypes"][0] == r["dtypes"][1] and r["grad_dtypes"], (case, r)
-        for key in ("value", "dx", "dw"):
-            original, replacement = r[key]
-            assert replacement <= max(2 * original, floors[r["dtypes"][0]]), (case, key, r[key])
-
-
-def test_gemma4s_rms_norm_replacement_is_its_arithmetic_on_cpu():
-    """What the Gemma 4 norm rewrite calls on CUDA, checked on CPU against Gemma4RMSNorm's
-    original forward and float64: aten::rms_norm of x.float() with the weight in fp32 (or none,
-    with_scale=False, as Gemma 3n's v_norm), cast to x's dtype. Values, dtypes, gradients."""
-    out, _ = run("""
-from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
-torch.manual_seed(0)
-original_forward = Gemma4RMSNorm.forward.__wrapped__
-result = {}
-for x_dtype in (torch.float32, torch.bfloat16):
-    for scaled in (True, False):
-        norm = Gemma4RMSNorm(96, eps=1e-6, with_scale=scaled)
-        weight = getattr(norm, "weight", None)
-        if scaled:
-            with torch.no_grad():
-                weight.copy_(1 + 0.1 * torch.randn(96))
-        x = (torch.randn(5, 7, 96) * 3).to(x_dtype).requires_grad_(True)
-        original = original_forward(norm, x)
-        replacement = torch.rms_norm(x.float(), (96,), None if weight is None else weight.float(), 1e-6).type_as(x)
-        x64 = x.detach().double().requires_grad_(True)
-        w64 = (weight.detach() if scaled else torch.ones(96)).double().requires_grad_(scaled)
-        ref = w64 * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6))
-        g = torch.randn_like(ref)
-        leaves = (x, weight) if scaled else (x,)
-        grads = [torch.autograd.grad(y, leaves, g.to(y.dtype)) for y in (original, replacement)]
-        ref_grads = torch.autograd.grad(ref, (x64, w64) if scaled else (x64,), g)
-        def err(a, b):
-            return ((a.double() - b).norm() / b.norm()).item()
-        case = {"dtypes": [str(original.dtype), str(replacement.dtype)],
-                "value": [err(original, ref), err(replacement, ref)],
-                "dx": [err(grads[0][0], ref_grads[0]), err(grads[1][0], ref_grads[0])]}
-        if scaled:
-            case["dw"] = [err(grads[0][1], ref_grads[1]), err(grads[1][1], ref_grads[1])]
-        result[f"{x_dtype}/{scaled}"] = case
-print(json.dumps(result))
-""")
-    floors = {"torch.float32": 1e-5, "torch.bfloat16": 8e-3}
-    assert len(out) == 4, out
-    for case, r in out.items():
-        assert r["dtypes"][0] == r["dtypes"][1], (case, r)
-        for key in ("value", "dx", "dw"):
-            if key in r:
-                original, replacement = r[key]
-                assert replacement <= max(2 * original, floors[r["dtypes"][0]]), (case, key, r[key])
-
-
-def test_coheres_layer_norm_replacement_is_its_arithmetic_on_cpu():
-    """What the Cohere LayerNorm rewrite calls on CUDA, checked on CPU against CohereLayerNorm's
-    original forward and float64: aten::layer_norm of x.float() with the weight in fp32, no
-    bias, cast to x's dtype. Values, dtypes, both gradients."""
-    out, _ = run("""
-from transformers.models.cohere.modeling_cohere import CohereLayerNorm
-torch.manual_seed(0)
-original_forward = CohereLayerNorm.forward.__wrapped__
-result = {}
-for x_dtype, w_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)):
-    norm = CohereLayerNorm(96, eps=1e-5)
-    with torch.no_grad():
-        norm.weight.copy_(1 + 0.1 * torch.randn(96))
-    norm = norm.to(w_dtype)
-    x = (torch.randn(5, 7, 96) * 3 + 1).to(x_dtype).requires_grad_(True)
-    original = original_forward(norm, x)
-    replacement = torch.layer_norm(x.float(), (96,), norm.weight.float(), None, 1e-5).to(x.dtype)
-    x64 = x.detach().double().requires_grad_(True)
-    w64 = norm.weight.detach().double().requires_grad_(True)
-    centred = x64 - x64.mean(-1, keepdim=True)
-    ref = w64 * (centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + 1e-5))
-    g = torch.randn_like(ref)
-    grads = [torch.autograd.grad(y, (x, norm.weight), g.to(y.dtype)) for y in (original, replacement)]
-    ref_grads = torch.autograd.grad(ref, (x64, w64), g)
-    def err(a, b):
-        return ((a.double() - b).norm() / b.norm()).item()
-    result[f"{x_dtype}/{w_dtype}"] = {
-        "dtypes": [str(t.dtype) for t in (original, replacement, *grads[0], *grads[1])],
-        "value": [err(original, ref), err(replacement, ref)],
-        "dx": [err(grads[0][0], ref_grads[0]), err(grads[1][0], ref_grads[0])],
-        "dw": [err(grads[0][1], ref_grads[1]), err(grads[1][1], ref_grads[1])]}
-print(json.dumps(result))
-""")
-    floors = {"torch.float32": 1e-5, "torch.bfloat16": 8e-3}
-    for case, r in out.items():
-        dtypes = r["dtypes"]
-        assert dtypes[0] == dtypes[1] and dtypes[2:4] == dtypes[4:6], (case, r)
-        for key in ("value", "dx", "dw"):
-            original, replacement = r[key]
-            assert replacement <= max(2 * original, floors[dtypes[0]]), (case, key, r[key])
+    assert out == [True] * 6
 
 
 def test_t5s_rms_norm_replacement_is_its_arithmetic_on_cpu():
