@@ -469,11 +469,14 @@ def _gated_mlp_forward(torch, original, form, dependencies=None):
     dependencies = _silu_dependencies(torch, original, dependencies)
 
     @functools.wraps(original)
-    def forward(self, x):
+    def forward(self, *args, **kwargs):
+        # The forms name their input differently (x, hidden_state): a call by keyword, or of
+        # another arity, is the original's.
+        x = args[0] if len(args) == 1 and not kwargs else None
         act = self.act_fn
         if (type(x) is not tensor or not x.is_cuda or not untraced() or not plain_silu(act)
                 or not dependencies.unchanged()):
-            return original(self, x)
+            return original(self, *args, **kwargs)
         gate, up = self.gate_proj(x), self.up_proj(x)
         if (type(gate) is tensor and type(up) is tensor and gate.dtype == up.dtype
                 and gate.dtype in served and gate.shape == up.shape):
@@ -612,7 +615,8 @@ def _rotary_cast_back(torch, original, form, dependencies=None):
         if served(q, k, cos, sin, unsqueeze_dim) and (
                 not upcast or all(promote(t.dtype, trig.dtype) == fp32 for t in (q, k) for trig in (cos, sin))):
             q_embed, k_embed = op(q, k, cos, sin, unsqueeze_dim)
-            return q_embed.to(q.dtype), k_embed.to(k.dtype)
+            # The upcast form casts both back to q's dtype, OLMo's each to its own.
+            return q_embed.to(q.dtype), k_embed.to(q.dtype if upcast else k.dtype)
         return original(q, k, cos, sin, unsqueeze_dim)
 
     return apply_rotary_pos_emb

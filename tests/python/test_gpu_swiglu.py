@@ -79,9 +79,13 @@ def test_silu_mul_packed_is_phi3s_composition(dtype):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     shapes = [(2,), (14,), (16,), (3, 10), (2, 9, 34), (5, 48), (4, 2 * (2816 + rng.randrange(1, 8))),
-              (rng.randrange(1, 64), 2 * rng.randrange(1, 1500)), (2048, 2 * 8192)]
+              (rng.randrange(1, 64), 2 * rng.randrange(1, 1500)), (2048, 2 * 8192), "misaligned"]
     for shape in shapes:
-        gate_up = (3 * torch.randn(shape, device="cuda")).to(dtype)
+        if shape == "misaligned":  # contiguous, 16 halves of 8, at a storage offset of 2 elements
+            shape = (4, 16)
+            gate_up = (3 * torch.randn(66, device="cuda")).to(dtype)[2:].view(shape)
+        else:
+            gate_up = (3 * torch.randn(shape, device="cuda")).to(dtype)
         dy = torch.randn(shape[:-1] + (shape[-1] // 2,), device="cuda").to(dtype)
         before = fused_count(PACKED), fused_count(PACKED_BWD)
         ours = packed_grads(torch.ops.torchfuse.silu_mul_packed, gate_up, dy)
@@ -99,14 +103,22 @@ def test_silu_mul_packed_is_phi3s_composition(dtype):
 
 def test_silu_mul_packed_not_served_goes_to_stock():
     """An odd last dim (chunked unevenly: the original's error), a strided tensor, a dtype the
-    kernels do not take: stock's composition, and its result or error."""
+    kernels do not take, a strided gradient to the backward: stock's composition, and its
+    result or error."""
     a = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
     for gate_up, why in [(a.t(), "non-contiguous input"), (a.double(), "unsupported dtype")]:
         before = stock_reasons(PACKED).get(why, 0)
         assert torch.equal(torch.ops.torchfuse.silu_mul_packed(gate_up), packed_original(gate_up))
         assert stock_reasons(PACKED).get(why, 0) == before + 1, (why, stock_reasons(PACKED))
     with pytest.raises(RuntimeError, match="must match the size"):
-        torch.ops.torchfuse.silu_mul_packed(a[:, :255])
+        torch.ops.torchfuse.silu_mul_packed(a[:, :255].contiguous())
+    dy = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16).t()
+    before = stock_reasons(PACKED_BWD).get("non-contiguous input", 0)
+    ours = torch.ops.torchfuse.silu_mul_packed_backward(dy, a)
+    assert stock_reasons(PACKED_BWD).get("non-contiguous input", 0) == before + 1, stock_reasons(PACKED_BWD)
+    t = a.detach().requires_grad_(True)
+    (expected,) = torch.autograd.grad(packed_original(t), (t,), dy)
+    assert torch.equal(ours, expected)
 
 
 def test_what_is_not_served_goes_to_stock():
@@ -125,12 +137,12 @@ def test_what_is_not_served_goes_to_stock():
 
 
 # The gated MLPs rewritten, by model: (its MLP class, its config class, the rewrite factory, the
-# form, the op the rewrite calls).
+# form, the op the rewrite calls, its backward).
 MLPS = {
-    "llama": ("LlamaMLP", "LlamaConfig", "_gated_mlp_forward", "hf_gated_mlp", OP),
+    "llama": ("LlamaMLP", "LlamaConfig", "_gated_mlp_forward", "hf_gated_mlp", OP, OP_BWD),
     # Phi-3's (GLM's, Dia's copies): gate_up_proj's output to silu_mul_packed, whose backward
     # writes the projection's gradient whole.
-    "phi3": ("Phi3MLP", "Phi3Config", "_packed_gated_mlp_forward", "hf_packed_gated_mlp", PACKED),
+    "phi3": ("Phi3MLP", "Phi3Config", "_packed_gated_mlp_forward", "hf_packed_gated_mlp", PACKED, PACKED_BWD),
 }
 
 
@@ -138,14 +150,14 @@ MLPS = {
 def test_rewritten_mlp_gives_the_originals_output_and_grads(model):
     """The rewritten gated MLP against its original forward, plain and under bf16 autocast: the
     output and every gradient (input, each projection's weight) within twice the dtype's floor,
-    the rewrite's op called once a forward."""
+    the rewrite's op and its backward served once a step."""
     pytest.importorskip("transformers")
     import importlib
 
     import transformers
     sys.path.insert(0, str(ROOT / "python"))
     from torchfuse import rewrites
-    cls, config, factory, form, op = MLPS[model]
+    cls, config, factory, form, op, op_bwd = MLPS[model]
     mlp_class = getattr(importlib.import_module(f"transformers.models.{model}.modeling_{model}"), cls)
     forward = getattr(mlp_class.forward, "__wrapped__", mlp_class.forward)
     rewritten = getattr(rewrites, factory)(torch, forward, form)
@@ -159,11 +171,13 @@ def test_rewritten_mlp_gives_the_originals_output_and_grads(model):
         for fn in (rewritten, forward):
             mlp.zero_grad()
             xi = x.detach().requires_grad_(True)
-            served = fused_count(op)
+            served = fused_count(op), fused_count(op_bwd)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
                 y = fn(mlp, xi)
-            assert fused_count(op) == served + (fn is rewritten), (autocast, stock_reasons(op))
             y.float().square().sum().backward()
+            calls = fn is rewritten
+            assert (fused_count(op), fused_count(op_bwd)) == (served[0] + calls, served[1] + calls), (
+                autocast, stock_reasons(op), stock_reasons(op_bwd))
             out.append([y.detach(), xi.grad] + [p.grad.clone() for p in mlp.parameters()])
         for o, t in zip(*out):
             assert o.dtype == t.dtype and o.shape == t.shape

@@ -472,7 +472,12 @@ for q_dtype, trig_dtype in ((torch.bfloat16, torch.float32), (torch.float32, tor
     ours = (q_embed.to(q.dtype), k_embed.to(k.dtype))
     rotary.append(all(torch.equal(a, b) and a.dtype == b.dtype == q_dtype for a, b in zip(ours, expected))
                   and all(torch.equal(a, b) for a, b in zip(O.apply_rotary_pos_emb(q, k, cos, sin), expected)))
+q, k = torch.randn(2, 4, 5, 64).to(torch.bfloat16), torch.randn(2, 2, 5, 64)
+cos, sin = torch.randn(2, 5, 64), torch.randn(2, 5, 64)
+q_embed, k_embed = torch.ops.torchfuse.rotary(q, k, cos, sin, 1)
+rotary.append([t.dtype for t in original(q, k, cos, sin)] == [q_embed.to(q.dtype).dtype, k_embed.to(k.dtype).dtype])
 upcast = MB.apply_rotary_pos_emb.__wrapped__
+rotary.append([t.dtype for t in upcast(q, k, cos, sin)] == [torch.bfloat16, torch.bfloat16])
 q, k = torch.randn(2, 4, 5, 64).to(torch.bfloat16), torch.randn(2, 2, 5, 64).to(torch.bfloat16)
 cos, sin = torch.randn(2, 5, 64), torch.randn(2, 5, 64)
 q_embed, k_embed = torch.ops.torchfuse.rotary(q, k, cos, sin, 1)
@@ -480,7 +485,7 @@ rotary.append(all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip((q_embed,
               and all(torch.equal(a, b) for a, b in zip(MB.apply_rotary_pos_emb(q, k, cos, sin), upcast(q, k, cos, sin))))
 print(json.dumps(rotary))
 """)
-    assert out == [True] * 6
+    assert out == [True] * 8
 
 
 def test_t5s_rms_norm_replacement_is_its_arithmetic_on_cpu():
