@@ -11,7 +11,8 @@ where matplotlib is installed, a PNG bar chart.
   python3 scripts/bench/bench_models.py --lib-dir .dev --out $OUT [--models gpt2,llama]
       [--sides stock,torchfuse,compile,torchfuse+compile,liger] [--rounds 2] [--steps 30]
   (--models also takes gpt2-b32, GPT-2 at batch 32, and the families of FAMILIES at realistic
-  sizes: qwen2.5-0.5b, gemma-2b, pythia-410m, mistral-0.9b, phi3-2b, qwen3-0.6b)
+  sizes: qwen2.5-0.5b, gemma-2b, pythia-410m, mistral-0.9b, phi3-2b, qwen3-0.6b, olmo2-1b,
+  gemma3-1b)
 
 Every run is also appended to OUT/bench_models.jsonl as it ends; `--merge A.jsonl B.jsonl`
 reports the runs of several calls as one table.
@@ -80,6 +81,16 @@ FAMILIES = {
                         num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                         vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=1024),
                    (4, 1024), "HF Qwen3-0.6B shape (q/k RMSNorm)"),
+    "olmo2-1b": ("Olmo2Config", "Olmo2ForCausalLM",
+                 dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                      num_attention_heads=16, num_key_value_heads=16, vocab_size=100352,
+                      rope_theta=500000.0, max_position_embeddings=1024),
+                 (4, 1024), "HF OLMo-2-1B shape (post-norm, q/k RMSNorm over the projection, cast-back rotary)"),
+    "gemma3-1b": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                  dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                       num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+                       sliding_window=512, max_position_embeddings=1024),
+                  (4, 1024), "HF Gemma-3-1B shape (q/k Gemma norms, GeGLU, sliding window)"),
 }
 
 
