@@ -251,28 +251,6 @@ def _gemma4_rms_norm_forward(torch, original, form, dependencies=None):
     return forward
 
 
-def _cohere_layer_norm_forward(torch, original, form, dependencies=None):
-    """Cohere's LayerNorm (and its copies): mean and variance of x in fp32, no bias, times the
-    weight in fp32, cast back to x's dtype: aten::layer_norm of `x.float()` with the weight in
-    fp32 (torchfuse's native_layer_norm where it serves), then the original's cast. A 1-D
-    weight only (Cohere's q/k norms carry one per head: the original runs them); rows under 32
-    features run the original, as the RMSNorm forms do."""
-    layer_norm, served = torch.layer_norm, _served_dtypes(torch)
-    plain = _norm_call(torch, original, dependencies)
-
-    @functools.wraps(original)
-    def forward(self, hidden_states):
-        x, weight, eps = hidden_states, self.weight, self.variance_epsilon
-        if plain(x, weight, eps) and x.shape[-1] >= _RMS_NORM_MIN_HIDDEN and weight.dtype in served:
-            out = _row_wise(x, lambda rows: layer_norm(rows.float(), (x.shape[-1],), weight.float(), None,
-                                                       eps).to(x.dtype))
-            if out is not None:
-                return out
-        return original(self, hidden_states)
-
-    return forward
-
-
 def _t5_rms_norm_forward(torch, original, form, dependencies=None):
     """T5's RMSNorm (T5LayerNorm and its copies): x times rstd is fp32 (x promoted), rounded to
     the weight's dtype where that is 16-bit, then times the weight. With an fp32 weight that is
@@ -300,26 +278,44 @@ def _t5_rms_norm_forward(torch, original, form, dependencies=None):
     return forward
 
 
-def _gpt_oss_rms_norm_forward(torch, original, form, dependencies=None):
-    """GPT-OSS's RMSNorm and its copies (OLMo 2 and 3, AFMoE, FlexOlmo): Llama's statistics in
-    fp32, then `(weight * x_normed).to(x's dtype)`, the weight multiplied in fp32 (a 16-bit one
-    promoted exactly). That is aten::rms_norm of `x.float()` with the weight in fp32, then the
-    original's cast: one norm kernel and a cast where the original launches seven. Rows under
-    32 features, and weights of other dtypes, run the original; a strided x is normalised as
-    it lies in memory (`_row_wise`)."""
-    rms_norm, served = torch.rms_norm, _served_dtypes(torch)
-    plain = _norm_call(torch, original, dependencies)
+def _fp32_norm_forward(torch, original, dependencies, norm):
+    """The forward of a norm form computed wholly in fp32 and cast back once: `x.float()`
+    normalised, times the weight in fp32 (a 16-bit one promoted exactly), `.to(x's dtype)`;
+    its `self.weight` and `self.variance_epsilon`. That is `norm(x.float(), width, weight in
+    fp32, eps)`, one aten norm, then the original's cast. A 1-D weight of x's width and a
+    served dtype only, rows of 32 features or more (as every norm rewrite); a strided x is
+    normalised as it lies in memory (`_row_wise`); anything else runs the original."""
+    served, plain = _served_dtypes(torch), _norm_call(torch, original, dependencies)
 
     @functools.wraps(original)
     def forward(self, hidden_states):
         x, weight, eps = hidden_states, self.weight, self.variance_epsilon
         if plain(x, weight, eps) and x.shape[-1] >= _RMS_NORM_MIN_HIDDEN and weight.dtype in served:
-            out = _row_wise(x, lambda rows: rms_norm(rows.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype))
+            width = (x.shape[-1],)
+            out = _row_wise(x, lambda rows: norm(rows.float(), width, weight.float(), eps).to(x.dtype))
             if out is not None:
                 return out
         return original(self, hidden_states)
 
     return forward
+
+
+def _gpt_oss_rms_norm_forward(torch, original, form, dependencies=None):
+    """GPT-OSS's RMSNorm and its copies (OLMo 2 and 3, AFMoE, FlexOlmo): Llama's statistics in
+    fp32, then `(weight * x_normed).to(x's dtype)` with the weight multiplied in fp32:
+    aten::rms_norm of `x.float()` (torchfuse's _fused_rms_norm), then the cast; one norm kernel
+    and a cast where the original launches seven."""
+    return _fp32_norm_forward(torch, original, dependencies, torch.rms_norm)
+
+
+def _cohere_layer_norm_forward(torch, original, form, dependencies=None):
+    """Cohere's LayerNorm (and its copies): mean and variance of x in fp32, no bias, times the
+    weight in fp32, cast back: aten::layer_norm of `x.float()` (torchfuse's native_layer_norm
+    where it serves), then the cast. Cohere's q/k norms carry a weight per head (2-D): the
+    original runs them."""
+    layer_norm = torch.layer_norm
+    return _fp32_norm_forward(torch, original, dependencies,
+                              lambda x, width, weight, eps: layer_norm(x, width, weight, None, eps))
 
 
 def _exporting(torch):

@@ -453,6 +453,59 @@ print(json.dumps(result))
                 assert replacement <= max(2 * original, floor), (case, key, r[key])
 
 
+def test_norm_rewrites_run_their_cuda_path_on_cpu_with_the_guard_passed():
+    """The norm rewrites' own code past their guard (the call shape a CUDA x takes), run on CPU
+    with `_norm_call` patched to pass: each calls its aten norm once (a counting wrapper) and
+    returns the original's dtype and strides, and values within the dtype's rounding of it;
+    the weight's and x's gradients flow. Catches what the arithmetic checks above, which write
+    the replacement out, cannot: the rewrite's attribute names, branches and casts."""
+    out, _ = run("""
+import functools
+calls = {"rms_norm": 0, "layer_norm": 0}
+def counted(name, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        calls[name] += 1
+        return fn(*args, **kwargs)
+    return wrapper
+torch.rms_norm, torch.layer_norm = counted("rms_norm", torch.rms_norm), counted("layer_norm", torch.layer_norm)
+import torchfuse.rewrites as R
+R._norm_call = lambda torch, original, dependencies=None: (lambda *args, **kwargs: True)
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+cases = [("llama", LlamaRMSNorm, R._rms_norm_forward, "hf_rms_norm", {}, "bfloat16", "float32", "rms_norm"),
+         ("gpt_oss", GptOssRMSNorm, R._gpt_oss_rms_norm_forward, "gpt_oss_rms_norm", {}, "bfloat16", "float32", "rms_norm"),
+         ("gemma4", Gemma4RMSNorm, R._gemma4_rms_norm_forward, "gemma4_rms_norm", {}, "bfloat16", "float32", "rms_norm"),
+         ("gemma4-without-scale", Gemma4RMSNorm, R._gemma4_rms_norm_forward, "gemma4_rms_norm", {"with_scale": False},
+          "bfloat16", None, "rms_norm"),
+         ("cohere", CohereLayerNorm, R._cohere_layer_norm_forward, "cohere_layer_norm", {}, "bfloat16", "float32",
+          "layer_norm")]
+result = {}
+torch.manual_seed(0)
+for name, cls, factory, form, kwargs, x_name, w_name, op in cases:
+    original_forward = cls.forward.__wrapped__
+    rewritten = factory(torch, original_forward, form)
+    norm = cls(64, eps=1e-6, **kwargs)
+    if w_name is not None:
+        norm = norm.to(getattr(torch, w_name))
+    x = (torch.randn(2, 9, 4, 64) + 0.5).to(getattr(torch, x_name)).transpose(1, 2).detach().requires_grad_(True)
+    before = calls[op]
+    ours, original = rewritten(norm, x), original_forward(norm, x)
+    tol = 1e-5 if ours.dtype == torch.float32 and x.dtype == torch.float32 else 2e-2
+    ours.float().sum().backward()
+    result[name] = {"calls": calls[op] - before, "dtype": ours.dtype == original.dtype,
+                    "strides": ours.stride() == original.stride(),
+                    "close": torch.allclose(ours.float(), original.float(), rtol=tol, atol=tol),
+                    "grads": x.grad is not None and all(p.grad is not None for p in norm.parameters())}
+print(json.dumps(result))
+""")
+    assert set(out) == {"llama", "gpt_oss", "gemma4", "gemma4-without-scale", "cohere"}, out
+    for name, r in out.items():
+        assert r == {"calls": 1, "dtype": True, "strides": True, "close": True, "grads": True}, (name, r)
+
+
 def test_olmo_and_modernbert_rotary_replacements_are_their_arithmetic_on_cpu():
     """What the OLMo and ModernBERT rotary rewrites call on CUDA, checked on CPU against the
     originals: torchfuse::rotary (HF's composition on CPU) cast back, bitwise (ModernBERT's only
