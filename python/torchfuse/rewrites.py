@@ -434,15 +434,14 @@ def _causal_lm_loss(torch, original, form, dependencies=None):
     return loss_function
 
 
-def _silu_dependencies(torch, original, dependencies=None):
-    """The original's Dependencies and the SiLU that nn.SiLU and HF's SiLUActivation call."""
-    return (dependencies or compositions.Dependencies(original)).add(vars(torch.nn),
-                                                                     ("functional", "silu"))
-
-
-def _plain_silu(torch):
-    """A function telling whether a gated MLP's activation computes SiLU, not in place, with
-    nothing else seeing or changing its call."""
+def _silu_mlp_call(torch, original, dependencies=None):
+    """A function telling whether a call of a gated-MLP form (its input, its activation) may go
+    to a SiLU-and-multiply op: a plain CUDA tensor in, outside traces, an activation computing
+    SiLU (not in place, nothing else seeing or changing its call), and what the original calls
+    unchanged, the SiLU nn.SiLU and HF's SiLUActivation call among it."""
+    tensor, untraced = torch.Tensor, _untraced_call(torch)
+    unchanged = (dependencies or compositions.Dependencies(original)).add(vars(torch.nn),
+                                                                          ("functional", "silu")).unchanged
     silu_types = {}  # (activation type, its forward) -> computes SiLU
 
     def plain_silu(act):
@@ -453,7 +452,10 @@ def _plain_silu(torch):
             silu = silu_types[key] = compositions.is_silu(kind, torch)
         return silu and not getattr(act, "inplace", False) and _unobserved(torch, act)
 
-    return plain_silu
+    def served(x, act):
+        return type(x) is tensor and x.is_cuda and untraced() and plain_silu(act) and unchanged()
+
+    return served
 
 
 def _gated_mlp_forward(torch, original, form, dependencies=None):
@@ -461,8 +463,7 @@ def _gated_mlp_forward(torch, original, form, dependencies=None):
     and gate and up agree in dtype and shape; the matmuls are the module's own."""
     op = torch.ops.torchfuse.silu_mul.default
     tensor, served = torch.Tensor, _served_dtypes(torch)
-    untraced, plain_silu = _untraced_call(torch), _plain_silu(torch)
-    dependencies = _silu_dependencies(torch, original, dependencies)
+    takes = _silu_mlp_call(torch, original, dependencies)
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
@@ -470,8 +471,7 @@ def _gated_mlp_forward(torch, original, form, dependencies=None):
         # another arity, is the original's.
         x = args[0] if len(args) == 1 and not kwargs else None
         act = self.act_fn
-        if (type(x) is not tensor or not x.is_cuda or not untraced() or not plain_silu(act)
-                or not dependencies.unchanged()):
+        if not takes(x, act):
             return original(self, *args, **kwargs)
         gate, up = self.gate_proj(x), self.up_proj(x)
         if (type(gate) is tensor and type(up) is tensor and gate.dtype == up.dtype
@@ -491,14 +491,12 @@ def _packed_gated_mlp_forward(torch, original, form, dependencies=None):
     own."""
     op = torch.ops.torchfuse.silu_mul_packed.default
     tensor, served = torch.Tensor, _served_dtypes(torch)
-    untraced, plain_silu = _untraced_call(torch), _plain_silu(torch)
-    dependencies = _silu_dependencies(torch, original, dependencies)
+    takes = _silu_mlp_call(torch, original, dependencies)
 
     @functools.wraps(original)
     def forward(self, hidden_states):
         act = self.activation_fn
-        if (type(hidden_states) is not tensor or not hidden_states.is_cuda or not untraced()
-                or not plain_silu(act) or not dependencies.unchanged()):
+        if not takes(hidden_states, act):
             return original(self, hidden_states)
         gate_up = self.gate_up_proj(hidden_states)
         if (type(gate_up) is tensor and gate_up.dtype in served and gate_up.dim() >= 1

@@ -133,4 +133,5 @@ def write_report(rows, out_dir, name):
     text = "\n".join(rows) + "\n"
     print(text)
     if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / name).write_text(text)

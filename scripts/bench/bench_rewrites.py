@@ -54,18 +54,6 @@ def cases():
     yield "T5LayerNorm 16384x1024 fp32", lambda: ((torch.randn(16384, 1024, device="cuda").requires_grad_(True),), t5)
 
 
-def time_us(fn, reps=30):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--lib-dir", required=True)
@@ -74,7 +62,7 @@ def main():
     a = p.parse_args()
     import torchfuse
     assert torchfuse.enable(a.lib_dir), "torchfuse did not load"
-    from bench_common import copy_bandwidth  # beside this script
+    from bench_common import copy_bandwidth, timed_loop, write_report  # beside this script
     bandwidth = copy_bandwidth() * 1e12  # TB/s
     lines = [f"# Rewritten HF modules vs their original code ({torch.cuda.get_device_name()})", "",
              f"`python3 scripts/bench/bench_rewrites.py --lib-dir {a.lib_dir}`; forward + backward, GPU µs "
@@ -95,16 +83,12 @@ def main():
             for side, times in results.items():
                 with torchfuse.disabled() if side == "original" else contextlib.nullcontext():
                     step()  # warm
-                    times.append(time_us(step))
+                    times.append(statistics.median(timed_loop(step, [()], 30)))
         original, rewritten = (statistics.median(v) for v in results.values())
         nbytes = sum(t.numel() * t.element_size() for t in inputs)
         roofline = 2 * nbytes / bandwidth * 1e6
         lines.append(f"| {name} | {original:.1f} | {rewritten:.1f} | {original / rewritten:.2f}x | {roofline:.1f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        Path(a.out).mkdir(parents=True, exist_ok=True)
-        (Path(a.out) / "bench_rewrites.md").write_text(text)
+    write_report(lines, a.out, "bench_rewrites.md")
 
 
 if __name__ == "__main__":

@@ -38,34 +38,26 @@ def main():
             f"Copy bandwidth in this run: {bandwidth:.2f} TB/s. Times: µs per call, median.", "",
             "| shape | dtype | direction | stock | torchfuse | vs stock | % of copy bw |", "|---|---|---|---|---|---|---|"]
     sides = [("stock", False, ""), ("torchfuse", True, "")]
-    for r, c, dtype in CASES:
+    ops = torch.ops.torchfuse
+    for packed, (r, c, dtype) in [(False, case) for case in CASES] + [(True, case) for case in PACKED_CASES]:
         n, b = r * c, torch.finfo(dtype).bits // 8
         sets = max(2, (256 << 20) // (n * b * 3) + 1)
-        gates = [torch.randn(r, c, device="cuda").to(dtype) for _ in range(sets)]
-        ups = [torch.randn(r, c, device="cuda").to(dtype) for _ in range(sets)]
         dys = [torch.randn(r, c, device="cuda").to(dtype) for _ in range(sets)]
-        fwd = run_timings("swiglu", torch.ops.torchfuse.silu_mul, list(zip(gates, ups)), sides)
-        bwd = run_timings("swiglu", torch.ops.torchfuse.silu_mul_backward, list(zip(dys, gates, ups)), sides)
+        if packed:  # gate and up: the halves of one [r, 2c] tensor
+            inputs = [(torch.randn(r, 2 * c, device="cuda").to(dtype),) for _ in range(sets)]
+            fwd = run_timings("swiglu", ops.silu_mul_packed, inputs, sides)
+            bwd = run_timings("swiglu", ops.silu_mul_packed_backward, [(dy, *x) for dy, x in zip(dys, inputs)], sides)
+        else:
+            inputs = [tuple(torch.randn(r, c, device="cuda").to(dtype) for _ in range(2)) for _ in range(sets)]
+            fwd = run_timings("swiglu", ops.silu_mul, inputs, sides)
+            bwd = run_timings("swiglu", ops.silu_mul_backward, [(dy, *x) for dy, x in zip(dys, inputs)], sides)
+        shape = f"packed {r}x2x{c}" if packed else f"{r}x{c}"
         for direction, t, nbytes in (("forward", fwd, 3 * n * b), ("backward", bwd, 5 * n * b)):
             roof = nbytes / (bandwidth * 1e12) * 1e6
-            rows.append(f"| {r}x{c} | {NAME[dtype]} | {direction} | {t['stock']:.1f} | {t['torchfuse']:.1f} | "
+            rows.append(f"| {shape} | {NAME[dtype]} | {direction} | {t['stock']:.1f} | {t['torchfuse']:.1f} | "
                         f"{t['stock'] / t['torchfuse']:.2f}x | {100 * roof / t['torchfuse']:.0f}% |")
             print(rows[-1], flush=True)
-        del gates, ups, dys
-        torch.cuda.empty_cache()
-    for r, c, dtype in PACKED_CASES:
-        n, b = r * c, torch.finfo(dtype).bits // 8
-        sets = max(2, (256 << 20) // (n * b * 3) + 1)
-        packed = [torch.randn(r, 2 * c, device="cuda").to(dtype) for _ in range(sets)]
-        dys = [torch.randn(r, c, device="cuda").to(dtype) for _ in range(sets)]
-        fwd = run_timings("swiglu", torch.ops.torchfuse.silu_mul_packed, [(t,) for t in packed], sides)
-        bwd = run_timings("swiglu", torch.ops.torchfuse.silu_mul_packed_backward, list(zip(dys, packed)), sides)
-        for direction, t, nbytes in (("forward", fwd, 3 * n * b), ("backward", bwd, 5 * n * b)):
-            roof = nbytes / (bandwidth * 1e12) * 1e6
-            rows.append(f"| packed {r}x2x{c} | {NAME[dtype]} | {direction} | {t['stock']:.1f} | "
-                        f"{t['torchfuse']:.1f} | {t['stock'] / t['torchfuse']:.2f}x | {100 * roof / t['torchfuse']:.0f}% |")
-            print(rows[-1], flush=True)
-        del packed, dys
+        del inputs, dys
         torch.cuda.empty_cache()
     write_report(rows, args.out, "bench_swiglu.md")
 

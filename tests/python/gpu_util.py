@@ -30,6 +30,24 @@ def torchfuse_below_thresholds():
     torch.ops.torchfuse._serve_below_thresholds(False)
 
 
+def original_and_rewrite(model, name, factory, form):
+    """transformers.models.<model>'s `name` (a class, or a module-level function), its code as
+    transformers wrote it (a class's forward; unwrapped where the rewrite layer has replaced it
+    in this process), and the rewrite layer's replacement of that code (`rewrites.<factory>`,
+    for `form`). Skips without transformers."""
+    pytest.importorskip("transformers")
+    import importlib
+    import sys
+
+    from conftest import ROOT
+    sys.path.insert(0, str(ROOT / "python"))
+    from torchfuse import rewrites
+    obj = getattr(importlib.import_module(f"transformers.models.{model}.modeling_{model}"), name)
+    code = obj.forward if isinstance(obj, type) else obj
+    original = getattr(code, "__wrapped__", code)
+    return obj, original, getattr(rewrites, factory)(torch, original, form)
+
+
 def stats():
     return json.loads(torch.ops.torchfuse.stats())
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from conftest import LIB_DIR, ROOT, clean_env, requires_cuda
-from gpu_util import FLOOR, asked_count, enabled, fresh_seed, fused_count, load_torchfuse, rel_err, stock_reasons
+from gpu_util import (FLOOR, asked_count, enabled, fresh_seed, fused_count, load_torchfuse, original_and_rewrite,
+                      rel_err, stock_reasons)
 
 pytestmark = requires_cuda
 
@@ -212,12 +213,8 @@ def test_gemma_rms_norm_is_the_original_composition(x_dtype, autocast):
     strides, values and both gradients within the original's error to float64; the fp32 norm
     reaches aten's fused RMSNorm (which torchfuse's registry serves or sends to stock's); a
     _norm set on the instance runs the original."""
-    pytest.importorskip("transformers")
-    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
-    sys.path.insert(0, str(ROOT / "python"))
-    from torchfuse import rewrites
-    original_forward = getattr(GemmaRMSNorm.forward, "__wrapped__", GemmaRMSNorm.forward)
-    rewritten = rewrites._gemma_rms_norm_forward(torch, original_forward, "gemma_rms_norm")
+    GemmaRMSNorm, original_forward, rewritten = original_and_rewrite(
+        "gemma", "GemmaRMSNorm", "_gemma_rms_norm_forward", "gemma_rms_norm")
     seed = fresh_seed()
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -259,12 +256,8 @@ def test_llama_rms_norm_of_a_16bit_x_with_an_fp32_weight_is_the_original(x_dtype
     same shape and strides, values and both gradients within the original's error to float64;
     rows of 32 features or more reach aten's fused RMSNorm (no weight) and not
     torchfuse::hf_rms_norm, narrower rows run the original."""
-    pytest.importorskip("transformers")
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
-    sys.path.insert(0, str(ROOT / "python"))
-    from torchfuse import rewrites
-    original_forward = getattr(Qwen3RMSNorm.forward, "__wrapped__", Qwen3RMSNorm.forward)
-    rewritten = rewrites._rms_norm_forward(torch, original_forward, "hf_rms_norm")
+    Qwen3RMSNorm, original_forward, rewritten = original_and_rewrite(
+        "qwen3", "Qwen3RMSNorm", "_rms_norm_forward", "hf_rms_norm")
     seed = fresh_seed()
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -316,14 +309,8 @@ def test_cast_back_norm_is_the_original_composition(norm_name, dtypes):
     both gradients within the original's error to float64; rows of 32 features or more reach
     the aten norm once (torchfuse's kernel or, by the registry, stock's), narrower rows run the
     original; (2, 9, 4, 64): heads transposed out of a projection (a strided view)."""
-    pytest.importorskip("transformers")
-    import importlib
     model, cls, factory, form, aten_op, reference, width = CAST_BACK_NORMS[norm_name]
-    norm_class = getattr(importlib.import_module(f"transformers.models.{model}.modeling_{model}"), cls)
-    sys.path.insert(0, str(ROOT / "python"))
-    from torchfuse import rewrites
-    original_forward = getattr(norm_class.forward, "__wrapped__", norm_class.forward)
-    rewritten = getattr(rewrites, factory)(torch, original_forward, form)
+    norm_class, original_forward, rewritten = original_and_rewrite(model, cls, factory, form)
     x_dtype, w_dtype = dtypes
     seed = fresh_seed()
     torch.manual_seed(seed)
@@ -351,12 +338,8 @@ def test_gemma4_rms_norm_is_the_original_composition(x_dtype, scaled):
     rewritten, against its own original forward: same dtype, shape and strides, values and
     gradients within the original's error to float64; rows of 32 features or more reach aten's
     fused RMSNorm once; a _norm set on the instance runs the original."""
-    pytest.importorskip("transformers")
-    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
-    sys.path.insert(0, str(ROOT / "python"))
-    from torchfuse import rewrites
-    original_forward = getattr(Gemma4RMSNorm.forward, "__wrapped__", Gemma4RMSNorm.forward)
-    rewritten = rewrites._gemma4_rms_norm_forward(torch, original_forward, "gemma4_rms_norm")
+    Gemma4RMSNorm, original_forward, rewritten = original_and_rewrite(
+        "gemma4", "Gemma4RMSNorm", "_gemma4_rms_norm_forward", "gemma4_rms_norm")
     seed = fresh_seed()
     torch.manual_seed(seed)
     for shape in [(3, 7), (2, 5, 64), (4, 512, 2560), (2, 9, 4, 256)]:
@@ -396,12 +379,8 @@ def test_t5_rms_norm_is_the_original_composition(dtypes):
     aten::rms_norm of x.float() (torchfuse's _fused_rms_norm), a 16-bit weight of x's dtype
     torchfuse::hf_rms_norm, an fp32 x with a bf16 weight the original; same dtype, shape and
     strides, values and both gradients within the original's error to float64."""
-    pytest.importorskip("transformers")
-    from transformers.models.t5.modeling_t5 import T5LayerNorm
-    sys.path.insert(0, str(ROOT / "python"))
-    from torchfuse import rewrites
-    original_forward = getattr(T5LayerNorm.forward, "__wrapped__", T5LayerNorm.forward)
-    rewritten = rewrites._t5_rms_norm_forward(torch, original_forward, "t5_rms_norm")
+    T5LayerNorm, original_forward, rewritten = original_and_rewrite(
+        "t5", "T5LayerNorm", "_t5_rms_norm_forward", "t5_rms_norm")
     x_dtype, w_dtype = dtypes
     seed = fresh_seed()
     torch.manual_seed(seed)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import requires_cuda
-from gpu_util import (FLOOR, asked_count, fresh_seed, fused_count, rel_err, stock_reasons,
+from gpu_util import (FLOOR, asked_count, fresh_seed, fused_count, original_and_rewrite, rel_err, stock_reasons,
                       torchfuse_below_thresholds)
 
 # The kernels serve every shape here, also where the registry sends it to stock.
@@ -43,6 +43,32 @@ def run(fn, q, k, cos, sin, dq, dk, dim):
     return [qe.detach(), ke.detach(), *grads]
 
 
+def projected_heads(b, s, h, d, dtype):
+    """[B, H, S, D] views of a [B, S, H*D] projection, as HF's attention makes them."""
+    return torch.randn(b, s, h * d, device="cuda").to(dtype).view(b, s, h, d).transpose(1, 2)
+
+
+def rope_tables(b, s, rotary_dim, dtype):
+    """HF's cos and sin of [B, S, rotary_dim] (each angle twice: the rotate-half layout)."""
+    angles = torch.rand(b, s, rotary_dim // 2, device="cuda") * 100
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def assert_like_the_original(ours, original, q, k, cos, sin, dq, dk, dim, what, grad_layouts=True):
+    """`ours` (run's outputs of the fused side) against `original` on the same inputs and on
+    float64 copies: the original's dtypes and shapes, its layouts (the gradients' too where
+    `grad_layouts`), each within max(2 x the original's error, the dtype's floor)."""
+    theirs = run(original, q, k, cos, sin, dq, dk, dim)
+    refs = run(original, q.double(), k.double(), cos.double(), sin.double(), dq.double(), dk.double(), dim)
+    for name, o, t, r in zip(("q_embed", "k_embed", "dq", "dk"), ours, theirs, refs):
+        assert o.dtype == t.dtype and o.shape == t.shape, (what, name)
+        if grad_layouts or name.endswith("embed"):  # equal strides on every dim of size > 1
+            assert same_layout(o, t), (what, name, o.stride(), t.stride())
+        e_ours, e_orig = rel_err(o, r), rel_err(t, r)
+        assert e_ours <= max(2 * e_orig, FLOOR[o.dtype]), f"{what} {name}: {e_ours:.3g} vs {e_orig:.3g}"
+
+
 # (x dtype, cos/sin dtype): pure bf16, autocast's form (fp32 cos/sin from fp32 hidden states),
 # fp32, f16.
 FORMS = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32),
@@ -62,9 +88,8 @@ def test_rotary_is_hfs_composition(x_dtype, trig_dtype):
                                  (2, rng.randrange(1, 300), 8, 8, 128, 1), (3, 17, 4, 4, 32, 2),
                                  (2, 5, 3, 1, 96, 1), (1, 7, 2, 2, 40, 2), (1, 3, 2, 1, 256, 1),
                                  (2, 11, 4, 2, 64, "misaligned"), (2, 13, 4, 2, 32, "partial")]:
-        if dim == 1:  # [B, H, S, D] views of [B, S, H*D] projections, as HF's attention makes them
-            q = torch.randn(b, s, hq * d, device="cuda").to(x_dtype).view(b, s, hq, d).transpose(1, 2)
-            k = torch.randn(b, s, hk * d, device="cuda").to(x_dtype).view(b, s, hk, d).transpose(1, 2)
+        if dim == 1:
+            q, k = projected_heads(b, s, hq, d, x_dtype), projected_heads(b, s, hk, d, x_dtype)
         elif dim == 2:  # [B, S, H, D] with unsqueeze_dim=2
             q = torch.randn(b, s, hq, d, device="cuda").to(x_dtype)
             k = torch.randn(b, s, hk, d, device="cuda").to(x_dtype)
@@ -76,9 +101,7 @@ def test_rotary_is_hfs_composition(x_dtype, trig_dtype):
             dim = 1
             q = torch.randn(b * hq * s * d + 2, device="cuda").to(x_dtype)[2:].view(b, hq, s, d)
             k = torch.randn(b * hk * s * d + 2, device="cuda").to(x_dtype)[2:].view(b, hk, s, d)
-        angles = torch.rand(b, s, d // 2, device="cuda") * 100
-        emb = torch.cat((angles, angles), dim=-1)
-        cos, sin = emb.cos().to(trig_dtype), emb.sin().to(trig_dtype)
+        cos, sin = rope_tables(b, s, d, trig_dtype)
         out_dtype = torch.promote_types(x_dtype, trig_dtype)
         dq = torch.randn(q.shape, device="cuda").to(out_dtype)
         dk = torch.randn(k.shape, device="cuda").to(out_dtype)
@@ -86,16 +109,8 @@ def test_rotary_is_hfs_composition(x_dtype, trig_dtype):
         ours = run(torch.ops.torchfuse.rotary, q, k, cos, sin, dq, dk, dim)
         assert (fused_count(OP), fused_count(OP_BWD)) == (before[0] + 1, before[1] + 1), (
             stock_reasons(OP), stock_reasons(OP_BWD))
-        theirs = run(apply_rotary_pos_emb, q, k, cos, sin, dq, dk, dim)
-        refs = run(apply_rotary_pos_emb, q.double(), k.double(), cos.double(), sin.double(), dq.double(),
-                   dk.double(), dim)
         what = f"seed {seed} {x_dtype}/{trig_dtype} {list(q.shape)} {list(k.shape)} dim {dim}"
-        for name, o, t, r in zip(("q_embed", "k_embed", "dq", "dk"), ours, theirs, refs):
-            assert o.dtype == t.dtype and o.shape == t.shape, (what, name)
-            if name.endswith("embed"):  # the same layout: equal strides on every dim of size > 1
-                assert same_layout(o, t), (what, name, o.stride(), t.stride())
-            e_ours, e_orig = rel_err(o, r), rel_err(t, r)
-            assert e_ours <= max(2 * e_orig, FLOOR[o.dtype]), f"{what} {name}: {e_ours:.3g} vs {e_orig:.3g}"
+        assert_like_the_original(ours, apply_rotary_pos_emb, q, k, cos, sin, dq, dk, dim, what, grad_layouts=False)
         again = run(torch.ops.torchfuse.rotary, q, k, cos, sin, dq, dk, dim)
         assert all(torch.equal(a, c) for a, c in zip(ours, again)), f"{what}: not reproducible"
 
@@ -144,38 +159,21 @@ def test_partial_rotary_rewrite_is_the_original_function(module_name):
     features rotated by torchfuse::rotary (a quarter of the head dim, as Pythia; all of it, as
     Phi-3), the rest passed through, against the original function: dtypes, layouts, values and
     gradients within the original's error to float64."""
-    pytest.importorskip("transformers")
-    import importlib
-    import sys
-
-    from conftest import ROOT
-    sys.path.insert(0, str(ROOT / "python"))
-    from torchfuse import rewrites
-    module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
-    original = getattr(module.apply_rotary_pos_emb, "__wrapped__", module.apply_rotary_pos_emb)
-    rewritten = rewrites._partial_rotary(torch, original, "hf_partial_rotary")
+    _, original, rewritten = original_and_rewrite(module_name, "apply_rotary_pos_emb", "_partial_rotary",
+                                                  "hf_partial_rotary")
     seed = fresh_seed()
     torch.manual_seed(seed)
     for (x_dtype, trig_dtype), rotary_dim in [(FORMS[0], 16), (FORMS[1], 16), (FORMS[1], 64), (FORMS[2], 32)]:
         b, s, h, d = 2, 129, 8, 64
-        q = torch.randn(b, s, h * d, device="cuda").to(x_dtype).view(b, s, h, d).transpose(1, 2)
-        k = torch.randn(b, s, h * d, device="cuda").to(x_dtype).view(b, s, h, d).transpose(1, 2)
-        angles = torch.rand(b, s, rotary_dim // 2, device="cuda") * 100
-        emb = torch.cat((angles, angles), dim=-1)
-        cos, sin = emb.cos().to(trig_dtype), emb.sin().to(trig_dtype)
+        q, k = projected_heads(b, s, h, d, x_dtype), projected_heads(b, s, h, d, x_dtype)
+        cos, sin = rope_tables(b, s, rotary_dim, trig_dtype)
         out_dtype = torch.promote_types(x_dtype, trig_dtype)
         dq, dk = (torch.randn(t.shape, device="cuda").to(out_dtype) for t in (q, k))
         before = fused_count(OP)
         ours = run(rewritten, q, k, cos, sin, dq, dk, 1)
         assert fused_count(OP) == before + 1, stock_reasons(OP)
-        theirs = run(original, q, k, cos, sin, dq, dk, 1)
-        refs = run(original, q.double(), k.double(), cos.double(), sin.double(), dq.double(), dk.double(), 1)
         what = f"seed {seed} {module_name} {x_dtype}/{trig_dtype} rotary_dim {rotary_dim}"
-        for name, o, t, r in zip(("q_embed", "k_embed", "dq", "dk"), ours, theirs, refs):
-            assert o.dtype == t.dtype and o.shape == t.shape, (what, name)
-            assert same_layout(o, t), (what, name, o.stride(), t.stride())
-            e_ours, e_orig = rel_err(o, r), rel_err(t, r)
-            assert e_ours <= max(2 * e_orig, FLOOR[o.dtype]), f"{what} {name}: {e_ours:.3g} vs {e_orig:.3g}"
+        assert_like_the_original(ours, original, q, k, cos, sin, dq, dk, 1, what)
 
 
 @pytest.mark.parametrize("module_name", ["olmo2", "modernbert"])
@@ -186,28 +184,16 @@ def test_cast_back_rotary_rewrite_is_the_original_function(module_name):
     fp32 and the rotation's result was), layouts, values and gradients within the original's
     error to float64. ModernBERT's with 16-bit q and cos (arithmetic the op's fallback would
     not widen) runs the original."""
-    pytest.importorskip("transformers")
-    import sys
-
-    from conftest import ROOT
-    sys.path.insert(0, str(ROOT / "python"))
-    from torchfuse import rewrites
-    import importlib
-    module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
-    original = getattr(module.apply_rotary_pos_emb, "__wrapped__", module.apply_rotary_pos_emb)
     form = {"olmo2": "hf_rotary_cast_back", "modernbert": "hf_rotary_upcast"}[module_name]
-    rewritten = rewrites._rotary_cast_back(torch, original, form)
+    _, original, rewritten = original_and_rewrite(module_name, "apply_rotary_pos_emb", "_rotary_cast_back", form)
     seed = fresh_seed()
     torch.manual_seed(seed)
     # The last: a bf16 q with an fp32 k (OLMo casts each back to its own dtype, ModernBERT both
     # to q's).
     for x_dtype, trig_dtype, k_dtype in [(x, t, x) for x, t in FORMS] + [(torch.bfloat16, torch.float32, torch.float32)]:
         b, s, h, d = 2, 129, 8, 64
-        q = torch.randn(b, s, h * d, device="cuda").to(x_dtype).view(b, s, h, d).transpose(1, 2)
-        k = torch.randn(b, s, h * d, device="cuda").to(k_dtype).view(b, s, h, d).transpose(1, 2)
-        angles = torch.rand(b, s, d // 2, device="cuda") * 100
-        emb = torch.cat((angles, angles), dim=-1)
-        cos, sin = emb.cos().to(trig_dtype), emb.sin().to(trig_dtype)
+        q, k = projected_heads(b, s, h, d, x_dtype), projected_heads(b, s, h, d, k_dtype)
+        cos, sin = rope_tables(b, s, d, trig_dtype)
         k_out = x_dtype if module_name == "modernbert" else k_dtype
         dq, dk = torch.randn(q.shape, device="cuda").to(x_dtype), torch.randn(k.shape, device="cuda").to(k_out)
         before = fused_count(OP), asked_count(OP)
@@ -217,12 +203,6 @@ def test_cast_back_rotary_rewrite_is_the_original_function(module_name):
         calls = module_name == "olmo2" or torch.float32 in (x_dtype, trig_dtype)
         served = calls and k_dtype == x_dtype
         assert (fused_count(OP) - before[0], asked_count(OP) - before[1]) == (served, calls), stock_reasons(OP)
-        theirs = run(original, q, k, cos, sin, dq, dk, 1)
-        refs = run(original, q.double(), k.double(), cos.double(), sin.double(), dq.double(), dk.double(), 1)
         what = f"seed {seed} {module_name} {x_dtype}/{trig_dtype}/k {k_dtype}"
-        for name, o, t, r, dtype in zip(("q_embed", "k_embed", "dq", "dk"), ours, theirs, refs,
-                                        (x_dtype, k_out, x_dtype, k_dtype)):
-            assert o.dtype == t.dtype == dtype and o.shape == t.shape, (what, name)
-            assert same_layout(o, t), (what, name, o.stride(), t.stride())
-            e_ours, e_orig = rel_err(o, r), rel_err(t, r)
-            assert e_ours <= max(2 * e_orig, FLOOR[o.dtype]), f"{what} {name}: {e_ours:.3g} vs {e_orig:.3g}"
+        assert [o.dtype for o in ours] == [x_dtype, k_out, x_dtype, k_dtype], what
+        assert_like_the_original(ours, original, q, k, cos, sin, dq, dk, 1, what)

@@ -5,14 +5,13 @@ original's own error as the bar (docs/testing.md): within max(2 x the original's
 dtype's floor), same dtypes, shapes and strides; bitwise reproducible; what is not served goes
 to stock; and the rewritten LlamaMLP and Phi3MLP give the originals' outputs and gradients."""
 import random
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, requires_cuda
-from gpu_util import (FLOOR, fresh_seed, fused_count, rel_err, stock_reasons,
+from conftest import requires_cuda
+from gpu_util import (FLOOR, fresh_seed, fused_count, original_and_rewrite, rel_err, stock_reasons,
                       torchfuse_below_thresholds)
 
 # The kernels serve every shape here, also where the registry sends it to stock.
@@ -151,16 +150,9 @@ def test_rewritten_mlp_gives_the_originals_output_and_grads(model):
     """The rewritten gated MLP against its original forward, plain and under bf16 autocast: the
     output and every gradient (input, each projection's weight) within twice the dtype's floor,
     the rewrite's op and its backward served once a step."""
-    pytest.importorskip("transformers")
-    import importlib
-
-    import transformers
-    sys.path.insert(0, str(ROOT / "python"))
-    from torchfuse import rewrites
     cls, config, factory, form, op, op_bwd = MLPS[model]
-    mlp_class = getattr(importlib.import_module(f"transformers.models.{model}.modeling_{model}"), cls)
-    forward = getattr(mlp_class.forward, "__wrapped__", mlp_class.forward)
-    rewritten = getattr(rewrites, factory)(torch, forward, form)
+    mlp_class, forward, rewritten = original_and_rewrite(model, cls, factory, form)
+    import transformers
     cfg = getattr(transformers, config)(hidden_size=256, intermediate_size=704, num_attention_heads=4,
                                         num_key_value_heads=4)
     torch.manual_seed(fresh_seed())
