@@ -564,8 +564,9 @@ def _conv1d_mlp_forward(torch, original, form, dependencies=None):
 
 def _rotary_call(torch, original, dependencies=None):
     """A function telling whether a call of an apply_rotary_pos_emb form may go to
-    torchfuse::rotary: plain CUDA tensors, cos and sin needing no gradient (HF computes them
-    under no_grad), an int unsqueeze_dim, outside traces, and the rotate_half the original calls
+    torchfuse::rotary: plain CUDA tensors, q and k of one dtype (the op's autograd layer runs
+    HF's composition for mixed ones), cos and sin needing no gradient (HF computes them under
+    no_grad), an int unsqueeze_dim, outside traces, and the rotate_half the original calls
     (and torch.cat) as recognised: a module whose rotate_half is replaced later (another RoPE
     layout) gets its own code back."""
     tensor, untraced = torch.Tensor, _untraced_call(torch)
@@ -573,7 +574,7 @@ def _rotary_call(torch, original, dependencies=None):
 
     def served(q, k, cos, sin, unsqueeze_dim):
         return (type(q) is tensor and type(k) is tensor and type(cos) is tensor
-                and type(sin) is tensor and q.is_cuda and type(unsqueeze_dim) is int
+                and type(sin) is tensor and q.is_cuda and q.dtype == k.dtype and type(unsqueeze_dim) is int
                 and not cos.requires_grad and not sin.requires_grad and untraced() and unchanged())
 
     return served
