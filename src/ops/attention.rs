@@ -639,16 +639,26 @@ fn tma_map(t: &Tensor, kind: Kind, box_rows: u32) -> Result<TmaMap, StockReason>
     Ok(TmaMap(map.opaque))
 }
 
-/// [B, L, H, D] storage seen as [B, H, L, D], the layout stock's flash returns.
-fn heads_major(
-    batch: i64,
-    len: i64,
-    heads: i64,
-    d: i64,
+/// A new [B, H, L, D] tensor laid out as stock's flash lays out the output (or gradient) made
+/// from `like` (q for the output and dq, k for dk, v for dv): the flash kernels allocate it
+/// with `empty_like` of the [B, L, H, D] view, so a dense `like` gives its own strides (a
+/// contiguous [B, H, L, D] q, a contiguous output), anything else [B, L, H, D] storage.
+fn empty_like_flash(
+    like: &TfTensor,
+    t: &Tensor,
     kind: Kind,
     device: Device,
 ) -> Result<Tensor, StockReason> {
-    Ok(empty(&[batch, len, heads, d], kind, device)?.transpose(1, 2))
+    let size = t.size();
+    let [b, h, l, d] = size[..] else {
+        return Err(StockReason::InvalidInput);
+    };
+    if like.dense != 0 {
+        return empty(&[t.numel() as i64], kind, device)?
+            .f_as_strided(&size, t.stride(), 0)
+            .map_err(|_| StockReason::InternalError);
+    }
+    Ok(empty(&[b, l, h, d], kind, device)?.transpose(1, 2))
 }
 
 impl Plan {
@@ -731,8 +741,7 @@ impl Plan {
     ) -> Result<(Tensor, Tensor), StockReason> {
         let ops = operands(call).ok_or(StockReason::InvalidInput)?;
         let (q, k, v) = (&*ops.q, &*ops.k, &*ops.v);
-        let d = self.shapes.head_dim;
-        let out = heads_major(self.batch, self.lq, self.heads, d, self.kind, self.device)?;
+        let out = empty_like_flash(&call.query, q, self.kind, self.device)?;
         let lse = empty(&[self.batch, self.heads, self.lq], Kind::Float, self.device)?;
         let s = &self.shapes;
         let (qp, kp, vp, op, lp) = (
@@ -839,18 +848,9 @@ impl Plan {
         let d = self.shapes.head_dim;
         let s = &self.shapes;
         let delta = empty(&[self.batch, self.heads, self.lq], Kind::Float, self.device)?;
-        let dq = heads_major(self.batch, self.lq, self.heads, d, self.kind, self.device)?;
-        let kv_grad = || {
-            heads_major(
-                self.batch,
-                self.lk,
-                self.kv_heads,
-                d,
-                self.kind,
-                self.device,
-            )
-        };
-        let (dk, dv) = (kv_grad()?, kv_grad()?);
+        let dq = empty_like_flash(&call.query, q, self.kind, self.device)?;
+        let dk = empty_like_flash(&call.key, k, self.kind, self.device)?;
+        let dv = empty_like_flash(&call.value, v, self.kind, self.device)?;
 
         let rows = self.batch * self.heads * self.lq;
         let prep = self.launch_config(PREP, (gpu::grid_dim(rows * (d / 8), 256)?, 1, 1), 256, 0)?;

@@ -133,9 +133,18 @@ def test_mma_sync_variants_match_reference_and_stock_on_random_cases():
         torch.ops.torchfuse._force_variant("")
 
 
-def test_flash_op_outputs_have_stock_formats():
+@pytest.mark.parametrize("layout", ["blhd", "bhld", "packed"])
+def test_outputs_and_grads_have_stock_flash_formats(layout):
+    """The flash op's outputs, and SDPA's output and gradients, with the dtypes, shapes and
+    strides stock's flash gives: stock lays each out as the tensor it comes from where that is
+    dense (a contiguous [B, H, L, D] q gives a contiguous output), else as [B, L, H, D] storage
+    (q, k and v sliced from one packed projection)."""
     gen = torch.Generator(device="cuda").manual_seed(fresh_seed())
-    q, k, v = make_qkv(gen, 2, 4, 4, 130, 130, 64, torch.bfloat16, "blhd")
+    if layout == "packed":
+        qkv = torch.randn(2, 130, 3, 4, 64, generator=gen, device="cuda").to(torch.bfloat16)
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    else:
+        q, k, v = make_qkv(gen, 2, 4, 4, 130, 130, 64, torch.bfloat16, layout)
     before = fused_count(FLASH)
     ours = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=0.125)
     assert fused_count(FLASH) == before + 1
@@ -150,6 +159,19 @@ def test_flash_op_outputs_have_stock_formats():
             assert a == s, i
     assert ours[0].stride() == stock[0].stride()
     assert ours[1].stride() == stock[1].stride()
+
+    def output_and_grads():
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]  # the layouts kept
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+        return [out, *torch.autograd.grad(out, leaves, torch.randn_like(out))]
+
+    before = fused_count(FLASH_BWD)
+    ours = output_and_grads()
+    assert fused_count(FLASH_BWD) == before + 1
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # stock's flash (ours serve default choices only)
+        stock = output_and_grads()
+    for name, a, s in zip(["out", "dq", "dk", "dv"], ours, stock):
+        assert (a.dtype, a.shape, a.stride()) == (s.dtype, s.shape, s.stride()), (layout, name)
 
 
 def test_backward_is_bitwise_reproducible():

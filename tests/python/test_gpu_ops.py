@@ -1,0 +1,346 @@
+"""The standard GPU checks, run on every op torchfuse serves (the GPU half of the op template;
+test_traced_ops.py is the CPU half): one record per op in CASES, at a shape our kernels serve
+(forced past the registry's thresholds), and each check runs over every record:
+
+- CUDA-graph capture: the forward and backward captured, replayed on new data, give bitwise
+  what eager gives on that data, and our kernels ran inside the capture;
+- deterministic mode (torch.use_deterministic_algorithms): our kernels serve, bitwise
+  reproducibly, within the contract of stock's result;
+- more than 2^31 elements: served, and within the contract of stock's result (64-bit offsets);
+- bad input: the error stock gives (the same exception type, torchfuse on and off).
+
+A record's `make()` gives fresh inputs (leaves needing grad, then the outputs' grads), `run`
+the outputs and gradients of one call, `big()` inputs past 2^31 elements (or a string: where
+that is tested instead), `bad` makers of inputs stock refuses. Every toggle of the op catalog,
+and every forward op torchfuse defines, needs a record: test_every_op_has_a_record fails
+otherwise (it runs on CPU too)."""
+import contextlib
+import re
+import tomllib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from conftest import ROOT, requires_cuda
+from gpu_util import enabled, fused_count, load_torchfuse, stock_reasons
+
+BF16 = torch.bfloat16
+BIG = 2**31
+# Within the contract of stock's result: a few roundings of the output's dtype apart.
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+def randn(*shape, dtype=BF16, grad=False):
+    return torch.randn(shape, device="cuda", dtype=dtype).requires_grad_(grad)
+
+
+def grads(outs, leaves, out_grads):
+    """Outputs, then the gradients of the leaves for the outputs' grads."""
+    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    return outs + list(torch.autograd.grad(outs, leaves, out_grads))
+
+
+def with_out_grads(leaves, *others, outs):
+    """A call's inputs: its leaves, other arguments, and random grads shaped as `outs`."""
+    return [*leaves, *others, *(randn(*o.shape, dtype=o.dtype) for o in outs)]
+
+
+@dataclass
+class Case:
+    toggle: str
+    ops: tuple  # the stats names of the entries the call reaches (forward, backward)
+    make: Callable  # () -> inputs
+    run: Callable  # (*inputs) -> outputs and grads
+    big: object  # () -> inputs past 2^31 elements, or where that is tested instead
+    bad: list = field(default_factory=list)  # makers of inputs stock raises on
+    forward: Callable = None  # (*inputs) -> outputs: the call bad inputs take (default: run)
+    stock_kernel: Callable = contextlib.nullcontext  # the stock kernel ours stands for
+
+
+def norm_case(toggle, ops, norm, bias):
+    def make(rows=4096, width=1024):
+        x, w = randn(rows, width, grad=True), randn(width, grad=True)
+        leaves = [x, w] + ([randn(width, grad=True)] if bias else [])
+        return with_out_grads(leaves, outs=[x])
+
+    def run(x, w, *rest):
+        leaves = [x, w, *rest[:-1]]
+        return grads(norm(x, w, *rest[:-1]), leaves, rest[-1:])
+
+    bad = [lambda: [randn(8, 64), randn(65), *([randn(64)] if bias else []), randn(8, 64)]]  # weight's size
+    return Case(toggle, ops, make, run, lambda: make(BIG // 1024 + 1, 1024), bad,
+                forward=lambda x, w, *rest: norm(x, w, *rest[:-1]))
+
+
+def rotary_make(b=2, s=1024, heads=8, kv_heads=8):
+    q, k = randn(b, heads, s, 64, grad=True), randn(b, kv_heads, s, 64, grad=True)
+    cos, sin = randn(b, s, 64), randn(b, s, 64)
+    return [q, k, cos, sin, randn(*q.shape), randn(*k.shape)]
+
+
+def rotary_run(q, k, cos, sin, dq, dk):
+    return grads(torch.ops.torchfuse.rotary(q, k, cos, sin, 1), (q, k), (dq, dk))
+
+
+def adamw_make(sizes=(4096, 65536, 1 << 20)):
+    params = [randn(n, dtype=torch.float32) for n in sizes]
+    return [params, [randn(n, dtype=torch.float32) for n in sizes],
+            [randn(n, dtype=torch.float32) * 0.01 for n in sizes],
+            [torch.rand(n, device="cuda") * 1e-4 for n in sizes], [torch.tensor(5.0, device="cuda") for _ in sizes]]
+
+
+def adamw_run(params, grads_, exp_avgs, exp_avg_sqs, steps):
+    """One fused AdamW step on copies: the updated parameters and moments."""
+    p, m, v = ([t.clone() for t in ts] for ts in (params, exp_avgs, exp_avg_sqs))
+    torch._fused_adamw_(p, grads_, m, v, [], steps, lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01,
+                        eps=1e-8, amsgrad=False, maximize=False)
+    return p + m + v
+
+
+def sdpa_make(b=8, heads=12, s=1024):
+    q, k, v = (randn(b, heads, s, 64, grad=True) for _ in range(3))
+    return [q, k, v, randn(b, heads, s, 64)]
+
+
+def sdpa_run(q, k, v, dout):
+    return grads(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), [dout])
+
+
+def unary_case(toggle, ops, fn, make_x, bad):
+    def make(rows=4096, width=4096):
+        x = make_x(rows, width)
+        return with_out_grads([x], outs=[fn(x.detach())])
+
+    return Case(toggle, ops, make, lambda x, dy: grads(fn(x), [x], [dy]),
+                lambda: make(BIG // 4096 + 1, 4096), bad, forward=lambda x, *_: fn(x))
+
+
+CASES = {
+    "layer_norm": norm_case("layer_norm", ("native_layer_norm", "native_layer_norm_backward"),
+                            lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b), bias=True),
+    "rms_norm": norm_case("rms_norm", ("_fused_rms_norm", "_fused_rms_norm_backward"),
+                          lambda x, w: F.rms_norm(x, x.shape[-1:], w, 1e-6), bias=False),
+    "hf_rms_norm": norm_case("hf_rms_norm", ("torchfuse::hf_rms_norm", "_fused_rms_norm_backward"),
+                             lambda x, w: torch.ops.torchfuse.hf_rms_norm(x, w, 1e-6), bias=False),
+    "embedding": Case(
+        "embedding", ("embedding", "embedding_dense_backward"),
+        make=lambda rows=16384: with_out_grads([randn(50304, 768, grad=True)],
+                                               torch.randint(0, 50304, (rows,), device="cuda"),
+                                               outs=[torch.empty(rows, 768, dtype=BF16)]),
+        run=lambda w, idx, dy: grads(F.embedding(idx, w), [w], [dy]),
+        big="test_gpu_embedding.py::test_over_2_31_elements (an output past 2^31 elements)",
+        bad=[lambda: [randn(100, 64), torch.zeros(8, device="cuda"), randn(8, 64)]],  # float indices
+        forward=lambda w, idx, dy: F.embedding(idx, w)),
+    "adam": Case(
+        "adam", ("_fused_adamw_",), make=adamw_make, run=adamw_run,
+        big="test_gpu_adam.py::test_a_tensor_of_more_than_2_to_the_31_elements (compares pieces: whole "
+            "copies of a parameter's four buffers would take 34 GiB)",
+        bad=[lambda: (lambda p, g, m, v, s: [p, g[:1], m, v, s])(*adamw_make((64, 64)))]),  # lists' lengths differ
+    "sdpa": Case(
+        "sdpa", ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"),
+        make=sdpa_make, run=sdpa_run, big=lambda: sdpa_make(b=BIG // (12 * 128 * 64) + 1, s=128),
+        bad=[lambda: [randn(2, 8, 128, 64), randn(2, 8, 128, 64, dtype=torch.float32), randn(2, 8, 128, 64),
+                      None]],  # dtypes differ
+        forward=lambda q, k, v, _: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        # Stock's flash, whose output formats ours keep (its default choice on Hopper, cuDNN,
+        # returns another layout at some shapes, as its choice differs by GPU).
+        stock_kernel=lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)),
+    "gelu_tanh": unary_case("gelu_tanh", ("torchfuse::gelu_tanh", "torchfuse::gelu_tanh_backward"),
+                            lambda x: torch.ops.torchfuse.gelu_tanh(x, None),
+                            lambda rows, width: randn(rows, width, grad=True),
+                            bad=[lambda: [torch.ones(8, 64, dtype=torch.long, device="cuda"), None]]),  # integers
+    "cross_entropy_loss": Case(
+        "cross_entropy", ("cross_entropy_loss",),
+        make=lambda rows=4096, vocab=50304: with_out_grads(
+            [randn(rows, vocab, grad=True)], torch.randint(0, vocab, (rows,), device="cuda"),
+            outs=[torch.empty((), dtype=BF16)]),
+        run=lambda logits, target, dy: grads(F.cross_entropy(logits, target), [logits], [dy]),
+        big="test_gpu_cross_entropy.py::test_large_vocabulary_and_many_rows",
+        bad=[lambda: [randn(8, 100), torch.zeros(9, dtype=torch.long, device="cuda"), randn()]],
+        forward=lambda logits, target, _: F.cross_entropy(logits, target)),
+    "cross_entropy": Case(
+        "cross_entropy", ("torchfuse::cross_entropy", "torchfuse::cross_entropy (backward)"),
+        make=lambda rows=4096, vocab=50304: [randn(rows, vocab, grad=True),
+                                             torch.randint(0, vocab, (rows,), device="cuda"),
+                                             randn(dtype=torch.float32)],
+        run=lambda logits, target, dy: grads(
+            torch.ops.torchfuse.cross_entropy(logits, target, 1, -100, 0.0, torch.float32), [logits], [dy]),
+        big="test_gpu_cross_entropy.py::test_large_vocabulary_and_many_rows",
+        bad=[lambda: [randn(8, 100), torch.zeros(9, dtype=torch.long, device="cuda"), randn()]],
+        forward=lambda logits, target, _: torch.ops.torchfuse.cross_entropy(logits, target, 1, -100, 0.0,
+                                                                            torch.float32)),
+    "silu_mul": Case(
+        "swiglu", ("torchfuse::silu_mul", "torchfuse::silu_mul_backward"),
+        make=lambda rows=4096, width=4096: [randn(rows, width, grad=True), randn(rows, width, grad=True),
+                                            randn(rows, width)],
+        run=lambda gate, up, dy: grads(torch.ops.torchfuse.silu_mul(gate, up), [gate, up], [dy]),
+        big=lambda: [randn(BIG // 4096 + 1, 4096, grad=True), randn(BIG // 4096 + 1, 4096, grad=True),
+                     randn(BIG // 4096 + 1, 4096)],
+        bad=[lambda: [randn(8, 64), randn(8, 63), randn(8, 64)]],
+        forward=lambda gate, up, _: torch.ops.torchfuse.silu_mul(gate, up)),
+    "silu_mul_packed": Case(
+        "swiglu", ("torchfuse::silu_mul_packed", "torchfuse::silu_mul_packed_backward"),
+        make=lambda rows=4096, width=4096: [randn(rows, 2 * width, grad=True), randn(rows, width)],
+        run=lambda gate_up, dy: grads(torch.ops.torchfuse.silu_mul_packed(gate_up), [gate_up], [dy]),
+        big=lambda: [randn(BIG // 4096 + 1, 8192, grad=True), randn(BIG // 4096 + 1, 4096)],
+        bad=[lambda: [randn(8, 63), randn(8, 31)]],  # an odd width: chunk's halves differ
+        forward=lambda gate_up, _: torch.ops.torchfuse.silu_mul_packed(gate_up)),
+    "rotary": Case(
+        "rotary", ("torchfuse::rotary", "torchfuse::rotary_backward"), make=rotary_make, run=rotary_run,
+        # q past 2^31 elements, k of one head (GQA): 17 GiB in all.
+        big=lambda: rotary_make(b=1, s=BIG // (8 * 64) + 1, kv_heads=1),
+        bad=[lambda: [randn(2, 8, 16, 64), randn(2, 8, 16, 64), randn(2, 5, 64), randn(2, 5, 64), None, None]],
+        forward=lambda q, k, cos, sin, *_: torch.ops.torchfuse.rotary(q, k, cos, sin, 1)),
+}
+
+
+def catalog():
+    return tomllib.loads((ROOT / "src" / "catalog.toml").read_text())
+
+
+def test_every_op_has_a_record():
+    """Every toggle of the catalog, and every forward op of torchfuse's own, has a record here."""
+    cat = catalog()
+    toggles = {t["name"] for t in cat["toggle"]}
+    assert toggles - {c.toggle for c in CASES.values()} == set(), "toggles without a record"
+    own = {e["op"] for e in cat["entry"] if re.fullmatch(r"torchfuse::\w+", e["op"])}
+    forward = {op for op in own if not op.endswith("_backward")}
+    recorded = {op for c in CASES.values() for op in c.ops}
+    assert forward - recorded == set(), "torchfuse ops without a record"
+    assert recorded - {e["op"] for e in cat["entry"]} == set(), "records naming no catalog entry"
+
+
+@pytest.fixture(scope="module")
+def served_everywhere():
+    load_torchfuse()
+    torch.ops.torchfuse._serve_below_thresholds(True)
+    yield
+    torch.ops.torchfuse._serve_below_thresholds(False)
+
+
+def counts(case):
+    return [fused_count(op) for op in case.ops]
+
+
+def assert_served(case, before, what):
+    after = counts(case)
+    assert all(a > b for a, b in zip(after, before)), (
+        what, case.ops, before, after, {op: stock_reasons(op) for op in case.ops})
+
+
+def stock(case, inputs, kernel=True):
+    """Stock's result (the kernel ours stands for, or with kernel=False stock's own choice)."""
+    with enabled(case.toggle, False), case.stock_kernel() if kernel else contextlib.nullcontext():
+        return case.run(*inputs)
+
+
+def chunked_rel_err(out, ref, chunk=1 << 26):
+    """rel_err of tensors too large for float64 copies of the whole (on the GPU, a chunk at a
+    time)."""
+    out, ref = out.reshape(-1), ref.reshape(-1)
+    diff = norm = 0.0
+    for i in range(0, out.numel(), chunk):
+        a, b = out[i:i + chunk].cuda().double(), ref[i:i + chunk].cuda().double()
+        diff += (a - b).square().sum().item()
+        norm += b.square().sum().item()
+    return (diff / norm) ** 0.5 if norm > 0 else diff ** 0.5
+
+
+def assert_within_contract(ours, theirs, what):
+    assert len(ours) == len(theirs), what
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride()), (what, i)
+        err = chunked_rel_err(a, b)
+        assert err <= TOL[a.dtype], (what, i, err)
+
+
+@requires_cuda
+@pytest.mark.usefixtures("served_everywhere")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_cuda_graph_capture(name):
+    case = CASES[name]
+    static = case.make()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compiles the kernels) outside the capture
+        case.run(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph, before = torch.cuda.CUDAGraph(), counts(case)
+    with torch.cuda.graph(graph):
+        captured = case.run(*static)
+    assert_served(case, before, "captured")
+    for _ in range(2):
+        fresh = case.make()
+        with torch.no_grad():
+            for s, f in zip(flat(static), flat(fresh)):
+                s.copy_(f)
+        graph.replay()
+        eager = case.run(*fresh)
+        torch.cuda.synchronize()
+        assert all(torch.equal(c, e) for c, e in zip(captured, eager)), name
+
+
+def flat(inputs):
+    return [t for x in inputs for t in (x if isinstance(x, list) else [x]) if t is not None]
+
+
+@requires_cuda
+@pytest.mark.usefixtures("served_everywhere")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_deterministic_mode(name):
+    case = CASES[name]
+    inputs = case.make()
+    torch.use_deterministic_algorithms(True)
+    try:
+        before = counts(case)
+        first = case.run(*inputs)
+        assert_served(case, before, "deterministic mode")
+        again = case.run(*inputs)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(a, b) for a, b in zip(first, again)), f"{name}: not reproducible"
+    assert_within_contract(first, stock(case, inputs), name)
+
+
+@requires_cuda
+@pytest.mark.usefixtures("served_everywhere")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_more_than_2_31_elements(name):
+    case = CASES[name]
+    if isinstance(case.big, str):
+        pytest.skip(f"tested in {case.big}")
+    free, _ = torch.cuda.mem_get_info()
+    if free < (40 << 30):
+        pytest.skip(f"needs 40 GiB free on the GPU, {free / 2**30:.0f} free")
+    torch.cuda.empty_cache()
+    inputs = case.big()
+    assert max(t.numel() for t in flat(inputs)) > BIG
+    before = counts(case)
+    ours = [t.cpu() for t in case.run(*inputs)]  # host copies: room for stock's run
+    assert_served(case, before, "past 2^31 elements")
+    # Stock's own choice: its flash faults past 2^31 elements (an illegal address at B32769
+    # H8 S128 D64 on an H200, torch 2.11), its default (cuDNN on Hopper) does not.
+    theirs = stock(case, inputs, kernel=False)
+    del inputs
+    assert_within_contract(ours, [t.cpu() for t in theirs], name)
+
+
+@requires_cuda
+@pytest.mark.usefixtures("served_everywhere")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input_gets_stocks_error(name):
+    case = CASES[name]
+    assert case.bad, f"{name}: no bad input recorded"
+    call = case.forward or case.run
+    for make in case.bad:
+        inputs = make()
+        with pytest.raises(Exception) as theirs:
+            with enabled(case.toggle, False):
+                call(*inputs)
+        with pytest.raises(Exception) as ours:
+            call(*inputs)
+        assert type(ours.value) is type(theirs.value), (name, ours.value, theirs.value)
