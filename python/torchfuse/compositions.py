@@ -59,6 +59,12 @@ _SOURCES = {
     "hf_silu": """def forward(self, input):
     return nn.functional.silu(input)
 """,
+    # transformers.activations.GELUTanh.forward (ACT2FN["gelu_pytorch_tanh"], Gemma's gated MLP
+    # act_fn): what it computes is its `act` attribute, checked per instance
+    # (rewrites._gated_mlp_call).
+    "hf_gelu_tanh": """def forward(self, input):
+    return self.act(input)
+""",
     # transformers.models.gpt2.modeling_gpt2.GPT2MLP.forward, and its copies. What it computes
     # depends on its act and c_proj too: the rewrite checks them at every call.
     "hf_conv1d_mlp": """def forward(self, hidden_states):
@@ -532,6 +538,13 @@ def is_silu(module_type, torch):
     return module_type is torch.nn.SiLU or (
         form_of(module_type.__dict__.get("forward")) == "hf_silu"
         and module_type.__mro__[1] is torch.nn.Module)
+
+
+def is_gelu_tanh_by_attribute(module_type, torch):
+    """Whether modules of this type compute what their `act` attribute computes, as HF's
+    GELUTanh does (whose `act` is F.gelu with approximate="tanh", or its Python composition)."""
+    return (form_of(module_type.__dict__.get("forward")) == "hf_gelu_tanh"
+            and module_type.__mro__[1] is torch.nn.Module)
 
 
 def scan_functions(module):

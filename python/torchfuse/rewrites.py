@@ -434,36 +434,56 @@ def _causal_lm_loss(torch, original, form, dependencies=None):
     return loss_function
 
 
-def _silu_mlp_call(torch, original, dependencies=None):
-    """A function telling whether a call of a gated-MLP form (its input, its activation) may go
-    to a SiLU-and-multiply op: a plain CUDA tensor in, outside traces, an activation computing
-    SiLU (not in place, nothing else seeing or changing its call), and what the original calls
-    unchanged, the SiLU nn.SiLU and HF's SiLUActivation call among it."""
+def _gated_mlp_call(torch, original, dependencies=None):
+    """A function telling which op a call of a gated-MLP form (its input, its activation) may go
+    to: "silu" (SiLU-and-multiply) or "gelu_tanh" (tanh-GELU-and-multiply), else None. Served: a
+    plain CUDA tensor in, outside traces, an activation computing SiLU (nn.SiLU, HF's
+    SiLUActivation; not in place) or the tanh GELU (HF's GELUTanh whose `act` is F.gelu with
+    approximate="tanh" and nothing else), nothing else seeing or changing its call, and what the
+    original calls unchanged, the SiLU nn.SiLU and HF's SiLUActivation call among it."""
     tensor, untraced = torch.Tensor, _untraced_call(torch)
     unchanged = (dependencies or compositions.Dependencies(original)).add(vars(torch.nn),
                                                                           ("functional", "silu")).unchanged
-    silu_types = {}  # (activation type, its forward) -> computes SiLU
+    gelu, partial = torch._C._nn.gelu, functools.partial
+    kinds = {}  # (activation type, its forward) -> "silu", "gelu_attribute" or None
 
-    def plain_silu(act):
+    def kind_of(act):
         kind = type(act)
         key = (kind, kind.__dict__.get("forward"))
-        silu = silu_types.get(key)
-        if silu is None:
-            silu = silu_types[key] = compositions.is_silu(kind, torch)
-        return silu and not getattr(act, "inplace", False) and _unobserved(torch, act)
+        found = kinds.get(key, False)
+        if found is False:
+            found = kinds[key] = ("silu" if compositions.is_silu(kind, torch) else
+                                  "gelu_attribute" if compositions.is_gelu_tanh_by_attribute(kind, torch)
+                                  else None)
+        return found
+
+    def activation(act):
+        kind = kind_of(act)
+        if kind == "silu":
+            name = None if getattr(act, "inplace", False) else "silu"
+        elif kind == "gelu_attribute":
+            fn = vars(act).get("act")
+            name = ("gelu_tanh" if type(fn) is partial and fn.func is gelu and not fn.args
+                    and fn.keywords == {"approximate": "tanh"} else None)
+        else:
+            return None
+        return name if name is not None and _unobserved(torch, act) else None
 
     def served(x, act):
-        return type(x) is tensor and x.is_cuda and untraced() and plain_silu(act) and unchanged()
+        if type(x) is tensor and x.is_cuda and untraced() and unchanged():
+            return activation(act)
+        return None
 
     return served
 
 
 def _gated_mlp_forward(torch, original, form, dependencies=None):
-    """HF's gated MLP with silu(gate) * up in one op (torchfuse::silu_mul) where act_fn is SiLU
-    and gate and up agree in dtype and shape; the matmuls are the module's own."""
-    op = torch.ops.torchfuse.silu_mul.default
+    """HF's gated MLP with act(gate) * up in one op where act_fn is SiLU (torchfuse::silu_mul:
+    Llama's and its copies) or the tanh GELU (torchfuse::gelu_tanh_mul: Gemma's), and gate and
+    up agree in dtype and shape; the matmuls are the module's own."""
+    ops = {"silu": torch.ops.torchfuse.silu_mul.default, "gelu_tanh": torch.ops.torchfuse.gelu_tanh_mul.default}
     tensor, served = torch.Tensor, _served_dtypes(torch)
-    takes = _silu_mlp_call(torch, original, dependencies)
+    takes = _gated_mlp_call(torch, original, dependencies)
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
@@ -471,12 +491,13 @@ def _gated_mlp_forward(torch, original, form, dependencies=None):
         # another arity, is the original's.
         x = args[0] if len(args) == 1 and not kwargs else None
         act = self.act_fn
-        if not takes(x, act):
+        activation = takes(x, act)
+        if activation is None:
             return original(self, *args, **kwargs)
         gate, up = self.gate_proj(x), self.up_proj(x)
         if (type(gate) is tensor and type(up) is tensor and gate.dtype == up.dtype
                 and gate.dtype in served and gate.shape == up.shape):
-            return self.down_proj(op(gate, up))
+            return self.down_proj(ops[activation](gate, up))
         return self.down_proj(act(gate) * up)
 
     return forward
@@ -491,12 +512,12 @@ def _packed_gated_mlp_forward(torch, original, form, dependencies=None):
     own."""
     op = torch.ops.torchfuse.silu_mul_packed.default
     tensor, served = torch.Tensor, _served_dtypes(torch)
-    takes = _silu_mlp_call(torch, original, dependencies)
+    takes = _gated_mlp_call(torch, original, dependencies)
 
     @functools.wraps(original)
     def forward(self, hidden_states):
         act = self.activation_fn
-        if not takes(hidden_states, act):
+        if takes(hidden_states, act) != "silu":
             return original(self, hidden_states)
         gate_up = self.gate_up_proj(hidden_states)
         if (type(gate_up) is tensor and gate_up.dtype in served and gate_up.dim() >= 1
@@ -668,7 +689,8 @@ REWRITES = {
                                                            "then the original's cast"),
     "t5_rms_norm": Rewrite(_t5_rms_norm_forward, "aten::rms_norm in fp32 with an fp32 weight, else "
                                                  + _OPS + "hf_rms_norm"),
-    **dict.fromkeys(("hf_gated_mlp", "hf_gated_mlp_inline"), Rewrite(_gated_mlp_forward, _OPS + "silu_mul")),
+    **dict.fromkeys(("hf_gated_mlp", "hf_gated_mlp_inline"),
+                    Rewrite(_gated_mlp_forward, _OPS + "silu_mul (SiLU) or gelu_tanh_mul (tanh GELU)")),
     "hf_packed_gated_mlp": Rewrite(_packed_gated_mlp_forward, _OPS + "silu_mul_packed"),
     # A module-level function.
     "hf_causal_lm_loss": Rewrite(_causal_lm_loss, _OPS + "cross_entropy"),

@@ -213,6 +213,12 @@ pub enum KernelOp {
     /// `torchfuse::silu_mul_backward`; as the forward.
     #[serde(rename = "silu_mul_bwd")]
     SiluMulBwd,
+    /// `torchfuse::gelu_tanh_mul` (GeGLU); `rows` is the element count.
+    #[serde(rename = "gelu_tanh_mul_fwd")]
+    GeluTanhMulFwd,
+    /// `torchfuse::gelu_tanh_mul_backward`; as the forward.
+    #[serde(rename = "gelu_tanh_mul_bwd")]
+    GeluTanhMulBwd,
     /// `torchfuse::rotary`, every tensor in q's dtype; `hidden` is the head dim, `rows` the
     /// rows (one head of one token) of q and k together.
     #[serde(rename = "rotary_fwd")]
@@ -254,9 +260,10 @@ impl KernelOp {
             | KernelOp::CrossEntropyBwdWide => {
                 OpParams::prepare::<cross_entropy::CrossEntropy>(self, v)
             }
-            KernelOp::SiluMulFwd | KernelOp::SiluMulBwd => {
-                OpParams::prepare::<swiglu::Swiglu>(self, v)
-            }
+            KernelOp::SiluMulFwd
+            | KernelOp::SiluMulBwd
+            | KernelOp::GeluTanhMulFwd
+            | KernelOp::GeluTanhMulBwd => OpParams::prepare::<swiglu::Swiglu>(self, v),
             KernelOp::RotaryFwd
             | KernelOp::RotaryFwdWide
             | KernelOp::RotaryBwd
@@ -831,6 +838,14 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
             (CrossEntropyBwd, DType::F32, 1, 1, "ce_bwd"),
             (SiluMulFwd, DType::BF16, 1, 4096 * 11008, "silu_mul_fwd"),
             (SiluMulBwd, DType::F16, 1, 64, "silu_mul_bwd"),
+            (
+                GeluTanhMulFwd,
+                DType::BF16,
+                1,
+                4096 * 16384,
+                "gelu_tanh_mul_fwd",
+            ),
+            (GeluTanhMulBwd, DType::F32, 1, 64, "gelu_tanh_mul_bwd"),
             (
                 RotaryFwdWide,
                 DType::BF16,

@@ -1,8 +1,8 @@
-//! SwiGLU's pointwise part, forward and backward (`torchfuse::silu_mul[_backward]`, what the
-//! rewrite layer sends HF's gated MLP to between its matmuls, and `silu_mul_packed[_backward]`,
-//! the same of the two halves of one tensor: Phi-3's gate_up_proj output), through
-//! kernels/swiglu.cu, or why stock (PyTorch's `silu(gate) * up` and its autograd ops, in the
-//! glue) runs a call.
+//! The gated MLPs' pointwise part, forward and backward (`torchfuse::silu_mul[_backward]`, what
+//! the rewrite layer sends HF's gated MLP to between its matmuls; `silu_mul_packed[_backward]`,
+//! the same of the two halves of one tensor: Phi-3's gate_up_proj output;
+//! `gelu_tanh_mul[_backward]`, GeGLU: Gemma's, a tanh-GELU gate), through kernels/swiglu.cu, or
+//! why stock (PyTorch's `act(gate) * up` and its autograd ops, in the glue) runs a call.
 
 use super::{elementwise, params};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
@@ -14,9 +14,11 @@ use crate::select::{dtype_of, StockReason};
 use cudarc::driver::PushKernelArg;
 use serde::{Deserialize, Serialize};
 
-/// The kernels of kernels/swiglu.cu, by name.
+/// The kernels of kernels/swiglu.cu, by name: SwiGLU's, then GeGLU's (TF_GATE_GELU).
 const FWD_KERNEL: &str = "silu_mul_fwd";
 const BWD_KERNEL: &str = "silu_mul_bwd";
+const GELU_FWD_KERNEL: &str = "gelu_tanh_mul_fwd";
+const GELU_BWD_KERNEL: &str = "gelu_tanh_mul_bwd";
 
 pub struct Swiglu;
 
@@ -34,9 +36,9 @@ impl Family for Swiglu {
         Some(describe(Some(&gate)))
     }
 
-    /// silu_mul: forward y; backward dgate, dup, every tensor of the gate's dtype and shape.
-    /// silu_mul_packed (gate and up the halves of one [.., 2 w] tensor): forward y [.., w];
-    /// backward the gradient of the packed tensor, whole.
+    /// silu_mul, gelu_tanh_mul: forward y; backward dgate, dup, every tensor of the gate's
+    /// dtype and shape. silu_mul_packed (gate and up the halves of one [.., 2 w] tensor):
+    /// forward y [.., w]; backward the gradient of the packed tensor, whole.
     unsafe fn serve(
         entry: Entry,
         launch: Launch,
@@ -44,7 +46,11 @@ impl Family for Swiglu {
         shape: &[i64],
     ) -> Result<Served, StockReason> {
         let packed = matches!(entry, Entry::SiluMulPacked | Entry::SiluMulPackedBackward);
-        let backward = matches!(entry, Entry::SiluMulBackward | Entry::SiluMulPackedBackward);
+        let backward = matches!(
+            entry,
+            Entry::SiluMulBackward | Entry::SiluMulPackedBackward | Entry::GeluTanhMulBackward
+        );
+        let gelu = matches!(entry, Entry::GeluTanhMul | Entry::GeluTanhMulBackward);
         let gate = call.gate.borrow().ok_or(StockReason::InvalidInput)?;
         let up = call.up.borrow();
         let grad_out = call.grad_out.borrow();
@@ -77,10 +83,14 @@ impl Family for Swiglu {
         if layout.n == 0 {
             return Err(StockReason::EmptyInput);
         }
-        let op = if backward {
-            KernelOp::SiluMulBwd
-        } else {
-            KernelOp::SiluMulFwd
+        let op = match (gelu, backward) {
+            (false, false) => KernelOp::SiluMulFwd,
+            (false, true) => KernelOp::SiluMulBwd,
+            (true, false) => KernelOp::GeluTanhMulFwd,
+            (true, true) => KernelOp::GeluTanhMulBwd,
+        };
+        let [kernel_name] = Swiglu::kernels(op) else {
+            return Err(StockReason::InternalError);
         };
         let Selected {
             gpu,
@@ -122,13 +132,14 @@ impl Family for Swiglu {
             let vectorized =
                 i32::from(layout.vectorizable() && aligned16(dense.into_iter().flatten()));
             let ptrs = [device_addr(dy), gate_ptr, up_ptr, dgate_ptr, dup_ptr];
-            let kernel = kernels.get(BWD_KERNEL)?;
+            let kernel = kernels.get(kernel_name)?;
             let mut args = stream.launch_builder(&kernel.function);
             for ptr in &ptrs {
                 args.arg(ptr);
             }
             args.arg(&n).arg(&vectorized).arg(&width).arg(&stride);
-            // SAFETY: argument types and order match silu_mul_bwd (dy, gate, up, dgate, dup, n,
+            // SAFETY: argument types and order match silu_mul_bwd and gelu_tanh_mul_bwd (dy,
+            // gate, up, dgate, dup, n,
             // vectorized, width, stride); dy is contiguous with n elements, gate, up, dgate and
             // dup hold n / width rows of width elements stride apart inside their tensors (the
             // layout checked above), all of the op's dtype, and live until the stream is done
@@ -140,7 +151,7 @@ impl Family for Swiglu {
         let dense = [Some(&*gate), up.as_deref(), Some(&y)];
         let vectorized = i32::from(layout.vectorizable() && aligned16(dense.into_iter().flatten()));
         let y_ptr = device_addr(&y);
-        let kernel = kernels.get(FWD_KERNEL)?;
+        let kernel = kernels.get(kernel_name)?;
         let mut args = stream.launch_builder(&kernel.function);
         args.arg(&gate_ptr)
             .arg(&up_ptr)
@@ -149,26 +160,30 @@ impl Family for Swiglu {
             .arg(&vectorized)
             .arg(&width)
             .arg(&stride);
-        // SAFETY: argument types and order match silu_mul_fwd (gate, up, y, n, vectorized,
-        // width, stride); as the backward's.
+        // SAFETY: argument types and order match silu_mul_fwd and gelu_tanh_mul_fwd (gate, up,
+        // y, n, vectorized, width, stride); as the backward's.
         unsafe { args.launch(config) }.map_err(|e| super::launch_failed(variant, e))?;
         Ok(Served::new(variant.name.as_str(), [Some(y), None, None]))
     }
 
+    /// The op's one kernel.
     fn kernels(op: KernelOp) -> &'static [&'static str] {
-        if op == KernelOp::SiluMulBwd {
-            &[BWD_KERNEL]
-        } else {
-            &[FWD_KERNEL]
+        match op {
+            KernelOp::SiluMulFwd => &[FWD_KERNEL],
+            KernelOp::SiluMulBwd => &[BWD_KERNEL],
+            KernelOp::GeluTanhMulFwd => &[GELU_FWD_KERNEL],
+            _ => &[GELU_BWD_KERNEL],
         }
     }
 
-    /// Which kernel kernels/swiglu.cu compiles.
+    /// Which kernel kernels/swiglu.cu compiles, and its gate's activation.
     fn defines(op: KernelOp) -> Vec<String> {
-        let backward = op == KernelOp::SiluMulBwd;
+        let backward = matches!(op, KernelOp::SiluMulBwd | KernelOp::GeluTanhMulBwd);
+        let gelu = matches!(op, KernelOp::GeluTanhMulFwd | KernelOp::GeluTanhMulBwd);
         vec![
             format!("-DTF_SWIGLU_FWD={}", i32::from(!backward)),
             format!("-DTF_SWIGLU_BWD={}", i32::from(backward)),
+            format!("-DTF_GATE_GELU={}", i32::from(gelu)),
             elementwise::define(),
         ]
     }

@@ -213,7 +213,8 @@ def test_recognition_imports_no_torch():
     assert out.stdout.strip() == ("['cohere_layer_norm', 'fast_gelu', 'gemma4_norm', 'gemma4_rms_norm', 'gemma_norm', "
                                   "'gemma_rms_norm', "
                                   "'gpt_oss_rms_norm', 'hf_conv1d', 'hf_conv1d_mlp', 'hf_gated_mlp', "
-                                  "'hf_gated_mlp_inline', 'hf_packed_gated_mlp', 'hf_rms_norm', 'hf_silu', 'new_gelu', "
+                                  "'hf_gated_mlp_inline', 'hf_gelu_tanh', 'hf_packed_gated_mlp', 'hf_rms_norm', 'hf_silu', "
+                                  "'new_gelu', "
                                   "'t5_rms_norm']")
 
 

@@ -119,6 +119,21 @@ def unary_case(toggle, ops, fn, make_x, bad):
                 lambda: make(BIG // 4096 + 1, 4096), bad, forward=lambda x, *_: fn(x))
 
 
+def gated_case(name):
+    """A gated MLP's pointwise op (silu_mul, gelu_tanh_mul): act(gate) * up."""
+    def op(gate, up):
+        return getattr(torch.ops.torchfuse, name)(gate, up)
+
+    def make(rows=4096, width=4096):
+        return [randn(rows, width, grad=True), randn(rows, width, grad=True), randn(rows, width)]
+
+    return Case("swiglu", (f"torchfuse::{name}", f"torchfuse::{name}_backward"), make=make,
+                run=lambda gate, up, dy: grads(op(gate, up), [gate, up], [dy]),
+                big=lambda: make(BIG // 4096 + 1, 4096),
+                bad=[lambda: [randn(8, 64), randn(8, 63), randn(8, 64)]],  # not broadcastable
+                forward=lambda gate, up, _: op(gate, up))
+
+
 CASES = {
     "layer_norm": norm_case("layer_norm", ("native_layer_norm", "native_layer_norm_backward"),
                             lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b), bias=True),
@@ -173,15 +188,8 @@ CASES = {
         bad=[lambda: [randn(8, 100), torch.zeros(9, dtype=torch.long, device="cuda"), randn()]],
         forward=lambda logits, target, _: torch.ops.torchfuse.cross_entropy(logits, target, 1, -100, 0.0,
                                                                             torch.float32)),
-    "silu_mul": Case(
-        "swiglu", ("torchfuse::silu_mul", "torchfuse::silu_mul_backward"),
-        make=lambda rows=4096, width=4096: [randn(rows, width, grad=True), randn(rows, width, grad=True),
-                                            randn(rows, width)],
-        run=lambda gate, up, dy: grads(torch.ops.torchfuse.silu_mul(gate, up), [gate, up], [dy]),
-        big=lambda: [randn(BIG // 4096 + 1, 4096, grad=True), randn(BIG // 4096 + 1, 4096, grad=True),
-                     randn(BIG // 4096 + 1, 4096)],
-        bad=[lambda: [randn(8, 64), randn(8, 63), randn(8, 64)]],
-        forward=lambda gate, up, _: torch.ops.torchfuse.silu_mul(gate, up)),
+    "silu_mul": gated_case("silu_mul"),
+    "gelu_tanh_mul": gated_case("gelu_tanh_mul"),
     "silu_mul_packed": Case(
         "swiglu", ("torchfuse::silu_mul_packed", "torchfuse::silu_mul_packed_backward"),
         make=lambda rows=4096, width=4096: [randn(rows, 2 * width, grad=True), randn(rows, width)],

@@ -19,11 +19,21 @@ pytestmark = [requires_cuda, pytest.mark.usefixtures("torchfuse_below_thresholds
 
 OP, OP_BWD = "torchfuse::silu_mul", "torchfuse::silu_mul_backward"
 PACKED, PACKED_BWD = "torchfuse::silu_mul_packed", "torchfuse::silu_mul_packed_backward"
+GELU, GELU_BWD = "torchfuse::gelu_tanh_mul", "torchfuse::gelu_tanh_mul_backward"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def original(gate, up):
     return F.silu(gate) * up
+
+
+def gelu_original(gate, up):
+    """GemmaMLP's pointwise part (its act_fn, HF's GELUTanh, is F.gelu with approximate="tanh")."""
+    return F.gelu(gate, approximate="tanh") * up
+
+
+# The dense ops, by name: (their stats names, the original composition).
+DENSE = {"silu_mul": (OP, OP_BWD, original), "gelu_tanh_mul": (GELU, GELU_BWD, gelu_original)}
 
 
 def grads(fn, gate, up, dy):
@@ -32,8 +42,14 @@ def grads(fn, gate, up, dy):
     return (y.detach(),) + torch.autograd.grad(y, (g, u), dy)
 
 
+@pytest.mark.parametrize("name", sorted(DENSE))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_is_the_original_composition(dtype):
+def test_dense_op_is_the_original_composition(dtype, name):
+    """silu_mul (Llama's) and gelu_tanh_mul (Gemma's) against the original composition: values
+    and both gradients within the original's error to float64, dtypes, shapes, strides, bitwise
+    reproducible, served forward and backward at every shape."""
+    op, op_bwd, composition = DENSE[name]
+    fn = getattr(torch.ops.torchfuse, name)
     seed = fresh_seed()
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -43,17 +59,17 @@ def test_silu_mul_is_the_original_composition(dtype):
         gate = (3 * torch.randn(shape, device="cuda")).to(dtype)
         up = torch.randn(shape, device="cuda").to(dtype)
         dy = torch.randn(shape, device="cuda").to(dtype)
-        before = fused_count(OP), fused_count(OP_BWD)
-        ours = grads(torch.ops.torchfuse.silu_mul, gate, up, dy)
-        assert (fused_count(OP), fused_count(OP_BWD)) == (before[0] + 1, before[1] + 1), (
-            shape, stock_reasons(OP), stock_reasons(OP_BWD))
-        theirs = grads(original, gate, up, dy)
-        refs = grads(original, gate.double(), up.double(), dy.double())
+        before = fused_count(op), fused_count(op_bwd)
+        ours = grads(fn, gate, up, dy)
+        assert (fused_count(op), fused_count(op_bwd)) == (before[0] + 1, before[1] + 1), (
+            shape, stock_reasons(op), stock_reasons(op_bwd))
+        theirs = grads(composition, gate, up, dy)
+        refs = grads(composition, gate.double(), up.double(), dy.double())
         for name, o, t, r in zip(("y", "dgate", "dup"), ours, theirs, refs):
             assert o.dtype == t.dtype and o.shape == t.shape and o.stride() == t.stride(), (name, shape)
             e_ours, e_orig = rel_err(o, r), rel_err(t, r)
             assert e_ours <= max(2 * e_orig, FLOOR[dtype]), f"seed {seed} {shape} {name}: {e_ours:.3g} vs {e_orig:.3g}"
-        again = grads(torch.ops.torchfuse.silu_mul, gate, up, dy)
+        again = grads(fn, gate, up, dy)
         assert all(torch.equal(a, b) for a, b in zip(ours, again)), f"{shape}: not reproducible"
 
 
@@ -142,6 +158,8 @@ MLPS = {
     # Phi-3's (GLM's, Dia's copies): gate_up_proj's output to silu_mul_packed, whose backward
     # writes the projection's gradient whole.
     "phi3": ("Phi3MLP", "Phi3Config", "_packed_gated_mlp_forward", "hf_packed_gated_mlp", PACKED, PACKED_BWD),
+    # Gemma's (Gemma 2's, 3's): Llama's form with HF's GELUTanh as act_fn, to gelu_tanh_mul.
+    "gemma": ("GemmaMLP", "GemmaConfig", "_gated_mlp_forward", "hf_gated_mlp", GELU, GELU_BWD),
 }
 
 

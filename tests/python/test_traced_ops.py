@@ -29,6 +29,8 @@ SAMPLES = {
     "silu_mul": [(x, r(5, 64, grad=True))],
     "silu_mul_backward": [(r(5, 64), x.detach(), r(5, 64))],
     "silu_mul_packed": [(x,)],
+    "gelu_tanh_mul": [(x, r(5, 64, grad=True))],
+    "gelu_tanh_mul_backward": [(r(5, 64), x.detach(), r(5, 64))],
     "silu_mul_packed_backward": [(r(5, 32), x.detach())],
     "hf_rms_norm": [(x, w, 1e-6)],
     "cross_entropy": [(logits, target, 1, -100, 0.0, torch.float32), (logits, target, 0, 3, 0.1, None)],
@@ -63,6 +65,11 @@ CASES = {
         inputs=lambda n: [r(n, 64, grad=True), r(n, 64, grad=True)], dims=[{0: N}, {0: N}],
         call=lambda gate, up: ops.silu_mul(gate, up).sum(),
         pair=(lambda t: ops.silu_mul(t, t * 2), lambda t: F.silu(t) * (t * 2)), shape=(5, 8), vmap=True),
+    "gelu_tanh_mul": dict(
+        inputs=lambda n: [r(n, 64, grad=True), r(n, 64, grad=True)], dims=[{0: N}, {0: N}],
+        call=lambda gate, up: ops.gelu_tanh_mul(gate, up).sum(),
+        pair=(lambda t: ops.gelu_tanh_mul(t, t * 2), lambda t: F.gelu(t, approximate="tanh") * (t * 2)),
+        shape=(5, 8), vmap=True),
     "silu_mul_packed": dict(
         inputs=lambda n: [r(n, 64, grad=True)], dims=[{0: N}],
         call=lambda gate_up: ops.silu_mul_packed(gate_up).sum(),
@@ -160,7 +167,8 @@ for name, case in CASES.items():
     diffs[name] = max((a - b).abs().max().item() for a, b in zip(got, want))
 print(json.dumps(diffs))
 """)
-    assert set(out) == {"gelu_tanh", "silu_mul", "silu_mul_packed", "hf_rms_norm", "rotary", "cross_entropy"}, out
+    assert set(out) == {"gelu_tanh", "silu_mul", "silu_mul_packed", "gelu_tanh_mul", "hf_rms_norm", "rotary",
+                        "cross_entropy"}, out
     assert all(d < 1e-4 for d in out.values()), out
 
 

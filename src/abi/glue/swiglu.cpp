@@ -1,69 +1,118 @@
 // torchfuse::silu_mul (HF's gated MLP between its matmuls), silu_mul_packed (the same of the
-// two halves of one tensor: Phi-3's gate_up_proj output), and their backwards.
+// two halves of one tensor: Phi-3's gate_up_proj output), gelu_tanh_mul (GeGLU: Gemma's, a
+// tanh-GELU gate), and their backwards.
 #include "glue.h"
 
 namespace torchfuse_glue {
 namespace {
 
-// torchfuse::silu_mul(gate, up): silu(gate) * up, HF's gated MLP between its matmuls; same
-// dtype and shape for both (anything else is stock's, broadcasting included).
-at::Tensor silu_mul_stock(const at::Tensor& gate, const at::Tensor& up) {
-  return at::silu(gate) * up;
+// The gate activations of HF's gated MLPs, as the original code computes them: `act` and its
+// backward (autograd's own ops), and `composed`/`derivative`, differentiable compositions for a
+// double backward (the activations' backward ops have no derivative of their own).
+struct Silu {
+  static constexpr const char* kOp = "torchfuse::silu_mul";
+  static constexpr const char* kBackwardOp = "torchfuse::silu_mul_backward";
+  static constexpr TfEntry kEntry = TF_ENTRY_SILU_MUL;
+  static constexpr TfEntry kBackwardEntry = TF_ENTRY_SILU_MUL_BACKWARD;
+  static at::Tensor act(const at::Tensor& g) { return at::silu(g); }
+  static at::Tensor act_backward(const at::Tensor& grad, const at::Tensor& g) {
+    return at::silu_backward(grad, g);
+  }
+  static at::Tensor composed(const at::Tensor& g) { return g * at::sigmoid(g); }
+  static at::Tensor derivative(const at::Tensor& g) {
+    const at::Tensor s = at::sigmoid(g);
+    return s * (1 + g * (1 - s));
+  }
+};
+
+// Gemma's gelu_pytorch_tanh: F.gelu(approximate="tanh"), whose constants kernels/gelu_tanh.cuh
+// writes too.
+struct GeluTanh {
+  static constexpr const char* kOp = "torchfuse::gelu_tanh_mul";
+  static constexpr const char* kBackwardOp = "torchfuse::gelu_tanh_mul_backward";
+  static constexpr TfEntry kEntry = TF_ENTRY_GELU_TANH_MUL;
+  static constexpr TfEntry kBackwardEntry = TF_ENTRY_GELU_TANH_MUL_BACKWARD;
+  static constexpr double kBeta = 0.7978845608028654;  // sqrt(2 / pi)
+  static constexpr double kKappa = 0.044715;
+  static at::Tensor act(const at::Tensor& g) { return at::gelu(g, "tanh"); }
+  static at::Tensor act_backward(const at::Tensor& grad, const at::Tensor& g) {
+    return at::gelu_backward(grad, g, "tanh");
+  }
+  static at::Tensor composed(const at::Tensor& g) {
+    return 0.5 * g * (1 + at::tanh(kBeta * (g + kKappa * g * g * g)));
+  }
+  static at::Tensor derivative(const at::Tensor& g) {
+    const at::Tensor t = at::tanh(kBeta * (g + kKappa * g * g * g));
+    return 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * kBeta * (1 + 3 * kKappa * g * g);
+  }
+};
+
+// torchfuse::silu_mul(gate, up) and gelu_tanh_mul(gate, up): act(gate) * up, HF's gated MLP
+// between its matmuls; same dtype and shape for both (anything else is stock's, broadcasting
+// included).
+template <class Act>
+at::Tensor gated_stock(const at::Tensor& gate, const at::Tensor& up) {
+  return Act::act(gate) * up;
 }
 
-// The original's autograd, op for op: mul's backward, then silu's.
-std::tuple<at::Tensor, at::Tensor> silu_mul_backward_stock(const at::Tensor& grad_out,
-                                                           const at::Tensor& gate,
-                                                           const at::Tensor& up) {
-  return {at::silu_backward(grad_out * up, gate), grad_out * at::silu(gate)};
+// The original's autograd, op for op: mul's backward, then the activation's.
+template <class Act>
+std::tuple<at::Tensor, at::Tensor> gated_backward_stock(const at::Tensor& grad_out,
+                                                        const at::Tensor& gate,
+                                                        const at::Tensor& up) {
+  return {Act::act_backward(grad_out * up, gate), grad_out * Act::act(gate)};
 }
 
-at::Tensor silu_mul_cuda(const at::Tensor& gate, const at::Tensor& up) {
+template <class Act>
+at::Tensor gated_cuda(const at::Tensor& gate, const at::Tensor& up) {
   TfSwigluCall call{};
   call.gate = describe(gate);
   call.up = describe(up);
   TfOutputs out{};
-  if (fused_by_rust(torchfuse_rs_swiglu, TF_ENTRY_SILU_MUL, gate, call, out))
+  if (fused_by_rust(torchfuse_rs_swiglu, Act::kEntry, gate, call, out))
     return take_outputs(out)[0];
-  return silu_mul_stock(gate, up);
+  return gated_stock<Act>(gate, up);
 }
 
-std::tuple<at::Tensor, at::Tensor> silu_mul_backward_cuda(const at::Tensor& grad_out,
-                                                          const at::Tensor& gate,
-                                                          const at::Tensor& up) {
+template <class Act>
+std::tuple<at::Tensor, at::Tensor> gated_backward_cuda(const at::Tensor& grad_out,
+                                                       const at::Tensor& gate,
+                                                       const at::Tensor& up) {
   TfSwigluCall call{};
   call.gate = describe(gate);
   call.up = describe(up);
   call.grad_out = describe(grad_out);
   TfOutputs out{};
-  if (fused_by_rust(torchfuse_rs_swiglu, TF_ENTRY_SILU_MUL_BACKWARD, gate, call, out)) {
+  if (fused_by_rust(torchfuse_rs_swiglu, Act::kBackwardEntry, gate, call, out)) {
     auto outputs = take_outputs(out);
     return {outputs[0], outputs[1]};
   }
-  return silu_mul_backward_stock(grad_out, gate, up);
+  return gated_backward_stock<Act>(grad_out, gate, up);
 }
 
-at::Tensor call_silu_mul(const at::Tensor& gate, const at::Tensor& up) {
-  static const auto op = own_op<decltype(call_silu_mul)>("torchfuse::silu_mul");
+template <class Act>
+at::Tensor call_gated(const at::Tensor& gate, const at::Tensor& up) {
+  static const auto op = own_op<decltype(gated_stock<Act>)>(Act::kOp);
   return op.call(gate, up);
 }
 
-std::tuple<at::Tensor, at::Tensor> call_silu_mul_backward(const at::Tensor& grad_out,
-                                                          const at::Tensor& gate,
-                                                          const at::Tensor& up) {
-  static const auto op =
-      own_op<decltype(call_silu_mul_backward)>("torchfuse::silu_mul_backward");
+template <class Act>
+std::tuple<at::Tensor, at::Tensor> call_gated_backward(const at::Tensor& grad_out,
+                                                       const at::Tensor& gate,
+                                                       const at::Tensor& up) {
+  static const auto op = own_op<decltype(gated_backward_stock<Act>)>(Act::kBackwardOp);
   return op.call(grad_out, gate, up);
 }
 
-// Keeps gate and up for the backward (the original also keeps silu(gate)).
-class SiluMulFunction : public torch::autograd::Function<SiluMulFunction> {
+// Keeps gate and up for the backward (the original also keeps act(gate)).
+template <class Act>
+class GatedFunction : public torch::autograd::Function<GatedFunction<Act>> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate,
                             const at::Tensor& up) {
     ctx->save_for_backward({gate, up});
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return call_silu_mul(gate, up);
+    return call_gated<Act>(gate, up);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
@@ -71,18 +120,18 @@ class SiluMulFunction : public torch::autograd::Function<SiluMulFunction> {
     const at::Tensor &gate = saved[0], &up = saved[1];
     if (at::GradMode::is_enabled()) {
       // create_graph: a differentiable composition (a double backward), as autograd's own
-      // formula for silu is under grad mode (silu_backward has no derivative).
-      const at::Tensor s = at::sigmoid(gate);
-      return {grads[0] * up * s * (1 + gate * (1 - s)), grads[0] * (gate * s)};
+      // formulas are under grad mode.
+      return {grads[0] * up * Act::derivative(gate), grads[0] * Act::composed(gate)};
     }
-    auto [dgate, dup] = call_silu_mul_backward(grads[0], gate, up);
+    auto [dgate, dup] = call_gated_backward<Act>(grads[0], gate, up);
     return {dgate, dup};
   }
 };
 
-at::Tensor silu_mul_autograd(const at::Tensor& gate, const at::Tensor& up) {
-  if (composition_only({gate, up})) return silu_mul_stock(gate, up);
-  return SiluMulFunction::apply(gate, up);
+template <class Act>
+at::Tensor gated_autograd(const at::Tensor& gate, const at::Tensor& up) {
+  if (composition_only({gate, up})) return gated_stock<Act>(gate, up);
+  return GatedFunction<Act>::apply(gate, up);
 }
 
 // torchfuse::silu_mul_packed(gate_up): silu(gate) * up of `gate, up = gate_up.chunk(2, -1)`
@@ -90,14 +139,14 @@ at::Tensor silu_mul_autograd(const at::Tensor& gate, const at::Tensor& up) {
 // in the original.
 at::Tensor silu_mul_packed_stock(const at::Tensor& gate_up) {
   const auto halves = gate_up.chunk(2, -1);
-  return silu_mul_stock(halves[0], halves[1]);
+  return gated_stock<Silu>(halves[0], halves[1]);
 }
 
 // The gradient of gate_up, whole: the original's autograd (mul's, silu's) of each half, then
 // chunk's backward, which concatenates them.
 at::Tensor silu_mul_packed_backward_stock(const at::Tensor& grad_out, const at::Tensor& gate_up) {
   const auto halves = gate_up.chunk(2, -1);
-  auto [dgate, dup] = silu_mul_backward_stock(grad_out, halves[0], halves[1]);
+  auto [dgate, dup] = gated_backward_stock<Silu>(grad_out, halves[0], halves[1]);
   return at::cat({dgate, dup}, -1);
 }
 
@@ -146,8 +195,8 @@ class SiluMulPackedFunction : public torch::autograd::Function<SiluMulPackedFunc
       // create_graph: a differentiable composition (a double backward), as silu_mul's.
       const auto halves = gate_up.chunk(2, -1);
       const at::Tensor &gate = halves[0], &up = halves[1];
-      const at::Tensor s = at::sigmoid(gate);
-      return {at::cat({grads[0] * up * s * (1 + gate * (1 - s)), grads[0] * (gate * s)}, -1)};
+      return {at::cat({grads[0] * up * Silu::derivative(gate), grads[0] * Silu::composed(gate)},
+                      -1)};
     }
     return {call_silu_mul_packed_backward(grads[0], gate_up)};
   }
@@ -158,26 +207,38 @@ at::Tensor silu_mul_packed_autograd(const at::Tensor& gate_up) {
   return SiluMulPackedFunction::apply(gate_up);
 }
 
+template <class Act>
+bool register_gated(const char* name) {
+  using c10::DispatchKey;
+  torchfuse_ops().def((std::string(name) + "(Tensor gate, Tensor up) -> Tensor").c_str());
+  torchfuse_impl(DispatchKey::CompositeExplicitAutograd).impl(name, TORCH_FN(gated_stock<Act>));
+  torchfuse_impl(DispatchKey::CUDA).impl(name, TORCH_FN(gated_cuda<Act>));
+  torchfuse_impl(DispatchKey::Autograd).impl(name, TORCH_FN(gated_autograd<Act>));
+  return true;
+}
+
+template <class Act>
+bool register_gated_backward(const char* name) {
+  using c10::DispatchKey;
+  torchfuse_ops().def(
+      (std::string(name) + "(Tensor grad_out, Tensor gate, Tensor up) -> (Tensor, Tensor)")
+          .c_str());
+  torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
+      .impl(name, TORCH_FN(gated_backward_stock<Act>));
+  torchfuse_impl(DispatchKey::CUDA).impl(name, TORCH_FN(gated_backward_cuda<Act>));
+  return true;
+}
+
 }  // namespace
 
 bool register_swiglu(uint32_t entry, const char* /*name*/) {
   using c10::DispatchKey;
   switch (entry) {
-    case TF_ENTRY_SILU_MUL:
-      torchfuse_ops().def("silu_mul(Tensor gate, Tensor up) -> Tensor");
-      torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
-          .impl("silu_mul", TORCH_FN(silu_mul_stock));
-      torchfuse_impl(DispatchKey::CUDA).impl("silu_mul", TORCH_FN(silu_mul_cuda));
-      torchfuse_impl(DispatchKey::Autograd).impl("silu_mul", TORCH_FN(silu_mul_autograd));
-      return true;
-    case TF_ENTRY_SILU_MUL_BACKWARD:
-      torchfuse_ops().def(
-          "silu_mul_backward(Tensor grad_out, Tensor gate, Tensor up) -> (Tensor, Tensor)");
-      torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
-          .impl("silu_mul_backward", TORCH_FN(silu_mul_backward_stock));
-      torchfuse_impl(DispatchKey::CUDA)
-          .impl("silu_mul_backward", TORCH_FN(silu_mul_backward_cuda));
-      return true;
+    case TF_ENTRY_SILU_MUL: return register_gated<Silu>("silu_mul");
+    case TF_ENTRY_SILU_MUL_BACKWARD: return register_gated_backward<Silu>("silu_mul_backward");
+    case TF_ENTRY_GELU_TANH_MUL: return register_gated<GeluTanh>("gelu_tanh_mul");
+    case TF_ENTRY_GELU_TANH_MUL_BACKWARD:
+      return register_gated_backward<GeluTanh>("gelu_tanh_mul_backward");
     case TF_ENTRY_SILU_MUL_PACKED:
       torchfuse_ops().def("silu_mul_packed(Tensor gate_up) -> Tensor");
       torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
