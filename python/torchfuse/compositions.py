@@ -207,6 +207,23 @@ _NEOX_ROPE_BODY = """    cos = cos.unsqueeze(unsqueeze_dim)
 
 # Module-level functions of transformers.loss.loss_utils (5.17), with their defaults.
 _FUNCTION_SOURCES = {
+    # transformers.integrations.moe._default_apply_gate: the gate of HF's MoE experts (Mixtral,
+    # Qwen2/3-MoE, OLMoE and the others built with use_experts_implementation) under its default
+    # experts implementations (grouped_mm, batched_mm), each experts class's `_apply_gate`. What
+    # it computes depends on the module's act_fn: the rewrite checks that at every call.
+    "hf_moe_apply_gate": ('''def _default_apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+    """
+    Default gating mechanism: splits the gate_up_out into gate and up parts,
+    applies the activation function to the gate part, and multiplies it with the up part.
+    Args:
+        gate_up_out (`torch.Tensor`):
+            The output tensor from the gate and up projection of shape (S, 2 * intermediate_dim).
+    Returns:
+        `torch.Tensor`: The gated output tensor of shape (S, intermediate_dim).
+    """
+    gate, up = gate_up_out.chunk(2, dim=-1)  # (S, intermediate_dim)
+    return self.act_fn(gate) * up  # (S, intermediate_dim)
+''', None),
     "hf_fixed_cross_entropy": ("""def fixed_cross_entropy(source, target, num_items_in_batch=None, ignore_index=-100, **kwargs):
     reduction = "sum" if num_items_in_batch is not None else "mean"
     loss = nn.functional.cross_entropy(source, target, ignore_index=ignore_index, reduction=reduction)
@@ -378,7 +395,7 @@ _FUNCTION_SOURCES = {
 # Form name -> the composition it computes.
 COMPUTES = {"new_gelu": "gelu_tanh", "fast_gelu": "gelu_tanh", "hf_conv1d_mlp": "gelu_tanh",
             "hf_rms_norm": "hf_rms_norm", "gemma_rms_norm": "hf_rms_norm", "t5_rms_norm": "hf_rms_norm",
-            "hf_causal_lm_loss": "cross_entropy", "hf_gated_mlp": "swiglu",
+            "hf_causal_lm_loss": "cross_entropy", "hf_gated_mlp": "swiglu", "hf_moe_apply_gate": "swiglu",
             "hf_packed_gated_mlp": "swiglu", "hf_gated_mlp_inline": "swiglu", "hf_rotary": "rotary",
             "hf_rotary_cast_back": "rotary", "hf_rotary_upcast": "rotary", "gpt_oss_rms_norm": "hf_rms_norm",
             "gemma4_rms_norm": "hf_rms_norm", "cohere_layer_norm": "layer_norm",

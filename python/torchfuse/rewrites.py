@@ -45,7 +45,8 @@ def is_model_module(name):
         "modeling_")
 
 
-MODULES = ("transformers.activations", "transformers.loss.loss_utils", "transformers.masking_utils")
+MODULES = ("transformers.activations", "transformers.loss.loss_utils", "transformers.masking_utils",
+           "transformers.integrations.moe")
 
 
 def wants(name):
@@ -529,6 +530,27 @@ def _packed_gated_mlp_forward(torch, original, form, dependencies=None):
     return forward
 
 
+def _moe_apply_gate(torch, original, form, dependencies=None):
+    """HF's default gate of MoE experts (transformers.integrations.moe._default_apply_gate,
+    `act_fn(gate) * up` of the halves of the experts' gate_up projection: Mixtral's, Qwen2/3-MoE's,
+    OLMoE's under the default grouped_mm and batched_mm implementations) in one op of the
+    projection's output (torchfuse::silu_mul_packed, as Phi-3's MLP) where act_fn is SiLU and
+    the last dim is even (an odd one is chunked unevenly: the original's arithmetic and its
+    error); anything else runs the original."""
+    op = torch.ops.torchfuse.silu_mul_packed.default
+    served = _served_dtypes(torch)
+    takes = _gated_mlp_call(torch, original, dependencies)
+
+    @functools.wraps(original)
+    def _default_apply_gate(self, gate_up_out):
+        if (takes(gate_up_out, getattr(self, "act_fn", None)) == "silu" and gate_up_out.dtype in served
+                and gate_up_out.dim() >= 1 and gate_up_out.shape[-1] % 2 == 0):
+            return op(gate_up_out)
+        return original(self, gate_up_out)
+
+    return _default_apply_gate
+
+
 def _conv1d_mlp_forward(torch, original, form, dependencies=None):
     """HF's GPT-2 MLP (`dropout(c_proj(act(c_fc(x))))`) under CUDA autocast, where act is the
     tanh-GELU whose original returns fp32 there (it calls torch.pow, on autocast's fp32 list)
@@ -692,7 +714,8 @@ REWRITES = {
     **dict.fromkeys(("hf_gated_mlp", "hf_gated_mlp_inline"),
                     Rewrite(_gated_mlp_forward, _OPS + "silu_mul (SiLU) or gelu_tanh_mul (tanh GELU)")),
     "hf_packed_gated_mlp": Rewrite(_packed_gated_mlp_forward, _OPS + "silu_mul_packed"),
-    # A module-level function.
+    # Module-level functions.
+    "hf_moe_apply_gate": Rewrite(_moe_apply_gate, _OPS + "silu_mul_packed"),
     "hf_causal_lm_loss": Rewrite(_causal_lm_loss, _OPS + "cross_entropy"),
     "hf_rotary": Rewrite(_rotary, _OPS + "rotary"),
     **dict.fromkeys(("hf_rotary_cast_back", "hf_rotary_upcast"),
@@ -707,6 +730,23 @@ REWRITES = {
 }
 
 
+# Original module-level function -> its rewrite: a class that took the original as a method
+# (an MoE experts class's `_apply_gate`, set when its module was imported before the function's
+# module was patched: `torchfuse.enable()` after the model's import) takes the rewrite.
+_FUNCTIONS_REWRITTEN = {}
+
+
+def _take_rewritten_methods(torch, module):
+    for cls in list(vars(module).values()):
+        if isinstance(cls, type) and cls.__module__ == module.__name__:
+            for name, value in list(vars(cls).items()):
+                rewritten = _FUNCTIONS_REWRITTEN.get(value) if isinstance(value, types.FunctionType) else None
+                if rewritten is not None:
+                    setattr(cls, name, rewritten)
+                    note(torch, f"rewrite: {module.__name__}.{cls.__qualname__}.{name} takes the rewritten "
+                                f"{value.__module__}.{value.__name__}", debug=True)
+
+
 def patch_module(module):
     """Rewrites the known compositions `module` defines (see the module docstring). False where
     the library is not loaded yet (hooks installed before it): nothing is decided, and the
@@ -716,6 +756,7 @@ def patch_module(module):
     if not enabled:
         return False
     found = compositions.scan(module)
+    _take_rewritten_methods(torch, module)
     for cls, form in found.items():
         op = compositions.COMPUTES[form]
         where = f"{module.__name__}.{cls.__qualname__}.forward"
@@ -740,6 +781,7 @@ def patch_module(module):
         rewrite = REWRITES[form]
         rewritten = rewrite.make(torch, original, form)
         setattr(module, name, rewritten)
+        _FUNCTIONS_REWRITTEN[original] = rewritten
         for table in vars(module).values():  # LOSS_MAPPING: name -> loss function
             if isinstance(table, dict):
                 for key, value in list(table.items()):

@@ -192,3 +192,52 @@ def test_rewritten_mlp_gives_the_originals_output_and_grads(model):
         for o, t in zip(*out):
             assert o.dtype == t.dtype and o.shape == t.shape
             assert rel_err(o, t) <= 2 * FLOOR[torch.bfloat16 if autocast else torch.float32], autocast
+
+
+def test_moe_experts_with_the_rewritten_gate_give_the_originals_output_and_grads():
+    """Mixtral's experts under the default grouped_mm implementation, their gate
+    (`_apply_gate`, HF's `_default_apply_gate`) rewritten against the original: the output and
+    the gradients of the input and both expert weights within twice bf16's floor,
+    silu_mul_packed served forward and backward once per call."""
+    pytest.importorskip("transformers")
+    import sys
+
+    import transformers
+    import transformers.integrations.moe as moe
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    from conftest import ROOT
+    sys.path.insert(0, str(ROOT / "python"))
+    from torchfuse import rewrites
+    original = getattr(moe._default_apply_gate, "__wrapped__", moe._default_apply_gate)
+    rewritten = rewrites._moe_apply_gate(torch, original, "hf_moe_apply_gate")
+    cfg = transformers.MixtralConfig(hidden_size=256, intermediate_size=512, num_local_experts=4,
+                                     num_experts_per_tok=2)
+    cfg._experts_implementation = "grouped_mm"
+    torch.manual_seed(fresh_seed())
+    experts = MixtralExperts(cfg).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.05)
+    x = torch.randn(96, 256, device="cuda", dtype=torch.bfloat16)
+    top_k_index = torch.randint(0, 4, (96, 2), device="cuda")
+    top_k_weights = torch.softmax(torch.randn(96, 2, device="cuda"), -1).to(torch.bfloat16)
+    kept = vars(MixtralExperts).get("_apply_gate")
+    out = []
+    try:
+        for gate in (rewritten, original):
+            MixtralExperts._apply_gate = gate
+            experts.zero_grad()
+            xi = x.detach().requires_grad_(True)
+            served = fused_count(PACKED), fused_count(PACKED_BWD)
+            y = experts(xi, top_k_index, top_k_weights)
+            y.float().square().sum().backward()
+            calls = gate is rewritten
+            assert (fused_count(PACKED), fused_count(PACKED_BWD)) == (served[0] + calls, served[1] + calls), (
+                stock_reasons(PACKED), stock_reasons(PACKED_BWD))
+            out.append([y.detach(), xi.grad] + [p.grad.clone() for p in experts.parameters()])
+    finally:
+        MixtralExperts._apply_gate = kept
+    for o, t in zip(*out):
+        assert o.dtype == t.dtype and o.shape == t.shape
+        assert rel_err(o, t) <= 2 * FLOOR[torch.bfloat16]

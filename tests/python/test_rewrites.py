@@ -593,3 +593,71 @@ print(json.dumps(result))
         for key in ("value", "dx", "dw"):
             original, replacement = r[key]
             assert replacement <= max(2 * original, floors[r["dtypes"][0]]), (case, key, r[key])
+
+
+def test_moe_experts_gate_rewritten_and_its_cuda_path_on_cpu():
+    """HF's default MoE experts gate (transformers.integrations.moe._default_apply_gate), which
+    every experts class takes as `_apply_gate`: rewritten, and taken by the experts classes
+    whether their module was imported after `enable()` (Mixtral, here) or before it (the second
+    process). Past its guard (`_gated_mlp_call` patched to pass, the call shape a CUDA tensor
+    takes), on CPU: a SiLU act_fn goes to torchfuse::silu_mul_packed (whose CPU kernel is the
+    composition: bitwise the original, values and gradient), a tanh-GELU act_fn and an odd width
+    (the original's error) run the original."""
+    out, _ = run("""
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+import transformers.integrations.moe as moe
+import transformers.models.mixtral.modeling_mixtral as M
+import torchfuse.rewrites as R
+from transformers.activations import ACT2FN
+result = {"rewritten": hasattr(moe._default_apply_gate, "__wrapped__"),
+          "taken": M.MixtralExperts._apply_gate is moe._default_apply_gate}
+class Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+R._gated_mlp_call = lambda torch, original, dependencies=None: (
+    lambda x, act: {"SiLUActivation": "silu", "GELUTanh": "gelu_tanh"}.get(type(act).__name__))
+original = moe._default_apply_gate.__wrapped__
+gate = R._moe_apply_gate(torch, original, "hf_moe_apply_gate")
+torch.manual_seed(0)
+for act_name, width in (("silu", 128), ("gelu_pytorch_tanh", 128), ("silu", 127)):
+    experts = torch.nn.Module()
+    experts.act_fn = ACT2FN[act_name]
+    x = torch.randn(5, width).to(torch.bfloat16).requires_grad_(True)
+    outcome = {}
+    for name, fn in (("ours", gate), ("theirs", original)):
+        with Ops() as ops:
+            try:
+                y = fn(experts, x)
+            except RuntimeError as e:  # an odd width: chunk's halves do not broadcast
+                outcome[name] = ("error", str(e), False)
+                continue
+        (g,) = torch.autograd.grad(y.float().sum(), x)
+        outcome[name] = (y, g, any("silu_mul_packed" in n for n in ops.names))
+    (a, ga, op), (b, gb, _) = outcome["ours"], outcome["theirs"]
+    same = (a, ga) == (b, gb) if isinstance(a, str) else (torch.equal(a, b) and a.dtype == b.dtype and a.stride() == b.stride()
+                                               and torch.equal(ga, gb))
+    result[f"{act_name}/{width}"] = {"op": op, "same": same}
+print(json.dumps(result))
+""")
+    assert out.pop("rewritten") is True and out.pop("taken") is True
+    assert out == {"silu/128": {"op": True, "same": True}, "gelu_pytorch_tanh/128": {"op": False, "same": True},
+                   "silu/127": {"op": False, "same": True}}, out
+
+
+def test_experts_imported_before_enable_take_the_rewritten_gate():
+    proc = check(run_python(f"""
+import json
+import transformers.models.qwen3_moe.modeling_qwen3_moe as Q
+import transformers.integrations.moe as moe
+before = Q.Qwen3MoeExperts._apply_gate is moe._default_apply_gate
+import torch, torchfuse
+torchfuse.enable({str(LIB_DIR)!r})
+print(json.dumps([before, hasattr(moe._default_apply_gate, "__wrapped__"),
+                  Q.Qwen3MoeExperts._apply_gate is moe._default_apply_gate]))
+""", PYTHONPATH=ROOT / "python"))
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [True, True, True]
