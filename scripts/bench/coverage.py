@@ -31,10 +31,11 @@ from torchfuse import compositions  # noqa: E402
 
 def modeling_modules():
     """(model family, its modeling module or the import error's text), every family in order,
-    after the shared modules the rewrite layer also scans (activations, the loss functions)."""
+    after the shared modules the rewrite layer also scans (activations, the loss functions, the
+    MoE experts' gate)."""
     import transformers.models as models
 
-    for shared in ("activations", "loss.loss_utils"):
+    for shared in ("activations", "loss.loss_utils", "integrations.moe"):
         yield shared, importlib.import_module(f"transformers.{shared}")
 
     for info in sorted(pkgutil.iter_modules(models.__path__), key=lambda i: i.name):
