@@ -732,7 +732,8 @@ REWRITES = {
 
 # Original module-level function -> its rewrite: a class that took the original as a method
 # (an MoE experts class's `_apply_gate`, set when its module was imported before the function's
-# module was patched: `torchfuse.enable()` after the model's import) takes the rewrite.
+# module was patched: `torchfuse.enable()` after the model's import) takes the rewrite, whichever
+# of the two modules is patched first.
 _FUNCTIONS_REWRITTEN = {}
 
 
@@ -782,6 +783,12 @@ def patch_module(module):
         rewritten = rewrite.make(torch, original, form)
         setattr(module, name, rewritten)
         _FUNCTIONS_REWRITTEN[original] = rewritten
+        # Classes that took a shared module's function as a method (the MoE gate) in model
+        # modules patched already (imported first).
+        if not is_model_module(module.__name__):
+            for other_name, other in list(sys.modules.items()):
+                if other is not None and is_model_module(other_name):
+                    _take_rewritten_methods(torch, other)
         for table in vars(module).values():  # LOSS_MAPPING: name -> loss function
             if isinstance(table, dict):
                 for key, value in list(table.items()):

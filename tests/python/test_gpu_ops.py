@@ -324,6 +324,8 @@ def test_more_than_2_31_elements(name):
     free, _ = torch.cuda.mem_get_info()
     if free < (40 << 30):
         pytest.skip(f"needs 40 GiB free on the GPU, {free / 2**30:.0f} free")
+    if name == "sdpa" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("stock's default SDPA elsewhere is its flash, which faults past 2^31 elements")
     torch.cuda.empty_cache()
     inputs = case.big()
     assert max(t.numel() for t in flat(inputs)) > BIG
@@ -331,7 +333,7 @@ def test_more_than_2_31_elements(name):
     ours = [t.cpu() for t in case.run(*inputs)]  # host copies: room for stock's run
     assert_served(case, before, "past 2^31 elements")
     # Stock's own choice: its flash faults past 2^31 elements (an illegal address at B32769
-    # H8 S128 D64 on an H200, torch 2.11), its default (cuDNN on Hopper) does not.
+    # H8 S128 D64 on an H200, torch 2.11), its default on Hopper (cuDNN) does not.
     theirs = stock(case, inputs, kernel=False)
     del inputs
     assert_within_contract(ours, [t.cpu() for t in theirs], name)

@@ -65,10 +65,10 @@ def test_dense_op_is_the_original_composition(dtype, name):
             shape, stock_reasons(op), stock_reasons(op_bwd))
         theirs = grads(composition, gate, up, dy)
         refs = grads(composition, gate.double(), up.double(), dy.double())
-        for name, o, t, r in zip(("y", "dgate", "dup"), ours, theirs, refs):
-            assert o.dtype == t.dtype and o.shape == t.shape and o.stride() == t.stride(), (name, shape)
+        for what, o, t, r in zip(("y", "dgate", "dup"), ours, theirs, refs):
+            assert o.dtype == t.dtype and o.shape == t.shape and o.stride() == t.stride(), (what, shape)
             e_ours, e_orig = rel_err(o, r), rel_err(t, r)
-            assert e_ours <= max(2 * e_orig, FLOOR[dtype]), f"seed {seed} {shape} {name}: {e_ours:.3g} vs {e_orig:.3g}"
+            assert e_ours <= max(2 * e_orig, FLOOR[dtype]), f"seed {seed} {name} {shape} {what}: {e_ours:.3g} vs {e_orig:.3g}"
         again = grads(fn, gate, up, dy)
         assert all(torch.equal(a, b) for a, b in zip(ours, again)), f"{shape}: not reproducible"
 

@@ -7,8 +7,8 @@ namespace torchfuse_glue {
 namespace {
 
 // The gate activations of HF's gated MLPs, as the original code computes them: `act` and its
-// backward (autograd's own ops), and `composed`/`derivative`, differentiable compositions for a
-// double backward (the activations' backward ops have no derivative of their own).
+// backward (autograd's own ops), and `create_graph_grads`, (dgate, dup) as a differentiable
+// graph for a double backward, as autograd builds it for the original under grad mode.
 struct Silu {
   static constexpr const char* kOp = "torchfuse::silu_mul";
   static constexpr const char* kBackwardOp = "torchfuse::silu_mul_backward";
@@ -18,32 +18,31 @@ struct Silu {
   static at::Tensor act_backward(const at::Tensor& grad, const at::Tensor& g) {
     return at::silu_backward(grad, g);
   }
-  static at::Tensor composed(const at::Tensor& g) { return g * at::sigmoid(g); }
-  static at::Tensor derivative(const at::Tensor& g) {
+  // silu_backward has no derivative: autograd's own formula for it under grad mode, in its
+  // order; at::silu is differentiable at any order.
+  static std::tuple<at::Tensor, at::Tensor> create_graph_grads(const at::Tensor& grad,
+                                                               const at::Tensor& g,
+                                                               const at::Tensor& up) {
     const at::Tensor s = at::sigmoid(g);
-    return s * (1 + g * (1 - s));
+    return {grad * up * s * (1 + g * (1 - s)), grad * act(g)};
   }
 };
 
-// Gemma's gelu_pytorch_tanh: F.gelu(approximate="tanh"), whose constants kernels/gelu_tanh.cuh
-// writes too.
+// Gemma's gelu_pytorch_tanh: F.gelu(approximate="tanh") (kernels/gelu_tanh.cuh's expressions).
 struct GeluTanh {
   static constexpr const char* kOp = "torchfuse::gelu_tanh_mul";
   static constexpr const char* kBackwardOp = "torchfuse::gelu_tanh_mul_backward";
   static constexpr TfEntry kEntry = TF_ENTRY_GELU_TANH_MUL;
   static constexpr TfEntry kBackwardEntry = TF_ENTRY_GELU_TANH_MUL_BACKWARD;
-  static constexpr double kBeta = 0.7978845608028654;  // sqrt(2 / pi)
-  static constexpr double kKappa = 0.044715;
   static at::Tensor act(const at::Tensor& g) { return at::gelu(g, "tanh"); }
   static at::Tensor act_backward(const at::Tensor& grad, const at::Tensor& g) {
     return at::gelu_backward(grad, g, "tanh");
   }
-  static at::Tensor composed(const at::Tensor& g) {
-    return 0.5 * g * (1 + at::tanh(kBeta * (g + kKappa * g * g * g)));
-  }
-  static at::Tensor derivative(const at::Tensor& g) {
-    const at::Tensor t = at::tanh(kBeta * (g + kKappa * g * g * g));
-    return 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * kBeta * (1 + 3 * kKappa * g * g);
+  // gelu_backward is differentiable: the original's own ops, fp32 inside as they compute.
+  static std::tuple<at::Tensor, at::Tensor> create_graph_grads(const at::Tensor& grad,
+                                                               const at::Tensor& g,
+                                                               const at::Tensor& up) {
+    return {act_backward(grad * up, g), grad * act(g)};
   }
 };
 
@@ -118,10 +117,9 @@ class GatedFunction : public torch::autograd::Function<GatedFunction<Act>> {
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &gate = saved[0], &up = saved[1];
-    if (at::GradMode::is_enabled()) {
-      // create_graph: a differentiable composition (a double backward), as autograd's own
-      // formulas are under grad mode.
-      return {grads[0] * up * Act::derivative(gate), grads[0] * Act::composed(gate)};
+    if (at::GradMode::is_enabled()) {  // create_graph: a differentiable graph
+      auto [dgate, dup] = Act::create_graph_grads(grads[0], gate, up);
+      return {dgate, dup};
     }
     auto [dgate, dup] = call_gated_backward<Act>(grads[0], gate, up);
     return {dgate, dup};
@@ -192,11 +190,10 @@ class SiluMulPackedFunction : public torch::autograd::Function<SiluMulPackedFunc
                                                  torch::autograd::variable_list grads) {
     const at::Tensor gate_up = ctx->get_saved_variables()[0];
     if (at::GradMode::is_enabled()) {
-      // create_graph: a differentiable composition (a double backward), as silu_mul's.
+      // create_graph: a differentiable graph (a double backward), as silu_mul's.
       const auto halves = gate_up.chunk(2, -1);
-      const at::Tensor &gate = halves[0], &up = halves[1];
-      return {at::cat({grads[0] * up * Silu::derivative(gate), grads[0] * Silu::composed(gate)},
-                      -1)};
+      auto [dgate, dup] = Silu::create_graph_grads(grads[0], halves[0], halves[1]);
+      return {at::cat({dgate, dup}, -1)};
     }
     return {call_silu_mul_packed_backward(grads[0], gate_up)};
   }
