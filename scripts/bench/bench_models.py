@@ -12,7 +12,7 @@ where matplotlib is installed, a PNG bar chart.
       [--sides stock,torchfuse,compile,torchfuse+compile,liger] [--rounds 2] [--steps 30]
   (--models also takes gpt2-b32, GPT-2 at batch 32, and the families of FAMILIES at realistic
   sizes: qwen2.5-0.5b, gemma-2b, pythia-410m, mistral-0.9b, phi3-2b, qwen3-0.6b, olmo2-1b,
-  gemma3-1b)
+  gemma3-1b, mixtral-moe-0.9b)
 
 Every run is also appended to OUT/bench_models.jsonl as it ends; `--merge A.jsonl B.jsonl`
 reports the runs of several calls as one table.
@@ -91,6 +91,12 @@ FAMILIES = {
                        num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
                        sliding_window=512, max_position_embeddings=1024),
                   (4, 1024), "HF Gemma-3-1B shape (q/k Gemma norms, GeGLU, sliding window)"),
+    # MoE: the experts' gate (HF's _default_apply_gate under the default grouped_mm experts).
+    "mixtral-moe-0.9b": ("MixtralConfig", "MixtralForCausalLM",
+                         dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+                              num_attention_heads=16, num_key_value_heads=8, num_local_experts=8,
+                              num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=1024),
+                         (4, 1024), "HF Mixtral-style MoE 0.9B (12 layers, 8 experts, top-2, grouped_mm)"),
 }
 
 
