@@ -383,6 +383,23 @@ impl Family for Attention {
         Some(crate::abi::tensor::describe(Some(&q)))
     }
 
+    /// q and k whose last dims differ: no backend can compute q k^T, yet stock's choice can
+    /// pick cuDNN, whose graph for them fails on the first call and crashes the process on the
+    /// next (torch 2.11, an H200). Refused at the choice with the reason in words, every time.
+    unsafe fn refuse(entry: Entry, call: &TfAttentionCall) -> Option<String> {
+        if entry != Entry::SdpChoice || call.nested != 0 {
+            return None;
+        }
+        let (q, k) = (call.query.borrow()?, call.key.borrow()?);
+        let (q_dim, k_dim) = (*q.size().last()?, *k.size().last()?);
+        (q_dim != k_dim).then(|| {
+            format!(
+                "scaled_dot_product_attention: query's last dimension ({q_dim}) must equal \
+                 key's ({k_dim})"
+            )
+        })
+    }
+
     unsafe fn serve(
         entry: Entry,
         launch: Launch,
@@ -960,6 +977,34 @@ impl Plan {
 mod tests {
     use super::*;
     use crate::ops::REGISTRY;
+
+    #[test]
+    fn q_and_k_of_other_last_dims_are_refused_at_the_backend_choice_only() {
+        let heads = |d: i64| Tensor::zeros([2, 4, 8, d], (Kind::BFloat16, Device::Cpu));
+        let (q, k64, k32) = (heads(64), heads(64), heads(32));
+        let call = |q: &Tensor, k: &Tensor| {
+            // SAFETY: every field of the C struct is a number or a pointer, for which zero is
+            // absent or false; the tensors outlive the calls below.
+            let mut call: TfAttentionCall = unsafe { std::mem::zeroed() };
+            call.query.handle = q.as_ptr() as *const std::ffi::c_void;
+            call.key.handle = k.as_ptr() as *const std::ffi::c_void;
+            call.value.handle = k.as_ptr() as *const std::ffi::c_void;
+            call
+        };
+        // SAFETY: the calls' handles are live tensors.
+        unsafe {
+            let refused = Attention::refuse(Entry::SdpChoice, &call(&q, &k32));
+            assert!(refused.is_some_and(|m| m.contains("(64)") && m.contains("(32)")));
+            assert_eq!(Attention::refuse(Entry::SdpChoice, &call(&q, &k64)), None);
+            assert_eq!(
+                Attention::refuse(Entry::FlashAttention, &call(&q, &k32)),
+                None
+            );
+            let mut nested = call(&q, &k32);
+            nested.nested = 1;
+            assert_eq!(Attention::refuse(Entry::SdpChoice, &nested), None);
+        }
+    }
 
     #[test]
     fn no_tile_is_smaller_than_min_tile_rows() {

@@ -305,6 +305,17 @@ def test_stock_errors_are_kept():
     assert str(ours.value).splitlines()[0] == str(stock.value).splitlines()[0]
 
 
+def test_q_and_k_of_other_head_dims_get_a_clear_error_every_time():
+    """q's head dim 64, k's and v's 32: stock (torch 2.11 on Hopper) picks cuDNN, which raises a
+    graph error on the first call and crashes the process on the second; torchfuse refuses the
+    call at the backend choice, with the dims in the message, every time, switched on or off."""
+    q = torch.randn(2, 8, 128, 64, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(2, 8, 128, 32, device="cuda", dtype=torch.bfloat16)
+    for on in (True, True, False):
+        with enabled("sdpa", on), pytest.raises(RuntimeError, match=r"last dimension \(64\) must equal key's \(32\)"):
+            F.scaled_dot_product_attention(q, kv, kv, is_causal=True)
+
+
 class Block(torch.nn.Module):
     def __init__(self, dim, heads):
         super().__init__()

@@ -159,7 +159,7 @@ CASES = {
         "sdpa", ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"),
         make=sdpa_make, run=sdpa_run, big=lambda: sdpa_make(b=BIG // (12 * 128 * 64) + 1, s=128),
         bad=[lambda: [randn(2, 8, 128, 64), randn(2, 8, 128, 64, dtype=torch.float32), randn(2, 8, 128, 64),
-                      None]],  # dtypes differ
+                      None]],  # dtypes differ (other head dims: test_gpu_attention.py, stock crashes)
         forward=lambda q, k, v, _: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         # Stock's flash, whose output formats ours keep (its default choice on Hopper, cuDNN,
         # returns another layout at some shapes, as its choice differs by GPU).
