@@ -121,6 +121,21 @@ _SOURCES = {
     hidden_states = self.weight.to(torch.float32) * hidden_states
     return hidden_states.to(input_dtype)
 """,
+    # transformers.models.mamba2.modeling_mamba2.MambaRMSNormGated.forward, and its copies
+    # (Bamba, Granite 4's GraniteMoeHybrid, ...): x gated by silu(gate) in fp32, RMSNorm of that
+    # in fp32, then the weight times it in x's dtype. Its `gate=None` default is part of the
+    # form (_FORM_DEFAULTS).
+    "mamba_rms_norm_gated": """def forward(self, hidden_states, gate=None):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+
+    if gate is not None:
+        hidden_states = hidden_states * nn.functional.silu(gate.to(torch.float32))
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+
+    return self.weight * hidden_states.to(input_dtype)
+""",
     # transformers.models.t5.modeling_t5.T5LayerNorm.forward, and its copies (LongT5, Idefics,
     # Kosmos-2.5, ...): the statistics in fp32, x times rstd promoted to fp32, rounded to the
     # weight's dtype where that is 16-bit, then times the weight.
@@ -399,6 +414,7 @@ COMPUTES = {"new_gelu": "gelu_tanh", "fast_gelu": "gelu_tanh", "hf_conv1d_mlp": 
             "hf_packed_gated_mlp": "swiglu", "hf_gated_mlp_inline": "swiglu", "hf_rotary": "rotary",
             "hf_rotary_cast_back": "rotary", "hf_rotary_upcast": "rotary", "gpt_oss_rms_norm": "hf_rms_norm",
             "gemma4_rms_norm": "hf_rms_norm", "cohere_layer_norm": "layer_norm",
+            "mamba_rms_norm_gated": "hf_rms_norm",
             "hf_partial_rotary": "rotary", "hf_partial_rotary_glm_doc": "rotary",
             "hf_partial_rotary_inline": "rotary",
             "hf_ignore_causal_mask_sdpa": "sdpa", "hf_ignore_bidirectional_mask_sdpa": "sdpa"}
@@ -411,6 +427,8 @@ def _compiled(source):
 
 
 FORMS = {name: _compiled(source) for name, source in _SOURCES.items()}
+# The defaults a class form's forward has (most have none).
+_FORM_DEFAULTS = {"mamba_rms_norm_gated": (None,)}
 FUNCTION_FORMS = {name: (_compiled(source), defaults)
                   for name, (source, defaults) in _FUNCTION_SOURCES.items()}
 # Function form -> the name the library defines it under (`apply_rotary_pos_emb`).
@@ -539,8 +557,8 @@ def _matches(function, reference, defaults):
 
 def form_of(function):
     """The name of the known `forward` form `function` is, or None."""
-    return next((name for name, reference in FORMS.items() if _matches(function, reference, None)),
-                None)
+    return next((name for name, reference in FORMS.items()
+                 if _matches(function, reference, _FORM_DEFAULTS.get(name))), None)
 
 
 def function_form_of(function):

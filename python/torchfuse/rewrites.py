@@ -227,6 +227,29 @@ def _gemma_rms_norm_forward(torch, original, form, dependencies=None):
     return forward
 
 
+def _mamba_gated_rms_norm_forward(torch, original, form, dependencies=None):
+    """Mamba 2's gated RMSNorm (MambaRMSNormGated and its copies: Bamba's, Granite 4's): x times
+    silu(gate) in fp32, that normalised in fp32, the weight times it in x's dtype. The gating
+    stays the original's ops; the norm is aten::rms_norm of the fp32 product without a weight
+    (one fused kernel where the original runs five, in fp32 as it computes), then the original's
+    cast and weight multiply. A gate that is not a plain tensor runs the original."""
+    rms_norm, silu, fp32, tensor = torch.rms_norm, torch.nn.functional.silu, torch.float32, torch.Tensor
+    plain = _norm_call(torch, original, dependencies)
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, gate=None):
+        eps = self.variance_epsilon
+        if (gate is None or type(gate) is tensor) and plain(hidden_states, self.weight, eps):
+            input_dtype = hidden_states.dtype
+            x = hidden_states.to(fp32)
+            if gate is not None:
+                x = x * silu(gate.to(fp32))
+            return self.weight * rms_norm(x, (x.shape[-1],), None, eps).to(input_dtype)
+        return original(self, hidden_states, gate)
+
+    return forward
+
+
 def _gemma4_rms_norm_forward(torch, original, form, dependencies=None):
     """Gemma 4's and Gemma 3n's RMSNorm (and their copies): x normalised in fp32 (rstd as
     `pow(mean + eps, -0.5)`), times the weight in fp32 where `with_scale` (v_norm has none),
@@ -705,6 +728,8 @@ REWRITES = {
     "gemma_rms_norm": Rewrite(_gemma_rms_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm)"),
     "cohere_layer_norm": Rewrite(_cohere_layer_norm_forward, "aten::layer_norm in fp32 (torchfuse's "
                                                              "native_layer_norm), then the original's cast"),
+    "mamba_rms_norm_gated": Rewrite(_mamba_gated_rms_norm_forward, "the original's gating, then aten::rms_norm in "
+                                    "fp32 (torchfuse's _fused_rms_norm), the original's cast and weight"),
     "gemma4_rms_norm": Rewrite(_gemma4_rms_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm), "
                                                          "then the original's cast"),
     "gpt_oss_rms_norm": Rewrite(_gpt_oss_rms_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm), "

@@ -214,6 +214,7 @@ def test_recognition_imports_no_torch():
                                   "'gemma_rms_norm', "
                                   "'gpt_oss_rms_norm', 'hf_conv1d', 'hf_conv1d_mlp', 'hf_gated_mlp', "
                                   "'hf_gated_mlp_inline', 'hf_gelu_tanh', 'hf_packed_gated_mlp', 'hf_rms_norm', 'hf_silu', "
+                                  "'mamba_rms_norm_gated', "
                                   "'new_gelu', "
                                   "'t5_rms_norm']")
 

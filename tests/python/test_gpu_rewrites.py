@@ -331,6 +331,40 @@ def test_cast_back_norm_is_the_original_composition(norm_name, dtypes):
         assert_like_the_original(ours, original, x, norm.weight, reference, what)
 
 
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["fp32-weight", "bf16-weight"])
+def test_mamba_gated_rms_norm_is_the_original_composition(w_dtype):
+    """Mamba 2's gated RMSNorm (Bamba's, Granite 4's), rewritten, against its original forward on
+    bf16 x (and gate): same dtype, shape and strides, values and the gradients of x, the gate and
+    the weight within the original's error to float64, with and without a gate; aten's fused
+    RMSNorm asked once a call."""
+    MambaRMSNormGated, original_forward, rewritten = original_and_rewrite(
+        "mamba2", "MambaRMSNormGated", "_mamba_gated_rms_norm_forward", "mamba_rms_norm_gated")
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    for shape, gated in [((4, 512, 2048), True), ((2, 9, 4, 64), True), ((3, 1024), False)]:
+        norm = MambaRMSNormGated(shape[-1], eps=1e-6).cuda().to(w_dtype)
+        with torch.no_grad():
+            norm.weight.normal_(1, 0.1)
+        x = (3 * torch.randn(shape, device="cuda")).to(torch.bfloat16).requires_grad_(True)
+        gate = (2 * torch.randn(shape, device="cuda")).to(torch.bfloat16).requires_grad_(True) if gated else None
+        what = f"seed {seed} {w_dtype} {shape} gated={gated}"
+        asked = asked_count("_fused_rms_norm")
+        ours = rewritten(norm, x, gate)
+        assert asked_count("_fused_rms_norm") == asked + 1, what
+        original = original_forward(norm, x, gate)
+        assert (ours.dtype, ours.shape, ours.stride()) == (original.dtype, original.shape, original.stride()), what
+        leaves = [x, norm.weight] + ([gate] if gated else [])
+        x64 = [t.detach().double().requires_grad_(True) for t in leaves]
+        h = x64[0] * torch.nn.functional.silu(x64[2]) if gated else x64[0]
+        ref = rms_reference(h, x64[1], 1e-6)
+        assert rel_err(ours, ref) <= bound(rel_err(original, ref), torch.bfloat16), what
+        grad_out = torch.randn_like(original)
+        refs = torch.autograd.grad(ref, x64, grad_out.double())
+        for name, a, b, r in zip(("x", "weight", "gate"), torch.autograd.grad(ours, leaves, grad_out),
+                                 torch.autograd.grad(original, leaves, grad_out), refs):
+            assert a.dtype == b.dtype and rel_err(a, r) <= bound(rel_err(b, r), a.dtype), (what, name)
+
+
 @pytest.mark.parametrize("x_dtype", DTYPES)
 @pytest.mark.parametrize("scaled", [True, False], ids=["with_scale", "without"])
 def test_gemma4_rms_norm_is_the_original_composition(x_dtype, scaled):

@@ -541,6 +541,64 @@ print(json.dumps(rotary))
     assert out == [True] * 8
 
 
+def test_mamba_gated_rms_norm_runs_its_cuda_path_on_cpu_with_the_guard_passed():
+    """Mamba 2's gated RMSNorm (Bamba's, Granite 4's) rewritten, its code past the guard run on
+    CPU (`_norm_call` patched to pass): one aten rms_norm call, the original's dtype and strides,
+    values within rounding of the original and float64, with and without a gate, a bf16 x with
+    an fp32 weight (autocast's form) and all bf16; the gradients of x, the gate and the weight
+    flow. The classes are rewritten after enable()."""
+    out, _ = run("""
+import functools
+calls = [0]
+def counted(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        calls[0] += 1
+        return fn(*args, **kwargs)
+    return wrapper
+torch.rms_norm = counted(torch.rms_norm)
+import torchfuse.rewrites as R
+R._norm_call = lambda torch, original, dependencies=None: (lambda *args, **kwargs: True)
+from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+from transformers.models.bamba.modeling_bamba import BambaRMSNormGated
+import transformers.models.granitemoehybrid.modeling_granitemoehybrid as G
+result = {"rewritten": all(hasattr(c.forward, "__wrapped__")
+                           for c in (MambaRMSNormGated, BambaRMSNormGated, G.GraniteMoeHybridRMSNormGated))}
+original = MambaRMSNormGated.forward.__wrapped__
+rewritten = R._mamba_gated_rms_norm_forward(torch, original, "mamba_rms_norm_gated")
+torch.manual_seed(0)
+for w_name in ("float32", "bfloat16"):
+    for gated in (True, False):
+        norm = MambaRMSNormGated(96, eps=1e-6)
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(96))
+        norm = norm.to(getattr(torch, w_name))
+        x = (3 * torch.randn(5, 7, 96)).to(torch.bfloat16).requires_grad_(True)
+        gate = (2 * torch.randn(5, 7, 96)).to(torch.bfloat16).requires_grad_(True) if gated else None
+        before = calls[0]
+        ours = rewritten(norm, x, gate)
+        n = calls[0] - before
+        theirs = original(norm, x, gate)
+        x64 = x.detach().double()
+        if gated:
+            x64 = x64 * torch.nn.functional.silu(gate.detach().double())
+        ref = norm.weight.detach().double() * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6))
+        err = lambda t: ((t.double() - ref).norm() / ref.norm()).item()
+        leaves = [x, norm.weight] + ([gate] if gated else [])
+        g_ours = torch.autograd.grad(ours.float().square().sum(), leaves)
+        g_theirs = torch.autograd.grad(theirs.float().square().sum(), leaves)
+        result[f"{w_name}/{gated}"] = {
+            "calls": n, "dtype": ours.dtype == theirs.dtype, "strides": ours.stride() == theirs.stride(),
+            "close": err(ours) <= max(2 * err(theirs), 8e-3),
+            "grads": all(((a.double() - b.double()).norm() / b.double().norm()).item() < 2e-2
+                         for a, b in zip(g_ours, g_theirs))}
+print(json.dumps(result))
+""")
+    assert out.pop("rewritten") is True
+    assert out == {k: {"calls": 1, "dtype": True, "strides": True, "close": True, "grads": True} for k in out}, out
+    assert len(out) == 4
+
+
 def test_t5s_rms_norm_replacement_is_its_arithmetic_on_cpu():
     """What the T5 rewrite calls on CUDA, checked on CPU against T5LayerNorm's original forward
     and float64: with an fp32 weight, aten::rms_norm of x.float() (fp32 out, for fp32 and bf16
