@@ -136,6 +136,20 @@ _SOURCES = {
 
     return self.weight * hidden_states.to(input_dtype)
 """,
+    # transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextRMSNormGated.forward, and its
+    # copies (Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid): Llama's RMSNorm, then times act(gate) in fp32
+    # (`ACT2FN[self.activation]`, checked at every call), cast back to x's dtype.
+    "qwen3_next_rms_norm_gated": """def forward(self, hidden_states, gate):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    # Norm before gate
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    hidden_states = self.weight * hidden_states.to(input_dtype)
+    hidden_states = hidden_states * ACT2FN[self.activation](gate.to(torch.float32))
+
+    return hidden_states.to(input_dtype)
+""",
     # transformers.models.t5.modeling_t5.T5LayerNorm.forward, and its copies (LongT5, Idefics,
     # Kosmos-2.5, ...): the statistics in fp32, x times rstd promoted to fp32, rounded to the
     # weight's dtype where that is 16-bit, then times the weight.
@@ -414,7 +428,7 @@ COMPUTES = {"new_gelu": "gelu_tanh", "fast_gelu": "gelu_tanh", "hf_conv1d_mlp": 
             "hf_packed_gated_mlp": "swiglu", "hf_gated_mlp_inline": "swiglu", "hf_rotary": "rotary",
             "hf_rotary_cast_back": "rotary", "hf_rotary_upcast": "rotary", "gpt_oss_rms_norm": "hf_rms_norm",
             "gemma4_rms_norm": "hf_rms_norm", "cohere_layer_norm": "layer_norm",
-            "mamba_rms_norm_gated": "hf_rms_norm",
+            "mamba_rms_norm_gated": "hf_rms_norm", "qwen3_next_rms_norm_gated": "hf_rms_norm",
             "hf_partial_rotary": "rotary", "hf_partial_rotary_glm_doc": "rotary",
             "hf_partial_rotary_inline": "rotary",
             "hf_ignore_causal_mask_sdpa": "sdpa", "hf_ignore_bidirectional_mask_sdpa": "sdpa"}
@@ -462,7 +476,8 @@ def _same_code(a, b):
 
 def _global_is_expected(function, name):
     """The global `name` the function loads is what the reference's module would hold: the
-    module `math`, `torch` or `torch.nn`, or the known form of the function of that name."""
+    module `math`, `torch` or `torch.nn`, HF's ACT2FN, or the known form of the function of
+    that name."""
     torch = sys.modules.get("torch")
     value = function.__globals__.get(name)
     if name in ("math", "torch", "nn"):
@@ -472,6 +487,9 @@ def _global_is_expected(function, name):
         return function_form_of(value) == "hf_fixed_cross_entropy"
     if name == "rotate_half":
         return function_form_of(value) == "hf_rotate_half"
+    if name == "ACT2FN":  # HF's activations by name (what it builds is checked at each call)
+        activations = sys.modules.get("transformers.activations")
+        return activations is not None and value is getattr(activations, "ACT2FN", None)
     if name in _UNCALLED_HELPERS:
         return getattr(value, "__module__", "").startswith("transformers.") or type(value) is bool
     return False

@@ -62,14 +62,13 @@ def _served_dtypes(torch):
 def _unobserved(torch, module):
     """Nothing but the module's own forward sees or changes its call: no hooks of its own or
     global ones, no forward set on the instance, no `__call__` of its class's own."""
-    hooks, base = torch.nn.modules.module, torch.nn.Module
+    base = torch.nn.Module
     kind = type(module)
     return ("forward" not in module.__dict__
             and kind.__call__ is base.__call__ and kind._call_impl is base._call_impl
             and not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                      or module._backward_pre_hooks)
-            and not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks
-                     or hooks._global_backward_hooks or hooks._global_backward_pre_hooks))
+            and not _global_module_hooks(torch))
 
 
 def _untraced_call(torch):
@@ -103,32 +102,85 @@ def _gelu_forward(torch, original, form, dependencies=None, widens=False):
     return forward
 
 
-def _rms_norm_forward(torch, original, form, dependencies=None):
-    """Llama's RMSNorm (LlamaRMSNorm and its copies): `weight * (x.float() * rstd).to(x.dtype)`.
-    A 16-bit x with an fp32 weight (q/k norms under autocast: the projection's output is 16-bit,
-    the weight fp32) is HF's norm without a weight, rounded to x's dtype, times the fp32 weight
-    (an fp32 result, by promotion): aten::rms_norm of x with no weight (fp32 statistics, the
-    result rounded once to x's dtype; autocast leaves rms_norm alone), then the original's
-    multiply: two kernels for eight. Any other call goes to torchfuse::hf_rms_norm, which serves
-    x and a weight of one dtype and runs the composition otherwise."""
+def _llama_norm(torch, original, dependencies=None):
+    """Llama's RMSNorm of a module's x, `weight * (x.float() * rstd).to(x.dtype)`, as one op: a
+    function (module, x) -> the result, or None where the original must run. A 16-bit x with an
+    fp32 weight (q/k norms under autocast: the projection's output is 16-bit, the weight fp32)
+    is HF's norm without a weight, rounded to x's dtype, times the fp32 weight (an fp32 result,
+    by promotion): aten::rms_norm of x with no weight (fp32 statistics, the result rounded once
+    to x's dtype; autocast leaves rms_norm alone), then the original's multiply: two kernels for
+    eight. Any other call goes to torchfuse::hf_rms_norm, which serves x and a weight of one
+    dtype and runs the composition otherwise."""
     op, rms_norm = torch.ops.torchfuse.hf_rms_norm.default, torch.rms_norm
     tensor, parameter, fp32 = torch.Tensor, torch.nn.Parameter, torch.float32
     untraced, plain = _untraced_call(torch), _norm_call(torch, original, dependencies)
     unchanged = (dependencies or compositions.Dependencies(original)).unchanged
 
-    @functools.wraps(original)
-    def forward(self, hidden_states):
-        x, weight, eps = hidden_states, self.weight, self.variance_epsilon
+    def norm(module, x):
+        weight, eps = module.weight, module.variance_epsilon
         if (type(x) is tensor and type(weight) in (tensor, parameter) and weight.dtype == fp32
                 and x.dtype != fp32 and x.dim() >= 1 and x.shape[-1] >= _RMS_NORM_MIN_HIDDEN
                 and plain(x, weight, eps)):
-            out = _row_wise(x, lambda rows: weight * rms_norm(rows, (x.shape[-1],), None, eps))
-        elif (type(x) is tensor and x.is_cuda and type(weight) in (tensor, parameter)
+            return _row_wise(x, lambda rows: weight * rms_norm(rows, (x.shape[-1],), None, eps))
+        if (type(x) is tensor and x.is_cuda and type(weight) in (tensor, parameter)
                 and type(eps) is float and untraced() and unchanged()):
-            out = _row_wise(x, lambda rows: op(rows, weight, eps))
-        else:
-            out = None
+            return _row_wise(x, lambda rows: op(rows, weight, eps))
+        return None
+
+    return norm
+
+
+def _rms_norm_forward(torch, original, form, dependencies=None):
+    """Llama's RMSNorm (LlamaRMSNorm and its copies) in one op (`_llama_norm`)."""
+    norm = _llama_norm(torch, original, dependencies)
+
+    @functools.wraps(original)
+    def forward(self, hidden_states):
+        out = norm(self, hidden_states)
         return original(self, hidden_states) if out is None else out
+
+    return forward
+
+
+def _global_module_hooks(torch):
+    """Whether global module hooks are set: they see every module's call, an activation
+    module's the original builds and calls among them."""
+    hooks = torch.nn.modules.module
+    return bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks
+                or hooks._global_backward_hooks or hooks._global_backward_pre_hooks)
+
+
+def _norm_then_gate_forward(torch, original, form, dependencies=None):
+    """Qwen3-Next's gated RMSNorm (Qwen3.5's, OLMo-Hybrid's): Llama's RMSNorm of x
+    (`_llama_norm`: one op), then times act(gate) in fp32, cast back to x's dtype, the gating as
+    the original computes it. Served where `self.activation` is "silu" and HF's ACT2FN builds
+    its SiLUActivation for it (whose call is F.silu; no global module hooks to see that call):
+    F.silu is called directly. Anything else runs the original."""
+    dependencies = (dependencies or compositions.Dependencies(original)).add(vars(torch.nn),
+                                                                             ("functional", "silu"))
+    norm, silu, fp32, tensor = _llama_norm(torch, original, dependencies), torch.nn.functional.silu, torch.float32, torch.Tensor
+    act2fn = original.__globals__.get("ACT2FN")
+    getitem = type(act2fn).__getitem__
+    silu_classes = {}  # an ACT2FN entry -> whether it is HF's SiLUActivation form
+
+    def builds_silu(name):
+        entry = dict.get(act2fn, name) if isinstance(act2fn, dict) else None
+        if not isinstance(entry, type):
+            return False
+        if entry not in silu_classes:
+            silu_classes[entry] = compositions.is_silu(entry, torch)
+        return silu_classes[entry]
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, gate):
+        activation = self.activation
+        if (type(gate) is tensor and type(activation) is str and activation == "silu"
+                and type(act2fn).__getitem__ is getitem and builds_silu(activation)
+                and not _global_module_hooks(torch)):
+            out = norm(self, hidden_states)
+            if out is not None:
+                return (out * silu(gate.to(fp32))).to(hidden_states.dtype)
+        return original(self, hidden_states, gate)
 
     return forward
 
@@ -239,12 +291,15 @@ def _mamba_gated_rms_norm_forward(torch, original, form, dependencies=None):
     @functools.wraps(original)
     def forward(self, hidden_states, gate=None):
         eps = self.variance_epsilon
-        if (gate is None or type(gate) is tensor) and plain(hidden_states, self.weight, eps):
+        if ((gate is None or type(gate) is tensor) and plain(hidden_states, self.weight, eps)
+                and hidden_states.shape[-1] >= _RMS_NORM_MIN_HIDDEN):
             input_dtype = hidden_states.dtype
             x = hidden_states.to(fp32)
             if gate is not None:
                 x = x * silu(gate.to(fp32))
-            return self.weight * rms_norm(x, (x.shape[-1],), None, eps).to(input_dtype)
+            out = _row_wise(x, lambda rows: rms_norm(rows, (x.shape[-1],), None, eps))
+            if out is not None:
+                return self.weight * out.to(input_dtype)
         return original(self, hidden_states, gate)
 
     return forward
@@ -728,6 +783,8 @@ REWRITES = {
     "gemma_rms_norm": Rewrite(_gemma_rms_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm)"),
     "cohere_layer_norm": Rewrite(_cohere_layer_norm_forward, "aten::layer_norm in fp32 (torchfuse's "
                                                              "native_layer_norm), then the original's cast"),
+    "qwen3_next_rms_norm_gated": Rewrite(_norm_then_gate_forward, "Llama's RMSNorm as hf_rms_norm's rewrite "
+                                         "computes it, then the original's gating"),
     "mamba_rms_norm_gated": Rewrite(_mamba_gated_rms_norm_forward, "the original's gating, then aten::rms_norm in "
                                     "fp32 (torchfuse's _fused_rms_norm), the original's cast and weight"),
     "gemma4_rms_norm": Rewrite(_gemma4_rms_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm), "

@@ -215,7 +215,7 @@ def test_recognition_imports_no_torch():
                                   "'gpt_oss_rms_norm', 'hf_conv1d', 'hf_conv1d_mlp', 'hf_gated_mlp', "
                                   "'hf_gated_mlp_inline', 'hf_gelu_tanh', 'hf_packed_gated_mlp', 'hf_rms_norm', 'hf_silu', "
                                   "'mamba_rms_norm_gated', "
-                                  "'new_gelu', "
+                                  "'new_gelu', 'qwen3_next_rms_norm_gated', "
                                   "'t5_rms_norm']")
 
 
@@ -302,10 +302,12 @@ def test_the_coverage_report_covers_the_installed_transformers():
         assert name in llama, llama
     gemma = next(line for line in lines if line.startswith("| gemma |"))
     assert "`GemmaRMSNorm` (gemma_rms_norm)" in gemma and gemma.endswith("| – |"), gemma
-    # Qwen 3.5's gated norm and its copies are one group of the same code, near a known form;
-    # Gemma 3n's norm is a form of its own.
-    group = next(line for line in lines if "`qwen3_5.Qwen3_5RMSNormGated`" in line)
-    assert group.startswith("| hf_rms_norm | ") and int(group.split("|")[2]) >= 3, group
+    # Qwen 3.5's gated norm is recognised; Gemma 4's one-tensor rotary and its copies are one
+    # group of the same code, near a known form; Gemma 3n's norm is a form of its own.
+    qwen3_5 = next(line for line in lines if line.startswith("| qwen3_5 |"))
+    assert "`Qwen3_5RMSNormGated` (qwen3_next_rms_norm_gated)" in qwen3_5, qwen3_5
+    group = next(line for line in lines if "`gemma4.apply_rotary_pos_emb`" in line)
+    assert group.startswith("| hf_rotary | ") and int(group.split("|")[2]) >= 3, group
     gemma3n = next(line for line in lines if line.startswith("| gemma3n |"))
     assert "`Gemma3nRMSNorm` (gemma4_rms_norm)" in gemma3n, gemma3n
 

@@ -332,6 +332,41 @@ def test_cast_back_norm_is_the_original_composition(norm_name, dtypes):
 
 
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["fp32-weight", "bf16-weight"])
+def test_qwen3_next_gated_rms_norm_is_the_original_composition(w_dtype):
+    """Qwen3-Next's gated RMSNorm (Qwen3.5's, OLMo-Hybrid's), rewritten, against its original
+    forward on bf16 x and gate: same dtype, shape and strides, values and the gradients of x, the
+    gate and the weight within the original's error to float64 (Llama's roundings left out of
+    the reference); the norm reaches one fused op (aten's RMSNorm for an fp32 weight,
+    torchfuse::hf_rms_norm for a bf16 one)."""
+    Norm, original_forward, rewritten = original_and_rewrite(
+        "qwen3_next", "Qwen3NextRMSNormGated", "_norm_then_gate_forward", "qwen3_next_rms_norm_gated")
+    op = "_fused_rms_norm" if w_dtype == torch.float32 else "torchfuse::hf_rms_norm"
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    for shape in [(4, 512, 128), (2, 9, 16, 128), (3, 2048)]:
+        norm = Norm(shape[-1], eps=1e-6).cuda().to(w_dtype)
+        with torch.no_grad():
+            norm.weight.normal_(1, 0.1)
+        x = (3 * torch.randn(shape, device="cuda")).to(torch.bfloat16).requires_grad_(True)
+        gate = (2 * torch.randn(shape, device="cuda")).to(torch.bfloat16).requires_grad_(True)
+        what = f"seed {seed} {w_dtype} {shape}"
+        asked = asked_count(op)
+        ours = rewritten(norm, x, gate)
+        assert asked_count(op) == asked + 1, what
+        original = original_forward(norm, x, gate)
+        assert (ours.dtype, ours.shape, ours.stride()) == (original.dtype, original.shape, original.stride()), what
+        leaves = [x, norm.weight, gate]
+        x64 = [t.detach().double().requires_grad_(True) for t in leaves]
+        ref = rms_reference(x64[0], x64[1], 1e-6) * torch.nn.functional.silu(x64[2])
+        assert rel_err(ours, ref) <= bound(rel_err(original, ref), torch.bfloat16), what
+        grad_out = torch.randn_like(original)
+        refs = torch.autograd.grad(ref, x64, grad_out.double())
+        for name, a, b, r in zip(("x", "weight", "gate"), torch.autograd.grad(ours, leaves, grad_out),
+                                 torch.autograd.grad(original, leaves, grad_out), refs):
+            assert a.dtype == b.dtype and rel_err(a, r) <= bound(rel_err(b, r), a.dtype), (what, name)
+
+
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["fp32-weight", "bf16-weight"])
 def test_mamba_gated_rms_norm_is_the_original_composition(w_dtype):
     """Mamba 2's gated RMSNorm (Bamba's, Granite 4's), rewritten, against its original forward on
     bf16 x (and gate): same dtype, shape and strides, values and the gradients of x, the gate and

@@ -599,6 +599,70 @@ print(json.dumps(result))
     assert len(out) == 4
 
 
+def test_qwen3_next_gated_rms_norm_runs_its_cuda_path_on_cpu_with_the_guard_passed():
+    """Qwen3-Next's gated RMSNorm (Qwen3.5's, OLMo-Hybrid's) rewritten, its code past the guard
+    run on CPU (`_norm_call` patched to pass; a bf16 x with an fp32 weight, the form aten's
+    rms_norm without a weight serves there): one rms_norm call, the original's dtype and strides,
+    values and the gradients of x, the gate and the weight within rounding of the original; an
+    activation other than "silu", a global forward hook (which would see ACT2FN's module) and
+    an ACT2FN whose "silu" is another class run the original."""
+    out, _ = run("""
+import functools
+calls = [0]
+def counted(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        calls[0] += 1
+        return fn(*args, **kwargs)
+    return wrapper
+torch.rms_norm = counted(torch.rms_norm)
+import torchfuse.rewrites as R
+R._norm_call = lambda torch, original, dependencies=None: (lambda *args, **kwargs: True)
+import transformers.activations as A
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+result = {"rewritten": all(hasattr(c.forward, "__wrapped__") for c in (Qwen3NextRMSNormGated, Qwen3_5RMSNormGated))}
+original = Qwen3NextRMSNormGated.forward.__wrapped__
+rewritten = R._norm_then_gate_forward(torch, original, "qwen3_next_rms_norm_gated")
+torch.manual_seed(0)
+norm = Qwen3NextRMSNormGated(96, eps=1e-6)
+with torch.no_grad():
+    norm.weight.copy_(1 + 0.1 * torch.randn(96))
+x = (3 * torch.randn(5, 7, 96)).to(torch.bfloat16).requires_grad_(True)
+gate = (2 * torch.randn(5, 7, 96)).to(torch.bfloat16).requires_grad_(True)
+def served():
+    before = calls[0]
+    ours = rewritten(norm, x, gate)
+    return ours, calls[0] - before
+ours, n = served()
+theirs = original(norm, x, gate)
+leaves = [x, gate, norm.weight]
+rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()
+g_ours = torch.autograd.grad(ours.float().square().sum(), leaves)
+g_theirs = torch.autograd.grad(theirs.float().square().sum(), leaves)
+result["served"] = {"calls": n, "dtype": ours.dtype == theirs.dtype, "strides": ours.stride() == theirs.stride(),
+                    "close": rel(ours, theirs) < 1e-2, "grads": all(rel(a, b) < 2e-2 for a, b in zip(g_ours, g_theirs))}
+norm.activation = "sigmoid"
+result["sigmoid"] = [served()[1], torch.equal(rewritten(norm, x, gate), original(norm, x, gate))]
+norm.activation = "silu"
+handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+result["hooked"] = served()[1]
+handle.remove()
+silu = A.ACT2FN.data["silu"] if hasattr(A.ACT2FN, "data") else dict.get(A.ACT2FN, "silu")
+class OtherSiLU(torch.nn.Module):
+    def forward(self, input):
+        return torch.nn.functional.silu(input) * 2
+dict.__setitem__(A.ACT2FN, "silu", OtherSiLU)
+result["other_act"] = [served()[1], torch.equal(rewritten(norm, x, gate), original(norm, x, gate))]
+dict.__setitem__(A.ACT2FN, "silu", silu)
+result["back"] = served()[1]
+print(json.dumps(result))
+""")
+    assert out == {"rewritten": True, "served": {"calls": 1, "dtype": True, "strides": True, "close": True,
+                                                 "grads": True},
+                   "sigmoid": [0, True], "hooked": 0, "other_act": [0, True], "back": 1}, out
+
+
 def test_t5s_rms_norm_replacement_is_its_arithmetic_on_cpu():
     """What the T5 rewrite calls on CUDA, checked on CPU against T5LayerNorm's original forward
     and float64: with an fp32 weight, aten::rms_norm of x.float() (fp32 out, for fp32 and bf16
