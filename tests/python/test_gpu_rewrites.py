@@ -331,6 +331,20 @@ def test_cast_back_norm_is_the_original_composition(norm_name, dtypes):
         assert_like_the_original(ours, original, x, norm.weight, reference, what)
 
 
+def assert_gated_norm_like_the_original(ours, original, leaves, reference, what):
+    """A gated norm's output and the gradients of its leaves (x, the weight, the gate if any),
+    each within max(2 x the original's error, the dtype's floor) of `reference` (of the leaves
+    in float64); same dtypes."""
+    x64 = [t.detach().double().requires_grad_(True) for t in leaves]
+    ref = reference(*x64)
+    assert rel_err(ours, ref) <= bound(rel_err(original, ref), torch.bfloat16), what
+    grad_out = torch.randn_like(original)
+    refs = torch.autograd.grad(ref, x64, grad_out.double())
+    for name, a, b, r in zip(("x", "weight", "gate"), torch.autograd.grad(ours, leaves, grad_out),
+                             torch.autograd.grad(original, leaves, grad_out), refs):
+        assert a.dtype == b.dtype and rel_err(a, r) <= bound(rel_err(b, r), a.dtype), (what, name)
+
+
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["fp32-weight", "bf16-weight"])
 def test_qwen3_next_gated_rms_norm_is_the_original_composition(w_dtype):
     """Qwen3-Next's gated RMSNorm (Qwen3.5's, OLMo-Hybrid's), rewritten, against its original
@@ -355,15 +369,9 @@ def test_qwen3_next_gated_rms_norm_is_the_original_composition(w_dtype):
         assert asked_count(op) == asked + 1, what
         original = original_forward(norm, x, gate)
         assert (ours.dtype, ours.shape, ours.stride()) == (original.dtype, original.shape, original.stride()), what
-        leaves = [x, norm.weight, gate]
-        x64 = [t.detach().double().requires_grad_(True) for t in leaves]
-        ref = rms_reference(x64[0], x64[1], 1e-6) * torch.nn.functional.silu(x64[2])
-        assert rel_err(ours, ref) <= bound(rel_err(original, ref), torch.bfloat16), what
-        grad_out = torch.randn_like(original)
-        refs = torch.autograd.grad(ref, x64, grad_out.double())
-        for name, a, b, r in zip(("x", "weight", "gate"), torch.autograd.grad(ours, leaves, grad_out),
-                                 torch.autograd.grad(original, leaves, grad_out), refs):
-            assert a.dtype == b.dtype and rel_err(a, r) <= bound(rel_err(b, r), a.dtype), (what, name)
+        assert_gated_norm_like_the_original(
+            ours, original, [x, norm.weight, gate],
+            lambda x64, w64, g64: rms_reference(x64, w64, 1e-6) * torch.nn.functional.silu(g64), what)
 
 
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["fp32-weight", "bf16-weight"])
@@ -388,16 +396,10 @@ def test_mamba_gated_rms_norm_is_the_original_composition(w_dtype):
         assert asked_count("_fused_rms_norm") == asked + 1, what
         original = original_forward(norm, x, gate)
         assert (ours.dtype, ours.shape, ours.stride()) == (original.dtype, original.shape, original.stride()), what
-        leaves = [x, norm.weight] + ([gate] if gated else [])
-        x64 = [t.detach().double().requires_grad_(True) for t in leaves]
-        h = x64[0] * torch.nn.functional.silu(x64[2]) if gated else x64[0]
-        ref = rms_reference(h, x64[1], 1e-6)
-        assert rel_err(ours, ref) <= bound(rel_err(original, ref), torch.bfloat16), what
-        grad_out = torch.randn_like(original)
-        refs = torch.autograd.grad(ref, x64, grad_out.double())
-        for name, a, b, r in zip(("x", "weight", "gate"), torch.autograd.grad(ours, leaves, grad_out),
-                                 torch.autograd.grad(original, leaves, grad_out), refs):
-            assert a.dtype == b.dtype and rel_err(a, r) <= bound(rel_err(b, r), a.dtype), (what, name)
+        assert_gated_norm_like_the_original(
+            ours, original, [x, norm.weight] + ([gate] if gated else []),
+            lambda x64, w64, *g64: rms_reference(x64 * torch.nn.functional.silu(g64[0]) if g64 else x64, w64, 1e-6),
+            what)
 
 
 @pytest.mark.parametrize("x_dtype", DTYPES)

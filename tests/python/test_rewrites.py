@@ -541,13 +541,9 @@ print(json.dumps(rotary))
     assert out == [True] * 8
 
 
-def test_mamba_gated_rms_norm_runs_its_cuda_path_on_cpu_with_the_guard_passed():
-    """Mamba 2's gated RMSNorm (Bamba's, Granite 4's) rewritten, its code past the guard run on
-    CPU (`_norm_call` patched to pass): one aten rms_norm call, the original's dtype and strides,
-    values within rounding of the original and float64, with and without a gate, a bf16 x with
-    an fp32 weight (autocast's form) and all bf16; the gradients of x, the gate and the weight
-    flow. The classes are rewritten after enable()."""
-    out, _ = run("""
+# What a child process runs first for a norm rewrite's CUDA path on CPU: torch.rms_norm counted
+# in calls[0], and the norm rewrites' guard (_norm_call) passing.
+PAST_THE_NORM_GUARD = """
 import functools
 calls = [0]
 def counted(fn):
@@ -559,6 +555,16 @@ def counted(fn):
 torch.rms_norm = counted(torch.rms_norm)
 import torchfuse.rewrites as R
 R._norm_call = lambda torch, original, dependencies=None: (lambda *args, **kwargs: True)
+"""
+
+
+def test_mamba_gated_rms_norm_runs_its_cuda_path_on_cpu_with_the_guard_passed():
+    """Mamba 2's gated RMSNorm (Bamba's, Granite 4's) rewritten, its code past the guard run on
+    CPU (`_norm_call` patched to pass): one aten rms_norm call, the original's dtype and strides,
+    values within rounding of the original and float64, with and without a gate, a bf16 x with
+    an fp32 weight (autocast's form) and all bf16; the gradients of x, the gate and the weight
+    flow. The classes are rewritten after enable()."""
+    out, _ = run(PAST_THE_NORM_GUARD + """
 from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
 from transformers.models.bamba.modeling_bamba import BambaRMSNormGated
 import transformers.models.granitemoehybrid.modeling_granitemoehybrid as G
@@ -606,18 +612,7 @@ def test_qwen3_next_gated_rms_norm_runs_its_cuda_path_on_cpu_with_the_guard_pass
     values and the gradients of x, the gate and the weight within rounding of the original; an
     activation other than "silu", a global forward hook (which would see ACT2FN's module) and
     an ACT2FN whose "silu" is another class run the original."""
-    out, _ = run("""
-import functools
-calls = [0]
-def counted(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        calls[0] += 1
-        return fn(*args, **kwargs)
-    return wrapper
-torch.rms_norm = counted(torch.rms_norm)
-import torchfuse.rewrites as R
-R._norm_call = lambda torch, original, dependencies=None: (lambda *args, **kwargs: True)
+    out, _ = run(PAST_THE_NORM_GUARD + """
 import transformers.activations as A
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
