@@ -158,18 +158,14 @@ def _norm_then_gate_forward(torch, original, form, dependencies=None):
     F.silu is called directly. Anything else runs the original."""
     dependencies = (dependencies or compositions.Dependencies(original)).add(vars(torch.nn),
                                                                              ("functional", "silu"))
-    norm, silu, fp32, tensor = _llama_norm(torch, original, dependencies), torch.nn.functional.silu, torch.float32, torch.Tensor
+    norm, kind_of = _llama_norm(torch, original, dependencies), _activation_kinds(torch)
+    silu, fp32, tensor = torch.nn.functional.silu, torch.float32, torch.Tensor
     act2fn = original.__globals__.get("ACT2FN")
     getitem = type(act2fn).__getitem__
-    silu_classes = {}  # an ACT2FN entry -> whether it is HF's SiLUActivation form
 
     def builds_silu(name):
         entry = dict.get(act2fn, name) if isinstance(act2fn, dict) else None
-        if not isinstance(entry, type):
-            return False
-        if entry not in silu_classes:
-            silu_classes[entry] = compositions.is_silu(entry, torch)
-        return silu_classes[entry]
+        return isinstance(entry, type) and kind_of(entry) == "silu"
 
     @functools.wraps(original)
     def forward(self, hidden_states, gate):
@@ -513,6 +509,25 @@ def _causal_lm_loss(torch, original, form, dependencies=None):
     return loss_function
 
 
+def _activation_kinds(torch):
+    """A function telling what an activation module class computes, by its code: "silu"
+    (nn.SiLU, HF's SiLUActivation), "gelu_attribute" (HF's GELUTanh: what its `act` attribute
+    computes) or None; remembered per (class, its forward), so a forward patched later is looked
+    at again."""
+    kinds = {}
+
+    def kind_of(kind):
+        key = (kind, kind.__dict__.get("forward"))
+        found = kinds.get(key, False)
+        if found is False:
+            found = kinds[key] = ("silu" if compositions.is_silu(kind, torch) else
+                                  "gelu_attribute" if compositions.is_gelu_tanh_by_attribute(kind, torch)
+                                  else None)
+        return found
+
+    return kind_of
+
+
 def _gated_mlp_call(torch, original, dependencies=None):
     """A function telling which op a call of a gated-MLP form (its input, its activation) may go
     to: "silu" (SiLU-and-multiply) or "gelu_tanh" (tanh-GELU-and-multiply), else None. Served: a
@@ -524,20 +539,10 @@ def _gated_mlp_call(torch, original, dependencies=None):
     unchanged = (dependencies or compositions.Dependencies(original)).add(vars(torch.nn),
                                                                           ("functional", "silu")).unchanged
     gelu, partial = torch._C._nn.gelu, functools.partial
-    kinds = {}  # (activation type, its forward) -> "silu", "gelu_attribute" or None
-
-    def kind_of(act):
-        kind = type(act)
-        key = (kind, kind.__dict__.get("forward"))
-        found = kinds.get(key, False)
-        if found is False:
-            found = kinds[key] = ("silu" if compositions.is_silu(kind, torch) else
-                                  "gelu_attribute" if compositions.is_gelu_tanh_by_attribute(kind, torch)
-                                  else None)
-        return found
+    kind_of = _activation_kinds(torch)
 
     def activation(act):
-        kind = kind_of(act)
+        kind = kind_of(type(act))
         if kind == "silu":
             name = None if getattr(act, "inplace", False) else "silu"
         elif kind == "gelu_attribute":
