@@ -4,7 +4,7 @@
 //! Each entry point catches panics: a bug in torchfuse makes the call go to stock (with one
 //! warning), never unwinds into PyTorch.
 
-use super::tensor::{into_raw, kind_of_scalar_type};
+use super::tensor::into_raw;
 use super::types::{
     TfAdamCall, TfAttentionCall, TfCrossEntropyCall, TfEmbeddingCall, TfGeluCall, TfLaunch,
     TfNormCall, TfOutputs, TfRotaryCall, TfStatus, TfSwigluCall, TF_FUSED, TF_STOCK,
@@ -20,7 +20,7 @@ use crate::ops::swiglu::Swiglu;
 use crate::ops::Family;
 use crate::runtime::stats::{self, Outcome};
 use crate::runtime::Entry;
-use crate::select::{kind_name, StockReason};
+use crate::select::StockReason;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 /// One call of family `F`: unless the entry is switched off, the family describes it (for
@@ -51,7 +51,7 @@ unsafe fn answer<F: Family>(
     let result = catch_unwind(AssertUnwindSafe(|| {
         if let Some(t) = F::symbolic(call) {
             // Nothing of its sizes can be read; stock's kernels and meta functions take them.
-            let dtype = kind_name(kind_of_scalar_type(t.dtype));
+            let dtype = t.kind_name();
             return Ok(Some((dtype, Vec::new(), Err(StockReason::SymbolicSizes))));
         }
         if let Some(message) = F::refuse(entry, call) {

@@ -46,10 +46,16 @@ typedef struct TfLaunch {
   void* stream;    // cudaStream_t
 } TfLaunch;
 
-// One tensor. An absent (undefined, or an empty optional) tensor is all zeros.
+// One tensor. An absent (undefined, or an empty optional) tensor is all zeros. Everything
+// Rust reads of a tensor is here (its sizes and strides point into the at::Tensor's own
+// arrays, valid for the call); `handle` is only for making new tensors from it (a contiguous
+// copy).
 typedef struct TfTensor {
-  const void* handle;  // the at::Tensor, borrowed for the call; null: absent
-  void* data;          // data_ptr() of a CUDA tensor; null otherwise
+  const void* handle;      // the at::Tensor, borrowed for the call; null: absent
+  void* data;              // data_ptr() of a CUDA tensor; null otherwise
+  const int64_t* sizes;    // ndim sizes; null unless `strided`
+  const int64_t* strides;  // ndim strides, in elements; null unless `strided`
+  int64_t ndim;
   int64_t numel;
   int16_t dtype;       // c10::ScalarType
   int16_t device;      // CUDA device index; -1: not a CUDA tensor
@@ -59,7 +65,8 @@ typedef struct TfTensor {
   uint8_t symbolic;    // sizes or strides are a tracing compiler's symbols (SymInt, under
                        // torch.compile's dynamic shapes): numel, data and dense are not read,
                        // and the call goes to stock
-  uint8_t unused[1];
+  uint8_t strided;     // a strided layout, not nested, sizes not symbolic: sizes, strides,
+                       // ndim and numel are read
 } TfTensor;
 
 // Outputs a fused call hands back: owned at::Tensor*, null for an undefined tensor.

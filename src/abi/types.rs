@@ -71,6 +71,11 @@ pub struct TfTensor {
     pub handle: *const c_void,
     /// `data_ptr()` of a CUDA tensor; null otherwise.
     pub data: *mut c_void,
+    /// `ndim` sizes, in the `at::Tensor`'s own array; null unless `strided`.
+    pub sizes: *const i64,
+    /// `ndim` strides (elements), in the `at::Tensor`'s own array; null unless `strided`.
+    pub strides: *const i64,
+    pub ndim: i64,
     pub numel: i64,
     /// `c10::ScalarType`.
     pub dtype: i16,
@@ -84,10 +89,28 @@ pub struct TfTensor {
     /// Sizes or strides are a tracing compiler's symbols (SymInt, under torch.compile's dynamic
     /// shapes): `numel`, `data` and `dense` are unread zeros, and the call goes to stock.
     pub symbolic: u8,
-    pub unused: [u8; 1],
+    /// A strided layout, not nested, sizes not symbolic: `sizes`, `strides`, `ndim` and
+    /// `numel` are read.
+    pub strided: u8,
 }
 
 impl TfTensor {
+    /// An absent tensor (an undefined one, or an optional argument not given).
+    pub const ABSENT: TfTensor = TfTensor {
+        handle: std::ptr::null(),
+        data: std::ptr::null_mut(),
+        sizes: std::ptr::null(),
+        strides: std::ptr::null(),
+        ndim: 0,
+        numel: 0,
+        dtype: 0,
+        device: 0,
+        dense: 0,
+        like_first: 0,
+        symbolic: 0,
+        strided: 0,
+    };
+
     pub fn present(&self) -> bool {
         !self.handle.is_null()
     }
@@ -231,11 +254,14 @@ pub struct TfAttentionCall {
 
 /// `c10::ScalarType` codes of the dtypes torchfuse reads or allocates.
 pub const SCALAR_UINT8: i16 = 0;
+pub const SCALAR_INT8: i16 = 1;
+pub const SCALAR_INT16: i16 = 2;
 pub const SCALAR_INT: i16 = 3;
 pub const SCALAR_LONG: i16 = 4;
 pub const SCALAR_HALF: i16 = 5;
 pub const SCALAR_FLOAT: i16 = 6;
 pub const SCALAR_DOUBLE: i16 = 7;
+pub const SCALAR_BOOL: i16 = 11;
 pub const SCALAR_BFLOAT16: i16 = 15;
 
 // Implemented in C++ (glue/registration.cpp).
@@ -250,6 +276,7 @@ extern "C" {
         status: *mut TfStatus,
     ) -> *mut c_void;
     pub fn torchfuse_cxx_abi_layout(out: *mut i64, cap: usize) -> usize;
+    pub fn torchfuse_cxx_describe(tensor: *const c_void, out: *mut TfTensor);
     pub fn torchfuse_cxx_entry_name(entry: u32) -> *const c_char;
     pub fn torchfuse_cxx_libtorch_file(out: *mut c_char, cap: usize) -> usize;
 }
@@ -275,12 +302,16 @@ mod tests {
             n(offset_of!(TfLaunch, stream)),
             n(size_of::<TfTensor>()),
             n(offset_of!(TfTensor, data)),
+            n(offset_of!(TfTensor, sizes)),
+            n(offset_of!(TfTensor, strides)),
+            n(offset_of!(TfTensor, ndim)),
             n(offset_of!(TfTensor, numel)),
             n(offset_of!(TfTensor, dtype)),
             n(offset_of!(TfTensor, device)),
             n(offset_of!(TfTensor, dense)),
             n(offset_of!(TfTensor, like_first)),
             n(offset_of!(TfTensor, symbolic)),
+            n(offset_of!(TfTensor, strided)),
             n(size_of::<TfOutputs>()),
             n(size_of::<TfNormCall>()),
             n(offset_of!(TfNormCall, weight)),
@@ -353,11 +384,14 @@ mod tests {
             n(offset_of!(TfAttentionCall, default_backends)),
             n(offset_of!(TfAttentionCall, deterministic)),
             i64::from(SCALAR_UINT8),
+            i64::from(SCALAR_INT8),
+            i64::from(SCALAR_INT16),
             i64::from(SCALAR_INT),
             i64::from(SCALAR_LONG),
             i64::from(SCALAR_HALF),
             i64::from(SCALAR_FLOAT),
             i64::from(SCALAR_DOUBLE),
+            i64::from(SCALAR_BOOL),
             i64::from(SCALAR_BFLOAT16),
         ]
     }

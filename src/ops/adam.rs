@@ -495,17 +495,7 @@ mod tests {
     use super::*;
 
     fn absent() -> TfTensor {
-        TfTensor {
-            handle: std::ptr::null(),
-            data: std::ptr::null_mut(),
-            numel: 0,
-            dtype: 0,
-            device: 0,
-            dense: 0,
-            like_first: 0,
-            symbolic: 0,
-            unused: [0; 1],
-        }
+        TfTensor::ABSENT
     }
 
     /// A present tensor (the handle only needs to be non-null: these tests read facts only).
@@ -518,8 +508,7 @@ mod tests {
             device,
             dense: 1,
             like_first: 1,
-            symbolic: 0,
-            unused: [0; 1],
+            ..TfTensor::ABSENT
         }
     }
 

@@ -9,7 +9,7 @@
 
 use super::params::{self, flag, one};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
-use crate::abi::tensor::{aligned16, device_addr, empty, Borrowed};
+use crate::abi::tensor::{aligned16, device_addr, empty};
 use crate::abi::types::{TfAttentionCall, TfTensor};
 use crate::gpu::{self, Launch};
 use crate::runtime::{Entry, OpFamily};
@@ -50,8 +50,8 @@ struct Problem {
 unsafe impl DeviceRepr for Problem {}
 
 impl Strides {
-    fn of(t: &Tensor) -> Strides {
-        let s = t.stride();
+    /// Of a [B, H, L, D] tensor's strides.
+    fn of(s: &[i64]) -> Strides {
         Strides {
             batch: s[0],
             head: s[1],
@@ -379,8 +379,7 @@ impl Family for Attention {
     }
 
     unsafe fn describe(_entry: Entry, call: &TfAttentionCall) -> Option<(&'static str, Vec<i64>)> {
-        let q = call.query.borrow()?;
-        Some(crate::abi::tensor::describe(Some(&q)))
+        Some(crate::abi::tensor::describe(call.query.given()?))
     }
 
     /// q and k whose last dims differ: no backend can compute q k^T, yet stock's choice can
@@ -390,8 +389,8 @@ impl Family for Attention {
         if entry != Entry::SdpChoice || call.nested != 0 {
             return None;
         }
-        let (q, k) = (call.query.borrow()?, call.key.borrow()?);
-        let (q_dim, k_dim) = (*q.size().last()?, *k.size().last()?);
+        let (q, k) = (call.query.given()?, call.key.given()?);
+        let (q_dim, k_dim) = (*q.sizes().last()?, *k.sizes().last()?);
         (q_dim != k_dim).then(|| {
             format!(
                 "scaled_dot_product_attention: query's last dimension ({q_dim}) must equal \
@@ -463,27 +462,15 @@ impl Plan {
     }
 }
 
-/// The call's q, k, v as borrowed tensors.
-struct Operands {
-    q: Borrowed,
-    k: Borrowed,
-    v: Borrowed,
-}
-
-/// # Safety
-/// The call's tensor pointers are valid `at::Tensor`s.
-unsafe fn operands(call: &TfAttentionCall) -> Option<Operands> {
-    Some(Operands {
-        q: call.query.borrow()?,
-        k: call.key.borrow()?,
-        v: call.value.borrow()?,
-    })
+/// The call's q, k, v.
+fn operands(call: &TfAttentionCall) -> Option<(&TfTensor, &TfTensor, &TfTensor)> {
+    Some((call.query.given()?, call.key.given()?, call.value.given()?))
 }
 
 /// Last dimension contiguous, 16-byte aligned rows, and a 16-byte aligned start.
-fn kernel_layout(t: &Tensor) -> bool {
-    let s = t.stride();
-    s.len() == 4 && s[3] == 1 && s[..3].iter().all(|x| x % 8 == 0) && aligned16([t])
+fn kernel_layout(t: &TfTensor) -> bool {
+    let s = t.strides();
+    s.len() == 4 && s[3] == 1 && s[..3].iter().all(|x| x % 8 == 0) && aligned16([t.addr()])
 }
 
 /// Whether torchfuse serves this call, and how: the one decision behind the backend choice,
@@ -502,22 +489,21 @@ unsafe fn plan(launch: Launch, call: &TfAttentionCall) -> Result<Plan, StockReas
     {
         return Err(StockReason::AttentionFeature);
     }
-    let ops = operands(call).ok_or(StockReason::InvalidInput)?;
-    let (q, k, v) = (&*ops.q, &*ops.k, &*ops.v);
-    let kind = q.f_kind().map_err(|_| StockReason::UnsupportedDtype)?;
+    let (q, k, v) = operands(call).ok_or(StockReason::InvalidInput)?;
+    let kind = q.kind().ok_or(StockReason::UnsupportedDtype)?;
     let dtype = match dtype_of(kind) {
         Some(d @ (DType::BF16 | DType::F16)) => d,
         _ => return Err(StockReason::UnsupportedDtype),
     };
-    if k.f_kind().ok() != Some(kind) || v.f_kind().ok() != Some(kind) {
+    if k.kind() != Some(kind) || v.kind() != Some(kind) {
         return Err(StockReason::MixedDtypes);
     }
     let device = gpu::torch_device(launch)?;
     if [q, k, v].iter().any(|t| t.device() != device) {
         return Err(StockReason::InvalidInput);
     }
-    let (qs, ks, vs) = (q.size(), k.size(), v.size());
-    let ([b, h, lq, d], [bk, hk, lk, dk], [bv, hv, lv, dv]) = (&qs[..], &ks[..], &vs[..]) else {
+    let ([b, h, lq, d], [bk, hk, lk, dk], [bv, hv, lv, dv]) = (q.sizes(), k.sizes(), v.sizes())
+    else {
         return Err(StockReason::NoVariantForShape);
     };
     if bk != b || bv != b || hv != hk || lv != lk || dk != d || dv != d {
@@ -613,9 +599,9 @@ unsafe impl DeviceRepr for TmaMap {}
 /// The tensor map of a [B, H, L, D] operand (rows 16-byte aligned, D contiguous) for boxes of
 /// 64 columns x `box_rows` rows of one (batch, head), with the 128-byte swizzle the warpgroup
 /// kernels' tiles use. Rows past L read as zeros.
-fn tma_map(t: &Tensor, kind: Kind, box_rows: u32) -> Result<TmaMap, StockReason> {
+fn tma_map(t: &TfTensor, kind: Kind, box_rows: u32) -> Result<TmaMap, StockReason> {
     use cudarc::driver::sys;
-    let (size, stride) = (t.size(), t.stride());
+    let (size, stride) = (t.sizes(), t.strides());
     let element = if kind == Kind::BFloat16 {
         sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
     } else {
@@ -633,7 +619,7 @@ fn tma_map(t: &Tensor, kind: Kind, box_rows: u32) -> Result<TmaMap, StockReason>
             map.as_mut_ptr(),
             element,
             4,
-            device_addr(t) as *mut std::ffi::c_void,
+            t.addr() as *mut std::ffi::c_void,
             dims.as_ptr(),
             strides.as_ptr(),
             boxes.as_ptr(),
@@ -660,19 +646,14 @@ fn tma_map(t: &Tensor, kind: Kind, box_rows: u32) -> Result<TmaMap, StockReason>
 /// from `like` (q for the output and dq, k for dk, v for dv): the flash kernels allocate it
 /// with `empty_like` of the [B, L, H, D] view, so a dense `like` gives its own strides (a
 /// contiguous [B, H, L, D] q, a contiguous output), anything else [B, L, H, D] storage.
-fn empty_like_flash(
-    like: &TfTensor,
-    t: &Tensor,
-    kind: Kind,
-    device: Device,
-) -> Result<Tensor, StockReason> {
-    let size = t.size();
-    let [b, h, l, d] = size[..] else {
+fn empty_like_flash(like: &TfTensor, kind: Kind, device: Device) -> Result<Tensor, StockReason> {
+    let size = like.sizes();
+    let [b, h, l, d] = *size else {
         return Err(StockReason::InvalidInput);
     };
     if like.dense != 0 {
-        return empty(&[t.numel() as i64], kind, device)?
-            .f_as_strided(&size, t.stride(), 0)
+        return empty(&[like.numel()], kind, device)?
+            .f_as_strided(size, like.strides(), 0)
             .map_err(|_| StockReason::InternalError);
     }
     Ok(empty(&[b, l, h, d], kind, device)?.transpose(1, 2))
@@ -756,23 +737,22 @@ impl Plan {
         launch: Launch,
         call: &TfAttentionCall,
     ) -> Result<(Tensor, Tensor), StockReason> {
-        let ops = operands(call).ok_or(StockReason::InvalidInput)?;
-        let (q, k, v) = (&*ops.q, &*ops.k, &*ops.v);
-        let out = empty_like_flash(&call.query, q, self.kind, self.device)?;
+        let (q, k, v) = operands(call).ok_or(StockReason::InvalidInput)?;
+        let out = empty_like_flash(q, self.kind, self.device)?;
         let lse = empty(&[self.batch, self.heads, self.lq], Kind::Float, self.device)?;
         let s = &self.shapes;
         let (qp, kp, vp, op, lp) = (
-            device_addr(q),
-            device_addr(k),
-            device_addr(v),
+            q.addr(),
+            k.addr(),
+            v.addr(),
             device_addr(&out),
             device_addr(&lse),
         );
         let (qs, ks, vs, os) = (
-            Strides::of(q),
-            Strides::of(k),
-            Strides::of(v),
-            Strides::of(&out),
+            Strides::of(q.strides()),
+            Strides::of(k.strides()),
+            Strides::of(v.strides()),
+            Strides::of(&out.stride()),
         );
         let problem = self.problem();
         let stream = self.selected.gpu.stream(launch);
@@ -834,40 +814,35 @@ impl Plan {
         launch: Launch,
         call: &TfAttentionCall,
     ) -> Result<[Tensor; 3], StockReason> {
-        let ops = operands(call).ok_or(StockReason::InvalidInput)?;
-        let (q, k, v) = (&*ops.q, &*ops.k, &*ops.v);
+        let (q, k, v) = operands(call).ok_or(StockReason::InvalidInput)?;
         let (Some(dout), Some(out), Some(lse)) = (
-            call.grad_out.borrow(),
-            call.output.borrow(),
-            call.logsumexp.borrow(),
+            call.grad_out.given(),
+            call.output.given(),
+            call.logsumexp.given(),
         ) else {
             return Err(StockReason::InvalidInput);
         };
-        let q_shape = q.size();
-        for t in [&*dout, &*out] {
-            if t.size() != q_shape
-                || t.f_kind().ok() != Some(self.kind)
-                || t.device() != self.device
-            {
+        for t in [dout, out] {
+            if t.sizes() != q.sizes() || t.kind() != Some(self.kind) || t.device() != self.device {
                 return Err(StockReason::InvalidInput);
             }
             if !kernel_layout(t) {
                 return Err(StockReason::NoVariantForShape);
             }
         }
-        if lse.size() != [self.batch, self.heads, self.lq]
-            || lse.f_kind().ok() != Some(Kind::Float)
+        if lse.sizes() != [self.batch, self.heads, self.lq]
+            || lse.kind() != Some(Kind::Float)
             || lse.device() != self.device
         {
             return Err(StockReason::InvalidInput);
         }
-        let lse = lse.contiguous();
+        let lse = lse.contiguous()?;
         let d = self.shapes.head_dim;
         let s = &self.shapes;
         let delta = empty(&[self.batch, self.heads, self.lq], Kind::Float, self.device)?;
-        let dq = empty_like_flash(&call.query, q, self.kind, self.device)?;
-        let dk = empty_like_flash(&call.key, k, self.kind, self.device)?;
-        let dv = empty_like_flash(&call.value, v, self.kind, self.device)?;
+        let dq = empty_like_flash(q, self.kind, self.device)?;
+        let dk = empty_like_flash(k, self.kind, self.device)?;
+        let dv = empty_like_flash(v, self.kind, self.device)?;
 
         let rows = self.batch * self.heads * self.lq;
         let prep = self.launch_config(PREP, (gpu::grid_dim(rows * (d / 8), 256)?, 1, 1), 256, 0)?;
@@ -883,22 +858,21 @@ impl Plan {
             s.bwd_threads(),
             s.dq_smem(),
         )?;
-        let (qp, kp, vp) = (device_addr(q), device_addr(k), device_addr(v));
-        let (op, dop, lp, deltap) = (
-            device_addr(&out),
-            device_addr(&dout),
-            device_addr(&lse),
-            device_addr(&delta),
-        );
+        let (qp, kp, vp) = (q.addr(), k.addr(), v.addr());
+        let (op, dop, lp, deltap) = (out.addr(), dout.addr(), lse.addr(), device_addr(&delta));
         let (dqp, dkp, dvp) = (device_addr(&dq), device_addr(&dk), device_addr(&dv));
         let (qs, ks, vs, os, dos) = (
-            Strides::of(q),
-            Strides::of(k),
-            Strides::of(v),
-            Strides::of(&out),
-            Strides::of(&dout),
+            Strides::of(q.strides()),
+            Strides::of(k.strides()),
+            Strides::of(v.strides()),
+            Strides::of(out.strides()),
+            Strides::of(dout.strides()),
         );
-        let (dqs, dks, dvs) = (Strides::of(&dq), Strides::of(&dk), Strides::of(&dv));
+        let (dqs, dks, dvs) = (
+            Strides::of(&dq.stride()),
+            Strides::of(&dk.stride()),
+            Strides::of(&dv.stride()),
+        );
         let problem = self.problem();
         let stream = self.selected.gpu.stream(launch);
         let kernels = &self.selected.kernels;
@@ -915,7 +889,7 @@ impl Plan {
                     tma_map(q, self.kind, query_rows)?,
                     tma_map(k, self.kind, keys)?,
                     tma_map(v, self.kind, keys)?,
-                    tma_map(&dout, self.kind, query_rows)?,
+                    tma_map(dout, self.kind, query_rows)?,
                 ])
             };
             (
@@ -986,9 +960,9 @@ mod tests {
             // SAFETY: every field of the C struct is a number or a pointer, for which zero is
             // absent or false; the tensors outlive the calls below.
             let mut call: TfAttentionCall = unsafe { std::mem::zeroed() };
-            call.query.handle = q.as_ptr() as *const std::ffi::c_void;
-            call.key.handle = k.as_ptr() as *const std::ffi::c_void;
-            call.value.handle = k.as_ptr() as *const std::ffi::c_void;
+            call.query = crate::abi::tensor::described(q);
+            call.key = crate::abi::tensor::described(k);
+            call.value = crate::abi::tensor::described(k);
             call
         };
         // SAFETY: the calls' handles are live tensors.

@@ -16,7 +16,7 @@ use crate::runtime::{Entry, OpFamily};
 use crate::select::{dtype_of, StockReason};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use serde::{Deserialize, Serialize};
-use tch::{Kind, Tensor};
+use tch::Kind;
 
 /// The kernels of kernels/cross_entropy.cu, by name.
 const FWD_KERNEL: &str = "ce_fwd";
@@ -66,8 +66,7 @@ impl Family for CrossEntropy {
         _entry: Entry,
         call: &TfCrossEntropyCall,
     ) -> Option<(&'static str, Vec<i64>)> {
-        let logits = call.logits.borrow()?;
-        Some(describe(Some(&logits)))
+        Some(describe(call.logits.given()?))
     }
 
     /// Forward: loss, lse, total_weight. Backward: grad_logits.
@@ -77,8 +76,8 @@ impl Family for CrossEntropy {
         call: &TfCrossEntropyCall,
         shape: &[i64],
     ) -> Result<Served, StockReason> {
-        let logits = call.logits.borrow().ok_or(StockReason::InvalidInput)?;
-        let target = call.target.borrow().ok_or(StockReason::InvalidInput)?;
+        let logits = call.logits.given().ok_or(StockReason::InvalidInput)?;
+        let target = call.target.given().ok_or(StockReason::InvalidInput)?;
         // Above 1 stock's call raises its error (the glue sends a negative or NaN one as 0,
         // which stock does not smooth).
         if !(0.0..=1.0).contains(&call.label_smoothing) {
@@ -93,10 +92,10 @@ impl Family for CrossEntropy {
             return Err(StockReason::InvalidInput);
         };
         let (rows, cols) = (*rows, *cols);
-        if target.size() != [rows] || target.f_kind().ok() != Some(Kind::Int64) {
+        if target.sizes() != [rows] || target.kind() != Some(Kind::Int64) {
             return Err(StockReason::InvalidInput);
         }
-        let logits_kind = logits.f_kind().map_err(|_| StockReason::UnsupportedDtype)?;
+        let logits_kind = logits.kind().ok_or(StockReason::UnsupportedDtype)?;
         let dtype = dtype_of(logits_kind).ok_or(StockReason::UnsupportedDtype)?;
         let device = gpu::torch_device(launch)?;
         if logits.device() != device || target.device() != device {
@@ -110,8 +109,8 @@ impl Family for CrossEntropy {
         }
         let backward = entry == Entry::CrossEntropyBackward;
         let loss_kind = if backward {
-            let grad = call.grad_loss.borrow().ok_or(StockReason::InvalidInput)?;
-            grad.f_kind().map_err(|_| StockReason::UnsupportedDtype)?
+            let grad = call.grad_loss.given().ok_or(StockReason::InvalidInput)?;
+            grad.kind().ok_or(StockReason::UnsupportedDtype)?
         } else {
             kind_of_scalar_type(call.out_dtype).ok_or(StockReason::UnsupportedDtype)?
         };
@@ -148,9 +147,9 @@ impl Family for CrossEntropy {
             logits_kind,
         };
         if backward {
-            backward_launch(launch, call, &logits, &target, &s, selected)
+            backward_launch(launch, call, logits, target, &s, selected)
         } else {
-            forward_launch(launch, call, &logits, &target, &s, loss_kind, selected)
+            forward_launch(launch, call, logits, target, &s, loss_kind, selected)
         }
     }
 
@@ -209,16 +208,16 @@ fn row_launch(rows: i64, threads: i64) -> Result<LaunchConfig, StockReason> {
 }
 
 /// 16-byte accesses are legal: every row starts 16-byte aligned and holds whole chunks.
-fn vectorized(cols: i64, tensors: &[&Tensor]) -> i32 {
-    i32::from(cols % elementwise::CHUNK == 0 && aligned16(tensors.iter().copied()))
+fn vectorized(cols: i64, addrs: &[u64]) -> i32 {
+    i32::from(cols % elementwise::CHUNK == 0 && aligned16(addrs.iter().copied()))
 }
 
 /// ce_fwd, then ce_reduce (mean, sum; or none with a loss dtype other than fp32).
 unsafe fn forward_launch(
     launch: Launch,
     call: &TfCrossEntropyCall,
-    logits: &Tensor,
-    target: &Tensor,
+    logits: &TfTensor,
+    target: &TfTensor,
     s: &Shape,
     loss_kind: Kind,
     selected: Selected,
@@ -235,13 +234,13 @@ unsafe fn forward_launch(
     let lse = empty(&[s.rows], Kind::Float, device)?;
     let mut total_weight = empty(&[], Kind::Float, device)?;
     let stream = gpu.stream(launch);
-    let (logits_ptr, target_ptr) = (device_addr(logits), device_addr(target));
+    let (logits_ptr, target_ptr) = (logits.addr(), target.addr());
     let (rows_ptr, lse_ptr, weight_ptr) = (
         device_addr(&loss_rows),
         device_addr(&lse),
         device_addr(&total_weight),
     );
-    let vec = vectorized(s.cols, &[logits]);
+    let vec = vectorized(s.cols, &[logits_ptr]);
     let smoothing = call.label_smoothing as f32;
     let fwd = kernels.get(FWD_KERNEL)?;
     let mut args = stream.launch_builder(&fwd.function);
@@ -311,30 +310,27 @@ unsafe fn forward_launch(
 unsafe fn backward_launch(
     launch: Launch,
     call: &TfCrossEntropyCall,
-    logits: &Tensor,
-    target: &Tensor,
+    logits: &TfTensor,
+    target: &TfTensor,
     s: &Shape,
     selected: Selected,
 ) -> Result<Served, StockReason> {
-    let grad_loss = call.grad_loss.borrow().ok_or(StockReason::InvalidInput)?;
-    let lse = call.lse.borrow().ok_or(StockReason::InvalidInput)?;
-    let total_weight = call
-        .total_weight
-        .borrow()
-        .ok_or(StockReason::InvalidInput)?;
+    let grad_loss = call.grad_loss.given().ok_or(StockReason::InvalidInput)?;
+    let lse = call.lse.given().ok_or(StockReason::InvalidInput)?;
+    let total_weight = call.total_weight.given().ok_or(StockReason::InvalidInput)?;
     let device = logits.device();
     let grad_numel = if call.reduction == REDUCTION_NONE {
         s.rows
     } else {
         1
     };
-    let float_ok = |t: &Tensor, n: i64| {
-        t.device() == device && t.f_kind().ok() == Some(Kind::Float) && t.numel() as i64 == n
+    let float_ok = |t: &TfTensor, n: i64| {
+        t.device() == device && t.kind() == Some(Kind::Float) && t.numel() == n
     };
-    if !float_ok(&lse, s.rows) || !float_ok(&total_weight, 1) || !lse.is_contiguous() {
+    if !float_ok(lse, s.rows) || !float_ok(total_weight, 1) || !lse.is_contiguous() {
         return Err(StockReason::InvalidInput);
     }
-    if grad_loss.device() != device || grad_loss.numel() as i64 != grad_numel {
+    if grad_loss.device() != device || grad_loss.numel() != grad_numel {
         return Err(StockReason::InvalidInput);
     }
     if !grad_loss.is_contiguous() {
@@ -350,14 +346,14 @@ unsafe fn backward_launch(
     let grad_logits = empty(&[s.rows, s.cols], s.logits_kind, device)?;
     let stream = gpu.stream(launch);
     let ptrs = [
-        device_addr(logits),
-        device_addr(target),
-        device_addr(&lse),
-        device_addr(&total_weight),
-        device_addr(&grad_loss),
+        logits.addr(),
+        target.addr(),
+        lse.addr(),
+        total_weight.addr(),
+        grad_loss.addr(),
         device_addr(&grad_logits),
     ];
-    let vec = vectorized(s.cols, &[logits, &grad_logits]);
+    let vec = vectorized(s.cols, &[ptrs[0], ptrs[5]]);
     let smoothing = call.label_smoothing as f32;
     let bwd = kernels.get(BWD_KERNEL)?;
     let mut args = stream.launch_builder(&bwd.function);

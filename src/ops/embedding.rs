@@ -5,11 +5,11 @@
 
 use super::params::{self, flag};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
-use crate::abi::tensor::{aligned16, device_addr, empty};
+use crate::abi::tensor::{aligned16, describe, device_addr, empty};
 use crate::abi::types::{TfEmbeddingCall, TfTensor};
 use crate::gpu::{self, Launch};
 use crate::runtime::{Entry, OpFamily};
-use crate::select::{dtype_of, kind_name, StockReason};
+use crate::select::{dtype_of, StockReason};
 use cudarc::driver::{DriverError, LaunchConfig, PushKernelArg};
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
@@ -122,15 +122,14 @@ impl Family for Embedding {
     }
 
     unsafe fn describe(entry: Entry, call: &TfEmbeddingCall) -> Option<(&'static str, Vec<i64>)> {
-        let indices = call.indices.borrow()?;
+        let indices = call.indices.given()?;
         if entry == Entry::Embedding {
-            let weight = call.weight.borrow()?;
-            let mut shape = indices.size();
-            shape.extend(weight.size().get(1));
-            Some((kind_name(weight.f_kind().ok()), shape))
+            let weight = call.weight.given()?;
+            let mut shape = indices.sizes().to_vec();
+            shape.extend(weight.sizes().get(1));
+            Some((weight.kind_name(), shape))
         } else {
-            let grad = call.grad.borrow()?;
-            Some((kind_name(grad.f_kind().ok()), grad.size()))
+            Some(describe(call.grad.given()?))
         }
     }
 
@@ -140,17 +139,17 @@ impl Family for Embedding {
         call: &TfEmbeddingCall,
         _shape: &[i64],
     ) -> Result<Served, StockReason> {
-        let indices = call.indices.borrow().ok_or(StockReason::InvalidInput)?;
+        let indices = call.indices.given().ok_or(StockReason::InvalidInput)?;
         let gathered = if entry == Entry::Embedding {
-            let weight = call.weight.borrow().ok_or(StockReason::InvalidInput)?;
-            forward(launch, &weight, &indices)?
+            let weight = call.weight.given().ok_or(StockReason::InvalidInput)?;
+            forward(launch, weight, indices)?
         } else {
-            let grad = call.grad.borrow().ok_or(StockReason::InvalidInput)?;
+            let grad = call.grad.given().ok_or(StockReason::InvalidInput)?;
             backward(
                 launch,
                 &BackwardCall {
-                    grad: &grad,
-                    indices: &indices,
+                    grad,
+                    indices,
                     num_weights: call.num_weights,
                     padding_idx: call.padding_idx,
                     scale_grad_by_freq: call.scale_grad_by_freq != 0,
@@ -246,10 +245,10 @@ pub fn sort_digits(num_weights: i64) -> (u32, u32, u32) {
     (passes, bits.div_ceil(passes), bits)
 }
 
-fn index_kind(indices: &Tensor) -> Result<bool, StockReason> {
-    match indices.f_kind() {
-        Ok(Kind::Int64) => Ok(true),
-        Ok(Kind::Int) => Ok(false),
+fn index_kind(indices: &TfTensor) -> Result<bool, StockReason> {
+    match indices.kind() {
+        Some(Kind::Int64) => Ok(true),
+        Some(Kind::Int) => Ok(false),
         // Stock raises its own error for other index types.
         _ => Err(StockReason::InvalidInput),
     }
@@ -273,18 +272,18 @@ struct Gathered {
 /// `embedding(weight, indices, ...)`: rows of `weight` gathered into a new contiguous tensor
 /// of shape `indices.shape + [D]`. padding_idx, scale_grad_by_freq and sparse only concern
 /// the backward.
-fn forward(launch: Launch, weight: &Tensor, indices: &Tensor) -> Result<Gathered, StockReason> {
-    let kind = weight.f_kind().map_err(|_| StockReason::UnsupportedDtype)?;
+fn forward(launch: Launch, weight: &TfTensor, indices: &TfTensor) -> Result<Gathered, StockReason> {
+    let kind = weight.kind().ok_or(StockReason::UnsupportedDtype)?;
     let dtype = dtype_of(kind).ok_or(StockReason::UnsupportedDtype)?;
     let idx64 = index_kind(indices)?;
     let device = gpu::torch_device(launch)?;
-    let [num_weights, cols] = weight.size()[..] else {
+    let [num_weights, cols] = *weight.sizes() else {
         return Err(StockReason::InvalidInput);
     };
     if indices.device() != device || weight.device() != device {
         return Err(StockReason::InvalidInput);
     }
-    let tokens = i64::try_from(indices.numel()).map_err(|_| StockReason::NoVariantForShape)?;
+    let tokens = indices.numel();
     if tokens == 0 || cols == 0 {
         return Err(StockReason::EmptyInput);
     }
@@ -292,7 +291,7 @@ fn forward(launch: Launch, weight: &Tensor, indices: &Tensor) -> Result<Gathered
         // Every index is out of range: stock's error.
         return Err(StockReason::InvalidInput);
     }
-    let strides = weight.stride();
+    let strides = weight.strides();
     if cols > 1 && strides[1] != 1 {
         return Err(StockReason::NoVariantForShape);
     }
@@ -312,14 +311,15 @@ fn forward(launch: Launch, weight: &Tensor, indices: &Tensor) -> Result<Gathered
         deterministic: false,
     })?;
 
-    let indices = indices.contiguous();
-    let mut shape = indices.size();
+    let mut shape = indices.sizes().to_vec();
     shape.push(cols);
+    let indices = indices.contiguous()?;
     let output = empty(&shape, kind, device)?;
     let vec = dtype.vector_elems();
     let row_bytes_aligned = (row_stride * dtype.size_bytes() as i64) % 16 == 0;
-    let vectorized =
-        i32::from(cols % vec == 0 && row_bytes_aligned && aligned16([weight, &output]));
+    let vectorized = i32::from(
+        cols % vec == 0 && row_bytes_aligned && aligned16([weight.addr(), device_addr(&output)]),
+    );
 
     let p = Embedding::params(params)?;
     // `prepare` keeps it in 32..=1024.
@@ -329,11 +329,7 @@ fn forward(launch: Launch, weight: &Tensor, indices: &Tensor) -> Result<Gathered
     let resident = gather.resident_per_sm(threads) * gpu.multiprocessors;
     let grid = gpu::grid_dim(units, i64::from(threads) * unroll)?.clamp(1, resident.max(1));
 
-    let (w_ptr, i_ptr, o_ptr) = (
-        device_addr(weight),
-        device_addr(&indices),
-        device_addr(&output),
-    );
+    let (w_ptr, i_ptr, o_ptr) = (weight.addr(), indices.addr(), device_addr(&output));
     let idx64 = i32::from(idx64);
     let stream = gpu.stream(launch);
     let mut args = stream.launch_builder(&gather.function);
@@ -362,8 +358,8 @@ fn forward(launch: Launch, weight: &Tensor, indices: &Tensor) -> Result<Gathered
 }
 
 struct BackwardCall<'a> {
-    pub grad: &'a Tensor,
-    pub indices: &'a Tensor,
+    pub grad: &'a TfTensor,
+    pub indices: &'a TfTensor,
     pub num_weights: i64,
     pub padding_idx: i64,
     pub scale_grad_by_freq: bool,
@@ -389,23 +385,19 @@ fn check_backward(launch: Launch, call: &BackwardCall) -> Result<BackwardShape, 
     if call.scale_grad_by_freq {
         return Err(StockReason::ScaleGradByFreq);
     }
-    let kind = call
-        .grad
-        .f_kind()
-        .map_err(|_| StockReason::UnsupportedDtype)?;
+    let kind = call.grad.kind().ok_or(StockReason::UnsupportedDtype)?;
     let dtype = dtype_of(kind).ok_or(StockReason::UnsupportedDtype)?;
     let idx64 = index_kind(call.indices)?;
     let device = gpu::torch_device(launch)?;
     if call.indices.device() != device || call.grad.device() != device {
         return Err(StockReason::InvalidInput);
     }
-    let shape = call.grad.size();
-    let Some(&cols) = shape.last() else {
+    let Some(&cols) = call.grad.sizes().last() else {
         return Err(StockReason::InvalidInput);
     };
-    let tokens = i64::try_from(call.indices.numel()).map_err(|_| StockReason::InvalidInput)?;
+    let tokens = call.indices.numel();
     // Stock views grad as [tokens, D]; anything else is its error.
-    if i64::try_from(call.grad.numel()).ok() != tokens.checked_mul(cols) {
+    if Some(call.grad.numel()) != tokens.checked_mul(cols) {
         return Err(StockReason::InvalidInput);
     }
     if tokens == 0 || cols == 0 || call.num_weights <= 0 {
@@ -511,8 +503,8 @@ fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockReason
     let zero_rows_kernel = kernels.get(ZERO_ROWS_FILL)?;
     let zero_rows_by_word = kernels.get(ZERO_ROWS_BY_WORD)?;
 
-    let grad = call.grad.contiguous();
-    let indices = call.indices.contiguous();
+    let grad = call.grad.contiguous()?;
+    let indices = call.indices.contiguous()?;
     let num_weights = call.num_weights;
     let (passes, digit_bits, bits) = sort_digits(num_weights);
     let sort_items = if tokens <= SMALL_TILES_MAX_TOKENS {
@@ -537,9 +529,9 @@ fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockReason
 
     let vec = dtype.vector_elems();
     // The workspace is 16-byte aligned (PyTorch's allocator) and so is every region.
-    let vectorized = i32::from(cols % vec == 0 && aligned16([&grad, &grad_weight, &workspace]));
-    let (grad_ptr, idx_ptr) = (device_addr(&grad), device_addr(&indices));
+    let (grad_ptr, idx_ptr) = (grad.addr(), indices.addr());
     let out_ptr = device_addr(&grad_weight);
+    let vectorized = i32::from(cols % vec == 0 && aligned16([grad_ptr, out_ptr, base]));
     let work_ptr = touched_ptr + (bitmap_words * 4) as u64;
     let idx64 = i32::from(idx64);
     let tiles_i32 = tiles as i32;

@@ -29,8 +29,7 @@ impl Family for Gelu {
     }
 
     unsafe fn describe(_entry: Entry, call: &TfGeluCall) -> Option<(&'static str, Vec<i64>)> {
-        let input = call.input.borrow()?;
-        Some(describe(Some(&input)))
+        Some(describe(call.input.given()?))
     }
 
     /// Forward: y (in `out_dtype`). Backward: dx (in the input's dtype).
@@ -40,15 +39,15 @@ impl Family for Gelu {
         call: &TfGeluCall,
         shape: &[i64],
     ) -> Result<Served, StockReason> {
-        let input = call.input.borrow().ok_or(StockReason::InvalidInput)?;
-        let x_kind = input.f_kind().map_err(|_| StockReason::UnsupportedDtype)?;
+        let input = call.input.given().ok_or(StockReason::InvalidInput)?;
+        let x_kind = input.kind().ok_or(StockReason::UnsupportedDtype)?;
         // The other tensor's dtype: the forward's output, the backward's incoming gradient.
-        let grad_out = call.grad_out.borrow();
-        let other_kind = match (entry, &grad_out) {
+        let grad_out = call.grad_out.given();
+        let other_kind = match (entry, grad_out) {
             (Entry::GeluTanh, _) => {
                 kind_of_scalar_type(call.out_dtype).ok_or(StockReason::UnsupportedDtype)?
             }
-            (_, Some(dy)) => dy.f_kind().map_err(|_| StockReason::UnsupportedDtype)?,
+            (_, Some(dy)) => dy.kind().ok_or(StockReason::UnsupportedDtype)?,
             (_, None) => return Err(StockReason::InvalidInput),
         };
         let dtype = dtype_of(x_kind).ok_or(StockReason::UnsupportedDtype)?;
@@ -68,15 +67,15 @@ impl Family for Gelu {
         if input.device() != device || !input.is_contiguous() {
             return Err(StockReason::NotContiguous);
         }
-        if let Some(dy) = &grad_out {
-            if dy.size() != shape || dy.device() != device {
+        if let Some(dy) = grad_out {
+            if dy.sizes() != shape || dy.device() != device {
                 return Err(StockReason::InvalidInput);
             }
             if !dy.is_contiguous() {
                 return Err(StockReason::NotContiguous);
             }
         }
-        let n = input.numel() as i64;
+        let n = input.numel();
         if n == 0 {
             return Err(StockReason::EmptyInput);
         }
@@ -95,17 +94,13 @@ impl Family for Gelu {
         })?;
         let p = Gelu::params(params)?;
         let out = empty(shape, if backward { x_kind } else { other_kind }, device)?;
-        let mut tensors = vec![&*input, &out];
-        if let Some(dy) = &grad_out {
-            tensors.push(dy);
-        }
-        let vectorized = i32::from(aligned16(tensors));
+        let (x_ptr, out_ptr) = (input.addr(), device_addr(&out));
+        let dy_ptr = grad_out.map(TfTensor::addr);
+        let vectorized = i32::from(aligned16([x_ptr, out_ptr, dy_ptr.unwrap_or(0)]));
         let config = elementwise::launch_config(n, p.threads, p.chunks)?;
-        let (x_ptr, out_ptr) = (device_addr(&input), device_addr(&out));
         let stream = gpu.stream(launch);
         let kernel = kernels.get(if backward { BWD_KERNEL } else { FWD_KERNEL })?;
         let mut args = stream.launch_builder(&kernel.function);
-        let dy_ptr = grad_out.as_deref().map(device_addr);
         if let Some(dy_ptr) = &dy_ptr {
             args.arg(dy_ptr);
         }

@@ -5,7 +5,7 @@
 
 use super::params::{self, flag, one};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
-use crate::abi::tensor::{aligned16, describe, device_addr, empty};
+use crate::abi::tensor::{aligned16, describe, device_addr, empty, Contiguous};
 use crate::abi::types::{TfNormCall, TfTensor};
 use crate::gpu::{self, Kernels, Launch};
 use crate::runtime::{Entry, OpFamily};
@@ -71,8 +71,7 @@ impl Family for Norm {
     }
 
     unsafe fn describe(_entry: Entry, call: &TfNormCall) -> Option<(&'static str, Vec<i64>)> {
-        let input = call.input.borrow()?;
-        Some(describe(Some(&input)))
+        Some(describe(call.input.given()?))
     }
 
     /// Forward outputs: LayerNorm y, mean, rstd; RMSNorm y, rstd. Backward: dx, dweight,
@@ -83,10 +82,10 @@ impl Family for Norm {
         call: &TfNormCall,
         shape: &[i64],
     ) -> Result<Served, StockReason> {
-        let input = call.input.borrow().ok_or(StockReason::InvalidInput)?;
+        let input = call.input.given().ok_or(StockReason::InvalidInput)?;
         if entry == Entry::HfRmsNorm {
-            let weight = call.weight.borrow().ok_or(StockReason::InvalidInput)?;
-            return hf_rms_norm(launch, &input, &weight);
+            let weight = call.weight.given().ok_or(StockReason::InvalidInput)?;
+            return hf_rms_norm(launch, input, weight);
         }
         let (kind, backward) = Norm::of(entry).ok_or(StockReason::InternalError)?;
         let normalized_shape = if call.normalized_ndim == 0 {
@@ -94,17 +93,17 @@ impl Family for Norm {
         } else {
             std::slice::from_raw_parts(call.normalized_shape, call.normalized_ndim)
         };
-        let (weight, bias) = (call.weight.borrow(), call.bias.borrow());
+        let (weight, bias) = (call.weight.given(), call.bias.given());
         if !backward {
             let fwd = forward(
                 launch,
                 &ForwardCall {
                     kind,
-                    input: &input,
+                    input,
                     shape,
                     normalized_shape,
-                    weight: weight.as_deref(),
-                    bias: bias.as_deref(),
+                    weight,
+                    bias,
                     eps: (call.has_eps != 0).then_some(call.eps),
                 },
             )?;
@@ -116,21 +115,21 @@ impl Family for Norm {
                 },
             ));
         }
-        let grad_out = call.grad_out.borrow().ok_or(StockReason::InvalidInput)?;
-        let rstd = call.rstd.borrow().ok_or(StockReason::InvalidInput)?;
-        let mean = call.mean.borrow();
+        let grad_out = call.grad_out.given().ok_or(StockReason::InvalidInput)?;
+        let rstd = call.rstd.given().ok_or(StockReason::InvalidInput)?;
+        let mean = call.mean.given();
         let bwd = self::backward(
             launch,
             &BackwardCall {
                 kind,
-                grad_out: &grad_out,
-                input: &input,
+                grad_out,
+                input,
                 shape,
                 normalized_shape,
-                mean: mean.as_deref(),
-                rstd: &rstd,
-                weight: weight.as_deref(),
-                bias: bias.as_deref(),
+                mean,
+                rstd,
+                weight,
+                bias,
                 output_mask: [0, 1, 2].map(|bit| call.output_mask & (1 << bit) != 0),
             },
         )?;
@@ -185,15 +184,15 @@ const HF_RMS_NORM_MIN_HIDDEN: i64 = 32;
 /// through tch, turning every C++ exception into an error value, would not let it. Mixed
 /// dtypes (an fp32 weight on a bf16 activation, whose product HF computes in fp32) go to
 /// stock: the glue runs HF's composition itself.
-fn hf_rms_norm(launch: Launch, input: &Tensor, weight: &Tensor) -> Result<Served, StockReason> {
-    let kind = input.f_kind().map_err(|_| StockReason::UnsupportedDtype)?;
+fn hf_rms_norm(launch: Launch, input: &TfTensor, weight: &TfTensor) -> Result<Served, StockReason> {
+    let kind = input.kind().ok_or(StockReason::UnsupportedDtype)?;
     dtype_of(kind).ok_or(StockReason::UnsupportedDtype)?;
-    if weight.f_kind().ok() != Some(kind) {
+    if weight.kind() != Some(kind) {
         return Err(StockReason::MixedDtypes);
     }
     let device = gpu::torch_device(launch)?;
-    let hidden = *input.size().last().ok_or(StockReason::InvalidInput)?;
-    if weight.size() != [hidden] || input.device() != device || weight.device() != device {
+    let hidden = *input.sizes().last().ok_or(StockReason::InvalidInput)?;
+    if weight.sizes() != [hidden] || input.device() != device || weight.device() != device {
         return Err(StockReason::InvalidInput);
     }
     if hidden < HF_RMS_NORM_MIN_HIDDEN {
@@ -335,13 +334,13 @@ struct Layout {
 
 /// The checks stock makes (or a subset that sends everything stock would reject to stock).
 fn layout(
-    input: &Tensor,
+    input: &TfTensor,
     shape: &[i64],
     normalized_shape: &[i64],
     launch: Launch,
-    params: &[Option<&Tensor>],
+    params: &[Option<&TfTensor>],
 ) -> Result<Layout, StockReason> {
-    let kind = input.f_kind().map_err(|_| StockReason::UnsupportedDtype)?;
+    let kind = input.kind().ok_or(StockReason::UnsupportedDtype)?;
     let dtype = dtype_of(kind).ok_or(StockReason::UnsupportedDtype)?;
     let axis = shape
         .len()
@@ -353,10 +352,10 @@ fn layout(
     }
     let device = gpu::torch_device(launch)?;
     for param in params.iter().flatten() {
-        if param.size() != normalized_shape || param.device() != input.device() {
+        if param.sizes() != normalized_shape || param.device() != input.device() {
             return Err(StockReason::InvalidInput);
         }
-        if param.f_kind().ok() != Some(kind) {
+        if param.kind() != Some(kind) {
             return Err(StockReason::MixedDtypes);
         }
     }
@@ -470,14 +469,24 @@ impl Plan {
 }
 
 /// 1 when the kernel may use 16-byte accesses: whole vectors per row and every row tensor
-/// 16-byte aligned.
-fn vectorized(l: &Layout, tensors: &[Option<&Tensor>]) -> i32 {
-    i32::from(l.cols % l.dtype.vector_elems() == 0 && aligned16(tensors.iter().flatten().copied()))
+/// 16-byte aligned (an absent one's address is 0).
+fn vectorized(l: &Layout, addrs: &[u64]) -> i32 {
+    i32::from(l.cols % l.dtype.vector_elems() == 0 && aligned16(addrs.iter().copied()))
 }
 
 /// Kernel argument for an optional tensor: its address, or null.
 fn ptr(t: Option<&Tensor>) -> u64 {
     t.map_or(0, device_addr)
+}
+
+/// Kernel argument for an optional input: its address in row-major order, or null.
+fn dense_ptr(t: &Option<Contiguous>) -> u64 {
+    t.as_ref().map_or(0, Contiguous::addr)
+}
+
+/// An optional input in row-major order (a copy where it is not).
+fn contiguous(t: Option<&TfTensor>) -> Result<Option<Contiguous<'_>>, StockReason> {
+    t.map(TfTensor::contiguous).transpose()
 }
 
 struct Forward {
@@ -490,13 +499,13 @@ struct Forward {
 
 struct ForwardCall<'a> {
     pub kind: NormKind,
-    pub input: &'a Tensor,
-    /// `input.size()`, already read by the caller for its log line.
+    pub input: &'a TfTensor,
+    /// `input.sizes()`, already read by the caller for its log line.
     pub shape: &'a [i64],
     pub normalized_shape: &'a [i64],
-    pub weight: Option<&'a Tensor>,
+    pub weight: Option<&'a TfTensor>,
     /// LayerNorm only.
-    pub bias: Option<&'a Tensor>,
+    pub bias: Option<&'a TfTensor>,
     /// None: RMSNorm's default, float32's machine epsilon (stock's choice for these dtypes).
     pub eps: Option<f64>,
 }
@@ -512,9 +521,9 @@ fn forward(launch: Launch, call: &ForwardCall) -> Result<Forward, StockReason> {
     )?;
     let plan = plan(call.kind.kernel_op(false), &l, launch)?;
 
-    let x = call.input.contiguous();
-    let weight = call.weight.map(Tensor::contiguous);
-    let bias = call.bias.map(Tensor::contiguous);
+    let x = call.input.contiguous()?;
+    let weight = contiguous(call.weight)?;
+    let bias = contiguous(call.bias)?;
     let y = empty(call.shape, l.kind, l.device)?;
     let mean = match call.kind {
         NormKind::Layer => Some(empty(&l.stat_shape, Kind::Float, l.device)?),
@@ -522,13 +531,13 @@ fn forward(launch: Launch, call: &ForwardCall) -> Result<Forward, StockReason> {
     };
     let rstd = empty(&l.stat_shape, Kind::Float, l.device)?;
 
-    let vectorized = vectorized(&l, &[Some(&x), Some(&y), weight.as_ref(), bias.as_ref()]);
     let (x_ptr, w_ptr, b_ptr, y_ptr) = (
-        ptr(Some(&x)),
-        ptr(weight.as_ref()),
-        ptr(bias.as_ref()),
-        ptr(Some(&y)),
+        x.addr(),
+        dense_ptr(&weight),
+        dense_ptr(&bias),
+        device_addr(&y),
     );
+    let vectorized = vectorized(&l, &[x_ptr, y_ptr, w_ptr, b_ptr]);
     let (mean_ptr, rstd_ptr) = (ptr(mean.as_ref()), ptr(Some(&rstd)));
     let eps = call.eps.unwrap_or(f64::from(f32::EPSILON)) as f32;
 
@@ -565,25 +574,23 @@ struct Backward {
 
 struct BackwardCall<'a> {
     pub kind: NormKind,
-    pub grad_out: &'a Tensor,
-    pub input: &'a Tensor,
-    /// `input.size()`.
+    pub grad_out: &'a TfTensor,
+    pub input: &'a TfTensor,
+    /// `input.sizes()`.
     pub shape: &'a [i64],
     pub normalized_shape: &'a [i64],
     /// LayerNorm only.
-    pub mean: Option<&'a Tensor>,
-    pub rstd: &'a Tensor,
-    pub weight: Option<&'a Tensor>,
+    pub mean: Option<&'a TfTensor>,
+    pub rstd: &'a TfTensor,
+    pub weight: Option<&'a TfTensor>,
     /// LayerNorm only.
-    pub bias: Option<&'a Tensor>,
+    pub bias: Option<&'a TfTensor>,
     /// dx, dweight, dbias (RMSNorm: the third is false).
     pub output_mask: [bool; 3],
 }
 
-fn statistic_ok(stat: &Tensor, rows: i64, input: &Tensor) -> bool {
-    stat.f_kind().ok() == Some(Kind::Float)
-        && stat.numel() == usize::try_from(rows).unwrap_or(usize::MAX)
-        && stat.device() == input.device()
+fn statistic_ok(stat: &TfTensor, rows: i64, input: &TfTensor) -> bool {
+    stat.kind() == Some(Kind::Float) && stat.numel() == rows && stat.device() == input.device()
 }
 
 /// `native_layer_norm_backward` / `_fused_rms_norm_backward`: one pass over x and dy.
@@ -604,8 +611,8 @@ fn backward(launch: Launch, call: &BackwardCall) -> Result<Backward, StockReason
         launch,
         &[call.weight, call.bias],
     )?;
-    if call.grad_out.size() != call.shape
-        || call.grad_out.f_kind().ok() != Some(l.kind)
+    if call.grad_out.sizes() != call.shape
+        || call.grad_out.kind() != Some(l.kind)
         || call.grad_out.device() != call.input.device()
         || !statistic_ok(call.rstd, l.rows, call.input)
         || (call.kind == NormKind::Layer
@@ -617,11 +624,11 @@ fn backward(launch: Launch, call: &BackwardCall) -> Result<Backward, StockReason
     }
     let plan = plan(call.kind.kernel_op(true), &l, launch)?;
 
-    let dy = call.grad_out.contiguous();
-    let x = call.input.contiguous();
-    let mean = call.mean.map(Tensor::contiguous);
-    let rstd = call.rstd.contiguous();
-    let weight = call.weight.map(Tensor::contiguous);
+    let dy = call.grad_out.contiguous()?;
+    let x = call.input.contiguous()?;
+    let mean = contiguous(call.mean)?;
+    let rstd = call.rstd.contiguous()?;
+    let weight = contiguous(call.weight)?;
     let dx = want_dx
         .then(|| empty(call.shape, l.kind, l.device))
         .transpose()?;
@@ -639,15 +646,15 @@ fn backward(launch: Launch, call: &BackwardCall) -> Result<Backward, StockReason
         .then(|| empty(call.normalized_shape, l.kind, l.device))
         .transpose()?;
 
-    let vectorized = vectorized(&l, &[Some(&dy), Some(&x), weight.as_ref(), dx.as_ref()]);
     let (dy_ptr, x_ptr, mean_ptr, rstd_ptr, w_ptr, dx_ptr) = (
-        ptr(Some(&dy)),
-        ptr(Some(&x)),
-        ptr(mean.as_ref()),
-        ptr(Some(&rstd)),
-        ptr(weight.as_ref()),
+        dy.addr(),
+        x.addr(),
+        dense_ptr(&mean),
+        rstd.addr(),
+        dense_ptr(&weight),
         ptr(dx.as_ref()),
     );
+    let vectorized = vectorized(&l, &[dy_ptr, x_ptr, w_ptr, dx_ptr]);
     let (dwp_ptr, dbp_ptr) = (ptr(dw_partial.as_ref()), ptr(db_partial.as_ref()));
     let (dw_ptr, db_ptr) = (ptr(dweight.as_ref()), ptr(dbias.as_ref()));
     let groups = i32::try_from(plan.partial_rows()).map_err(|_| StockReason::NoVariantForShape)?;

@@ -53,24 +53,49 @@ unsafe impl DeviceRepr for RopeOperand {}
 pub struct Rotary;
 
 /// A 4-D tensor's leading strides, if its last dim is contiguous.
-fn strides(t: &Tensor) -> Option<RopeStrides> {
-    match t.stride()[..] {
+fn strides(stride: &[i64]) -> Option<RopeStrides> {
+    match *stride {
         [s0, s1, s2, 1] => Some(RopeStrides { s0, s1, s2 }),
         _ => None,
     }
 }
 
-/// cos or sin unsqueezed at `dim` and broadcast to `shape`: its strides (0 where broadcast),
-/// or None when HF's code would not broadcast it so (stock raises or computes it its way).
-fn trig_strides(trig: &Tensor, dim: i64, shape: &[i64]) -> Option<RopeStrides> {
-    let view = trig.f_unsqueeze(dim).ok()?.f_expand(shape, false).ok()?;
-    strides(&view)
+/// cos or sin unsqueezed at `dim` and broadcast to `shape` (PyTorch's `unsqueeze`, then
+/// `expand`): its strides (0 where broadcast), or None when HF's code would not broadcast it
+/// so (stock raises or computes it its way).
+fn trig_strides(trig: &TfTensor, dim: i64, shape: &[i64]) -> Option<RopeStrides> {
+    let (size, stride) = (trig.sizes(), trig.strides());
+    let dims = i64::try_from(size.len()).ok()? + 1;
+    let at = usize::try_from(if dim < 0 { dim + dims } else { dim })
+        .ok()
+        .filter(|&at| at < size.len() + 1)?;
+    // unsqueeze: the new dim's stride is PyTorch's (it never steps: one element).
+    let new_stride = if at < size.len() {
+        size[at] * stride[at]
+    } else {
+        1
+    };
+    let mut view: Vec<(i64, i64)> = size.iter().copied().zip(stride.iter().copied()).collect();
+    view.insert(at, (1, new_stride));
+    // expand: dims aligned from the right; new leading dims and size-1 dims broadcast.
+    let lead = shape.len().checked_sub(view.len())?;
+    let expanded = shape
+        .iter()
+        .enumerate()
+        .map(|(i, &want)| match i.checked_sub(lead).map(|j| view[j]) {
+            None => Some(0),
+            Some((n, s)) if n == want => Some(s),
+            Some((1, _)) => Some(0),
+            Some(_) => None,
+        })
+        .collect::<Option<Vec<i64>>>()?;
+    strides(&expanded)
 }
 
 /// Lanes a row for the kernel's chunked path (a power of two: the chunks of a half, or the
 /// largest power of two that divides them, at most a warp), or 0 for element by element: chunks
 /// need a half of whole chunks and every row of every operand 16-byte aligned.
-fn lanes_per_row(half: i64, ops: &[&RopeOperand], tensors: &[&Tensor]) -> i32 {
+fn lanes_per_row(half: i64, ops: &[&RopeOperand], addrs: &[u64]) -> i32 {
     let chunk = elementwise::CHUNK;
     // A dim of one element never steps: its stride does not matter.
     let whole = |o: &RopeOperand, s: &RopeStrides| {
@@ -82,7 +107,7 @@ fn lanes_per_row(half: i64, ops: &[&RopeOperand], tensors: &[&Tensor]) -> i32 {
     let rows_aligned = ops
         .iter()
         .all(|o| whole(o, &o.in_s) && whole(o, &o.out_s) && whole(o, &o.trig_s));
-    if half % chunk != 0 || !rows_aligned || !aligned16(tensors.iter().copied()) {
+    if half % chunk != 0 || !rows_aligned || !aligned16(addrs.iter().copied()) {
         return 0;
     }
     let chunks = half / chunk;
@@ -91,11 +116,11 @@ fn lanes_per_row(half: i64, ops: &[&RopeOperand], tensors: &[&Tensor]) -> i32 {
 
 /// Whether two elements of the view share memory: walking its dims of more than one element
 /// from the smallest stride up, each must step past all of the ones before it.
-fn overlapping(t: &Tensor) -> bool {
-    let mut dims: Vec<(i64, i64)> = t
-        .stride()
-        .into_iter()
-        .zip(t.size())
+fn overlapping(size: &[i64], stride: &[i64]) -> bool {
+    let mut dims: Vec<(i64, i64)> = stride
+        .iter()
+        .copied()
+        .zip(size.iter().copied())
         .filter(|&(_, n)| n > 1)
         .collect();
     dims.sort_unstable();
@@ -130,14 +155,14 @@ fn output_strides(size: &[i64], stride: &[i64], dense: bool) -> Vec<i64> {
 
 /// A new tensor for the output of `like`, laid out as HF's composition lays it out.
 fn empty_like(
-    like: &Tensor,
+    like: &TfTensor,
     dense: bool,
     kind: Kind,
     device: Device,
 ) -> Result<Tensor, StockReason> {
-    let size = like.size();
-    let stride = output_strides(&size, &like.stride(), dense);
-    Tensor::f_empty_strided(&size, &stride, (kind, device)).map_err(|_| StockReason::InternalError)
+    let size = like.sizes();
+    let stride = output_strides(size, like.strides(), dense);
+    Tensor::f_empty_strided(size, &stride, (kind, device)).map_err(|_| StockReason::InternalError)
 }
 
 impl Family for Rotary {
@@ -159,11 +184,11 @@ impl Family for Rotary {
 
     unsafe fn describe(entry: Entry, call: &TfRotaryCall) -> Option<(&'static str, Vec<i64>)> {
         let q = if entry == Entry::RotaryBackward {
-            call.grad_q.borrow()?
+            &call.grad_q
         } else {
-            call.q.borrow()?
+            &call.q
         };
-        Some(describe(Some(&q)))
+        Some(describe(q.given()?))
     }
 
     /// Forward: q_embed, k_embed (in the promoted dtype of q and cos). Backward: dq, dk (in
@@ -182,24 +207,21 @@ impl Family for Rotary {
             (&call.q, &call.k)
         };
         let (a_dense, b_dense) = (a.dense != 0, b.dense != 0);
-        let a = a.borrow().ok_or(StockReason::InvalidInput)?;
-        let b = b.borrow().ok_or(StockReason::InvalidInput)?;
+        let a = a.given().ok_or(StockReason::InvalidInput)?;
+        let b = b.given().ok_or(StockReason::InvalidInput)?;
         // Strided views are served (HF's transposed projections; partial rotary's slices of the
         // head dim); one whose elements overlap (broadcast, unfold) is not: stock's output
         // layout for it is its own.
-        if overlapping(&a) || overlapping(&b) {
+        if overlapping(a.sizes(), a.strides()) || overlapping(b.sizes(), b.strides()) {
             return Err(StockReason::NotContiguous);
         }
-        let cos = call.cos.borrow().ok_or(StockReason::InvalidInput)?;
-        let sin = call.sin.borrow().ok_or(StockReason::InvalidInput)?;
+        let cos = call.cos.given().ok_or(StockReason::InvalidInput)?;
+        let sin = call.sin.given().ok_or(StockReason::InvalidInput)?;
         let device = gpu::torch_device(launch)?;
-        if [&*a, &*b, &*cos, &*sin]
-            .iter()
-            .any(|t| t.device() != device)
-        {
+        if [a, b, cos, sin].iter().any(|t| t.device() != device) {
             return Err(StockReason::InvalidInput);
         }
-        let (a_size, b_size) = (a.size(), b.size());
+        let (a_size, b_size) = (a.sizes(), b.sizes());
         let (Some(&d), Some(&d_k)) = (a_size.last(), b_size.last()) else {
             return Err(StockReason::InvalidInput);
         };
@@ -207,13 +229,13 @@ impl Family for Rotary {
             || b_size.len() != 4
             || d != d_k
             || d % 2 != 0
-            || cos.size() != sin.size()
+            || cos.sizes() != sin.sizes()
         {
             return Err(StockReason::InvalidInput);
         }
-        let a_kind = a.f_kind().map_err(|_| StockReason::UnsupportedDtype)?;
-        let trig_kind = cos.f_kind().map_err(|_| StockReason::UnsupportedDtype)?;
-        if b.f_kind().ok() != Some(a_kind) || sin.f_kind().ok() != Some(trig_kind) {
+        let a_kind = a.kind().ok_or(StockReason::UnsupportedDtype)?;
+        let trig_kind = cos.kind().ok_or(StockReason::UnsupportedDtype)?;
+        if b.kind() != Some(a_kind) || sin.kind() != Some(trig_kind) {
             return Err(StockReason::MixedDtypes);
         }
         // x: q and k's dtype; the other (cos, sin, y / dy) is x's or, wide, fp32.
@@ -232,31 +254,31 @@ impl Family for Rotary {
             return Err(StockReason::MixedDtypes);
         }
         let dtype = dtype_of(x_kind).ok_or(StockReason::UnsupportedDtype)?;
-        let operand = |t: &Tensor, out: &Tensor| -> Result<RopeOperand, StockReason> {
-            let size = t.size();
-            let trig_s = trig_strides(&cos, call.unsqueeze_dim, &size)
+        let operand = |t: &TfTensor, out: &Tensor| -> Result<RopeOperand, StockReason> {
+            let size = t.sizes();
+            let trig_s = trig_strides(cos, call.unsqueeze_dim, size)
                 .filter(|s| {
-                    trig_strides(&sin, call.unsqueeze_dim, &size)
+                    trig_strides(sin, call.unsqueeze_dim, size)
                         .is_some_and(|t| (t.s0, t.s1, t.s2) == (s.s0, s.s1, s.s2))
                 })
                 .ok_or(StockReason::InvalidInput)?;
             Ok(RopeOperand {
-                input: device_addr(t),
+                input: t.addr(),
                 output: device_addr(out),
                 n1: size[1],
                 n2: size[2],
                 rows: size[0] * size[1] * size[2],
-                in_s: strides(t).ok_or(StockReason::NotContiguous)?,
-                out_s: strides(out).ok_or(StockReason::NotContiguous)?,
+                in_s: strides(t.strides()).ok_or(StockReason::NotContiguous)?,
+                out_s: strides(&out.stride()).ok_or(StockReason::NotContiguous)?,
                 trig_s,
             })
         };
         let out_kind = if backward { x_kind } else { other_kind };
         let (out_a, out_b) = (
-            empty_like(&a, a_dense, out_kind, device)?,
-            empty_like(&b, b_dense, out_kind, device)?,
+            empty_like(a, a_dense, out_kind, device)?,
+            empty_like(b, b_dense, out_kind, device)?,
         );
-        let (op_a, op_b) = (operand(&a, &out_a)?, operand(&b, &out_b)?);
+        let (op_a, op_b) = (operand(a, &out_a)?, operand(b, &out_b)?);
         let total = op_a.rows + op_b.rows;
         if total == 0 || d == 0 {
             return Err(StockReason::EmptyInput);
@@ -284,7 +306,14 @@ impl Family for Rotary {
         let group = lanes_per_row(
             d / 2,
             &[&op_a, &op_b],
-            &[&a, &b, &out_a, &out_b, &cos, &sin],
+            &[
+                a.addr(),
+                b.addr(),
+                op_a.output,
+                op_b.output,
+                cos.addr(),
+                sin.addr(),
+            ],
         );
         let rows_per_warp = if group > 0 { 32 / i64::from(group) } else { 1 };
         let blocks = gpu::ceil_div(total, p.threads / 32 * rows_per_warp).min(MAX_GRID);
@@ -297,7 +326,7 @@ impl Family for Rotary {
             ),
             shared_mem_bytes: 0,
         };
-        let (cos_ptr, sin_ptr) = (device_addr(&cos), device_addr(&sin));
+        let (cos_ptr, sin_ptr) = (cos.addr(), sin.addr());
         let half = i32::try_from(d / 2).map_err(|_| StockReason::NoVariantForShape)?;
         let stream = gpu.stream(launch);
         let kernel = kernels.get(KERNEL)?;
@@ -376,8 +405,7 @@ mod tests {
 
     #[test]
     fn chunked_rows_take_a_power_of_two_of_lanes_where_every_row_is_aligned() {
-        let t = Tensor::zeros([64], (Kind::Float, Device::Cpu));
-        let tensors = [&t];
+        let tensors = [0x7000_0000_u64];
         let aligned = operand(64);
         // Head dims 64, 128, 96, 512: halves of 4, 8, 6 and 32 chunks.
         assert_eq!(lanes_per_row(32, &[&aligned], &tensors), 4);
@@ -394,18 +422,62 @@ mod tests {
             ..operand(68)
         };
         assert_eq!(lanes_per_row(32, &[&aligned, &one_head], &tensors), 4);
-        let offset = t.narrow(0, 1, 32);
-        assert_eq!(lanes_per_row(32, &[&aligned], &[&offset]), 0);
+        assert_eq!(lanes_per_row(32, &[&aligned], &[0x7000_0004]), 0);
+    }
+
+    #[test]
+    fn cos_and_sin_broadcast_as_pytorch_broadcasts_them() {
+        // [b, s, d] tables (contiguous, a slice, HF's cat of halves' view) against q shapes,
+        // unsqueezed at HF's dims (1: [b, h, s, d] heads; 2: [b, s, h, d]).
+        let table = Tensor::zeros([2, 5, 64], (Kind::Float, Device::Cpu));
+        let tables = [
+            table.shallow_clone(),
+            table.narrow(2, 0, 32),
+            table.narrow(0, 0, 1),
+            table.narrow(0, 0, 1).squeeze_dim(0),
+            table.transpose(0, 1),
+        ];
+        let shapes: [&[i64]; 6] = [
+            &[2, 3, 5, 64],
+            &[2, 3, 5, 32],
+            &[2, 5, 3, 64],
+            &[1, 3, 5, 64],
+            &[2, 3, 7, 64],
+            &[3, 5, 64],
+        ];
+        for trig in &tables {
+            let (size, stride) = (trig.size(), trig.stride());
+            let facts = crate::abi::tensor::described(trig);
+            for dim in [-4, -3, -2, -1, 0, 1, 2, 3, 4] {
+                for shape in shapes {
+                    let want = trig
+                        .f_unsqueeze(dim)
+                        .and_then(|t| t.f_expand(shape, false))
+                        .ok()
+                        .and_then(|t| strides(&t.stride()));
+                    let got = trig_strides(&facts, dim, shape);
+                    assert_eq!(
+                        got.map(|s| (s.s0, s.s1, s.s2)),
+                        want.map(|s| (s.s0, s.s1, s.s2)),
+                        "{size:?} {stride:?} at {dim} to {shape:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    fn overlaps(t: &Tensor) -> bool {
+        overlapping(&t.size(), &t.stride())
     }
 
     #[test]
     fn overlapping_views_are_told_apart_from_strided_ones() {
         let x = Tensor::zeros([2, 3, 40], (Kind::Float, Device::Cpu));
         let transposed = Tensor::zeros([2, 5, 3, 80], (Kind::Float, Device::Cpu)).transpose(1, 2);
-        assert!(!overlapping(&transposed.narrow(3, 0, 32))); // partial rotary's slice
-        assert!(!overlapping(&x.unsqueeze(1))); // a size-1 dim's stride is no step
-        assert!(overlapping(&x.unfold(-1, 16, 1).narrow(2, 0, 4))); // rows share elements
-        assert!(overlapping(&x.unsqueeze(1).expand([2, 4, 3, 40], false))); // broadcast
+        assert!(!overlaps(&transposed.narrow(3, 0, 32))); // partial rotary's slice
+        assert!(!overlaps(&x.unsqueeze(1))); // a size-1 dim's stride is no step
+        assert!(overlaps(&x.unfold(-1, 16, 1).narrow(2, 0, 4))); // rows share elements
+        assert!(overlaps(&x.unsqueeze(1).expand([2, 4, 3, 40], false))); // broadcast
     }
 
     #[test]

@@ -32,8 +32,7 @@ impl Family for Swiglu {
     }
 
     unsafe fn describe(_entry: Entry, call: &TfSwigluCall) -> Option<(&'static str, Vec<i64>)> {
-        let gate = call.gate.borrow()?;
-        Some(describe(Some(&gate)))
+        Some(describe(call.gate.given()?))
     }
 
     /// silu_mul, gelu_tanh_mul: forward y; backward dgate, dup, every tensor of the gate's
@@ -51,29 +50,24 @@ impl Family for Swiglu {
             Entry::SiluMulBackward | Entry::SiluMulPackedBackward | Entry::GeluTanhMulBackward
         );
         let gelu = matches!(entry, Entry::GeluTanhMul | Entry::GeluTanhMulBackward);
-        let gate = call.gate.borrow().ok_or(StockReason::InvalidInput)?;
-        let up = call.up.borrow();
-        let grad_out = call.grad_out.borrow();
+        let gate = call.gate.given().ok_or(StockReason::InvalidInput)?;
+        let up = call.up.given();
+        let grad_out = call.grad_out.given();
         if (backward && grad_out.is_none()) || (!packed && up.is_none()) {
             return Err(StockReason::InvalidInput);
         }
-        let kind = gate.f_kind().map_err(|_| StockReason::UnsupportedDtype)?;
+        let kind = gate.kind().ok_or(StockReason::UnsupportedDtype)?;
         let dtype = dtype_of(kind).ok_or(StockReason::UnsupportedDtype)?;
         let device = gpu::torch_device(launch)?;
         let layout = Layout::of(packed, shape)?;
         let out_shape = layout.out_shape(shape);
-        let mut others: Vec<(&tch::Tensor, &[i64])> = Vec::new();
-        if let Some(up) = &up {
-            others.push((up, shape));
-        }
-        if let Some(dy) = &grad_out {
-            others.push((dy, &out_shape));
-        }
-        for (t, want) in std::iter::once((&*gate, shape)).chain(others) {
-            if t.size() != want || t.device() != device {
+        let others = [(up, shape), (grad_out, &out_shape[..])];
+        let present = others.into_iter().filter_map(|(t, want)| Some((t?, want)));
+        for (t, want) in std::iter::once((gate, shape)).chain(present) {
+            if t.sizes() != want || t.device() != device {
                 return Err(StockReason::InvalidInput); // broadcasting: stock's
             }
-            if t.f_kind().ok() != Some(kind) {
+            if t.kind() != Some(kind) {
                 return Err(StockReason::MixedDtypes);
             }
             if !t.is_contiguous() {
@@ -109,10 +103,10 @@ impl Family for Swiglu {
         let config = elementwise::launch_config(layout.n, p.threads, p.chunks)?;
         let stream = gpu.stream(launch);
         let up_offset = layout.up_offset * kind.elt_size_in_bytes() as u64;
-        let gate_ptr = device_addr(&gate);
-        let up_ptr = up.as_ref().map_or(gate_ptr + up_offset, |u| device_addr(u));
+        let gate_ptr = gate.addr();
+        let up_ptr = up.map_or(gate_ptr + up_offset, TfTensor::addr);
         let (n, width, stride) = (layout.n, layout.width, layout.stride);
-        if let Some(dy) = &grad_out {
+        if let Some(dy) = grad_out {
             // silu_mul: dgate and dup; silu_mul_packed: one tensor of gate_up's shape, both.
             let dgate = empty(shape, kind, device)?;
             let dup = if packed {
@@ -122,16 +116,11 @@ impl Family for Swiglu {
             };
             let dgate_ptr = device_addr(&dgate);
             let dup_ptr = dup.as_ref().map_or(dgate_ptr + up_offset, device_addr);
-            let dense = [
-                Some(&*gate),
-                up.as_deref(),
-                Some(&**dy),
-                Some(&dgate),
-                dup.as_ref(),
-            ];
-            let vectorized =
-                i32::from(layout.vectorizable() && aligned16(dense.into_iter().flatten()));
-            let ptrs = [device_addr(dy), gate_ptr, up_ptr, dgate_ptr, dup_ptr];
+            // Packed, up's and dup's place inside their tensors is the layout's to align.
+            let dense = [gate_ptr, up.map_or(0, TfTensor::addr), dy.addr(), dgate_ptr];
+            let dense = dense.into_iter().chain(dup.as_ref().map(device_addr));
+            let vectorized = i32::from(layout.vectorizable() && aligned16(dense));
+            let ptrs = [dy.addr(), gate_ptr, up_ptr, dgate_ptr, dup_ptr];
             let kernel = kernels.get(kernel_name)?;
             let mut args = stream.launch_builder(&kernel.function);
             for ptr in &ptrs {
@@ -148,9 +137,9 @@ impl Family for Swiglu {
             return Ok(Served::new(variant.name.as_str(), [Some(dgate), dup, None]));
         }
         let y = empty(&out_shape, kind, device)?;
-        let dense = [Some(&*gate), up.as_deref(), Some(&y)];
-        let vectorized = i32::from(layout.vectorizable() && aligned16(dense.into_iter().flatten()));
         let y_ptr = device_addr(&y);
+        let dense = [gate_ptr, up.map_or(0, TfTensor::addr), y_ptr];
+        let vectorized = i32::from(layout.vectorizable() && aligned16(dense));
         let kernel = kernels.get(kernel_name)?;
         let mut args = stream.launch_builder(&kernel.function);
         args.arg(&gate_ptr)

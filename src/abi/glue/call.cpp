@@ -32,6 +32,10 @@ TfTensor describe(const at::Tensor& t, bool written, const at::Tensor* like) {
   // Symbolic sizes (a compiler's fake tensor under dynamic shapes): numel() would raise.
   f.symbolic = t.unsafeGetTensorImpl()->has_symbolic_sizes_strides();
   if (!strided || f.symbolic) return f;
+  f.strided = 1;
+  f.ndim = t.dim();
+  f.sizes = t.sizes().data();
+  f.strides = t.strides().data();
   f.numel = t.numel();
   // No storage: a torch.func wrapper (grad, vmap) handed to the SDPA backend choice. A Python
   // or functionalization key: a compiler's fake or functional tensor, whose pointer means

@@ -92,9 +92,11 @@ const std::vector<int64_t>& abi_layout() {
       sizeof(TfStatus), TF_FIELD(TfStatus, message), TF_MESSAGE_BYTES,
       TF_STOCK, TF_FUSED, TF_ERROR, TF_ENTRY_COUNT,
       sizeof(TfLaunch), TF_FIELD(TfLaunch, stream),
-      sizeof(TfTensor), TF_FIELD(TfTensor, data), TF_FIELD(TfTensor, numel),
+      sizeof(TfTensor), TF_FIELD(TfTensor, data), TF_FIELD(TfTensor, sizes),
+      TF_FIELD(TfTensor, strides), TF_FIELD(TfTensor, ndim), TF_FIELD(TfTensor, numel),
       TF_FIELD(TfTensor, dtype), TF_FIELD(TfTensor, device), TF_FIELD(TfTensor, dense),
       TF_FIELD(TfTensor, like_first), TF_FIELD(TfTensor, symbolic),
+      TF_FIELD(TfTensor, strided),
       sizeof(TfOutputs),
       sizeof(TfNormCall), TF_FIELD(TfNormCall, weight), TF_FIELD(TfNormCall, bias),
       TF_FIELD(TfNormCall, grad_out), TF_FIELD(TfNormCall, mean), TF_FIELD(TfNormCall, rstd),
@@ -128,10 +130,11 @@ const std::vector<int64_t>& abi_layout() {
       TF_FIELD(TfAttentionCall, has_mask), TF_FIELD(TfAttentionCall, nested),
       TF_FIELD(TfAttentionCall, return_debug_mask), TF_FIELD(TfAttentionCall, default_backends),
       TF_FIELD(TfAttentionCall, deterministic),
-      static_cast<int64_t>(at::kByte), static_cast<int64_t>(at::kInt),
+      static_cast<int64_t>(at::kByte), static_cast<int64_t>(at::kChar),
+      static_cast<int64_t>(at::kShort), static_cast<int64_t>(at::kInt),
       static_cast<int64_t>(at::kLong), static_cast<int64_t>(at::kHalf),
       static_cast<int64_t>(at::kFloat), static_cast<int64_t>(at::kDouble),
-      static_cast<int64_t>(at::kBFloat16),
+      static_cast<int64_t>(at::kBool), static_cast<int64_t>(at::kBFloat16),
   };
   return layout;
 }
@@ -188,6 +191,13 @@ __attribute__((visibility("default"))) size_t torchfuse_cxx_abi_layout(int64_t* 
   const std::vector<int64_t>& layout = abi_layout();
   for (size_t i = 0; i < layout.size() && i < cap; ++i) out[i] = layout[i];
   return layout.size();
+}
+
+// The glue's description of one tensor (null: absent), as every override makes it: the
+// Rust tests compare it with what libtorch says of the tensor.
+__attribute__((visibility("default"))) void torchfuse_cxx_describe(const void* tensor,
+                                                                   TfTensor* out) {
+  *out = tensor == nullptr ? absent() : describe(*static_cast<const at::Tensor*>(tensor));
 }
 
 __attribute__((visibility("default"))) const char* torchfuse_cxx_entry_name(uint32_t entry) {
