@@ -70,7 +70,8 @@ unsafe fn answer<F: Family>(
     match result {
         Ok(Err(message)) => status.fail(&message),
         Ok(Ok(Some((dtype, shape, outcome)))) => {
-            if F::counted(call) {
+            // A routed call is counted once, by the override of the op it is routed to.
+            if F::counted(call) && !outcome.as_ref().is_ok_and(|served| served.routed) {
                 let counted = match &outcome {
                     Ok(served) => Outcome::Fused(served.kernel),
                     Err(reason) => Outcome::Stock(*reason),

@@ -165,7 +165,7 @@ fn is_backward(op: KernelOp) -> bool {
     matches!(op, KernelOp::LayerNormBwd | KernelOp::RmsNormBwd)
 }
 
-/// What `Served::kernel` names for hf_rms_norm calls served by `aten::rms_norm`.
+/// The aten op hf_rms_norm calls are routed to (counted there, with the kernel that ran).
 const HF_RMS_NORM_BY_ATEN: &str = "aten::rms_norm";
 
 /// Narrower rows keep HF's composition: there the input gradient nearly cancels (at one
@@ -198,7 +198,7 @@ fn hf_rms_norm(launch: Launch, input: &TfTensor, weight: &TfTensor) -> Result<Se
     if hidden < HF_RMS_NORM_MIN_HIDDEN {
         return Err(StockReason::NoVariantForShape);
     }
-    Ok(Served::new(HF_RMS_NORM_BY_ATEN, [None, None, None]))
+    Ok(Served::routed(HF_RMS_NORM_BY_ATEN))
 }
 
 /// A norm variant's compile-time params (`registry/norm.toml`), checked once.

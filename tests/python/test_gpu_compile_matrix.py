@@ -92,8 +92,8 @@ def test_torchfuse_served_where_it_should(matrix):
     choice and went to stock for its symbolic sizes."""
     model, results = matrix
     ours = results["torchfuse"]
-    expected = {"gpt2": "native_layer_norm", "llama": "torchfuse::hf_rms_norm",
-                "glm4": "torchfuse::hf_rms_norm"}[model]
+    # Llama's and GLM-4's RMSNorm rewrite routes to aten::rms_norm: counted as its fused op.
+    expected = {"gpt2": "native_layer_norm", "llama": "_fused_rms_norm", "glm4": "_fused_rms_norm"}[model]
     for mode in ("eager", *CHECKPOINTED):
         assert ours[mode].get("fused", {}).get(expected, 0) > 0, (mode, ours[mode])
     for mode in ("compile", "reduce-overhead", "max-autotune"):

@@ -49,9 +49,9 @@ bool adam_in_rust(TfEntry entry, bool decoupled, const at::Tensor* lr_tensor,
   TfOutputs out{};
   if (self.empty() || !self[0].is_cuda()) {
     // Rust still sees the call: it counts it and refuses lists stock would crash on.
-    return fused_by_rust(torchfuse_rs_adam, entry, TfLaunch{-1, nullptr}, call, out);
+    return fused_by_rust(entry, TfLaunch{-1, nullptr}, call, out);
   }
-  return fused_by_rust(torchfuse_rs_adam, entry, self[0], call, out);
+  return fused_by_rust(entry, self[0], call, out);
 }
 
 void fused_adam(TORCHFUSE_ADAM_PARAMS, double lr, TORCHFUSE_ADAM_TAIL) {

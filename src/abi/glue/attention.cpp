@@ -50,7 +50,7 @@ int64_t sdp_choice(const at::Tensor& query, const at::Tensor& key, const at::Ten
                                         attn_mask.has_value() && attn_mask->defined(), false);
   call.stock_choice = stock;
   TfOutputs out{};
-  return fused_by_rust(torchfuse_rs_attention, TF_ENTRY_SDP_CHOICE, query, call, out) ? kFlash
+  return fused_by_rust(TF_ENTRY_SDP_CHOICE, query, call, out) ? kFlash
                                                                                       : stock;
 }
 
@@ -63,7 +63,7 @@ flash_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor
     const TfAttentionCall call = attention_call(query, key, value, dropout_p, is_causal, scale,
                                                 false, return_debug_mask);
     TfOutputs out{};
-    if (fused_by_rust(torchfuse_rs_attention, TF_ENTRY_FLASH_ATTENTION, query, call, out)) {
+    if (fused_by_rust(TF_ENTRY_FLASH_ATTENTION, query, call, out)) {
       auto r = take_outputs(out);
       // The bookkeeping outputs stock's flash returns without dropout: no cumulative lengths,
       // an unused RNG state (unfilled, as ours are: see torchfuse_cxx_empty_unfilled), an
@@ -92,22 +92,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
     const at::Tensor& cum_seq_q, const at::Tensor& cum_seq_k, int64_t max_q, int64_t max_k,
     double dropout_p, bool is_causal, const at::Tensor& philox_seed,
     const at::Tensor& philox_offset, std::optional<double> scale) {
-  if (query.is_cuda() && !cum_seq_q.defined() && !cum_seq_k.defined()) {
-    TfAttentionCall call =
-        attention_call(query, key, value, dropout_p, is_causal, scale, false, false);
-    call.grad_out = describe(grad_out);
-    call.output = describe(out);
-    call.logsumexp = describe(logsumexp);
-    TfOutputs grads{};
-    if (fused_by_rust(torchfuse_rs_attention, TF_ENTRY_FLASH_ATTENTION_BACKWARD, query, call,
-                      grads)) {
-      auto r = take_outputs(grads);
-      return {r[0], r[1], r[2]};
-    }
-  }
-  return at::cuda::_scaled_dot_product_flash_attention_backward(
-      grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
-      is_causal, philox_seed, philox_offset, scale);
+  const auto stock = [&] {
+    return at::cuda::_scaled_dot_product_flash_attention_backward(
+        grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+        dropout_p, is_causal, philox_seed, philox_offset, scale);
+  };
+  if (!query.is_cuda() || cum_seq_q.defined() || cum_seq_k.defined()) return stock();
+  TfAttentionCall call =
+      attention_call(query, key, value, dropout_p, is_causal, scale, false, false);
+  call.grad_out = describe(grad_out);
+  call.output = describe(out);
+  call.logsumexp = describe(logsumexp);
+  return fused_or_stock(TF_ENTRY_FLASH_ATTENTION_BACKWARD, query, call, stock);
 }
 
 }  // namespace

@@ -63,12 +63,10 @@ at::Tensor cross_entropy_bwd_cuda(const at::Tensor& grad_loss_in, const at::Tens
   call.ignore_index = ignore_index;
   call.label_smoothing = label_smoothing;
   call.reduction = static_cast<int32_t>(reduction);
-  TfOutputs out{};
-  if (fused_by_rust(torchfuse_rs_cross_entropy, TF_ENTRY_CROSS_ENTROPY_BACKWARD, logits, call,
-                    out))
-    return take_outputs(out)[0];
-  return cross_entropy_backward_stock(grad_loss, logits, target, total_weight, reduction,
-                                      ignore_index, label_smoothing);
+  return fused_or_stock(TF_ENTRY_CROSS_ENTROPY_BACKWARD, logits, call, [&] {
+    return cross_entropy_backward_stock(grad_loss, logits, target, total_weight, reduction,
+                                        ignore_index, label_smoothing);
+  });
 }
 
 // Its shape on meta and fake tensors (symbolic sizes included): the logits'.
@@ -130,16 +128,14 @@ CrossEntropyOutputs cross_entropy_fwd_stock(const at::Tensor& logits, const at::
 CrossEntropyOutputs cross_entropy_fwd_cuda(const at::Tensor& logits, const at::Tensor& target,
                                            int64_t reduction, int64_t ignore_index,
                                            double label_smoothing, at::ScalarType dtype) {
+  const auto stock = [&] {
+    return cross_entropy_fwd_stock(logits, target, reduction, ignore_index, label_smoothing,
+                                   dtype);
+  };
+  if (traced(logits)) return stock();
   const TfCrossEntropyCall call = forward_call(logits, target, reduction, ignore_index,
                                                effective_smoothing(label_smoothing), dtype);
-  TfOutputs out{};
-  if (!traced(logits) &&
-      fused_by_rust(torchfuse_rs_cross_entropy, TF_ENTRY_CROSS_ENTROPY, logits, call, out)) {
-    auto [loss, lse, total_weight] = take_outputs(out);
-    return {loss, lse, total_weight};
-  }
-  return cross_entropy_fwd_stock(logits, target, reduction, ignore_index, label_smoothing,
-                                 dtype);
+  return fused_or_stock(TF_ENTRY_CROSS_ENTROPY, logits, call, stock);
 }
 
 // Its shapes on meta and fake tensors (symbolic sizes included), as both paths above give.
@@ -220,7 +216,7 @@ at::Tensor cross_entropy_served(TfEntry entry, const at::Tensor& logits, const a
   const TfCrossEntropyCall call =
       forward_call(logits, target, reduction, ignore_index, label_smoothing, loss_dtype);
   TfOutputs out{};
-  if (!fused_by_rust(torchfuse_rs_cross_entropy, entry, logits, call, out)) return at::Tensor();
+  if (!fused_by_rust(entry, logits, call, out)) return at::Tensor();
   auto [loss, lse, total_weight] = take_outputs(out);
   return with_gradient(logits, target, loss, lse, total_weight, reduction, ignore_index,
                        label_smoothing);
@@ -258,7 +254,7 @@ at::Tensor cross_entropy_traced(const at::Tensor& logits, const at::Tensor& targ
       forward_call(logits, target, reduction, ignore_index, label_smoothing, loss_dtype);
   call.plan_only = 1;
   TfOutputs out{};
-  if (!fused_by_rust(torchfuse_rs_cross_entropy, TF_ENTRY_CROSS_ENTROPY, logits, call, out))
+  if (!fused_by_rust(TF_ENTRY_CROSS_ENTROPY, logits, call, out))
     return at::Tensor();
   CrossEntropyOutputs outputs;
   {

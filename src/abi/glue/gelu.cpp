@@ -19,20 +19,16 @@ at::Tensor gelu_tanh_cuda(const at::Tensor& input, std::optional<at::ScalarType>
   TfGeluCall call{};
   call.input = describe(input);
   call.out_dtype = static_cast<int16_t>(dtype.value_or(input.scalar_type()));
-  TfOutputs out{};
-  if (fused_by_rust(torchfuse_rs_gelu, TF_ENTRY_GELU_TANH, input, call, out))
-    return take_outputs(out)[0];
-  return gelu_tanh_stock(input, dtype);
+  return fused_or_stock(TF_ENTRY_GELU_TANH, input, call,
+                        [&] { return gelu_tanh_stock(input, dtype); });
 }
 
 at::Tensor gelu_tanh_backward_cuda(const at::Tensor& grad_out, const at::Tensor& input) {
   TfGeluCall call{};
   call.input = describe(input);
   call.grad_out = describe(grad_out);
-  TfOutputs out{};
-  if (fused_by_rust(torchfuse_rs_gelu, TF_ENTRY_GELU_TANH_BACKWARD, input, call, out))
-    return take_outputs(out)[0];
-  return gelu_tanh_backward_stock(grad_out, input);
+  return fused_or_stock(TF_ENTRY_GELU_TANH_BACKWARD, input, call,
+                        [&] { return gelu_tanh_backward_stock(grad_out, input); });
 }
 
 at::Tensor call_gelu_tanh(const at::Tensor& input, std::optional<at::ScalarType> dtype) {

@@ -5,7 +5,8 @@
 // The glue is thin marshalling between PyTorch's dispatcher and the Rust core
 // (src/abi/entries.rs). Every override does three things only: describe the call to Rust
 // (torchfuse_abi.h, the one definition of the boundary), take back the tensors Rust produced,
-// or, when Rust answers TF_STOCK, call PyTorch's own kernel with the unchanged arguments. All
+// or, when Rust answers TF_STOCK, call PyTorch's own kernel with the unchanged arguments; the
+// last two are `fused_or_stock`, written once below. All
 // decisions (enabled?, which kernel?, why stock?) and all logging live in Rust. No C++
 // exception crosses into Rust (every function Rust calls catches and answers TF_ERROR) and no
 // Rust panic crosses back (the Rust entry points catch panics and answer TF_STOCK).
@@ -41,6 +42,8 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace torchfuse_glue {
@@ -60,25 +63,72 @@ at::Tensor take(void* owned);
 // The outputs Rust produced (a null slot is an undefined tensor: an output not requested).
 std::array<at::Tensor, 3> take_outputs(TfOutputs& out);
 
-// Hands one call to Rust on `on`'s device and stream. True: fused, the outputs are in `out`;
-// false: stock must run it. Bad input Rust refused is raised here, as PyTorch's error.
+// Each family's Rust entry point, found from its call struct.
 template <class Call>
-bool fused_by_rust(void (*rust)(uint32_t, const TfLaunch*, const Call*, TfOutputs*, TfStatus*),
-                   TfEntry entry, const TfLaunch& launch, const Call& call, TfOutputs& out) {
+using RustAnswer = void (*)(uint32_t, const TfLaunch*, const Call*, TfOutputs*, TfStatus*);
+inline RustAnswer<TfNormCall> rust_answer(const TfNormCall&) { return torchfuse_rs_norm; }
+inline RustAnswer<TfEmbeddingCall> rust_answer(const TfEmbeddingCall&) {
+  return torchfuse_rs_embedding;
+}
+inline RustAnswer<TfAdamCall> rust_answer(const TfAdamCall&) { return torchfuse_rs_adam; }
+inline RustAnswer<TfAttentionCall> rust_answer(const TfAttentionCall&) {
+  return torchfuse_rs_attention;
+}
+inline RustAnswer<TfGeluCall> rust_answer(const TfGeluCall&) { return torchfuse_rs_gelu; }
+inline RustAnswer<TfCrossEntropyCall> rust_answer(const TfCrossEntropyCall&) {
+  return torchfuse_rs_cross_entropy;
+}
+inline RustAnswer<TfSwigluCall> rust_answer(const TfSwigluCall&) { return torchfuse_rs_swiglu; }
+inline RustAnswer<TfRotaryCall> rust_answer(const TfRotaryCall&) { return torchfuse_rs_rotary; }
+
+// Hands one call to its family's Rust entry point on `on`'s device and stream. True: fused,
+// the outputs are in `out`; false: stock must run it. Bad input Rust refused is raised here,
+// as PyTorch's error.
+template <class Call>
+bool fused_by_rust(TfEntry entry, const TfLaunch& launch, const Call& call, TfOutputs& out) {
   TfStatus status;
   status.code = TF_STOCK;
   status.message[0] = '\0';
-  rust(entry, &launch, &call, &out, &status);
+  rust_answer(call)(entry, &launch, &call, &out, &status);
   status.message[TF_MESSAGE_BYTES - 1] = '\0';
   TORCH_CHECK(status.code != TF_ERROR, status.message);
   return status.code == TF_FUSED;
 }
 
 template <class Call>
-bool fused_by_rust(void (*rust)(uint32_t, const TfLaunch*, const Call*, TfOutputs*, TfStatus*),
-                   TfEntry entry, const at::Tensor& on, const Call& call, TfOutputs& out) {
+bool fused_by_rust(TfEntry entry, const at::Tensor& on, const Call& call, TfOutputs& out) {
   const c10::DeviceGuard guard(on.device());
-  return fused_by_rust(rust, entry, launch_for(on), call, out);
+  return fused_by_rust(entry, launch_for(on), call, out);
+}
+
+// The outputs Rust produced, as the op returns them: one tensor, or a tuple of the first ones.
+template <class R>
+struct Returned;
+template <>
+struct Returned<at::Tensor> {
+  static at::Tensor take(TfOutputs& out) { return std::move(take_outputs(out)[0]); }
+};
+template <class... T>
+struct Returned<std::tuple<T...>> {
+  static std::tuple<T...> take(TfOutputs& out) {
+    return from(take_outputs(out), std::index_sequence_for<T...>{});
+  }
+  template <size_t... I>
+  static std::tuple<T...> from(std::array<at::Tensor, 3>&& r, std::index_sequence<I...>) {
+    return std::tuple<T...>{std::move(r[I])...};
+  }
+};
+
+// The one path of an override, once its call is described: Rust decides (on `on`'s device and
+// stream), then the outputs it produced, or `stock()`'s (PyTorch's own kernel or composition,
+// with the unchanged arguments).
+template <class Call, class Stock>
+auto fused_or_stock(TfEntry entry, const at::Tensor& on, const Call& call, Stock&& stock)
+    -> decltype(stock()) {
+  TfOutputs out{};
+  if (fused_by_rust(entry, on, call, out))
+    return Returned<decltype(stock())>::take(out);
+  return stock();
 }
 
 template <size_t N>

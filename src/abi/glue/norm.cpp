@@ -22,12 +22,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> native_layer_norm(
   call.bias = describe(bias);
   call.eps = eps;
   call.has_eps = 1;
-  TfOutputs out{};
-  if (fused_by_rust(torchfuse_rs_norm, TF_ENTRY_NATIVE_LAYER_NORM, input, call, out)) {
-    auto r = take_outputs(out);
-    return {r[0], r[1], r[2]};
-  }
-  return at::cuda::native_layer_norm(input, normalized_shape, weight, bias, eps);
+  return fused_or_stock(TF_ENTRY_NATIVE_LAYER_NORM, input, call, [&] {
+    return at::cuda::native_layer_norm(input, normalized_shape, weight, bias, eps);
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> native_layer_norm_backward(
@@ -40,13 +37,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> native_layer_norm_backward(
   call.mean = describe(mean);
   call.rstd = describe(rstd);
   call.output_mask = mask_bits(output_mask);
-  TfOutputs out{};
-  if (fused_by_rust(torchfuse_rs_norm, TF_ENTRY_NATIVE_LAYER_NORM_BACKWARD, input, call, out)) {
-    auto r = take_outputs(out);
-    return {r[0], r[1], r[2]};
-  }
-  return at::cuda::native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd,
-                                              weight, bias, output_mask);
+  return fused_or_stock(TF_ENTRY_NATIVE_LAYER_NORM_BACKWARD, input, call, [&] {
+    return at::cuda::native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd,
+                                                weight, bias, output_mask);
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor> fused_rms_norm(const at::Tensor& input,
@@ -56,12 +50,9 @@ std::tuple<at::Tensor, at::Tensor> fused_rms_norm(const at::Tensor& input,
   TfNormCall call = norm_call(input, normalized_shape, weight);
   call.eps = eps.value_or(0.0);
   call.has_eps = eps.has_value();
-  TfOutputs out{};
-  if (fused_by_rust(torchfuse_rs_norm, TF_ENTRY_FUSED_RMS_NORM, input, call, out)) {
-    auto r = take_outputs(out);
-    return {r[0], r[1]};
-  }
-  return at::cuda::_fused_rms_norm(input, normalized_shape, weight, eps);
+  return fused_or_stock(TF_ENTRY_FUSED_RMS_NORM, input, call, [&] {
+    return at::cuda::_fused_rms_norm(input, normalized_shape, weight, eps);
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor> fused_rms_norm_backward(
@@ -72,13 +63,10 @@ std::tuple<at::Tensor, at::Tensor> fused_rms_norm_backward(
   call.grad_out = describe(grad_out);
   call.rstd = describe(rstd);
   call.output_mask = mask_bits(output_mask);
-  TfOutputs out{};
-  if (fused_by_rust(torchfuse_rs_norm, TF_ENTRY_FUSED_RMS_NORM_BACKWARD, input, call, out)) {
-    auto r = take_outputs(out);
-    return {r[0], r[1]};
-  }
-  return at::cuda::_fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight,
-                                            output_mask);
+  return fused_or_stock(TF_ENTRY_FUSED_RMS_NORM_BACKWARD, input, call, [&] {
+    return at::cuda::_fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight,
+                                              output_mask);
+  });
 }
 
 // torchfuse::hf_rms_norm(input, weight, eps): HF's RMSNorm (LlamaRMSNorm.forward and its
@@ -94,7 +82,7 @@ at::Tensor hf_rms_norm(const at::Tensor& input, const at::Tensor& weight, double
     call.eps = eps;
     call.has_eps = 1;
     TfOutputs out{};
-    if (fused_by_rust(torchfuse_rs_norm, TF_ENTRY_HF_RMS_NORM, input, call, out))
+    if (fused_by_rust(TF_ENTRY_HF_RMS_NORM, input, call, out))
       return at::rms_norm(input, {input.size(-1)}, weight, eps);
   }
   const at::ScalarType input_dtype = input.scalar_type();

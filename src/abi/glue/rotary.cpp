@@ -88,12 +88,8 @@ std::tuple<at::Tensor, at::Tensor> rotary_cuda(const at::Tensor& q, const at::Te
   call.cos = describe(cos);
   call.sin = describe(sin);
   call.unsqueeze_dim = unsqueeze_dim;
-  TfOutputs out{};
-  if (fused_by_rust(torchfuse_rs_rotary, TF_ENTRY_ROTARY, q, call, out)) {
-    auto outputs = take_outputs(out);
-    return {outputs[0], outputs[1]};
-  }
-  return rotary_stock(q, k, cos, sin, unsqueeze_dim);
+  return fused_or_stock(TF_ENTRY_ROTARY, q, call,
+                        [&] { return rotary_stock(q, k, cos, sin, unsqueeze_dim); });
 }
 
 std::tuple<at::Tensor, at::Tensor> rotary_backward_cuda(const at::Tensor& grad_q,
@@ -109,12 +105,9 @@ std::tuple<at::Tensor, at::Tensor> rotary_backward_cuda(const at::Tensor& grad_q
   call.sin = describe(sin);
   call.unsqueeze_dim = unsqueeze_dim;
   call.x_dtype = static_cast<int16_t>(x_dtype);
-  TfOutputs out{};
-  if (fused_by_rust(torchfuse_rs_rotary, TF_ENTRY_ROTARY_BACKWARD, grad_q, call, out)) {
-    auto outputs = take_outputs(out);
-    return {outputs[0], outputs[1]};
-  }
-  return rotary_backward_stock(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype);
+  return fused_or_stock(TF_ENTRY_ROTARY_BACKWARD, grad_q, call, [&] {
+    return rotary_backward_stock(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype);
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor> call_rotary(const at::Tensor& q, const at::Tensor& k,

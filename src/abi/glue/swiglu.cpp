@@ -67,10 +67,7 @@ at::Tensor gated_cuda(const at::Tensor& gate, const at::Tensor& up) {
   TfSwigluCall call{};
   call.gate = describe(gate);
   call.up = describe(up);
-  TfOutputs out{};
-  if (fused_by_rust(torchfuse_rs_swiglu, Act::kEntry, gate, call, out))
-    return take_outputs(out)[0];
-  return gated_stock<Act>(gate, up);
+  return fused_or_stock(Act::kEntry, gate, call, [&] { return gated_stock<Act>(gate, up); });
 }
 
 template <class Act>
@@ -81,12 +78,8 @@ std::tuple<at::Tensor, at::Tensor> gated_backward_cuda(const at::Tensor& grad_ou
   call.gate = describe(gate);
   call.up = describe(up);
   call.grad_out = describe(grad_out);
-  TfOutputs out{};
-  if (fused_by_rust(torchfuse_rs_swiglu, Act::kBackwardEntry, gate, call, out)) {
-    auto outputs = take_outputs(out);
-    return {outputs[0], outputs[1]};
-  }
-  return gated_backward_stock<Act>(grad_out, gate, up);
+  return fused_or_stock(Act::kBackwardEntry, gate, call,
+                        [&] { return gated_backward_stock<Act>(grad_out, gate, up); });
 }
 
 template <class Act>
@@ -151,20 +144,16 @@ at::Tensor silu_mul_packed_backward_stock(const at::Tensor& grad_out, const at::
 at::Tensor silu_mul_packed_cuda(const at::Tensor& gate_up) {
   TfSwigluCall call{};
   call.gate = describe(gate_up);
-  TfOutputs out{};
-  if (fused_by_rust(torchfuse_rs_swiglu, TF_ENTRY_SILU_MUL_PACKED, gate_up, call, out))
-    return take_outputs(out)[0];
-  return silu_mul_packed_stock(gate_up);
+  return fused_or_stock(TF_ENTRY_SILU_MUL_PACKED, gate_up, call,
+                        [&] { return silu_mul_packed_stock(gate_up); });
 }
 
 at::Tensor silu_mul_packed_backward_cuda(const at::Tensor& grad_out, const at::Tensor& gate_up) {
   TfSwigluCall call{};
   call.gate = describe(gate_up);
   call.grad_out = describe(grad_out);
-  TfOutputs out{};
-  if (fused_by_rust(torchfuse_rs_swiglu, TF_ENTRY_SILU_MUL_PACKED_BACKWARD, gate_up, call, out))
-    return take_outputs(out)[0];
-  return silu_mul_packed_backward_stock(grad_out, gate_up);
+  return fused_or_stock(TF_ENTRY_SILU_MUL_PACKED_BACKWARD, gate_up, call,
+                        [&] { return silu_mul_packed_backward_stock(grad_out, gate_up); });
 }
 
 at::Tensor call_silu_mul_packed(const at::Tensor& gate_up) {
