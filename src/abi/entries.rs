@@ -49,10 +49,15 @@ unsafe fn answer<F: Family>(
         return;
     };
     let result = catch_unwind(AssertUnwindSafe(|| {
-        if let Some(t) = F::symbolic(call) {
-            // Nothing of its sizes can be read; stock's kernels and meta functions take them.
-            let dtype = t.kind_name();
-            return Ok(Some((dtype, Vec::new(), Err(StockReason::SymbolicSizes))));
+        if let Some(t) = F::unreadable(entry, call) {
+            // Nothing of its sizes (or its data) can be read; stock's kernels and meta
+            // functions take them.
+            let reason = if t.symbolic != 0 {
+                StockReason::SymbolicSizes
+            } else {
+                StockReason::OpaqueTensor
+            };
+            return Ok(Some((t.kind_name(), Vec::new(), Err(reason))));
         }
         if let Some(message) = F::refuse(entry, call) {
             return Err(message);

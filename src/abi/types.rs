@@ -115,9 +115,26 @@ impl TfTensor {
         !self.handle.is_null()
     }
 
-    /// The first of `tensors` whose sizes are symbolic (see `symbolic`), if any.
-    pub fn first_symbolic<'a>(tensors: &[&'a TfTensor]) -> Option<&'a TfTensor> {
-        tensors.iter().copied().find(|t| t.symbolic != 0)
+    /// A present CUDA tensor with elements whose data the glue did not read: a tensor subclass
+    /// or wrapper (a Python or functionalization key, or no storage: a torch.func wrapper).
+    /// Its data pointer means nothing to a kernel.
+    pub fn opaque(&self) -> bool {
+        self.present()
+            && self.device >= 0
+            && self.strided != 0
+            && self.numel > 0
+            && self.data.is_null()
+    }
+
+    /// The first of `tensors` Rust cannot serve a call with, if any: sizes that are symbolic
+    /// (see `symbolic`), or where the call `launches` kernels on the tensors' data, data that
+    /// is `opaque` (a call that only decides, such as the SDPA backend choice a compiler's
+    /// trace asks with fake tensors, reads their sizes and strides only).
+    pub fn first_unreadable<'a>(tensors: &[&'a TfTensor], launches: bool) -> Option<&'a TfTensor> {
+        let mut all = tensors.iter().copied();
+        all.clone()
+            .find(|t| t.symbolic != 0)
+            .or_else(|| all.find(|t| launches && t.opaque()))
     }
 }
 
@@ -418,6 +435,45 @@ mod tests {
         }
         // SAFETY: as above.
         assert!(unsafe { torchfuse_cxx_entry_name(Entry::ALL.len() as u32) }.is_null());
+    }
+
+    #[test]
+    fn symbolic_sizes_come_first_and_opaque_data_only_where_kernels_launch() {
+        let data = std::ptr::NonNull::<u8>::dangling().as_ptr().cast();
+        let present = TfTensor {
+            handle: data,
+            data,
+            numel: 8,
+            strided: 1,
+            ..TfTensor::ABSENT
+        };
+        let opaque = TfTensor {
+            data: std::ptr::null_mut(),
+            ..present
+        };
+        let symbolic = TfTensor {
+            symbolic: 1,
+            strided: 0,
+            ..opaque
+        };
+        // An empty tensor's data may be null; a CPU tensor's always is: neither is opaque.
+        let empty = TfTensor { numel: 0, ..opaque };
+        let cpu = TfTensor {
+            device: -1,
+            ..opaque
+        };
+        assert!(opaque.opaque() && !present.opaque() && !empty.opaque() && !cpu.opaque());
+        assert!(!TfTensor::ABSENT.opaque());
+        let first = |ts: &[&TfTensor], launches| {
+            TfTensor::first_unreadable(ts, launches).map(|t| (t.symbolic, t.opaque()))
+        };
+        assert_eq!(
+            first(&[&present, &opaque, &symbolic], true),
+            Some((1, false))
+        );
+        assert_eq!(first(&[&present, &opaque], true), Some((0, true)));
+        assert_eq!(first(&[&present, &opaque], false), None);
+        assert_eq!(first(&[&present, &empty, &cpu], true), None);
     }
 
     #[test]

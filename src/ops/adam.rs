@@ -162,7 +162,7 @@ impl Family for Adam {
     const FAMILY: OpFamily = OpFamily::Adam;
 
     /// The params' dtype, and [tensors, elements].
-    unsafe fn symbolic(call: &TfAdamCall) -> Option<&TfTensor> {
+    unsafe fn unreadable(_entry: Entry, call: &TfAdamCall) -> Option<&TfTensor> {
         let lists = call
             .lists
             .iter()
@@ -580,15 +580,15 @@ mod tests {
         let mut lists = Lists::new(&[10, 3], SCALAR_FLOAT);
         lists.call();
         // SAFETY: the call's lists point into `lists`, alive here.
-        assert!(unsafe { <Adam as Family>::symbolic(&lists.c) }.is_none());
+        assert!(unsafe { <Adam as Family>::unreadable(Entry::FusedAdamw, &lists.c) }.is_none());
         lists.lists[3][1].symbolic = 1;
         lists.call();
-        let found = unsafe { <Adam as Family>::symbolic(&lists.c) };
+        let found = unsafe { <Adam as Family>::unreadable(Entry::FusedAdamw, &lists.c) };
         assert_eq!(found.map(|t| t.numel), Some(3));
         lists.lists[3][1].symbolic = 0;
         lists.c.found_inf.symbolic = 1;
         lists.call();
-        assert!(unsafe { <Adam as Family>::symbolic(&lists.c) }.is_some());
+        assert!(unsafe { <Adam as Family>::unreadable(Entry::FusedAdamw, &lists.c) }.is_some());
     }
 
     #[test]

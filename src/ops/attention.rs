@@ -367,15 +367,18 @@ impl Family for Attention {
     const FAMILY: OpFamily = OpFamily::Attention;
 
     /// q's dtype and shape.
-    unsafe fn symbolic(call: &TfAttentionCall) -> Option<&TfTensor> {
-        TfTensor::first_symbolic(&[
-            &call.query,
-            &call.key,
-            &call.value,
-            &call.grad_out,
-            &call.output,
-            &call.logsumexp,
-        ])
+    unsafe fn unreadable(entry: Entry, call: &TfAttentionCall) -> Option<&TfTensor> {
+        TfTensor::first_unreadable(
+            &[
+                &call.query,
+                &call.key,
+                &call.value,
+                &call.grad_out,
+                &call.output,
+                &call.logsumexp,
+            ],
+            entry != Entry::SdpChoice,
+        )
     }
 
     unsafe fn describe(_entry: Entry, call: &TfAttentionCall) -> Option<(&'static str, Vec<i64>)> {

@@ -48,14 +48,17 @@ impl Family for CrossEntropy {
 
     const FAMILY: OpFamily = OpFamily::CrossEntropy;
 
-    unsafe fn symbolic(call: &TfCrossEntropyCall) -> Option<&TfTensor> {
-        TfTensor::first_symbolic(&[
-            &call.logits,
-            &call.target,
-            &call.grad_loss,
-            &call.lse,
-            &call.total_weight,
-        ])
+    unsafe fn unreadable(_entry: Entry, call: &TfCrossEntropyCall) -> Option<&TfTensor> {
+        TfTensor::first_unreadable(
+            &[
+                &call.logits,
+                &call.target,
+                &call.grad_loss,
+                &call.lse,
+                &call.total_weight,
+            ],
+            call.plan_only == 0,
+        )
     }
 
     unsafe fn counted(call: &TfCrossEntropyCall) -> bool {

@@ -117,8 +117,8 @@ impl Family for Embedding {
     const FAMILY: OpFamily = OpFamily::Embedding;
 
     /// The table's (grad's) dtype; forward: indices' shape + [D], backward: grad's shape.
-    unsafe fn symbolic(call: &TfEmbeddingCall) -> Option<&TfTensor> {
-        TfTensor::first_symbolic(&[&call.weight, &call.grad, &call.indices])
+    unsafe fn unreadable(_entry: Entry, call: &TfEmbeddingCall) -> Option<&TfTensor> {
+        TfTensor::first_unreadable(&[&call.weight, &call.grad, &call.indices], true)
     }
 
     unsafe fn describe(entry: Entry, call: &TfEmbeddingCall) -> Option<(&'static str, Vec<i64>)> {

@@ -24,8 +24,8 @@ impl Family for Gelu {
 
     const FAMILY: OpFamily = OpFamily::Gelu;
 
-    unsafe fn symbolic(call: &TfGeluCall) -> Option<&TfTensor> {
-        TfTensor::first_symbolic(&[&call.input, &call.grad_out])
+    unsafe fn unreadable(_entry: Entry, call: &TfGeluCall) -> Option<&TfTensor> {
+        TfTensor::first_unreadable(&[&call.input, &call.grad_out], true)
     }
 
     unsafe fn describe(_entry: Entry, call: &TfGeluCall) -> Option<(&'static str, Vec<i64>)> {

@@ -75,12 +75,13 @@ pub trait Family {
     /// `call` is as the glue built it: its tensors are valid for the call.
     unsafe fn describe(entry: Entry, call: &Self::Call) -> Option<(&'static str, Vec<i64>)>;
 
-    /// A tensor of the call whose sizes are symbolic (a compiler's trace under dynamic shapes),
-    /// if any: such a call goes to stock before anything reads a size.
+    /// A tensor of the call whose sizes are symbolic (a compiler's trace under dynamic shapes)
+    /// or whose data the glue did not read (`TfTensor::opaque`: a subclass or wrapper), if any:
+    /// such a call goes to stock before anything reads a size or an address.
     ///
     /// # Safety
     /// As `describe`.
-    unsafe fn symbolic(call: &Self::Call) -> Option<&TfTensor>;
+    unsafe fn unreadable(entry: Entry, call: &Self::Call) -> Option<&TfTensor>;
 
     /// Whether the answer to this call is counted in the stats (default: yes). A call that only
     /// asks whether a kernel would serve (a compiler's trace) is not: the calls its graph makes

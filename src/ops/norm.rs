@@ -8,7 +8,7 @@ use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr, empty, Contiguous};
 use crate::abi::types::{TfNormCall, TfTensor};
 use crate::gpu::{self, Kernels, Launch};
-use crate::runtime::{Entry, OpFamily};
+use crate::runtime::{Entry, OpFamily, Toggle};
 use crate::select::{dtype_of, DType, StockReason};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use serde::{Deserialize, Serialize};
@@ -59,15 +59,18 @@ impl Family for Norm {
 
     const FAMILY: OpFamily = OpFamily::Norm;
 
-    unsafe fn symbolic(call: &TfNormCall) -> Option<&TfTensor> {
-        TfTensor::first_symbolic(&[
-            &call.input,
-            &call.weight,
-            &call.bias,
-            &call.grad_out,
-            &call.mean,
-            &call.rstd,
-        ])
+    unsafe fn unreadable(_entry: Entry, call: &TfNormCall) -> Option<&TfTensor> {
+        TfTensor::first_unreadable(
+            &[
+                &call.input,
+                &call.weight,
+                &call.bias,
+                &call.grad_out,
+                &call.mean,
+                &call.rstd,
+            ],
+            true,
+        )
     }
 
     unsafe fn describe(_entry: Entry, call: &TfNormCall) -> Option<(&'static str, Vec<i64>)> {
@@ -198,7 +201,13 @@ fn hf_rms_norm(launch: Launch, input: &TfTensor, weight: &TfTensor) -> Result<Se
     if hidden < HF_RMS_NORM_MIN_HIDDEN {
         return Err(StockReason::NoVariantForShape);
     }
-    Ok(Served::routed(HF_RMS_NORM_BY_ATEN))
+    // Counted by `_fused_rms_norm`'s override where it is registered; without it (the rms_norm
+    // toggle left out) aten's kernel runs uncounted, so the call is counted here.
+    if Toggle::RmsNorm.registered() {
+        Ok(Served::routed(HF_RMS_NORM_BY_ATEN))
+    } else {
+        Ok(Served::new(HF_RMS_NORM_BY_ATEN, [None, None, None]))
+    }
 }
 
 /// A norm variant's compile-time params (`registry/norm.toml`), checked once.

@@ -77,18 +77,20 @@ fn trig_strides(trig: &TfTensor, dim: i64, shape: &[i64]) -> Option<RopeStrides>
     };
     let mut view: Vec<(i64, i64)> = size.iter().copied().zip(stride.iter().copied()).collect();
     view.insert(at, (1, new_stride));
-    // expand: dims aligned from the right; new leading dims and size-1 dims broadcast.
+    // expand, as PyTorch lays it out: dims aligned from the right; a new leading dim is one of
+    // size 1 stepping over the dims after it; a size-1 dim broadcast has stride 0.
     let lead = shape.len().checked_sub(view.len())?;
-    let expanded = shape
-        .iter()
-        .enumerate()
-        .map(|(i, &want)| match i.checked_sub(lead).map(|j| view[j]) {
-            None => Some(0),
-            Some((n, s)) if n == want => Some(s),
-            Some((1, _)) => Some(0),
-            Some(_) => None,
-        })
-        .collect::<Option<Vec<i64>>>()?;
+    let mut expanded = vec![0; shape.len()];
+    let mut inner = 1;
+    for (i, &want) in shape.iter().enumerate().rev() {
+        let (n, s) = i.checked_sub(lead).map_or((1, inner), |j| view[j]);
+        expanded[i] = match n {
+            _ if n == want => s,
+            1 => 0,
+            _ => return None,
+        };
+        inner = want * expanded[i];
+    }
     strides(&expanded)
 }
 
@@ -171,15 +173,18 @@ impl Family for Rotary {
     const FAMILY: OpFamily = OpFamily::Rotary;
 
     /// q (forward) or its gradient (backward: q itself is not passed).
-    unsafe fn symbolic(call: &TfRotaryCall) -> Option<&TfTensor> {
-        TfTensor::first_symbolic(&[
-            &call.q,
-            &call.k,
-            &call.cos,
-            &call.sin,
-            &call.grad_q,
-            &call.grad_k,
-        ])
+    unsafe fn unreadable(_entry: Entry, call: &TfRotaryCall) -> Option<&TfTensor> {
+        TfTensor::first_unreadable(
+            &[
+                &call.q,
+                &call.k,
+                &call.cos,
+                &call.sin,
+                &call.grad_q,
+                &call.grad_k,
+            ],
+            true,
+        )
     }
 
     unsafe fn describe(entry: Entry, call: &TfRotaryCall) -> Option<(&'static str, Vec<i64>)> {
@@ -437,7 +442,8 @@ mod tests {
             table.narrow(0, 0, 1).squeeze_dim(0),
             table.transpose(0, 1),
         ];
-        let shapes: [&[i64]; 6] = [
+        let shapes: [&[i64]; 7] = [
+            &[1, 1, 5, 64],
             &[2, 3, 5, 64],
             &[2, 3, 5, 32],
             &[2, 5, 3, 64],

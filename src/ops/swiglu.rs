@@ -27,8 +27,8 @@ impl Family for Swiglu {
 
     const FAMILY: OpFamily = OpFamily::Swiglu;
 
-    unsafe fn symbolic(call: &TfSwigluCall) -> Option<&TfTensor> {
-        TfTensor::first_symbolic(&[&call.gate, &call.up, &call.grad_out])
+    unsafe fn unreadable(_entry: Entry, call: &TfSwigluCall) -> Option<&TfTensor> {
+        TfTensor::first_unreadable(&[&call.gate, &call.up, &call.grad_out], true)
     }
 
     unsafe fn describe(_entry: Entry, call: &TfSwigluCall) -> Option<(&'static str, Vec<i64>)> {

@@ -16,6 +16,7 @@ pub enum StockReason {
     AttentionFeature,
     InvalidInput,
     SymbolicSizes,
+    OpaqueTensor,
     NotContiguous,
     KernelUnavailable,
     LaunchFailed,
@@ -40,6 +41,7 @@ impl std::fmt::Display for StockReason {
             }
             StockReason::InvalidInput => "input stock rejects",
             StockReason::SymbolicSizes => "symbolic sizes (a compiler's trace)",
+            StockReason::OpaqueTensor => "a tensor subclass or wrapper (its data is not read)",
             StockReason::NotContiguous => "non-contiguous input",
             StockReason::KernelUnavailable => "kernel unavailable",
             StockReason::LaunchFailed => "kernel launch failed",

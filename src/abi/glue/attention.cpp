@@ -50,8 +50,7 @@ int64_t sdp_choice(const at::Tensor& query, const at::Tensor& key, const at::Ten
                                         attn_mask.has_value() && attn_mask->defined(), false);
   call.stock_choice = stock;
   TfOutputs out{};
-  return fused_by_rust(TF_ENTRY_SDP_CHOICE, query, call, out) ? kFlash
-                                                                                      : stock;
+  return fused_by_rust(TF_ENTRY_SDP_CHOICE, query, call, out) ? kFlash : stock;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::SymInt, c10::SymInt, at::Tensor,
