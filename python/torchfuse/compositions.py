@@ -110,6 +110,18 @@ _SOURCES = {
     # Use torch.pow() (over torch.sqrt() or torch.rsqrt()) to address compiler differences between Torch and JAX
     return hidden_states * torch.pow(mean_squared, -0.5)
 """,
+    # transformers.models.moshi.modeling_moshi.MoshiRMSNorm.forward and its copies (Kyutai's
+    # speech-to-text): Gemma's `_norm` of x in fp32, times the weight in fp32, cast back once.
+    "moshi_rms_norm": """def forward(self, x):
+    output = self._norm(x.float())
+    output = output * self.weight.float()
+    return output.type_as(x)
+""",
+    # transformers.models.esmfold2.modeling_esmfold2.EsmFold2RMSNorm.forward and its copies
+    # (HRM's, FalconMamba's weightless norm): Gemma's `_norm` of x in fp32, no weight, cast back.
+    "fp32_rms_norm_weightless": """def forward(self, x):
+    return self._norm(x.float()).type_as(x)
+""",
     # transformers.models.cohere.modeling_cohere.CohereLayerNorm.forward and its copies
     # (Cohere 2, Cohere2-MoE, ...): LayerNorm without a bias, in fp32, the weight in fp32.
     "cohere_layer_norm": """def forward(self, hidden_states):
@@ -428,6 +440,7 @@ COMPUTES = {"new_gelu": "gelu_tanh", "fast_gelu": "gelu_tanh", "hf_conv1d_mlp": 
             "hf_packed_gated_mlp": "swiglu", "hf_gated_mlp_inline": "swiglu", "hf_rotary": "rotary",
             "hf_rotary_cast_back": "rotary", "hf_rotary_upcast": "rotary", "gpt_oss_rms_norm": "hf_rms_norm",
             "gemma4_rms_norm": "hf_rms_norm", "cohere_layer_norm": "layer_norm",
+            "moshi_rms_norm": "hf_rms_norm", "fp32_rms_norm_weightless": "hf_rms_norm",
             "mamba_rms_norm_gated": "hf_rms_norm", "qwen3_next_rms_norm_gated": "hf_rms_norm",
             "hf_partial_rotary": "rotary", "hf_partial_rotary_glm_doc": "rotary",
             "hf_partial_rotary_inline": "rotary",

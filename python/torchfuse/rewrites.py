@@ -326,6 +326,31 @@ def _gemma4_rms_norm_forward(torch, original, form, dependencies=None):
     return forward
 
 
+def _fp32_own_norm_forward(torch, original, form, dependencies=None):
+    """Moshi's RMSNorm (Kyutai's speech-to-text's) and the weightless one of EsmFold 2, HRM and
+    FalconMamba: Gemma's `_norm` of `x.float()` (x times rsqrt of its mean square plus eps),
+    times the weight in fp32 where the form has one, cast back to x's dtype once: aten::rms_norm
+    of `x.float()` with the weight in fp32 or none (torchfuse's _fused_rms_norm), then the
+    original's cast. The instance's `_norm` must be the recognised one (it reads the eps this
+    reads); rows under 32 features run the original."""
+    rms_norm, served = torch.rms_norm, _served_dtypes(torch)
+    plain, known_norm = _norm_call(torch, original, dependencies), _own_norm("gemma_norm")
+    weighted = form == "moshi_rms_norm"
+
+    @functools.wraps(original)
+    def forward(self, x):
+        weight, eps = (self.weight if weighted else None), self.eps
+        if (plain(x, weight, eps, weightless=not weighted) and x.shape[-1] >= _RMS_NORM_MIN_HIDDEN
+                and (weight is None or weight.dtype in served) and known_norm(self)):
+            out = _row_wise(x, lambda rows: rms_norm(rows.float(), (x.shape[-1],),
+                                                     None if weight is None else weight.float(), eps).type_as(x))
+            if out is not None:
+                return out
+        return original(self, x)
+
+    return forward
+
+
 def _t5_rms_norm_forward(torch, original, form, dependencies=None):
     """T5's RMSNorm (T5LayerNorm and its copies): x times rstd is fp32 (x promoted), rounded to
     the weight's dtype where that is 16-bit, then times the weight. With an fp32 weight that is
@@ -796,6 +821,9 @@ REWRITES = {
                                                          "then the original's cast"),
     "gpt_oss_rms_norm": Rewrite(_gpt_oss_rms_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm), "
                                                            "then the original's cast"),
+    **dict.fromkeys(("moshi_rms_norm", "fp32_rms_norm_weightless"),
+                    Rewrite(_fp32_own_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm), "
+                                                    "then the original's cast")),
     "t5_rms_norm": Rewrite(_t5_rms_norm_forward, "aten::rms_norm in fp32 with an fp32 weight, else "
                                                  + _OPS + "hf_rms_norm"),
     **dict.fromkeys(("hf_gated_mlp", "hf_gated_mlp_inline"),

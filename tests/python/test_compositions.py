@@ -117,10 +117,17 @@ def test_t5s_rms_norm_is_its_own_form(model, cls):
     ("gemma4", {"Gemma4RMSNorm": "gemma4_rms_norm"}),
     ("gemma3n", {"Gemma3nRMSNorm": "gemma4_rms_norm"}),
     ("cohere2", {"Cohere2LayerNorm": "cohere_layer_norm"}),
+    ("moshi", {"MoshiRMSNorm": "moshi_rms_norm"}),
+    ("kyutai_speech_to_text", {"KyutaiSpeechToTextRMSNorm": "moshi_rms_norm"}),
+    ("esmfold2", {"EsmFold2RMSNorm": "fp32_rms_norm_weightless"}),
+    ("hrm_text", {"HrmTextRMSNorm": "fp32_rms_norm_weightless"}),
+    ("falcon_mamba", {"FalconMambaWeightlessRMSNorm": "fp32_rms_norm_weightless",
+                      "FalconMambaRMSNorm": "hf_rms_norm"}),
 ])
 def test_gpt_oss_norm_olmo_rotary_and_the_inline_gated_mlp_are_their_own_forms(model, expected):
     """GPT-OSS's RMSNorm (the weight multiplied in fp32, then cast), Gemma 4's and 3n's (Gemma's
-    without `1 +`, the weight optional), Cohere's LayerNorm (fp32, no bias), OLMo's rotary (cast back to the inputs' dtypes),
+    without `1 +`, the weight optional), Moshi's and the weightless fp32 ones (Gemma's `_norm` of
+    x.float(), the weight in fp32 or none, cast back once), Cohere's LayerNorm (fp32, no bias), OLMo's rotary (cast back to the inputs' dtypes),
     ModernBERT's (of q and k upcast) and the gated MLP returned without a name, in the models
     that write them, each served by the op of its family."""
     mod = module(f"models.{model}.modeling_{model}")
@@ -128,6 +135,7 @@ def test_gpt_oss_norm_olmo_rotary_and_the_inline_gated_mlp_are_their_own_forms(m
     found.update(compositions.scan_functions(mod))
     assert {name: found.get(name) for name in expected} == expected, found
     ops = {"gpt_oss_rms_norm": "hf_rms_norm", "gemma4_rms_norm": "hf_rms_norm", "cohere_layer_norm": "layer_norm",
+           "moshi_rms_norm": "hf_rms_norm", "fp32_rms_norm_weightless": "hf_rms_norm", "hf_rms_norm": "hf_rms_norm",
            "hf_rotary_cast_back": "rotary",
            "hf_rotary_upcast": "rotary", "hf_gated_mlp_inline": "swiglu"}
     assert all(compositions.COMPUTES[form] == ops[form] for form in expected.values())
@@ -210,11 +218,11 @@ def test_recognition_imports_no_torch():
             "print(sorted(compositions.FORMS))" % str(ROOT / "python"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == ("['cohere_layer_norm', 'fast_gelu', 'gemma4_norm', 'gemma4_rms_norm', 'gemma_norm', "
-                                  "'gemma_rms_norm', "
+    assert out.stdout.strip() == ("['cohere_layer_norm', 'fast_gelu', 'fp32_rms_norm_weightless', 'gemma4_norm', "
+                                  "'gemma4_rms_norm', 'gemma_norm', 'gemma_rms_norm', "
                                   "'gpt_oss_rms_norm', 'hf_conv1d', 'hf_conv1d_mlp', 'hf_gated_mlp', "
                                   "'hf_gated_mlp_inline', 'hf_gelu_tanh', 'hf_packed_gated_mlp', 'hf_rms_norm', 'hf_silu', "
-                                  "'mamba_rms_norm_gated', "
+                                  "'mamba_rms_norm_gated', 'moshi_rms_norm', "
                                   "'new_gelu', 'qwen3_next_rms_norm_gated', "
                                   "'t5_rms_norm']")
 

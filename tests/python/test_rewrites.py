@@ -387,7 +387,19 @@ NORM_REPLACEMENTS = {
                              "torch.rms_norm(x.float(), (x.shape[-1],), None, 1e-6).type_as(x)", "rms"),
     "cohere": ("cohere", "CohereLayerNorm", {}, [("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16")],
                "torch.layer_norm(x.float(), (x.shape[-1],), norm.weight.float(), None, 1e-6).to(x.dtype)", "layer"),
+    "moshi": ("moshi", "MoshiRMSNorm", {}, [("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16")],
+              "torch.rms_norm(x.float(), (x.shape[-1],), norm.weight.float(), 1e-6).type_as(x)", "rms"),
+    "weightless": ("hrm_text", "HrmTextRMSNorm", {}, [("float32", None), ("bfloat16", None), ("float16", None)],
+                   "torch.rms_norm(x.float(), (x.shape[-1],), None, 1e-6).type_as(x)", "rms"),
 }
+
+# A norm class of `width` features: most take the width first, the weightless ones eps only.
+MAKE_NORM = """
+import inspect
+def make_norm(cls, width, **kwargs):
+    takes_width = list(inspect.signature(cls.__init__).parameters)[1] != "eps"
+    return cls(*([width] if takes_width else []), eps=1e-6, **kwargs)
+"""
 
 
 @pytest.mark.parametrize("name", sorted(NORM_REPLACEMENTS))
@@ -399,7 +411,7 @@ def test_norm_replacements_are_their_arithmetic_on_cpu(name):
     dtype's floor); heads transposed out of a projection keep the original's strides
     (`_row_wise`)."""
     model, cls, kwargs, dtype_pairs, replacement, reference = NORM_REPLACEMENTS[name]
-    out, _ = run(f"""
+    out, _ = run(MAKE_NORM + f"""
 from transformers.models.{model}.modeling_{model} import {cls} as Norm
 from torchfuse.rewrites import _row_wise
 torch.manual_seed(0)
@@ -414,7 +426,7 @@ def err(a, b):
     return ((a.double() - b).norm() / b.norm()).item()
 result = {{}}
 for x_name, w_name in {dtype_pairs!r}:
-    norm = Norm(96, eps=1e-6, **{kwargs!r})
+    norm = make_norm(Norm, 96, **{kwargs!r})
     weight = getattr(norm, "weight", None)
     if weight is not None:
         with torch.no_grad():
@@ -436,7 +448,7 @@ for x_name, w_name in {dtype_pairs!r}:
     for i, key in enumerate(("dx", "dw")[:len(leaves)]):
         case[key] = [err(grads[0][i], ref_grads[i]), err(grads[1][i], ref_grads[i])]
     result[f"{{x_name}}/{{w_name}}"] = case
-norm = Norm(64, eps=1e-6, **{kwargs!r}).to(torch.bfloat16)
+norm = make_norm(Norm, 64, **{kwargs!r}).to(torch.bfloat16)
 x = torch.randn(2, 9, 4, 64).to(torch.bfloat16).transpose(1, 2)
 result["transposed"] = _row_wise(x, lambda rows: replacement(norm, rows)).stride() == original_forward(norm, x).stride()
 print(json.dumps(result))
@@ -459,7 +471,7 @@ def test_norm_rewrites_run_their_cuda_path_on_cpu_with_the_guard_passed():
     returns the original's dtype and strides, and values within the dtype's rounding of it;
     the weight's and x's gradients flow. Catches what the arithmetic checks above, which write
     the replacement out, cannot: the rewrite's attribute names, branches and casts."""
-    out, _ = run("""
+    out, _ = run(MAKE_NORM + """
 import functools
 calls = {"rms_norm": 0, "layer_norm": 0}
 def counted(name, fn):
@@ -475,19 +487,28 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
 from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+from transformers.models.moshi.modeling_moshi import MoshiRMSNorm
+from transformers.models.hrm_text.modeling_hrm_text import HrmTextRMSNorm
+from transformers.models.falcon_mamba.modeling_falcon_mamba import FalconMambaWeightlessRMSNorm
 cases = [("llama", LlamaRMSNorm, R._rms_norm_forward, "hf_rms_norm", {}, "bfloat16", "float32", "rms_norm"),
          ("gpt_oss", GptOssRMSNorm, R._gpt_oss_rms_norm_forward, "gpt_oss_rms_norm", {}, "bfloat16", "float32", "rms_norm"),
          ("gemma4", Gemma4RMSNorm, R._gemma4_rms_norm_forward, "gemma4_rms_norm", {}, "bfloat16", "float32", "rms_norm"),
          ("gemma4-without-scale", Gemma4RMSNorm, R._gemma4_rms_norm_forward, "gemma4_rms_norm", {"with_scale": False},
           "bfloat16", None, "rms_norm"),
          ("cohere", CohereLayerNorm, R._cohere_layer_norm_forward, "cohere_layer_norm", {}, "bfloat16", "float32",
-          "layer_norm")]
+          "layer_norm"),
+         ("moshi", MoshiRMSNorm, R._fp32_own_norm_forward, "moshi_rms_norm", {}, "bfloat16", "float32", "rms_norm"),
+         ("hrm_text", HrmTextRMSNorm, R._fp32_own_norm_forward, "fp32_rms_norm_weightless", {}, "bfloat16", None,
+          "rms_norm"),
+         # Its unused weight buffer (ones) is not read.
+         ("falcon_mamba", FalconMambaWeightlessRMSNorm, R._fp32_own_norm_forward, "fp32_rms_norm_weightless", {},
+          "bfloat16", None, "rms_norm")]
 result = {}
 torch.manual_seed(0)
 for name, cls, factory, form, kwargs, x_name, w_name, op in cases:
     original_forward = cls.forward.__wrapped__
     rewritten = factory(torch, original_forward, form)
-    norm = cls(64, eps=1e-6, **kwargs)
+    norm = make_norm(cls, 64, **kwargs)
     if w_name is not None:
         norm = norm.to(getattr(torch, w_name))
     x = (torch.randn(2, 9, 4, 64) + 0.5).to(getattr(torch, x_name)).transpose(1, 2).detach().requires_grad_(True)
@@ -501,7 +522,8 @@ for name, cls, factory, form, kwargs, x_name, w_name, op in cases:
                     "grads": x.grad is not None and all(p.grad is not None for p in norm.parameters())}
 print(json.dumps(result))
 """)
-    assert set(out) == {"llama", "gpt_oss", "gemma4", "gemma4-without-scale", "cohere"}, out
+    assert set(out) == {"llama", "gpt_oss", "gemma4", "gemma4-without-scale", "cohere", "moshi", "hrm_text",
+                        "falcon_mamba"}, out
     for name, r in out.items():
         assert r == {"calls": 1, "dtype": True, "strides": True, "close": True, "grads": True}, (name, r)
 
