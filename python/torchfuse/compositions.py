@@ -118,7 +118,8 @@ _SOURCES = {
     return output.type_as(x)
 """,
     # transformers.models.esmfold2.modeling_esmfold2.EsmFold2RMSNorm.forward and its copies
-    # (HRM's, FalconMamba's weightless norm): Gemma's `_norm` of x in fp32, no weight, cast back.
+    # (Llama 4's q/k L2 norm, NanoChat's, HRM's, FalconMamba's weightless norm): Gemma's `_norm`
+    # of x in fp32, no weight, cast back.
     "fp32_rms_norm_weightless": """def forward(self, x):
     return self._norm(x.float()).type_as(x)
 """,

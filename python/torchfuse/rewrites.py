@@ -327,8 +327,8 @@ def _gemma4_rms_norm_forward(torch, original, form, dependencies=None):
 
 
 def _fp32_own_norm_forward(torch, original, form, dependencies=None):
-    """Moshi's RMSNorm (Kyutai's speech-to-text's) and the weightless one of EsmFold 2, HRM and
-    FalconMamba: Gemma's `_norm` of `x.float()` (x times rsqrt of its mean square plus eps),
+    """Moshi's RMSNorm (Kyutai's speech-to-text's) and the weightless one (Llama 4's q/k L2
+    norm, NanoChat's, EsmFold 2's, HRM's, FalconMamba's): Gemma's `_norm` of `x.float()` (x times rsqrt of its mean square plus eps),
     times the weight in fp32 where the form has one, cast back to x's dtype once: aten::rms_norm
     of `x.float()` with the weight in fp32 or none (torchfuse's _fused_rms_norm), then the
     original's cast. The instance's `_norm` must be the recognised one (it reads the eps this

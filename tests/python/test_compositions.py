@@ -121,6 +121,8 @@ def test_t5s_rms_norm_is_its_own_form(model, cls):
     ("kyutai_speech_to_text", {"KyutaiSpeechToTextRMSNorm": "moshi_rms_norm"}),
     ("esmfold2", {"EsmFold2RMSNorm": "fp32_rms_norm_weightless"}),
     ("hrm_text", {"HrmTextRMSNorm": "fp32_rms_norm_weightless"}),
+    ("llama4", {"Llama4TextL2Norm": "fp32_rms_norm_weightless"}),
+    ("nanochat", {"NanoChatRMSNorm": "fp32_rms_norm_weightless"}),
     ("falcon_mamba", {"FalconMambaWeightlessRMSNorm": "fp32_rms_norm_weightless",
                       "FalconMambaRMSNorm": "hf_rms_norm"}),
 ])
