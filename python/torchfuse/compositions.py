@@ -110,6 +110,12 @@ _SOURCES = {
     # Use torch.pow() (over torch.sqrt() or torch.rsqrt()) to address compiler differences between Torch and JAX
     return hidden_states * torch.pow(mean_squared, -0.5)
 """,
+    # transformers.models.llama4.modeling_llama4.Llama4TextRMSNorm.forward and its copies:
+    # Gemma's `_norm` of x in fp32, rounded to x's dtype, times the weight (Llama's composition).
+    "llama4_rms_norm": """def forward(self, x):
+    output = self._norm(x.float()).type_as(x)
+    return output * self.weight
+""",
     # transformers.models.moshi.modeling_moshi.MoshiRMSNorm.forward and its copies (Kyutai's
     # speech-to-text): Gemma's `_norm` of x in fp32, times the weight in fp32, cast back once.
     "moshi_rms_norm": """def forward(self, x):
@@ -442,6 +448,7 @@ COMPUTES = {"new_gelu": "gelu_tanh", "fast_gelu": "gelu_tanh", "hf_conv1d_mlp": 
             "hf_rotary_cast_back": "rotary", "hf_rotary_upcast": "rotary", "gpt_oss_rms_norm": "hf_rms_norm",
             "gemma4_rms_norm": "hf_rms_norm", "cohere_layer_norm": "layer_norm",
             "moshi_rms_norm": "hf_rms_norm", "fp32_rms_norm_weightless": "hf_rms_norm",
+            "llama4_rms_norm": "hf_rms_norm",
             "mamba_rms_norm_gated": "hf_rms_norm", "qwen3_next_rms_norm_gated": "hf_rms_norm",
             "hf_partial_rotary": "rotary", "hf_partial_rotary_glm_doc": "rotary",
             "hf_partial_rotary_inline": "rotary",

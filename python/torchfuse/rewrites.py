@@ -102,7 +102,7 @@ def _gelu_forward(torch, original, form, dependencies=None, widens=False):
     return forward
 
 
-def _llama_norm(torch, original, dependencies=None):
+def _llama_norm(torch, original, dependencies=None, eps_attribute="variance_epsilon"):
     """Llama's RMSNorm of a module's x, `weight * (x.float() * rstd).to(x.dtype)`, as one op: a
     function (module, x) -> the result, or None where the original must run. A 16-bit x with an
     fp32 weight (q/k norms under autocast: the projection's output is 16-bit, the weight fp32)
@@ -110,14 +110,14 @@ def _llama_norm(torch, original, dependencies=None):
     by promotion): aten::rms_norm of x with no weight (fp32 statistics, the result rounded once
     to x's dtype; autocast leaves rms_norm alone), then the original's multiply: two kernels for
     eight. Any other call goes to torchfuse::hf_rms_norm, which serves x and a weight of one
-    dtype and runs the composition otherwise."""
+    dtype and runs the composition otherwise. The module's eps is its `eps_attribute`."""
     op, rms_norm = torch.ops.torchfuse.hf_rms_norm.default, torch.rms_norm
     tensor, parameter, fp32 = torch.Tensor, torch.nn.Parameter, torch.float32
     untraced, plain = _untraced_call(torch), _norm_call(torch, original, dependencies)
     unchanged = (dependencies or compositions.Dependencies(original)).unchanged
 
     def norm(module, x):
-        weight, eps = module.weight, module.variance_epsilon
+        weight, eps = module.weight, getattr(module, eps_attribute)
         if (type(x) is tensor and type(weight) in (tensor, parameter) and weight.dtype == fp32
                 and x.dtype != fp32 and x.dim() >= 1 and x.shape[-1] >= _RMS_NORM_MIN_HIDDEN
                 and plain(x, weight, eps)):
@@ -138,6 +138,20 @@ def _rms_norm_forward(torch, original, form, dependencies=None):
     def forward(self, hidden_states):
         out = norm(self, hidden_states)
         return original(self, hidden_states) if out is None else out
+
+    return forward
+
+
+def _llama4_rms_norm_forward(torch, original, form, dependencies=None):
+    """Llama 4's text RMSNorm (and its copies): Gemma's `_norm` of `x.float()`, rounded to x's
+    dtype, times the weight: Llama's composition, served as Llama's (`_llama_norm`), its eps in
+    `self.eps`. The instance's `_norm` must be the recognised one (it reads that eps)."""
+    norm, known_norm = _llama_norm(torch, original, dependencies, "eps"), _own_norm("gemma_norm")
+
+    @functools.wraps(original)
+    def forward(self, x):
+        out = norm(self, x) if known_norm(self) else None
+        return original(self, x) if out is None else out
 
     return forward
 
@@ -821,6 +835,8 @@ REWRITES = {
                                                          "then the original's cast"),
     "gpt_oss_rms_norm": Rewrite(_gpt_oss_rms_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm), "
                                                            "then the original's cast"),
+    "llama4_rms_norm": Rewrite(_llama4_rms_norm_forward, _OPS + "hf_rms_norm, as Llama's; a 16-bit x with an "
+                                                         "fp32 weight: aten::rms_norm without the weight, then the weight"),
     **dict.fromkeys(("moshi_rms_norm", "fp32_rms_norm_weightless"),
                     Rewrite(_fp32_own_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm), "
                                                     "then the original's cast")),

@@ -387,6 +387,8 @@ NORM_REPLACEMENTS = {
                              "torch.rms_norm(x.float(), (x.shape[-1],), None, 1e-6).type_as(x)", "rms"),
     "cohere": ("cohere", "CohereLayerNorm", {}, [("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16")],
                "torch.layer_norm(x.float(), (x.shape[-1],), norm.weight.float(), None, 1e-6).to(x.dtype)", "layer"),
+    "llama4-16bit-x-fp32-weight": ("llama4", "Llama4TextRMSNorm", {}, [("bfloat16", "float32"), ("float16", "float32")],
+                                   "norm.weight * torch.rms_norm(x, (x.shape[-1],), None, 1e-6)", "rms"),
     "moshi": ("moshi", "MoshiRMSNorm", {}, [("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16")],
               "torch.rms_norm(x.float(), (x.shape[-1],), norm.weight.float(), 1e-6).type_as(x)", "rms"),
     "weightless": ("hrm_text", "HrmTextRMSNorm", {}, [("float32", None), ("bfloat16", None), ("float16", None)],
@@ -488,6 +490,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
 from transformers.models.cohere.modeling_cohere import CohereLayerNorm
 from transformers.models.moshi.modeling_moshi import MoshiRMSNorm
+from transformers.models.llama4.modeling_llama4 import Llama4TextRMSNorm
 from transformers.models.hrm_text.modeling_hrm_text import HrmTextRMSNorm
 from transformers.models.falcon_mamba.modeling_falcon_mamba import FalconMambaWeightlessRMSNorm
 cases = [("llama", LlamaRMSNorm, R._rms_norm_forward, "hf_rms_norm", {}, "bfloat16", "float32", "rms_norm"),
@@ -497,6 +500,8 @@ cases = [("llama", LlamaRMSNorm, R._rms_norm_forward, "hf_rms_norm", {}, "bfloat
           "bfloat16", None, "rms_norm"),
          ("cohere", CohereLayerNorm, R._cohere_layer_norm_forward, "cohere_layer_norm", {}, "bfloat16", "float32",
           "layer_norm"),
+         ("llama4", Llama4TextRMSNorm, R._llama4_rms_norm_forward, "llama4_rms_norm", {}, "bfloat16", "float32",
+          "rms_norm"),
          ("moshi", MoshiRMSNorm, R._fp32_own_norm_forward, "moshi_rms_norm", {}, "bfloat16", "float32", "rms_norm"),
          ("hrm_text", HrmTextRMSNorm, R._fp32_own_norm_forward, "fp32_rms_norm_weightless", {}, "bfloat16", None,
           "rms_norm"),
@@ -522,8 +527,8 @@ for name, cls, factory, form, kwargs, x_name, w_name, op in cases:
                     "grads": x.grad is not None and all(p.grad is not None for p in norm.parameters())}
 print(json.dumps(result))
 """)
-    assert set(out) == {"llama", "gpt_oss", "gemma4", "gemma4-without-scale", "cohere", "moshi", "hrm_text",
-                        "falcon_mamba"}, out
+    assert set(out) == {"llama", "gpt_oss", "gemma4", "gemma4-without-scale", "cohere", "llama4", "moshi",
+                        "hrm_text", "falcon_mamba"}, out
     for name, r in out.items():
         assert r == {"calls": 1, "dtype": True, "strides": True, "close": True, "grads": True}, (name, r)
 
