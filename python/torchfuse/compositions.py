@@ -38,6 +38,11 @@ _SOURCES = {
     down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
     return down_proj
 """,
+    # The same gated MLP with its activation named `activation_fn` (Llama 4's and its copies).
+    "llama4_gated_mlp": """def forward(self, x):
+    down_proj = self.activation_fn(self.gate_proj(x)) * self.up_proj(x)
+    return self.down_proj(down_proj)
+""",
     # The same gated MLP returned without the name (EXAONE 4.5's, GLM-4V's vision MLP and their
     # copies).
     "hf_gated_mlp_inline": """def forward(self, hidden_state):
@@ -444,7 +449,8 @@ _FUNCTION_SOURCES = {
 COMPUTES = {"new_gelu": "gelu_tanh", "fast_gelu": "gelu_tanh", "hf_conv1d_mlp": "gelu_tanh",
             "hf_rms_norm": "hf_rms_norm", "gemma_rms_norm": "hf_rms_norm", "t5_rms_norm": "hf_rms_norm",
             "hf_causal_lm_loss": "cross_entropy", "hf_gated_mlp": "swiglu", "hf_moe_apply_gate": "swiglu",
-            "hf_packed_gated_mlp": "swiglu", "hf_gated_mlp_inline": "swiglu", "hf_rotary": "rotary",
+            "hf_packed_gated_mlp": "swiglu", "hf_gated_mlp_inline": "swiglu", "llama4_gated_mlp": "swiglu",
+            "hf_rotary": "rotary",
             "hf_rotary_cast_back": "rotary", "hf_rotary_upcast": "rotary", "gpt_oss_rms_norm": "hf_rms_norm",
             "gemma4_rms_norm": "hf_rms_norm", "cohere_layer_norm": "layer_norm",
             "moshi_rms_norm": "hf_rms_norm", "fp32_rms_norm_weightless": "hf_rms_norm",

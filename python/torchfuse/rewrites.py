@@ -603,8 +603,10 @@ def _gated_mlp_call(torch, original, dependencies=None):
 def _gated_mlp_forward(torch, original, form, dependencies=None):
     """HF's gated MLP with act(gate) * up in one op where act_fn is SiLU (torchfuse::silu_mul:
     Llama's and its copies) or the tanh GELU (torchfuse::gelu_tanh_mul: Gemma's), and gate and
-    up agree in dtype and shape; the matmuls are the module's own."""
+    up agree in dtype and shape; the matmuls are the module's own. Llama 4's form names its
+    activation `activation_fn`."""
     ops = {"silu": torch.ops.torchfuse.silu_mul.default, "gelu_tanh": torch.ops.torchfuse.gelu_tanh_mul.default}
+    act_attribute = "activation_fn" if form == "llama4_gated_mlp" else "act_fn"
     tensor, served = torch.Tensor, _served_dtypes(torch)
     takes = _gated_mlp_call(torch, original, dependencies)
 
@@ -613,7 +615,7 @@ def _gated_mlp_forward(torch, original, form, dependencies=None):
         # The forms name their input differently (x, hidden_state): a call by keyword, or of
         # another arity, is the original's.
         x = args[0] if len(args) == 1 and not kwargs else None
-        act = self.act_fn
+        act = getattr(self, act_attribute)
         activation = takes(x, act)
         if activation is None:
             return original(self, *args, **kwargs)
@@ -842,7 +844,7 @@ REWRITES = {
                                                     "then the original's cast")),
     "t5_rms_norm": Rewrite(_t5_rms_norm_forward, "aten::rms_norm in fp32 with an fp32 weight, else "
                                                  + _OPS + "hf_rms_norm"),
-    **dict.fromkeys(("hf_gated_mlp", "hf_gated_mlp_inline"),
+    **dict.fromkeys(("hf_gated_mlp", "hf_gated_mlp_inline", "llama4_gated_mlp"),
                     Rewrite(_gated_mlp_forward, _OPS + "silu_mul (SiLU) or gelu_tanh_mul (tanh GELU)")),
     "hf_packed_gated_mlp": Rewrite(_packed_gated_mlp_forward, _OPS + "silu_mul_packed"),
     # Module-level functions.

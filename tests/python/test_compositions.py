@@ -121,7 +121,8 @@ def test_t5s_rms_norm_is_its_own_form(model, cls):
     ("kyutai_speech_to_text", {"KyutaiSpeechToTextRMSNorm": "moshi_rms_norm"}),
     ("esmfold2", {"EsmFold2RMSNorm": "fp32_rms_norm_weightless"}),
     ("hrm_text", {"HrmTextRMSNorm": "fp32_rms_norm_weightless"}),
-    ("llama4", {"Llama4TextL2Norm": "fp32_rms_norm_weightless", "Llama4TextRMSNorm": "llama4_rms_norm"}),
+    ("llama4", {"Llama4TextL2Norm": "fp32_rms_norm_weightless", "Llama4TextRMSNorm": "llama4_rms_norm",
+                "Llama4TextMLP": "llama4_gated_mlp"}),
     ("nanochat", {"NanoChatRMSNorm": "fp32_rms_norm_weightless"}),
     ("falcon_mamba", {"FalconMambaWeightlessRMSNorm": "fp32_rms_norm_weightless",
                       "FalconMambaRMSNorm": "hf_rms_norm"}),
@@ -138,7 +139,7 @@ def test_gpt_oss_norm_olmo_rotary_and_the_inline_gated_mlp_are_their_own_forms(m
     assert {name: found.get(name) for name in expected} == expected, found
     ops = {"gpt_oss_rms_norm": "hf_rms_norm", "gemma4_rms_norm": "hf_rms_norm", "cohere_layer_norm": "layer_norm",
            "moshi_rms_norm": "hf_rms_norm", "fp32_rms_norm_weightless": "hf_rms_norm", "hf_rms_norm": "hf_rms_norm",
-           "llama4_rms_norm": "hf_rms_norm",
+           "llama4_rms_norm": "hf_rms_norm", "llama4_gated_mlp": "swiglu",
            "hf_rotary_cast_back": "rotary",
            "hf_rotary_upcast": "rotary", "hf_gated_mlp_inline": "swiglu"}
     assert all(compositions.COMPUTES[form] == ops[form] for form in expected.values())
@@ -225,7 +226,7 @@ def test_recognition_imports_no_torch():
                                   "'gemma4_rms_norm', 'gemma_norm', 'gemma_rms_norm', "
                                   "'gpt_oss_rms_norm', 'hf_conv1d', 'hf_conv1d_mlp', 'hf_gated_mlp', "
                                   "'hf_gated_mlp_inline', 'hf_gelu_tanh', 'hf_packed_gated_mlp', 'hf_rms_norm', 'hf_silu', "
-                                  "'llama4_rms_norm', 'mamba_rms_norm_gated', 'moshi_rms_norm', "
+                                  "'llama4_gated_mlp', 'llama4_rms_norm', 'mamba_rms_norm_gated', 'moshi_rms_norm', "
                                   "'new_gelu', 'qwen3_next_rms_norm_gated', "
                                   "'t5_rms_norm']")
 

@@ -158,6 +158,8 @@ MLPS = {
     # Phi-3's (GLM's, Dia's copies): gate_up_proj's output to silu_mul_packed, whose backward
     # writes the projection's gradient whole.
     "phi3": ("Phi3MLP", "Phi3Config", "_packed_gated_mlp_forward", "hf_packed_gated_mlp", PACKED, PACKED_BWD),
+    # Llama 4's: Llama's with the activation named activation_fn and the product named first.
+    "llama4": ("Llama4TextMLP", "Llama4TextConfig", "_gated_mlp_forward", "llama4_gated_mlp", OP, OP_BWD),
     # Gemma's (Gemma 2's, 3's): Llama's form with HF's GELUTanh as act_fn, to gelu_tanh_mul.
     "gemma": ("GemmaMLP", "GemmaConfig", "_gated_mlp_forward", "hf_gated_mlp", GELU, GELU_BWD),
 }

@@ -533,6 +533,39 @@ print(json.dumps(result))
         assert r == {"calls": 1, "dtype": True, "strides": True, "close": True, "grads": True}, (name, r)
 
 
+def test_llama4_mlp_rewrite_runs_its_cuda_path_on_cpu_with_the_guard_passed():
+    """Llama 4's gated MLP (its activation named activation_fn), its rewrite's own code past the
+    guard on CPU (`_gated_mlp_call` patched to say SiLU): the original is not called (the
+    rewrite's torchfuse::silu_mul is, whose CPU kernel is the original's composition), and the
+    output and every gradient are bitwise the original's."""
+    out, _ = run("""
+import transformers
+import torchfuse.rewrites as R
+R._gated_mlp_call = lambda torch, original, dependencies=None: (lambda x, act: "silu")
+from transformers.models.llama4.modeling_llama4 import Llama4TextMLP
+original_forward = Llama4TextMLP.forward.__wrapped__
+original_calls = []
+def counted_original(self, *args, **kwargs):
+    original_calls.append(1)
+    return original_forward(self, *args, **kwargs)
+rewritten = R._gated_mlp_forward(torch, counted_original, "llama4_gated_mlp")
+cfg = transformers.Llama4TextConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                    num_key_value_heads=4)
+torch.manual_seed(0)
+mlp = Llama4TextMLP(cfg)
+x = torch.randn(3, 5, 64)
+results = []
+for fn in (rewritten, original_forward):
+    mlp.zero_grad()
+    xi = x.clone().requires_grad_(True)
+    y = fn(mlp, xi)
+    y.square().sum().backward()
+    results.append([y.detach(), xi.grad] + [p.grad.clone() for p in mlp.parameters()])
+print(json.dumps({"equal": [torch.equal(a, b) for a, b in zip(*results)], "original_calls": len(original_calls)}))
+""")
+    assert out == {"equal": [True] * 5, "original_calls": 0}, out
+
+
 def test_olmo_and_modernbert_rotary_replacements_are_their_arithmetic_on_cpu():
     """What the OLMo and ModernBERT rotary rewrites call on CUDA, checked on CPU against the
     originals: torchfuse::rotary (HF's composition on CPU) cast back, bitwise (ModernBERT's only
