@@ -304,6 +304,17 @@ _FUNCTION_SOURCES = {
     k_embed = (k * cos) + (rotate_half(k) * sin)
     return q_embed, k_embed
 """), (1,)),
+    # transformers.models.gemma4.modeling_gemma4.apply_rotary_pos_emb, and its copies (Gemma 3n's,
+    # DiffusionGemma's): Llama's rotary of one tensor, the model calling it for q and k apart.
+    "hf_single_rotary": ("def apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1):\n"
+                         '    """Applies Rotary Position Embedding to the query and key tensors.\n\n'
+                         + _ROPE_DOC.replace("        q (`torch.Tensor`): The query tensor.\n"
+                                             "        k (`torch.Tensor`): The key tensor.\n",
+                                             "        x (`torch.Tensor`): The tensor to embed.\n")
+                         + '    """\n' + """    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    return (x * cos) + (rotate_half(x) * sin)
+""", (1,)),
     # transformers.models.gpt_neox.modeling_gpt_neox.apply_rotary_pos_emb, and its copies: the
     # rotate-half rotary of the first cos.shape[-1] features of the head dim (all, or a part:
     # Pythia's rotary_pct), the rest passed through, then cat. Three writings of it: GPT-NeoX's,
@@ -450,7 +461,7 @@ COMPUTES = {"new_gelu": "gelu_tanh", "fast_gelu": "gelu_tanh", "hf_conv1d_mlp": 
             "hf_rms_norm": "hf_rms_norm", "gemma_rms_norm": "hf_rms_norm", "t5_rms_norm": "hf_rms_norm",
             "hf_causal_lm_loss": "cross_entropy", "hf_gated_mlp": "swiglu", "hf_moe_apply_gate": "swiglu",
             "hf_packed_gated_mlp": "swiglu", "hf_gated_mlp_inline": "swiglu", "llama4_gated_mlp": "swiglu",
-            "hf_rotary": "rotary",
+            "hf_rotary": "rotary", "hf_single_rotary": "rotary",
             "hf_rotary_cast_back": "rotary", "hf_rotary_upcast": "rotary", "gpt_oss_rms_norm": "hf_rms_norm",
             "gemma4_rms_norm": "hf_rms_norm", "cohere_layer_norm": "layer_norm",
             "moshi_rms_norm": "hf_rms_norm", "fp32_rms_norm_weightless": "hf_rms_norm",

@@ -760,6 +760,22 @@ def _rotary(torch, original, form, dependencies=None):
     return apply_rotary_pos_emb
 
 
+def _single_rotary(torch, original, form, dependencies=None):
+    """Gemma 4's apply_rotary_pos_emb (Gemma 3n's, DiffusionGemma's): Llama's rotary of one
+    tensor x, the model calling it for q and for k apart. torchfuse::rotary with x as its q and,
+    as its k, x with nothing along the dim cos and sin are broadcast over (`unsqueeze_dim`, the
+    heads): no rows, which the op reads and writes nothing of; its q result is x's."""
+    op, served = torch.ops.torchfuse.rotary.default, _rotary_call(torch, original, dependencies)
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1):
+        if served(x, x, cos, sin, unsqueeze_dim) and x.dim() == cos.dim() + 1 and -x.dim() <= unsqueeze_dim < x.dim():
+            return op(x, x.narrow(unsqueeze_dim, 0, 0), cos, sin, unsqueeze_dim)[0]
+        return original(x, cos, sin, unsqueeze_dim)
+
+    return apply_rotary_pos_emb
+
+
 def _rotary_cast_back(torch, original, form, dependencies=None):
     """OLMo's apply_rotary_pos_emb (and its copies): Llama's rotary, each result cast back to
     its input's dtype; ModernBERT's (ESM's, Evolla's) computes it of q and k upcast to fp32
@@ -851,6 +867,7 @@ REWRITES = {
     "hf_moe_apply_gate": Rewrite(_moe_apply_gate, _OPS + "silu_mul_packed"),
     "hf_causal_lm_loss": Rewrite(_causal_lm_loss, _OPS + "cross_entropy"),
     "hf_rotary": Rewrite(_rotary, _OPS + "rotary"),
+    "hf_single_rotary": Rewrite(_single_rotary, _OPS + "rotary of x (and of none of it as k)"),
     **dict.fromkeys(("hf_rotary_cast_back", "hf_rotary_upcast"),
                     Rewrite(_rotary_cast_back, _OPS + "rotary, then the original's casts")),
     # GPT-NeoX's partial rotary, in its three writings.

@@ -114,8 +114,8 @@ def test_t5s_rms_norm_is_its_own_form(model, cls):
     ("esm", {"apply_rotary_pos_emb": "hf_rotary_upcast"}),
     ("qwen2_5_vl", {"Qwen2_5_VLMLP": "hf_gated_mlp_inline"}),
     ("exaone4_5", {"Exaone4_5_MLP": "hf_gated_mlp_inline"}),
-    ("gemma4", {"Gemma4RMSNorm": "gemma4_rms_norm"}),
-    ("gemma3n", {"Gemma3nRMSNorm": "gemma4_rms_norm"}),
+    ("gemma4", {"Gemma4RMSNorm": "gemma4_rms_norm", "apply_rotary_pos_emb": "hf_single_rotary"}),
+    ("gemma3n", {"Gemma3nRMSNorm": "gemma4_rms_norm", "apply_rotary_pos_emb": "hf_single_rotary"}),
     ("cohere2", {"Cohere2LayerNorm": "cohere_layer_norm"}),
     ("moshi", {"MoshiRMSNorm": "moshi_rms_norm"}),
     ("kyutai_speech_to_text", {"KyutaiSpeechToTextRMSNorm": "moshi_rms_norm"}),
@@ -139,7 +139,7 @@ def test_gpt_oss_norm_olmo_rotary_and_the_inline_gated_mlp_are_their_own_forms(m
     assert {name: found.get(name) for name in expected} == expected, found
     ops = {"gpt_oss_rms_norm": "hf_rms_norm", "gemma4_rms_norm": "hf_rms_norm", "cohere_layer_norm": "layer_norm",
            "moshi_rms_norm": "hf_rms_norm", "fp32_rms_norm_weightless": "hf_rms_norm", "hf_rms_norm": "hf_rms_norm",
-           "llama4_rms_norm": "hf_rms_norm", "llama4_gated_mlp": "swiglu",
+           "llama4_rms_norm": "hf_rms_norm", "llama4_gated_mlp": "swiglu", "hf_single_rotary": "rotary",
            "hf_rotary_cast_back": "rotary",
            "hf_rotary_upcast": "rotary", "hf_gated_mlp_inline": "swiglu"}
     assert all(compositions.COMPUTES[form] == ops[form] for form in expected.values())
@@ -289,9 +289,9 @@ def test_hf_rotary_and_its_copies_are_recognised_with_their_rotate_half():
     ("gemma", {}),  # (1 + weight), the norm in fp32: its own form now
     ("gpt_neox", {}),  # partial rotary: a slice, then cat (its own form now)
     ("t5", {}),  # T5's RMSNorm (cast to the weight's dtype first): its own form now
-    # the MLP's activation sparsity, the rotary under another docstring (its with_scale norm: its
-    # own form now)
-    ("gemma3n", {"Gemma3nTextMLP": "hf_gated_mlp", "apply_rotary_pos_emb": "hf_rotary"}),
+    # the MLP's activation sparsity (its with_scale norm and one-tensor rotary: their own forms
+    # now)
+    ("gemma3n", {"Gemma3nTextMLP": "hf_gated_mlp"}),
     ("phi3", {}),  # gate_up_proj, chunked: its own form now
     ("olmo2", {}),  # the weight multiplied in fp32, the rotary cast back: their own forms now
     ("exaone4_5", {}),  # the gated MLP returned without a name: its own form now
@@ -314,14 +314,16 @@ def test_the_coverage_report_covers_the_installed_transformers():
         assert name in llama, llama
     gemma = next(line for line in lines if line.startswith("| gemma |"))
     assert "`GemmaRMSNorm` (gemma_rms_norm)" in gemma and gemma.endswith("| – |"), gemma
-    # Qwen 3.5's gated norm is recognised; Gemma 4's one-tensor rotary and its copies are one
-    # group of the same code, near a known form; Gemma 3n's norm is a form of its own.
+    # Qwen 3.5's gated norm is recognised; Cohere's interleaved rotary and its copies are one
+    # group of the same code, near a known form; Gemma 3n's norm and one-tensor rotary are
+    # forms of their own.
     qwen3_5 = next(line for line in lines if line.startswith("| qwen3_5 |"))
     assert "`Qwen3_5RMSNormGated` (qwen3_next_rms_norm_gated)" in qwen3_5, qwen3_5
-    group = next(line for line in lines if "`gemma4.apply_rotary_pos_emb`" in line)
+    group = next(line for line in lines if "`cohere.apply_rotary_pos_emb`" in line)
     assert group.startswith("| hf_rotary | ") and int(group.split("|")[2]) >= 3, group
     gemma3n = next(line for line in lines if line.startswith("| gemma3n |"))
-    assert "`Gemma3nRMSNorm` (gemma4_rms_norm)" in gemma3n, gemma3n
+    for name in ("`Gemma3nRMSNorm` (gemma4_rms_norm)", "`apply_rotary_pos_emb` (hf_single_rotary)"):
+        assert name in gemma3n, gemma3n
 
 
 def test_the_coverage_training_part_reports_each_model(tmp_path):

@@ -205,3 +205,37 @@ def test_cast_back_rotary_rewrite_is_the_original_function(module_name):
         what = f"seed {seed} {module_name} {x_dtype}/{trig_dtype}/k {k_dtype}"
         assert [o.dtype for o in ours] == [x_dtype, k_out, x_dtype, k_dtype], what
         assert_like_the_original(ours, original, q, k, cos, sin, dq, dk, 1, what)
+
+
+@pytest.mark.parametrize("x_dtype,trig_dtype", FORMS)
+def test_gemma4_one_tensor_rotary_is_the_originals(x_dtype, trig_dtype):
+    """Gemma 4's apply_rotary_pos_emb (one tensor; Gemma 3n's), rewritten: torchfuse::rotary of
+    x with an empty k, its forward and backward served once a call, against the original on the
+    same inputs and float64 copies: dtypes, shapes, layouts, values and x's gradient within
+    max(2 x the original's error, the dtype's floor); heads as HF's attention views them
+    (unsqueeze_dim 1) and [B, S, H, D] (unsqueeze_dim 2)."""
+    _, original, rewritten = original_and_rewrite("gemma4", "apply_rotary_pos_emb", "_single_rotary",
+                                                  "hf_single_rotary")
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    for b, s, h, d, dim in [(2, 1024, 8, 256, 1), (3, 77, 4, 128, 1), (2, 64, 4, 64, 2)]:
+        x = projected_heads(b, s, h, d, x_dtype)
+        x = x if dim == 1 else x.transpose(1, 2)
+        cos, sin = rope_tables(b, s, d, trig_dtype)
+        what = f"seed {seed} {x_dtype}/{trig_dtype} {(b, s, h, d)} dim {dim}"
+        served = fused_count(OP), fused_count(OP_BWD)
+        xi = x.detach().requires_grad_(True)
+        ours = rewritten(xi, cos, sin, dim)
+        dy = torch.randn_like(ours)
+        (dx,) = torch.autograd.grad(ours, (xi,), dy)
+        assert (fused_count(OP), fused_count(OP_BWD)) == (served[0] + 1, served[1] + 1), (what, stock_reasons(OP))
+        ref_x = x.detach().double().requires_grad_(True)
+        ref = original(ref_x, cos.double(), sin.double(), dim)
+        (ref_dx,) = torch.autograd.grad(ref, (ref_x,), dy.double())
+        xo = x.detach().requires_grad_(True)
+        theirs = original(xo, cos, sin, dim)
+        (their_dx,) = torch.autograd.grad(theirs, (xo,), dy)
+        for name, o, t, r in (("x_embed", ours, theirs, ref), ("dx", dx, their_dx, ref_dx)):
+            assert o.dtype == t.dtype and o.shape == t.shape and same_layout(o, t), (what, name)
+            e_ours, e_orig = rel_err(o, r), rel_err(t, r)
+            assert e_ours <= max(2 * e_orig, FLOOR[o.dtype]), f"{what} {name}: {e_ours:.3g} vs {e_orig:.3g}"

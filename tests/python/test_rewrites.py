@@ -372,6 +372,46 @@ print(json.dumps({"rewritten": [hasattr(N.apply_rotary_pos_emb, "__wrapped__"), 
     assert out == {"rewritten": [True, True], "equal": [True] * 6}
 
 
+def test_single_tensor_rotary_runs_its_cuda_path_on_cpu_with_the_guard_passed():
+    """Gemma 4's one-tensor apply_rotary_pos_emb (Gemma 3n's), its rewrite's own code past the
+    guard on CPU (`_rotary_call` patched to pass): torchfuse::rotary of x with an empty k along
+    the broadcast dim (its CPU kernel is HF's composition) gives the original's output bitwise,
+    with its dtype and strides (heads first or second, a transposed view, bf16 x with fp32 cos,
+    a negative dim), and x's gradient in x's dtype within two of its roundings of the
+    original's; the function in the model's module is the rewrite."""
+    out, _ = run("""
+import torchfuse.rewrites as R
+R._rotary_call = lambda torch, original, dependencies=None: (lambda *args: True)
+import transformers.models.gemma4.modeling_gemma4 as G
+original = G.apply_rotary_pos_emb.__wrapped__
+rewritten = R._single_rotary(torch, original, "hf_single_rotary")
+torch.manual_seed(0)
+result = []
+for x_dtype, trig_dtype, dim, transposed in ((torch.float32, torch.float32, 1, False),
+                                             (torch.bfloat16, torch.float32, 1, True),
+                                             (torch.bfloat16, torch.bfloat16, 2, False),
+                                             (torch.float32, torch.float32, -3, False)):
+    shape = (2, 4, 5, 64) if dim in (1, -3) else (2, 5, 4, 64)
+    x = torch.randn(shape).to(x_dtype)
+    if transposed:
+        x = torch.randn(2, 5, 4, 64).to(x_dtype).transpose(1, 2)
+    cos, sin = torch.randn(2, 5, 64).to(trig_dtype), torch.randn(2, 5, 64).to(trig_dtype)
+    grads = []
+    for fn in (rewritten, original):
+        xi = x.detach().requires_grad_(True)
+        y = fn(xi, cos, sin, dim)
+        y.float().square().sum().backward()
+        grads.append((y.detach(), xi.grad))
+    (ours, g_ours), (theirs, g_theirs) = grads
+    # The original rounds x's gradient to bf16 on each branch and adds them in bf16; the op once.
+    rel = ((g_ours.double() - g_theirs.double()).norm() / g_theirs.double().norm()).item()
+    result.append([torch.equal(ours, theirs), ours.dtype == theirs.dtype, ours.stride() == theirs.stride(),
+                   g_ours.dtype == g_theirs.dtype and rel <= (1e-5 if x_dtype == torch.float32 else 1.6e-2)])
+print(json.dumps({"rewritten": hasattr(G.apply_rotary_pos_emb, "__wrapped__"), "checks": result}))
+""")
+    assert out == {"rewritten": True, "checks": [[True] * 4] * 4}, out
+
+
 # Each norm rewrite's CUDA replacement, written out, checked on CPU against the class's original
 # forward: (transformers model, class, constructor kwargs, (x dtype, weight dtype) pairs, the
 # replacement of (norm, x), the float64 reference of (x, weight, eps)). LayerNorm's reference
