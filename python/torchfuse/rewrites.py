@@ -770,7 +770,9 @@ def _single_rotary(torch, original, form, dependencies=None):
     @functools.wraps(original)
     def apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1):
         if served(x, x, cos, sin, unsqueeze_dim) and x.dim() == cos.dim() + 1 and -x.dim() <= unsqueeze_dim < x.dim():
-            return op(x, x.narrow(unsqueeze_dim, 0, 0), cos, sin, unsqueeze_dim)[0]
+            # Detached: an empty k needing a gradient would send one back through narrow,
+            # which makes a zero tensor of x's size and adds it to x's gradient.
+            return op(x, x.narrow(unsqueeze_dim, 0, 0).detach(), cos, sin, unsqueeze_dim)[0]
         return original(x, cos, sin, unsqueeze_dim)
 
     return apply_rotary_pos_emb
