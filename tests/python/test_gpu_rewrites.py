@@ -441,6 +441,49 @@ def test_llama4_rms_norm_is_the_original_composition(dtypes):
     assert asked_count("_fused_rms_norm") == asked
 
 
+def assert_own_norm_rewrite_like_the_original(rewritten, original_forward, make, shapes, x_dtype, what):
+    """A norm rewrite that checks its instance's `_norm` (Gemma 4's, Moshi's, the weightless
+    fp32 ones) against the original forward, `make(width)` building the module (eps 1e-6) and
+    4-D shapes transposed out of a projection: same dtype, shape and strides; values and the
+    gradients within the original's error to float64 (x's alone for a module with no weight read);
+    rows of 32 features or more reach aten's fused RMSNorm once; a `_norm` set on the instance
+    runs the original."""
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    for shape in shapes:
+        norm, weight = make(shape[-1])
+        x = torch.randn(shape, device="cuda").to(x_dtype)
+        x = (x.transpose(1, 2) if len(shape) == 4 else x).detach().requires_grad_(True)
+        where = f"{what} seed {seed} {x_dtype} {shape}"
+        asked = asked_count("_fused_rms_norm")
+        ours = rewritten(norm, x)
+        assert asked_count("_fused_rms_norm") == asked + (shape[-1] >= 32), where
+        original = original_forward(norm, x)
+        assert (ours.dtype, ours.shape, ours.stride()) == (original.dtype, original.shape, original.stride()), where
+        if weight is not None:
+            assert_like_the_original(ours, original, x, weight, rms_reference, where)
+        else:
+            ref = rms_reference(x.detach().double(), torch.ones(shape[-1], device="cuda", dtype=torch.float64), 1e-6)
+            assert rel_err(ours, ref) <= bound(rel_err(original, ref), x_dtype), where
+            grad_out = torch.randn_like(original)
+            (g_ours,), (g_original,) = (torch.autograd.grad(y, (x,), grad_out) for y in (ours, original))
+            assert g_ours.dtype == x_dtype and rel_err(g_ours, g_original.double()) <= 2 * FLOOR[x_dtype], where
+    norm._norm = lambda h: h * 0
+    asked = asked_count("_fused_rms_norm")
+    assert torch.equal(rewritten(norm, x.detach()), original_forward(norm, x.detach()))
+    assert asked_count("_fused_rms_norm") == asked
+
+
+def with_random_weight(norm):
+    """The module on the GPU and the weight it reads (normal around 1), or None without one."""
+    norm = norm.cuda()
+    weight = getattr(norm, "weight", None) if isinstance(getattr(norm, "weight", None), torch.nn.Parameter) else None
+    if weight is not None:
+        with torch.no_grad():
+            weight.normal_(1, 0.1)
+    return norm, weight
+
+
 @pytest.mark.parametrize("x_dtype", DTYPES)
 @pytest.mark.parametrize("model,name,form", [
     ("moshi", "MoshiRMSNorm", "moshi_rms_norm"),
@@ -449,78 +492,25 @@ def test_llama4_rms_norm_is_the_original_composition(dtypes):
 ], ids=["moshi", "llama4-l2", "falcon-mamba-weightless"])
 def test_fp32_own_norm_forms_are_the_original_composition(x_dtype, model, name, form):
     """Moshi's RMSNorm and the weightless fp32 ones (Llama 4's q/k L2 norm; FalconMamba's, with
-    a weight buffer it never reads), rewritten, against their own original forward: same dtype,
-    shape and strides, values and gradients within the original's error to float64; rows of 32
-    features or more reach aten's fused RMSNorm once; a _norm set on the instance runs the
-    original."""
+    a weight buffer it never reads: not a Parameter), rewritten, against their own original
+    forward (assert_own_norm_rewrite_like_the_original)."""
     Norm, original_forward, rewritten = original_and_rewrite(model, name, "_fp32_own_norm_forward", form)
-    weighted = form == "moshi_rms_norm"
-    seed = fresh_seed()
-    torch.manual_seed(seed)
-    for shape in [(3, 7), (2, 5, 64), (4, 512, 2048), (2, 9, 8, 128)]:
-        norm = (Norm(eps=1e-6) if name == "Llama4TextL2Norm" else Norm(shape[-1], eps=1e-6)).cuda()
-        if weighted:
-            with torch.no_grad():
-                norm.weight.normal_(1, 0.1)
-        x = torch.randn(shape, device="cuda").to(x_dtype)
-        x = (x.transpose(1, 2) if len(shape) == 4 else x).detach().requires_grad_(True)
-        what = f"seed {seed} {x_dtype} {name} {shape}"
-        asked = asked_count("_fused_rms_norm")
-        ours = rewritten(norm, x)
-        assert asked_count("_fused_rms_norm") == asked + (shape[-1] >= 32), what
-        original = original_forward(norm, x)
-        assert (ours.dtype, ours.shape, ours.stride()) == (original.dtype, original.shape, original.stride()), what
-        if weighted:
-            assert_like_the_original(ours, original, x, norm.weight, rms_reference, what)
-        else:
-            ref = rms_reference(x.detach().double(), torch.ones(shape[-1], device="cuda", dtype=torch.float64), 1e-6)
-            assert rel_err(ours, ref) <= bound(rel_err(original, ref), x_dtype), what
-            grad_out = torch.randn_like(original)
-            (g_ours,), (g_original,) = (torch.autograd.grad(y, (x,), grad_out) for y in (ours, original))
-            assert g_ours.dtype == x_dtype and rel_err(g_ours, g_original.double()) <= 2 * FLOOR[x_dtype], what
-    norm._norm = lambda h: h * 0
-    asked = asked_count("_fused_rms_norm")
-    assert torch.equal(rewritten(norm, x.detach()), original_forward(norm, x.detach()))
-    assert asked_count("_fused_rms_norm") == asked
+    make = (lambda width: with_random_weight(Norm(eps=1e-6))) if name == "Llama4TextL2Norm" else (
+        lambda width: with_random_weight(Norm(width, eps=1e-6)))
+    assert_own_norm_rewrite_like_the_original(rewritten, original_forward, make,
+                                              [(3, 7), (2, 5, 64), (4, 512, 2048), (2, 9, 8, 128)], x_dtype, name)
 
 
 @pytest.mark.parametrize("x_dtype", DTYPES)
 @pytest.mark.parametrize("scaled", [True, False], ids=["with_scale", "without"])
 def test_gemma4_rms_norm_is_the_original_composition(x_dtype, scaled):
     """Gemma 4's RMSNorm class (Gemma 3n's copies: q/k norms with a weight, v_norm without),
-    rewritten, against its own original forward: same dtype, shape and strides, values and
-    gradients within the original's error to float64; rows of 32 features or more reach aten's
-    fused RMSNorm once; a _norm set on the instance runs the original."""
+    rewritten, against its own original forward (assert_own_norm_rewrite_like_the_original)."""
     Gemma4RMSNorm, original_forward, rewritten = original_and_rewrite(
         "gemma4", "Gemma4RMSNorm", "_gemma4_rms_norm_forward", "gemma4_rms_norm")
-    seed = fresh_seed()
-    torch.manual_seed(seed)
-    for shape in [(3, 7), (2, 5, 64), (4, 512, 2560), (2, 9, 4, 256)]:
-        norm = Gemma4RMSNorm(shape[-1], eps=1e-6, with_scale=scaled).cuda()
-        weight = getattr(norm, "weight", None)
-        if scaled:
-            with torch.no_grad():
-                weight.normal_(1, 0.1)
-        x = torch.randn(shape, device="cuda").to(x_dtype)
-        x = (x.transpose(1, 2) if len(shape) == 4 else x).detach().requires_grad_(True)
-        what = f"seed {seed} {x_dtype} with_scale={scaled} {shape}"
-        asked = asked_count("_fused_rms_norm")
-        ours = rewritten(norm, x)
-        assert asked_count("_fused_rms_norm") == asked + (shape[-1] >= 32), what
-        original = original_forward(norm, x)
-        assert (ours.dtype, ours.shape, ours.stride()) == (original.dtype, original.shape, original.stride()), what
-        if scaled:
-            assert_like_the_original(ours, original, x, weight, rms_reference, what)
-        else:
-            ref = rms_reference(x.detach().double(), torch.ones(shape[-1], device="cuda", dtype=torch.float64), 1e-6)
-            assert rel_err(ours, ref) <= bound(rel_err(original, ref), x_dtype), what
-            grad_out = torch.randn_like(original)
-            (g_ours,), (g_original,) = (torch.autograd.grad(y, (x,), grad_out) for y in (ours, original))
-            assert g_ours.dtype == x_dtype and rel_err(g_ours, g_original.double()) <= 2 * FLOOR[x_dtype], what
-    norm._norm = lambda h: h * 0
-    asked = asked_count("_fused_rms_norm")
-    assert torch.equal(rewritten(norm, x.detach()), original_forward(norm, x.detach()))
-    assert asked_count("_fused_rms_norm") == asked
+    assert_own_norm_rewrite_like_the_original(
+        rewritten, original_forward, lambda width: with_random_weight(Gemma4RMSNorm(width, eps=1e-6, with_scale=scaled)),
+        [(3, 7), (2, 5, 64), (4, 512, 2560), (2, 9, 4, 256)], x_dtype, f"with_scale={scaled}")
 
 
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
