@@ -315,47 +315,23 @@ def _mamba_gated_rms_norm_forward(torch, original, form, dependencies=None):
     return forward
 
 
-def _gemma4_rms_norm_forward(torch, original, form, dependencies=None):
-    """Gemma 4's and Gemma 3n's RMSNorm (and their copies): x normalised in fp32 (rstd as
-    `pow(mean + eps, -0.5)`), times the weight in fp32 where `with_scale` (v_norm has none),
-    rounded once to x's dtype: aten::rms_norm of `x.float()` with the weight in fp32 or none,
-    then the original's cast (rsqrt for pow(., -0.5): the same value to an fp32 rounding). The
-    instance's `_norm` must be the recognised one; rows under 32 features run the original."""
+def _own_norm_in_fp32(torch, original, dependencies, norm_form, weight_of):
+    """The forward of a norm form that calls its instance's `_norm` (of the known form
+    `norm_form`) on `x.float()`, times the weight in fp32 where it has one, and casts back to
+    x's dtype once: aten::rms_norm of `x.float()` with the weight in fp32 or none (torchfuse's
+    _fused_rms_norm), then the original's cast. `weight_of(module)` is the weight the form
+    multiplies by, None where it multiplies by none, or False where the call is not one the
+    rewrite knows (the original runs). Rows under 32 features run the original; a strided x is
+    normalised as it lies in memory (`_row_wise`)."""
     rms_norm, served = torch.rms_norm, _served_dtypes(torch)
-    plain, known_norm = _norm_call(torch, original, dependencies), _own_norm("gemma4_norm")
-
-    @functools.wraps(original)
-    def forward(self, hidden_states):
-        x, scaled, eps = hidden_states, self.with_scale, self.eps
-        weight = getattr(self, "weight", None) if scaled is True else None
-        if (type(scaled) is bool and plain(x, weight, eps, weightless=not scaled)
-                and x.shape[-1] >= _RMS_NORM_MIN_HIDDEN and (weight is None or weight.dtype in served)
-                and known_norm(self)):
-            out = _row_wise(x, lambda rows: rms_norm(rows.float(), (x.shape[-1],),
-                                                     None if weight is None else weight.float(), eps).type_as(x))
-            if out is not None:
-                return out
-        return original(self, hidden_states)
-
-    return forward
-
-
-def _fp32_own_norm_forward(torch, original, form, dependencies=None):
-    """Moshi's RMSNorm (Kyutai's speech-to-text's) and the weightless one (Llama 4's q/k L2
-    norm, NanoChat's, EsmFold 2's, HRM's, FalconMamba's): Gemma's `_norm` of `x.float()` (x times rsqrt of its mean square plus eps),
-    times the weight in fp32 where the form has one, cast back to x's dtype once: aten::rms_norm
-    of `x.float()` with the weight in fp32 or none (torchfuse's _fused_rms_norm), then the
-    original's cast. The instance's `_norm` must be the recognised one (it reads the eps this
-    reads); rows under 32 features run the original."""
-    rms_norm, served = torch.rms_norm, _served_dtypes(torch)
-    plain, known_norm = _norm_call(torch, original, dependencies), _own_norm("gemma_norm")
-    weighted = form == "moshi_rms_norm"
+    plain, known_norm = _norm_call(torch, original, dependencies), _own_norm(norm_form)
 
     @functools.wraps(original)
     def forward(self, x):
-        weight, eps = (self.weight if weighted else None), self.eps
-        if (plain(x, weight, eps, weightless=not weighted) and x.shape[-1] >= _RMS_NORM_MIN_HIDDEN
-                and (weight is None or weight.dtype in served) and known_norm(self)):
+        weight, eps = weight_of(self), self.eps
+        if (weight is not False and plain(x, weight, eps, weightless=weight is None)
+                and x.shape[-1] >= _RMS_NORM_MIN_HIDDEN and (weight is None or weight.dtype in served)
+                and known_norm(self)):
             out = _row_wise(x, lambda rows: rms_norm(rows.float(), (x.shape[-1],),
                                                      None if weight is None else weight.float(), eps).type_as(x))
             if out is not None:
@@ -363,6 +339,38 @@ def _fp32_own_norm_forward(torch, original, form, dependencies=None):
         return original(self, x)
 
     return forward
+
+
+def _gemma4_rms_norm_forward(torch, original, form, dependencies=None):
+    """Gemma 4's and Gemma 3n's RMSNorm (and their copies): x normalised in fp32 (rstd as
+    `pow(mean + eps, -0.5)`), times the weight in fp32 where `with_scale` (v_norm has none),
+    rounded once to x's dtype (`_own_norm_in_fp32`: rsqrt for pow(., -0.5), the same value to an
+    fp32 rounding). A `with_scale` other than a bool runs the original."""
+    def weight_of(module):
+        scaled = module.with_scale
+        if type(scaled) is not bool:
+            return False
+        # Scaled without a weight: the original's error.
+        return _weight_or_false(module) if scaled else None
+
+    return _own_norm_in_fp32(torch, original, dependencies, "gemma4_norm", weight_of)
+
+
+def _fp32_own_norm_forward(torch, original, form, dependencies=None):
+    """Moshi's RMSNorm (Kyutai's speech-to-text's), times its weight, and the weightless one
+    (Llama 4's q/k L2 norm, NanoChat's, EsmFold 2's, HRM's, FalconMamba's, whose weight buffer
+    is never read): Gemma's `_norm` of `x.float()` (x times rsqrt of its mean square plus eps),
+    cast back once (`_own_norm_in_fp32`)."""
+    weighted = form == "moshi_rms_norm"
+    return _own_norm_in_fp32(torch, original, dependencies, "gemma_norm",
+                             lambda module: _weight_or_false(module) if weighted else None)
+
+
+def _weight_or_false(module):
+    """The module's weight for a form that multiplies by it, or False where it has none (no
+    attribute, or None): the original runs, and raises its own error."""
+    weight = getattr(module, "weight", None)
+    return False if weight is None else weight
 
 
 def _t5_rms_norm_forward(torch, original, form, dependencies=None):

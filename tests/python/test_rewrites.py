@@ -578,6 +578,33 @@ print(json.dumps(result))
         assert r == {"calls": 1, "dtype": True, "strides": True, "close": True, "grads": True}, (name, r)
 
 
+def test_a_weighted_own_norm_without_its_weight_raises_the_originals_error():
+    """Moshi's and Gemma 4's (scaled) norms with their weight set to None, past the guard: the
+    rewrite runs the original, which raises its own error, rather than a weightless norm."""
+    out, _ = run("""
+import torchfuse.rewrites as R
+R._norm_call = lambda torch, original, dependencies=None: (lambda *args, **kwargs: True)
+from transformers.models.moshi.modeling_moshi import MoshiRMSNorm
+from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+result = {}
+for cls, form, factory in ((MoshiRMSNorm, "moshi_rms_norm", R._fp32_own_norm_forward),
+                           (Gemma4RMSNorm, "gemma4_rms_norm", R._gemma4_rms_norm_forward)):
+    original = cls.forward.__wrapped__
+    norm = cls(64)
+    norm.weight = None
+    errors = []
+    for fn in (factory(torch, original, form), original):
+        try:
+            fn(norm, torch.randn(3, 64))
+            errors.append(None)
+        except Exception as e:
+            errors.append(type(e).__name__)
+    result[cls.__name__] = errors
+print(json.dumps(result))
+""")
+    assert out == {"MoshiRMSNorm": ["AttributeError"] * 2, "Gemma4RMSNorm": ["AttributeError"] * 2}, out
+
+
 def test_llama4_mlp_rewrite_runs_its_cuda_path_on_cpu_with_the_guard_passed():
     """Llama 4's gated MLP (its activation named activation_fn), its rewrite's own code past the
     guard on CPU (`_gated_mlp_call` patched to say SiLU): the original is not called (the
