@@ -2,7 +2,9 @@
 seconds, to be sampled by a native profiler, then folds the profiler's collapsed stacks into
 the frames that hold the most samples (inclusive), torchfuse's own and libtorch's.
 
-  py-spy record --native -r 5000 -f raw -o stacks.txt -- python3 profile_host.py --lib-dir DIR --case NAME
+  py-spy record --native -r 200 -f raw -o stacks.txt -- python3 profile_host.py --lib-dir DIR --case NAME
+(native unwinding through libtorch is slow: at 4000 samples/s py-spy fell 40 s behind on the H100
+machine and wrote nothing before a timeout; keep the rate low and the loop a few seconds)
   python3 profile_host.py --fold stacks.txt [--top 40]
 """
 import argparse
