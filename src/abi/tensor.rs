@@ -54,8 +54,8 @@ impl TfTensor {
         }
         KINDS
             .iter()
-            .find(|(code, _)| *code == self.dtype)
-            .map(|(_, kind)| *kind)
+            .find(|(code, ..)| *code == self.dtype)
+            .map(|(_, kind, _)| *kind)
     }
 
     /// Its dtype's name for logs and stats.
@@ -119,18 +119,19 @@ impl TfTensor {
     }
 }
 
-/// (`c10::ScalarType` code, kind) of every dtype torchfuse reads.
-const KINDS: [(i16, Kind); 10] = [
-    (SCALAR_UINT8, Kind::Uint8),
-    (SCALAR_INT8, Kind::Int8),
-    (SCALAR_INT16, Kind::Int16),
-    (SCALAR_INT, Kind::Int),
-    (SCALAR_LONG, Kind::Int64),
-    (SCALAR_HALF, Kind::Half),
-    (SCALAR_FLOAT, Kind::Float),
-    (SCALAR_DOUBLE, Kind::Double),
-    (SCALAR_BOOL, Kind::Bool),
-    (SCALAR_BFLOAT16, Kind::BFloat16),
+/// (`c10::ScalarType` code, kind, whether torchfuse allocates it) of every dtype torchfuse
+/// reads: the one table of the codes Rust uses.
+const KINDS: [(i16, Kind, bool); 10] = [
+    (SCALAR_UINT8, Kind::Uint8, true),
+    (SCALAR_INT8, Kind::Int8, false),
+    (SCALAR_INT16, Kind::Int16, false),
+    (SCALAR_INT, Kind::Int, true),
+    (SCALAR_LONG, Kind::Int64, true),
+    (SCALAR_HALF, Kind::Half, true),
+    (SCALAR_FLOAT, Kind::Float, true),
+    (SCALAR_DOUBLE, Kind::Double, false),
+    (SCALAR_BOOL, Kind::Bool, false),
+    (SCALAR_BFLOAT16, Kind::BFloat16, true),
 ];
 
 /// # Safety
@@ -191,29 +192,18 @@ pub fn describe(t: &TfTensor) -> (&'static str, Vec<i64>) {
 
 /// The `c10::ScalarType` code of the kinds torchfuse allocates.
 fn scalar_type(kind: Kind) -> Option<i16> {
-    match kind {
-        Kind::Uint8 => Some(SCALAR_UINT8),
-        Kind::Int => Some(SCALAR_INT),
-        Kind::Int64 => Some(SCALAR_LONG),
-        Kind::Half => Some(SCALAR_HALF),
-        Kind::Float => Some(SCALAR_FLOAT),
-        Kind::BFloat16 => Some(SCALAR_BFLOAT16),
-        _ => None,
-    }
+    KINDS
+        .iter()
+        .find(|(_, k, allocated)| *allocated && *k == kind)
+        .map(|(code, ..)| *code)
 }
 
 /// The kind of a `c10::ScalarType` code, among those torchfuse allocates.
 pub fn kind_of_scalar_type(code: i16) -> Option<Kind> {
-    [
-        Kind::Uint8,
-        Kind::Int,
-        Kind::Int64,
-        Kind::Half,
-        Kind::Float,
-        Kind::BFloat16,
-    ]
-    .into_iter()
-    .find(|k| scalar_type(*k) == Some(code))
+    KINDS
+        .iter()
+        .find(|(c, _, allocated)| *allocated && *c == code)
+        .map(|(_, kind, _)| *kind)
 }
 
 /// A new uninitialised tensor from PyTorch's allocator (on its current stream). On a GPU it is
@@ -305,7 +295,7 @@ mod tests {
 
     #[test]
     fn every_dtype_torchfuse_reads_has_its_kind_and_others_none() {
-        for (_, kind) in KINDS {
+        for (_, kind, _) in KINDS {
             let f = described(&Tensor::zeros([2], (kind, Device::Cpu)));
             assert_eq!(f.kind(), Some(kind));
         }
