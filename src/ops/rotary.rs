@@ -155,16 +155,19 @@ fn output_strides(size: &[i64], stride: &[i64], dense: bool) -> Vec<i64> {
     out
 }
 
-/// A new tensor for the output of `like`, laid out as HF's composition lays it out.
+/// A new tensor for the output of `like`, laid out as HF's composition lays it out, and its
+/// strides (what it was made with: not read back from libtorch).
 fn empty_like(
     like: &TfTensor,
     dense: bool,
     kind: Kind,
     device: Device,
-) -> Result<Tensor, StockReason> {
+) -> Result<(Tensor, Vec<i64>), StockReason> {
     let size = like.sizes();
     let stride = output_strides(size, like.strides(), dense);
-    Tensor::f_empty_strided(size, &stride, (kind, device)).map_err(|_| StockReason::InternalError)
+    let out = Tensor::f_empty_strided(size, &stride, (kind, device))
+        .map_err(|_| StockReason::InternalError)?;
+    Ok((out, stride))
 }
 
 impl Family for Rotary {
@@ -259,7 +262,9 @@ impl Family for Rotary {
             return Err(StockReason::MixedDtypes);
         }
         let dtype = dtype_of(x_kind).ok_or(StockReason::UnsupportedDtype)?;
-        let operand = |t: &TfTensor, out: &Tensor| -> Result<RopeOperand, StockReason> {
+        let operand = |t: &TfTensor,
+                       (out, out_stride): &(Tensor, Vec<i64>)|
+         -> Result<RopeOperand, StockReason> {
             let size = t.sizes();
             let trig_s = trig_strides(cos, call.unsqueeze_dim, size)
                 .filter(|s| {
@@ -274,7 +279,7 @@ impl Family for Rotary {
                 n2: size[2],
                 rows: size[0] * size[1] * size[2],
                 in_s: strides(t.strides()).ok_or(StockReason::NotContiguous)?,
-                out_s: strides(&out.stride()).ok_or(StockReason::NotContiguous)?,
+                out_s: strides(out_stride).ok_or(StockReason::NotContiguous)?,
                 trig_s,
             })
         };
@@ -350,7 +355,7 @@ impl Family for Rotary {
         unsafe { args.launch(config) }.map_err(|e| super::launch_failed(variant, e))?;
         Ok(Served::new(
             variant.name.as_str(),
-            [Some(out_a), Some(out_b), None],
+            [Some(out_a.0), Some(out_b.0), None],
         ))
     }
 
