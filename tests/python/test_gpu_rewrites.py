@@ -463,7 +463,8 @@ def assert_own_norm_rewrite_like_the_original(rewritten, original_forward, make,
 def with_random_weight(norm):
     """The module on the GPU and the weight it reads (normal around 1), or None without one."""
     norm = norm.cuda()
-    weight = getattr(norm, "weight", None) if isinstance(getattr(norm, "weight", None), torch.nn.Parameter) else None
+    weight = getattr(norm, "weight", None)
+    weight = weight if isinstance(weight, torch.nn.Parameter) else None
     if weight is not None:
         with torch.no_grad():
             weight.normal_(1, 0.1)
