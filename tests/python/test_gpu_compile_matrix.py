@@ -92,10 +92,12 @@ def test_torchfuse_served_where_it_should(matrix):
     choice and went to stock for its symbolic sizes."""
     model, results = matrix
     ours = results["torchfuse"]
-    # Llama's and GLM-4's RMSNorm rewrite routes to aten::rms_norm: counted as its fused op.
-    expected = {"gpt2": "native_layer_norm", "llama": "_fused_rms_norm", "glm4": "_fused_rms_norm"}[model]
+    # Llama's and GLM-4's RMSNorm rewrite routes to aten::rms_norm: counted by its override,
+    # whose registry may send this tiny model's fp32 forward to stock and serve the backward.
+    rms = ("_fused_rms_norm", "_fused_rms_norm_backward")
+    expected = {"gpt2": ("native_layer_norm",), "llama": rms, "glm4": rms}[model]
     for mode in ("eager", *CHECKPOINTED):
-        assert ours[mode].get("fused", {}).get(expected, 0) > 0, (mode, ours[mode])
+        assert any(ours[mode].get("fused", {}).get(op, 0) > 0 for op in expected), (mode, ours[mode])
     for mode in ("compile", "reduce-overhead", "max-autotune"):
         if mode in ours:
             for op in ("torchfuse::cross_entropy", "torchfuse::cross_entropy (backward)"):
