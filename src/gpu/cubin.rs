@@ -45,6 +45,97 @@ fn section<'a>(elf: &'a [u8], name: &str) -> Option<&'a [u8]> {
     })
 }
 
+/// Every section's name and size in bytes (a section without file data, such as shared
+/// memory's, has a size too).
+fn section_sizes(elf: &[u8]) -> Option<Vec<(String, usize)>> {
+    let (shoff, shentsize) = (u64_at(elf, 0x28)?, usize::from(u16_at(elf, 0x3a)?));
+    let (shnum, shstrndx) = (
+        usize::from(u16_at(elf, 0x3c)?),
+        usize::from(u16_at(elf, 0x3e)?),
+    );
+    let header = |i: usize| shoff + i * shentsize;
+    let (names_at, names_size) = (
+        u64_at(elf, header(shstrndx) + 24)?,
+        u64_at(elf, header(shstrndx) + 32)?,
+    );
+    let names = elf.get(names_at..names_at + names_size)?;
+    (0..shnum)
+        .map(|i| {
+            let start = usize::try_from(u32_at(elf, header(i))?).ok()?;
+            let rest = names.get(start..)?;
+            let end = rest.iter().position(|&c| c == 0)?;
+            let name = String::from_utf8_lossy(&rest[..end]).into_owned();
+            Some((name, u64_at(elf, header(i) + 32)?))
+        })
+        .collect()
+}
+
+/// What a CUBIN's code is, kernel by kernel, for comparing two builds of the same source (a
+/// change to how arguments arrive should leave it unchanged): each `.text.<kernel>` section's
+/// size in bytes (16 per instruction), sorted by name, and the register counts of its
+/// functions (EIATTR_REGCOUNT, sorted).
+pub fn code_summary(cubin: &[u8]) -> Result<String, String> {
+    const EIATTR_REGCOUNT: u8 = 0x2f;
+    let sections = section_sizes(cubin).ok_or("not an ELF64 file")?;
+    let mut text: Vec<String> = sections
+        .iter()
+        .filter_map(|(name, size)| {
+            let kernel = name.strip_prefix(".text.")?;
+            Some(format!("{kernel}:{size}"))
+        })
+        .collect();
+    text.sort();
+    let info = section(cubin, ".nv.info").ok_or("no .nv.info section")?;
+    let (mut at, mut registers) = (0, Vec::new());
+    while at + 4 <= info.len() {
+        let (format, attribute) = (info[at], info[at + 1]);
+        let size = if format == EIFMT_SVAL {
+            usize::from(u16_at(info, at + 2).ok_or("truncated record")?)
+        } else {
+            0
+        };
+        if format == EIFMT_SVAL && attribute == EIATTR_REGCOUNT && size == 8 {
+            registers.push(u32_at(info, at + 8).ok_or("truncated record")?);
+        }
+        at += 4 + size;
+    }
+    registers.sort_unstable();
+    Ok(format!("{} regs {registers:?}", text.join(" ")))
+}
+
+/// The size in bytes of each parameter of kernel `kernel`, in parameter order, from its
+/// `.nv.info.<kernel>` section's EIATTR_KPARAM_INFO records (index u32, ordinal u16, offset
+/// u16, then a u32 whose bits 18..32 are the size, as `cuobjdump -elf` shows them).
+pub fn kernel_param_sizes(cubin: &[u8], kernel: &str) -> Result<Vec<u32>, String> {
+    const EIATTR_KPARAM_INFO: u8 = 0x17;
+    let info = section(cubin, &format!(".nv.info.{kernel}"))
+        .ok_or_else(|| format!("no .nv.info.{kernel} section"))?;
+    let (mut at, mut params) = (0, Vec::new());
+    while at + 4 <= info.len() {
+        let (format, attribute) = (info[at], info[at + 1]);
+        let size = if format == EIFMT_SVAL {
+            usize::from(u16_at(info, at + 2).ok_or("truncated record")?)
+        } else {
+            0
+        };
+        if format == EIFMT_SVAL && attribute == EIATTR_KPARAM_INFO && size == 12 {
+            let ordinal = u16_at(info, at + 8).ok_or("truncated record")?;
+            let bits = u32_at(info, at + 12).ok_or("truncated record")?;
+            params.push((ordinal, bits >> 18));
+        }
+        at += 4 + size;
+    }
+    params.sort_unstable();
+    if params
+        .iter()
+        .enumerate()
+        .any(|(i, &(o, _))| usize::from(o) != i)
+    {
+        return Err(format!("{kernel}: parameter ordinals {params:?}"));
+    }
+    Ok(params.into_iter().map(|(_, size)| size).collect())
+}
+
 /// The largest stack frame of any kernel in `cubin`, in bytes; an error for what is not a
 /// CUBIN with a `.nv.info` section.
 pub fn max_stack_bytes(cubin: &[u8]) -> Result<u32, String> {

@@ -1,6 +1,7 @@
 //! The GPU runtime: NVRTC, the CUBIN disk cache, devices and streams, the module store and
 //! the launch helpers. The only code that uses cudarc's `sys`/`result` layers.
 
+pub mod args;
 pub mod cache;
 #[cfg(test)]
 pub mod cubin;

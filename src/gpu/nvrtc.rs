@@ -91,9 +91,19 @@ pub fn base_options(arch: &str) -> Vec<String> {
 
 /// Compiles `source` to a CUBIN with NVRTC (no disk cache).
 pub fn nvrtc_compile(source_name: &str, options: &[String]) -> Result<Vec<u8>, String> {
-    nvrtc_ready()?;
     let source = super::sources::kernel_source(source_name)
         .ok_or_else(|| format!("no kernel source {source_name}"))?;
+    compile_text(source_name, source, options)
+}
+
+/// Compiles the text `source` (named `source_name` in NVRTC's messages), with the kernels'
+/// headers, to a CUBIN.
+pub fn compile_text(
+    source_name: &str,
+    source: &str,
+    options: &[String],
+) -> Result<Vec<u8>, String> {
+    nvrtc_ready()?;
     let cstr = |s: &str| CString::new(s).map_err(|e| e.to_string());
     let src = cstr(source)?;
     let name = cstr(source_name)?;

@@ -195,6 +195,10 @@ impl Family for Adam {
         &[STEP_KERNEL, STEP_SMALL_KERNEL]
     }
 
+    fn kernel_args(_kernel: &str) -> Option<Vec<crate::gpu::args::Field>> {
+        None // TODO(args): this family's kernels
+    }
+
     /// The constants kernels/adam.cu shares with this file.
     fn defines(_op: KernelOp) -> Vec<String> {
         vec![

@@ -429,6 +429,10 @@ impl Family for Attention {
         &[FWD, PREP, DKDV, DQ]
     }
 
+    fn kernel_args(_kernel: &str) -> Option<Vec<crate::gpu::args::Field>> {
+        None // TODO(args): this family's kernels
+    }
+
     /// The constants kernels/attention.cu shares with this file.
     fn defines(_op: KernelOp) -> Vec<String> {
         vec![

@@ -164,6 +164,10 @@ impl Family for CrossEntropy {
         }
     }
 
+    fn kernel_args(_kernel: &str) -> Option<Vec<crate::gpu::args::Field>> {
+        None // TODO(args): this family's kernels
+    }
+
     /// Which kernels kernels/cross_entropy.cu compiles, and whether the loss is fp32.
     fn defines(op: KernelOp) -> Vec<String> {
         let wide = matches!(

@@ -170,6 +170,10 @@ impl Family for Embedding {
         }
     }
 
+    fn kernel_args(_kernel: &str) -> Option<Vec<crate::gpu::args::Field>> {
+        None // TODO(args): this family's kernels
+    }
+
     fn defines(_op: KernelOp) -> Vec<String> {
         SHARED
             .iter()

@@ -121,6 +121,10 @@ impl Family for Gelu {
         }
     }
 
+    fn kernel_args(_kernel: &str) -> Option<Vec<crate::gpu::args::Field>> {
+        None // TODO(args): this family's kernels
+    }
+
     /// Which kernel kernels/gelu.cu compiles, and whether the other tensor is fp32.
     fn defines(op: KernelOp) -> Vec<String> {
         let wide = matches!(op, KernelOp::GeluTanhFwdWide | KernelOp::GeluTanhBwdWide);

@@ -18,6 +18,7 @@ pub mod rotary;
 pub mod swiglu;
 
 use crate::abi::types::TfTensor;
+use crate::gpu::args::Field;
 use crate::gpu::{self, Device, Kernels, Launch};
 use crate::runtime::{Entry, OpFamily};
 use crate::select::{self, DType, StockReason};
@@ -116,6 +117,10 @@ pub trait Family {
     /// The `extern "C"` kernels of its source that `op` launches, by name.
     fn kernels(op: KernelOp) -> &'static [&'static str];
 
+    /// The fields of the argument struct (`kernel_args!`) each of its kernels is launched
+    /// with, by kernel name: the registry test checks them against the kernel's parameters.
+    fn kernel_args(kernel: &str) -> Option<Vec<Field>>;
+
     /// The constants its kernels share with its Rust side, as `-D` options (the kernel
     /// `#error`s without them).
     fn defines(op: KernelOp) -> Vec<String>;
@@ -139,6 +144,7 @@ pub struct OpParams {
     typed: Box<dyn std::any::Any + Send + Sync>,
     defines: Vec<String>,
     kernels: &'static [&'static str],
+    kernel_args: fn(&str) -> Option<Vec<Field>>,
 }
 
 impl std::fmt::Debug for OpParams {
@@ -158,6 +164,7 @@ impl OpParams {
             typed: Box::new(typed),
             defines,
             kernels: F::kernels(op),
+            kernel_args: F::kernel_args,
         })
     }
 
@@ -169,6 +176,11 @@ impl OpParams {
     /// The `extern "C"` kernels of the variant's source its op launches, by name.
     pub fn kernels(&self) -> &'static [&'static str] {
         self.kernels
+    }
+
+    /// The argument struct's fields of one of `kernels()`.
+    pub fn kernel_args(&self, kernel: &str) -> Option<Vec<Field>> {
+        (self.kernel_args)(kernel)
     }
 }
 
@@ -910,6 +922,36 @@ mod nvrtc_tests {
     use super::*;
     use crate::gpu::nvrtc::{nvrtc_compile, nvrtc_ready};
 
+    /// A tool, not a check: writes what NVRTC makes of every registry variant for sm_90a
+    /// (each kernel's code size and register counts, `cubin::code_summary`), a line per
+    /// variant and dtype, to the file named by TORCHFUSE_CODE_SUMMARY. Two runs, before and
+    /// after a change that should not alter the generated code (how a kernel's arguments
+    /// arrive), compared with `diff`:
+    /// `TORCHFUSE_CODE_SUMMARY=/tmp/before.txt cargo test --release code_summary -- --ignored`.
+    #[test]
+    #[ignore = "a tool: writes TORCHFUSE_CODE_SUMMARY"]
+    fn code_summary_of_every_variant() {
+        let Ok(out) = std::env::var("TORCHFUSE_CODE_SUMMARY") else {
+            panic!("set TORCHFUSE_CODE_SUMMARY to the file to write");
+        };
+        let _ = tch::Tensor::zeros([1], (tch::Kind::Float, tch::Device::Cpu));
+        nvrtc_ready().expect("NVRTC");
+        let registry = REGISTRY.as_ref().expect("registry");
+        let mut lines = Vec::new();
+        for (i, v) in registry.variants().iter().enumerate() {
+            if !(v.sm[0]..=v.sm[1]).contains(&90) {
+                continue;
+            }
+            for &dtype in &v.dtypes {
+                let options = compile_options(registry.params(i), dtype, "sm_90a");
+                let cubin = nvrtc_compile(&v.source, &options).expect("compiles");
+                let summary = crate::gpu::cubin::code_summary(&cubin).expect("a CUBIN");
+                lines.push(format!("{} {} {summary}", v.name, dtype.name()));
+            }
+        }
+        std::fs::write(out, lines.join("\n") + "\n").expect("written");
+    }
+
     /// A few spilled registers are cheap (L1); more is a copy the kernel should not make.
     const MAX_STACK_BYTES: u32 = 32;
     /// Norm backward variants that hold a wide row's elements in registers (64 and 32 a
@@ -918,6 +960,36 @@ mod nvrtc_tests {
         "ln_bwd_16bit_h16384_t256x1_e64",
         "ln_bwd_f32_h16384_t512x1_e32",
     ];
+
+    /// Kernel `kernel`'s argument struct (`Family::kernel_args`) is its parameter list: the
+    /// same names in the same order (its definition in the variant's source or a header) and
+    /// the same sizes (the CUBIN's record of each parameter).
+    fn check_kernel_args(variant: &Variant, params: &OpParams, kernel: &str, cubin: &[u8]) {
+        let Some(fields) = params.kernel_args(kernel) else {
+            return;
+        }; // TEMP
+        let sizes = crate::gpu::cubin::kernel_param_sizes(cubin, kernel)
+            .unwrap_or_else(|e| panic!("{}: {e}", variant.name));
+        let field_sizes: Vec<u32> = fields.iter().map(|f| f.size as u32).collect();
+        assert_eq!(
+            sizes, field_sizes,
+            "{} {kernel}: parameter sizes",
+            variant.name
+        );
+        let source = gpu::sources::kernel_source(&variant.source).expect("source");
+        let names = crate::gpu::args::param_names(source, kernel)
+            .or_else(|| {
+                gpu::sources::headers()
+                    .find_map(|(_, text)| crate::gpu::args::param_names(text, kernel))
+            })
+            .unwrap_or_else(|| panic!("{}: no definition of {kernel}", variant.name));
+        let field_names: Vec<&str> = fields.iter().map(|f| f.name).collect();
+        assert_eq!(
+            names, field_names,
+            "{} {kernel}: parameter names",
+            variant.name
+        );
+    }
 
     /// Every registry variant compiles, for every dtype it claims, for sm_80 and sm_90a where
     /// its SM range includes them (a warpgroup-MMA variant is sm_90a only), with no stack
@@ -974,6 +1046,7 @@ mod nvrtc_tests {
                                     "{} {arch}: no kernel {entry}",
                                     variant.name
                                 );
+                                check_kernel_args(variant, params, entry, &cubin);
                             }
                             done += 1;
                         }

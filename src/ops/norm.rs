@@ -7,10 +7,11 @@ use super::params::{self, flag, one};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr, empty, Contiguous};
 use crate::abi::types::{TfNormCall, TfTensor};
+use crate::gpu::args::{self, kernel_args, Field, KernelArgs};
 use crate::gpu::{self, Kernels, Launch};
 use crate::runtime::{Entry, OpFamily, Toggle};
 use crate::select::{dtype_of, DType, StockReason};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
@@ -144,6 +145,15 @@ impl Family for Norm {
             &[BWD_KERNEL, BWD_REDUCE_KERNEL]
         } else {
             &[FWD_KERNEL]
+        }
+    }
+
+    fn kernel_args(kernel: &str) -> Option<Vec<Field>> {
+        match kernel {
+            FWD_KERNEL => Some(NormFwdArgs::fields()),
+            BWD_KERNEL => Some(NormBwdArgs::fields()),
+            BWD_REDUCE_KERNEL => Some(NormBwdReduceArgs::fields()),
+            _ => None,
         }
     }
 
@@ -519,6 +529,53 @@ struct ForwardCall<'a> {
     pub eps: Option<f64>,
 }
 
+kernel_args! {
+    /// norm_fwd's arguments (kernels/norm.cu); device addresses, 0 for none.
+    struct NormFwdArgs {
+        x: u64,
+        weight: u64,
+        bias: u64,
+        y: u64,
+        /// LayerNorm only.
+        mean_out: u64,
+        rstd_out: u64,
+        rows: i64,
+        cols: i32,
+        eps: f32,
+        /// Every pointer 16-byte aligned and cols a multiple of the vector width (1) or not (0).
+        vectorized: i32,
+    }
+}
+
+kernel_args! {
+    /// norm_bwd's arguments (kernels/norm.cu); device addresses, 0 for none.
+    struct NormBwdArgs {
+        dy: u64,
+        x: u64,
+        mean: u64,
+        rstd: u64,
+        weight: u64,
+        dx: u64,
+        dw_partial: u64,
+        db_partial: u64,
+        rows: i64,
+        cols: i32,
+        vectorized: i32,
+    }
+}
+
+kernel_args! {
+    /// norm_bwd_reduce's arguments (kernels/norm.cu): `groups` partial rows of `cols`.
+    struct NormBwdReduceArgs {
+        dw_partial: u64,
+        db_partial: u64,
+        groups: i32,
+        cols: i32,
+        dw: u64,
+        db: u64,
+    }
+}
+
 /// `native_layer_norm` / `_fused_rms_norm` with a fused kernel when the registry has one.
 fn forward(launch: Launch, call: &ForwardCall) -> Result<Forward, StockReason> {
     let l = layout(
@@ -552,19 +609,23 @@ fn forward(launch: Launch, call: &ForwardCall) -> Result<Forward, StockReason> {
 
     let stream = plan.gpu.stream(launch);
     let mut args = stream.launch_builder(&plan.kernels.get(FWD_KERNEL)?.function);
-    args.arg(&x_ptr)
-        .arg(&w_ptr)
-        .arg(&b_ptr)
-        .arg(&y_ptr)
-        .arg(&mean_ptr)
-        .arg(&rstd_ptr)
-        .arg(&l.rows)
-        .arg(&l.cols_i32)
-        .arg(&eps)
-        .arg(&vectorized);
-    // SAFETY: argument types and order match norm_fwd; x and y hold rows x cols elements of the
-    // kernel's dtype, weight and bias cols, mean (LayerNorm only) and rstd rows fp32 values;
-    // all live until the stream is done with them (PyTorch's allocator orders reuse on it).
+    let fwd_args = NormFwdArgs {
+        x: x_ptr,
+        weight: w_ptr,
+        bias: b_ptr,
+        y: y_ptr,
+        mean_out: mean_ptr,
+        rstd_out: rstd_ptr,
+        rows: l.rows,
+        cols: l.cols_i32,
+        eps,
+        vectorized,
+    };
+    args::push(&mut args, &fwd_args);
+    // SAFETY: norm_fwd's parameters are NormFwdArgs's fields (the compile test checks); x and y
+    // hold rows x cols elements of the kernel's dtype, weight and bias cols, mean (LayerNorm
+    // only) and rstd rows fp32 values; all live until the stream is done with them (PyTorch's
+    // allocator orders reuse on it).
     unsafe { args.launch(plan.rows_config()) }.map_err(|e| plan.launch_failed(e))?;
     Ok(Forward {
         y,
@@ -670,40 +731,46 @@ fn backward(launch: Launch, call: &BackwardCall) -> Result<Backward, StockReason
 
     let stream = plan.gpu.stream(launch);
     let mut args = stream.launch_builder(&plan.kernels.get(BWD_KERNEL)?.function);
-    args.arg(&dy_ptr)
-        .arg(&x_ptr)
-        .arg(&mean_ptr)
-        .arg(&rstd_ptr)
-        .arg(&w_ptr)
-        .arg(&dx_ptr)
-        .arg(&dwp_ptr)
-        .arg(&dbp_ptr)
-        .arg(&l.rows)
-        .arg(&l.cols_i32)
-        .arg(&vectorized);
-    // SAFETY: argument types and order match norm_bwd; dy, x and dx hold rows x cols elements
-    // of the kernel's dtype, mean/rstd rows fp32 values, weight cols elements, the partials
-    // partial_rows x cols fp32 values; null pointers are the outputs not requested. All live until the
-    // stream is done with them.
+    let bwd_args = NormBwdArgs {
+        dy: dy_ptr,
+        x: x_ptr,
+        mean: mean_ptr,
+        rstd: rstd_ptr,
+        weight: w_ptr,
+        dx: dx_ptr,
+        dw_partial: dwp_ptr,
+        db_partial: dbp_ptr,
+        rows: l.rows,
+        cols: l.cols_i32,
+        vectorized,
+    };
+    args::push(&mut args, &bwd_args);
+    // SAFETY: norm_bwd's parameters are NormBwdArgs's fields (the compile test checks); dy, x and
+    // dx hold rows x cols elements of the kernel's dtype, mean/rstd rows fp32 values, weight
+    // cols elements, the partials partial_rows x cols fp32 values; null pointers are the
+    // outputs not requested. All live until the stream is done with them.
     unsafe { args.launch(plan.rows_config()) }.map_err(|e| plan.launch_failed(e))?;
 
     if want_dw || want_db {
         let column_blocks = gpu::grid_dim(l.cols, 32)?;
         let mut args = stream.launch_builder(&plan.kernels.get(BWD_REDUCE_KERNEL)?.function);
-        args.arg(&dwp_ptr)
-            .arg(&dbp_ptr)
-            .arg(&groups)
-            .arg(&l.cols_i32)
-            .arg(&dw_ptr)
-            .arg(&db_ptr);
+        let reduce_args = NormBwdReduceArgs {
+            dw_partial: dwp_ptr,
+            db_partial: dbp_ptr,
+            groups,
+            cols: l.cols_i32,
+            dw: dw_ptr,
+            db: db_ptr,
+        };
+        args::push(&mut args, &reduce_args);
         let config = LaunchConfig {
             grid_dim: (column_blocks, 1, 1),
             block_dim: (32, 32, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: argument types and order match norm_bwd_reduce; the partials hold
-        // groups x cols fp32 values written by the launch before on the same stream, dweight
-        // and dbias cols elements (or null when not requested).
+        // SAFETY: norm_bwd_reduce's parameters are NormBwdReduceArgs's fields; the
+        // partials hold groups x cols fp32 values written by the launch before on the same
+        // stream, dweight and dbias cols elements (or null when not requested).
         unsafe { args.launch(config) }.map_err(|e| plan.launch_failed(e))?;
     }
     Ok(Backward {

@@ -363,6 +363,10 @@ impl Family for Rotary {
         &[KERNEL]
     }
 
+    fn kernel_args(_kernel: &str) -> Option<Vec<crate::gpu::args::Field>> {
+        None // TODO(args): this family's kernels
+    }
+
     /// Which direction kernels/rotary.cu compiles, and whether cos/sin/y are fp32.
     fn defines(op: KernelOp) -> Vec<String> {
         let backward = matches!(op, KernelOp::RotaryBwd | KernelOp::RotaryBwdWide);

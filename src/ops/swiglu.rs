@@ -165,6 +165,10 @@ impl Family for Swiglu {
         }
     }
 
+    fn kernel_args(_kernel: &str) -> Option<Vec<crate::gpu::args::Field>> {
+        None // TODO(args): this family's kernels
+    }
+
     /// Which kernel kernels/swiglu.cu compiles, and its gate's activation.
     fn defines(op: KernelOp) -> Vec<String> {
         let backward = matches!(op, KernelOp::SiluMulBwd | KernelOp::GeluTanhMulBwd);
