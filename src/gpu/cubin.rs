@@ -104,10 +104,14 @@ pub fn code_summary(cubin: &[u8]) -> Result<String, String> {
 }
 
 /// The size in bytes of each parameter of kernel `kernel`, in parameter order, from its
-/// `.nv.info.<kernel>` section's EIATTR_KPARAM_INFO records (index u32, ordinal u16, offset
-/// u16, then a u32 whose bits 18..32 are the size, as `cuobjdump -elf` shows them).
+/// `.nv.info.<kernel>` section's parameter records: index u32, ordinal u16, offset u16, then a
+/// u32 whose bits 18..32 are the size (EIATTR_KPARAM_INFO, as `cuobjdump -elf` shows them), or
+/// that is the size (EIATTR_KPARAM_INFO_V2, which NVRTC 13 writes for a kernel with a
+/// parameter too large for the first's 14 bits, such as adam's 32 KB struct: read from its
+/// CUBINs).
 pub fn kernel_param_sizes(cubin: &[u8], kernel: &str) -> Result<Vec<u32>, String> {
     const EIATTR_KPARAM_INFO: u8 = 0x17;
+    const EIATTR_KPARAM_INFO_V2: u8 = 0x45;
     let info = section(cubin, &format!(".nv.info.{kernel}"))
         .ok_or_else(|| format!("no .nv.info.{kernel} section"))?;
     let (mut at, mut params) = (0, Vec::new());
@@ -118,10 +122,11 @@ pub fn kernel_param_sizes(cubin: &[u8], kernel: &str) -> Result<Vec<u32>, String
         } else {
             0
         };
-        if format == EIFMT_SVAL && attribute == EIATTR_KPARAM_INFO && size == 12 {
+        let v2 = attribute == EIATTR_KPARAM_INFO_V2;
+        if format == EIFMT_SVAL && (attribute == EIATTR_KPARAM_INFO || v2) && size == 12 {
             let ordinal = u16_at(info, at + 8).ok_or("truncated record")?;
             let bits = u32_at(info, at + 12).ok_or("truncated record")?;
-            params.push((ordinal, bits >> 18));
+            params.push((ordinal, if v2 { bits } else { bits >> 18 }));
         }
         at += 4 + size;
     }

@@ -10,6 +10,7 @@ use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::types::{
     TfAdamCall, TfTensor, SCALAR_BFLOAT16, SCALAR_DOUBLE, SCALAR_FLOAT, SCALAR_HALF,
 };
+use crate::gpu::args::Field;
 use crate::gpu::Launch;
 use crate::runtime::{Entry, OpFamily};
 use crate::select::{DType, StockReason};
@@ -195,8 +196,18 @@ impl Family for Adam {
         &[STEP_KERNEL, STEP_SMALL_KERNEL]
     }
 
-    fn kernel_args(_kernel: &str) -> Option<Vec<crate::gpu::args::Field>> {
-        None // TODO(args): this family's kernels
+    /// Each kernel's one parameter, `args`: an `AdamArgs` of its capacity.
+    fn kernel_args(kernel: &str) -> Option<Vec<Field>> {
+        let size = match kernel {
+            STEP_KERNEL => std::mem::size_of::<AdamArgs<MAX_TENSORS_PER_LAUNCH>>(),
+            STEP_SMALL_KERNEL => std::mem::size_of::<AdamArgs<SMALL_TENSORS_PER_LAUNCH>>(),
+            _ => return None,
+        };
+        Some(vec![Field {
+            name: "args",
+            offset: 0,
+            size,
+        }])
     }
 
     /// The constants kernels/adam.cu shares with this file.

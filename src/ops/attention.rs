@@ -11,6 +11,7 @@ use super::params::{self, flag, one};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, device_addr, empty};
 use crate::abi::types::{TfAttentionCall, TfTensor};
+use crate::gpu::args::{self, kernel_args, Field, KernelArgs};
 use crate::gpu::{self, Launch};
 use crate::runtime::{Entry, OpFamily};
 use crate::select::{dtype_of, DType, StockReason};
@@ -314,6 +315,21 @@ impl Shapes {
     }
 }
 
+kernel_args! {
+    /// attn_bwd_prep's arguments (kernels/attention.cu): delta = rowsum(dO * O), `rows` of
+    /// them (B * H * Lq).
+    struct PrepArgs {
+        o: u64,
+        os: Strides,
+        dout: u64,
+        ds: Strides,
+        delta: u64,
+        heads: i32,
+        lq: i32,
+        rows: i64,
+    }
+}
+
 /// The arguments attn_bwd_dkdv and attn_bwd_dq both take first: q, k, v, dO (pointers and
 /// strides), then the logsumexp and delta.
 struct BackwardInputs {
@@ -429,8 +445,12 @@ impl Family for Attention {
         &[FWD, PREP, DKDV, DQ]
     }
 
-    fn kernel_args(_kernel: &str) -> Option<Vec<crate::gpu::args::Field>> {
-        None // TODO(args): this family's kernels
+    /// attn_bwd_prep's struct. The forward and the dK/dV and dQ kernels keep positional
+    /// arguments (`BackwardInputs::push` and the launches): their parameter lists differ by
+    /// variant (the sm_80 and sm_90 kernels; the TMA maps of some), which one struct per
+    /// kernel name does not describe.
+    fn kernel_args(kernel: &str) -> Option<Vec<Field>> {
+        (kernel == PREP).then(PrepArgs::fields)
     }
 
     /// The constants kernels/attention.cu shares with this file.
@@ -907,15 +927,18 @@ impl Plan {
             (None, None)
         };
         let mut args = stream.launch_builder(&prep_kernel.function);
-        args.arg(&op)
-            .arg(&os)
-            .arg(&dop)
-            .arg(&dos)
-            .arg(&deltap)
-            .arg(&problem.heads)
-            .arg(&problem.lq)
-            .arg(&rows);
-        // SAFETY: arguments match attn_bwd_prep; out and grad_out are [B, H, Lq, D] with the
+        let prep_args = PrepArgs {
+            o: op,
+            os,
+            dout: dop,
+            ds: dos,
+            delta: deltap,
+            heads: problem.heads,
+            lq: problem.lq,
+            rows,
+        };
+        args::push(&mut args, &prep_args);
+        // SAFETY: attn_bwd_prep's parameters are PrepArgs's fields (the compile test checks); out and grad_out are [B, H, Lq, D] with the
         // given strides, delta [B, H, Lq] contiguous.
         unsafe { args.launch(prep) }.map_err(failed)?;
 

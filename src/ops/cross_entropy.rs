@@ -11,10 +11,11 @@ use super::{elementwise, params};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr, empty, kind_of_scalar_type};
 use crate::abi::types::{TfCrossEntropyCall, TfTensor};
+use crate::gpu::args::{self, kernel_args, Field, KernelArgs};
 use crate::gpu::{self, Launch};
 use crate::runtime::{Entry, OpFamily};
 use crate::select::{dtype_of, StockReason};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use serde::{Deserialize, Serialize};
 use tch::Kind;
 
@@ -22,6 +23,53 @@ use tch::Kind;
 const FWD_KERNEL: &str = "ce_fwd";
 const REDUCE_KERNEL: &str = "ce_reduce";
 const BWD_KERNEL: &str = "ce_bwd";
+
+kernel_args! {
+    /// ce_fwd's arguments (kernels/cross_entropy.cu): each row's loss and log-sum-exp, fp32.
+    struct CeFwdArgs {
+        logits: u64,
+        target: u64,
+        loss_rows: u64,
+        lse: u64,
+        rows: i64,
+        cols: i64,
+        ignore_index: i64,
+        smoothing: f32,
+        vectorized: i32,
+    }
+}
+
+kernel_args! {
+    /// ce_reduce's arguments (kernels/cross_entropy.cu).
+    struct CeReduceArgs {
+        loss_rows: u64,
+        target: u64,
+        out: u64,
+        total_weight: u64,
+        rows: i64,
+        ignore_index: i64,
+        /// at::Reduction's code.
+        reduction: i32,
+    }
+}
+
+kernel_args! {
+    /// ce_bwd's arguments (kernels/cross_entropy.cu).
+    struct CeBwdArgs {
+        logits: u64,
+        target: u64,
+        lse: u64,
+        total_weight: u64,
+        grad_loss: u64,
+        grad_logits: u64,
+        rows: i64,
+        cols: i64,
+        ignore_index: i64,
+        smoothing: f32,
+        reduction: i32,
+        vectorized: i32,
+    }
+}
 
 /// ce_reduce's CTA (`TF_CE_REDUCE_THREADS`, passed by `defines`).
 const REDUCE_THREADS: u32 = 1024;
@@ -164,8 +212,13 @@ impl Family for CrossEntropy {
         }
     }
 
-    fn kernel_args(_kernel: &str) -> Option<Vec<crate::gpu::args::Field>> {
-        None // TODO(args): this family's kernels
+    fn kernel_args(kernel: &str) -> Option<Vec<Field>> {
+        match kernel {
+            FWD_KERNEL => Some(CeFwdArgs::fields()),
+            REDUCE_KERNEL => Some(CeReduceArgs::fields()),
+            BWD_KERNEL => Some(CeBwdArgs::fields()),
+            _ => None,
+        }
     }
 
     /// Which kernels kernels/cross_entropy.cu compiles, and whether the loss is fp32.
@@ -251,17 +304,20 @@ unsafe fn forward_launch(
     let smoothing = call.label_smoothing as f32;
     let fwd = kernels.get(FWD_KERNEL)?;
     let mut args = stream.launch_builder(&fwd.function);
-    args.arg(&logits_ptr)
-        .arg(&target_ptr)
-        .arg(&rows_ptr)
-        .arg(&lse_ptr)
-        .arg(&s.rows)
-        .arg(&s.cols)
-        .arg(&call.ignore_index)
-        .arg(&smoothing)
-        .arg(&vec);
-    // SAFETY: argument types and order match ce_fwd (logits, target, loss_rows, lse, rows, cols,
-    // ignore_index, smoothing, vectorized); logits is [rows, cols] contiguous of the module's dtype,
+    let fwd_args = CeFwdArgs {
+        logits: logits_ptr,
+        target: target_ptr,
+        loss_rows: rows_ptr,
+        lse: lse_ptr,
+        rows: s.rows,
+        cols: s.cols,
+        ignore_index: call.ignore_index,
+        smoothing,
+        vectorized: vec,
+    };
+    args::push(&mut args, &fwd_args);
+    // SAFETY: ce_fwd's parameters are CeFwdArgs's fields (the compile test checks); logits is
+    // [rows, cols] contiguous of the module's dtype,
     // target [rows] int64, loss_rows and lse fp32 [rows]; all live until the stream is done
     // with them (PyTorch's allocator orders reuse on it).
     unsafe { args.launch(row_launch(s.rows, p.threads)?) }
@@ -283,20 +339,22 @@ unsafe fn forward_launch(
         };
         let reduce = kernels.get(REDUCE_KERNEL)?;
         let mut args = stream.launch_builder(&reduce.function);
-        args.arg(&rows_ptr)
-            .arg(&target_ptr)
-            .arg(&loss_ptr)
-            .arg(&weight_ptr)
-            .arg(&s.rows)
-            .arg(&call.ignore_index)
-            .arg(&call.reduction);
+        let reduce_args = CeReduceArgs {
+            loss_rows: rows_ptr,
+            target: target_ptr,
+            out: loss_ptr,
+            total_weight: weight_ptr,
+            rows: s.rows,
+            ignore_index: call.ignore_index,
+            reduction: call.reduction,
+        };
+        args::push(&mut args, &reduce_args);
         let config = LaunchConfig {
             grid_dim: (grid, 1, 1),
             block_dim: (REDUCE_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: argument types and order match ce_reduce (loss_rows, target, out,
-        // total_weight, rows, ignore_index, reduction); out holds one value (mean, sum) or rows
+        // SAFETY: ce_reduce's parameters are CeReduceArgs's fields; out holds one value (mean, sum) or rows
         // values (none) of the loss dtype the module was compiled for (fp32 when wide).
         unsafe { args.launch(config) }.map_err(|e| super::launch_failed(variant, e))?;
         loss
@@ -352,29 +410,25 @@ unsafe fn backward_launch(
     let p = CrossEntropy::params(params)?;
     let grad_logits = empty(&[s.rows, s.cols], s.logits_kind, device)?;
     let stream = gpu.stream(launch);
-    let ptrs = [
-        logits.addr(),
-        target.addr(),
-        lse.addr(),
-        total_weight.addr(),
-        grad_loss.addr(),
-        device_addr(&grad_logits),
-    ];
-    let vec = vectorized(s.cols, &[ptrs[0], ptrs[5]]);
-    let smoothing = call.label_smoothing as f32;
+    let (logits_ptr, grad_logits_ptr) = (logits.addr(), device_addr(&grad_logits));
+    let bwd_args = CeBwdArgs {
+        logits: logits_ptr,
+        target: target.addr(),
+        lse: lse.addr(),
+        total_weight: total_weight.addr(),
+        grad_loss: grad_loss.addr(),
+        grad_logits: grad_logits_ptr,
+        rows: s.rows,
+        cols: s.cols,
+        ignore_index: call.ignore_index,
+        smoothing: call.label_smoothing as f32,
+        reduction: call.reduction,
+        vectorized: vectorized(s.cols, &[logits_ptr, grad_logits_ptr]),
+    };
     let bwd = kernels.get(BWD_KERNEL)?;
     let mut args = stream.launch_builder(&bwd.function);
-    for ptr in &ptrs {
-        args.arg(ptr);
-    }
-    args.arg(&s.rows)
-        .arg(&s.cols)
-        .arg(&call.ignore_index)
-        .arg(&smoothing)
-        .arg(&call.reduction)
-        .arg(&vec);
-    // SAFETY: argument types and order match ce_bwd (logits, target, lse, total_weight,
-    // grad_loss, grad_logits, rows, cols, ignore_index, smoothing, reduction, vectorized); shapes and
+    args::push(&mut args, &bwd_args);
+    // SAFETY: ce_bwd's parameters are CeBwdArgs's fields (the compile test checks); shapes and
     // dtypes checked above; grad_logits is new, [rows, cols] of the logits' dtype.
     unsafe { args.launch(row_launch(s.rows, p.threads)?) }
         .map_err(|e| super::launch_failed(variant, e))?;

@@ -7,10 +7,11 @@ use super::params::{self, flag};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr, empty};
 use crate::abi::types::{TfEmbeddingCall, TfTensor};
+use crate::gpu::args::{self, kernel_args, Field, KernelArgs};
 use crate::gpu::{self, Launch};
 use crate::runtime::{Entry, OpFamily};
 use crate::select::{dtype_of, StockReason};
-use cudarc::driver::{DriverError, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DriverError, LaunchConfig};
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
@@ -170,8 +171,18 @@ impl Family for Embedding {
         }
     }
 
-    fn kernel_args(_kernel: &str) -> Option<Vec<crate::gpu::args::Field>> {
-        None // TODO(args): this family's kernels
+    fn kernel_args(kernel: &str) -> Option<Vec<Field>> {
+        match kernel {
+            FWD_KERNEL => Some(FwdArgs::fields()),
+            SORT_COUNT => Some(SortCountArgs::fields()),
+            SORT_SCATTER => Some(SortScatterArgs::fields()),
+            REDUCE => Some(ReduceArgs::fields()),
+            FINISH => Some(FinishArgs::fields()),
+            ZERO_ROWS_FILL | ZERO_ROWS_BY_WORD => Some(ZeroRowsArgs::fields()),
+            CLUSTER_SORT => Some(SortClusterArgs::fields()),
+            MARK_ROWS => Some(MarkRowsArgs::fields()),
+            _ => None,
+        }
     }
 
     fn defines(_op: KernelOp) -> Vec<String> {
@@ -337,21 +348,24 @@ fn forward(launch: Launch, weight: &TfTensor, indices: &TfTensor) -> Result<Gath
     let idx64 = i32::from(idx64);
     let stream = gpu.stream(launch);
     let mut args = stream.launch_builder(&gather.function);
-    args.arg(&w_ptr)
-        .arg(&row_stride)
-        .arg(&i_ptr)
-        .arg(&idx64)
-        .arg(&tokens)
-        .arg(&cols_i32)
-        .arg(&num_weights)
-        .arg(&o_ptr)
-        .arg(&vectorized);
+    let fwd_args = FwdArgs {
+        weight: w_ptr,
+        row_stride,
+        indices: i_ptr,
+        idx64,
+        tokens,
+        cols: cols_i32,
+        num_weights,
+        out: o_ptr,
+        vectorized,
+    };
+    args::push(&mut args, &fwd_args);
     let config = LaunchConfig {
         grid_dim: (grid, 1, 1),
         block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: argument types and order match emb_fwd; weight holds num_weights rows of cols
+    // SAFETY: emb_fwd's parameters are FwdArgs's fields (the compile test checks); weight holds num_weights rows of cols
     // elements `row_stride` apart, indices `tokens` values of the given width, output tokens x
     // cols elements; all live until the stream is done with them.
     unsafe { args.launch(config) }.map_err(|e| super::launch_failed(variant, e))?;
@@ -648,6 +662,130 @@ fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockReason
     })
 }
 
+// The kernels' arguments (kernels/embedding.cu): device addresses as u64; `idx64` whether
+// the indices are int64 (else int32); `n` the tokens.
+kernel_args! {
+    /// emb_fwd's: `tokens` rows of `cols` gathered from weight's rows `row_stride` apart.
+    struct FwdArgs {
+        weight: u64,
+        row_stride: i64,
+        indices: u64,
+        idx64: i32,
+        tokens: i64,
+        cols: i32,
+        num_weights: i64,
+        out: u64,
+        vectorized: i32,
+    }
+}
+
+kernel_args! {
+    /// emb_sort_count's: one radix pass's digit counts (`bits` of the key from `shift`).
+    struct SortCountArgs {
+        indices: u64,
+        idx64: i32,
+        keys_in: u64,
+        n: i64,
+        num_weights: i64,
+        shift: i32,
+        bits: i32,
+        hist: u64,
+        touched: u64,
+        items: i32,
+    }
+}
+
+kernel_args! {
+    /// emb_sort_scatter's: the pass's stable scatter.
+    struct SortScatterArgs {
+        indices: u64,
+        idx64: i32,
+        keys_in: u64,
+        pos_in: u64,
+        n: i64,
+        num_weights: i64,
+        shift: i32,
+        bits: i32,
+        hist: u64,
+        tiles: i32,
+        keys_out: u64,
+        pos_out: u64,
+        items: i32,
+    }
+}
+
+kernel_args! {
+    /// emb_sort_cluster's: the whole sort in one cluster.
+    struct SortClusterArgs {
+        indices: u64,
+        idx64: i32,
+        n: i64,
+        num_weights: i64,
+        passes: i32,
+        digit_bits: i32,
+        bits: i32,
+        keys_out: u64,
+        pos_out: u64,
+        items: i32,
+    }
+}
+
+kernel_args! {
+    /// emb_mark_rows's: the touched rows' bitmap (and the words after it cleared).
+    struct MarkRowsArgs {
+        indices: u64,
+        idx64: i32,
+        n: i64,
+        num_weights: i64,
+        flags: u64,
+        flag_words: i64,
+    }
+}
+
+kernel_args! {
+    /// emb_zero_rows's and emb_zero_rows_by_word's: zeros for untouched rows and the padding row.
+    struct ZeroRowsArgs {
+        touched: u64,
+        cols: i32,
+        num_weights: i64,
+        padding_idx: i64,
+        out: u64,
+        vectorized: i32,
+    }
+}
+
+kernel_args! {
+    /// emb_bwd_reduce's: the sorted chunks' sums.
+    struct ReduceArgs {
+        grad: u64,
+        keys: u64,
+        pos: u64,
+        n: i64,
+        cols: i32,
+        num_weights: i64,
+        padding_idx: i64,
+        partials: u64,
+        out: u64,
+        row_first: u64,
+        work: u64,
+        vectorized: i32,
+    }
+}
+
+kernel_args! {
+    /// emb_bwd_finish's: the rows cut by chunk edges.
+    struct FinishArgs {
+        keys: u64,
+        n: i64,
+        cols: i32,
+        partials: u64,
+        row_first: u64,
+        work: u64,
+        out: u64,
+        vectorized: i32,
+    }
+}
+
 /// The backward's launches once planned: the kernels, the device addresses of the inputs, the
 /// output and the workspace's regions, the sort's digits and the launch shapes.
 struct BackwardLaunches<'a> {
@@ -718,14 +856,17 @@ impl BackwardLaunches<'_> {
     /// Zeros for every row no token touches, and the padding row, on the side stream.
     fn zero_rows(&self, side: &gpu::SideStream) -> Result<(), DriverError> {
         let mut args = side.stream.launch_builder(&self.zero_rows.function);
-        args.arg(&self.touched_ptr)
-            .arg(&self.cols_i32)
-            .arg(&self.num_weights)
-            .arg(&self.padding_idx)
-            .arg(&self.out_ptr)
-            .arg(&self.vectorized);
-        // SAFETY: argument types and order match emb_zero_rows and emb_zero_rows_by_word (the
-        // same); the bitmap holds one bit per row and is complete (the side stream was forked
+        let zero_args = ZeroRowsArgs {
+            touched: self.touched_ptr,
+            cols: self.cols_i32,
+            num_weights: self.num_weights,
+            padding_idx: self.padding_idx,
+            out: self.out_ptr,
+            vectorized: self.vectorized,
+        };
+        args::push(&mut args, &zero_args);
+        // SAFETY: emb_zero_rows's and emb_zero_rows_by_word's parameters are ZeroRowsArgs's
+        // fields (the compile test checks); the bitmap holds one bit per row and is complete (the side stream was forked
         // after the first count pass, or after emb_mark_rows), grad_weight holds num_weights
         // x cols elements; the caller's stream joins the side stream before either can be
         // freed.
@@ -740,18 +881,21 @@ impl BackwardLaunches<'_> {
         // bitmap and the work list's two lengths are cleared by the same launch.
         let clear_words = self.bitmap_words + 2;
         let mut args = self.stream.launch_builder(&self.mark_rows.function);
-        args.arg(&self.idx_ptr)
-            .arg(&self.idx64)
-            .arg(&self.tokens)
-            .arg(&self.num_weights)
-            .arg(&self.touched_ptr)
-            .arg(&clear_words);
+        let mark_args = MarkRowsArgs {
+            indices: self.idx_ptr,
+            idx64: self.idx64,
+            n: self.tokens,
+            num_weights: self.num_weights,
+            flags: self.touched_ptr,
+            flag_words: clear_words,
+        };
+        args::push(&mut args, &mark_args);
         let config = LaunchConfig {
             grid_dim: (CLUSTER_SORT_CTAS, 1, 1),
             block_dim: (MARK_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: argument types and order match emb_mark_rows (compiled with a cluster of
+        // SAFETY: emb_mark_rows's parameters are MarkRowsArgs's fields (compiled with a cluster of
         // CLUSTER_SORT_CTAS, launched as one, whose threads take MARK_ITEMS tokens each: at
         // least CLUSTER_SORT_MAX_TOKENS); indices holds `tokens` values, the flags region
         // bitmap_words + 2 + chunks words; both live until the stream is done with them.
@@ -763,22 +907,25 @@ impl BackwardLaunches<'_> {
         let (passes, digit_bits, bits) =
             (self.passes as i32, self.digit_bits as i32, self.bits as i32);
         let mut args = self.stream.launch_builder(&self.cluster_sort.function);
-        args.arg(&self.idx_ptr)
-            .arg(&self.idx64)
-            .arg(&self.tokens)
-            .arg(&self.num_weights)
-            .arg(&passes)
-            .arg(&digit_bits)
-            .arg(&bits)
-            .arg(&keys_out)
-            .arg(&pos_out)
-            .arg(&items);
+        let sort_args = SortClusterArgs {
+            indices: self.idx_ptr,
+            idx64: self.idx64,
+            n: self.tokens,
+            num_weights: self.num_weights,
+            passes,
+            digit_bits,
+            bits,
+            keys_out,
+            pos_out,
+            items,
+        };
+        args::push(&mut args, &sort_args);
         let config = LaunchConfig {
             grid_dim: (CLUSTER_SORT_CTAS, 1, 1),
             block_dim: (CLUSTER_SORT_THREADS, 1, 1),
             shared_mem_bytes: CLUSTER_SORT_SMEM,
         };
-        // SAFETY: argument types and order match emb_sort_cluster (compiled with a cluster of
+        // SAFETY: emb_sort_cluster's parameters are SortClusterArgs's fields (compiled with a cluster of
         // CLUSTER_SORT_CTAS, launched as one); indices holds `tokens` values, at most the
         // cluster's CTAs x threads x items; keys_out and pos_out `tokens` words each; all live
         // until the stream is done with them.
@@ -798,36 +945,42 @@ impl BackwardLaunches<'_> {
             let (keys_out, pos_out) = (self.buffer(target), self.buffer(target + 1));
             let touched = if pass == 0 { self.touched_ptr } else { 0 };
             let mut args = self.stream.launch_builder(&self.sort_count.function);
-            args.arg(&self.idx_ptr)
-                .arg(&self.idx64)
-                .arg(&keys_in)
-                .arg(&self.tokens)
-                .arg(&self.num_weights)
-                .arg(&shift)
-                .arg(&pass_bits)
-                .arg(&self.hist_ptr)
-                .arg(&touched)
-                .arg(&self.sort_items);
-            // SAFETY: argument types and order match emb_sort_count; indices holds `tokens`
+            let count_args = SortCountArgs {
+                indices: self.idx_ptr,
+                idx64: self.idx64,
+                keys_in,
+                n: self.tokens,
+                num_weights: self.num_weights,
+                shift,
+                bits: pass_bits,
+                hist: self.hist_ptr,
+                touched,
+                items: self.sort_items,
+            };
+            args::push(&mut args, &count_args);
+            // SAFETY: emb_sort_count's parameters are SortCountArgs's fields; indices holds `tokens`
             // values, keys_in (null on the first pass) `tokens` keys, hist tiles << digit_bits
             // counters, the bitmap one bit per row (null after the first pass); all live until
             // the stream is done with them.
             unsafe { args.launch(self.sort_config) }?;
             let mut args = self.stream.launch_builder(&self.sort_scatter.function);
-            args.arg(&self.idx_ptr)
-                .arg(&self.idx64)
-                .arg(&keys_in)
-                .arg(&pos_in)
-                .arg(&self.tokens)
-                .arg(&self.num_weights)
-                .arg(&shift)
-                .arg(&pass_bits)
-                .arg(&self.hist_ptr)
-                .arg(&self.tiles_i32)
-                .arg(&keys_out)
-                .arg(&pos_out)
-                .arg(&self.sort_items);
-            // SAFETY: as above for emb_sort_scatter; keys_out and pos_out hold `tokens` values
+            let scatter_args = SortScatterArgs {
+                indices: self.idx_ptr,
+                idx64: self.idx64,
+                keys_in,
+                pos_in,
+                n: self.tokens,
+                num_weights: self.num_weights,
+                shift,
+                bits: pass_bits,
+                hist: self.hist_ptr,
+                tiles: self.tiles_i32,
+                keys_out,
+                pos_out,
+                items: self.sort_items,
+            };
+            args::push(&mut args, &scatter_args);
+            // SAFETY: as above for emb_sort_scatter (SortScatterArgs); keys_out and pos_out hold `tokens` values
             // each and differ from keys_in and pos_in.
             unsafe { args.launch(self.sort_config) }?;
             (keys_in, pos_in) = (keys_out, pos_out);
@@ -838,43 +991,49 @@ impl BackwardLaunches<'_> {
     /// The sorted chunks' sums into grad_weight, then the rows cut by chunk edges.
     fn reduce(&self, keys: u64, pos: u64) -> Result<(), DriverError> {
         let mut args = self.stream.launch_builder(&self.reduce.function);
-        args.arg(&self.grad_ptr)
-            .arg(&keys)
-            .arg(&pos)
-            .arg(&self.tokens)
-            .arg(&self.cols_i32)
-            .arg(&self.num_weights)
-            .arg(&self.padding_idx)
-            .arg(&self.partials_ptr)
-            .arg(&self.out_ptr)
-            .arg(&self.row_first_ptr)
-            .arg(&self.work_ptr)
-            .arg(&self.vectorized);
+        let reduce_args = ReduceArgs {
+            grad: self.grad_ptr,
+            keys,
+            pos,
+            n: self.tokens,
+            cols: self.cols_i32,
+            num_weights: self.num_weights,
+            padding_idx: self.padding_idx,
+            partials: self.partials_ptr,
+            out: self.out_ptr,
+            row_first: self.row_first_ptr,
+            work: self.work_ptr,
+            vectorized: self.vectorized,
+        };
+        args::push(&mut args, &reduce_args);
         let config = LaunchConfig {
             grid_dim: (self.reduce_blocks, 1, 1),
             block_dim: (REDUCE_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: argument types and order match emb_bwd_reduce; grad holds tokens x cols
+        // SAFETY: emb_bwd_reduce's parameters are ReduceArgs's fields; grad holds tokens x cols
         // elements, keys/pos the sorted `tokens` pairs, partials chunks x 2 x cols fp32 values,
         // grad_weight num_weights x cols elements, row_first num_weights words, the work list
         // 2 + chunks words.
         unsafe { args.launch(config) }?;
         let mut args = self.stream.launch_builder(&self.finish.function);
-        args.arg(&keys)
-            .arg(&self.tokens)
-            .arg(&self.cols_i32)
-            .arg(&self.partials_ptr)
-            .arg(&self.row_first_ptr)
-            .arg(&self.work_ptr)
-            .arg(&self.out_ptr)
-            .arg(&self.vectorized);
+        let finish_args = FinishArgs {
+            keys,
+            n: self.tokens,
+            cols: self.cols_i32,
+            partials: self.partials_ptr,
+            row_first: self.row_first_ptr,
+            work: self.work_ptr,
+            out: self.out_ptr,
+            vectorized: self.vectorized,
+        };
+        args::push(&mut args, &finish_args);
         let config = LaunchConfig {
             grid_dim: (self.finish_blocks, 1, 1),
             block_dim: (FINISH_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: as above for emb_bwd_finish.
+        // SAFETY: as above for emb_bwd_finish (FinishArgs).
         unsafe { args.launch(config) }?;
         Ok(())
     }

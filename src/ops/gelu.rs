@@ -6,16 +6,37 @@ use super::{elementwise, params};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr, empty, kind_of_scalar_type};
 use crate::abi::types::{TfGeluCall, TfTensor};
+use crate::gpu::args::{self, kernel_args, Field, KernelArgs};
 use crate::gpu::{self, Launch};
 use crate::runtime::{Entry, OpFamily};
 use crate::select::{dtype_of, StockReason};
-use cudarc::driver::PushKernelArg;
 use serde::{Deserialize, Serialize};
 use tch::Kind;
 
 /// The kernels of kernels/gelu.cu, by name.
 const FWD_KERNEL: &str = "gelu_tanh_fwd";
 const BWD_KERNEL: &str = "gelu_tanh_bwd";
+
+kernel_args! {
+    /// gelu_tanh_fwd's arguments (kernels/gelu.cu): n contiguous elements.
+    struct GeluFwdArgs {
+        x: u64,
+        y: u64,
+        n: i64,
+        vectorized: i32,
+    }
+}
+
+kernel_args! {
+    /// gelu_tanh_bwd's arguments (kernels/gelu.cu).
+    struct GeluBwdArgs {
+        dy: u64,
+        x: u64,
+        dx: u64,
+        n: i64,
+        vectorized: i32,
+    }
+}
 
 pub struct Gelu;
 
@@ -101,14 +122,31 @@ impl Family for Gelu {
         let stream = gpu.stream(launch);
         let kernel = kernels.get(if backward { BWD_KERNEL } else { FWD_KERNEL })?;
         let mut args = stream.launch_builder(&kernel.function);
-        if let Some(dy_ptr) = &dy_ptr {
-            args.arg(dy_ptr);
+        let (fwd_args, bwd_args);
+        match dy_ptr {
+            Some(dy) => {
+                bwd_args = GeluBwdArgs {
+                    dy,
+                    x: x_ptr,
+                    dx: out_ptr,
+                    n,
+                    vectorized,
+                };
+                args::push(&mut args, &bwd_args);
+            }
+            None => {
+                fwd_args = GeluFwdArgs {
+                    x: x_ptr,
+                    y: out_ptr,
+                    n,
+                    vectorized,
+                };
+                args::push(&mut args, &fwd_args);
+            }
         }
-        args.arg(&x_ptr).arg(&out_ptr).arg(&n).arg(&vectorized);
-        // SAFETY: argument types and order match gelu_tanh_fwd (x, y, n, vectorized) and
-        // gelu_tanh_bwd (dy, x, dx, n, vectorized); every tensor is contiguous with n elements
-        // of the dtype the module was compiled for, and lives until the stream is done with it
-        // (PyTorch's allocator orders reuse on it).
+        // SAFETY: the kernel's parameters are its struct's fields (the compile test checks);
+        // every tensor is contiguous with n elements of the dtype the module was compiled for,
+        // and lives until the stream is done with it (PyTorch's allocator orders reuse on it).
         unsafe { args.launch(config) }.map_err(|e| super::launch_failed(variant, e))?;
         Ok(Served::new(variant.name.as_str(), [Some(out), None, None]))
     }
@@ -121,8 +159,12 @@ impl Family for Gelu {
         }
     }
 
-    fn kernel_args(_kernel: &str) -> Option<Vec<crate::gpu::args::Field>> {
-        None // TODO(args): this family's kernels
+    fn kernel_args(kernel: &str) -> Option<Vec<Field>> {
+        match kernel {
+            FWD_KERNEL => Some(GeluFwdArgs::fields()),
+            BWD_KERNEL => Some(GeluBwdArgs::fields()),
+            _ => None,
+        }
     }
 
     /// Which kernel kernels/gelu.cu compiles, and whether the other tensor is fp32.

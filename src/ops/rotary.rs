@@ -7,10 +7,11 @@ use super::{elementwise, params};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr};
 use crate::abi::types::{TfRotaryCall, TfTensor};
+use crate::gpu::args::{self, kernel_args, Field, KernelArgs};
 use crate::gpu::{self, Launch};
 use crate::runtime::{Entry, OpFamily};
 use crate::select::{dtype_of, StockReason};
-use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DeviceRepr, LaunchConfig};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
@@ -49,6 +50,20 @@ struct RopeOperand {
 
 // SAFETY: plain old data, laid out as the kernel's struct.
 unsafe impl DeviceRepr for RopeOperand {}
+
+kernel_args! {
+    /// rope's arguments (kernels/rotary.cu): q's rows then k's (the gradients' backward).
+    struct RopeArgs {
+        q: RopeOperand,
+        k: RopeOperand,
+        cos: u64,
+        sin: u64,
+        /// Half the head dim.
+        half: i32,
+        /// Lanes a row (chunked), or 0: a warp a row, element by element.
+        group: i32,
+    }
+}
 
 pub struct Rotary;
 
@@ -341,13 +356,16 @@ impl Family for Rotary {
         let stream = gpu.stream(launch);
         let kernel = kernels.get(KERNEL)?;
         let mut args = stream.launch_builder(&kernel.function);
-        args.arg(&op_a)
-            .arg(&op_b)
-            .arg(&cos_ptr)
-            .arg(&sin_ptr)
-            .arg(&half)
-            .arg(&group);
-        // SAFETY: argument types and order match rope (q, k, cos, sin, half, group); group > 0
+        let rope_args = RopeArgs {
+            q: op_a,
+            k: op_b,
+            cos: cos_ptr,
+            sin: sin_ptr,
+            half,
+            group,
+        };
+        args::push(&mut args, &rope_args);
+        // SAFETY: rope's parameters are RopeArgs's fields (the compile test checks); group > 0
         // only where every row and half starts 16-byte aligned; every offset the kernel forms
         // is within its tensor (sizes and strides read from the tensors, cos/sin's
         // as broadcast views of themselves), the dtypes are the module's; all live until the
@@ -363,8 +381,8 @@ impl Family for Rotary {
         &[KERNEL]
     }
 
-    fn kernel_args(_kernel: &str) -> Option<Vec<crate::gpu::args::Field>> {
-        None // TODO(args): this family's kernels
+    fn kernel_args(kernel: &str) -> Option<Vec<Field>> {
+        (kernel == KERNEL).then(RopeArgs::fields)
     }
 
     /// Which direction kernels/rotary.cu compiles, and whether cos/sin/y are fp32.

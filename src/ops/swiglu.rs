@@ -8,10 +8,10 @@ use super::{elementwise, params};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr, empty};
 use crate::abi::types::{TfSwigluCall, TfTensor};
+use crate::gpu::args::{self, kernel_args, Field, KernelArgs};
 use crate::gpu::{self, Launch};
 use crate::runtime::{Entry, OpFamily};
 use crate::select::{dtype_of, StockReason};
-use cudarc::driver::PushKernelArg;
 use serde::{Deserialize, Serialize};
 
 /// The kernels of kernels/swiglu.cu, by name: SwiGLU's, then GeGLU's (TF_GATE_GELU).
@@ -19,6 +19,35 @@ const FWD_KERNEL: &str = "silu_mul_fwd";
 const BWD_KERNEL: &str = "silu_mul_bwd";
 const GELU_FWD_KERNEL: &str = "gelu_tanh_mul_fwd";
 const GELU_BWD_KERNEL: &str = "gelu_tanh_mul_bwd";
+
+kernel_args! {
+    /// silu_mul_fwd's and gelu_tanh_mul_fwd's arguments (kernels/swiglu.cu): n output
+    /// elements, rows of `width` `stride` apart in gate and up.
+    struct GatedFwdArgs {
+        gate: u64,
+        up: u64,
+        y: u64,
+        n: i64,
+        vectorized: i32,
+        width: i64,
+        stride: i64,
+    }
+}
+
+kernel_args! {
+    /// silu_mul_bwd's and gelu_tanh_mul_bwd's arguments (kernels/swiglu.cu).
+    struct GatedBwdArgs {
+        dy: u64,
+        gate: u64,
+        up: u64,
+        dgate: u64,
+        dup: u64,
+        n: i64,
+        vectorized: i32,
+        width: i64,
+        stride: i64,
+    }
+}
 
 pub struct Swiglu;
 
@@ -120,16 +149,22 @@ impl Family for Swiglu {
             let dense = [gate_ptr, up.map_or(0, TfTensor::addr), dy.addr(), dgate_ptr];
             let dense = dense.into_iter().chain(dup.as_ref().map(device_addr));
             let vectorized = i32::from(layout.vectorizable() && aligned16(dense));
-            let ptrs = [dy.addr(), gate_ptr, up_ptr, dgate_ptr, dup_ptr];
+            let bwd_args = GatedBwdArgs {
+                dy: dy.addr(),
+                gate: gate_ptr,
+                up: up_ptr,
+                dgate: dgate_ptr,
+                dup: dup_ptr,
+                n,
+                vectorized,
+                width,
+                stride,
+            };
             let kernel = kernels.get(kernel_name)?;
             let mut args = stream.launch_builder(&kernel.function);
-            for ptr in &ptrs {
-                args.arg(ptr);
-            }
-            args.arg(&n).arg(&vectorized).arg(&width).arg(&stride);
-            // SAFETY: argument types and order match silu_mul_bwd and gelu_tanh_mul_bwd (dy,
-            // gate, up, dgate, dup, n,
-            // vectorized, width, stride); dy is contiguous with n elements, gate, up, dgate and
+            args::push(&mut args, &bwd_args);
+            // SAFETY: silu_mul_bwd's and gelu_tanh_mul_bwd's parameters are GatedBwdArgs's
+            // fields (the compile test checks); dy is contiguous with n elements, gate, up, dgate and
             // dup hold n / width rows of width elements stride apart inside their tensors (the
             // layout checked above), all of the op's dtype, and live until the stream is done
             // with them (PyTorch's allocator orders reuse on it).
@@ -142,15 +177,18 @@ impl Family for Swiglu {
         let vectorized = i32::from(layout.vectorizable() && aligned16(dense));
         let kernel = kernels.get(kernel_name)?;
         let mut args = stream.launch_builder(&kernel.function);
-        args.arg(&gate_ptr)
-            .arg(&up_ptr)
-            .arg(&y_ptr)
-            .arg(&n)
-            .arg(&vectorized)
-            .arg(&width)
-            .arg(&stride);
-        // SAFETY: argument types and order match silu_mul_fwd and gelu_tanh_mul_fwd (gate, up,
-        // y, n, vectorized, width, stride); as the backward's.
+        let fwd_args = GatedFwdArgs {
+            gate: gate_ptr,
+            up: up_ptr,
+            y: y_ptr,
+            n,
+            vectorized,
+            width,
+            stride,
+        };
+        args::push(&mut args, &fwd_args);
+        // SAFETY: silu_mul_fwd's and gelu_tanh_mul_fwd's parameters are GatedFwdArgs's fields;
+        // as the backward's.
         unsafe { args.launch(config) }.map_err(|e| super::launch_failed(variant, e))?;
         Ok(Served::new(variant.name.as_str(), [Some(y), None, None]))
     }
@@ -165,8 +203,12 @@ impl Family for Swiglu {
         }
     }
 
-    fn kernel_args(_kernel: &str) -> Option<Vec<crate::gpu::args::Field>> {
-        None // TODO(args): this family's kernels
+    fn kernel_args(kernel: &str) -> Option<Vec<Field>> {
+        match kernel {
+            FWD_KERNEL | GELU_FWD_KERNEL => Some(GatedFwdArgs::fields()),
+            BWD_KERNEL | GELU_BWD_KERNEL => Some(GatedBwdArgs::fields()),
+            _ => None,
+        }
     }
 
     /// Which kernel kernels/swiglu.cu compiles, and its gate's activation.
