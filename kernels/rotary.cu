@@ -1,16 +1,22 @@
-// Rotary position embedding, HF's rotate-half form, forward and backward, q and k in one launch:
+// Rotary position embedding, forward and backward, q and k in one launch:
 // torch.ops.torchfuse.rotary[_backward], which serve HF's apply_rotary_pos_emb (and its copies).
+// HF's rotate-half form pairs element j with j+h (h = head_dim / 2):
 //
-//   forward   y[j]     = x[j] cos[j]         - x[j+h] sin[j]           (h = head_dim / 2)
+//   forward   y[j]     = x[j] cos[j]         - x[j+h] sin[j]
 //             y[j+h]   = x[j+h] cos[j+h]     + x[j] sin[j+h]
 //   backward  dx[j]    = dy[j] cos[j]        + dy[j+h] sin[j+h]
 //             dx[j+h]  = dy[j+h] cos[j+h]    - dy[j] sin[j]
+//
+// and the interleaved form (`interleaved`: GLM's, Cohere's, GPT-J's rotate_every_two) pairs
+// element 2p with 2p+1, the same formulas with j = 2p and j+h = 2p+1.
 //
 // Stock (HF's code) runs five kernels for each of q and k (a multiply, a negation, a cat, a
 // multiply, an add) and more in the backward; here each element is read and written once, in
 // fp32, rounded once on the store. No reductions: results do not depend on the launch shape.
 //
-// Layout: rows (one head of one token) of q, then of k. Chunked (`group` > 0, where every row
+// Layout: rows (one head of one token) of q, then of k. Interleaved, a lane's chunk holds whole
+// pairs (chunks have an even number of elements), taken j = lane's chunk, + group chunks, ...
+// over the whole row; element by element, lane l takes the pair p = l, l + 32, .... Rotate-half: chunked (`group` > 0, where every row
 // and both halves start 16-byte aligned: head dims that are multiples of 16): `group` lanes own
 // a row (a power of two, the chunks of a half or fewer: 4 for head dim 64, 8 for 128), 32 /
 // group rows a warp, and each lane takes the pairs of TF_EW_CHUNK consecutive elements at
@@ -112,6 +118,53 @@ __device__ __forceinline__ void rotate_row(const RopeOperand& op, const tf_y* __
   }
 }
 
+// One row, interleaved: this lane's W-element pieces of the row (whole pairs), `first` and every
+// `lanes`-th after it; W = 1 takes one pair (two elements) at a time.
+template <int W, typename TIn, typename TOut>
+__device__ __forceinline__ void rotate_pairs(const RopeOperand& op, const tf_y* __restrict__ cos,
+                                             const tf_y* __restrict__ sin, tf_i64 row, int half,
+                                             int first, int lanes) {
+  constexpr int N = W > 1 ? W : 2;  // elements a step: a chunk, or one pair
+  static_assert(N % 2 == 0, "whole pairs");
+  tf_i64 i0, i1, i2;
+  split_row(op, row, i0, i1, i2);
+  const TIn* in = static_cast<const TIn*>(op.in) + offset(op.in_s, i0, i1, i2);
+  TOut* out = static_cast<TOut*>(op.out) + offset(op.out_s, i0, i1, i2);
+  const tf_y* c = cos + offset(op.trig_s, i0, i1, i2);
+  const tf_y* s = sin + offset(op.trig_s, i0, i1, i2);
+  for (int j = first * N; j < 2 * half; j += lanes * N) {
+    float a[N], cj[N], sj[N], o[N];
+    if constexpr (W > 1) {
+      tf_load_elems<W>(in + j, a);
+      tf_load_elems<W>(c + j, cj);
+      tf_load_elems<W>(s + j, sj);
+    } else {
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        a[e] = tf_float(in[j + e]);
+        cj[e] = tf_float(c[j + e]);
+        sj[e] = tf_float(s[j + e]);
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < N; e += 2) {
+#if TF_ROPE_BWD
+      o[e] = a[e] * cj[e] + a[e + 1] * sj[e + 1];
+      o[e + 1] = a[e + 1] * cj[e + 1] - a[e] * sj[e];
+#else
+      o[e] = a[e] * cj[e] - a[e + 1] * sj[e];
+      o[e + 1] = a[e + 1] * cj[e + 1] + a[e] * sj[e + 1];
+#endif
+    }
+    if constexpr (W > 1) {
+      tf_store_elems<W>(out + j, o);
+    } else {
+#pragma unroll
+      for (int e = 0; e < N; ++e) out[j + e] = tf_cast<TOut>(o[e]);
+    }
+  }
+}
+
 #if TF_ROPE_BWD
 typedef tf_y tf_in;  // dy
 typedef tf_x tf_out;  // dx
@@ -122,18 +175,24 @@ typedef tf_y tf_out;
 
 __device__ __forceinline__ void rope_row(const RopeOperand& op, const tf_y* __restrict__ cos,
                                          const tf_y* __restrict__ sin, tf_i64 row, int half,
-                                         int group, int lane, int lanes) {
-  if (group > 0)
+                                         int group, int interleaved, int lane, int lanes) {
+  if (interleaved) {  // uniform across the launch
+    if (group > 0)
+      rotate_pairs<TF_EW_CHUNK, tf_in, tf_out>(op, cos, sin, row, half, lane % lanes, lanes);
+    else
+      rotate_pairs<1, tf_in, tf_out>(op, cos, sin, row, half, lane, 32);
+  } else if (group > 0) {
     rotate_row<TF_EW_CHUNK, tf_in, tf_out>(op, cos, sin, row, half, lane % lanes, lanes);
-  else
+  } else {
     rotate_row<1, tf_in, tf_out>(op, cos, sin, row, half, lane, 32);
+  }
 }
 
 // q's rows, then k's, a grid-stride loop over both: `group` lanes a row chunk by chunk, or
 // (group 0) a warp a row element by element.
 extern "C" __global__ void __launch_bounds__(TF_THREADS)
     rope(RopeOperand q, RopeOperand k, const tf_y* __restrict__ cos,
-         const tf_y* __restrict__ sin, int half, int group) {
+         const tf_y* __restrict__ sin, int half, int group, int interleaved) {
   constexpr int warps = TF_THREADS / 32;
   const int lane = threadIdx.x % 32;
   const int lanes = group > 0 ? group : 32;  // a row's lanes
@@ -146,8 +205,8 @@ extern "C" __global__ void __launch_bounds__(TF_THREADS)
     // Each call names its operand: `is_q ? q : k` would copy the chosen one to the stack
     // (local memory) on every row, where the parameters' constant bank serves them directly.
     if (r < q.rows)
-      rope_row(q, cos, sin, r, half, group, lane, lanes);
+      rope_row(q, cos, sin, r, half, group, interleaved, lane, lanes);
     else
-      rope_row(k, cos, sin, r - q.rows, half, group, lane, lanes);
+      rope_row(k, cos, sin, r - q.rows, half, group, interleaved, lane, lanes);
   }
 }

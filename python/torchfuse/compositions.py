@@ -294,6 +294,23 @@ _FUNCTION_SOURCES = {
     x2 = x[..., x.shape[-1] // 2 :]
     return torch.cat((-x2, x1), dim=-1)
 """, None),
+    # transformers.models.glm.modeling_glm.rotate_half, and its copies (GLM-4's, Ernie 4.5's,
+    # Moonshine's): each pair (x[2p], x[2p+1]) becomes (-x[2p+1], x[2p]), the interleaved layout.
+    "hf_rotate_pairs": ("""def rotate_half(x):
+    \"\"\"Rotates half the hidden dims of the input.\"\"\"
+    x1 = x[..., 0::2]
+    x2 = x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+""", None),
+    # transformers.models.cohere.modeling_cohere.rotate_half, and its copies: the same, written
+    # Cohere's way.
+    "cohere_rotate_pairs": ("""def rotate_half(x):
+    # Split and rotate. Note that this function is different from e.g. Llama.
+    x1 = x[..., ::2]
+    x2 = x[..., 1::2]
+    rot_x = torch.stack([-x2, x1], dim=-1).flatten(-2)
+    return rot_x
+""", None),
     # transformers.models.llama.modeling_llama.apply_rotary_pos_emb, and its copies (the
     # docstring is a constant of the code, so it is part of the form).
     "hf_rotary": (_rope_source("""Applies Rotary Position Embedding to the query and key tensors.
@@ -358,6 +375,64 @@ _FUNCTION_SOURCES = {
     sin = sin.unsqueeze(unsqueeze_dim)
     q_embed = (q.float() * cos) + (rotate_half(q.float()) * sin)
     k_embed = (k.float() * cos) + (rotate_half(k.float()) * sin)
+    return q_embed.to(original_dtype), k_embed.to(original_dtype)
+"""), (1,)),
+    # GLM's apply_rotary_pos_emb (GLM-4's, Moonshine's): cos and sin of HF's rotate-half layout,
+    # their first halves each repeated twice (the interleaved layout), the first cos.shape[-1]
+    # features rotated pair by pair, the rest passed through, then cat.
+    "hf_rotary_pairs_partial": (_rope_source("""Applies Rotary Position Embedding to the query and key tensors.
+
+""", """    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+
+    # Interleave them instead of usual shape
+    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+
+    # Keep half or full tensor for later concatenation
+    rotary_dim = cos.shape[-1]
+    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
+
+    # Apply rotary embeddings on the first half or full tensor
+    q_embed = (q_rot * cos) + (rotate_half(q_rot) * sin)
+    k_embed = (k_rot * cos) + (rotate_half(k_rot) * sin)
+
+    # Concatenate back to full shape
+    q_embed = torch.cat([q_embed, q_pass], dim=-1)
+    k_embed = torch.cat([k_embed, k_pass], dim=-1)
+    return q_embed, k_embed
+"""), (1,)),
+    # Cohere's (Cohere 2's and their copies'): the interleaved rotary of q and k upcast to fp32,
+    # both cast back to q's dtype; cos and sin come interleaved.
+    "cohere_rotary_pairs_upcast": (_rope_source("""Applies Rotary Position Embedding to the query and key tensors.
+
+""", """    dtype = q.dtype
+    q = q.float()
+    k = k.float()
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed.to(dtype=dtype), k_embed.to(dtype=dtype)
+"""), (1,)),
+    # Ernie 4.5's (and its MoE's): GLM's tables, all of the head dim, in fp32, cast back to q's
+    # dtype.
+    "hf_rotary_pairs_upcast": (_rope_source("""Applies Rotary Position Embedding to the query and key tensors.
+
+""", """    # glm rope style (with full dim) and full precision
+    original_dtype = q.dtype
+
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+
+    # Interleave them instead of usual shape
+    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+
+    q_embed = (q.float() * cos) + (rotate_half(q).float() * sin)
+    k_embed = (k.float() * cos) + (rotate_half(k).float() * sin)
+
     return q_embed.to(original_dtype), k_embed.to(original_dtype)
 """), (1,)),
     # The causal-LM loss every HF *ForCausalLM model's `loss_function` is (LOSS_MAPPING).
@@ -468,7 +543,8 @@ COMPUTES = {"new_gelu": "gelu_tanh", "fast_gelu": "gelu_tanh", "hf_conv1d_mlp": 
             "llama4_rms_norm": "hf_rms_norm",
             "mamba_rms_norm_gated": "hf_rms_norm", "qwen3_next_rms_norm_gated": "hf_rms_norm",
             "hf_partial_rotary": "rotary", "hf_partial_rotary_glm_doc": "rotary",
-            "hf_partial_rotary_inline": "rotary",
+            "hf_partial_rotary_inline": "rotary", "hf_rotary_pairs_partial": "rotary",
+            "cohere_rotary_pairs_upcast": "rotary", "hf_rotary_pairs_upcast": "rotary",
             "hf_ignore_causal_mask_sdpa": "sdpa", "hf_ignore_bidirectional_mask_sdpa": "sdpa"}
 
 
@@ -512,10 +588,17 @@ def _same_code(a, b):
     )
 
 
-def _global_is_expected(function, name):
+# The helper forms a form's code calls by name, where not the usual ones (`rotate_half` is
+# Llama's rotate-half): the interleaved rotaries call an interleaved rotate_half.
+_HELPER_FORMS = {"hf_rotary_pairs_partial": {"rotate_half": "hf_rotate_pairs"},
+                 "hf_rotary_pairs_upcast": {"rotate_half": "hf_rotate_pairs"},
+                 "cohere_rotary_pairs_upcast": {"rotate_half": "cohere_rotate_pairs"}}
+
+
+def _global_is_expected(function, name, form=None):
     """The global `name` the function loads is what the reference's module would hold: the
     module `math`, `torch` or `torch.nn`, HF's ACT2FN, or the known form of the function of
-    that name."""
+    that name (for `form`'s code: `_HELPER_FORMS`)."""
     torch = sys.modules.get("torch")
     value = function.__globals__.get(name)
     if name in ("math", "torch", "nn"):
@@ -524,7 +607,7 @@ def _global_is_expected(function, name):
     if name == "fixed_cross_entropy":
         return function_form_of(value) == "hf_fixed_cross_entropy"
     if name == "rotate_half":
-        return function_form_of(value) == "hf_rotate_half"
+        return function_form_of(value) == _HELPER_FORMS.get(form, {}).get(name, "hf_rotate_half")
     if name == "ACT2FN":  # HF's activations by name (what it builds is checked at each call)
         activations = sys.modules.get("transformers.activations")
         return activations is not None and value is getattr(activations, "ACT2FN", None)
@@ -602,25 +685,25 @@ class Dependencies:
         return all(_resolve(namespace, chain) is expected for namespace, chain, expected in self._expected)
 
 
-def _matches(function, reference, defaults):
+def _matches(function, form, reference, defaults):
     code = getattr(function, "__code__", None)
     return (code is not None and _same_code(code, reference)
             and getattr(function, "__defaults__", None) == defaults
             and not getattr(function, "__kwdefaults__", None)
             and not getattr(function, "__closure__", None)
-            and all(_global_is_expected(function, g) for g in _globals_loaded(code)))
+            and all(_global_is_expected(function, g, form) for g in _globals_loaded(code)))
 
 
 def form_of(function):
     """The name of the known `forward` form `function` is, or None."""
     return next((name for name, reference in FORMS.items()
-                 if _matches(function, reference, _FORM_DEFAULTS.get(name))), None)
+                 if _matches(function, name, reference, _FORM_DEFAULTS.get(name))), None)
 
 
 def function_form_of(function):
     """The name of the known module-level function form `function` is, or None."""
     return next((name for name, (reference, defaults) in FUNCTION_FORMS.items()
-                 if _matches(function, reference, defaults)), None)
+                 if _matches(function, name, reference, defaults)), None)
 
 
 def is_silu(module_type, torch):

@@ -832,6 +832,61 @@ def _partial_rotary(torch, original, form, dependencies=None):
     return apply_rotary_pos_emb
 
 
+def _interleaved_tables(cos, sin, unsqueeze_dim):
+    """GLM's cos and sin for the interleaved rotary: each of the first half of the features
+    repeated twice (`cos[..., :d // 2].repeat_interleave(2, dim=-1)`, the original's own ops on
+    the [B, S, d] tables), or None where the original would unsqueeze them at the last dim."""
+    if cos.unsqueeze(unsqueeze_dim).shape[-1] != cos.shape[-1] or cos.shape != sin.shape:
+        return None
+    half = cos.shape[-1] // 2
+    return cos[..., :half].repeat_interleave(2, dim=-1), sin[..., :half].repeat_interleave(2, dim=-1)
+
+
+def _pairs_partial_rotary(torch, original, form, dependencies=None):
+    """GLM's apply_rotary_pos_emb (GLM-4's, Moonshine's): the interleaved rotary (each pair of
+    features (2p, 2p+1) rotated) of the first cos.shape[-1] features of each head with GLM's
+    tables, the rest passed through, then cat. torchfuse::rotary (interleaved) of the slices the
+    original rotates, with the tables the original makes, then the original's cats."""
+    op, cat = torch.ops.torchfuse.rotary.default, torch.cat
+    served = _rotary_call(torch, original, dependencies)
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if served(q, k, cos, sin, unsqueeze_dim):
+            tables = _interleaved_tables(cos, sin, unsqueeze_dim)
+            rotary_dim = tables[0].shape[-1] if tables is not None else 0
+            if 0 < rotary_dim <= min(q.shape[-1], k.shape[-1]):
+                q_embed, k_embed = op(q[..., :rotary_dim], k[..., :rotary_dim], *tables, unsqueeze_dim, True)
+                return (cat([q_embed, q[..., rotary_dim:]], dim=-1),
+                        cat([k_embed, k[..., rotary_dim:]], dim=-1))
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    return apply_rotary_pos_emb
+
+
+def _pairs_upcast_rotary(torch, original, form, dependencies=None):
+    """Cohere's apply_rotary_pos_emb (Cohere 2's and their copies'), and Ernie 4.5's (GLM's
+    tables first): the interleaved rotary of q and k in fp32, both cast back to q's dtype.
+    torchfuse::rotary (interleaved), then the original's casts, where the arithmetic promotes to
+    fp32 anyway (cos and sin, or q and k, in fp32: the op's own fallback, the composition in the
+    inputs' dtypes, then computes what the original does); otherwise the original runs."""
+    op, served = torch.ops.torchfuse.rotary.default, _rotary_call(torch, original, dependencies)
+    fp32, promote = torch.float32, torch.promote_types
+    glm_tables = form == "hf_rotary_pairs_upcast"
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if served(q, k, cos, sin, unsqueeze_dim) and all(
+                promote(t.dtype, trig.dtype) == fp32 for t in (q, k) for trig in (cos, sin)):
+            tables = _interleaved_tables(cos, sin, unsqueeze_dim) if glm_tables else (cos, sin)
+            if tables is not None:
+                q_embed, k_embed = op(q, k, *tables, unsqueeze_dim, True)
+                return q_embed.to(q.dtype), k_embed.to(q.dtype)
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    return apply_rotary_pos_emb
+
+
 class Rewrite(typing.NamedTuple):
     """One rewrite of a recognised form (compositions.py holds its reference code and the
     toggle that switches it): what makes the replacement from the original
@@ -883,6 +938,10 @@ REWRITES = {
     # GPT-NeoX's partial rotary, in its three writings.
     **dict.fromkeys(("hf_partial_rotary", "hf_partial_rotary_glm_doc", "hf_partial_rotary_inline"),
                     Rewrite(_partial_rotary, _OPS + "rotary, then the original's cat")),
+    # The interleaved rotaries: GLM's (partial), Cohere's and Ernie 4.5's (in fp32).
+    "hf_rotary_pairs_partial": Rewrite(_pairs_partial_rotary, _OPS + "rotary (interleaved), then the original's cat"),
+    **dict.fromkeys(("cohere_rotary_pairs_upcast", "hf_rotary_pairs_upcast"),
+                    Rewrite(_pairs_upcast_rotary, _OPS + "rotary (interleaved), then the original's casts")),
     "hf_ignore_causal_mask_sdpa": Rewrite(
         _mask_skip_under_compile, "under torch.compile, eager's is_causal=True where sizes decide"),
     "hf_ignore_bidirectional_mask_sdpa": Rewrite(

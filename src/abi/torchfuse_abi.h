@@ -124,15 +124,16 @@ typedef struct TfSwigluCall {
   TfTensor grad_out;  // backward only
 } TfSwigluCall;
 
-// torchfuse::rotary (q, k, cos, sin, unsqueeze_dim) and rotary_backward (grad_q, grad_k, cos,
-// sin, unsqueeze_dim, x_dtype).
+// torchfuse::rotary (q, k, cos, sin, unsqueeze_dim, interleaved) and rotary_backward (grad_q,
+// grad_k, cos, sin, unsqueeze_dim, x_dtype, interleaved).
 typedef struct TfRotaryCall {
   TfTensor q, k;            // forward only
   TfTensor cos, sin;
   TfTensor grad_q, grad_k;  // backward only
   int64_t unsqueeze_dim;
   int16_t x_dtype;  // backward: q's and k's c10::ScalarType, the gradients' dtype
-  uint8_t unused[6];
+  uint8_t interleaved;  // 1: pairs (2p, 2p+1) rotate (rotate_every_two); 0: rotate_half's (j, j+d/2)
+  uint8_t unused[5];
 } TfRotaryCall;
 
 // embedding (weight, indices) and embedding_dense_backward (grad, indices, ...).

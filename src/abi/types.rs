@@ -205,7 +205,9 @@ pub struct TfRotaryCall {
     pub grad_k: TfTensor,
     pub unsqueeze_dim: i64,
     pub x_dtype: i16,
-    pub unused: [u8; 6],
+    /// 1: pairs (2p, 2p+1) rotate (rotate_every_two); 0: rotate_half's (j, j + d/2).
+    pub interleaved: u8,
+    pub unused: [u8; 5],
 }
 
 /// `TfEmbeddingCall`.
@@ -365,6 +367,7 @@ mod tests {
             n(offset_of!(TfRotaryCall, grad_k)),
             n(offset_of!(TfRotaryCall, unsqueeze_dim)),
             n(offset_of!(TfRotaryCall, x_dtype)),
+            n(offset_of!(TfRotaryCall, interleaved)),
             n(size_of::<TfEmbeddingCall>()),
             n(offset_of!(TfEmbeddingCall, grad)),
             n(offset_of!(TfEmbeddingCall, indices)),

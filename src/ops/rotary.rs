@@ -1,5 +1,5 @@
-//! Rotary position embedding in HF's rotate-half form, q and k in one launch, forward and
-//! backward (`torchfuse::rotary[_backward]`, what the rewrite layer sends HF's
+//! Rotary position embedding in HF's rotate-half form or the interleaved one (GLM's, Cohere's,
+//! GPT-J's rotate_every_two), q and k in one launch, forward and backward (`torchfuse::rotary[_backward]`, what the rewrite layer sends HF's
 //! apply_rotary_pos_emb to), through kernels/rotary.cu, or why stock (HF's composition, in the
 //! glue) runs a call.
 
@@ -62,6 +62,8 @@ kernel_args! {
         half: i32,
         /// Lanes a row (chunked), or 0: a warp a row, element by element.
         group: i32,
+        /// 1: pairs (2p, 2p+1) rotate; 0: rotate_half's (j, j + half).
+        interleaved: i32,
     }
 }
 
@@ -363,6 +365,7 @@ impl Family for Rotary {
             sin: sin_ptr,
             half,
             group,
+            interleaved: i32::from(call.interleaved != 0),
         };
         args::push(&mut args, &rope_args);
         // SAFETY: rope's parameters are RopeArgs's fields (the compile test checks); group > 0

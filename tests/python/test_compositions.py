@@ -277,6 +277,24 @@ def test_hf_rotary_and_its_copies_are_recognised_with_their_rotate_half():
     assert compositions.scan_functions(module("models.qwen3_next.modeling_qwen3_next")) == {
         "apply_rotary_pos_emb": "hf_partial_rotary_glm_doc"}
     assert compositions.COMPUTES["hf_partial_rotary"] == "rotary"
+    # The interleaved rotaries (rotate_half pairing 2p with 2p+1): GLM's, Cohere's, Ernie's.
+    for name, form in (("glm", "hf_rotary_pairs_partial"), ("glm4", "hf_rotary_pairs_partial"),
+                       ("moonshine", "hf_rotary_pairs_partial"), ("cohere", "cohere_rotary_pairs_upcast"),
+                       ("cohere2", "cohere_rotary_pairs_upcast"), ("ernie4_5", "hf_rotary_pairs_upcast")):
+        interleaved = module(f"models.{name}.modeling_{name}")
+        assert compositions.scan_functions(interleaved) == {"apply_rotary_pos_emb": form}, name
+        assert compositions.COMPUTES[form] == "rotary"
+    # Each calls its own rotate_half: GLM's code with Llama's rotate_half, or Llama's with GLM's,
+    # is neither form.
+    glm = module("models.glm4.modeling_glm4").apply_rotary_pos_emb
+    glm = getattr(glm, "__wrapped__", glm)
+    swapped = types.FunctionType(glm.__code__, dict(glm.__globals__, rotate_half=llama.rotate_half), glm.__name__,
+                                 glm.__defaults__)
+    assert compositions.function_form_of(swapped) is None
+    f = getattr(llama.apply_rotary_pos_emb, "__wrapped__", llama.apply_rotary_pos_emb)
+    swapped = types.FunctionType(f.__code__, dict(f.__globals__, rotate_half=glm.__globals__["rotate_half"]),
+                                 f.__name__, f.__defaults__)
+    assert compositions.function_form_of(swapped) is None
     # The same code calling another rotate_half is something else.
     f = llama.apply_rotary_pos_emb
     other = types.FunctionType(f.__code__, dict(f.__globals__, rotate_half=lambda x: x), f.__name__,
@@ -295,7 +313,8 @@ def test_hf_rotary_and_its_copies_are_recognised_with_their_rotate_half():
     ("phi3", {}),  # gate_up_proj, chunked: its own form now
     ("olmo2", {}),  # the weight multiplied in fp32, the rotary cast back: their own forms now
     ("exaone4_5", {}),  # the gated MLP returned without a name: its own form now
-    ("glm", {"apply_rotary_pos_emb": "hf_rotary"}),  # interleaved rotary
+    ("glm", {}),  # interleaved rotary: its own form now
+    ("gpt_oss", {"apply_rotary_pos_emb": "hf_rotary"}),  # halves rotated by chunk, half-width tables
 ])
 def test_near_forms_name_what_is_like_a_known_form_but_is_not(model, near):
     """The coverage harness's guide to the forms to add next: what looks like a served form (its
@@ -314,13 +333,15 @@ def test_the_coverage_report_covers_the_installed_transformers():
         assert name in llama, llama
     gemma = next(line for line in lines if line.startswith("| gemma |"))
     assert "`GemmaRMSNorm` (gemma_rms_norm)" in gemma and gemma.endswith("| – |"), gemma
-    # Qwen 3.5's gated norm is recognised; Cohere's interleaved rotary and its copies are one
-    # group of the same code, near a known form; Gemma 3n's norm and one-tensor rotary are
-    # forms of their own.
+    # Qwen 3.5's gated norm and Cohere's interleaved rotary are recognised; GPT-J's rotary and
+    # its copy (CodeGen's) are one group of the same code, near a known form; Gemma 3n's norm and
+    # one-tensor rotary are forms of their own.
     qwen3_5 = next(line for line in lines if line.startswith("| qwen3_5 |"))
     assert "`Qwen3_5RMSNormGated` (qwen3_next_rms_norm_gated)" in qwen3_5, qwen3_5
-    group = next(line for line in lines if "`cohere.apply_rotary_pos_emb`" in line)
-    assert group.startswith("| hf_rotary | ") and int(group.split("|")[2]) >= 3, group
+    cohere = next(line for line in lines if line.startswith("| cohere |"))
+    assert "`apply_rotary_pos_emb` (cohere_rotary_pairs_upcast)" in cohere, cohere
+    group = next(line for line in lines if "`gptj.apply_rotary_pos_emb`" in line)
+    assert group.startswith("| hf_rotary | ") and int(group.split("|")[2]) >= 2, group
     gemma3n = next(line for line in lines if line.startswith("| gemma3n |"))
     for name in ("`Gemma3nRMSNorm` (gemma4_rms_norm)", "`apply_rotary_pos_emb` (hf_single_rotary)"):
         assert name in gemma3n, gemma3n

@@ -69,21 +69,12 @@ def assert_like_the_original(ours, original, q, k, cos, sin, dq, dk, dim, what, 
         assert e_ours <= max(2 * e_orig, FLOOR[o.dtype]), f"{what} {name}: {e_ours:.3g} vs {e_orig:.3g}"
 
 
-# (x dtype, cos/sin dtype): pure bf16, autocast's form (fp32 cos/sin from fp32 hidden states),
-# fp32, f16.
-FORMS = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32),
-         (torch.float16, torch.float16)]
-
-
-@pytest.mark.parametrize("x_dtype,trig_dtype", FORMS)
-def test_rotary_is_hfs_composition(x_dtype, trig_dtype):
-    seed = fresh_seed()
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    # Head dims 64, 128 (16-byte chunks, 4 and 8 lanes a row), 32, 96 and 256 (2, 2 and 16 lanes),
-    # 2 and 40 (element by element), a 64 whose tensors start 2 elements into their memory
-    # (misaligned: element by element), and partial rotary: the first 32 of 80 head dims (a
-    # strided slice, as GPT-NeoX/Phi-style attention passes it).
+def operand_cases(rng, x_dtype):
+    """(b, s, hq, hk, d, q, k, unsqueeze_dim) of the layouts the op serves. Head dims 64, 128
+    (16-byte chunks, 4 and 8 lanes a row), 32, 96 and 256 (2, 2 and 16 lanes), 2 and 40 (element
+    by element), a 64 whose tensors start 2 elements into their memory (misaligned: element by
+    element), and partial rotary: the first 32 of 80 head dims (a strided slice, as
+    GPT-NeoX/Phi-style attention passes it)."""
     for b, s, hq, hk, d, dim in [(2, 9, 4, 2, 64, 1), (1, 1, 1, 1, 2, 1), (4, 1024, 16, 8, 64, 1),
                                  (2, rng.randrange(1, 300), 8, 8, 128, 1), (3, 17, 4, 4, 32, 2),
                                  (2, 5, 3, 1, 96, 1), (1, 7, 2, 2, 40, 2), (1, 3, 2, 1, 256, 1),
@@ -101,6 +92,21 @@ def test_rotary_is_hfs_composition(x_dtype, trig_dtype):
             dim = 1
             q = torch.randn(b * hq * s * d + 2, device="cuda").to(x_dtype)[2:].view(b, hq, s, d)
             k = torch.randn(b * hk * s * d + 2, device="cuda").to(x_dtype)[2:].view(b, hk, s, d)
+        yield b, s, hq, hk, d, q, k, dim
+
+
+# (x dtype, cos/sin dtype): pure bf16, autocast's form (fp32 cos/sin from fp32 hidden states),
+# fp32, f16.
+FORMS = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+         (torch.float16, torch.float16)]
+
+
+@pytest.mark.parametrize("x_dtype,trig_dtype", FORMS)
+def test_rotary_is_hfs_composition(x_dtype, trig_dtype):
+    seed = fresh_seed()
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    for b, s, hq, hk, d, q, k, dim in operand_cases(rng, x_dtype):
         cos, sin = rope_tables(b, s, d, trig_dtype)
         out_dtype = torch.promote_types(x_dtype, trig_dtype)
         dq = torch.randn(q.shape, device="cuda").to(out_dtype)
@@ -113,6 +119,82 @@ def test_rotary_is_hfs_composition(x_dtype, trig_dtype):
         assert_like_the_original(ours, apply_rotary_pos_emb, q, k, cos, sin, dq, dk, dim, what, grad_layouts=False)
         again = run(torch.ops.torchfuse.rotary, q, k, cos, sin, dq, dk, dim)
         assert all(torch.equal(a, c) for a, c in zip(ours, again)), f"{what}: not reproducible"
+
+
+def rotate_pairs(x):  # transformers 5.17, modeling_glm.py's rotate_half
+    x1 = x[..., 0::2]
+    x2 = x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def apply_interleaved(q, k, cos, sin, unsqueeze_dim=1):
+    """GLM's rotary of q and k with the tables as given (Cohere's: cos and sin interleaved)."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    return (q * cos) + (rotate_pairs(q) * sin), (k * cos) + (rotate_pairs(k) * sin)
+
+
+def interleaved_op(q, k, cos, sin, unsqueeze_dim):
+    return torch.ops.torchfuse.rotary(q, k, cos, sin, unsqueeze_dim, True)
+
+
+@pytest.mark.parametrize("x_dtype,trig_dtype", FORMS)
+def test_interleaved_rotary_is_glms_composition(x_dtype, trig_dtype):
+    """torchfuse::rotary with interleaved=True (each pair of features (2p, 2p+1) rotated: GLM's,
+    Cohere's, GPT-J's layout) against that composition, on the rotate-half test's layouts,
+    forward and backward served, bitwise reproducible. Every table entry is its own angle (HF's
+    interleaved tables repeat each twice, which would hide a kernel reading the pair's other
+    entry)."""
+    seed = fresh_seed()
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    for b, s, hq, hk, d, q, k, dim in operand_cases(rng, x_dtype):
+        angles = torch.rand(b, s, d, device="cuda") * 100
+        cos, sin = angles.cos().to(trig_dtype), angles.sin().to(trig_dtype)
+        out_dtype = torch.promote_types(x_dtype, trig_dtype)
+        dq = torch.randn(q.shape, device="cuda").to(out_dtype)
+        dk = torch.randn(k.shape, device="cuda").to(out_dtype)
+        before = fused_count(OP), fused_count(OP_BWD)
+        ours = run(interleaved_op, q, k, cos, sin, dq, dk, dim)
+        assert (fused_count(OP), fused_count(OP_BWD)) == (before[0] + 1, before[1] + 1), (
+            stock_reasons(OP), stock_reasons(OP_BWD))
+        what = f"seed {seed} interleaved {x_dtype}/{trig_dtype} {list(q.shape)} {list(k.shape)} dim {dim}"
+        assert_like_the_original(ours, apply_interleaved, q, k, cos, sin, dq, dk, dim, what, grad_layouts=False)
+        again = run(interleaved_op, q, k, cos, sin, dq, dk, dim)
+        assert all(torch.equal(a, c) for a, c in zip(ours, again)), f"{what}: not reproducible"
+
+
+@pytest.mark.parametrize("module_name,factory,form", [
+    ("glm4", "_pairs_partial_rotary", "hf_rotary_pairs_partial"),
+    ("cohere", "_pairs_upcast_rotary", "cohere_rotary_pairs_upcast"),
+    ("ernie4_5", "_pairs_upcast_rotary", "hf_rotary_pairs_upcast")])
+def test_interleaved_rotary_rewrites_are_the_original_functions(module_name, factory, form):
+    """The rewrites of GLM-4's apply_rotary_pos_emb (GLM's tables, half or all of the head dim,
+    then cat), Cohere's and Ernie 4.5's (in fp32, cast back to q's dtype) against the original
+    functions: served once a call where the rewrite takes it (the fp32 forms: where the
+    arithmetic promotes to fp32 anyway), dtypes, layouts, values and gradients within the
+    original's error to float64."""
+    _, original, rewritten = original_and_rewrite(module_name, "apply_rotary_pos_emb", factory, form)
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    partial = form == "hf_rotary_pairs_partial"
+    cases = [(FORMS[1], 64), (FORMS[2], 64), (FORMS[0], 64)] + ([(FORMS[1], 32), (FORMS[3], 32)] if partial else [])
+    for (x_dtype, trig_dtype), rotary_dim in cases:
+        b, s, h, d = 2, 129, 8, 64
+        q, k = projected_heads(b, s, h, d, x_dtype), projected_heads(b, s, h, d, x_dtype)
+        cos, sin = rope_tables(b, s, rotary_dim, trig_dtype)
+        if form == "cohere_rotary_pairs_upcast":  # Cohere's rotary embedding makes them interleaved
+            angles = torch.rand(b, s, rotary_dim // 2, device="cuda") * 100
+            cos, sin = (t.repeat_interleave(2, dim=-1).to(trig_dtype) for t in (angles.cos(), angles.sin()))
+        out_dtype = torch.promote_types(x_dtype, trig_dtype) if partial else x_dtype
+        dq, dk = (torch.randn(t.shape, device="cuda").to(out_dtype) for t in (q, k))
+        before = fused_count(OP), asked_count(OP)
+        ours = run(rewritten, q, k, cos, sin, dq, dk, 1)
+        served = partial or torch.float32 in (x_dtype, trig_dtype)
+        assert (fused_count(OP) - before[0], asked_count(OP) - before[1]) == (served, served), stock_reasons(OP)
+        what = f"seed {seed} {module_name} {x_dtype}/{trig_dtype} rotary_dim {rotary_dim}"
+        assert [o.dtype for o in ours] == [out_dtype, out_dtype, x_dtype, x_dtype], what
+        assert_like_the_original(ours, original, q, k, cos, sin, dq, dk, 1, what)
 
 
 def test_what_is_not_served_goes_to_stock():

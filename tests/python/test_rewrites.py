@@ -417,6 +417,50 @@ print(json.dumps({"rewritten": hasattr(G.apply_rotary_pos_emb, "__wrapped__"), "
     assert len(out["checks"]) == 8, out
 
 
+def test_interleaved_rotary_rewrites_run_their_cuda_path_on_cpu_with_the_guard_passed():
+    """The interleaved rotaries' rewrites (GLM-4's partial one, Cohere's and Ernie 4.5's in fp32),
+    their own code past the guard on CPU (`_rotary_call` patched to pass), where
+    torchfuse::rotary(..., interleaved=True) runs the interleaved composition: the original's
+    outputs bitwise with their dtypes and strides (all of the head dim and half of it, bf16 q
+    with fp32 cos, heads second or third), and q's and k's gradients within two of their
+    roundings of the original's; each model's function is the rewrite."""
+    out, _ = run("""
+import torchfuse.rewrites as R
+R._rotary_call = lambda torch, original, dependencies=None: (lambda *args: True)
+import transformers.models.glm4.modeling_glm4 as G
+import transformers.models.cohere.modeling_cohere as C
+import transformers.models.ernie4_5.modeling_ernie4_5 as E
+torch.manual_seed(0)
+result = []
+cases = [(G, R._pairs_partial_rotary, "hf_rotary_pairs_partial", rotary_dim, x_dtype, trig_dtype, dim)
+         for rotary_dim, x_dtype, trig_dtype, dim in ((32, torch.float32, torch.float32, 1), (64, torch.bfloat16, torch.float32, 1),
+                                                      (32, torch.bfloat16, torch.bfloat16, 2))]
+cases += [(module, R._pairs_upcast_rotary, form, 64, x_dtype, torch.float32, dim)
+          for module, form in ((C, "cohere_rotary_pairs_upcast"), (E, "hf_rotary_pairs_upcast"))
+          for x_dtype, dim in ((torch.bfloat16, 1), (torch.float32, 2))]
+for module, make, form, rotary_dim, x_dtype, trig_dtype, dim in cases:
+    original = module.apply_rotary_pos_emb.__wrapped__
+    rewritten = make(torch, original, form)
+    shape = (2, 4, 5, 64) if dim == 1 else (2, 5, 4, 64)
+    q, k = torch.randn(shape).to(x_dtype), torch.randn(shape).to(x_dtype)
+    cos, sin = torch.randn(2, 5, rotary_dim).to(trig_dtype), torch.randn(2, 5, rotary_dim).to(trig_dtype)
+    runs = []
+    for fn in (rewritten, original):
+        qi, ki = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
+        qe, ke = fn(qi, ki, cos, sin, dim)
+        (qe.float().square().sum() + ke.float().square().sum()).backward()
+        runs.append(((qe.detach(), ke.detach()), (qi.grad, ki.grad)))
+    (ours, g_ours), (theirs, g_theirs) = runs
+    same = all(torch.equal(a, b) and a.dtype == b.dtype and a.stride() == b.stride() for a, b in zip(ours, theirs))
+    rel = max(((a.double() - b.double()).norm() / b.double().norm()).item() for a, b in zip(g_ours, g_theirs))
+    result.append([same, all(a.dtype == b.dtype for a, b in zip(g_ours, g_theirs)),
+                   rel <= (1e-5 if x_dtype == torch.float32 else 1.6e-2)])
+print(json.dumps({"rewritten": [hasattr(m.apply_rotary_pos_emb, "__wrapped__") for m in (G, C, E)], "checks": result}))
+""")
+    assert out["rewritten"] == [True, True, True] and all(all(check) for check in out["checks"]), out
+    assert len(out["checks"]) == 7, out
+
+
 # Each norm rewrite's CUDA replacement, written out, checked on CPU against the class's original
 # forward: (transformers model, class, constructor kwargs, (x dtype, weight dtype) pairs, the
 # replacement of (norm, x), the float64 reference of (x, weight, eps)). LayerNorm's reference

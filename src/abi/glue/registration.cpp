@@ -113,6 +113,7 @@ const std::vector<int64_t>& abi_layout() {
       sizeof(TfRotaryCall), TF_FIELD(TfRotaryCall, k), TF_FIELD(TfRotaryCall, cos),
       TF_FIELD(TfRotaryCall, sin), TF_FIELD(TfRotaryCall, grad_q), TF_FIELD(TfRotaryCall, grad_k),
       TF_FIELD(TfRotaryCall, unsqueeze_dim), TF_FIELD(TfRotaryCall, x_dtype),
+      TF_FIELD(TfRotaryCall, interleaved),
       sizeof(TfEmbeddingCall), TF_FIELD(TfEmbeddingCall, grad),
       TF_FIELD(TfEmbeddingCall, indices), TF_FIELD(TfEmbeddingCall, num_weights),
       TF_FIELD(TfEmbeddingCall, padding_idx), TF_FIELD(TfEmbeddingCall, scale_grad_by_freq),

@@ -1,12 +1,13 @@
-// torchfuse::rotary (HF's apply_rotary_pos_emb) and its backward.
+// torchfuse::rotary (HF's apply_rotary_pos_emb, rotate-half or interleaved) and its backward.
 #include "glue.h"
 
 namespace torchfuse_glue {
 namespace {
 
-// torchfuse::rotary(q, k, cos, sin, unsqueeze_dim): HF's apply_rotary_pos_emb (the
-// rotate-half form), q and k in one call. The gradients go to q and k (cos and sin that need
-// one take HF's own ops, autograd included).
+// torchfuse::rotary(q, k, cos, sin, unsqueeze_dim, interleaved): HF's apply_rotary_pos_emb (the
+// rotate-half form, or with `interleaved` the rotate_every_two form of GLM, Cohere and GPT-J),
+// q and k in one call. The gradients go to q and k (cos and sin that need one take HF's own
+// ops, autograd included).
 at::Tensor rotate_half(const at::Tensor& x) {
   const int64_t half = x.size(-1) / 2;
   return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
@@ -18,6 +19,19 @@ at::Tensor rotate_half(const at::Tensor& x) {
 at::Tensor rotate_half_transposed(const at::Tensor& dy) {
   const int64_t split = dy.size(-1) - dy.size(-1) / 2;
   return at::cat({dy.slice(-1, split), -dy.slice(-1, 0, split)}, -1);
+}
+
+// GLM's rotate_half (GPT-J's rotate_every_two): stack((-x[..., 1::2], x[..., 0::2]), -1)
+// flattened, each pair (x[2p], x[2p+1]) becoming (-x[2p+1], x[2p]).
+at::Tensor rotate_pairs(const at::Tensor& x) {
+  return at::stack({-x.slice(-1, 1, c10::nullopt, 2), x.slice(-1, 0, c10::nullopt, 2)}, -1)
+      .flatten(-2);
+}
+
+// rotate_pairs' transpose: each pair (g[2p], g[2p+1]) becomes (g[2p+1], -g[2p]).
+at::Tensor rotate_pairs_transposed(const at::Tensor& g) {
+  return at::stack({g.slice(-1, 1, c10::nullopt, 2), -g.slice(-1, 0, c10::nullopt, 2)}, -1)
+      .flatten(-2);
 }
 
 // HF's composition, with `rotate` in rotate_half's place (the Meta kernels below pass the
@@ -45,8 +59,9 @@ std::tuple<at::Tensor, at::Tensor> rotary_backward_composed(
 
 std::tuple<at::Tensor, at::Tensor> rotary_stock(const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& cos, const at::Tensor& sin,
-                                                int64_t unsqueeze_dim) {
-  return rotary_composed(q, k, cos, sin, unsqueeze_dim, rotate_half);
+                                                int64_t unsqueeze_dim, bool interleaved) {
+  return interleaved ? rotary_composed(q, k, cos, sin, unsqueeze_dim, rotate_pairs)
+                     : rotary_composed(q, k, cos, sin, unsqueeze_dim, rotate_half);
 }
 
 std::tuple<at::Tensor, at::Tensor> rotary_backward_stock(const at::Tensor& grad_q,
@@ -54,9 +69,12 @@ std::tuple<at::Tensor, at::Tensor> rotary_backward_stock(const at::Tensor& grad_
                                                          const at::Tensor& cos,
                                                          const at::Tensor& sin,
                                                          int64_t unsqueeze_dim,
-                                                         at::ScalarType x_dtype) {
-  return rotary_backward_composed(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype,
-                                  rotate_half_transposed);
+                                                         at::ScalarType x_dtype,
+                                                         bool interleaved) {
+  return interleaved ? rotary_backward_composed(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype,
+                                                rotate_pairs_transposed)
+                     : rotary_backward_composed(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype,
+                                                rotate_half_transposed);
 }
 
 // Meta tensors (and a compiler's fake ones, whose symbolic sizes the slices of rotate_half
@@ -66,7 +84,7 @@ const auto unrotated = [](const at::Tensor& t) { return t; };
 
 std::tuple<at::Tensor, at::Tensor> rotary_meta(const at::Tensor& q, const at::Tensor& k,
                                                const at::Tensor& cos, const at::Tensor& sin,
-                                               int64_t unsqueeze_dim) {
+                                               int64_t unsqueeze_dim, bool /*interleaved*/) {
   return rotary_composed(q, k, cos, sin, unsqueeze_dim, unrotated);
 }
 
@@ -75,21 +93,23 @@ std::tuple<at::Tensor, at::Tensor> rotary_backward_meta(const at::Tensor& grad_q
                                                         const at::Tensor& cos,
                                                         const at::Tensor& sin,
                                                         int64_t unsqueeze_dim,
-                                                        at::ScalarType x_dtype) {
+                                                        at::ScalarType x_dtype,
+                                                        bool /*interleaved*/) {
   return rotary_backward_composed(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype, unrotated);
 }
 
 std::tuple<at::Tensor, at::Tensor> rotary_cuda(const at::Tensor& q, const at::Tensor& k,
                                                const at::Tensor& cos, const at::Tensor& sin,
-                                               int64_t unsqueeze_dim) {
+                                               int64_t unsqueeze_dim, bool interleaved) {
   TfRotaryCall call{};
   call.q = describe(q);
   call.k = describe(k);
   call.cos = describe(cos);
   call.sin = describe(sin);
   call.unsqueeze_dim = unsqueeze_dim;
+  call.interleaved = interleaved;
   return fused_or_stock(TF_ENTRY_ROTARY, q, call,
-                        [&] { return rotary_stock(q, k, cos, sin, unsqueeze_dim); });
+                        [&] { return rotary_stock(q, k, cos, sin, unsqueeze_dim, interleaved); });
 }
 
 std::tuple<at::Tensor, at::Tensor> rotary_backward_cuda(const at::Tensor& grad_q,
@@ -97,7 +117,8 @@ std::tuple<at::Tensor, at::Tensor> rotary_backward_cuda(const at::Tensor& grad_q
                                                         const at::Tensor& cos,
                                                         const at::Tensor& sin,
                                                         int64_t unsqueeze_dim,
-                                                        at::ScalarType x_dtype) {
+                                                        at::ScalarType x_dtype,
+                                                        bool interleaved) {
   TfRotaryCall call{};
   call.grad_q = describe(grad_q);
   call.grad_k = describe(grad_k);
@@ -105,16 +126,17 @@ std::tuple<at::Tensor, at::Tensor> rotary_backward_cuda(const at::Tensor& grad_q
   call.sin = describe(sin);
   call.unsqueeze_dim = unsqueeze_dim;
   call.x_dtype = static_cast<int16_t>(x_dtype);
+  call.interleaved = interleaved;
   return fused_or_stock(TF_ENTRY_ROTARY_BACKWARD, grad_q, call, [&] {
-    return rotary_backward_stock(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype);
+    return rotary_backward_stock(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype, interleaved);
   });
 }
 
 std::tuple<at::Tensor, at::Tensor> call_rotary(const at::Tensor& q, const at::Tensor& k,
                                                const at::Tensor& cos, const at::Tensor& sin,
-                                               int64_t unsqueeze_dim) {
+                                               int64_t unsqueeze_dim, bool interleaved) {
   static const auto op = own_op<decltype(call_rotary)>("torchfuse::rotary");
-  return op.call(q, k, cos, sin, unsqueeze_dim);
+  return op.call(q, k, cos, sin, unsqueeze_dim, interleaved);
 }
 
 std::tuple<at::Tensor, at::Tensor> call_rotary_backward(const at::Tensor& grad_q,
@@ -122,9 +144,10 @@ std::tuple<at::Tensor, at::Tensor> call_rotary_backward(const at::Tensor& grad_q
                                                         const at::Tensor& cos,
                                                         const at::Tensor& sin,
                                                         int64_t unsqueeze_dim,
-                                                        at::ScalarType x_dtype) {
+                                                        at::ScalarType x_dtype,
+                                                        bool interleaved) {
   static const auto op = own_op<decltype(call_rotary_backward)>("torchfuse::rotary_backward");
-  return op.call(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype);
+  return op.call(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype, interleaved);
 }
 
 class RotaryFunction : public torch::autograd::Function<RotaryFunction> {
@@ -132,12 +155,13 @@ class RotaryFunction : public torch::autograd::Function<RotaryFunction> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& cos, const at::Tensor& sin,
-                                                int64_t unsqueeze_dim) {
+                                                int64_t unsqueeze_dim, bool interleaved) {
     ctx->save_for_backward({cos, sin});
     ctx->saved_data["unsqueeze_dim"] = unsqueeze_dim;
     ctx->saved_data["x_dtype"] = static_cast<int64_t>(q.scalar_type());
+    ctx->saved_data["interleaved"] = interleaved;
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [q_embed, k_embed] = call_rotary(q, k, cos, sin, unsqueeze_dim);
+    auto [q_embed, k_embed] = call_rotary(q, k, cos, sin, unsqueeze_dim, interleaved);
     return {q_embed, k_embed};
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -145,25 +169,26 @@ class RotaryFunction : public torch::autograd::Function<RotaryFunction> {
     const auto saved = ctx->get_saved_variables();
     const int64_t dim = ctx->saved_data["unsqueeze_dim"].toInt();
     const auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt());
+    const bool interleaved = ctx->saved_data["interleaved"].toBool();
     // create_graph, or one output unused: the composed, differentiable form.
     auto [dq, dk] = at::GradMode::is_enabled() || !grads[0].defined() || !grads[1].defined()
                         ? rotary_backward_stock(grads[0], grads[1], saved[0], saved[1], dim,
-                                                x_dtype)
+                                                x_dtype, interleaved)
                         : call_rotary_backward(grads[0], grads[1], saved[0], saved[1], dim,
-                                               x_dtype);
-    return {dq, dk, at::Tensor(), at::Tensor(), at::Tensor()};
+                                               x_dtype, interleaved);
+    return {dq, dk, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 std::tuple<at::Tensor, at::Tensor> rotary_autograd(const at::Tensor& q, const at::Tensor& k,
                                                    const at::Tensor& cos, const at::Tensor& sin,
-                                                   int64_t unsqueeze_dim) {
+                                                   int64_t unsqueeze_dim, bool interleaved) {
   // cos/sin that need a gradient, and what the Function cannot take: HF's ops.
   if (q.scalar_type() != k.scalar_type() ||
       (at::GradMode::is_enabled() && (cos.requires_grad() || sin.requires_grad())) ||
       composition_only({q, k, cos, sin}))
-    return rotary_stock(q, k, cos, sin, unsqueeze_dim);
-  auto outputs = RotaryFunction::apply(q, k, cos, sin, unsqueeze_dim);
+    return rotary_stock(q, k, cos, sin, unsqueeze_dim, interleaved);
+  auto outputs = RotaryFunction::apply(q, k, cos, sin, unsqueeze_dim, interleaved);
   return {outputs[0], outputs[1]};
 }
 
@@ -174,8 +199,8 @@ bool register_rotary(uint32_t entry, const char* /*name*/) {
   switch (entry) {
     case TF_ENTRY_ROTARY:
       torchfuse_ops().def(
-          "rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, int unsqueeze_dim=1) -> "
-          "(Tensor, Tensor)");
+          "rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, int unsqueeze_dim=1, "
+          "bool interleaved=False) -> (Tensor, Tensor)");
       torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
           .impl("rotary", TORCH_FN(rotary_stock));
       torchfuse_impl(DispatchKey::CUDA).impl("rotary", TORCH_FN(rotary_cuda));
@@ -185,7 +210,7 @@ bool register_rotary(uint32_t entry, const char* /*name*/) {
     case TF_ENTRY_ROTARY_BACKWARD:
       torchfuse_ops().def(
           "rotary_backward(Tensor grad_q, Tensor grad_k, Tensor cos, Tensor sin, "
-          "int unsqueeze_dim, ScalarType x_dtype) -> (Tensor, Tensor)");
+          "int unsqueeze_dim, ScalarType x_dtype, bool interleaved=False) -> (Tensor, Tensor)");
       torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
           .impl("rotary_backward", TORCH_FN(rotary_backward_stock));
       torchfuse_impl(DispatchKey::CUDA)
