@@ -12,7 +12,7 @@ where matplotlib is installed, a PNG bar chart.
       [--sides stock,torchfuse,compile,torchfuse+compile,liger] [--rounds 2] [--steps 30]
   (--models also takes gpt2-b32, GPT-2 at batch 32, and the families of FAMILIES at realistic
   sizes: qwen2.5-0.5b, gemma-2b, pythia-410m, mistral-0.9b, phi3-2b, qwen3-0.6b, olmo2-1b,
-  gemma3-1b, mixtral-moe-0.9b)
+  gemma3-1b, glm4-1.4b, cohere-1.3b, mixtral-moe-0.9b)
 
 Every run is also appended to OUT/bench_models.jsonl as it ends; `--merge A.jsonl B.jsonl`
 reports the runs of several calls as one table.
@@ -91,6 +91,18 @@ FAMILIES = {
                        num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
                        sliding_window=512, max_position_embeddings=1024),
                   (4, 1024), "HF Gemma-3-1B shape (q/k Gemma norms, GeGLU, sliding window)"),
+    # The interleaved rotaries: GLM-4's (a half of each head rotated, pair by pair), Cohere's (all
+    # of it, in fp32; parallel attention and MLP after one LayerNorm).
+    "glm4-1.4b": ("Glm4Config", "Glm4ForCausalLM",
+                  dict(hidden_size=2048, intermediate_size=6848, num_hidden_layers=16,
+                       num_attention_heads=16, num_key_value_heads=2, head_dim=128, vocab_size=151552,
+                       max_position_embeddings=1024),
+                  (4, 1024), "HF GLM-4-9B shape at hidden 2048, 16 layers, 1.4B (GQA 16/2, partial interleaved rotary)"),
+    "cohere-1.3b": ("CohereConfig", "CohereForCausalLM",
+                  dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                       num_attention_heads=16, num_key_value_heads=16, vocab_size=256000,
+                       max_position_embeddings=1024),
+                  (4, 1024), "HF Command-R shape at hidden 2048, 16 layers, 1.3B (LayerNorm, interleaved rotary in fp32)"),
     # MoE: the experts' gate (HF's _default_apply_gate under the default grouped_mm experts).
     "mixtral-moe-0.9b": ("MixtralConfig", "MixtralForCausalLM",
                          dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
