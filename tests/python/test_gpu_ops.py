@@ -85,8 +85,19 @@ def rotary_make(b=2, s=1024, heads=8, kv_heads=8):
     return [q, k, cos, sin, randn(*q.shape), randn(*k.shape)]
 
 
-def rotary_run(q, k, cos, sin, dq, dk):
-    return grads(torch.ops.torchfuse.rotary(q, k, cos, sin, 1), (q, k), (dq, dk))
+def rotary_run(q, k, cos, sin, dq, dk, interleaved=False):
+    return grads(torch.ops.torchfuse.rotary(q, k, cos, sin, 1, interleaved), (q, k), (dq, dk))
+
+
+def rotary_case(interleaved):
+    """torchfuse::rotary in the rotate-half layout, or the interleaved one (GLM's pairs)."""
+    return Case(
+        "rotary", ("torchfuse::rotary", "torchfuse::rotary_backward"), make=rotary_make,
+        run=lambda *inputs: rotary_run(*inputs, interleaved=interleaved),
+        # q past 2^31 elements, k of one head (GQA): 17 GiB in all.
+        big=lambda: rotary_make(b=1, s=BIG // (8 * 64) + 1, kv_heads=1),
+        bad=[lambda: [randn(2, 8, 16, 64), randn(2, 8, 16, 64), randn(2, 5, 64), randn(2, 5, 64), None, None]],
+        forward=lambda q, k, cos, sin, *_: torch.ops.torchfuse.rotary(q, k, cos, sin, 1, interleaved))
 
 
 def adamw_make(sizes=(4096, 65536, 1 << 20)):
@@ -201,12 +212,8 @@ CASES = {
         big=lambda: [randn(BIG // 4096 + 1, 8192, grad=True), randn(BIG // 4096 + 1, 4096)],
         bad=[lambda: [randn(8, 63), randn(8, 31)]],  # an odd width: chunk's halves differ
         forward=lambda gate_up, _: torch.ops.torchfuse.silu_mul_packed(gate_up)),
-    "rotary": Case(
-        "rotary", ("torchfuse::rotary", "torchfuse::rotary_backward"), make=rotary_make, run=rotary_run,
-        # q past 2^31 elements, k of one head (GQA): 17 GiB in all.
-        big=lambda: rotary_make(b=1, s=BIG // (8 * 64) + 1, kv_heads=1),
-        bad=[lambda: [randn(2, 8, 16, 64), randn(2, 8, 16, 64), randn(2, 5, 64), randn(2, 5, 64), None, None]],
-        forward=lambda q, k, cos, sin, *_: torch.ops.torchfuse.rotary(q, k, cos, sin, 1)),
+    "rotary": rotary_case(interleaved=False),
+    "rotary_interleaved": rotary_case(interleaved=True),
 }
 
 
