@@ -7,7 +7,7 @@
 //   backward  dx[j]    = dy[j] cos[j]        + dy[j+h] sin[j+h]
 //             dx[j+h]  = dy[j+h] cos[j+h]    - dy[j] sin[j]
 //
-// and the interleaved form (`interleaved`: GLM's, Cohere's, GPT-J's rotate_every_two) pairs
+// and the interleaved form (rope_pairs: GLM's, Cohere's, GPT-J's rotate_every_two) pairs
 // element 2p with 2p+1, the same formulas with j = 2p and j+h = 2p+1.
 //
 // Stock (HF's code) runs five kernels for each of q and k (a multiply, a negation, a cat, a
@@ -173,26 +173,30 @@ typedef tf_x tf_in;
 typedef tf_y tf_out;
 #endif
 
+template <bool PAIRS>
 __device__ __forceinline__ void rope_row(const RopeOperand& op, const tf_y* __restrict__ cos,
                                          const tf_y* __restrict__ sin, tf_i64 row, int half,
-                                         int group, int interleaved, int lane, int lanes) {
-  if (interleaved) {  // uniform across the launch
+                                         int group, int lane, int lanes) {
+  if constexpr (PAIRS) {
     if (group > 0)
       rotate_pairs<TF_EW_CHUNK, tf_in, tf_out>(op, cos, sin, row, half, lane % lanes, lanes);
     else
       rotate_pairs<1, tf_in, tf_out>(op, cos, sin, row, half, lane, 32);
-  } else if (group > 0) {
-    rotate_row<TF_EW_CHUNK, tf_in, tf_out>(op, cos, sin, row, half, lane % lanes, lanes);
   } else {
-    rotate_row<1, tf_in, tf_out>(op, cos, sin, row, half, lane, 32);
+    if (group > 0)
+      rotate_row<TF_EW_CHUNK, tf_in, tf_out>(op, cos, sin, row, half, lane % lanes, lanes);
+    else
+      rotate_row<1, tf_in, tf_out>(op, cos, sin, row, half, lane, 32);
   }
 }
 
 // q's rows, then k's, a grid-stride loop over both: `group` lanes a row chunk by chunk, or
-// (group 0) a warp a row element by element.
-extern "C" __global__ void __launch_bounds__(TF_THREADS)
-    rope(RopeOperand q, RopeOperand k, const tf_y* __restrict__ cos,
-         const tf_y* __restrict__ sin, int half, int group, int interleaved) {
+// (group 0) a warp a row element by element. One kernel per layout (rope: rotate-half;
+// rope_pairs: interleaved), so that each keeps the registers its own path needs.
+template <bool PAIRS>
+__device__ __forceinline__ void rope_rows(const RopeOperand& q, const RopeOperand& k,
+                                          const tf_y* __restrict__ cos,
+                                          const tf_y* __restrict__ sin, int half, int group) {
   constexpr int warps = TF_THREADS / 32;
   const int lane = threadIdx.x % 32;
   const int lanes = group > 0 ? group : 32;  // a row's lanes
@@ -205,8 +209,20 @@ extern "C" __global__ void __launch_bounds__(TF_THREADS)
     // Each call names its operand: `is_q ? q : k` would copy the chosen one to the stack
     // (local memory) on every row, where the parameters' constant bank serves them directly.
     if (r < q.rows)
-      rope_row(q, cos, sin, r, half, group, interleaved, lane, lanes);
+      rope_row<PAIRS>(q, cos, sin, r, half, group, lane, lanes);
     else
-      rope_row(k, cos, sin, r - q.rows, half, group, interleaved, lane, lanes);
+      rope_row<PAIRS>(k, cos, sin, r - q.rows, half, group, lane, lanes);
   }
+}
+
+extern "C" __global__ void __launch_bounds__(TF_THREADS)
+    rope(RopeOperand q, RopeOperand k, const tf_y* __restrict__ cos,
+         const tf_y* __restrict__ sin, int half, int group) {
+  rope_rows<false>(q, k, cos, sin, half, group);
+}
+
+extern "C" __global__ void __launch_bounds__(TF_THREADS)
+    rope_pairs(RopeOperand q, RopeOperand k, const tf_y* __restrict__ cos,
+               const tf_y* __restrict__ sin, int half, int group) {
+  rope_rows<true>(q, k, cos, sin, half, group);
 }

@@ -258,6 +258,17 @@ _NEOX_ROPE_BODY = """    cos = cos.unsqueeze(unsqueeze_dim)
 """
 
 
+# GLM's tables for its interleaved rotary: the first half of HF's cos and sin, each repeated.
+_GLM_INTERLEAVE = """    # Interleave them instead of usual shape
+    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+"""
+
+# GLM's apply_rotary_pos_emb body: GPT-NeoX's with the tables interleaved first (its
+# rotate_half is the interleaved one).
+_GLM_ROPE_BODY = _NEOX_ROPE_BODY.replace("\n\n    # Keep half", "\n\n" + _GLM_INTERLEAVE + "\n    # Keep half", 1)
+
+
 # Module-level functions of transformers.loss.loss_utils (5.17), with their defaults.
 _FUNCTION_SOURCES = {
     # transformers.integrations.moe._default_apply_gate: the gate of HF's MoE experts (Mixtral,
@@ -382,27 +393,7 @@ _FUNCTION_SOURCES = {
     # features rotated pair by pair, the rest passed through, then cat.
     "hf_rotary_pairs_partial": (_rope_source("""Applies Rotary Position Embedding to the query and key tensors.
 
-""", """    cos = cos.unsqueeze(unsqueeze_dim)
-    sin = sin.unsqueeze(unsqueeze_dim)
-
-    # Interleave them instead of usual shape
-    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
-    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
-
-    # Keep half or full tensor for later concatenation
-    rotary_dim = cos.shape[-1]
-    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
-    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
-
-    # Apply rotary embeddings on the first half or full tensor
-    q_embed = (q_rot * cos) + (rotate_half(q_rot) * sin)
-    k_embed = (k_rot * cos) + (rotate_half(k_rot) * sin)
-
-    # Concatenate back to full shape
-    q_embed = torch.cat([q_embed, q_pass], dim=-1)
-    k_embed = torch.cat([k_embed, k_pass], dim=-1)
-    return q_embed, k_embed
-"""), (1,)),
+""", _GLM_ROPE_BODY), (1,)),
     # Cohere's (Cohere 2's and their copies'): the interleaved rotary of q and k upcast to fp32,
     # both cast back to q's dtype; cos and sin come interleaved.
     "cohere_rotary_pairs_upcast": (_rope_source("""Applies Rotary Position Embedding to the query and key tensors.
@@ -426,10 +417,7 @@ _FUNCTION_SOURCES = {
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
 
-    # Interleave them instead of usual shape
-    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
-    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
-
+""" + _GLM_INTERLEAVE + """
     q_embed = (q.float() * cos) + (rotate_half(q).float() * sin)
     k_embed = (k.float() * cos) + (rotate_half(k).float() * sin)
 

@@ -1,6 +1,7 @@
-//! What a CUBIN says about its kernels' stack frames, for the tests: a kernel that copies
-//! its arguments or arrays to the stack reads local memory on every use (rotary's operand
-//! copy, 224 bytes a thread, made it 1.6x slower than the element-wise kernel before it).
+//! What a CUBIN says about its kernels, for the tests: their stack frames (a kernel that copies
+//! its arguments or arrays to the stack reads local memory on every use: rotary's operand copy,
+//! 224 bytes a thread, made it 1.6x slower than the element-wise kernel before it), their
+//! parameters' sizes, and their code sizes and register counts.
 //!
 //! A CUBIN is a little-endian ELF64 file. Its `.nv.info` section is a list of attribute
 //! records: a format byte, an attribute byte, then for format 4 (sized) a 16-bit size and that
@@ -70,6 +71,39 @@ fn section_sizes(elf: &[u8]) -> Option<Vec<(String, usize)>> {
         .collect()
 }
 
+/// The sized records (format EIFMT_SVAL) of a `.nv.info` section: (attribute, payload). A
+/// record is a format byte, an attribute byte, then for format 4 a 16-bit size and that many
+/// bytes, for the other formats a 16-bit value; an error where one runs past the section.
+fn sized_records(info: &[u8]) -> Result<Vec<(u8, &[u8])>, String> {
+    let (mut at, mut records) = (0, Vec::new());
+    while at + 4 <= info.len() {
+        let (format, attribute) = (info[at], info[at + 1]);
+        let size = if format == EIFMT_SVAL {
+            usize::from(u16_at(info, at + 2).ok_or("truncated record")?)
+        } else {
+            0
+        };
+        let payload = info.get(at + 4..at + 4 + size).ok_or("truncated record")?;
+        if format == EIFMT_SVAL {
+            records.push((attribute, payload));
+        }
+        at += 4 + size;
+    }
+    if at != info.len() {
+        return Err("malformed .nv.info".into());
+    }
+    Ok(records)
+}
+
+/// The u32 values of the (function symbol, u32) records of `attribute` in a `.nv.info` section.
+fn per_function_values(info: &[u8], attribute: u8) -> Result<Vec<u32>, String> {
+    Ok(sized_records(info)?
+        .into_iter()
+        .filter(|&(a, payload)| a == attribute && payload.len() == 8)
+        .filter_map(|(_, payload)| u32_at(payload, 4))
+        .collect())
+}
+
 /// What a CUBIN's code is, kernel by kernel, for comparing two builds of the same source (a
 /// change to how arguments arrive should leave it unchanged): each `.text.<kernel>` section's
 /// size in bytes (16 per instruction), sorted by name, and the register counts of its
@@ -86,19 +120,7 @@ pub fn code_summary(cubin: &[u8]) -> Result<String, String> {
         .collect();
     text.sort();
     let info = section(cubin, ".nv.info").ok_or("no .nv.info section")?;
-    let (mut at, mut registers) = (0, Vec::new());
-    while at + 4 <= info.len() {
-        let (format, attribute) = (info[at], info[at + 1]);
-        let size = if format == EIFMT_SVAL {
-            usize::from(u16_at(info, at + 2).ok_or("truncated record")?)
-        } else {
-            0
-        };
-        if format == EIFMT_SVAL && attribute == EIATTR_REGCOUNT && size == 8 {
-            registers.push(u32_at(info, at + 8).ok_or("truncated record")?);
-        }
-        at += 4 + size;
-    }
+    let mut registers = per_function_values(info, EIATTR_REGCOUNT)?;
     registers.sort_unstable();
     Ok(format!("{} regs {registers:?}", text.join(" ")))
 }
@@ -114,22 +136,23 @@ pub fn kernel_param_sizes(cubin: &[u8], kernel: &str) -> Result<Vec<u32>, String
     const EIATTR_KPARAM_INFO_V2: u8 = 0x45;
     let info = section(cubin, &format!(".nv.info.{kernel}"))
         .ok_or_else(|| format!("no .nv.info.{kernel} section"))?;
-    let (mut at, mut params) = (0, Vec::new());
-    while at + 4 <= info.len() {
-        let (format, attribute) = (info[at], info[at + 1]);
-        let size = if format == EIFMT_SVAL {
-            usize::from(u16_at(info, at + 2).ok_or("truncated record")?)
-        } else {
-            0
-        };
-        let v2 = attribute == EIATTR_KPARAM_INFO_V2;
-        if format == EIFMT_SVAL && (attribute == EIATTR_KPARAM_INFO || v2) && size == 12 {
-            let ordinal = u16_at(info, at + 8).ok_or("truncated record")?;
-            let bits = u32_at(info, at + 12).ok_or("truncated record")?;
-            params.push((ordinal, if v2 { bits } else { bits >> 18 }));
-        }
-        at += 4 + size;
-    }
+    let mut params: Vec<(u16, u32)> = sized_records(info)?
+        .into_iter()
+        .filter(|&(a, payload)| {
+            (a == EIATTR_KPARAM_INFO || a == EIATTR_KPARAM_INFO_V2) && payload.len() == 12
+        })
+        .filter_map(|(a, payload)| {
+            let (ordinal, bits) = (u16_at(payload, 4)?, u32_at(payload, 8)?);
+            Some((
+                ordinal,
+                if a == EIATTR_KPARAM_INFO_V2 {
+                    bits
+                } else {
+                    bits >> 18
+                },
+            ))
+        })
+        .collect();
     params.sort_unstable();
     if params
         .iter()
@@ -148,23 +171,8 @@ pub fn max_stack_bytes(cubin: &[u8]) -> Result<u32, String> {
         return Err("not an ELF64 file".into());
     }
     let info = section(cubin, ".nv.info").ok_or("no .nv.info section")?;
-    let (mut at, mut max) = (0, 0);
-    while at + 4 <= info.len() {
-        let (format, attribute) = (info[at], info[at + 1]);
-        let size = if format == EIFMT_SVAL {
-            usize::from(u16_at(info, at + 2).ok_or("truncated record")?)
-        } else {
-            0
-        };
-        if format == EIFMT_SVAL && attribute == EIATTR_MIN_STACK_SIZE && size == 8 {
-            max = max.max(u32_at(info, at + 8).ok_or("truncated record")?);
-        }
-        at += 4 + size;
-    }
-    if at != info.len() {
-        return Err("malformed .nv.info".into());
-    }
-    Ok(max)
+    let frames = per_function_values(info, EIATTR_MIN_STACK_SIZE)?;
+    Ok(frames.into_iter().max().unwrap_or(0))
 }
 
 #[cfg(test)]

@@ -15,8 +15,10 @@ use cudarc::driver::{DeviceRepr, LaunchConfig};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
-/// The kernel of kernels/rotary.cu (one per direction, by TF_ROPE_BWD).
+/// The kernels of kernels/rotary.cu (one per direction, by TF_ROPE_BWD): the rotate-half
+/// layout's, and the interleaved one's (pairs (2p, 2p+1)), each with its own registers.
 const KERNEL: &str = "rope";
+const PAIRS_KERNEL: &str = "rope_pairs";
 
 /// Grid CTAs at most; they stride over the rest of the rows.
 const MAX_GRID: i64 = 1 << 16;
@@ -62,8 +64,6 @@ kernel_args! {
         half: i32,
         /// Lanes a row (chunked), or 0: a warp a row, element by element.
         group: i32,
-        /// 1: pairs (2p, 2p+1) rotate; 0: rotate_half's (j, j + half).
-        interleaved: i32,
     }
 }
 
@@ -356,7 +356,11 @@ impl Family for Rotary {
         let (cos_ptr, sin_ptr) = (cos.addr(), sin.addr());
         let half = i32::try_from(d / 2).map_err(|_| StockReason::NoVariantForShape)?;
         let stream = gpu.stream(launch);
-        let kernel = kernels.get(KERNEL)?;
+        let kernel = kernels.get(if call.interleaved != 0 {
+            PAIRS_KERNEL
+        } else {
+            KERNEL
+        })?;
         let mut args = stream.launch_builder(&kernel.function);
         let rope_args = RopeArgs {
             q: op_a,
@@ -365,10 +369,9 @@ impl Family for Rotary {
             sin: sin_ptr,
             half,
             group,
-            interleaved: i32::from(call.interleaved != 0),
         };
         args::push(&mut args, &rope_args);
-        // SAFETY: rope's parameters are RopeArgs's fields (the compile test checks); group > 0
+        // SAFETY: rope's and rope_pairs' parameters are RopeArgs's fields (the compile test checks); group > 0
         // only where every row and half starts 16-byte aligned; every offset the kernel forms
         // is within its tensor (sizes and strides read from the tensors, cos/sin's
         // as broadcast views of themselves), the dtypes are the module's; all live until the
@@ -381,11 +384,13 @@ impl Family for Rotary {
     }
 
     fn kernels(_op: KernelOp) -> &'static [&'static str] {
-        &[KERNEL]
+        &[KERNEL, PAIRS_KERNEL]
     }
 
     fn kernel_args(kernel: &str) -> Option<Vec<Field>> {
-        (kernel == KERNEL).then(RopeArgs::fields)
+        [KERNEL, PAIRS_KERNEL]
+            .contains(&kernel)
+            .then(RopeArgs::fields)
     }
 
     /// Which direction kernels/rotary.cu compiles, and whether cos/sin/y are fp32.
