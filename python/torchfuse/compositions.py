@@ -258,6 +258,16 @@ _NEOX_ROPE_BODY = """    cos = cos.unsqueeze(unsqueeze_dim)
 """
 
 
+# Llama's apply_rotary_pos_emb.
+_LLAMA_ROPE = _rope_source("""Applies Rotary Position Embedding to the query and key tensors.
+
+""", """    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
+""")
+
 # GLM's tables for its interleaved rotary: the first half of HF's cos and sin, each repeated.
 _GLM_INTERLEAVE = """    # Interleave them instead of usual shape
     cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
@@ -324,14 +334,11 @@ _FUNCTION_SOURCES = {
 """, None),
     # transformers.models.llama.modeling_llama.apply_rotary_pos_emb, and its copies (the
     # docstring is a constant of the code, so it is part of the form).
-    "hf_rotary": (_rope_source("""Applies Rotary Position Embedding to the query and key tensors.
-
-""", """    cos = cos.unsqueeze(unsqueeze_dim)
-    sin = sin.unsqueeze(unsqueeze_dim)
-    q_embed = (q * cos) + (rotate_half(q) * sin)
-    k_embed = (k * cos) + (rotate_half(k) * sin)
-    return q_embed, k_embed
-"""), (1,)),
+    "hf_rotary": (_LLAMA_ROPE, (1,)),
+    # Llama's apply_rotary_pos_emb code calling another rotate_half (`_HELPER_FORMS`): BLT's,
+    # with Cohere's interleaved one; NanoChat's, with Llama's sign-flipped.
+    "hf_rotary_pairs": (_LLAMA_ROPE, (1,)),
+    "hf_rotary_flipped": (_LLAMA_ROPE, (1,)),
     # transformers.models.gemma4.modeling_gemma4.apply_rotary_pos_emb, and its copies (Gemma 3n's,
     # DiffusionGemma's): Llama's rotary of one tensor, the model calling it for q and k apart.
     "hf_single_rotary": ("def apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1):\n"
@@ -388,6 +395,14 @@ _FUNCTION_SOURCES = {
     k_embed = (k.float() * cos) + (rotate_half(k.float()) * sin)
     return q_embed.to(original_dtype), k_embed.to(original_dtype)
 """), (1,)),
+    # transformers.models.nanochat.modeling_nanochat.rotate_half: Llama's with both signs
+    # flipped, cat((x2, -x1)): minus Llama's rotate_half.
+    "nanochat_rotate_half": ("""def rotate_half(x):
+    \"\"\"Rotates half the hidden dims of the input with flipped signs for NanoChat.\"\"\"
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((x2, -x1), dim=-1)
+""", None),
     # GLM's apply_rotary_pos_emb (GLM-4's, Moonshine's): cos and sin of HF's rotate-half layout,
     # their first halves each repeated twice (the interleaved layout), the first cos.shape[-1]
     # features rotated pair by pair, the rest passed through, then cat.
@@ -532,6 +547,7 @@ COMPUTES = {"new_gelu": "gelu_tanh", "fast_gelu": "gelu_tanh", "hf_conv1d_mlp": 
             "mamba_rms_norm_gated": "hf_rms_norm", "qwen3_next_rms_norm_gated": "hf_rms_norm",
             "hf_partial_rotary": "rotary", "hf_partial_rotary_glm_doc": "rotary",
             "hf_partial_rotary_inline": "rotary", "hf_rotary_pairs_partial": "rotary",
+            "hf_rotary_pairs": "rotary", "hf_rotary_flipped": "rotary",
             "cohere_rotary_pairs_upcast": "rotary", "hf_rotary_pairs_upcast": "rotary",
             "hf_ignore_causal_mask_sdpa": "sdpa", "hf_ignore_bidirectional_mask_sdpa": "sdpa"}
 
@@ -578,7 +594,9 @@ def _same_code(a, b):
 
 # The helper forms a form's code calls by name, where not the usual ones (`rotate_half` is
 # Llama's rotate-half): the interleaved rotaries call an interleaved rotate_half.
-_HELPER_FORMS = {"hf_rotary_pairs_partial": {"rotate_half": "hf_rotate_pairs"},
+_HELPER_FORMS = {"hf_rotary_pairs": {"rotate_half": "cohere_rotate_pairs"},
+                 "hf_rotary_flipped": {"rotate_half": "nanochat_rotate_half"},
+                 "hf_rotary_pairs_partial": {"rotate_half": "hf_rotate_pairs"},
                  "hf_rotary_pairs_upcast": {"rotate_half": "hf_rotate_pairs"},
                  "cohere_rotary_pairs_upcast": {"rotate_half": "cohere_rotate_pairs"}}
 

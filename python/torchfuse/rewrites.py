@@ -756,13 +756,17 @@ def _rotary_call(torch, original, dependencies=None):
 
 
 def _rotary(torch, original, form, dependencies=None):
-    """HF's apply_rotary_pos_emb with q and k rotated by one op (torchfuse::rotary)."""
+    """HF's apply_rotary_pos_emb with q and k rotated by one op (torchfuse::rotary); its code
+    calling Cohere's interleaved rotate_half (BLT's), the interleaved layout; calling NanoChat's
+    (Llama's rotate_half negated), the op with sin negated, an exact table op: each product
+    is the original's."""
     op, served = torch.ops.torchfuse.rotary.default, _rotary_call(torch, original, dependencies)
+    interleaved, flipped = form == "hf_rotary_pairs", form == "hf_rotary_flipped"
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if served(q, k, cos, sin, unsqueeze_dim):
-            return op(q, k, cos, sin, unsqueeze_dim)
+            return op(q, k, cos, -sin if flipped else sin, unsqueeze_dim, interleaved)
         return original(q, k, cos, sin, unsqueeze_dim)
 
     return apply_rotary_pos_emb
@@ -932,6 +936,8 @@ REWRITES = {
     "hf_moe_apply_gate": Rewrite(_moe_apply_gate, _OPS + "silu_mul_packed"),
     "hf_causal_lm_loss": Rewrite(_causal_lm_loss, _OPS + "cross_entropy"),
     "hf_rotary": Rewrite(_rotary, _OPS + "rotary"),
+    "hf_rotary_pairs": Rewrite(_rotary, _OPS + "rotary (interleaved)"),
+    "hf_rotary_flipped": Rewrite(_rotary, _OPS + "rotary of -sin"),
     "hf_single_rotary": Rewrite(_single_rotary, _OPS + "rotary of x (and of none of it as k)"),
     **dict.fromkeys(("hf_rotary_cast_back", "hf_rotary_upcast"),
                     Rewrite(_rotary_cast_back, _OPS + "rotary, then the original's casts")),

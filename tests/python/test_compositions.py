@@ -280,7 +280,8 @@ def test_hf_rotary_and_its_copies_are_recognised_with_their_rotate_half():
     # The interleaved rotaries (rotate_half pairing 2p with 2p+1): GLM's, Cohere's, Ernie's.
     for name, form in (("glm", "hf_rotary_pairs_partial"), ("glm4", "hf_rotary_pairs_partial"),
                        ("moonshine", "hf_rotary_pairs_partial"), ("cohere", "cohere_rotary_pairs_upcast"),
-                       ("cohere2", "cohere_rotary_pairs_upcast"), ("ernie4_5", "hf_rotary_pairs_upcast")):
+                       ("cohere2", "cohere_rotary_pairs_upcast"), ("ernie4_5", "hf_rotary_pairs_upcast"),
+                       ("blt", "hf_rotary_pairs"), ("nanochat", "hf_rotary_flipped")):
         interleaved = module(f"models.{name}.modeling_{name}")
         assert compositions.scan_functions(interleaved) == {"apply_rotary_pos_emb": form}, name
         assert compositions.COMPUTES[form] == "rotary"

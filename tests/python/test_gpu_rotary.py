@@ -167,30 +167,34 @@ def test_interleaved_rotary_is_glms_composition(x_dtype, trig_dtype):
 @pytest.mark.parametrize("module_name,factory,form", [
     ("glm4", "_pairs_partial_rotary", "hf_rotary_pairs_partial"),
     ("cohere", "_pairs_upcast_rotary", "cohere_rotary_pairs_upcast"),
-    ("ernie4_5", "_pairs_upcast_rotary", "hf_rotary_pairs_upcast")])
+    ("ernie4_5", "_pairs_upcast_rotary", "hf_rotary_pairs_upcast"),
+    ("blt", "_rotary", "hf_rotary_pairs"),
+    ("nanochat", "_rotary", "hf_rotary_flipped")])
 def test_interleaved_rotary_rewrites_are_the_original_functions(module_name, factory, form):
     """The rewrites of GLM-4's apply_rotary_pos_emb (GLM's tables, half or all of the head dim,
-    then cat), Cohere's and Ernie 4.5's (in fp32, cast back to q's dtype) against the original
-    functions: served once a call where the rewrite takes it (the fp32 forms: where the
-    arithmetic promotes to fp32 anyway), dtypes, layouts, values and gradients within the
-    original's error to float64."""
+    then cat), Cohere's and Ernie 4.5's (in fp32, cast back to q's dtype), BLT's (Llama's code
+    with Cohere's interleaved rotate_half) and NanoChat's (Llama's rotate_half negated: the op
+    of -sin) against the original functions: served once a call where the rewrite takes it
+    (the fp32 forms: where the arithmetic promotes to fp32 anyway), dtypes, layouts, values and
+    gradients within the original's error to float64."""
     _, original, rewritten = original_and_rewrite(module_name, "apply_rotary_pos_emb", factory, form)
     seed = fresh_seed()
     torch.manual_seed(seed)
     partial = form == "hf_rotary_pairs_partial"
+    promoted = form in ("hf_rotary_pairs_partial", "hf_rotary_pairs", "hf_rotary_flipped")
     cases = [(FORMS[1], 64), (FORMS[2], 64), (FORMS[0], 64)] + ([(FORMS[1], 32), (FORMS[3], 32)] if partial else [])
     for (x_dtype, trig_dtype), rotary_dim in cases:
         b, s, h, d = 2, 129, 8, 64
         q, k = projected_heads(b, s, h, d, x_dtype), projected_heads(b, s, h, d, x_dtype)
         cos, sin = rope_tables(b, s, rotary_dim, trig_dtype)
-        if form == "cohere_rotary_pairs_upcast":  # Cohere's rotary embedding makes them interleaved
+        if form in ("cohere_rotary_pairs_upcast", "hf_rotary_pairs"):  # tables of the interleaved layout
             angles = torch.rand(b, s, rotary_dim // 2, device="cuda") * 100
             cos, sin = (t.repeat_interleave(2, dim=-1).to(trig_dtype) for t in (angles.cos(), angles.sin()))
-        out_dtype = torch.promote_types(x_dtype, trig_dtype) if partial else x_dtype
+        out_dtype = torch.promote_types(x_dtype, trig_dtype) if promoted else x_dtype
         dq, dk = (torch.randn(t.shape, device="cuda").to(out_dtype) for t in (q, k))
         before = fused_count(OP), asked_count(OP)
         ours = run(rewritten, q, k, cos, sin, dq, dk, 1)
-        served = partial or torch.float32 in (x_dtype, trig_dtype)
+        served = promoted or torch.float32 in (x_dtype, trig_dtype)
         assert (fused_count(OP) - before[0], asked_count(OP) - before[1]) == (served, served), stock_reasons(OP)
         what = f"seed {seed} {module_name} {x_dtype}/{trig_dtype} rotary_dim {rotary_dim}"
         assert [o.dtype for o in ours] == [out_dtype, out_dtype, x_dtype, x_dtype], what

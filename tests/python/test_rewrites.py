@@ -418,7 +418,8 @@ print(json.dumps({"rewritten": hasattr(G.apply_rotary_pos_emb, "__wrapped__"), "
 
 
 def test_interleaved_rotary_rewrites_run_their_cuda_path_on_cpu_with_the_guard_passed():
-    """The interleaved rotaries' rewrites (GLM-4's partial one, Cohere's and Ernie 4.5's in fp32),
+    """The interleaved rotaries' rewrites (GLM-4's partial one, Cohere's and Ernie 4.5's in fp32,
+    BLT's Llama code with Cohere's rotate_half) and NanoChat's sign-flipped one (the op of -sin),
     their own code past the guard on CPU (`_rotary_call` patched to pass), where
     torchfuse::rotary(..., interleaved=True) runs the interleaved composition: the original's
     outputs bitwise with their dtypes and strides (all of the head dim and half of it, bf16 q
@@ -430,6 +431,8 @@ R._rotary_call = lambda torch, original, dependencies=None: (lambda *args: True)
 import transformers.models.glm4.modeling_glm4 as G
 import transformers.models.cohere.modeling_cohere as C
 import transformers.models.ernie4_5.modeling_ernie4_5 as E
+import transformers.models.blt.modeling_blt as B
+import transformers.models.nanochat.modeling_nanochat as N
 torch.manual_seed(0)
 result = []
 cases = [(G, R._pairs_partial_rotary, "hf_rotary_pairs_partial", rotary_dim, x_dtype, trig_dtype, dim)
@@ -438,6 +441,9 @@ cases = [(G, R._pairs_partial_rotary, "hf_rotary_pairs_partial", rotary_dim, x_d
 cases += [(module, R._pairs_upcast_rotary, form, 64, x_dtype, torch.float32, dim)
           for module, form in ((C, "cohere_rotary_pairs_upcast"), (E, "hf_rotary_pairs_upcast"))
           for x_dtype, dim in ((torch.bfloat16, 1), (torch.float32, 2))]
+cases += [(module, R._rotary, form, 64, x_dtype, trig_dtype, dim)
+          for module, form in ((B, "hf_rotary_pairs"), (N, "hf_rotary_flipped"))
+          for x_dtype, trig_dtype, dim in ((torch.bfloat16, torch.float32, 1), (torch.bfloat16, torch.bfloat16, 2))]
 for module, make, form, rotary_dim, x_dtype, trig_dtype, dim in cases:
     original = module.apply_rotary_pos_emb.__wrapped__
     rewritten = make(torch, original, form)
@@ -455,10 +461,11 @@ for module, make, form, rotary_dim, x_dtype, trig_dtype, dim in cases:
     rel = max(((a.double() - b.double()).norm() / b.double().norm()).item() for a, b in zip(g_ours, g_theirs))
     result.append([same, all(a.dtype == b.dtype for a, b in zip(g_ours, g_theirs)),
                    rel <= (1e-5 if x_dtype == torch.float32 else 1.6e-2)])
-print(json.dumps({"rewritten": [hasattr(m.apply_rotary_pos_emb, "__wrapped__") for m in (G, C, E)], "checks": result}))
+print(json.dumps({"rewritten": [hasattr(m.apply_rotary_pos_emb, "__wrapped__") for m in (G, C, E, B, N)],
+                  "checks": result}))
 """)
-    assert out["rewritten"] == [True, True, True] and all(all(check) for check in out["checks"]), out
-    assert len(out["checks"]) == 7, out
+    assert out["rewritten"] == [True] * 5 and all(all(check) for check in out["checks"]), out
+    assert len(out["checks"]) == 11, out
 
 
 # Each norm rewrite's CUDA replacement, written out, checked on CPU against the class's original
