@@ -840,7 +840,7 @@ def _interleaved_tables(cos, sin, unsqueeze_dim):
     """GLM's cos and sin for the interleaved rotary: each of the first half of the features
     repeated twice (`cos[..., :d // 2].repeat_interleave(2, dim=-1)`, the original's own ops on
     the [B, S, d] tables), or None where the original would unsqueeze them at the last dim."""
-    if cos.unsqueeze(unsqueeze_dim).shape[-1] != cos.shape[-1] or cos.shape != sin.shape:
+    if cos.dim() == 0 or cos.unsqueeze(unsqueeze_dim).shape[-1] != cos.shape[-1] or cos.shape != sin.shape:
         return None
     half = cos.shape[-1] // 2
     return cos[..., :half].repeat_interleave(2, dim=-1), sin[..., :half].repeat_interleave(2, dim=-1)

@@ -18,19 +18,29 @@ pub struct Field {
 }
 
 /// A kernel's argument struct (made by `kernel_args!`): plain data, device pointers as `u64`.
-pub trait KernelArgs: Copy {
+///
+/// # Safety
+/// `FIELDS` are the struct's own fields: each offset and size lies within the struct (what
+/// `kernel_args!` writes with `offset_of!` and `size_of`; implement it only through the macro).
+pub unsafe trait KernelArgs: Copy {
     /// Every field, in declaration order: the kernel's parameters, in order.
-    fn fields() -> Vec<Field>;
+    const FIELDS: &'static [Field];
+
+    /// `FIELDS`, owned.
+    fn fields() -> Vec<Field> {
+        Self::FIELDS.to_vec()
+    }
 }
 
 /// Passes `args` to the launch: each field as the kernel's parameter of its place.
 pub fn push<'a, A: KernelArgs>(launch: &mut LaunchArgs<'a>, args: &'a A) {
     use cudarc::driver::PushKernelArg;
     let base = (args as *const A).cast::<u8>();
-    for field in A::fields() {
-        // SAFETY: `offset` is a field's offset within `*args` (offset_of!), so the pointer is
-        // in bounds, to initialized bytes, and lives as long as `args`. The driver reads the
-        // parameter's size from there, which the compile test checks is the field's.
+    for field in A::FIELDS {
+        // SAFETY: `offset` is a field's offset within `*args` (KernelArgs' contract), so the
+        // pointer is in bounds, to initialized bytes, and lives as long as `args`. The driver
+        // reads the parameter's size from there (a copy made by the launch call, in C), which
+        // the compile test checks is the field's.
         let first_byte: &'a u8 = unsafe { &*base.add(field.offset) };
         launch.arg(first_byte);
     }
@@ -49,14 +59,13 @@ macro_rules! kernel_args {
             $($(#[$field_meta])* pub $field: $ty),*
         }
 
-        impl $crate::gpu::args::KernelArgs for $name {
-            fn fields() -> Vec<$crate::gpu::args::Field> {
-                vec![$($crate::gpu::args::Field {
-                    name: stringify!($field),
-                    offset: std::mem::offset_of!($name, $field),
-                    size: std::mem::size_of::<$ty>(),
-                }),*]
-            }
+        // SAFETY: the fields are the struct's own, their offsets and sizes the compiler's.
+        unsafe impl $crate::gpu::args::KernelArgs for $name {
+            const FIELDS: &'static [$crate::gpu::args::Field] = &[$($crate::gpu::args::Field {
+                name: stringify!($field),
+                offset: std::mem::offset_of!($name, $field),
+                size: std::mem::size_of::<$ty>(),
+            }),*];
         }
     };
 }
