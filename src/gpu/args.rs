@@ -25,11 +25,6 @@ pub struct Field {
 pub unsafe trait KernelArgs: Copy {
     /// Every field, in declaration order: the kernel's parameters, in order.
     const FIELDS: &'static [Field];
-
-    /// `FIELDS`, owned.
-    fn fields() -> Vec<Field> {
-        Self::FIELDS.to_vec()
-    }
 }
 
 /// Passes `args` to the launch: each field as the kernel's parameter of its place.
@@ -124,7 +119,7 @@ mod tests {
 
     #[test]
     fn fields_are_the_structs_in_order_with_offsets_and_sizes() {
-        let got: Vec<_> = Example::fields()
+        let got: Vec<_> = Example::FIELDS
             .iter()
             .map(|f| (f.name, f.offset, f.size))
             .collect();

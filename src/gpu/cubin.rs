@@ -23,52 +23,37 @@ fn u64_at(b: &[u8], at: usize) -> Option<usize> {
     usize::try_from(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?)).ok()
 }
 
-/// The bytes of the section named `name`.
-fn section<'a>(elf: &'a [u8], name: &str) -> Option<&'a [u8]> {
+/// Every section's name, file offset and size in bytes (a section without file data, such as
+/// shared memory's, has a size too).
+fn sections(elf: &[u8]) -> Option<Vec<(String, usize, usize)>> {
     let (shoff, shentsize) = (u64_at(elf, 0x28)?, usize::from(u16_at(elf, 0x3a)?));
     let (shnum, shstrndx) = (
         usize::from(u16_at(elf, 0x3c)?),
         usize::from(u16_at(elf, 0x3e)?),
     );
     let header = |i: usize| shoff + i * shentsize;
-    let bytes_of = |i: usize| -> Option<&'a [u8]> {
-        let (offset, size) = (u64_at(elf, header(i) + 24)?, u64_at(elf, header(i) + 32)?);
-        elf.get(offset..offset + size)
-    };
-    let names = bytes_of(shstrndx)?;
-    (0..shnum).find_map(|i| {
-        let start = usize::try_from(u32_at(elf, header(i))?).ok()?;
-        let rest = names.get(start..)?;
-        let end = rest.iter().position(|&c| c == 0)?;
-        (&rest[..end] == name.as_bytes())
-            .then(|| bytes_of(i))
-            .flatten()
-    })
-}
-
-/// Every section's name and size in bytes (a section without file data, such as shared
-/// memory's, has a size too).
-fn section_sizes(elf: &[u8]) -> Option<Vec<(String, usize)>> {
-    let (shoff, shentsize) = (u64_at(elf, 0x28)?, usize::from(u16_at(elf, 0x3a)?));
-    let (shnum, shstrndx) = (
-        usize::from(u16_at(elf, 0x3c)?),
-        usize::from(u16_at(elf, 0x3e)?),
-    );
-    let header = |i: usize| shoff + i * shentsize;
-    let (names_at, names_size) = (
-        u64_at(elf, header(shstrndx) + 24)?,
-        u64_at(elf, header(shstrndx) + 32)?,
-    );
+    let place = |i: usize| Some((u64_at(elf, header(i) + 24)?, u64_at(elf, header(i) + 32)?));
+    let (names_at, names_size) = place(shstrndx)?;
     let names = elf.get(names_at..names_at + names_size)?;
     (0..shnum)
         .map(|i| {
             let start = usize::try_from(u32_at(elf, header(i))?).ok()?;
             let rest = names.get(start..)?;
             let end = rest.iter().position(|&c| c == 0)?;
-            let name = String::from_utf8_lossy(&rest[..end]).into_owned();
-            Some((name, u64_at(elf, header(i) + 32)?))
+            let (offset, size) = place(i)?;
+            Some((
+                String::from_utf8_lossy(&rest[..end]).into_owned(),
+                offset,
+                size,
+            ))
         })
         .collect()
+}
+
+/// The bytes of the section named `name`.
+fn section<'a>(elf: &'a [u8], name: &str) -> Option<&'a [u8]> {
+    let (_, offset, size) = sections(elf)?.into_iter().find(|(n, _, _)| n == name)?;
+    elf.get(offset..offset + size)
 }
 
 /// The sized records (format EIFMT_SVAL) of a `.nv.info` section: (attribute, payload). A
@@ -110,10 +95,10 @@ fn per_function_values(info: &[u8], attribute: u8) -> Result<Vec<u32>, String> {
 /// functions (EIATTR_REGCOUNT, sorted).
 pub fn code_summary(cubin: &[u8]) -> Result<String, String> {
     const EIATTR_REGCOUNT: u8 = 0x2f;
-    let sections = section_sizes(cubin).ok_or("not an ELF64 file")?;
+    let sections = sections(cubin).ok_or("not an ELF64 file")?;
     let mut text: Vec<String> = sections
         .iter()
-        .filter_map(|(name, size)| {
+        .filter_map(|(name, _, size)| {
             let kernel = name.strip_prefix(".text.")?;
             Some(format!("{kernel}:{size}"))
         })

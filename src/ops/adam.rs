@@ -197,17 +197,23 @@ impl Family for Adam {
     }
 
     /// Each kernel's one parameter, `args`: an `AdamArgs` of its capacity.
-    fn kernel_args(kernel: &str) -> Option<Vec<Field>> {
-        let size = match kernel {
-            STEP_KERNEL => std::mem::size_of::<AdamArgs<MAX_TENSORS_PER_LAUNCH>>(),
-            STEP_SMALL_KERNEL => std::mem::size_of::<AdamArgs<SMALL_TENSORS_PER_LAUNCH>>(),
-            _ => return None,
-        };
-        Some(vec![Field {
-            name: "args",
-            offset: 0,
-            size,
-        }])
+    fn kernel_args(kernel: &str) -> Option<&'static [Field]> {
+        const fn one_struct(size: usize) -> [Field; 1] {
+            [Field {
+                name: "args",
+                offset: 0,
+                size,
+            }]
+        }
+        const STEP: [Field; 1] =
+            one_struct(std::mem::size_of::<AdamArgs<MAX_TENSORS_PER_LAUNCH>>());
+        const SMALL: [Field; 1] =
+            one_struct(std::mem::size_of::<AdamArgs<SMALL_TENSORS_PER_LAUNCH>>());
+        match kernel {
+            STEP_KERNEL => Some(&STEP),
+            STEP_SMALL_KERNEL => Some(&SMALL),
+            _ => None,
+        }
     }
 
     /// The constants kernels/adam.cu shares with this file.

@@ -449,8 +449,8 @@ impl Family for Attention {
     /// arguments (`BackwardInputs::push` and the launches): their parameter lists differ by
     /// variant (the sm_80 and sm_90 kernels; the TMA maps of some), which one struct per
     /// kernel name does not describe.
-    fn kernel_args(kernel: &str) -> Option<Vec<Field>> {
-        (kernel == PREP).then(PrepArgs::fields)
+    fn kernel_args(kernel: &str) -> Option<&'static [Field]> {
+        (kernel == PREP).then_some(PrepArgs::FIELDS)
     }
 
     /// The constants kernels/attention.cu shares with this file.

@@ -212,11 +212,11 @@ impl Family for CrossEntropy {
         }
     }
 
-    fn kernel_args(kernel: &str) -> Option<Vec<Field>> {
+    fn kernel_args(kernel: &str) -> Option<&'static [Field]> {
         match kernel {
-            FWD_KERNEL => Some(CeFwdArgs::fields()),
-            REDUCE_KERNEL => Some(CeReduceArgs::fields()),
-            BWD_KERNEL => Some(CeBwdArgs::fields()),
+            FWD_KERNEL => Some(CeFwdArgs::FIELDS),
+            REDUCE_KERNEL => Some(CeReduceArgs::FIELDS),
+            BWD_KERNEL => Some(CeBwdArgs::FIELDS),
             _ => None,
         }
     }

@@ -171,16 +171,16 @@ impl Family for Embedding {
         }
     }
 
-    fn kernel_args(kernel: &str) -> Option<Vec<Field>> {
+    fn kernel_args(kernel: &str) -> Option<&'static [Field]> {
         match kernel {
-            FWD_KERNEL => Some(FwdArgs::fields()),
-            SORT_COUNT => Some(SortCountArgs::fields()),
-            SORT_SCATTER => Some(SortScatterArgs::fields()),
-            REDUCE => Some(ReduceArgs::fields()),
-            FINISH => Some(FinishArgs::fields()),
-            ZERO_ROWS_FILL | ZERO_ROWS_BY_WORD => Some(ZeroRowsArgs::fields()),
-            CLUSTER_SORT => Some(SortClusterArgs::fields()),
-            MARK_ROWS => Some(MarkRowsArgs::fields()),
+            FWD_KERNEL => Some(FwdArgs::FIELDS),
+            SORT_COUNT => Some(SortCountArgs::FIELDS),
+            SORT_SCATTER => Some(SortScatterArgs::FIELDS),
+            REDUCE => Some(ReduceArgs::FIELDS),
+            FINISH => Some(FinishArgs::FIELDS),
+            ZERO_ROWS_FILL | ZERO_ROWS_BY_WORD => Some(ZeroRowsArgs::FIELDS),
+            CLUSTER_SORT => Some(SortClusterArgs::FIELDS),
+            MARK_ROWS => Some(MarkRowsArgs::FIELDS),
             _ => None,
         }
     }

@@ -159,10 +159,10 @@ impl Family for Gelu {
         }
     }
 
-    fn kernel_args(kernel: &str) -> Option<Vec<Field>> {
+    fn kernel_args(kernel: &str) -> Option<&'static [Field]> {
         match kernel {
-            FWD_KERNEL => Some(GeluFwdArgs::fields()),
-            BWD_KERNEL => Some(GeluBwdArgs::fields()),
+            FWD_KERNEL => Some(GeluFwdArgs::FIELDS),
+            BWD_KERNEL => Some(GeluBwdArgs::FIELDS),
             _ => None,
         }
     }

@@ -119,7 +119,7 @@ pub trait Family {
 
     /// The fields of the argument struct (`kernel_args!`) each of its kernels is launched
     /// with, by kernel name: the registry test checks them against the kernel's parameters.
-    fn kernel_args(kernel: &str) -> Option<Vec<Field>>;
+    fn kernel_args(kernel: &str) -> Option<&'static [Field]>;
 
     /// The constants its kernels share with its Rust side, as `-D` options (the kernel
     /// `#error`s without them).
@@ -144,7 +144,7 @@ pub struct OpParams {
     typed: Box<dyn std::any::Any + Send + Sync>,
     defines: Vec<String>,
     kernels: &'static [&'static str],
-    kernel_args: fn(&str) -> Option<Vec<Field>>,
+    kernel_args: fn(&str) -> Option<&'static [Field]>,
 }
 
 impl std::fmt::Debug for OpParams {
@@ -179,7 +179,7 @@ impl OpParams {
     }
 
     /// The argument struct's fields of one of `kernels()`.
-    pub fn kernel_args(&self, kernel: &str) -> Option<Vec<Field>> {
+    pub fn kernel_args(&self, kernel: &str) -> Option<&'static [Field]> {
         (self.kernel_args)(kernel)
     }
 }

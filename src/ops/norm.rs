@@ -148,11 +148,11 @@ impl Family for Norm {
         }
     }
 
-    fn kernel_args(kernel: &str) -> Option<Vec<Field>> {
+    fn kernel_args(kernel: &str) -> Option<&'static [Field]> {
         match kernel {
-            FWD_KERNEL => Some(NormFwdArgs::fields()),
-            BWD_KERNEL => Some(NormBwdArgs::fields()),
-            BWD_REDUCE_KERNEL => Some(NormBwdReduceArgs::fields()),
+            FWD_KERNEL => Some(NormFwdArgs::FIELDS),
+            BWD_KERNEL => Some(NormBwdArgs::FIELDS),
+            BWD_REDUCE_KERNEL => Some(NormBwdReduceArgs::FIELDS),
             _ => None,
         }
     }

@@ -1,7 +1,7 @@
 //! Rotary position embedding in HF's rotate-half form or the interleaved one (GLM's, Cohere's,
-//! GPT-J's rotate_every_two), q and k in one launch, forward and backward (`torchfuse::rotary[_backward]`, what the rewrite layer sends HF's
-//! apply_rotary_pos_emb to), through kernels/rotary.cu, or why stock (HF's composition, in the
-//! glue) runs a call.
+//! GPT-J's rotate_every_two), q and k in one launch, forward and backward
+//! (`torchfuse::rotary[_backward]`, what the rewrite layer sends HF's apply_rotary_pos_emb
+//! to), through kernels/rotary.cu, or why stock (HF's composition, in the glue) runs a call.
 
 use super::{elementwise, params};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
@@ -54,7 +54,8 @@ struct RopeOperand {
 unsafe impl DeviceRepr for RopeOperand {}
 
 kernel_args! {
-    /// rope's arguments (kernels/rotary.cu): q's rows then k's (the gradients' backward).
+    /// rope's and rope_pairs' arguments (kernels/rotary.cu): q's rows then k's (the gradients'
+    /// backward).
     struct RopeArgs {
         q: RopeOperand,
         k: RopeOperand,
@@ -387,10 +388,10 @@ impl Family for Rotary {
         &[KERNEL, PAIRS_KERNEL]
     }
 
-    fn kernel_args(kernel: &str) -> Option<Vec<Field>> {
+    fn kernel_args(kernel: &str) -> Option<&'static [Field]> {
         [KERNEL, PAIRS_KERNEL]
             .contains(&kernel)
-            .then(RopeArgs::fields)
+            .then_some(RopeArgs::FIELDS)
     }
 
     /// Which direction kernels/rotary.cu compiles, and whether cos/sin/y are fp32.

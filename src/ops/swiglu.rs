@@ -203,10 +203,10 @@ impl Family for Swiglu {
         }
     }
 
-    fn kernel_args(kernel: &str) -> Option<Vec<Field>> {
+    fn kernel_args(kernel: &str) -> Option<&'static [Field]> {
         match kernel {
-            FWD_KERNEL | GELU_FWD_KERNEL => Some(GatedFwdArgs::fields()),
-            BWD_KERNEL | GELU_BWD_KERNEL => Some(GatedBwdArgs::fields()),
+            FWD_KERNEL | GELU_FWD_KERNEL => Some(GatedFwdArgs::FIELDS),
+            BWD_KERNEL | GELU_BWD_KERNEL => Some(GatedBwdArgs::FIELDS),
             _ => None,
         }
     }
