@@ -790,52 +790,6 @@ def _single_rotary(torch, original, form, dependencies=None):
     return apply_rotary_pos_emb
 
 
-def _rotary_cast_back(torch, original, form, dependencies=None):
-    """OLMo's apply_rotary_pos_emb (and its copies): Llama's rotary, each result cast back to
-    its input's dtype; ModernBERT's (ESM's, Evolla's) computes it of q and k upcast to fp32
-    first. torchfuse::rotary (Llama's arithmetic and result dtype, computed in fp32 where it
-    serves), then the original's casts. The upcast form goes to the op only where Llama's
-    arithmetic promotes to fp32 anyway (cos, sin or q and k in fp32: ModernBERT's cos and sin
-    under autocast): the op's own fallback, HF's composition in the inputs' dtypes, then computes
-    what the original does; otherwise the original runs."""
-    op, served = torch.ops.torchfuse.rotary.default, _rotary_call(torch, original, dependencies)
-    fp32, promote = torch.float32, torch.promote_types
-    upcast = form == "hf_rotary_upcast"
-
-    @functools.wraps(original)
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if served(q, k, cos, sin, unsqueeze_dim) and (
-                not upcast or all(promote(t.dtype, trig.dtype) == fp32 for t in (q, k) for trig in (cos, sin))):
-            q_embed, k_embed = op(q, k, cos, sin, unsqueeze_dim)
-            # The upcast form casts both back to q's dtype, OLMo's each to its own.
-            return q_embed.to(q.dtype), k_embed.to(q.dtype if upcast else k.dtype)
-        return original(q, k, cos, sin, unsqueeze_dim)
-
-    return apply_rotary_pos_emb
-
-
-def _partial_rotary(torch, original, form, dependencies=None):
-    """GPT-NeoX's apply_rotary_pos_emb (and its copies): the rotate-half rotary of the first
-    `cos.shape[-1]` features of each head (Pythia: a quarter), the rest passed through, then
-    cat. The rotated slices go to torchfuse::rotary as the views the original makes (the op
-    takes a slice of the head dim, and returns what HF's composition returns for it), and the
-    cats are the original's. An odd or too-wide rotary dim runs the original."""
-    op, cat = torch.ops.torchfuse.rotary.default, torch.cat
-    served = _rotary_call(torch, original, dependencies)
-
-    @functools.wraps(original)
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if served(q, k, cos, sin, unsqueeze_dim):
-            rotary_dim = cos.unsqueeze(unsqueeze_dim).shape[-1]  # as the original reads it
-            if rotary_dim % 2 == 0 and 0 < rotary_dim <= min(q.shape[-1], k.shape[-1]):
-                q_embed, k_embed = op(q[..., :rotary_dim], k[..., :rotary_dim], cos, sin, unsqueeze_dim)
-                return (cat([q_embed, q[..., rotary_dim:]], dim=-1),
-                        cat([k_embed, k[..., rotary_dim:]], dim=-1))
-        return original(q, k, cos, sin, unsqueeze_dim)
-
-    return apply_rotary_pos_emb
-
-
 def _interleaved_tables(cos, sin, unsqueeze_dim):
     """GLM's cos and sin for the interleaved rotary: each of the first half of the features
     repeated twice (`cos[..., :d // 2].repeat_interleave(2, dim=-1)`, the original's own ops on
@@ -846,46 +800,58 @@ def _interleaved_tables(cos, sin, unsqueeze_dim):
     return cos[..., :half].repeat_interleave(2, dim=-1), sin[..., :half].repeat_interleave(2, dim=-1)
 
 
-def _pairs_partial_rotary(torch, original, form, dependencies=None):
-    """GLM's apply_rotary_pos_emb (GLM-4's, Moonshine's): the interleaved rotary (each pair of
-    features (2p, 2p+1) rotated) of the first cos.shape[-1] features of each head with GLM's
-    tables, the rest passed through, then cat. torchfuse::rotary (interleaved) of the slices the
-    original rotates, with the tables the original makes, then the original's cats."""
-    op, cat = torch.ops.torchfuse.rotary.default, torch.cat
-    served = _rotary_call(torch, original, dependencies)
+def _rotary_cast_back(torch, original, form, dependencies=None):
+    """OLMo's apply_rotary_pos_emb (and its copies): Llama's rotary, each result cast back to
+    its input's dtype; ModernBERT's (ESM's, Evolla's) computes it of q and k upcast to fp32
+    first. torchfuse::rotary (Llama's arithmetic and result dtype, computed in fp32 where it
+    serves), then the original's casts. The upcast form goes to the op only where Llama's
+    arithmetic promotes to fp32 anyway (cos, sin or q and k in fp32: ModernBERT's cos and sin
+    under autocast): the op's own fallback, HF's composition in the inputs' dtypes, then computes
+    what the original does; otherwise the original runs. Cohere's (Cohere 2's and their
+    copies') is the upcast form of the interleaved rotary (pairs (2p, 2p+1)), and Ernie 4.5's the
+    same with GLM's tables (`_interleaved_tables`) first."""
+    op, served = torch.ops.torchfuse.rotary.default, _rotary_call(torch, original, dependencies)
+    fp32, promote = torch.float32, torch.promote_types
+    upcast = form != "hf_rotary_cast_back"
+    interleaved = form in ("cohere_rotary_pairs_upcast", "hf_rotary_pairs_upcast")
+    glm_tables = form == "hf_rotary_pairs_upcast"
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if served(q, k, cos, sin, unsqueeze_dim):
-            tables = _interleaved_tables(cos, sin, unsqueeze_dim)
-            rotary_dim = tables[0].shape[-1] if tables is not None else 0
-            if 0 < rotary_dim <= min(q.shape[-1], k.shape[-1]):
-                q_embed, k_embed = op(q[..., :rotary_dim], k[..., :rotary_dim], *tables, unsqueeze_dim, True)
-                return (cat([q_embed, q[..., rotary_dim:]], dim=-1),
-                        cat([k_embed, k[..., rotary_dim:]], dim=-1))
+        if served(q, k, cos, sin, unsqueeze_dim) and (
+                not upcast or all(promote(t.dtype, trig.dtype) == fp32 for t in (q, k) for trig in (cos, sin))):
+            tables = _interleaved_tables(cos, sin, unsqueeze_dim) if glm_tables else (cos, sin)
+            if tables is not None:
+                q_embed, k_embed = op(q, k, *tables, unsqueeze_dim, interleaved)
+                # The upcast forms cast both back to q's dtype, OLMo's each to its own.
+                return q_embed.to(q.dtype), k_embed.to(q.dtype if upcast else k.dtype)
         return original(q, k, cos, sin, unsqueeze_dim)
 
     return apply_rotary_pos_emb
 
 
-def _pairs_upcast_rotary(torch, original, form, dependencies=None):
-    """Cohere's apply_rotary_pos_emb (Cohere 2's and their copies'), and Ernie 4.5's (GLM's
-    tables first): the interleaved rotary of q and k in fp32, both cast back to q's dtype.
-    torchfuse::rotary (interleaved), then the original's casts, where the arithmetic promotes to
-    fp32 anyway (cos and sin, or q and k, in fp32: the op's own fallback, the composition in the
-    inputs' dtypes, then computes what the original does); otherwise the original runs."""
-    op, served = torch.ops.torchfuse.rotary.default, _rotary_call(torch, original, dependencies)
-    fp32, promote = torch.float32, torch.promote_types
-    glm_tables = form == "hf_rotary_pairs_upcast"
+def _partial_rotary(torch, original, form, dependencies=None):
+    """GPT-NeoX's apply_rotary_pos_emb (and its copies): the rotate-half rotary of the first
+    `cos.shape[-1]` features of each head (Pythia: a quarter), the rest passed through, then
+    cat. The rotated slices go to torchfuse::rotary as the views the original makes (the op
+    takes a slice of the head dim, and returns what HF's composition returns for it), and the
+    cats are the original's. An odd or too-wide rotary dim runs the original. GLM's (GLM-4's,
+    Moonshine's) is the same of the interleaved rotary (pairs (2p, 2p+1)) with GLM's tables
+    (`_interleaved_tables`), made as the original makes them."""
+    op, cat = torch.ops.torchfuse.rotary.default, torch.cat
+    served = _rotary_call(torch, original, dependencies)
+    interleaved = form == "hf_rotary_pairs_partial"
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if served(q, k, cos, sin, unsqueeze_dim) and all(
-                promote(t.dtype, trig.dtype) == fp32 for t in (q, k) for trig in (cos, sin)):
-            tables = _interleaved_tables(cos, sin, unsqueeze_dim) if glm_tables else (cos, sin)
-            if tables is not None:
-                q_embed, k_embed = op(q, k, *tables, unsqueeze_dim, True)
-                return q_embed.to(q.dtype), k_embed.to(q.dtype)
+        if served(q, k, cos, sin, unsqueeze_dim):
+            tables = _interleaved_tables(cos, sin, unsqueeze_dim) if interleaved else (cos, sin)
+            # As the original reads it.
+            rotary_dim = tables[0].unsqueeze(unsqueeze_dim).shape[-1] if tables is not None else 0
+            if rotary_dim % 2 == 0 and 0 < rotary_dim <= min(q.shape[-1], k.shape[-1]):
+                q_embed, k_embed = op(q[..., :rotary_dim], k[..., :rotary_dim], *tables, unsqueeze_dim, interleaved)
+                return (cat([q_embed, q[..., rotary_dim:]], dim=-1),
+                        cat([k_embed, k[..., rotary_dim:]], dim=-1))
         return original(q, k, cos, sin, unsqueeze_dim)
 
     return apply_rotary_pos_emb
@@ -941,13 +907,12 @@ REWRITES = {
     "hf_single_rotary": Rewrite(_single_rotary, _OPS + "rotary of x (and of none of it as k)"),
     **dict.fromkeys(("hf_rotary_cast_back", "hf_rotary_upcast"),
                     Rewrite(_rotary_cast_back, _OPS + "rotary, then the original's casts")),
+    **dict.fromkeys(("cohere_rotary_pairs_upcast", "hf_rotary_pairs_upcast"),
+                    Rewrite(_rotary_cast_back, _OPS + "rotary (interleaved), then the original's casts")),
     # GPT-NeoX's partial rotary, in its three writings.
     **dict.fromkeys(("hf_partial_rotary", "hf_partial_rotary_glm_doc", "hf_partial_rotary_inline"),
                     Rewrite(_partial_rotary, _OPS + "rotary, then the original's cat")),
-    # The interleaved rotaries: GLM's (partial), Cohere's and Ernie 4.5's (in fp32).
-    "hf_rotary_pairs_partial": Rewrite(_pairs_partial_rotary, _OPS + "rotary (interleaved), then the original's cat"),
-    **dict.fromkeys(("cohere_rotary_pairs_upcast", "hf_rotary_pairs_upcast"),
-                    Rewrite(_pairs_upcast_rotary, _OPS + "rotary (interleaved), then the original's casts")),
+    "hf_rotary_pairs_partial": Rewrite(_partial_rotary, _OPS + "rotary (interleaved), then the original's cat"),
     "hf_ignore_causal_mask_sdpa": Rewrite(
         _mask_skip_under_compile, "under torch.compile, eager's is_causal=True where sizes decide"),
     "hf_ignore_bidirectional_mask_sdpa": Rewrite(

@@ -165,9 +165,9 @@ def test_interleaved_rotary_is_glms_composition(x_dtype, trig_dtype):
 
 
 @pytest.mark.parametrize("module_name,factory,form", [
-    ("glm4", "_pairs_partial_rotary", "hf_rotary_pairs_partial"),
-    ("cohere", "_pairs_upcast_rotary", "cohere_rotary_pairs_upcast"),
-    ("ernie4_5", "_pairs_upcast_rotary", "hf_rotary_pairs_upcast"),
+    ("glm4", "_partial_rotary", "hf_rotary_pairs_partial"),
+    ("cohere", "_rotary_cast_back", "cohere_rotary_pairs_upcast"),
+    ("ernie4_5", "_rotary_cast_back", "hf_rotary_pairs_upcast"),
     ("blt", "_rotary", "hf_rotary_pairs"),
     ("nanochat", "_rotary", "hf_rotary_flipped")])
 def test_interleaved_rotary_rewrites_are_the_original_functions(module_name, factory, form):

@@ -435,10 +435,10 @@ import transformers.models.blt.modeling_blt as B
 import transformers.models.nanochat.modeling_nanochat as N
 torch.manual_seed(0)
 result = []
-cases = [(G, R._pairs_partial_rotary, "hf_rotary_pairs_partial", rotary_dim, x_dtype, trig_dtype, dim)
+cases = [(G, R._partial_rotary, "hf_rotary_pairs_partial", rotary_dim, x_dtype, trig_dtype, dim)
          for rotary_dim, x_dtype, trig_dtype, dim in ((32, torch.float32, torch.float32, 1), (64, torch.bfloat16, torch.float32, 1),
                                                       (32, torch.bfloat16, torch.bfloat16, 2))]
-cases += [(module, R._pairs_upcast_rotary, form, 64, x_dtype, torch.float32, dim)
+cases += [(module, R._rotary_cast_back, form, 64, x_dtype, torch.float32, dim)
           for module, form in ((C, "cohere_rotary_pairs_upcast"), (E, "hf_rotary_pairs_upcast"))
           for x_dtype, dim in ((torch.bfloat16, 1), (torch.float32, 2))]
 cases += [(module, R._rotary, form, 64, x_dtype, trig_dtype, dim)
