@@ -104,7 +104,19 @@ mod catalog {
         op: String,
         toggle: String,
         family: String,
+        /// An aten override's dispatch key (`CUDA`, `AutogradCUDA`, or `stub` for a dispatch
+        /// stub); empty for torchfuse's own ops, which have `schemas` instead.
+        key: String,
+        /// The schemas of torchfuse's own ops this entry defines (its op first).
+        schemas: Vec<String>,
     }
+
+    /// The dispatch keys an aten override may name, and their C names (`TfKey`).
+    const KEYS: [(&str, &str); 3] = [
+        ("CUDA", "TF_KEY_CUDA"),
+        ("AutogradCUDA", "TF_KEY_AUTOGRAD_CUDA"),
+        ("stub", "TF_KEY_STUB"),
+    ];
 
     fn field(table: &toml::Table, key: &str, what: &str) -> String {
         match table.get(key) {
@@ -166,11 +178,34 @@ mod catalog {
             .collect();
         let entries: Vec<Entry> = list(&doc, "entry")
             .into_iter()
-            .map(|t| Entry {
-                id: field(t, "id", "entry"),
-                op: field(t, "op", "entry"),
-                toggle: field(t, "toggle", "entry"),
-                family: field(t, "family", "entry"),
+            .map(|t| {
+                let id = field(t, "id", "entry");
+                let key = match t.get("key") {
+                    None => String::new(),
+                    Some(_) => field(t, "key", "entry"),
+                };
+                let schemas: Vec<String> = match t.get("schemas") {
+                    None => Vec::new(),
+                    Some(toml::Value::Array(items)) => items
+                        .iter()
+                        .map(|v| {
+                            v.as_str()
+                                .unwrap_or_else(|| {
+                                    panic!("src/catalog.toml: entry {id}: `schemas` holds a non-string")
+                                })
+                                .to_string()
+                        })
+                        .collect(),
+                    Some(_) => panic!("src/catalog.toml: entry {id}: `schemas` is not a list"),
+                };
+                Entry {
+                    op: field(t, "op", "entry"),
+                    toggle: field(t, "toggle", "entry"),
+                    family: field(t, "family", "entry"),
+                    id,
+                    key,
+                    schemas,
+                }
             })
             .collect();
         let mut seen = std::collections::HashSet::new();
@@ -218,6 +253,29 @@ mod catalog {
                 "src/catalog.toml: entry {}: id CamelCase, family snake_case, op of plain text",
                 e.id
             );
+            // torchfuse's own ops are defined from their schemas; aten's are overridden at a key.
+            let own = e.op.starts_with("torchfuse::");
+            assert!(
+                own == e.key.is_empty() && own != e.schemas.is_empty(),
+                "src/catalog.toml: entry {}: torchfuse's own op with `schemas`, or an aten \
+                 override with a `key`, not both",
+                e.id
+            );
+            assert!(
+                e.key.is_empty() || KEYS.iter().any(|(k, _)| *k == e.key),
+                "src/catalog.toml: entry {}: key `{}` is not one of {KEYS:?}",
+                e.id,
+                e.key
+            );
+            for schema in &e.schemas {
+                let name = schema.split('(').next().unwrap_or_default();
+                assert!(
+                    snake_case(name) && plain(schema) && schema.contains(") -> "),
+                    "src/catalog.toml: entry {}: schema `{schema}`: `name(args) -> returns` \
+                     of plain text, a snake_case name",
+                    e.id
+                );
+            }
         }
         for t in &toggles {
             assert!(
@@ -343,9 +401,36 @@ mod catalog {
             let _ = writeln!(h, "  TF_ENTRY_{} = {i},", caps(&e.id));
         }
         let _ = writeln!(h, "  TF_ENTRY_COUNT = {}\n}};\n", entries.len());
-        h += "// X(ID, op name as logged, family): every entry, in TfEntry order.\n#define TF_FOR_EACH_ENTRY(X)";
+        h += "// Where an entry registers: an aten override's dispatch key, a dispatch stub, or\n\
+              // torchfuse's own op (defined from its schemas).\nenum TfKey {\n";
+        for (_, c) in KEYS {
+            let _ = writeln!(h, "  {c},");
+        }
+        h += "  TF_KEY_OWN\n};\n\n";
+        h += "// X(ID, op name as logged, family, key): every entry, in TfEntry order.\n#define TF_FOR_EACH_ENTRY(X)";
         for e in entries {
-            let _ = write!(h, " \\\n  X({}, \"{}\", {})", caps(&e.id), e.op, e.family);
+            let key = KEYS
+                .iter()
+                .find(|(k, _)| *k == e.key)
+                .map_or("TF_KEY_OWN", |(_, c)| c);
+            let _ = write!(
+                h,
+                " \\\n  X({}, \"{}\", {}, {key})",
+                caps(&e.id),
+                e.op,
+                e.family
+            );
+        }
+        h += "\n\n// X(family): every op family, in the catalog's order.\n#define TF_FOR_EACH_FAMILY(X)";
+        for f in families(entries) {
+            let _ = write!(h, " X({f})");
+        }
+        h += "\n\n// X(ID, schema): every schema of torchfuse's own ops, by the entry that defines it.\n\
+              #define TF_FOR_EACH_SCHEMA(X)";
+        for e in entries {
+            for schema in &e.schemas {
+                let _ = write!(h, " \\\n  X({}, \"{schema}\")", caps(&e.id));
+            }
         }
         h += "\n\n#endif  // TORCHFUSE_CATALOG_H\n";
         h

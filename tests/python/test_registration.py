@@ -135,3 +135,44 @@ def test_an_idle_process_says_so_at_info():
     assert "nothing served in this process: no call reached an enabled op" in idle.stderr, idle.stderr
     off = check(run_python(code, load_library=True, TORCHFUSE_LOG="info", TORCHFUSE="0"))
     assert "nothing served" not in off.stderr and "TORCHFUSE=0: loaded, nothing registered" in off.stderr
+
+
+# What the op catalog (src/catalog.toml) declares, as the build reads it.
+def catalog_entries():
+    import tomllib
+    from conftest import ROOT
+    return tomllib.loads((ROOT / "src" / "catalog.toml").read_text())["entry"]
+
+
+OWN = """
+import json, torch
+names = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("torchfuse::"))
+schemas = {n: str(torch._C._dispatch_find_schema_or_throw(n, "").schema()) for n in names}
+keys = {}
+for op in %r:
+    name, _, overload = op.partition(".")
+    lines = torch._C._dispatch_dump("aten::" + op if not overload else "aten::%%s.%%s" %% (name, overload))
+    keys[op] = sorted(l.split(":")[0] for l in lines.splitlines() if "registered at torchfuse/" in l)
+print("RESULT " + json.dumps({"schemas": schemas, "keys": keys}))
+"""
+
+CONTROL_OPS = {"set_enabled", "stats", "reset_stats", "doctor", "note", "_serve_below_thresholds", "_force_variant"}
+
+
+def test_the_catalog_defines_every_own_op_and_registers_each_override_at_its_key():
+    """torchfuse's own ops are exactly the catalog's schemas (as the dispatcher parses them), and
+    each aten override is registered at the dispatch key its entry names, at no other."""
+    import torch
+    entries = catalog_entries()
+    aten = {e["op"]: e["key"] for e in entries if e.get("key") not in (None, "stub")}
+    proc = check(run_python(OWN % (sorted(aten),), load_library=True))
+    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
+    got = json.loads(line[7:])
+    want = {}
+    for e in entries:
+        for schema in e.get("schemas", []):
+            parsed = torch._C.parse_schema("torchfuse::" + schema)
+            want[f"torchfuse::{parsed.name.split('::')[-1]}"] = str(parsed)
+    own = {n: s for n, s in got["schemas"].items() if n.split("::")[1] not in CONTROL_OPS}
+    assert own == want
+    assert got["keys"] == {op: [key] for op, key in aten.items()}

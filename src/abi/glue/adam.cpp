@@ -78,14 +78,13 @@ void fused_adamw_tensor_lr(TORCHFUSE_ADAM_PARAMS, const at::Tensor& lr, TORCHFUS
 
 }  // namespace
 
-bool register_adam(uint32_t entry, const char* name) {
-  torch::Library& m = aten_cuda_library();
+bool register_adam(uint32_t entry, const char* name, torch::Library* aten) {
   switch (entry) {
-    case TF_ENTRY_FUSED_ADAM: m.impl(name, TORCH_FN(fused_adam)); return true;
-    case TF_ENTRY_FUSED_ADAM_TENSOR_LR: m.impl(name, TORCH_FN(fused_adam_tensor_lr)); return true;
-    case TF_ENTRY_FUSED_ADAMW: m.impl(name, TORCH_FN(fused_adamw)); return true;
+    case TF_ENTRY_FUSED_ADAM: aten->impl(name, TORCH_FN(fused_adam)); return true;
+    case TF_ENTRY_FUSED_ADAM_TENSOR_LR: aten->impl(name, TORCH_FN(fused_adam_tensor_lr)); return true;
+    case TF_ENTRY_FUSED_ADAMW: aten->impl(name, TORCH_FN(fused_adamw)); return true;
     case TF_ENTRY_FUSED_ADAMW_TENSOR_LR:
-      m.impl(name, TORCH_FN(fused_adamw_tensor_lr));
+      aten->impl(name, TORCH_FN(fused_adamw_tensor_lr));
       return true;
     default: return false;
   }

@@ -107,15 +107,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward(
 
 }  // namespace
 
-bool register_attention(uint32_t entry, const char* name) {
-  torch::Library& m = aten_cuda_library();
+bool register_attention(uint32_t entry, const char* name, torch::Library* aten) {
   switch (entry) {
     case TF_ENTRY_SDP_CHOICE:
       at::native::_fused_sdp_choice_stub.set_cuda_dispatch_ptr(&sdp_choice);
       return true;
-    case TF_ENTRY_FLASH_ATTENTION: m.impl(name, TORCH_FN(flash_attention)); return true;
+    case TF_ENTRY_FLASH_ATTENTION: aten->impl(name, TORCH_FN(flash_attention)); return true;
     case TF_ENTRY_FLASH_ATTENTION_BACKWARD:
-      m.impl(name, TORCH_FN(flash_attention_backward));
+      aten->impl(name, TORCH_FN(flash_attention_backward));
       return true;
     default: return false;
   }

@@ -305,36 +305,27 @@ at::Tensor aten_cross_entropy_loss(const at::Tensor& self, const at::Tensor& tar
 
 }  // namespace
 
-bool register_cross_entropy(uint32_t entry, const char* name) {
+bool register_cross_entropy(uint32_t entry, const char* name, torch::Library* aten) {
   using c10::DispatchKey;
   switch (entry) {
     case TF_ENTRY_CROSS_ENTROPY:
-      torchfuse_ops().def(
-          "cross_entropy(Tensor logits, Tensor target, int reduction=1, int ignore_index=-100, "
-          "float label_smoothing=0.0, ScalarType? dtype=None) -> Tensor");
       torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
           .impl("cross_entropy", TORCH_FN(cross_entropy));
       torchfuse_impl(DispatchKey::Autograd)
           .impl("cross_entropy", TORCH_FN(cross_entropy_autograd));
-      torchfuse_ops().def(
-          "cross_entropy_fwd(Tensor logits, Tensor target, int reduction, int ignore_index, "
-          "float label_smoothing, ScalarType dtype) -> (Tensor, Tensor, Tensor)");
       torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
           .impl("cross_entropy_fwd", TORCH_FN(cross_entropy_fwd_stock));
       torchfuse_impl(DispatchKey::CUDA).impl("cross_entropy_fwd", TORCH_FN(cross_entropy_fwd_cuda));
       torchfuse_impl(DispatchKey::Meta).impl("cross_entropy_fwd", TORCH_FN(cross_entropy_fwd_meta));
       return true;
     case TF_ENTRY_CROSS_ENTROPY_BACKWARD:
-      torchfuse_ops().def(
-          "cross_entropy_bwd(Tensor grad_loss, Tensor logits, Tensor target, Tensor lse, "
-          "Tensor total_weight, int reduction, int ignore_index, float label_smoothing) -> Tensor");
       torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
           .impl("cross_entropy_bwd", TORCH_FN(cross_entropy_bwd_stock));
       torchfuse_impl(DispatchKey::CUDA).impl("cross_entropy_bwd", TORCH_FN(cross_entropy_bwd_cuda));
       torchfuse_impl(DispatchKey::Meta).impl("cross_entropy_bwd", TORCH_FN(cross_entropy_bwd_meta));
       return true;
     case TF_ENTRY_CROSS_ENTROPY_LOSS:
-      aten_autograd_cuda_library().impl(name, TORCH_FN(aten_cross_entropy_loss));
+      aten->impl(name, TORCH_FN(aten_cross_entropy_loss));
       return true;
     default: return false;
   }

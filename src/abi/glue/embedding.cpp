@@ -36,12 +36,11 @@ at::Tensor embedding_dense_backward(const at::Tensor& grad_output, const at::Ten
 
 }  // namespace
 
-bool register_embedding(uint32_t entry, const char* name) {
-  torch::Library& m = aten_cuda_library();
+bool register_embedding(uint32_t entry, const char* name, torch::Library* aten) {
   switch (entry) {
-    case TF_ENTRY_EMBEDDING: m.impl(name, TORCH_FN(embedding)); return true;
+    case TF_ENTRY_EMBEDDING: aten->impl(name, TORCH_FN(embedding)); return true;
     case TF_ENTRY_EMBEDDING_DENSE_BACKWARD:
-      m.impl(name, TORCH_FN(embedding_dense_backward));
+      aten->impl(name, TORCH_FN(embedding_dense_backward));
       return true;
     default: return false;
   }

@@ -69,18 +69,16 @@ at::Tensor gelu_tanh_autograd(const at::Tensor& input, std::optional<at::ScalarT
 
 }  // namespace
 
-bool register_gelu(uint32_t entry, const char* /*name*/) {
+bool register_gelu(uint32_t entry, const char* /*name*/, torch::Library* /*aten*/) {
   using c10::DispatchKey;
   switch (entry) {
     case TF_ENTRY_GELU_TANH:
-      torchfuse_ops().def("gelu_tanh(Tensor input, ScalarType? dtype=None) -> Tensor");
       torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
           .impl("gelu_tanh", TORCH_FN(gelu_tanh_stock));
       torchfuse_impl(DispatchKey::CUDA).impl("gelu_tanh", TORCH_FN(gelu_tanh_cuda));
       torchfuse_impl(DispatchKey::Autograd).impl("gelu_tanh", TORCH_FN(gelu_tanh_autograd));
       return true;
     case TF_ENTRY_GELU_TANH_BACKWARD:
-      torchfuse_ops().def("gelu_tanh_backward(Tensor grad_out, Tensor input) -> Tensor");
       torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
           .impl("gelu_tanh_backward", TORCH_FN(gelu_tanh_backward_stock));
       torchfuse_impl(DispatchKey::CUDA)

@@ -173,15 +173,13 @@ extern const char* const kRegistrationFile;
 // fake tensors run), the CUDA kernel (Rust serves it, or stock), and autograd, so a C++ program
 // gets the same op.
 //
-// Each family registers its entries: `name` is the aten op an override takes (kEntryNames);
-// false where the entry is not the family's.
-bool register_norm(uint32_t entry, const char* name);
-bool register_embedding(uint32_t entry, const char* name);
-bool register_adam(uint32_t entry, const char* name);
-bool register_attention(uint32_t entry, const char* name);
-bool register_gelu(uint32_t entry, const char* name);
-bool register_cross_entropy(uint32_t entry, const char* name);
-bool register_swiglu(uint32_t entry, const char* name);
-bool register_rotary(uint32_t entry, const char* name);
+// Each family registers its entries' kernels: `name` is the op an override takes
+// (kEntryNames); `aten` the library of the catalog's dispatch key for an aten override (null for
+// a dispatch stub and for torchfuse's own ops, whose schemas the catalog defines first); false
+// where the entry is not the family's.
+#define TF_DECLARE_REGISTER(family) \
+  bool register_##family(uint32_t entry, const char* name, torch::Library* aten);
+TF_FOR_EACH_FAMILY(TF_DECLARE_REGISTER)
+#undef TF_DECLARE_REGISTER
 
 }  // namespace torchfuse_glue

@@ -94,19 +94,17 @@ at::Tensor hf_rms_norm(const at::Tensor& input, const at::Tensor& weight, double
 
 }  // namespace
 
-bool register_norm(uint32_t entry, const char* name) {
-  torch::Library& m = aten_cuda_library();
+bool register_norm(uint32_t entry, const char* name, torch::Library* aten) {
   switch (entry) {
-    case TF_ENTRY_NATIVE_LAYER_NORM: m.impl(name, TORCH_FN(native_layer_norm)); return true;
+    case TF_ENTRY_NATIVE_LAYER_NORM: aten->impl(name, TORCH_FN(native_layer_norm)); return true;
     case TF_ENTRY_NATIVE_LAYER_NORM_BACKWARD:
-      m.impl(name, TORCH_FN(native_layer_norm_backward));
+      aten->impl(name, TORCH_FN(native_layer_norm_backward));
       return true;
-    case TF_ENTRY_FUSED_RMS_NORM: m.impl(name, TORCH_FN(fused_rms_norm)); return true;
+    case TF_ENTRY_FUSED_RMS_NORM: aten->impl(name, TORCH_FN(fused_rms_norm)); return true;
     case TF_ENTRY_FUSED_RMS_NORM_BACKWARD:
-      m.impl(name, TORCH_FN(fused_rms_norm_backward));
+      aten->impl(name, TORCH_FN(fused_rms_norm_backward));
       return true;
     case TF_ENTRY_HF_RMS_NORM:
-      torchfuse_ops().def("hf_rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
       torchfuse_impl(c10::DispatchKey::CompositeImplicitAutograd)
           .impl("hf_rms_norm", TORCH_FN(hf_rms_norm));
       return true;

@@ -54,16 +54,31 @@ class WarningsToLog : public c10::WarningHandler {
 
 // The op each entry overrides or defines, in TfEntry order (the catalog's; the SDPA backend
 // choice is a dispatch stub, not an op).
-#define TF_ENTRY_NAME(id, op, family) op,
+#define TF_ENTRY_NAME(id, op, family, key) op,
 constexpr const char* kEntryNames[TF_ENTRY_COUNT] = {TF_FOR_EACH_ENTRY(TF_ENTRY_NAME)};
 #undef TF_ENTRY_NAME
 
-// Registers one entry with its family's register_<family> (the catalog says which).
+// The library an aten override registers its kernel with, by the catalog's key; none for a
+// dispatch stub or torchfuse's own ops (their families register at each key the op needs).
+torch::Library* library_for(TfKey key) {
+  switch (key) {
+    case TF_KEY_CUDA: return &aten_cuda_library();
+    case TF_KEY_AUTOGRAD_CUDA: return &aten_autograd_cuda_library();
+    default: return nullptr;
+  }
+}
+
+// Registers one entry: the schemas of torchfuse's own ops it defines (the catalog's), then
+// its kernels, by its family's register_<family> (the catalog says which).
 void register_entry(uint32_t entry) {
+#define TF_DEFINE(id, schema) \
+  if (entry == TF_ENTRY_##id) torchfuse_ops().def(schema);
+  TF_FOR_EACH_SCHEMA(TF_DEFINE)
+#undef TF_DEFINE
   bool registered = false;
   switch (entry) {
-#define TF_REGISTER(id, op, family) \
-  case TF_ENTRY_##id: registered = register_##family(entry, op); break;
+#define TF_REGISTER(id, op, family, key) \
+  case TF_ENTRY_##id: registered = register_##family(entry, op, library_for(key)); break;
     TF_FOR_EACH_ENTRY(TF_REGISTER)
 #undef TF_REGISTER
     default: break;

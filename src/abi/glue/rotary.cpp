@@ -194,13 +194,10 @@ std::tuple<at::Tensor, at::Tensor> rotary_autograd(const at::Tensor& q, const at
 
 }  // namespace
 
-bool register_rotary(uint32_t entry, const char* /*name*/) {
+bool register_rotary(uint32_t entry, const char* /*name*/, torch::Library* /*aten*/) {
   using c10::DispatchKey;
   switch (entry) {
     case TF_ENTRY_ROTARY:
-      torchfuse_ops().def(
-          "rotary(Tensor q, Tensor k, Tensor cos, Tensor sin, int unsqueeze_dim=1, "
-          "bool interleaved=False) -> (Tensor, Tensor)");
       torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
           .impl("rotary", TORCH_FN(rotary_stock));
       torchfuse_impl(DispatchKey::CUDA).impl("rotary", TORCH_FN(rotary_cuda));
@@ -208,9 +205,6 @@ bool register_rotary(uint32_t entry, const char* /*name*/) {
       torchfuse_impl(DispatchKey::Autograd).impl("rotary", TORCH_FN(rotary_autograd));
       return true;
     case TF_ENTRY_ROTARY_BACKWARD:
-      torchfuse_ops().def(
-          "rotary_backward(Tensor grad_q, Tensor grad_k, Tensor cos, Tensor sin, "
-          "int unsqueeze_dim, ScalarType x_dtype, bool interleaved=False) -> (Tensor, Tensor)");
       torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
           .impl("rotary_backward", TORCH_FN(rotary_backward_stock));
       torchfuse_impl(DispatchKey::CUDA)

@@ -196,7 +196,6 @@ at::Tensor silu_mul_packed_autograd(const at::Tensor& gate_up) {
 template <class Act>
 bool register_gated(const char* name) {
   using c10::DispatchKey;
-  torchfuse_ops().def((std::string(name) + "(Tensor gate, Tensor up) -> Tensor").c_str());
   torchfuse_impl(DispatchKey::CompositeExplicitAutograd).impl(name, TORCH_FN(gated_stock<Act>));
   torchfuse_impl(DispatchKey::CUDA).impl(name, TORCH_FN(gated_cuda<Act>));
   torchfuse_impl(DispatchKey::Autograd).impl(name, TORCH_FN(gated_autograd<Act>));
@@ -206,9 +205,6 @@ bool register_gated(const char* name) {
 template <class Act>
 bool register_gated_backward(const char* name) {
   using c10::DispatchKey;
-  torchfuse_ops().def(
-      (std::string(name) + "(Tensor grad_out, Tensor gate, Tensor up) -> (Tensor, Tensor)")
-          .c_str());
   torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
       .impl(name, TORCH_FN(gated_backward_stock<Act>));
   torchfuse_impl(DispatchKey::CUDA).impl(name, TORCH_FN(gated_backward_cuda<Act>));
@@ -217,7 +213,7 @@ bool register_gated_backward(const char* name) {
 
 }  // namespace
 
-bool register_swiglu(uint32_t entry, const char* /*name*/) {
+bool register_swiglu(uint32_t entry, const char* /*name*/, torch::Library* /*aten*/) {
   using c10::DispatchKey;
   switch (entry) {
     case TF_ENTRY_SILU_MUL: return register_gated<Silu>("silu_mul");
@@ -226,7 +222,6 @@ bool register_swiglu(uint32_t entry, const char* /*name*/) {
     case TF_ENTRY_GELU_TANH_MUL_BACKWARD:
       return register_gated_backward<GeluTanh>("gelu_tanh_mul_backward");
     case TF_ENTRY_SILU_MUL_PACKED:
-      torchfuse_ops().def("silu_mul_packed(Tensor gate_up) -> Tensor");
       torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
           .impl("silu_mul_packed", TORCH_FN(silu_mul_packed_stock));
       torchfuse_impl(DispatchKey::CUDA).impl("silu_mul_packed", TORCH_FN(silu_mul_packed_cuda));
@@ -234,7 +229,6 @@ bool register_swiglu(uint32_t entry, const char* /*name*/) {
           .impl("silu_mul_packed", TORCH_FN(silu_mul_packed_autograd));
       return true;
     case TF_ENTRY_SILU_MUL_PACKED_BACKWARD:
-      torchfuse_ops().def("silu_mul_packed_backward(Tensor grad_out, Tensor gate_up) -> Tensor");
       torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
           .impl("silu_mul_packed_backward", TORCH_FN(silu_mul_packed_backward_stock));
       torchfuse_impl(DispatchKey::CUDA)
