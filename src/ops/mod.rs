@@ -184,119 +184,21 @@ impl OpParams {
     }
 }
 
-/// A kernel operation the registry knows variants of.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Deserialize)]
-pub enum KernelOp {
-    #[serde(rename = "layer_norm_fwd")]
-    LayerNormFwd,
-    #[serde(rename = "layer_norm_bwd")]
-    LayerNormBwd,
-    #[serde(rename = "rms_norm_fwd")]
-    RmsNormFwd,
-    #[serde(rename = "rms_norm_bwd")]
-    RmsNormBwd,
-    /// `_fused_adam_` / `_fused_adamw_`; a request's `rows` is the step's total elements.
-    #[serde(rename = "adam_step")]
-    AdamStep,
-    /// `embedding`; `hidden` is the embedding width, `rows` the number of indices.
-    #[serde(rename = "embedding_fwd")]
-    EmbeddingFwd,
-    /// `embedding_dense_backward`; as the forward.
-    #[serde(rename = "embedding_bwd")]
-    EmbeddingBwd,
-    /// scaled_dot_product_attention with `is_causal`, forward and backward; `hidden` is the
-    /// head dim, `rows` the score elements B * H * Lq * Lk.
-    #[serde(rename = "attention_causal")]
-    AttentionCausal,
-    /// As `AttentionCausal`, without a mask.
-    #[serde(rename = "attention_full")]
-    AttentionFull,
-    /// `torchfuse::gelu_tanh`, output in the input's dtype; `rows` is the element count.
-    #[serde(rename = "gelu_tanh_fwd")]
-    GeluTanhFwd,
-    /// As `GeluTanhFwd`, fp32 output (autocast's form of HF's code).
-    #[serde(rename = "gelu_tanh_fwd_wide")]
-    GeluTanhFwdWide,
-    /// `torchfuse::gelu_tanh_backward`, the gradient in the input's dtype.
-    #[serde(rename = "gelu_tanh_bwd")]
-    GeluTanhBwd,
-    /// As `GeluTanhBwd`, an fp32 incoming gradient.
-    #[serde(rename = "gelu_tanh_bwd_wide")]
-    GeluTanhBwdWide,
-    /// `torchfuse::cross_entropy`'s forward, the loss in the logits' dtype; `hidden` is the
-    /// class count, `rows` the rows of logits.
-    #[serde(rename = "cross_entropy_fwd")]
-    CrossEntropyFwd,
-    /// As `CrossEntropyFwd`, an fp32 loss of 16-bit logits (HF's causal-LM loss).
-    #[serde(rename = "cross_entropy_fwd_wide")]
-    CrossEntropyFwdWide,
-    /// Its backward, the loss's gradient in the logits' dtype.
-    #[serde(rename = "cross_entropy_bwd")]
-    CrossEntropyBwd,
-    /// As `CrossEntropyBwd`, an fp32 loss gradient.
-    #[serde(rename = "cross_entropy_bwd_wide")]
-    CrossEntropyBwdWide,
-    /// `torchfuse::silu_mul`; `rows` is the element count.
-    #[serde(rename = "silu_mul_fwd")]
-    SiluMulFwd,
-    /// `torchfuse::silu_mul_backward`; as the forward.
-    #[serde(rename = "silu_mul_bwd")]
-    SiluMulBwd,
-    /// `torchfuse::gelu_tanh_mul` (GeGLU); `rows` is the element count.
-    #[serde(rename = "gelu_tanh_mul_fwd")]
-    GeluTanhMulFwd,
-    /// `torchfuse::gelu_tanh_mul_backward`; as the forward.
-    #[serde(rename = "gelu_tanh_mul_bwd")]
-    GeluTanhMulBwd,
-    /// `torchfuse::rotary`, every tensor in q's dtype; `hidden` is the head dim, `rows` the
-    /// rows (one head of one token) of q and k together.
-    #[serde(rename = "rotary_fwd")]
-    RotaryFwd,
-    /// As `RotaryFwd`, fp32 cos/sin and output of 16-bit q and k (autocast's form).
-    #[serde(rename = "rotary_fwd_wide")]
-    RotaryFwdWide,
-    /// `torchfuse::rotary_backward`; as the forward.
-    #[serde(rename = "rotary_bwd")]
-    RotaryBwd,
-    /// As `RotaryBwd`, fp32 cos/sin and incoming gradients.
-    #[serde(rename = "rotary_bwd_wide")]
-    RotaryBwdWide,
-}
+include!(concat!(env!("OUT_DIR"), "/kernel_ops.rs"));
 
 impl KernelOp {
-    /// Reads and checks a variant's op-specific params when the registry is parsed: the one
-    /// place an op key is mapped to its family.
+    /// Reads and checks a variant's op-specific params when the registry is parsed, by the
+    /// op's family (the catalog's `[[kernel_op]]`).
     fn prepare(self, v: &Variant) -> Result<OpParams, String> {
-        match self {
-            KernelOp::LayerNormFwd
-            | KernelOp::LayerNormBwd
-            | KernelOp::RmsNormFwd
-            | KernelOp::RmsNormBwd => OpParams::prepare::<norm::Norm>(self, v),
-            KernelOp::AdamStep => OpParams::prepare::<adam::Adam>(self, v),
-            KernelOp::EmbeddingFwd | KernelOp::EmbeddingBwd => {
-                OpParams::prepare::<embedding::Embedding>(self, v)
-            }
-            KernelOp::AttentionCausal | KernelOp::AttentionFull => {
-                OpParams::prepare::<attention::Attention>(self, v)
-            }
-            KernelOp::GeluTanhFwd
-            | KernelOp::GeluTanhFwdWide
-            | KernelOp::GeluTanhBwd
-            | KernelOp::GeluTanhBwdWide => OpParams::prepare::<gelu::Gelu>(self, v),
-            KernelOp::CrossEntropyFwd
-            | KernelOp::CrossEntropyFwdWide
-            | KernelOp::CrossEntropyBwd
-            | KernelOp::CrossEntropyBwdWide => {
-                OpParams::prepare::<cross_entropy::CrossEntropy>(self, v)
-            }
-            KernelOp::SiluMulFwd
-            | KernelOp::SiluMulBwd
-            | KernelOp::GeluTanhMulFwd
-            | KernelOp::GeluTanhMulBwd => OpParams::prepare::<swiglu::Swiglu>(self, v),
-            KernelOp::RotaryFwd
-            | KernelOp::RotaryFwdWide
-            | KernelOp::RotaryBwd
-            | KernelOp::RotaryBwdWide => OpParams::prepare::<rotary::Rotary>(self, v),
+        match self.family() {
+            OpFamily::Norm => OpParams::prepare::<norm::Norm>(self, v),
+            OpFamily::Adam => OpParams::prepare::<adam::Adam>(self, v),
+            OpFamily::Embedding => OpParams::prepare::<embedding::Embedding>(self, v),
+            OpFamily::Attention => OpParams::prepare::<attention::Attention>(self, v),
+            OpFamily::Gelu => OpParams::prepare::<gelu::Gelu>(self, v),
+            OpFamily::CrossEntropy => OpParams::prepare::<cross_entropy::CrossEntropy>(self, v),
+            OpFamily::Swiglu => OpParams::prepare::<swiglu::Swiglu>(self, v),
+            OpFamily::Rotary => OpParams::prepare::<rotary::Rotary>(self, v),
         }
     }
 }
