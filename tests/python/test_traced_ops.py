@@ -274,3 +274,31 @@ print(json.dumps({"ops": compute_ops(), "cases": sorted(CASES)}))
     halves = ("_backward", "_fwd", "_bwd")
     forward = sorted(name for name in out["ops"] if not name.endswith(halves))
     assert forward == out["cases"], out
+
+
+def test_interleaved_rotary_of_an_odd_head_dim_raises_on_meta_as_on_cpu():
+    """The interleaved rotation pairs the head dim's elements: for an odd one the composition
+    (stock's path, run on CPU) raises, and the Meta kernel (what torch.compile traces) raises too
+    instead of describing outputs the real op never makes; an even one passes both."""
+    proc = check(run_python(r"""
+import json, torch
+ops = torch.ops.torchfuse
+def raises(device, d, backward=False):
+    q, k = torch.randn(1, 2, 3, d, device=device), torch.randn(1, 1, 3, d, device=device)
+    cos, sin = torch.randn(1, 3, d, device=device), torch.randn(1, 3, d, device=device)
+    try:
+        if backward:
+            ops.rotary_backward(q, k, cos, sin, 1, torch.float32, True)
+        else:
+            ops.rotary(q, k, cos, sin, 1, True)
+        return None
+    except RuntimeError as e:
+        return str(e)
+print(json.dumps({f"{dev} {d} {bwd}": raises(dev, d, bwd) for dev in ("cpu", "meta") for d in (5, 6)
+                  for bwd in (False, True)}))
+""", load_library=True))
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for bwd in ("False", "True"):
+        assert out[f"cpu 6 {bwd}"] is None and out[f"meta 6 {bwd}"] is None, out
+        assert out[f"cpu 5 {bwd}"] is not None, out
+        assert "must be even; got 5" in out[f"meta 5 {bwd}"], out

@@ -82,9 +82,20 @@ std::tuple<at::Tensor, at::Tensor> rotary_backward_stock(const at::Tensor& grad_
 // without it gives the outputs' metadata.
 const auto unrotated = [](const at::Tensor& t) { return t; };
 
+// The interleaved rotation pairs (x[2p], x[2p+1]): of an odd last dim the composition stacks
+// halves of unequal sizes and raises, so the Meta kernels raise too (clearer).
+void check_pairs(const at::Tensor& x, bool interleaved) {
+  TORCH_CHECK(!interleaved || x.sym_size(-1) % 2 == 0,
+              "torchfuse::rotary: the interleaved rotation pairs the last dim's elements, so its "
+              "size must be even; got ",
+              x.sym_size(-1));
+}
+
 std::tuple<at::Tensor, at::Tensor> rotary_meta(const at::Tensor& q, const at::Tensor& k,
                                                const at::Tensor& cos, const at::Tensor& sin,
-                                               int64_t unsqueeze_dim, bool /*interleaved*/) {
+                                               int64_t unsqueeze_dim, bool interleaved) {
+  check_pairs(q, interleaved);
+  check_pairs(k, interleaved);
   return rotary_composed(q, k, cos, sin, unsqueeze_dim, unrotated);
 }
 
@@ -94,7 +105,9 @@ std::tuple<at::Tensor, at::Tensor> rotary_backward_meta(const at::Tensor& grad_q
                                                         const at::Tensor& sin,
                                                         int64_t unsqueeze_dim,
                                                         at::ScalarType x_dtype,
-                                                        bool /*interleaved*/) {
+                                                        bool interleaved) {
+  for (const at::Tensor* g : {&grad_q, &grad_k})
+    if (g->defined()) check_pairs(*g, interleaved);
   return rotary_backward_composed(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype, unrotated);
 }
 
