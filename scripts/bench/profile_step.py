@@ -15,6 +15,7 @@ step, no autocast: a world of one process, or of N under
 """
 import argparse
 import os
+import re
 import time
 
 import torch
@@ -22,6 +23,30 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench_distributed import NO_MULTICAST, shard_fsdp2
 from bench_models import adamw, build, train_step
+
+
+# What issue 40 tracks of a step's GPU time: each kernel is counted under the op that launched it
+# (the profiler's self device time of that op), the ops grouped by kind, first match wins.
+KINDS = (
+    ("matmul", re.compile(r"^aten::(mm|addmm|bmm|baddbmm|_scaled_mm|_grouped_mm|matmul|linear)$")),
+    ("attention", re.compile(r"attention")),
+    ("casts and copies", re.compile(r"^aten::(copy_|_to_copy|to|clone|contiguous)$")),
+    ("cat", re.compile(r"^aten::cat$")),
+    ("optimizer", re.compile(r"adam|_foreach_|Optimizer", re.I)),
+    ("norms", re.compile(r"layer_norm|rms_norm")),
+    ("cross-entropy", re.compile(r"cross_entropy|log_softmax|nll_loss")),
+    ("torchfuse's other ops", re.compile(r"^torchfuse::")),
+)
+
+
+def gpu_time_by_kind(rows):
+    """{kind: summed device µs} of (op name, self device µs) rows; kinds as KINDS, the rest
+    "other"."""
+    out = {}
+    for name, us in rows:
+        kind = next((k for k, pattern in KINDS if pattern.search(name)), "other")
+        out[kind] = out.get(kind, 0.0) + us
+    return out
 
 
 def main():
@@ -79,6 +104,17 @@ def main():
         print(f"{what}: wall {wall_ms:.2f} ms/step (unprofiled), GPU busy {busy_ms:.2f} ms/step"
               + (f" (and NCCL kernels {comm_ms:.2f} ms/step, overlapping)" if comm else "")
               + f", {len(kernels) / a.steps:.0f} kernels/step")
+        # The CPU-side ops' self device time: each kernel once, under the op that launched it
+        # (the kernels' own rows and user annotations, such as the optimizer's span, left out).
+        cpu = torch.autograd.DeviceType.CPU
+        ops = [(e.key, e.self_device_time_total) for e in prof.key_averages()
+               if e.device_type == cpu and e.self_device_time_total > 0
+               and not getattr(e, "is_user_annotation", False)]
+        kinds = gpu_time_by_kind(ops)
+        total = sum(kinds.values()) or 1.0
+        print("GPU time by kind (ms/step, share): " + ", ".join(
+            f"{kind} {us / 1e3 / a.steps:.2f} ({us / total:.0%})"
+            for kind, us in sorted(kinds.items(), key=lambda kv: -kv[1])))
         for key in ("self_cuda_time_total", "self_cpu_time_total"):
             print(prof.key_averages().table(sort_by=key, row_limit=a.top, max_name_column_width=60))
         if a.shapes:
