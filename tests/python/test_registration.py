@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import check, run_python
+from conftest import ROOT, check, run_python
 
 # Every aten op torchfuse overrides at the CUDA key, by toggle (docs/architecture.md).
 OPS = {
@@ -27,10 +27,15 @@ print("RESULT " + json.dumps(ours))
 """ % (ALL_ATEN,)
 
 
-def registered(proc):
+def result(proc):
+    """What a child process printed on its last `RESULT ` line, as JSON."""
     check(proc)
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
-    return {op for op, ours in json.loads(line[7:]).items() if ours}
+    return json.loads(line[7:])
+
+
+def registered(proc):
+    return {op for op, ours in result(proc).items() if ours}
 
 
 def test_stock_torch_has_none_of_ours():
@@ -140,7 +145,6 @@ def test_an_idle_process_says_so_at_info():
 # What the op catalog (src/catalog.toml) declares, as the build reads it.
 def catalog_entries():
     import tomllib
-    from conftest import ROOT
     return tomllib.loads((ROOT / "src" / "catalog.toml").read_text())["entry"]
 
 
@@ -150,8 +154,7 @@ names = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith(
 schemas = {n: str(torch._C._dispatch_find_schema_or_throw(n, "").schema()) for n in names}
 keys = {}
 for op in %r:
-    name, _, overload = op.partition(".")
-    lines = torch._C._dispatch_dump("aten::" + op if not overload else "aten::%%s.%%s" %% (name, overload))
+    lines = torch._C._dispatch_dump("aten::" + op)  # op with its overload, as the catalog names it
     keys[op] = sorted(l.split(":")[0] for l in lines.splitlines() if "registered at torchfuse/" in l)
 print("RESULT " + json.dumps({"schemas": schemas, "keys": keys}))
 """
@@ -165,9 +168,7 @@ def test_the_catalog_defines_every_own_op_and_registers_each_override_at_its_key
     import torch
     entries = catalog_entries()
     aten = {e["op"]: e["key"] for e in entries if e.get("key") not in (None, "stub")}
-    proc = check(run_python(OWN % (sorted(aten),), load_library=True))
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
-    got = json.loads(line[7:])
+    got = result(run_python(OWN % (sorted(aten),), load_library=True))
     want = {}
     for e in entries:
         for schema in e.get("schemas", []):
