@@ -1,5 +1,6 @@
 // Rotary position embedding, forward and backward, q and k in one launch:
-// torch.ops.torchfuse.rotary[_backward], which serve HF's apply_rotary_pos_emb (and its copies).
+// torch.ops.torchfuse.rotary[_backward], which serve HF's apply_rotary_pos_emb (and its copies);
+// and kv_copy (torch.ops.torchfuse.kv_copy: K or V copied into HF's KV cache, rows as here).
 // HF's rotate-half form pairs element j with j+h (h = head_dim / 2):
 //
 //   forward   y[j]     = x[j] cos[j]         - x[j+h] sin[j]
@@ -227,4 +228,43 @@ extern "C" __global__ void __launch_bounds__(TF_THREADS)
     rope_pairs(RopeOperand q, RopeOperand k, const tf_y* __restrict__ cos,
                const tf_y* __restrict__ sin, int half, int group) {
   rope_rows<true>(q, k, cos, sin, half, group);
+}
+
+// kv_copy: each row of x (a [n0, n1, n2, d] view with a contiguous last dim: HF's K or V, often a
+// transposed view of a projection's output) copied to the row-major output, as the cat of HF's
+// first cache append makes it: bit for bit in x's dtype, or (TF_WIDE) widened to fp32 (cat's
+// promotion of a 16-bit V to the fp32 cache an fp32 K made; exact). One pass: each element read
+// and written once. Rows as rope's: `group` lanes a row, chunks of TF_EW_CHUNK elements with
+// 16-byte accesses (every row start 16-byte aligned; the caller sends rows that are not to
+// PyTorch's copy); a grid-stride loop over the rows. The operand's trig strides are not read.
+template <int W>
+__device__ __forceinline__ void copy_row(const RopeOperand& op, tf_i64 row, int d, int first,
+                                         int lanes) {
+  tf_i64 i0, i1, i2;
+  split_row(op, row, i0, i1, i2);
+  const tf_x* in = static_cast<const tf_x*>(op.in) + offset(op.in_s, i0, i1, i2);
+  tf_y* out = static_cast<tf_y*>(op.out) + offset(op.out_s, i0, i1, i2);
+  for (int j = first * W; j < d; j += lanes * W) {
+#if TF_WIDE
+    float v[W];
+    tf_load_elems<W>(in + j, v);
+    tf_store_elems<W>(out + j, v);
+#else
+    constexpr int raws = W * static_cast<int>(sizeof(tf_x)) / 16;
+#pragma unroll
+    for (int a = 0; a < raws; ++a)
+      reinterpret_cast<tf_raw16*>(out + j)[a] = reinterpret_cast<const tf_raw16*>(in + j)[a];
+#endif
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(TF_THREADS) kv_copy(RopeOperand x, int d, int group) {
+  constexpr int warps = TF_THREADS / 32;
+  const int lane = threadIdx.x % 32;
+  const int rows_per_warp = 32 / group;  // group: a row's lanes, 1 to 32
+  const tf_i64 step = static_cast<tf_i64>(gridDim.x) * warps * rows_per_warp;
+  for (tf_i64 r = (static_cast<tf_i64>(blockIdx.x) * warps + threadIdx.x / 32) * rows_per_warp +
+                  lane / group;
+       r < x.rows; r += step)
+    copy_row<TF_EW_CHUNK>(x, r, d, lane % group, group);
 }

@@ -534,8 +534,72 @@ _FUNCTION_SOURCES = {
 """, (None,)),
 }
 
+# Methods other than `forward` of library classes: form -> (the method's name, its source).
+_METHOD_SOURCES = {
+    # transformers.cache_utils.DynamicLayer.update: the KV cache layer every training forward of
+    # an HF decoder builds (`use_cache` defaults to the config's True) and appends K and V to.
+    "hf_dynamic_layer_update": ("update", '''def update(
+    self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """
+        Update the key and value caches in-place, and return the necessary keys and value states.
+
+        Args:
+            key_states (`torch.Tensor`): The new key states to cache.
+            value_states (`torch.Tensor`): The new value states to cache.
+
+        Returns:
+            tuple[`torch.Tensor`, `torch.Tensor`]: The key and value states.
+        """
+    # Lazy initialization
+    if not self.is_initialized:
+        self.lazy_initialization(key_states, value_states)
+
+    self.keys = torch.cat([self.keys, key_states], dim=-2)
+    self.values = torch.cat([self.values, value_states], dim=-2)
+    return self.keys, self.values
+'''),
+    # transformers.cache_utils.DynamicSlidingWindowLayer.update: the layer of a sliding-window
+    # config (Mistral, Gemma 2 and 3's local layers), built and appended to the same way.
+    "hf_dynamic_sliding_window_layer_update": ("update", '''def update(
+    self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """
+        Update the key and value caches in-place, and return the necessary keys and value states.
+
+        Args:
+            key_states (`torch.Tensor`): The new key states to cache.
+            value_states (`torch.Tensor`): The new value states to cache.
+
+        Returns:
+            tuple[`torch.Tensor`, `torch.Tensor`]: The key and value states.
+        """
+    # Lazy initialization
+    if not self.is_initialized:
+        self.lazy_initialization(key_states, value_states)
+
+    self.cumulative_length += key_states.shape[-2]
+
+    # Compute the full states
+    full_key_states = torch.cat([self.keys, key_states], dim=-2)
+    full_value_states = torch.cat([self.values, value_states], dim=-2)
+    # Only cache the last `self.sliding_window - 1` tokens (or all of them if lower than that)
+    if not self.record_past:
+        self.keys = full_key_states[:, :, -self.sliding_window + 1 :, :]
+        self.values = full_value_states[:, :, -self.sliding_window + 1 :, :]
+    # If we record the past, we keep them all for now, and they'll be restricted to the window size in `crop`
+    else:
+        self.keys = full_key_states
+        self.values = full_value_states
+
+    # Return the full states
+    return full_key_states, full_value_states
+'''),
+}
+
 # Form name -> the composition it computes.
-COMPUTES = {"new_gelu": "gelu_tanh", "fast_gelu": "gelu_tanh", "hf_conv1d_mlp": "gelu_tanh",
+COMPUTES = {"hf_dynamic_layer_update": "kv_cache", "hf_dynamic_sliding_window_layer_update": "kv_cache",
+            "new_gelu": "gelu_tanh", "fast_gelu": "gelu_tanh", "hf_conv1d_mlp": "gelu_tanh",
             "hf_rms_norm": "hf_rms_norm", "gemma_rms_norm": "hf_rms_norm", "t5_rms_norm": "hf_rms_norm",
             "hf_causal_lm_loss": "cross_entropy", "hf_gated_mlp": "swiglu", "hf_moe_apply_gate": "swiglu",
             "hf_packed_gated_mlp": "swiglu", "hf_gated_mlp_inline": "swiglu", "llama4_gated_mlp": "swiglu",
@@ -563,6 +627,7 @@ FORMS = {name: _compiled(source) for name, source in _SOURCES.items()}
 _FORM_DEFAULTS = {"mamba_rms_norm_gated": (None,)}
 FUNCTION_FORMS = {name: (_compiled(source), defaults)
                   for name, (source, defaults) in _FUNCTION_SOURCES.items()}
+METHOD_FORMS = {name: (method, _compiled(source)) for name, (method, source) in _METHOD_SOURCES.items()}
 # Function form -> the name the library defines it under (`apply_rotary_pos_emb`).
 FUNCTION_NAMES = {form: code.co_name for form, (code, _) in FUNCTION_FORMS.items()}
 
@@ -750,6 +815,20 @@ def scan(module):
         form = form_of(forward) if forward is not None else None
         if form is not None and form in COMPUTES:
             found[value] = form
+    return found
+
+
+def scan_methods(module):
+    """The classes defined in `module` with an own method (other than `forward`) of a known form
+    whose composition torchfuse serves: {class: (method name, form)}."""
+    found = {}
+    for value in list(vars(module).values()):
+        if not isinstance(value, type) or value.__module__ != module.__name__:
+            continue
+        for form, (method, reference) in METHOD_FORMS.items():
+            function = value.__dict__.get(method)
+            if form in COMPUTES and function is not None and _matches(function, form, reference, None):
+                found[value] = (method, form)
     return found
 
 

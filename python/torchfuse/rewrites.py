@@ -7,7 +7,8 @@ toggle is on (`TORCHFUSE_OPS`). The same holds for known module-level functions 
 loss in `transformers.loss.loss_utils`, also replaced in its LOSS_MAPPING, from which every
 model's `loss_function` is taken; the models' `apply_rotary_pos_emb`; in
 `transformers.masking_utils`, HF's decisions to build no attention mask, see
-`_mask_skip_under_compile`). Each rewrite is logged
+`_mask_skip_under_compile`; in `transformers.cache_utils`, the KV cache's first append). Each
+rewrite is logged
 once at info; a class that looks like one (its name says RMSNorm or GELU) but whose code differs
 is left alone and logged at debug.
 
@@ -46,7 +47,7 @@ def is_model_module(name):
 
 
 MODULES = ("transformers.activations", "transformers.loss.loss_utils", "transformers.masking_utils",
-           "transformers.integrations.moe")
+           "transformers.integrations.moe", "transformers.cache_utils")
 
 
 def wants(name):
@@ -857,6 +858,80 @@ def _partial_rotary(torch, original, form, dependencies=None):
     return apply_rotary_pos_emb
 
 
+def _kv_appends(torch, original, dependencies):
+    """What both KV-cache rewrites share: whether the call may take the op (untraced, the
+    original's dependencies unchanged), and the append of K and V to the caches with the first
+    append (the cache a training forward builds, empty until then) as one op, torchfuse::kv_copy:
+    the fresh row-major copies of K and V that `torch.cat([cache, x], dim=-2)` makes of the 1-D
+    empty cache and x, in the dtype cat promotes to (the cache's is K's: after a rotary with fp32
+    tables, an fp32 K promotes a bf16 V). Later appends, and K or V of another layout, run the
+    original's cats."""
+    op, tensor, promote = torch.ops.torchfuse.kv_copy.default, torch.Tensor, torch.promote_types
+    untraced = _untraced_call(torch)
+    unchanged = (dependencies or compositions.Dependencies(original)).unchanged
+
+    def takes_op():
+        return untraced() and unchanged()
+
+    def first_append(cache, x):
+        # cat's output is then x's values, fresh and row-major: cat skips the cache (a 1-D
+        # empty tensor) but for its dtype, and a 4-D x with a contiguous last dim and more than
+        # one head is not channels-last to its memory-format rule.
+        return (type(cache) is tensor and type(x) is tensor and x.is_cuda and cache.device == x.device
+                and cache.dim() == 1 and cache.numel() == 0 and x.dim() == 4 and x.stride(-1) == 1
+                and x.size(1) > 1 and x.size(-1) > 1)
+
+    def append(keys, values, key_states, value_states):
+        if first_append(keys, key_states) and first_append(values, value_states):
+            return op(key_states, value_states, promote(keys.dtype, key_states.dtype),
+                      promote(values.dtype, value_states.dtype))
+        return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
+
+    return takes_op, append
+
+
+def _dynamic_layer_update(torch, original, form, dependencies=None):
+    """HF's DynamicLayer.update, its first append as one op (_kv_appends); traces run the
+    original."""
+    takes_op, append = _kv_appends(torch, original, dependencies)
+
+    @functools.wraps(original)
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not takes_op():
+            return original(self, key_states, value_states, *args, **kwargs)
+        # The original's code, its cats as `append`.
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys, self.values = append(self.keys, self.values, key_states, value_states)
+        return self.keys, self.values
+
+    return update
+
+
+def _dynamic_sliding_window_layer_update(torch, original, form, dependencies=None):
+    """HF's DynamicSlidingWindowLayer.update, its first append as one op (_kv_appends); the
+    window's views of the full states as the original takes them; traces run the original."""
+    takes_op, append = _kv_appends(torch, original, dependencies)
+
+    @functools.wraps(original)
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not takes_op():
+            return original(self, key_states, value_states, *args, **kwargs)
+        # The original's code, its cats as `append`.
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        full_keys, full_values = append(self.keys, self.values, key_states, value_states)
+        if not self.record_past:
+            self.keys = full_keys[:, :, -self.sliding_window + 1:, :]
+            self.values = full_values[:, :, -self.sliding_window + 1:, :]
+        else:
+            self.keys, self.values = full_keys, full_values
+        return full_keys, full_values
+
+    return update
+
+
 class Rewrite(typing.NamedTuple):
     """One rewrite of a recognised form (compositions.py holds its reference code and the
     toggle that switches it): what makes the replacement from the original
@@ -913,6 +988,10 @@ REWRITES = {
     **dict.fromkeys(("hf_partial_rotary", "hf_partial_rotary_glm_doc", "hf_partial_rotary_inline"),
                     Rewrite(_partial_rotary, _OPS + "rotary, then the original's cat")),
     "hf_rotary_pairs_partial": Rewrite(_partial_rotary, _OPS + "rotary (interleaved), then the original's cat"),
+    # A class's other method.
+    "hf_dynamic_layer_update": Rewrite(_dynamic_layer_update, _OPS + "kv_copy on the first append"),
+    "hf_dynamic_sliding_window_layer_update": Rewrite(_dynamic_sliding_window_layer_update,
+                                                      _OPS + "kv_copy on the first append"),
     "hf_ignore_causal_mask_sdpa": Rewrite(
         _mask_skip_under_compile, "under torch.compile, eager's is_causal=True where sizes decide"),
     "hf_ignore_bidirectional_mask_sdpa": Rewrite(
@@ -961,6 +1040,14 @@ def patch_module(module):
         rewrite = REWRITES[form]
         cls.forward = rewrite.make(torch, original, form, dependencies)
         _REWRITTEN[cls.forward] = (form, dependencies)
+        note(torch, f"rewrite {op}: {where} ({form}) -> {rewrite.calls}")
+    for cls, (method, form) in compositions.scan_methods(module).items():
+        op, where = compositions.COMPUTES[form], f"{module.__name__}.{cls.__qualname__}.{method}"
+        if not enabled.get(op, False):
+            note(torch, f"rewrite {op} off: {where} ({form}) left as it is", debug=True)
+            continue
+        rewrite = REWRITES[form]
+        setattr(cls, method, rewrite.make(torch, getattr(cls, method), form))
         note(torch, f"rewrite {op}: {where} ({form}) -> {rewrite.calls}")
     functions = compositions.scan_functions(module)
     for name, form in functions.items():

@@ -32,10 +32,10 @@ from torchfuse import compositions  # noqa: E402
 def modeling_modules():
     """(model family, its modeling module or the import error's text), every family in order,
     after the shared modules the rewrite layer also scans (activations, the loss functions, the
-    MoE experts' gate)."""
+    MoE experts' gate, the attention masks, the KV cache's layers)."""
     import transformers.models as models
 
-    for shared in ("activations", "loss.loss_utils", "integrations.moe"):
+    for shared in ("activations", "loss.loss_utils", "integrations.moe", "masking_utils", "cache_utils"):
         yield shared, importlib.import_module(f"transformers.{shared}")
 
     for info in sorted(pkgutil.iter_modules(models.__path__), key=lambda i: i.name):
@@ -53,6 +53,8 @@ def scan(module):
     """({name: form} recognised, {name: form} near) of one modeling module."""
     recognised = {cls.__name__: form for cls, form in compositions.scan(module).items()}
     recognised.update(compositions.scan_functions(module))
+    recognised.update({f"{cls.__name__}.{method}": form
+                       for cls, (method, form) in compositions.scan_methods(module).items()})
     return recognised, compositions.near_forms(module)
 
 

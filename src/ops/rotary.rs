@@ -1,11 +1,12 @@
 //! Rotary position embedding in HF's rotate-half form or the interleaved one (GLM's, Cohere's,
 //! GPT-J's rotate_every_two), q and k in one launch, forward and backward
 //! (`torchfuse::rotary[_backward]`, what the rewrite layer sends HF's apply_rotary_pos_emb
-//! to), through kernels/rotary.cu, or why stock (HF's composition, in the glue) runs a call.
+//! to), through kernels/rotary.cu, or why stock (HF's composition, in the glue) runs a call;
+//! and `torchfuse::kv_copy` (K and V copied into HF's KV cache, per-head rows as rotary's).
 
 use super::{elementwise, params};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
-use crate::abi::tensor::{aligned16, describe, device_addr};
+use crate::abi::tensor::{aligned16, describe, device_addr, empty, kind_of_scalar_type};
 use crate::abi::types::{TfRotaryCall, TfTensor};
 use crate::gpu::args::{self, kernel_args, Field, KernelArgs};
 use crate::gpu::{self, Launch};
@@ -19,6 +20,8 @@ use tch::{Device, Kind, Tensor};
 /// layout's, and the interleaved one's (pairs (2p, 2p+1)), each with its own registers.
 const KERNEL: &str = "rope";
 const PAIRS_KERNEL: &str = "rope_pairs";
+/// torchfuse::kv_copy's kernel, in the same module.
+const KV_KERNEL: &str = "kv_copy";
 
 /// Grid CTAs at most; they stride over the rest of the rows.
 const MAX_GRID: i64 = 1 << 16;
@@ -63,6 +66,17 @@ kernel_args! {
         sin: u64,
         /// Half the head dim.
         half: i32,
+        /// Lanes a row (chunked), or 0: a warp a row, element by element.
+        group: i32,
+    }
+}
+
+kernel_args! {
+    /// kv_copy's arguments (kernels/rotary.cu): x's rows, copied row-major.
+    struct KvCopyArgs {
+        x: RopeOperand,
+        /// The head dim.
+        d: i32,
         /// Lanes a row (chunked), or 0: a warp a row, element by element.
         group: i32,
     }
@@ -225,6 +239,9 @@ impl Family for Rotary {
         call: &TfRotaryCall,
         _shape: &[i64],
     ) -> Result<Served, StockReason> {
+        if entry == Entry::KvCopy {
+            return kv_copy(launch, call);
+        }
         let backward = entry == Entry::RotaryBackward;
         // The tensors the kernel reads in place of q and k: the incoming gradients backward.
         let (a, b) = if backward {
@@ -384,20 +401,30 @@ impl Family for Rotary {
         ))
     }
 
-    fn kernels(_op: KernelOp) -> &'static [&'static str] {
-        &[KERNEL, PAIRS_KERNEL]
+    fn kernels(op: KernelOp) -> &'static [&'static str] {
+        if is_kv_copy(op) {
+            &[KV_KERNEL]
+        } else {
+            &[KERNEL, PAIRS_KERNEL]
+        }
     }
 
     fn kernel_args(kernel: &str) -> Option<&'static [Field]> {
-        [KERNEL, PAIRS_KERNEL]
-            .contains(&kernel)
-            .then_some(RopeArgs::FIELDS)
+        match kernel {
+            KERNEL | PAIRS_KERNEL => Some(RopeArgs::FIELDS),
+            KV_KERNEL => Some(KvCopyArgs::FIELDS),
+            _ => None,
+        }
     }
 
-    /// Which direction kernels/rotary.cu compiles, and whether cos/sin/y are fp32.
+    /// Which direction kernels/rotary.cu compiles, and whether cos/sin/y are fp32 (kv_copy's
+    /// output, wide).
     fn defines(op: KernelOp) -> Vec<String> {
         let backward = matches!(op, KernelOp::RotaryBwd | KernelOp::RotaryBwdWide);
-        let wide = matches!(op, KernelOp::RotaryFwdWide | KernelOp::RotaryBwdWide);
+        let wide = matches!(
+            op,
+            KernelOp::RotaryFwdWide | KernelOp::RotaryBwdWide | KernelOp::KvCopyWide
+        );
         vec![
             format!("-DTF_ROPE_BWD={}", i32::from(backward)),
             format!("-DTF_WIDE={}", i32::from(wide)),
@@ -412,6 +439,102 @@ impl Family for Rotary {
         params::one_of(v, "THREADS", p.threads, &[128, 256, 512, 1024])?;
         Ok(p)
     }
+}
+
+fn is_kv_copy(op: KernelOp) -> bool {
+    matches!(op, KernelOp::KvCopy | KernelOp::KvCopyWide)
+}
+
+/// torchfuse::kv_copy of one tensor (`call.q`; the glue makes one call per tensor) into a new
+/// row-major tensor of `call.x_dtype`: its own dtype, or fp32 of a 16-bit x (wide).
+fn kv_copy(launch: Launch, call: &TfRotaryCall) -> Result<Served, StockReason> {
+    let x = call.q.given().ok_or(StockReason::InvalidInput)?;
+    let x_kind = x.kind().ok_or(StockReason::UnsupportedDtype)?;
+    let out_kind = kind_of_scalar_type(call.x_dtype).ok_or(StockReason::UnsupportedDtype)?;
+    let wide = out_kind != x_kind;
+    if wide && (out_kind != Kind::Float || x_kind == Kind::Float) {
+        return Err(StockReason::MixedDtypes);
+    }
+    let dtype = dtype_of(x_kind).ok_or(StockReason::UnsupportedDtype)?;
+    let device = gpu::torch_device(launch)?;
+    let size = x.sizes();
+    if size.len() != 4 || x.device() != device {
+        return Err(StockReason::InvalidInput);
+    }
+    let in_s = strides(x.strides()).ok_or(StockReason::NotContiguous)?;
+    let (n1, n2, d) = (size[1], size[2], size[3]);
+    let rows = size[0] * n1 * n2;
+    if rows == 0 || d == 0 {
+        return Err(StockReason::EmptyInput);
+    }
+    let Selected {
+        gpu,
+        variant,
+        kernels,
+        params,
+    } = super::select(launch, |sm| Request {
+        op: if wide {
+            KernelOp::KvCopyWide
+        } else {
+            KernelOp::KvCopy
+        },
+        dtype,
+        hidden: d,
+        rows,
+        sm,
+        deterministic: false,
+    })?;
+    let p = Rotary::params(params)?;
+    let out = empty(size, out_kind, device)?;
+    // Row-major, as `empty` makes it.
+    let out_s = RopeStrides {
+        s0: n1 * n2 * d,
+        s1: n2 * d,
+        s2: d,
+    };
+    let op = RopeOperand {
+        input: x.addr(),
+        output: device_addr(&out),
+        n1,
+        n2,
+        rows,
+        in_s,
+        out_s,
+        trig_s: out_s,
+    };
+    // The chunked path covers the whole row (d in place of rotary's half); rows it cannot take
+    // (a head dim of no whole number of 16-byte chunks, an unaligned view) were not measured
+    // against the glue's copy, which keeps them.
+    let group = lanes_per_row(d, &[&op], &[op.input, op.output]);
+    if group == 0 {
+        return Err(StockReason::NoVariantForShape);
+    }
+    let rows_per_warp = 32 / i64::from(group);
+    let blocks = gpu::ceil_div(rows, p.threads / 32 * rows_per_warp).min(MAX_GRID);
+    let config = LaunchConfig {
+        grid_dim: (gpu::grid_dim(blocks, 1)?, 1, 1),
+        block_dim: (
+            u32::try_from(p.threads).map_err(|_| StockReason::InternalError)?,
+            1,
+            1,
+        ),
+        shared_mem_bytes: 0,
+    };
+    let kv_args = KvCopyArgs {
+        x: op,
+        d: i32::try_from(d).map_err(|_| StockReason::NoVariantForShape)?,
+        group,
+    };
+    let stream = gpu.stream(launch);
+    let kernel = kernels.get(KV_KERNEL)?;
+    let mut args = stream.launch_builder(&kernel.function);
+    args::push(&mut args, &kv_args);
+    // SAFETY: kv_copy's parameters are KvCopyArgs's fields (the compile test checks); group > 0,
+    // so every row starts 16-byte aligned in x and the output; every offset is within
+    // its tensor (x's sizes and strides, the output row-major of the same sizes); the dtypes are
+    // the module's; both live until the stream is done with them.
+    unsafe { args.launch(config) }.map_err(|e| super::launch_failed(variant, e))?;
+    Ok(Served::new(variant.name.as_str(), [Some(out), None, None]))
 }
 
 /// A rotary variant's compile-time params (`registry/rotary.toml`).

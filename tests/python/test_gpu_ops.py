@@ -100,6 +100,33 @@ def rotary_case(interleaved):
         forward=lambda q, k, cos, sin, *_: torch.ops.torchfuse.rotary(q, k, cos, sin, 1, interleaved))
 
 
+def kv_make(b=2, s=1024, heads=8, d=64, out=BF16):
+    """GPT-2's K and V: transposed views of one packed projection's output (the leaf), and the
+    outputs' grads (in `out`, the cache's dtype)."""
+    kv = randn(b, s, 2 * heads * d, grad=True)
+    return [kv, randn(b, heads, s, d, dtype=out), randn(b, heads, s, d, dtype=out)]
+
+
+def kv_views(kv, heads):
+    b, s, _ = kv.shape
+    return [t.view(b, s, heads, -1).transpose(1, 2) for t in kv.chunk(2, dim=-1)]
+
+
+def kv_copy_case(out):
+    """torchfuse::kv_copy (HF's first KV-cache append), bf16 K and V kept (`out` bf16) or widened
+    to an fp32 cache."""
+    def forward(kv, dk=None, dv=None, dtype=out):
+        return torch.ops.torchfuse.kv_copy(*kv_views(kv, 8), dtype, dtype)
+
+    return Case(
+        "kv_cache", ("torchfuse::kv_copy",), make=lambda: kv_make(out=out),
+        run=lambda kv, dk, dv: grads(forward(kv), [kv], [dk, dv]),
+        # K past 2^31 elements (and V): 8.6 GB of projection.
+        big=lambda: kv_make(b=1, s=BIG // (8 * 64) + 1, out=out),
+        bad=[lambda: [randn(2, 16, 2 * 8 * 64), None, None, torch.qint8]],  # a dtype no copy makes
+        forward=forward)
+
+
 def adamw_make(sizes=(4096, 65536, 1 << 20)):
     params = [randn(n, dtype=torch.float32) for n in sizes]
     return [params, [randn(n, dtype=torch.float32) for n in sizes],
@@ -214,6 +241,8 @@ CASES = {
         forward=lambda gate_up, _: torch.ops.torchfuse.silu_mul_packed(gate_up)),
     "rotary": rotary_case(interleaved=False),
     "rotary_interleaved": rotary_case(interleaved=True),
+    "kv_copy": kv_copy_case(BF16),
+    "kv_copy_wide": kv_copy_case(torch.float32),
 }
 
 

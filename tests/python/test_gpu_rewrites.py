@@ -683,6 +683,47 @@ def test_gpt2_mlp_under_autocast_drops_the_gelus_cast(force):
         assert set(out["served"]) == {"stock: stock is faster at this shape"}, out
 
 
+@pytest.mark.parametrize("layer", ["DynamicLayer", "DynamicSlidingWindowLayer"])
+def test_kv_cache_first_append_is_the_originals_cat(layer):
+    """HF's DynamicLayer.update and DynamicSlidingWindowLayer.update rewritten (the KV cache every
+    training forward builds): on CUDA their first append goes to torchfuse::kv_copy and gives the
+    cache and the caller what the original's cats give (values, dtypes, strides, gradients; the
+    sliding window's cache a view of the last tokens) for GPT-2's K and V (strided views of the
+    packed projection) and for an fp32 K with a bf16 V (cat promotes V), and a second append runs
+    the original's cats on top of it."""
+    pytest.importorskip("transformers")
+    load_torchfuse()
+    sys.path.insert(0, str(ROOT / "python"))
+    from torchfuse import rewrites
+    import transformers.cache_utils as C
+    cls = getattr(C, layer)
+    form = {"DynamicLayer": "hf_dynamic_layer_update",
+            "DynamicSlidingWindowLayer": "hf_dynamic_sliding_window_layer_update"}[layer]
+    original = getattr(cls.update, "__wrapped__", cls.update)
+    rewritten = rewrites.REWRITES[form].make(torch, original, form)
+    new_layer = cls if layer == "DynamicLayer" else lambda: cls(sliding_window=16)
+    before = asked_count("torchfuse::kv_copy")
+    g = torch.Generator(device="cuda").manual_seed(fresh_seed())
+    qkv = torch.randn(2, 64, 3 * 4 * 32, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    _, k, v = qkv.split(4 * 32, dim=2)
+    k, v = (t.view(2, 64, 4, 32).transpose(1, 2) for t in (k, v))
+    for key, value in ((k, v), (k.float() * 1.5, v)):
+        ours, theirs = new_layer(), new_layer()
+        got, want = rewritten(ours, key, value), original(theirs, key, value)
+        for a, b in zip(got + (ours.keys, ours.values), want + (theirs.keys, theirs.values)):
+            assert torch.equal(a, b) and a.dtype == b.dtype and a.stride() == b.stride()
+        if layer != "DynamicLayer":
+            assert ours.keys.shape[-2] == 15 and ours.cumulative_length == theirs.cumulative_length == 64
+        grads = [torch.randn_like(w) for w in want]
+        dg = torch.autograd.grad(got, qkv, grads, retain_graph=True)
+        dw = torch.autograd.grad(want, qkv, grads, retain_graph=True)
+        assert torch.equal(dg[0], dw[0])
+        more = rewritten(ours, key, value), original(theirs, key, value)
+        for a, b in zip(*more):
+            assert torch.equal(a, b) and a.shape[-2] == (2 * 64 if layer == "DynamicLayer" else 15 + 64)
+    assert asked_count("torchfuse::kv_copy") == before + 4
+
+
 TRAIN = r"""
 import sys, json, torch
 sys.path.insert(0, {python!r})
@@ -797,3 +838,9 @@ def test_unchanged_llm_trains_with_stocks_losses(model):
             assert calls.get("fused", 0) + calls.get("stock", 0) > 0, stats
             calls = stats["ops"].get("_fused_rms_norm_backward", {})
         assert calls.get("fused", 0) > 0, (op, stats)
+    # HF's KV cache, built by every training forward (Mistral's of sliding-window layers): its
+    # first appends reached kv_copy.
+    layer = "DynamicSlidingWindowLayer" if model == "mistral" else "DynamicLayer"
+    assert f"rewrite kv_cache: transformers.cache_utils.{layer}.update" in log, log[-3000:]
+    kv = stats["ops"].get("torchfuse::kv_copy", {})
+    assert kv.get("fused", 0) + kv.get("stock", 0) > 0, stats

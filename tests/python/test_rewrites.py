@@ -961,3 +961,79 @@ print(json.dumps([before, hasattr(moe._default_apply_gate, "__wrapped__"),
                   Q.Qwen3MoeExperts._apply_gate is moe._default_apply_gate]))
 """, PYTHONPATH=ROOT / "python"))
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [True, True, True]
+
+
+KV_CACHE = """
+import transformers.cache_utils as C
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+torch.manual_seed(0)
+sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=128)
+# Mistral with a window shorter than the sequence: its cache layers are sliding-window ones.
+model = (LlamaForCausalLM(LlamaConfig(**sizes)) if {sliding} is None
+         else MistralForCausalLM(MistralConfig(sliding_window={sliding}, **sizes)))
+ids = torch.randint(0, 128, (2, 16))
+out = model(input_ids=ids, labels=ids)
+layer = out.past_key_values.layers[0]
+cls = type(layer)
+original = cls.update.__wrapped__ if hasattr(cls.update, "__wrapped__") else None
+# the same forward with the original update (on CPU the rewrite runs the original's cats, and
+# its own code around them)
+if original is not None:
+    rewritten, cls.update = cls.update, original
+    again = model(input_ids=ids, labels=ids)
+    cls.update = rewritten
+    same = (torch.equal(out.loss, again.loss)
+            and all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+                    for a, b in zip(out.past_key_values.layers, again.past_key_values.layers)))
+else:
+    same = None
+print(json.dumps({{"rewritten": original is not None, "same": same, "layer": cls.__name__,
+                  "keys": list(layer.keys.shape)}}))
+"""
+
+
+@pytest.mark.parametrize("sliding", [None, 8], ids=["dynamic", "sliding_window"])
+def test_the_kv_cache_update_is_rewritten_where_its_toggle_is_on_and_runs_the_original_on_cpu(sliding):
+    layer, form = (("DynamicLayer", "hf_dynamic_layer_update") if sliding is None
+                   else ("DynamicSlidingWindowLayer", "hf_dynamic_sliding_window_layer_update"))
+    # The window keeps its last sliding - 1 tokens.
+    keys = [2, 2, 16 if sliding is None else sliding - 1, 16]
+    out, log = run(KV_CACHE.format(sliding=sliding))
+    assert out == {"rewritten": True, "same": True, "layer": layer, "keys": keys}, out
+    assert (f"rewrite kv_cache: transformers.cache_utils.{layer}.update ({form}) -> "
+            "torch.ops.torchfuse.kv_copy on the first append") in log
+    off, log = run(KV_CACHE.format(sliding=sliding), TORCHFUSE_OPS="-kv_cache")
+    assert off == {"rewritten": False, "same": None, "layer": layer, "keys": keys}, off
+    assert f"rewrite kv_cache off: transformers.cache_utils.{layer}.update" in log
+
+
+def test_kv_copy_is_the_first_appends_cat():
+    """torchfuse::kv_copy against `torch.cat([cache, x], dim=-2)` of HF's lazily made empty cache,
+    in the layouts and dtypes the rewrite passes: GPT-2's K and V (strided views of one packed
+    projection), an fp32 K after HF's rotary with a bf16 V (cat promotes V to the cache's fp32),
+    a dense permuted V (cat makes it row-major where clone would keep its strides): the same
+    values, dtypes and strides, fresh storage, and the same gradients."""
+    out, _ = run("""
+ops = torch.ops.torchfuse
+def case(key, value):
+    caches = [torch.tensor([], dtype=key.dtype), torch.tensor([], dtype=key.dtype)]
+    want = [torch.cat([c, x], dim=-2) for c, x in zip(caches, (key, value))]
+    got = ops.kv_copy(key, value, *[torch.promote_types(c.dtype, x.dtype) for c, x in zip(caches, (key, value))])
+    grads = [torch.randn_like(w) for w in want]
+    leaves = [t for t in (key, value) if t.requires_grad]
+    dw = torch.autograd.grad(want, leaves, grads, retain_graph=True, allow_unused=True)
+    dg = torch.autograd.grad(got, leaves, grads, allow_unused=True)
+    return all(torch.equal(a, b) and a.dtype == b.dtype and a.stride() == b.stride()
+               for a, b in zip(want, got)) and all(
+        g.data_ptr() not in (key.data_ptr(), value.data_ptr()) for g in got) and all(
+        torch.equal(a, b) for a, b in zip(dw, dg))
+g = torch.Generator().manual_seed(0)
+qkv = torch.randn(2, 8, 3 * 3 * 4, generator=g).to(torch.bfloat16).requires_grad_()
+_, k, v = qkv.split(12, dim=2)
+k, v = (t.view(2, 8, 3, 4).transpose(1, 2) for t in (k, v))
+k_fp32 = (k.float() * 1.5)
+dense_v = torch.randn(2, 8, 12, generator=g).view(2, 8, 3, 4).transpose(1, 2).requires_grad_()
+print(json.dumps({"gpt2": case(k, v), "promoted": case(k_fp32, v), "dense": case(k_fp32, dense_v)}))
+""")
+    assert out == {"gpt2": True, "promoted": True, "dense": True}, out

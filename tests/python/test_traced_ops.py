@@ -33,6 +33,8 @@ SAMPLES = {
     "gelu_tanh_mul_backward": [(r(5, 64), x.detach(), r(5, 64))],
     "silu_mul_packed_backward": [(r(5, 32), x.detach())],
     "hf_rms_norm": [(x, w, 1e-6)],
+    "kv_copy": [(q, k, torch.float32, torch.float32),
+                (q.detach().to(torch.bfloat16), k, torch.bfloat16, torch.float32)],
     "cross_entropy": [(logits, target, 1, -100, 0.0, torch.float32), (logits, target, 0, 3, 0.1, None)],
     "cross_entropy_fwd": [(logits.detach(), target, 1, -100, 0.0, torch.float32),
                           (logits.detach(), target, 0, 3, 0.1, torch.float32)],
@@ -79,6 +81,11 @@ CASES = {
         call=lambda x, weight: ops.hf_rms_norm(x, weight, 1e-6).sum(),
         pair=(lambda t: ops.hf_rms_norm(t, w8, 1e-6),
               lambda t: w8 * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6))), shape=(5, 64), vmap=True),
+    "kv_copy": dict(
+        inputs=lambda n: [r(2, 3, n, 8, grad=True), r(2, 1, n, 8, grad=True)], dims=[{2: N}, {2: N}],
+        call=lambda key, value: sum(t.sum() for t in ops.kv_copy(key, value, torch.float32, torch.float32)),
+        pair=(lambda t: ops.kv_copy(t, t, torch.float32, torch.float32)[0],
+              lambda t: torch.cat([torch.tensor([]), t], dim=-1)), shape=(5, 8), vmap=True),
     "cross_entropy": dict(
         inputs=lambda n: [r(n, 10, grad=True), torch.randint(0, 10, (n,), generator=g)], dims=[{0: N}, {0: N}],
         call=lambda logits, target: ops.cross_entropy(logits, target),
@@ -201,7 +208,7 @@ for name, case in CASES.items():
 print(json.dumps(diffs))
 """)
     assert set(out) == {"gelu_tanh", "silu_mul", "silu_mul_packed", "gelu_tanh_mul", "hf_rms_norm", "rotary",
-                        "cross_entropy"}, out
+                        "kv_copy", "cross_entropy"}, out
     assert all(d < 1e-4 for d in out.values()), out
 
 

@@ -1,4 +1,5 @@
-// torchfuse::rotary (HF's apply_rotary_pos_emb, rotate-half or interleaved) and its backward.
+// torchfuse::rotary (HF's apply_rotary_pos_emb, rotate-half or interleaved) and its backward;
+// torchfuse::kv_copy (the first append to HF's KV cache: fresh copies of K and V, as cat makes).
 #include "glue.h"
 
 namespace torchfuse_glue {
@@ -205,6 +206,78 @@ std::tuple<at::Tensor, at::Tensor> rotary_autograd(const at::Tensor& q, const at
   return {outputs[0], outputs[1]};
 }
 
+// torchfuse::kv_copy(key, value, key_dtype, value_dtype): what HF's DynamicLayer.update makes
+// of its first append, `torch.cat([cache, x], dim=-2)` with the cache the 1-D empty tensor its
+// lazy initialization made (skipped by cat but for its dtype): a fresh tensor of x's values in
+// the promoted dtype, row-major (cat's memory format for the 4-D x the rewrite passes: a
+// contiguous last dim and more than one head, so not channels-last).
+// Out of place (torch.func's transforms take it where the C++ Function cannot run).
+at::Tensor fresh_copy(const at::Tensor& x, at::ScalarType dtype) {
+  return x.to(x.options().dtype(dtype), /*non_blocking=*/false, /*copy=*/true,
+              at::MemoryFormat::Contiguous);
+}
+
+std::tuple<at::Tensor, at::Tensor> kv_copy_stock(const at::Tensor& key, const at::Tensor& value,
+                                                 at::ScalarType key_dtype,
+                                                 at::ScalarType value_dtype) {
+  return {fresh_copy(key, key_dtype), fresh_copy(value, value_dtype)};
+}
+
+// Each tensor is its own call to Rust (K and V may differ in dtype: under autocast K is fp32
+// after HF's rotary and V bf16, promoted by the cat).
+at::Tensor kv_copy_one(const at::Tensor& x, at::ScalarType dtype) {
+  TfRotaryCall call{};
+  call.q = describe(x);
+  call.x_dtype = static_cast<int16_t>(dtype);
+  return fused_or_stock(TF_ENTRY_KV_COPY, x, call, [&] { return fresh_copy(x, dtype); });
+}
+
+std::tuple<at::Tensor, at::Tensor> kv_copy_cuda(const at::Tensor& key, const at::Tensor& value,
+                                                at::ScalarType key_dtype,
+                                                at::ScalarType value_dtype) {
+  return {kv_copy_one(key, key_dtype), kv_copy_one(value, value_dtype)};
+}
+
+std::tuple<at::Tensor, at::Tensor> call_kv_copy(const at::Tensor& key, const at::Tensor& value,
+                                                at::ScalarType key_dtype,
+                                                at::ScalarType value_dtype) {
+  static const auto op = own_op<decltype(kv_copy_stock)>("torchfuse::kv_copy");
+  return op.call(key, value, key_dtype, value_dtype);
+}
+
+// cat's backward: each input's slice of the gradient (here the whole of it), in the input's
+// dtype where cat promoted it.
+class KvCopyFunction : public torch::autograd::Function<KvCopyFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& key, const at::Tensor& value,
+                                                at::ScalarType key_dtype,
+                                                at::ScalarType value_dtype) {
+    ctx->saved_data["key_dtype"] = static_cast<int64_t>(key.scalar_type());
+    ctx->saved_data["value_dtype"] = static_cast<int64_t>(value.scalar_type());
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [k, v] = call_kv_copy(key, value, key_dtype, value_dtype);
+    return {k, v};
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto back = [&](const at::Tensor& g, const char* dtype) {
+      const auto to = static_cast<at::ScalarType>(ctx->saved_data[dtype].toInt());
+      return !g.defined() || g.scalar_type() == to ? g : g.to(to);
+    };
+    return {back(grads[0], "key_dtype"), back(grads[1], "value_dtype"), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> kv_copy_autograd(const at::Tensor& key, const at::Tensor& value,
+                                                    at::ScalarType key_dtype,
+                                                    at::ScalarType value_dtype) {
+  if (composition_only({key, value})) return kv_copy_stock(key, value, key_dtype, value_dtype);
+  auto outputs = KvCopyFunction::apply(key, value, key_dtype, value_dtype);
+  return {outputs[0], outputs[1]};
+}
+
 }  // namespace
 
 bool register_rotary(uint32_t entry, const char* /*name*/, torch::Library* /*aten*/) {
@@ -224,6 +297,12 @@ bool register_rotary(uint32_t entry, const char* /*name*/, torch::Library* /*ate
           .impl("rotary_backward", TORCH_FN(rotary_backward_cuda));
       torchfuse_impl(DispatchKey::Meta)
           .impl("rotary_backward", TORCH_FN(rotary_backward_meta));
+      return true;
+    case TF_ENTRY_KV_COPY:
+      torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
+          .impl("kv_copy", TORCH_FN(kv_copy_stock));
+      torchfuse_impl(DispatchKey::CUDA).impl("kv_copy", TORCH_FN(kv_copy_cuda));
+      torchfuse_impl(DispatchKey::Autograd).impl("kv_copy", TORCH_FN(kv_copy_autograd));
       return true;
     default: return false;
   }
