@@ -689,8 +689,8 @@ def test_kv_cache_first_append_is_the_originals_cat(layer):
     training forward builds): on CUDA their first append goes to torchfuse::kv_copy and gives the
     cache and the caller what the original's cats give (values, dtypes, strides, gradients; the
     sliding window's cache a view of the last tokens) for GPT-2's K and V (strided views of the
-    packed projection) and for an fp32 K with a bf16 V (cat promotes V), and a second append runs
-    the original's cats on top of it."""
+    packed projection), an fp32 K with a bf16 V (cat promotes V), a frozen K and one KV head, and
+    a second append runs the original's cats on top of it."""
     pytest.importorskip("transformers")
     load_torchfuse()
     sys.path.insert(0, str(ROOT / "python"))
@@ -707,21 +707,31 @@ def test_kv_cache_first_append_is_the_originals_cat(layer):
     qkv = torch.randn(2, 64, 3 * 4 * 32, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
     _, k, v = qkv.split(4 * 32, dim=2)
     k, v = (t.view(2, 64, 4, 32).transpose(1, 2) for t in (k, v))
-    for key, value in ((k, v), (k.float() * 1.5, v)):
+    # GPT-2's, an fp32 K (promoted V), a frozen K (LoRA on v_proj only), one KV head (MQA).
+    pairs = ((k, v), (k.float() * 1.5, v), (k.detach(), v), (k[:, :1], v[:, :1]))
+    for key, value in pairs:
         ours, theirs = new_layer(), new_layer()
         got, want = rewritten(ours, key, value), original(theirs, key, value)
         for a, b in zip(got + (ours.keys, ours.values), want + (theirs.keys, theirs.values)):
-            assert torch.equal(a, b) and a.dtype == b.dtype and a.stride() == b.stride()
+            assert (torch.equal(a, b) and a.dtype == b.dtype and a.stride() == b.stride()
+                    and a.requires_grad == b.requires_grad)
         if layer != "DynamicLayer":
             assert ours.keys.shape[-2] == 15 and ours.cumulative_length == theirs.cumulative_length == 64
-        grads = [torch.randn_like(w) for w in want]
-        dg = torch.autograd.grad(got, qkv, grads, retain_graph=True)
-        dw = torch.autograd.grad(want, qkv, grads, retain_graph=True)
+        differentiable = [i for i, w in enumerate(want) if w.requires_grad]
+        grads = [torch.randn_like(want[i]) for i in differentiable]
+        dg = torch.autograd.grad([got[i] for i in differentiable], qkv, grads, retain_graph=True)
+        dw = torch.autograd.grad([want[i] for i in differentiable], qkv, grads, retain_graph=True)
         assert torch.equal(dg[0], dw[0])
         more = rewritten(ours, key, value), original(theirs, key, value)
         for a, b in zip(*more):
             assert torch.equal(a, b) and a.shape[-2] == (2 * 64 if layer == "DynamicLayer" else 15 + 64)
-    assert asked_count("torchfuse::kv_copy") == before + 4
+    # One op call a first append, counted per tensor (K, V).
+    assert asked_count("torchfuse::kv_copy") == before + 2 * len(pairs)
+    # Under bf16 autocast cat refuses fp16 K and V (autocast's promotion): so does the rewrite.
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        for update in (original, rewritten):
+            with pytest.raises(RuntimeError, match="prioritize"):
+                update(new_layer(), k.half(), v.half())
 
 
 TRAIN = r"""

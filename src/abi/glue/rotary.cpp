@@ -209,8 +209,8 @@ std::tuple<at::Tensor, at::Tensor> rotary_autograd(const at::Tensor& q, const at
 // torchfuse::kv_copy(key, value, key_dtype, value_dtype): what HF's DynamicLayer.update makes
 // of its first append, `torch.cat([cache, x], dim=-2)` with the cache the 1-D empty tensor its
 // lazy initialization made (skipped by cat but for its dtype): a fresh tensor of x's values in
-// the promoted dtype, row-major (cat's memory format for the 4-D x the rewrite passes: a
-// contiguous last dim and more than one head, so not channels-last).
+// the promoted dtype, row-major (cat's memory format: the 1-D empty cache suggests the
+// contiguous format, which then decides it whatever x's layout).
 // Out of place (torch.func's transforms take it where the C++ Function cannot run).
 at::Tensor fresh_copy(const at::Tensor& x, at::ScalarType dtype) {
   return x.to(x.options().dtype(dtype), /*non_blocking=*/false, /*copy=*/true,
@@ -246,7 +246,8 @@ std::tuple<at::Tensor, at::Tensor> call_kv_copy(const at::Tensor& key, const at:
 }
 
 // cat's backward: each input's slice of the gradient (here the whole of it), in the input's
-// dtype where cat promoted it.
+// dtype where cat promoted it. Stock makes two cats: an output whose input needs no gradient is
+// not differentiable, and a gradient never given stays undefined (not zeros).
 class KvCopyFunction : public torch::autograd::Function<KvCopyFunction> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
@@ -255,8 +256,13 @@ class KvCopyFunction : public torch::autograd::Function<KvCopyFunction> {
                                                 at::ScalarType value_dtype) {
     ctx->saved_data["key_dtype"] = static_cast<int64_t>(key.scalar_type());
     ctx->saved_data["value_dtype"] = static_cast<int64_t>(value.scalar_type());
+    ctx->set_materialize_grads(false);
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [k, v] = call_kv_copy(key, value, key_dtype, value_dtype);
+    torch::autograd::variable_list constant;
+    if (!key.requires_grad()) constant.push_back(k);
+    if (!value.requires_grad()) constant.push_back(v);
+    ctx->mark_non_differentiable(constant);
     return {k, v};
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
