@@ -897,36 +897,36 @@ def _kv_appends(torch, original, dependencies):
     return takes_op, append
 
 
-def _dynamic_layer_update(torch, original, form, dependencies=None):
-    """HF's DynamicLayer.update, its first append as one op (_kv_appends); traces run the
-    original."""
+def _kv_update(torch, original, dependencies, appended):
+    """A KV-cache layer's update as the original writes it, its first append as one op
+    (_kv_appends): `appended(self, key_states, value_states, append)` is the original's code
+    after its lazy initialization, its cats as `append`. Traces run the original."""
     takes_op, append = _kv_appends(torch, original, dependencies)
 
     @functools.wraps(original)
     def update(self, key_states, value_states, *args, **kwargs):
         if not takes_op():
             return original(self, key_states, value_states, *args, **kwargs)
-        # The original's code, its cats as `append`.
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.keys, self.values = append(self.keys, self.values, key_states, value_states)
-        return self.keys, self.values
+        return appended(self, key_states, value_states, append)
 
     return update
 
 
-def _dynamic_sliding_window_layer_update(torch, original, form, dependencies=None):
-    """HF's DynamicSlidingWindowLayer.update, its first append as one op (_kv_appends); the
-    window's views of the full states as the original takes them; traces run the original."""
-    takes_op, append = _kv_appends(torch, original, dependencies)
+def _dynamic_layer_update(torch, original, form, dependencies=None):
+    """HF's DynamicLayer.update (_kv_update)."""
+    def appended(self, key_states, value_states, append):
+        self.keys, self.values = append(self.keys, self.values, key_states, value_states)
+        return self.keys, self.values
 
-    @functools.wraps(original)
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not takes_op():
-            return original(self, key_states, value_states, *args, **kwargs)
-        # The original's code, its cats as `append`.
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+    return _kv_update(torch, original, dependencies, appended)
+
+
+def _dynamic_sliding_window_layer_update(torch, original, form, dependencies=None):
+    """HF's DynamicSlidingWindowLayer.update (_kv_update): the window's views of the full
+    states as the original takes them."""
+    def appended(self, key_states, value_states, append):
         self.cumulative_length += key_states.shape[-2]
         full_keys, full_values = append(self.keys, self.values, key_states, value_states)
         if not self.record_past:
@@ -936,7 +936,7 @@ def _dynamic_sliding_window_layer_update(torch, original, form, dependencies=Non
             self.keys, self.values = full_keys, full_values
         return full_keys, full_values
 
-    return update
+    return _kv_update(torch, original, dependencies, appended)
 
 
 class Rewrite(typing.NamedTuple):

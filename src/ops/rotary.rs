@@ -126,6 +126,22 @@ fn trig_strides(trig: &TfTensor, dim: i64, shape: &[i64]) -> Option<RopeStrides>
     strides(&expanded)
 }
 
+/// The grid of a kernel of rows (rope's and kv_copy's): `group` lanes a row (0: a warp a row),
+/// CTAs of `threads`, a grid-stride loop past MAX_GRID CTAs.
+fn row_launch(rows: i64, group: i32, threads: i64) -> Result<LaunchConfig, StockReason> {
+    let rows_per_warp = if group > 0 { 32 / i64::from(group) } else { 1 };
+    let blocks = gpu::ceil_div(rows, threads / 32 * rows_per_warp).min(MAX_GRID);
+    Ok(LaunchConfig {
+        grid_dim: (gpu::grid_dim(blocks, 1)?, 1, 1),
+        block_dim: (
+            u32::try_from(threads).map_err(|_| StockReason::InternalError)?,
+            1,
+            1,
+        ),
+        shared_mem_bytes: 0,
+    })
+}
+
 /// Lanes a row for the kernel's chunked path (a power of two: the chunks of a half, or the
 /// largest power of two that divides them, at most a warp), or 0 for element by element: chunks
 /// need a half of whole chunks and every row of every operand 16-byte aligned.
@@ -360,17 +376,7 @@ impl Family for Rotary {
                 sin.addr(),
             ],
         );
-        let rows_per_warp = if group > 0 { 32 / i64::from(group) } else { 1 };
-        let blocks = gpu::ceil_div(total, p.threads / 32 * rows_per_warp).min(MAX_GRID);
-        let config = LaunchConfig {
-            grid_dim: (gpu::grid_dim(blocks, 1)?, 1, 1),
-            block_dim: (
-                u32::try_from(p.threads).map_err(|_| StockReason::InternalError)?,
-                1,
-                1,
-            ),
-            shared_mem_bytes: 0,
-        };
+        let config = row_launch(total, group, p.threads)?;
         let (cos_ptr, sin_ptr) = (cos.addr(), sin.addr());
         let half = i32::try_from(d / 2).map_err(|_| StockReason::NoVariantForShape)?;
         let stream = gpu.stream(launch);
@@ -509,17 +515,7 @@ fn kv_copy(launch: Launch, call: &TfRotaryCall) -> Result<Served, StockReason> {
     if group == 0 {
         return Err(StockReason::NoVariantForShape);
     }
-    let rows_per_warp = 32 / i64::from(group);
-    let blocks = gpu::ceil_div(rows, p.threads / 32 * rows_per_warp).min(MAX_GRID);
-    let config = LaunchConfig {
-        grid_dim: (gpu::grid_dim(blocks, 1)?, 1, 1),
-        block_dim: (
-            u32::try_from(p.threads).map_err(|_| StockReason::InternalError)?,
-            1,
-            1,
-        ),
-        shared_mem_bytes: 0,
-    };
+    let config = row_launch(rows, group, p.threads)?;
     let kv_args = KvCopyArgs {
         x: op,
         d: i32::try_from(d).map_err(|_| StockReason::NoVariantForShape)?,
