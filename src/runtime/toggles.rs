@@ -87,7 +87,13 @@ mod tests {
         let mut owned = 0;
         for t in Toggle::ALL {
             let n = t.entries().count();
-            assert!(n >= 1, "{} owns no entry", t.name());
+            // An aten op's override comes with its backward's; a toggle of torchfuse's own ops
+            // may own one (hf_rms_norm routes to aten's; kv_copy's backward is its autograd's).
+            let overrides_aten = t
+                .entries()
+                .any(|e| !e.aten_name().starts_with("torchfuse::"));
+            let least = if overrides_aten { 2 } else { 1 };
+            assert!(n >= least, "{} has {n} entries", t.name());
             owned += n;
             assert_eq!(Toggle::from_name(t.name()), Some(t));
         }
