@@ -66,7 +66,7 @@ kernel_args! {
         sin: u64,
         /// Half the head dim.
         half: i32,
-        /// Lanes a row (chunked), or 0: a warp a row, element by element.
+        /// Lanes a row, 1 to 32 (kv_copy takes only rows of whole 16-byte chunks).
         group: i32,
     }
 }
@@ -77,7 +77,7 @@ kernel_args! {
         x: RopeOperand,
         /// The head dim.
         d: i32,
-        /// Lanes a row (chunked), or 0: a warp a row, element by element.
+        /// Lanes a row, 1 to 32 (kv_copy takes only rows of whole 16-byte chunks).
         group: i32,
     }
 }
