@@ -285,9 +285,10 @@ mod catalog {
             }
         }
         for t in &toggles {
+            // A rewrite that only reorders the Python code's own ops switches no entry.
             assert!(
-                entries.iter().any(|e| e.toggle == t.name),
-                "src/catalog.toml: toggle `{}` switches no entry",
+                entries.iter().any(|e| e.toggle == t.name) || t.what.starts_with("rewrite:"),
+                "src/catalog.toml: toggle `{}` switches no entry (and is not a rewrite)",
                 t.name
             );
         }

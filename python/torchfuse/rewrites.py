@@ -939,6 +939,58 @@ def _dynamic_sliding_window_layer_update(torch, original, form, dependencies=Non
     return _kv_update(torch, original, dependencies, appended)
 
 
+def _shared_cast(torch):
+    """Under CUDA autocast every plain Linear casts its fp32 input to autocast's dtype
+    (`input.to(dtype)`, autocast's cast): a module that passes one fp32 input to several of them
+    has it cast once per Linear, each cast a copy kept for the backward. Cast once up front
+    instead, the Linears take that tensor as it is: the same values in every matmul; the
+    gradients of the Linears' inputs now add in the low precision before the one cast back
+    (within the correctness contract, not bit for bit). A function (module, x, the attributes
+    x goes to) -> the input to pass on: x cast, or x itself where any of those attributes is
+    not a plain, unobserved CUDA Linear, x is not a plain fp32 CUDA tensor, autocast is off, the
+    call is traced, or the toggle is switched off at run time (`set_enabled`: no op of its own
+    stands between, so the rewrite asks)."""
+    linear, tensor, parameter, fp32 = torch.nn.Linear, torch.Tensor, torch.nn.Parameter, torch.float32
+    weights = (torch.float32, torch.bfloat16, torch.float16)
+    autocast, autocast_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+    untraced, enabled = _untraced_call(torch), torch.ops.torchfuse.enabled.default
+    # nn.Linear's own forward (F.linear of its weight and bias, which autocast casts), as torch
+    # defines it: a patch of it, or of the F.linear it calls, means the Linears may do more.
+    linear_forward = linear.forward
+    torchs = linear_forward.__module__ == "torch.nn.modules.linear"
+    unpatched = compositions.Dependencies(linear_forward).unchanged
+
+    def plain_linear(m):
+        return (type(m) is linear and type(m.weight) in (tensor, parameter) and m.weight.dtype in weights
+                and m.weight.is_cuda and _unobserved(torch, m))
+
+    def cast(module, x, sites):
+        if (type(x) is tensor and x.dtype == fp32 and x.is_cuda and autocast("cuda") and untraced()
+                and torchs and linear.forward is linear_forward and unpatched()
+                and all(plain_linear(getattr(module, name, None)) for name in sites)
+                and enabled("shared_cast")):
+            return x.to(autocast_dtype("cuda"))
+        return x
+
+    return cast
+
+
+def _shared_cast_forward(torch, forward, input_name, sites):
+    """`forward` (the class's, rewritten or not) with its input cast once (`_shared_cast`) where
+    its code (read before any rewrite) passes the input only to `sites` and reads its shape."""
+    cast = _shared_cast(torch)
+
+    @functools.wraps(forward)
+    def shared_cast(self, *args, **kwargs):
+        if args:
+            return forward(self, cast(self, args[0], sites), *args[1:], **kwargs)
+        if input_name in kwargs:
+            kwargs[input_name] = cast(self, kwargs[input_name], sites)
+        return forward(self, *args, **kwargs)
+
+    return shared_cast
+
+
 class Rewrite(typing.NamedTuple):
     """One rewrite of a recognised form (compositions.py holds its reference code and the
     toggle that switches it): what makes the replacement from the original
@@ -1033,6 +1085,8 @@ def patch_module(module):
     if not enabled:
         return False
     found = compositions.scan(module)
+    # Read from the classes' own code before any rewrite replaces it.
+    shared_inputs = compositions.scan_shared_inputs(module)
     _take_rewritten_methods(torch, module)
     for cls, form in found.items():
         op = compositions.COMPUTES[form]
@@ -1056,6 +1110,14 @@ def patch_module(module):
         rewrite = REWRITES[form]
         setattr(cls, method, rewrite.make(torch, getattr(cls, method), form))
         note(torch, f"rewrite {op}: {where} ({form}) -> {rewrite.calls}")
+    for cls, (input_name, sites) in shared_inputs.items():
+        where = f"{module.__name__}.{cls.__qualname__}.forward"
+        if not enabled.get("shared_cast", False):
+            note(torch, f"rewrite shared_cast off: {where} left as it is", debug=True)
+            continue
+        cls.forward = _shared_cast_forward(torch, cls.forward, input_name, sites)
+        note(torch, f"rewrite shared_cast: {where} -> {input_name} cast once for {', '.join(sites)} "
+                    "under autocast")
     functions = compositions.scan_functions(module)
     for name, form in functions.items():
         original, op = getattr(module, name), compositions.COMPUTES[form]
