@@ -843,6 +843,11 @@ def linear_input_sites(function):
             continue
         if ins.opname not in _LOADS or n + 1 >= len(instructions):
             return None
+        # A jump landing after `self` is loaded ((self.a if c else self.b)(x)) joins paths whose
+        # callees the neighbours below do not show (one landing on the `self` load is a
+        # statement's start: the three that follow run in a row).
+        if any(i.is_jump_target for i in instructions[max(n - 1, 0):n + 2]):
+            return None
         after = instructions[n + 1]
         if after.opname == "LOAD_ATTR" and after.argval == "shape":
             continue

@@ -943,17 +943,18 @@ def _shared_cast(torch):
     """Under CUDA autocast every plain Linear casts its fp32 input to autocast's dtype
     (`input.to(dtype)`, autocast's cast): a module that passes one fp32 input to several of them
     has it cast once per Linear, each cast a copy kept for the backward. Cast once up front
-    instead, the Linears take that tensor as it is: the same values in every matmul; the
-    gradients of the Linears' inputs now add in the low precision before the one cast back
+    instead (bf16 autocast), the Linears take that tensor as it is: the same values in every
+    matmul; the gradients of the Linears' inputs now add in bf16 before the one cast back
     (within the correctness contract, not bit for bit). A function (module, x, the attributes
     x goes to) -> the input to pass on: x cast, or x itself where any of those attributes is
-    not a plain, unobserved CUDA Linear, x is not a plain fp32 CUDA tensor, autocast is off, the
-    call is traced, or the toggle is switched off at run time (`set_enabled`: no op of its own
+    not a plain, unobserved CUDA Linear, x is not a plain fp32 CUDA tensor, autocast is off or
+    fp16, the call is traced or under a torch function mode, or the toggle is switched off at run time (`set_enabled`: no op of its own
     stands between, so the rewrite asks)."""
     linear, tensor, parameter, fp32 = torch.nn.Linear, torch.Tensor, torch.nn.Parameter, torch.float32
-    weights = (torch.float32, torch.bfloat16, torch.float16)
+    weights, bf16 = (torch.float32, torch.bfloat16, torch.float16), torch.bfloat16
     autocast, autocast_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
     untraced, enabled = _untraced_call(torch), torch.ops.torchfuse.enabled.default
+    function_mode = torch._C._is_torch_function_mode_enabled
     # nn.Linear's own forward (F.linear of its weight and bias, which autocast casts), as torch
     # defines it: a patch of it, or of the F.linear it calls, means the Linears may do more.
     linear_forward = linear.forward
@@ -962,14 +963,18 @@ def _shared_cast(torch):
 
     def plain_linear(m):
         return (type(m) is linear and type(m.weight) in (tensor, parameter) and m.weight.dtype in weights
-                and m.weight.is_cuda and _unobserved(torch, m))
+                and m.weight.is_cuda and (m.bias is None or type(m.bias) in (tensor, parameter))
+                and _unobserved(torch, m))
 
     def cast(module, x, sites):
-        if (type(x) is tensor and x.dtype == fp32 and x.is_cuda and autocast("cuda") and untraced()
+        # bf16 only: its sums have fp32's range; fp16's could overflow where stock's fp32 sum
+        # of the same gradients does not (loss scaling runs them near fp16's largest).
+        if (type(x) is tensor and x.dtype == fp32 and x.is_cuda and autocast("cuda")
+                and autocast_dtype("cuda") == bf16 and untraced() and not function_mode()
                 and torchs and linear.forward is linear_forward and unpatched()
                 and all(plain_linear(getattr(module, name, None)) for name in sites)
                 and enabled("shared_cast")):
-            return x.to(autocast_dtype("cuda"))
+            return x.to(bf16)
         return x
 
     return cast

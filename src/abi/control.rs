@@ -113,7 +113,8 @@ pub unsafe extern "C" fn torchfuse_rs_enabled(
     };
     let bytes = std::slice::from_raw_parts(name.cast::<u8>(), len);
     let name = String::from_utf8_lossy(bytes);
-    let toggle = catch_unwind(|| Toggle::from_name(name.trim()));
+    // Names in any case, as TORCHFUSE_OPS and set_enabled take them.
+    let toggle = catch_unwind(|| Toggle::from_name(&name.trim().to_ascii_lowercase()));
     match toggle {
         Ok(Some(t)) if t.registered() && t.active() => status.code = TF_FUSED,
         Ok(Some(_)) => status.code = TF_STOCK,

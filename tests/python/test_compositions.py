@@ -426,6 +426,12 @@ class _Sites:
     def a_function_of_it(self, x):
         return self.a(x) + torch_like.f(x)
 
+    def conditional_callee(self, x):
+        return (self.a if self.flag else self.b)(x) + self.c(x)
+
+    def either_callee(self, x):
+        return (self.maybe or self.b)(x) + self.c(x)
+
 
 torch_like = None
 
@@ -433,7 +439,8 @@ torch_like = None
 @pytest.mark.parametrize("name,sites", [
     ("only_linears", ("a", "b")), ("branches", ("a", "b")), ("computed_with", None), ("passed_on", None),
     ("by_keyword", None), ("stored", None), ("reassigned", None), ("in_a_closure", None), ("under_with", None),
-    ("dtype_read", None), ("self_reassigned", None), ("locals_read", None), ("a_function_of_it", None)])
+    ("dtype_read", None), ("self_reassigned", None), ("locals_read", None), ("a_function_of_it", None),
+    ("conditional_callee", None), ("either_callee", None)])
 def test_linear_input_sites_are_read_from_the_code_or_not_at_all(name, sites):
     assert compositions.linear_input_sites(getattr(_Sites, name)) == sites
 

@@ -114,7 +114,7 @@ try:
 except RuntimeError as e:
     print("ERR", e)
 ops = torch.ops.torchfuse
-print("ASKED", ops.enabled("layer_norm"), ops.enabled("adam"), ops.set_enabled("layer_norm", False),
+print("ASKED", ops.enabled("LAYER_NORM"), ops.enabled("adam"), ops.set_enabled("layer_norm", False),
       ops.enabled("layer_norm"), ops.set_enabled("layer_norm", True), ops.enabled("layer_norm"))
 try:
     ops.enabled("attention")
