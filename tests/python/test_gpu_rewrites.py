@@ -727,11 +727,22 @@ def test_kv_cache_first_append_is_the_originals_cat(layer):
             assert torch.equal(a, b) and a.shape[-2] == (2 * 64 if layer == "DynamicLayer" else 15 + 64)
     # One op call a first append, counted per tensor (K, V).
     assert asked_count("torchfuse::kv_copy") == before + 2 * len(pairs)
-    # Under bf16 autocast cat refuses fp16 K and V (autocast's promotion): so does the rewrite.
+    # fp16 K and V under bf16 autocast (where autocast's promotion of cat's inputs may refuse a
+    # 16-bit type other than its own): the rewrite gives what the original gives, its error or
+    # its tensors.
     with torch.autocast("cuda", dtype=torch.bfloat16):
+        outcomes = []
         for update in (original, rewritten):
-            with pytest.raises(RuntimeError, match="prioritize"):
-                update(new_layer(), k.half(), v.half())
+            try:
+                outcomes.append(update(new_layer(), k.half(), v.half()))
+            except RuntimeError as error:
+                outcomes.append(str(error))
+    if isinstance(outcomes[0], str):
+        assert outcomes[1] == outcomes[0]
+    else:
+        assert not isinstance(outcomes[1], str), outcomes[1]
+        assert all(torch.equal(a, b) and a.dtype == b.dtype and a.stride() == b.stride()
+                   for a, b in zip(*outcomes))
 
 
 def test_shared_cast_feeds_the_linears_one_cast_and_keeps_the_originals_values():
