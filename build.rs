@@ -97,6 +97,8 @@ mod catalog {
     struct Toggle {
         name: String,
         what: String,
+        /// A rewrite of Python code that calls no op of its own: it switches no entry.
+        no_op: bool,
     }
 
     /// A registry op key (`[[kernel_op]]`).
@@ -181,6 +183,14 @@ mod catalog {
             .map(|t| Toggle {
                 name: field(t, "name", "toggle"),
                 what: field(t, "what", "toggle"),
+                no_op: match t.get("no_op") {
+                    None => false,
+                    Some(toml::Value::Boolean(b)) => *b,
+                    Some(other) => panic!(
+                        "src/catalog.toml: toggle {:?}: `no_op` is true or false, not {other:?}",
+                        t.get("name")
+                    ),
+                },
             })
             .collect();
         let entries: Vec<Entry> = list(&doc, "entry")
@@ -285,10 +295,16 @@ mod catalog {
             }
         }
         for t in &toggles {
+            let switches = entries.iter().any(|e| e.toggle == t.name);
             assert!(
-                entries.iter().any(|e| e.toggle == t.name),
-                "src/catalog.toml: toggle `{}` switches no entry",
-                t.name
+                switches != t.no_op,
+                "src/catalog.toml: toggle `{}`: {}",
+                t.name,
+                if t.no_op {
+                    "`no_op` but an entry names it"
+                } else {
+                    "switches no entry (`no_op = true` for a rewrite that calls no op)"
+                }
             );
         }
         let kernel_ops: Vec<KernelOp> = list(&doc, "kernel_op")
@@ -389,6 +405,16 @@ mod catalog {
             "What it covers.",
             "what(self) -> &'static str",
             &whats,
+        );
+        let no_ops: Vec<_> = toggles
+            .iter()
+            .map(|t| toggle_arm(t, t.no_op.to_string()))
+            .collect();
+        match_fn(
+            &mut r,
+            "A rewrite that calls no op of its own (it switches no entry).",
+            "no_op(self) -> bool",
+            &no_ops,
         );
         r += "}\n\n/// The op family that serves an entry (`ops::<family>`, the glue's `register_<family>`).\n";
         r += derive;

@@ -804,6 +804,80 @@ def scan_functions(module):
     return found
 
 
+# Opcodes that load a local for the stack (3.11, 3.12); any other use of the input's name (a
+# store, a delete, a comprehension's clear) makes the analysis below give up.
+_LOADS = ("LOAD_FAST", "LOAD_FAST_CHECK")
+# Markers that carry no data flow of their own.
+_SKIPPED_OPCODES = ("CACHE", "NOP", "EXTENDED_ARG", "RESUME", "PRECALL")
+# A `with` block (autocast switched off around a call, say) or anything that reads the frame's
+# locals wholesale: where they appear, what a call sees is not what the code says.
+_OPAQUE_OPCODES = ("BEFORE_WITH", "SETUP_WITH", "BEFORE_ASYNC_WITH")
+_OPAQUE_NAMES = frozenset({"locals", "vars", "eval", "exec", "globals", "autocast"})
+# CO_GENERATOR, CO_COROUTINE, CO_ASYNC_GENERATOR, CO_ITERABLE_COROUTINE.
+_SUSPENDS = 0x20 | 0x80 | 0x100 | 0x200
+
+
+def linear_input_sites(function):
+    """Where a forward's input (its parameter after `self`) goes, read from its bytecode: the
+    names of the `self` attributes it is passed to as the only argument of a call
+    (`self.q_proj(hidden_states)`), if that and `.shape` are all the code does with it; None
+    otherwise (it is stored, deleted, captured by a closure, passed on, computed with, read
+    under a `with`, or the frame's locals are read). What those attributes are is checked at
+    run time."""
+    code = getattr(function, "__code__", None)
+    if code is None or code.co_argcount < 2 or code.co_flags & _SUSPENDS:
+        return None
+    self_name, x_name = code.co_varnames[0], code.co_varnames[1]
+    if {self_name, x_name} & set(code.co_cellvars) or _OPAQUE_NAMES & set(code.co_names):
+        return None
+    instructions = [i for i in dis.get_instructions(code) if i.opname not in _SKIPPED_OPCODES]
+    if any(i.opname in _OPAQUE_OPCODES for i in instructions):
+        return None
+    sites = []
+    for n, ins in enumerate(instructions):
+        # Superinstructions (3.13's LOAD_FAST_LOAD_FAST) name two locals at once.
+        names = ins.argval if isinstance(ins.argval, tuple) else (ins.argval,)
+        if ins.opname.startswith(("STORE_", "DELETE_")) and self_name in names:
+            return None
+        if x_name not in names or not ins.opname.startswith(("LOAD_", "STORE_", "DELETE_")):
+            continue
+        if ins.opname not in _LOADS or n + 1 >= len(instructions):
+            return None
+        # A jump landing after `self` is loaded ((self.a if c else self.b)(x)) joins paths whose
+        # callees the neighbours below do not show (one landing on the `self` load is a
+        # statement's start: the three that follow run in a row).
+        if any(i.is_jump_target for i in instructions[max(n - 1, 0):n + 2]):
+            return None
+        after = instructions[n + 1]
+        if after.opname == "LOAD_ATTR" and after.argval == "shape":
+            continue
+        before, callee = (instructions[n - 2], instructions[n - 1]) if n >= 2 else (None, None)
+        if (before is not None and before.opname in _LOADS and before.argval == self_name
+                and callee.opname in ("LOAD_ATTR", "LOAD_METHOD") and isinstance(callee.argval, str)
+                and after.opname == "CALL" and after.arg == 1):
+            sites.append(callee.argval)
+            continue
+        return None
+    return tuple(sites)
+
+
+def scan_shared_inputs(module):
+    """The classes defined in `module` whose own `forward` passes its input to two or more of
+    its attributes' calls and does nothing else with it but read its shape (an attention's
+    q/k/v projections, a gated MLP's gate and up): {class: (the input's name, the attributes)}.
+    Under autocast, where those attributes are plain Linear layers, each casts the same fp32
+    input to the same low-precision tensor."""
+    found = {}
+    for value in list(vars(module).values()):
+        if not isinstance(value, type) or value.__module__ != module.__name__:
+            continue
+        forward = value.__dict__.get("forward")
+        sites = linear_input_sites(forward) if forward is not None else None
+        if sites is not None and len(sites) >= 2:
+            found[value] = (forward.__code__.co_varnames[1], sites)
+    return found
+
+
 def scan(module):
     """The classes defined in `module` whose own `forward` is a known form whose composition
     torchfuse serves: {class: form}."""

@@ -869,8 +869,6 @@ def _kv_appends(torch, original, dependencies):
     op, tensor, promote = torch.ops.torchfuse.kv_copy.default, torch.Tensor, torch.promote_types
     untraced = _untraced_call(torch)
     unchanged = (dependencies or compositions.Dependencies(original)).unchanged
-    autocast, autocast_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
-    half_types = (torch.float16, torch.bfloat16)
 
     def takes_op():
         return untraced() and unchanged()
@@ -882,14 +880,10 @@ def _kv_appends(torch, original, dependencies):
         return (type(cache) is tensor and type(x) is tensor and x.is_cuda and cache.device == x.device
                 and cache.dim() == 1 and cache.numel() == 0 and x.dim() == 4)
 
-    def promotes_as_cat(*dtypes):
-        # Under autocast cat promotes to the widest float but raises on a 16-bit type other than
-        # autocast's (the original's error, kept by running it); otherwise as promote_types.
-        return not autocast("cuda") or all(d not in half_types or d == autocast_dtype("cuda") for d in dtypes)
-
     def append(keys, values, key_states, value_states):
-        if (first_append(keys, key_states) and first_append(values, value_states)
-                and promotes_as_cat(keys.dtype, key_states.dtype, values.dtype, value_states.dtype)):
+        # CUDA autocast leaves cat alone (measured on torch 2.11: fp16 K under bf16 autocast
+        # stays fp16, fp16 with bf16 gives fp32): its output dtype is promote_types' always.
+        if first_append(keys, key_states) and first_append(values, value_states):
             return op(key_states, value_states, promote(keys.dtype, key_states.dtype),
                       promote(values.dtype, value_states.dtype))
         return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
@@ -937,6 +931,63 @@ def _dynamic_sliding_window_layer_update(torch, original, form, dependencies=Non
         return full_keys, full_values
 
     return _kv_update(torch, original, dependencies, appended)
+
+
+def _shared_cast(torch):
+    """Under CUDA autocast every plain Linear casts its fp32 input to autocast's dtype
+    (`input.to(dtype)`, autocast's cast): a module that passes one fp32 input to several of them
+    has it cast once per Linear, each cast a copy kept for the backward. Cast once up front
+    instead (bf16 autocast), the Linears take that tensor as it is: the same values in every
+    matmul; the gradients of the Linears' inputs now add in bf16 before the one cast back
+    (within the correctness contract, not bit for bit). A function (module, x, the attributes
+    x goes to) -> the input to pass on: x cast, or x itself where any of those attributes is
+    not a plain, unobserved CUDA Linear, x is not a plain fp32 CUDA tensor, autocast is off or
+    fp16, the call is traced or under a torch function mode, or the toggle is switched off at run time (`set_enabled`: no op of its own
+    stands between, so the rewrite asks)."""
+    linear, tensor, parameter, fp32 = torch.nn.Linear, torch.Tensor, torch.nn.Parameter, torch.float32
+    weights, bf16 = (torch.float32, torch.bfloat16, torch.float16), torch.bfloat16
+    autocast, autocast_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+    untraced, enabled = _untraced_call(torch), torch.ops.torchfuse.enabled.default
+    function_mode = torch._C._is_torch_function_mode_enabled
+    # nn.Linear's own forward (F.linear of its weight and bias, which autocast casts), as torch
+    # defines it: a patch of it, or of the F.linear it calls, means the Linears may do more.
+    linear_forward = linear.forward
+    torchs = linear_forward.__module__ == "torch.nn.modules.linear"
+    unpatched = compositions.Dependencies(linear_forward).unchanged
+
+    def plain_linear(m):
+        return (type(m) is linear and type(m.weight) in (tensor, parameter) and m.weight.dtype in weights
+                and m.weight.is_cuda and (m.bias is None or type(m.bias) in (tensor, parameter))
+                and _unobserved(torch, m))
+
+    def cast(module, x, sites):
+        # bf16 only: its sums have fp32's range; fp16's could overflow where stock's fp32 sum
+        # of the same gradients does not (loss scaling runs them near fp16's largest).
+        if (type(x) is tensor and x.dtype == fp32 and x.is_cuda and autocast("cuda")
+                and autocast_dtype("cuda") == bf16 and untraced() and not function_mode()
+                and torchs and linear.forward is linear_forward and unpatched()
+                and all(plain_linear(getattr(module, name, None)) for name in sites)
+                and enabled("shared_cast")):
+            return x.to(bf16)
+        return x
+
+    return cast
+
+
+def _shared_cast_forward(torch, forward, input_name, sites):
+    """`forward` (the class's, rewritten or not) with its input cast once (`_shared_cast`) where
+    its code (read before any rewrite) passes the input only to `sites` and reads its shape."""
+    cast = _shared_cast(torch)
+
+    @functools.wraps(forward)
+    def shared_cast(self, *args, **kwargs):
+        if args:
+            return forward(self, cast(self, args[0], sites), *args[1:], **kwargs)
+        if input_name in kwargs:
+            kwargs[input_name] = cast(self, kwargs[input_name], sites)
+        return forward(self, *args, **kwargs)
+
+    return shared_cast
 
 
 class Rewrite(typing.NamedTuple):
@@ -1033,6 +1084,8 @@ def patch_module(module):
     if not enabled:
         return False
     found = compositions.scan(module)
+    # Read from the classes' own code before any rewrite replaces it.
+    shared_inputs = compositions.scan_shared_inputs(module)
     _take_rewritten_methods(torch, module)
     for cls, form in found.items():
         op = compositions.COMPUTES[form]
@@ -1056,6 +1109,14 @@ def patch_module(module):
         rewrite = REWRITES[form]
         setattr(cls, method, rewrite.make(torch, getattr(cls, method), form))
         note(torch, f"rewrite {op}: {where} ({form}) -> {rewrite.calls}")
+    for cls, (input_name, sites) in shared_inputs.items():
+        where = f"{module.__name__}.{cls.__qualname__}.forward"
+        if not enabled.get("shared_cast", False):
+            note(torch, f"rewrite shared_cast off: {where} left as it is", debug=True)
+            continue
+        cls.forward = _shared_cast_forward(torch, cls.forward, input_name, sites)
+        note(torch, f"rewrite shared_cast: {where} -> {input_name} cast once for {', '.join(sites)} "
+                    "under autocast")
     functions = compositions.scan_functions(module)
     for name, form in functions.items():
         original, op = getattr(module, name), compositions.COMPUTES[form]

@@ -96,6 +96,35 @@ pub unsafe extern "C" fn torchfuse_rs_set_enabled(
     }
 }
 
+/// TF_FUSED: the toggle `name` runs through torchfuse now (registered and switched on);
+/// TF_STOCK: it does not; TF_ERROR: unknown name. For rewrites that call no op of their own
+/// (shared_cast): their Python code asks before each substitution.
+///
+/// # Safety
+/// `name` points to `len` bytes; `status` is valid.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_enabled(
+    name: *const c_char,
+    len: usize,
+    status: *mut TfStatus,
+) {
+    let Some(status) = status.as_mut() else {
+        return;
+    };
+    let bytes = std::slice::from_raw_parts(name.cast::<u8>(), len);
+    let name = String::from_utf8_lossy(bytes);
+    // Names in any case, as TORCHFUSE_OPS and set_enabled take them.
+    let toggle = catch_unwind(|| Toggle::from_name(&name.trim().to_ascii_lowercase()));
+    match toggle {
+        Ok(Some(t)) if t.registered() && t.active() => status.code = TF_FUSED,
+        Ok(Some(_)) => status.code = TF_STOCK,
+        _ => status.fail(&format!(
+            "torchfuse.enabled: unknown op '{name}' (valid: {})",
+            Toggle::names()
+        )),
+    }
+}
+
 /// JSON of the calls so far; free with `torchfuse_rs_free_string`.
 #[no_mangle]
 pub extern "C" fn torchfuse_rs_stats_json() -> *mut c_char {

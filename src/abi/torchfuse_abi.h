@@ -216,6 +216,9 @@ void torchfuse_rs_rotary(uint32_t entry, const TfLaunch* launch, const TfRotaryC
 // Control ops (torch.ops.torchfuse.*). set_enabled: TF_FUSED when the op now runs through
 // torchfuse, TF_STOCK when it does not, TF_ERROR for an unknown name.
 void torchfuse_rs_set_enabled(const char* name, size_t len, uint8_t enabled, TfStatus* status);
+// enabled: TF_FUSED when the op (a toggle's name) runs through torchfuse now, TF_STOCK when it
+// does not, TF_ERROR for an unknown name.
+void torchfuse_rs_enabled(const char* name, size_t len, TfStatus* status);
 // JSON of the calls so far; free with torchfuse_rs_free_string. Null on failure.
 char* torchfuse_rs_stats_json(void);
 void torchfuse_rs_free_string(char* s);

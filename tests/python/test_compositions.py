@@ -376,3 +376,83 @@ def test_every_served_form_has_its_one_rewrite():
     from torchfuse import rewrites
     assert set(rewrites.REWRITES) == set(compositions.COMPUTES)
     assert all(callable(r.make) and r.calls for r in rewrites.REWRITES.values())
+
+
+class _Sites:
+    """Forwards whose input is passed only to `self` attributes' calls and read for its shape,
+    or used otherwise (the analysis must then give up)."""
+
+    def only_linears(self, x):
+        n = x.shape[:-1]
+        return self.a(x).view(*n, -1) + self.b(x)
+
+    def branches(self, x):
+        return self.a(x) if self.flag else self.b(x)
+
+    def computed_with(self, x):
+        return self.a(x) + self.b(x * 2)
+
+    def passed_on(self, x):
+        return self.a(x) + self.b(self.c(x), x)
+
+    def by_keyword(self, x):
+        return self.a(x) + self.b(input=x)
+
+    def stored(self, x):
+        y = x
+        return self.a(y) + self.b(x)
+
+    def reassigned(self, x):
+        x = self.norm(x)
+        return self.a(x) + self.b(x)
+
+    def in_a_closure(self, x):
+        return self.a(x) + (lambda: self.b(x))()
+
+    def under_with(self, x):
+        with self.ctx:
+            return self.a(x) + self.b(x)
+
+    def dtype_read(self, x):
+        return self.a(x).to(x.dtype) + self.b(x)
+
+    def self_reassigned(self, x):
+        self = self.other
+        return self.a(x) + self.b(x)
+
+    def locals_read(self, x):
+        return self.a(x) + self.b(locals()["x"])
+
+    def a_function_of_it(self, x):
+        return self.a(x) + torch_like.f(x)
+
+    def conditional_callee(self, x):
+        return (self.a if self.flag else self.b)(x) + self.c(x)
+
+    def either_callee(self, x):
+        return (self.maybe or self.b)(x) + self.c(x)
+
+
+torch_like = None
+
+
+@pytest.mark.parametrize("name,sites", [
+    ("only_linears", ("a", "b")), ("branches", ("a", "b")), ("computed_with", None), ("passed_on", None),
+    ("by_keyword", None), ("stored", None), ("reassigned", None), ("in_a_closure", None), ("under_with", None),
+    ("dtype_read", None), ("self_reassigned", None), ("locals_read", None), ("a_function_of_it", None),
+    ("conditional_callee", None), ("either_callee", None)])
+def test_linear_input_sites_are_read_from_the_code_or_not_at_all(name, sites):
+    assert compositions.linear_input_sites(getattr(_Sites, name)) == sites
+
+
+@pytest.mark.parametrize("family,attention,mlp", [
+    ("llama", "LlamaAttention", "LlamaMLP"), ("qwen2", "Qwen2Attention", "Qwen2MLP"),
+    ("qwen3", "Qwen3Attention", "Qwen3MLP"), ("mistral", "MistralAttention", "MistralMLP"),
+    ("gemma2", "Gemma2Attention", "Gemma2MLP")])
+def test_shared_inputs_found_in_hf_attention_and_gated_mlps(family, attention, mlp):
+    found = {cls.__name__: v for cls, v in
+             compositions.scan_shared_inputs(module(f"models.{family}.modeling_{family}")).items()}
+    assert found[attention] == ("hidden_states", ("q_proj", "k_proj", "v_proj")), found
+    assert found[mlp] == ("x", ("gate_proj", "up_proj")), found
+    # Phi-3's packed projections take their input once: nothing to share.
+    assert not compositions.scan_shared_inputs(module("models.phi3.modeling_phi3"))

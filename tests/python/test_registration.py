@@ -113,6 +113,13 @@ try:
     torch.ops.torchfuse.set_enabled("attention", True)
 except RuntimeError as e:
     print("ERR", e)
+ops = torch.ops.torchfuse
+print("ASKED", ops.enabled("LAYER_NORM"), ops.enabled("adam"), ops.set_enabled("layer_norm", False),
+      ops.enabled("layer_norm"), ops.set_enabled("layer_norm", True), ops.enabled("layer_norm"))
+try:
+    ops.enabled("attention")
+except RuntimeError as e:
+    print("ASKERR", e)
 """
     proc = check(run_python(code, load_library=True, TORCHFUSE_OPS="layer_norm"))
     out = proc.stdout
@@ -121,6 +128,9 @@ except RuntimeError as e:
     # `all` (as TORCHFUSE_OPS spells it): every registered op, no warning for the others.
     assert "ALLOFF False False" in out and "ALLON True True" in out
     assert "ERR torchfuse.set_enabled: unknown op 'attention' (valid: all, " in out
+    # enabled(): registered and switched on now (adam is not registered).
+    assert "ASKED True False False False True True" in out
+    assert "ASKERR torchfuse.enabled: unknown op 'attention' (valid: layer_norm, " in out
     assert proc.stderr.count("WARN") == 1, proc.stderr  # adam's, not registered
 
 
@@ -159,7 +169,7 @@ for op in %r:
 print("RESULT " + json.dumps({"schemas": schemas, "keys": keys}))
 """
 
-CONTROL_OPS = {"set_enabled", "stats", "reset_stats", "doctor", "note", "_serve_below_thresholds", "_force_variant"}
+CONTROL_OPS = {"set_enabled", "enabled", "stats", "reset_stats", "doctor", "note", "_serve_below_thresholds", "_force_variant"}
 
 
 def test_the_catalog_defines_every_own_op_and_registers_each_override_at_its_key():

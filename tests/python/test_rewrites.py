@@ -30,7 +30,10 @@ import transformers.loss.loss_utils as LU
 import transformers.models.gpt2.modeling_gpt2 as GPT2
 import transformers.models.gpt_bigcode.modeling_gpt_bigcode as BIGCODE
 def rewritten(cls):
-    return hasattr(cls.forward, "__wrapped__")
+    forward = cls.forward
+    if forward.__code__.co_name == "shared_cast":  # the input's cast (its own toggle) around the forward
+        forward = forward.__wrapped__
+    return hasattr(forward, "__wrapped__")
 found = {name: rewritten(cls) for name, cls in [
     ("NewGELUActivation", A.NewGELUActivation), ("FastGELUActivation", A.FastGELUActivation),
     ("GELUActivation", A.GELUActivation), ("LlamaRMSNorm", L.LlamaRMSNorm),
@@ -1056,3 +1059,39 @@ print(json.dumps({"gpt2": case(k, v), "promoted": case(k_fp32, v), "dense": case
 """)
     assert out == {"gpt2": True, "promoted": True, "dense": True, "channels_last": True, "one_head": True,
                    "frozen_k": True}, out
+
+
+SHARED_CAST = """
+import transformers.models.llama.modeling_llama as L
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=128)
+model = LlamaForCausalLM(config)
+ids = torch.randint(0, 128, (2, 16))
+loss = model(input_ids=ids, labels=ids).loss
+shared = {cls.__name__: cls.forward.__code__.co_name == "shared_cast" for cls in (L.LlamaAttention, L.LlamaMLP)}
+# the same forward with the classes' forwards as they were before (on CPU the wrapper passes
+# the input on unchanged: by position to the MLP, by keyword to the attention)
+same = None
+if all(shared.values()):
+    wrappers = {cls: cls.forward for cls in (L.LlamaAttention, L.LlamaMLP)}
+    for cls, wrapper in wrappers.items():
+        cls.forward = wrapper.__wrapped__
+    again = model(input_ids=ids, labels=ids).loss
+    for cls, wrapper in wrappers.items():
+        cls.forward = wrapper
+    same = torch.equal(loss, again)
+print(json.dumps({"shared": shared, "same": same}))
+"""
+
+
+def test_shared_cast_wraps_attention_and_gated_mlps_where_its_toggle_is_on_and_passes_the_input_on_on_cpu():
+    out, log = run(SHARED_CAST)
+    assert out == {"shared": {"LlamaAttention": True, "LlamaMLP": True}, "same": True}, out
+    assert ("rewrite shared_cast: transformers.models.llama.modeling_llama.LlamaAttention.forward -> "
+            "hidden_states cast once for q_proj, k_proj, v_proj under autocast") in log
+    assert "rewrite shared_cast: transformers.models.llama.modeling_llama.LlamaMLP.forward -> x cast once" in log
+    off, log = run(SHARED_CAST, TORCHFUSE_OPS="-shared_cast")
+    assert off == {"shared": {"LlamaAttention": False, "LlamaMLP": False}, "same": None}, off
+    assert "rewrite shared_cast off: transformers.models.llama.modeling_llama.LlamaAttention.forward" in log

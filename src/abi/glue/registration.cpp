@@ -15,6 +15,16 @@ bool control_set_enabled(c10::string_view op, bool enabled) {
   return status.code == TF_FUSED;
 }
 
+bool control_enabled(c10::string_view op) {
+  TfStatus status;
+  status.code = TF_STOCK;
+  status.message[0] = '\0';
+  torchfuse_rs_enabled(op.data(), op.size(), &status);
+  status.message[TF_MESSAGE_BYTES - 1] = '\0';
+  TORCH_CHECK(status.code != TF_ERROR, status.message);
+  return status.code == TF_FUSED;
+}
+
 std::string control_stats() {
   char* json = torchfuse_rs_stats_json();
   if (json == nullptr) return "{}";
@@ -190,6 +200,7 @@ __attribute__((visibility("default"))) void torchfuse_cxx_define_control_ops(TfS
     static torch::Library* lib =
         new torch::Library(torch::Library::DEF, "torchfuse", std::nullopt, kRegistrationFile, 0);
     lib->def("set_enabled(str op, bool enabled) -> bool", &control_set_enabled);
+    lib->def("enabled(str op) -> bool", &control_enabled);
     lib->def("stats() -> str", &control_stats);
     lib->def("reset_stats() -> ()", &control_reset_stats);
     lib->def("doctor(str arch=\"\") -> str", &control_doctor);
