@@ -557,7 +557,6 @@ fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockReason
 
     let stream = gpu.stream(launch);
     let failed = |e| super::launch_failed(variant, e);
-    gpu.ctx.bind_to_thread().map_err(failed)?;
     let cluster_items = cluster_sort_items(tokens).filter(|_| {
         sort_cluster
             && gpu.sm >= 90

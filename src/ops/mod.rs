@@ -271,6 +271,16 @@ pub fn select(
         tracing::debug!("cuda:{} unavailable to torchfuse: {e}", launch.device);
         StockReason::KernelUnavailable
     })?;
+    // The driver calls below and in the op (module loads, TMA descriptors, launches) need the
+    // context current on this thread; a backward runs on autograd's device thread, where
+    // nothing made it current before PyTorch's own first launch there.
+    gpu.ctx.bind_to_thread().map_err(|e| {
+        tracing::debug!(
+            "cuda:{}: cannot make its context current: {e}",
+            launch.device
+        );
+        StockReason::KernelUnavailable
+    })?;
     let registry = REGISTRY
         .as_ref()
         .map_err(|_| StockReason::KernelUnavailable)?;

@@ -442,9 +442,7 @@ fn plan(op: KernelOp, l: &Layout, launch: Launch) -> Result<Plan, StockReason> {
     // `prepare` keeps it below DYNAMIC_SMEM_LIMIT.
     let shared_bytes = u32::try_from(accumulator_bytes(op, p)).unwrap_or(u32::MAX);
     if shared_bytes > 0 {
-        gpu.ctx
-            .bind_to_thread()
-            .and_then(|()| main.allow_shared_bytes(shared_bytes))
+        main.allow_shared_bytes(shared_bytes)
             .map_err(|e| super::launch_failed(variant, e))?;
     }
     let grid = if g.cluster > 1 {

@@ -1,6 +1,7 @@
 """scaled_dot_product_attention through torchfuse's flash-style kernels: forward output and
 logsumexp, and all three grads, against a float64 reference and stock (docs/testing.md ("Correctness")) on fresh
 random shapes; bitwise reproducible backward; routing of what we do not serve back to stock."""
+import json
 import math
 import random
 
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from conftest import requires_cuda
+from conftest import check, requires_cuda, run_python
 from gpu_util import (FLOOR, enabled, fresh_seed, fused_count, kernel_count, poison_allocator,
                       rel_err, stock_reasons, torchfuse_below_thresholds)
 
@@ -179,11 +180,30 @@ def test_backward_is_bitwise_reproducible():
     for d, causal, hk in [(64, True, 4), (128, False, 2), (64, False, 1)]:
         q, k, v = make_qkv(gen, 2, 4, hk, 333, 333, d, torch.bfloat16, "blhd")
         dout = torch.randn(2, 4, 333, d, generator=gen, device="cuda").to(torch.bfloat16)
+        before = fused_count(FLASH_BWD)
         first = sdpa_fwd_bwd(q, k, v, causal, None, dout)
+        assert fused_count(FLASH_BWD) == before + 1  # ours, not stock's (whose dq is not)
         for _ in range(2):
             again = sdpa_fwd_bwd(q, k, v, causal, None, dout)
             for a, b in zip(first, again):
                 assert torch.equal(a, b)
+
+
+def test_a_processs_first_backward_is_served():
+    """The backward runs on autograd's device thread, where no CUDA context is current before
+    PyTorch's own first launch there: the first backward of a fresh process must be ours too
+    (it went to stock once, its TMA descriptors refused without a context: a first step's
+    gradients from another kernel than every later step's)."""
+    proc = check(run_python("""
+import json, torch
+import torch.nn.functional as F
+q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+out.backward(torch.randn_like(out))  # a dense gradient (sum()'s is expanded: stock's)
+print(json.dumps(json.loads(torch.ops.torchfuse.stats())["ops"]["_scaled_dot_product_flash_attention_backward"]))
+""", load_library=True))
+    calls = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert calls["fused"] == 1 and not calls["stock_reasons"], calls
 
 
 def test_persistent_forward_over_one_and_many_waves_of_tiles():
