@@ -933,6 +933,31 @@ def _dynamic_sliding_window_layer_update(torch, original, form, dependencies=Non
     return _kv_update(torch, original, dependencies, appended)
 
 
+def _plain_linear_check(torch):
+    """A function (module, device) -> whether the module is a plain nn.Linear on that device
+    (weight fp32 or 16-bit, bias absent or a plain tensor) that nothing but its own forward
+    observes: _unobserved's checks but for the global hooks (the caller asks those once), read
+    from the module's dicts, as it runs before every call of the modules it serves
+    (Module.__getattr__ costs about a microsecond a lookup)."""
+    linear, plain = torch.nn.Linear, (torch.Tensor, torch.nn.Parameter)
+    weights = (torch.float32, torch.bfloat16, torch.float16)
+    module_call, module_call_impl = torch.nn.Module.__call__, torch.nn.Module._call_impl
+
+    def plain_linear(m, device):
+        if type(m) is not linear:
+            return False
+        own, params = m.__dict__, m._parameters
+        weight, bias = params.get("weight"), params.get("bias", False)
+        return (type(weight) in plain and weight.dtype in weights and weight.device == device
+                and (bias is None or type(bias) in plain)
+                and "forward" not in own and "weight" not in own and "bias" not in own
+                and linear.__call__ is module_call and linear._call_impl is module_call_impl
+                and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                         or m._backward_pre_hooks))
+
+    return plain_linear
+
+
 def _shared_cast(torch):
     """Under CUDA autocast every plain Linear casts its fp32 input to autocast's dtype
     (`input.to(dtype)`, autocast's cast): a module that passes one fp32 input to several of them
@@ -944,30 +969,27 @@ def _shared_cast(torch):
     not a plain, unobserved CUDA Linear, x is not a plain fp32 CUDA tensor, autocast is off or
     fp16, the call is traced or under a torch function mode, or the toggle is switched off at run time (`set_enabled`: no op of its own
     stands between, so the rewrite asks)."""
-    linear, tensor, parameter, fp32 = torch.nn.Linear, torch.Tensor, torch.nn.Parameter, torch.float32
-    weights, bf16 = (torch.float32, torch.bfloat16, torch.float16), torch.bfloat16
+    linear, tensor, fp32, bf16 = torch.nn.Linear, torch.Tensor, torch.float32, torch.bfloat16
     autocast, autocast_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
     untraced, enabled = _untraced_call(torch), torch.ops.torchfuse.enabled.default
     function_mode = torch._C._is_torch_function_mode_enabled
+    plain_linear = _plain_linear_check(torch)
     # nn.Linear's own forward (F.linear of its weight and bias, which autocast casts), as torch
     # defines it: a patch of it, or of the F.linear it calls, means the Linears may do more.
     linear_forward = linear.forward
     torchs = linear_forward.__module__ == "torch.nn.modules.linear"
     unpatched = compositions.Dependencies(linear_forward).unchanged
 
-    def plain_linear(m):
-        return (type(m) is linear and type(m.weight) in (tensor, parameter) and m.weight.dtype in weights
-                and m.weight.is_cuda and (m.bias is None or type(m.bias) in (tensor, parameter))
-                and _unobserved(torch, m))
-
     def cast(module, x, sites):
         # bf16 only: its sums have fp32's range; fp16's could overflow where stock's fp32 sum
         # of the same gradients does not (loss scaling runs them near fp16's largest).
-        if (type(x) is tensor and x.dtype == fp32 and x.is_cuda and autocast("cuda")
+        if not (type(x) is tensor and x.dtype == fp32 and x.is_cuda and autocast("cuda")
                 and autocast_dtype("cuda") == bf16 and untraced() and not function_mode()
                 and torchs and linear.forward is linear_forward and unpatched()
-                and all(plain_linear(getattr(module, name, None)) for name in sites)
-                and enabled("shared_cast")):
+                and not _global_module_hooks(torch)):
+            return x
+        children = module.__dict__.get("_modules", {})
+        if all(plain_linear(children.get(name), x.device) for name in sites) and enabled("shared_cast"):
             return x.to(bf16)
         return x
 

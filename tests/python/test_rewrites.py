@@ -1095,3 +1095,41 @@ def test_shared_cast_wraps_attention_and_gated_mlps_where_its_toggle_is_on_and_p
     off, log = run(SHARED_CAST, TORCHFUSE_OPS="-shared_cast")
     assert off == {"shared": {"LlamaAttention": False, "LlamaMLP": False}, "same": None}, off
     assert "rewrite shared_cast off: transformers.models.llama.modeling_llama.LlamaAttention.forward" in log
+
+
+def test_shared_cast_takes_only_plain_unobserved_linears_on_the_inputs_device():
+    """shared_cast's check of each Linear its input goes to (read from the module's dicts, as
+    it runs before every call): a plain nn.Linear on x's device, with or without bias, is
+    taken; a subclass, another device, any hook of its own, a forward set on the instance, a
+    weight replaced by a plain attribute, a non-Linear or a missing attribute are not."""
+    import sys
+    import torch
+    sys.path.insert(0, str(ROOT / "python"))
+    from torchfuse import rewrites
+    plain_linear = rewrites._plain_linear_check(torch)
+    cpu = torch.device("cpu")
+
+    def made(change=None, cls=torch.nn.Linear, bias=True):
+        m = cls(4, 4, bias=bias)
+        if change:
+            change(m)
+        return m
+
+    class Sub(torch.nn.Linear):
+        pass
+
+    def own_weight(m):
+        w = m.weight.detach()
+        del m.weight
+        m.weight = w
+
+    assert plain_linear(made(), cpu) and plain_linear(made(bias=False), cpu)
+    assert plain_linear(made(lambda m: m.to(torch.bfloat16)), cpu)
+    refused = [made(cls=Sub), made(lambda m: m.to(torch.float64)),
+               made(lambda m: m.register_forward_hook(lambda *a: None)),
+               made(lambda m: m.register_forward_pre_hook(lambda *a: None)),
+               made(lambda m: m.register_full_backward_hook(lambda *a: None)),
+               made(lambda m: setattr(m, "forward", lambda x: x)), made(own_weight),
+               torch.nn.Identity(), None]
+    assert not any(plain_linear(m, cpu) for m in refused)
+    assert not plain_linear(made(), torch.device("meta"))
