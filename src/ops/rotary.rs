@@ -491,16 +491,15 @@ fn kv_copy(launch: Launch, call: &TfRotaryCall) -> Result<Served, StockReason> {
         deterministic: false,
     })?;
     let p = Rotary::params(params)?;
-    let out = empty(size, out_kind, device)?;
     // Row-major, as `empty` makes it.
     let out_s = RopeStrides {
         s0: n1 * n2 * d,
         s1: n2 * d,
         s2: d,
     };
-    let op = RopeOperand {
+    let mut op = RopeOperand {
         input: x.addr(),
-        output: device_addr(&out),
+        output: 0,
         n1,
         n2,
         rows,
@@ -510,9 +509,15 @@ fn kv_copy(launch: Launch, call: &TfRotaryCall) -> Result<Served, StockReason> {
     };
     // The chunked path covers the whole row (d in place of rotary's half); rows it cannot take
     // (a head dim of no whole number of 16-byte chunks, an unaligned view) were not measured
-    // against the glue's copy, which keeps them.
+    // against the glue's copy, which keeps them. Asked before the output exists, its address
+    // standing as 0: PyTorch's allocator starts every block 16-byte aligned (512 on CUDA).
     let group = lanes_per_row(d, &[&op], &[op.input, op.output]);
     if group == 0 {
+        return Err(StockReason::NoVariantForShape);
+    }
+    let out = empty(size, out_kind, device)?;
+    op.output = device_addr(&out);
+    if !aligned16([op.output]) {
         return Err(StockReason::NoVariantForShape);
     }
     let config = row_launch(rows, group, p.threads)?;
