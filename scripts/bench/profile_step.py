@@ -9,6 +9,12 @@ step (Python, dispatch, launches), not the kernels.
 With --compile the model's forward is torch.compile'd as bench_models.py's compile sides do
 (Inductor's kernels show as triton_* names).
 
+With --python the host's side is profiled instead: the step's Python time by where the code
+lives (torchfuse's rewrites, transformers, torch's Python, calls into torch's C++ from Python,
+the backward's C++ engine), the largest Python functions, and the host's wall time of the
+forward, the backward and the optimizer's step (each phase timed to its last launch, not to its
+GPU work). cProfile slows Python down: read its shares, not its absolute times.
+
 With --fsdp2 the model is sharded as bench_distributed.py shards it, bf16 parameters in the
 step, no autocast: a world of one process, or of N under
 `torchrun --nproc_per_node=N profile_step.py --fsdp2` (rank 0 prints).
@@ -49,6 +55,87 @@ def gpu_time_by_kind(rows):
     return out
 
 
+def package_dir(name):
+    """The directory of an importable package (without importing it), or None."""
+    import importlib.util
+    spec = importlib.util.find_spec(name)
+    return os.path.dirname(spec.origin) + os.sep if spec and spec.origin else None
+
+
+def area_of(filename, name, roots=None):
+    """Where a profiled function runs: the area python_profile sums it under. `roots`: (package
+    directory, area) pairs, by default torchfuse's, transformers' and torch's installed ones."""
+    if filename == "~":  # a builtin: attribute it by what it is
+        if "run_backward" in name:
+            return "backward (C++ engine, hooks)"
+        return "torch C++ and builtins called from Python"
+    if roots is None:
+        roots = [(package_dir(p), area) for p, area in (("torchfuse", "torchfuse's Python"),
+                                                        ("transformers", "transformers"),
+                                                        ("torch", "torch's Python"))]
+    for root, area in roots:
+        if root and filename.startswith(root):
+            return area
+    return "other Python (the bench's loop)"
+
+
+def python_profile(step, steps, top, show=True, sync=None):
+    """The host's side of `steps` steps: phase wall times (one step, timed on the host), then the
+    cProfile'd Python time per step by area and the `top` functions by own time, printed where
+    `show` (every rank of a distributed run takes the same steps; rank 0 prints). `sync` waits
+    for the GPU (torch.cuda.synchronize by default)."""
+    import cProfile
+    import pstats
+
+    sync = sync or torch.cuda.synchronize
+
+    phases = {}
+    original_backward = torch.Tensor.backward
+
+    def timed_backward(self, *args, **kwargs):
+        begin = time.perf_counter()
+        phases["forward"] = begin - phases.pop("start")
+        original_backward(self, *args, **kwargs)
+        phases["backward"] = time.perf_counter() - begin
+        phases["start"] = time.perf_counter()
+
+    sync()
+    phases["start"] = time.perf_counter()
+    torch.Tensor.backward = timed_backward
+    try:
+        step()
+    finally:
+        torch.Tensor.backward = original_backward
+    phases["optimizer and the rest"] = time.perf_counter() - phases.pop("start")
+    if show:
+        print("host wall of one step (ms, to the last launch): " + ", ".join(
+            f"{k} {v * 1e3:.2f}" for k, v in phases.items()))
+    sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    sync()
+    prof.disable()
+    if not show:
+        return
+    stats = pstats.Stats(prof).stats
+    areas, roots = {}, [(package_dir(p), area) for p, area in (("torchfuse", "torchfuse's Python"),
+                                                                ("transformers", "transformers"),
+                                                                ("torch", "torch's Python"))]
+    for (filename, _, name), (_, _, own, _, _) in stats.items():
+        area = area_of(filename, name, roots)
+        areas[area] = areas.get(area, 0.0) + own
+    total = sum(areas.values()) or 1.0
+    print(f"profiled Python time {total * 1e3 / steps:.2f} ms/step, by area (ms/step, share): " + ", ".join(
+        f"{a} {t * 1e3 / steps:.2f} ({t / total:.0%})" for a, t in sorted(areas.items(), key=lambda kv: -kv[1])))
+    print(f"{'own ms/step':>12} {'calls/step':>10}  function")
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    for (filename, line, name), (_, calls, own, _, _) in rows:
+        where = name if filename == "~" else f"{name} ({'/'.join(filename.split('/')[-2:])}:{line})"
+        print(f"{own * 1e3 / steps:12.3f} {calls / steps:10.0f}  {where}")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="gpt2")
@@ -58,6 +145,7 @@ def main():
     p.add_argument("--fsdp2", action="store_true")
     p.add_argument("--compile", action="store_true", help="torch.compile the model's forward")
     p.add_argument("--shapes", action="store_true", help="also the host ops by input shape")
+    p.add_argument("--python", action="store_true", help="the host's Python time instead (cProfile)")
     a = p.parse_args()
     torch.manual_seed(0)
     model, loss_of, _, what = build(a.model, torch)
@@ -89,6 +177,13 @@ def main():
         step()
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - begin) * 1e3 / a.steps
+    if a.python:
+        if rank == 0:
+            print(f"{what}: wall {wall_ms:.2f} ms/step (unprofiled)")
+        python_profile(step, a.steps, a.top, show=rank == 0)
+        if a.fsdp2:
+            torch.distributed.destroy_process_group()
+        return
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=a.shapes) as prof:
         for _ in range(a.steps):
             step()

@@ -22,3 +22,58 @@ def test_ops_are_grouped_by_kind_each_once():
                      "optimizer": 5.0, "norms": 3.0, "cross-entropy": 1.0,
                      "torchfuse's other ops": 0.5, "other": 2.5}
     assert sum(kinds.values()) == sum(us for _, us in rows)
+
+
+def test_python_profile_splits_the_steps_host_time_by_phase_and_area(capsys):
+    """--python on a CPU step: the host wall of the forward, backward and optimizer phases, the
+    profiled Python time by area (the backward's C++ engine apart from Python's own), and the
+    largest functions, with the steps' call counts."""
+    import torch
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+    try:
+        import profile_step
+    finally:
+        sys.path.pop(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step():
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    profile_step.python_profile(step, 3, 5, sync=lambda: None)
+    out = capsys.readouterr().out.splitlines()
+    phases = out[0]
+    assert phases.startswith("host wall of one step") and all(
+        f"{p} " in phases for p in ("forward", "backward", "optimizer and the rest")), out
+    assert out[1].startswith("profiled Python time") and "backward (C++ engine, hooks)" in out[1], out
+    assert "torch's Python" in out[1], out
+    table = out[3:]
+    assert len(table) == 5 and all(len(row.split()) >= 3 for row in table), out
+    # torch.Tensor.backward is itself restored after the timed step.
+    assert torch.Tensor.backward.__name__ == "backward" and torch.Tensor.backward.__module__ == "torch._tensor"
+
+
+def test_profile_areas_name_where_the_code_lives():
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+    try:
+        import profile_step
+    finally:
+        sys.path.pop(0)
+    roots = [("/x/python/torchfuse/", "torchfuse's Python"), ("/v/site-packages/transformers/", "transformers"),
+             ("/v/site-packages/torch/", "torch's Python")]
+
+    def area(filename, name="forward"):
+        return profile_step.area_of(filename, name, roots)
+    assert area("~", "<method 'run_backward' of 'torch._C._EngineBase' objects>") == "backward (C++ engine, hooks)"
+    assert area("~", "<built-in method linear of PyCapsule object>") == "torch C++ and builtins called from Python"
+    assert area("/x/python/torchfuse/rewrites.py") == "torchfuse's Python"
+    assert area("/v/site-packages/transformers/models/llama/modeling_llama.py") == "transformers"
+    assert area("/v/site-packages/torch/nn/modules/module.py", "_call_impl") == "torch's Python"
+    # A path that only contains a package's name elsewhere is not that package's.
+    assert area("/home/u/.cache/torchfuse/venv/x.py") == "other Python (the bench's loop)"
+    assert area("/x/scripts/bench/bench_models.py", "train_step") == "other Python (the bench's loop)"
+    # The installed packages are found by default.
+    import torch
+    assert profile_step.area_of(torch.nn.modules.module.__file__, "_call_impl") == "torch's Python"
