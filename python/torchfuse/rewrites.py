@@ -980,16 +980,27 @@ def _shared_cast(torch):
     torchs = linear_forward.__module__ == "torch.nn.modules.linear"
     unpatched = compositions.Dependencies(linear_forward).unchanged
 
+    dispatch_modes = torch._C._len_torch_dispatch_stack
+
+    @functools.lru_cache(maxsize=None)
+    def submodule_only(cls, name):
+        # `self.<name>` finds the submodule only where no class attribute (a property, a
+        # descriptor) of that name comes first.
+        return not any(name in vars(c) for c in cls.__mro__)
+
     def cast(module, x, sites):
         # bf16 only: its sums have fp32's range; fp16's could overflow where stock's fp32 sum
-        # of the same gradients does not (loss scaling runs them near fp16's largest).
+        # of the same gradients does not (loss scaling runs them near fp16's largest). Not
+        # under a dispatch mode either, which must see stock's ops (one cast per Linear).
         if not (type(x) is tensor and x.dtype == fp32 and x.is_cuda and autocast("cuda")
                 and autocast_dtype("cuda") == bf16 and untraced() and not function_mode()
-                and torchs and linear.forward is linear_forward and unpatched()
-                and not _global_module_hooks(torch)):
+                and not dispatch_modes() and torchs and linear.forward is linear_forward
+                and unpatched() and not _global_module_hooks(torch)):
             return x
-        children = module.__dict__.get("_modules", {})
-        if all(plain_linear(children.get(name), x.device) for name in sites) and enabled("shared_cast"):
+        own, cls = module.__dict__, type(module)
+        children = own.get("_modules", {})
+        if (all(name not in own and submodule_only(cls, name) and plain_linear(children.get(name), x.device)
+                for name in sites) and enabled("shared_cast")):
             return x.to(bf16)
         return x
 

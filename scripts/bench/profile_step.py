@@ -13,7 +13,9 @@ With --python the host's side is profiled instead: the step's Python time by whe
 lives (torchfuse's rewrites, transformers, torch's Python, calls into torch's C++ from Python,
 the backward's C++ engine), the largest Python functions, and the host's wall time of the
 forward, the backward and the optimizer's step (each phase timed to its last launch, not to its
-GPU work). cProfile slows Python down: read its shares, not its absolute times.
+GPU work). cProfile slows Python down: read its shares, not its absolute times; it sees the
+main thread only, so Python run on autograd's device thread (hooks, checkpointing's recompute,
+Python autograd Functions' backward) counts inside the backward engine's time.
 
 With --fsdp2 the model is sharded as bench_distributed.py shards it, bf16 parameters in the
 step, no autocast: a world of one process, or of N under
@@ -89,15 +91,22 @@ def python_profile(step, steps, top, show=True, sync=None):
 
     sync = sync or torch.cuda.synchronize
 
-    phases = {}
+    phases, depth = {}, [0]
     original_backward = torch.Tensor.backward
 
     def timed_backward(self, *args, **kwargs):
+        # Tensor.backward may re-enter itself (a tensor subclass, a torch function mode): the
+        # outermost call is timed.
+        depth[0] += 1
         begin = time.perf_counter()
-        phases["forward"] = begin - phases.pop("start")
-        original_backward(self, *args, **kwargs)
-        phases["backward"] = time.perf_counter() - begin
-        phases["start"] = time.perf_counter()
+        try:
+            return original_backward(self, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+            if depth[0] == 0 and "start" in phases:
+                phases["forward"] = begin - phases.pop("start")
+                phases["backward"] = time.perf_counter() - begin
+                phases["start"] = time.perf_counter()
 
     sync()
     phases["start"] = time.perf_counter()
@@ -106,7 +115,8 @@ def python_profile(step, steps, top, show=True, sync=None):
         step()
     finally:
         torch.Tensor.backward = original_backward
-    phases["optimizer and the rest"] = time.perf_counter() - phases.pop("start")
+    rest = "optimizer and the rest" if "backward" in phases else "the whole step (no Tensor.backward seen)"
+    phases[rest] = time.perf_counter() - phases.pop("start")
     if show:
         print("host wall of one step (ms, to the last launch): " + ", ".join(
             f"{k} {v * 1e3:.2f}" for k, v in phases.items()))

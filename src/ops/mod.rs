@@ -275,10 +275,13 @@ pub fn select(
     // context current on this thread; a backward runs on autograd's device thread, where
     // nothing made it current before PyTorch's own first launch there.
     gpu.ctx.bind_to_thread().map_err(|e| {
-        tracing::debug!(
-            "cuda:{}: cannot make its context current: {e}",
-            launch.device
-        );
+        crate::runtime::logging::warn_once(&format!("context cuda:{}", launch.device), || {
+            format!(
+                "cuda:{}: cannot make its context current on this thread: {e}; stock serves \
+                 these calls",
+                launch.device
+            )
+        });
         StockReason::KernelUnavailable
     })?;
     let registry = REGISTRY

@@ -103,12 +103,19 @@ pub fn init(config: &Config) -> bool {
     installed
 }
 
-/// A kernel that failed to launch: warned once per kernel; stock serves its calls.
-pub fn warn_once_launch_failure(kernel: &str, error: &str) {
+/// A warning given once per `key` in the process (`message` made only then).
+pub fn warn_once(key: &str, message: impl FnOnce() -> String) {
     static WARNED: Mutex<Vec<String>> = Mutex::new(Vec::new());
     let mut warned = WARNED.lock().unwrap_or_else(|p| p.into_inner());
-    if !warned.iter().any(|k| k == kernel) {
-        warned.push(kernel.to_string());
-        tracing::warn!("launching {kernel} failed: {error}; stock serves its calls");
+    if !warned.iter().any(|k| k == key) {
+        warned.push(key.to_string());
+        tracing::warn!("{}", message());
     }
+}
+
+/// A kernel that failed to launch: warned once per kernel; stock serves its calls.
+pub fn warn_once_launch_failure(kernel: &str, error: &str) {
+    warn_once(&format!("launch {kernel}"), || {
+        format!("launching {kernel} failed: {error}; stock serves its calls")
+    });
 }

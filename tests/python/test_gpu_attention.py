@@ -191,18 +191,29 @@ def test_backward_is_bitwise_reproducible():
 
 def test_a_processs_first_backward_is_served():
     """The backward runs on autograd's device thread, where no CUDA context is current before
-    PyTorch's own first launch there: the first backward of a fresh process must be ours too
-    (it went to stock once, its TMA descriptors refused without a context: a first step's
-    gradients from another kernel than every later step's)."""
+    PyTorch's own first launch or allocation there: the first backward of a fresh process must
+    be ours too (it went to stock once, its TMA descriptors refused without a context: a first
+    step's gradients from another kernel than every later step's). The allocator's cache is
+    filled first, so the backward's own allocations make no cudaMalloc there that would make
+    the context current and hide the case (checked: no new segment)."""
     proc = check(run_python("""
 import json, torch
 import torch.nn.functional as F
 q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-out.backward(torch.randn_like(out))  # a dense gradient (sum()'s is expanded: stock's)
-print(json.dumps(json.loads(torch.ops.torchfuse.stats())["ops"]["_scaled_dot_product_flash_attention_backward"]))
+grad = torch.randn_like(out)  # a dense gradient (sum()'s is expanded: stock's)
+cached = [torch.empty(1 << 18, dtype=torch.uint8, device="cuda") for _ in range(32)]
+del cached
+torch.cuda.synchronize()
+segments = torch.cuda.memory_stats()["segment.all.allocated"]
+out.backward(grad)
+torch.cuda.synchronize()
+print(json.dumps({"new_segments": torch.cuda.memory_stats()["segment.all.allocated"] - segments,
+                  "calls": json.loads(torch.ops.torchfuse.stats())["ops"]["_scaled_dot_product_flash_attention_backward"]}))
 """, load_library=True))
-    calls = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["new_segments"] == 0, out
+    calls = out["calls"]
     assert calls["fused"] == 1 and not calls["stock_reasons"], calls
 
 

@@ -51,6 +51,10 @@ def test_python_profile_splits_the_steps_host_time_by_phase_and_area(capsys):
     assert "torch's Python" in out[1], out
     table = out[3:]
     assert len(table) == 5 and all(len(row.split()) >= 3 for row in table), out
+    # A step whose backward does not go through Tensor.backward is timed whole, and says so.
+    profile_step.python_profile(lambda: torch.autograd.grad(model(torch.randn(4, 8)).sum(), list(model.parameters())),
+                                1, 1, sync=lambda: None)
+    assert "the whole step (no Tensor.backward seen)" in capsys.readouterr().out.splitlines()[0]
     # torch.Tensor.backward is itself restored after the timed step.
     assert torch.Tensor.backward.__name__ == "backward" and torch.Tensor.backward.__module__ == "torch._tensor"
 
