@@ -858,6 +858,33 @@ def _partial_rotary(torch, original, form, dependencies=None):
     return apply_rotary_pos_emb
 
 
+def _prefix_rotary(torch, original, form, dependencies=None):
+    """DINOv3's apply_rotary_pos_emb (EoMT-DINOv3's, Sapiens 2's): Llama's rotary of the patch
+    tokens only, the prefix tokens (class and register tokens, as many as q has tokens beyond
+    the tables' rows) passed through, then cat along the tokens. The patch tokens go to
+    torchfuse::rotary as the views the original splits, the tables ([patches, head dim],
+    broadcast over batch and heads as the original's products broadcast them) as one batch,
+    and the cats are the original's. Tables of another rank, keyword arguments, and calls the
+    original's split would refuse run the original."""
+    op, cat = torch.ops.torchfuse.rotary.default, torch.cat
+    served = _rotary_call(torch, original, dependencies)
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, **kwargs):
+        if (not kwargs and served(q, k, cos, sin, 1) and q.dim() == 4 and k.dim() == 4
+                and cos.dim() == 2 and sin.dim() == 2):
+            tokens, patches = q.shape[-2], sin.shape[-2]
+            prefix = tokens - patches
+            if prefix >= 0 and k.shape[-2] == tokens:
+                q_prefix, q_patches = q.split((prefix, patches), dim=-2)
+                k_prefix, k_patches = k.split((prefix, patches), dim=-2)
+                q_embed, k_embed = op(q_patches, k_patches, cos.unsqueeze(0), sin.unsqueeze(0), 1, False)
+                return cat((q_prefix, q_embed), dim=-2), cat((k_prefix, k_embed), dim=-2)
+        return original(q, k, cos, sin, **kwargs)
+
+    return apply_rotary_pos_emb
+
+
 def _kv_appends(torch, original, dependencies):
     """What both KV-cache rewrites share: whether the call may take the op (untraced, the
     original's dependencies unchanged), and the append of K and V to the caches with the first
@@ -1079,6 +1106,7 @@ REWRITES = {
     **dict.fromkeys(("hf_partial_rotary", "hf_partial_rotary_glm_doc", "hf_partial_rotary_inline"),
                     Rewrite(_partial_rotary, _OPS + "rotary, then the original's cat")),
     "hf_rotary_pairs_partial": Rewrite(_partial_rotary, _OPS + "rotary (interleaved), then the original's cat"),
+    "hf_prefix_rotary": Rewrite(_prefix_rotary, _OPS + "rotary of the patch tokens, then the original's cat"),
     # A class's other method.
     "hf_dynamic_layer_update": Rewrite(_dynamic_layer_update, _OPS + "kv_copy on the first append"),
     "hf_dynamic_sliding_window_layer_update": Rewrite(_dynamic_sliding_window_layer_update,

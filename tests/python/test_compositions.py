@@ -277,6 +277,11 @@ def test_hf_rotary_and_its_copies_are_recognised_with_their_rotate_half():
     assert compositions.scan_functions(module("models.qwen3_next.modeling_qwen3_next")) == {
         "apply_rotary_pos_emb": "hf_partial_rotary_glm_doc"}
     assert compositions.COMPUTES["hf_partial_rotary"] == "rotary"
+    # DINOv3's rotates the patch tokens only (its copies: EoMT-DINOv3's, Sapiens 2's).
+    for name in ("dinov3_vit", "eomt_dinov3", "sapiens2"):
+        assert compositions.scan_functions(module(f"models.{name}.modeling_{name}")) == {
+            "apply_rotary_pos_emb": "hf_prefix_rotary"}, name
+    assert compositions.COMPUTES["hf_prefix_rotary"] == "rotary"
     # The interleaved rotaries (rotate_half pairing 2p with 2p+1): GLM's, Cohere's, Ernie's.
     for name, form in (("glm", "hf_rotary_pairs_partial"), ("glm4", "hf_rotary_pairs_partial"),
                        ("moonshine", "hf_rotary_pairs_partial"), ("cohere", "cohere_rotary_pairs_upcast"),

@@ -262,6 +262,38 @@ def test_partial_rotary_rewrite_is_the_original_function(module_name):
         assert_like_the_original(ours, original, q, k, cos, sin, dq, dk, 1, what)
 
 
+def test_prefix_rotary_rewrite_is_the_original_function():
+    """The rewrite of DINOv3's apply_rotary_pos_emb (the patch tokens rotated by
+    torchfuse::rotary, the class and register tokens passed through, then the original's cats)
+    against the original function: served once a call, dtypes, layouts, values and gradients
+    within the original's error to float64, with five prefix tokens (DINOv3's class and four
+    registers), one and none."""
+    _, original, rewritten = original_and_rewrite("dinov3_vit", "apply_rotary_pos_emb", "_prefix_rotary",
+                                                  "hf_prefix_rotary")
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+
+    def ours(q, k, cos, sin, _):
+        return rewritten(q, k, cos, sin)
+
+    def theirs(q, k, cos, sin, _):
+        return original(q, k, cos, sin)
+
+    for (x_dtype, trig_dtype), prefix in [(FORMS[1], 5), (FORMS[0], 1), (FORMS[2], 0)]:
+        b, patches, h, d = 2, 196, 6, 64
+        q, k = projected_heads(b, patches + prefix, h, d, x_dtype), projected_heads(b, patches + prefix, h, d, x_dtype)
+        angles = torch.rand(patches, d // 2, device="cuda") * 100
+        emb = torch.cat((angles, angles), dim=-1)
+        cos, sin = emb.cos().to(trig_dtype), emb.sin().to(trig_dtype)
+        out_dtype = torch.promote_types(x_dtype, trig_dtype)
+        dq, dk = (torch.randn(t.shape, device="cuda").to(out_dtype) for t in (q, k))
+        before = fused_count(OP)
+        result = run(ours, q, k, cos, sin, dq, dk, 1)
+        assert fused_count(OP) == before + 1, stock_reasons(OP)
+        what = f"seed {seed} dinov3 {x_dtype}/{trig_dtype} prefix {prefix}"
+        assert_like_the_original(result, theirs, q, k, cos, sin, dq, dk, 1, what)
+
+
 @pytest.mark.parametrize("module_name", ["olmo2", "modernbert"])
 def test_cast_back_rotary_rewrite_is_the_original_function(module_name):
     """The rewrite of OLMo 2's apply_rotary_pos_emb (Llama's, each result cast back to its

@@ -375,6 +375,40 @@ print(json.dumps({"rewritten": [hasattr(N.apply_rotary_pos_emb, "__wrapped__"), 
     assert out == {"rewritten": [True, True], "equal": [True] * 6}
 
 
+def test_prefix_rotary_replacement_is_the_original_on_cpu():
+    """What DINOv3's rewrite computes on CUDA (torchfuse::rotary of the patch tokens as the
+    original's split views, tables [patches, head dim] as one batch, then the original's cats),
+    checked on CPU, where the op runs HF's composition, against DINOv3's, EoMT-DINOv3's and
+    Sapiens 2's originals: bitwise, dtypes and strides, with register tokens and without, bf16
+    q with fp32 tables; the rewritten function itself runs the original on CPU."""
+    out, _ = run("""
+import transformers.models.dinov3_vit.modeling_dinov3_vit as D
+import transformers.models.eomt_dinov3.modeling_eomt_dinov3 as E
+import transformers.models.sapiens2.modeling_sapiens2 as S
+torch.manual_seed(0)
+result = []
+for module in (D, E, S):
+    original = module.apply_rotary_pos_emb.__wrapped__
+    for prefix, q_dtype, trig_dtype in ((5, torch.float32, torch.float32), (1, torch.bfloat16, torch.float32),
+                                        (0, torch.bfloat16, torch.bfloat16)):
+        patches = 16
+        q = torch.randn(2, 16 + prefix, 4, 32).transpose(1, 2).to(q_dtype)  # a projection's view
+        k = torch.randn(2, 4, 16 + prefix, 32).to(q_dtype)
+        cos, sin = torch.randn(patches, 32).to(trig_dtype), torch.randn(patches, 32).to(trig_dtype)
+        expected = original(q, k, cos, sin)
+        q_prefix, q_patches = q.split((prefix, patches), dim=-2)
+        k_prefix, k_patches = k.split((prefix, patches), dim=-2)
+        q_embed, k_embed = torch.ops.torchfuse.rotary(q_patches, k_patches, cos.unsqueeze(0), sin.unsqueeze(0), 1, False)
+        ours = (torch.cat((q_prefix, q_embed), dim=-2), torch.cat((k_prefix, k_embed), dim=-2))
+        result.append(all(torch.equal(a, b) and a.dtype == b.dtype and a.stride() == b.stride()
+                          for a, b in zip(ours, expected))
+                      and all(torch.equal(a, b) for a, b in zip(module.apply_rotary_pos_emb(q, k, cos, sin), expected)))
+print(json.dumps({"rewritten": [hasattr(m.apply_rotary_pos_emb, "__wrapped__") for m in (D, E, S)],
+                  "equal": result}))
+""")
+    assert out == {"rewritten": [True, True, True], "equal": [True] * 9}
+
+
 def test_single_tensor_rotary_runs_its_cuda_path_on_cpu_with_the_guard_passed():
     """Gemma 4's one-tensor apply_rotary_pos_emb (Gemma 3n's), its rewrite's own code past the
     guard on CPU (`_rotary_call` patched to pass): torchfuse::rotary of x with an empty k along
