@@ -410,6 +410,44 @@ _FUNCTION_SOURCES = {
 
     return q, k
 ''', None),
+    # transformers.models.glm4v.modeling_glm4v.apply_rotary_pos_emb (GLM-4V's text attention, and
+    # GLM-OCR's): the interleaved rotary (its rotate_half_llm pairs 2p with 2p+1) of the first
+    # cos.shape[-1] features, the rest passed through, then cat; the tables taken as given.
+    "glm4v_rotary_pairs_partial": ('''def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """Applies Rotary Position Embedding to the query and key tensors.
+
+    Args:
+        q (`torch.Tensor`): The query tensor.
+        k (`torch.Tensor`): The key tensor.
+        cos (`torch.Tensor`): The cosine part of the rotary embedding.
+        sin (`torch.Tensor`): The sine part of the rotary embedding.
+        unsqueeze_dim (`int`, *optional*, defaults to 1):
+            The 'unsqueeze_dim' argument specifies the dimension along which to unsqueeze cos[position_ids] and
+            sin[position_ids] so that they can be properly broadcasted to the dimensions of q and k. For example, note
+            that cos[position_ids] and sin[position_ids] have the shape [batch_size, seq_len, head_dim]. Then, if q and
+            k have the shape [batch_size, heads, seq_len, head_dim], then setting unsqueeze_dim=1 makes
+            cos[position_ids] and sin[position_ids] broadcastable to the shapes of q and k. Similarly, if q and k have
+            the shape [batch_size, seq_len, heads, head_dim], then set unsqueeze_dim=2.
+    Returns:
+        `tuple(torch.Tensor)` comprising of the query and key tensors rotated using the Rotary Position Embedding.
+    """
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+
+    # Keep half or full tensor for later concatenation
+    rotary_dim = cos.shape[-1]
+    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
+
+    # Apply rotary embeddings on the first half or full tensor
+    q_embed = (q_rot * cos) + (rotate_half_llm(q_rot) * sin)
+    k_embed = (k_rot * cos) + (rotate_half_llm(k_rot) * sin)
+
+    # Concatenate back to full shape
+    q_embed = torch.cat([q_embed, q_pass], dim=-1)
+    k_embed = torch.cat([k_embed, k_pass], dim=-1)
+    return q_embed, k_embed
+''', (1,)),
     # OLMo's (and its copies'): Llama's, each result cast back to its input's dtype.
     "hf_rotary_cast_back": (_rope_source("""Applies Rotary Position Embedding to the query and key tensors.
 
@@ -646,7 +684,7 @@ COMPUTES = {"hf_dynamic_layer_update": "kv_cache", "hf_dynamic_sliding_window_la
             "mamba_rms_norm_gated": "hf_rms_norm", "qwen3_next_rms_norm_gated": "hf_rms_norm",
             "hf_partial_rotary": "rotary", "hf_partial_rotary_glm_doc": "rotary",
             "hf_partial_rotary_inline": "rotary", "hf_rotary_pairs_partial": "rotary",
-            "hf_prefix_rotary": "rotary",
+            "hf_prefix_rotary": "rotary", "glm4v_rotary_pairs_partial": "rotary",
             "hf_rotary_pairs": "rotary", "hf_rotary_flipped": "rotary",
             "cohere_rotary_pairs_upcast": "rotary", "hf_rotary_pairs_upcast": "rotary",
             "hf_ignore_causal_mask_sdpa": "sdpa", "hf_ignore_bidirectional_mask_sdpa": "sdpa"}
@@ -698,6 +736,7 @@ def _same_code(a, b):
 _HELPER_FORMS = {"hf_rotary_pairs": {"rotate_half": "cohere_rotate_pairs"},
                  "hf_rotary_flipped": {"rotate_half": "nanochat_rotate_half"},
                  "hf_rotary_pairs_partial": {"rotate_half": "hf_rotate_pairs"},
+                 "glm4v_rotary_pairs_partial": {"rotate_half_llm": "hf_rotate_pairs"},
                  "hf_rotary_pairs_upcast": {"rotate_half": "hf_rotate_pairs"},
                  "cohere_rotary_pairs_upcast": {"rotate_half": "cohere_rotate_pairs"}}
 
@@ -713,8 +752,9 @@ def _global_is_expected(function, name, form=None):
         return expected is not None and value is expected
     if name == "fixed_cross_entropy":
         return function_form_of(value) == "hf_fixed_cross_entropy"
-    if name == "rotate_half":
-        return function_form_of(value) == _HELPER_FORMS.get(form, {}).get(name, "hf_rotate_half")
+    helpers = _HELPER_FORMS.get(form, {})
+    if name == "rotate_half" or name in helpers:
+        return function_form_of(value) == helpers.get(name, "hf_rotate_half")
     if name == "ACT2FN":  # HF's activations by name (what it builds is checked at each call)
         activations = sys.modules.get("transformers.activations")
         return activations is not None and value is getattr(activations, "ACT2FN", None)

@@ -838,15 +838,17 @@ def _partial_rotary(torch, original, form, dependencies=None):
     takes a slice of the head dim, and returns what HF's composition returns for it), and the
     cats are the original's. An odd or too-wide rotary dim runs the original. GLM's (GLM-4's,
     Moonshine's) is the same of the interleaved rotary (pairs (2p, 2p+1)) with GLM's tables
-    (`_interleaved_tables`), made as the original makes them."""
+    (`_interleaved_tables`), made as the original makes them; GLM-4V's (GLM-OCR's) the
+    interleaved one with the tables as given."""
     op, cat = torch.ops.torchfuse.rotary.default, torch.cat
     served = _rotary_call(torch, original, dependencies)
-    interleaved = form == "hf_rotary_pairs_partial"
+    interleaved = form in ("hf_rotary_pairs_partial", "glm4v_rotary_pairs_partial")
+    glm_tables = form == "hf_rotary_pairs_partial"
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if served(q, k, cos, sin, unsqueeze_dim):
-            tables = _interleaved_tables(cos, sin, unsqueeze_dim) if interleaved else (cos, sin)
+            tables = _interleaved_tables(cos, sin, unsqueeze_dim) if glm_tables else (cos, sin)
             # As the original reads it.
             rotary_dim = tables[0].unsqueeze(unsqueeze_dim).shape[-1] if tables is not None else 0
             if rotary_dim % 2 == 0 and 0 < rotary_dim <= min(q.shape[-1], k.shape[-1]):
@@ -1105,7 +1107,8 @@ REWRITES = {
     # GPT-NeoX's partial rotary, in its three writings.
     **dict.fromkeys(("hf_partial_rotary", "hf_partial_rotary_glm_doc", "hf_partial_rotary_inline"),
                     Rewrite(_partial_rotary, _OPS + "rotary, then the original's cat")),
-    "hf_rotary_pairs_partial": Rewrite(_partial_rotary, _OPS + "rotary (interleaved), then the original's cat"),
+    **dict.fromkeys(("hf_rotary_pairs_partial", "glm4v_rotary_pairs_partial"),
+                    Rewrite(_partial_rotary, _OPS + "rotary (interleaved), then the original's cat")),
     "hf_prefix_rotary": Rewrite(_prefix_rotary, _OPS + "rotary of the patch tokens, then the original's cat"),
     # A class's other method.
     "hf_dynamic_layer_update": Rewrite(_dynamic_layer_update, _OPS + "kv_copy on the first append"),

@@ -282,6 +282,10 @@ def test_hf_rotary_and_its_copies_are_recognised_with_their_rotate_half():
         assert compositions.scan_functions(module(f"models.{name}.modeling_{name}")) == {
             "apply_rotary_pos_emb": "hf_prefix_rotary"}, name
     assert compositions.COMPUTES["hf_prefix_rotary"] == "rotary"
+    # GLM-4V's (GLM-OCR's) interleaved partial rotary, its rotate_half named rotate_half_llm.
+    for name in ("glm4v", "glm_ocr"):
+        assert compositions.scan_functions(module(f"models.{name}.modeling_{name}")) == {
+            "apply_rotary_pos_emb": "glm4v_rotary_pairs_partial"}, name
     # The interleaved rotaries (rotate_half pairing 2p with 2p+1): GLM's, Cohere's, Ernie's.
     for name, form in (("glm", "hf_rotary_pairs_partial"), ("glm4", "hf_rotary_pairs_partial"),
                        ("moonshine", "hf_rotary_pairs_partial"), ("cohere", "cohere_rotary_pairs_upcast"),

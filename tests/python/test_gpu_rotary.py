@@ -166,6 +166,7 @@ def test_interleaved_rotary_is_glms_composition(x_dtype, trig_dtype):
 
 @pytest.mark.parametrize("module_name,factory,form", [
     ("glm4", "_partial_rotary", "hf_rotary_pairs_partial"),
+    ("glm4v", "_partial_rotary", "glm4v_rotary_pairs_partial"),
     ("cohere", "_rotary_cast_back", "cohere_rotary_pairs_upcast"),
     ("ernie4_5", "_rotary_cast_back", "hf_rotary_pairs_upcast"),
     ("blt", "_rotary", "hf_rotary_pairs"),
@@ -180,8 +181,8 @@ def test_interleaved_rotary_rewrites_are_the_original_functions(module_name, fac
     _, original, rewritten = original_and_rewrite(module_name, "apply_rotary_pos_emb", factory, form)
     seed = fresh_seed()
     torch.manual_seed(seed)
-    partial = form == "hf_rotary_pairs_partial"
-    promoted = form in ("hf_rotary_pairs_partial", "hf_rotary_pairs", "hf_rotary_flipped")
+    partial = form in ("hf_rotary_pairs_partial", "glm4v_rotary_pairs_partial")
+    promoted = form in ("hf_rotary_pairs_partial", "glm4v_rotary_pairs_partial", "hf_rotary_pairs", "hf_rotary_flipped")
     cases = [(FORMS[1], 64), (FORMS[2], 64), (FORMS[0], 64)] + ([(FORMS[1], 32), (FORMS[3], 32)] if partial else [])
     for (x_dtype, trig_dtype), rotary_dim in cases:
         b, s, h, d = 2, 129, 8, 64

@@ -455,7 +455,8 @@ print(json.dumps({"rewritten": hasattr(G.apply_rotary_pos_emb, "__wrapped__"), "
 
 
 def test_interleaved_rotary_rewrites_run_their_cuda_path_on_cpu_with_the_guard_passed():
-    """The interleaved rotaries' rewrites (GLM-4's partial one, Cohere's and Ernie 4.5's in fp32,
+    """The interleaved rotaries' rewrites (GLM-4's partial one, GLM-4V's with its tables as
+    given, Cohere's and Ernie 4.5's in fp32,
     BLT's Llama code with Cohere's rotate_half) and NanoChat's sign-flipped one (the op of -sin),
     their own code past the guard on CPU (`_rotary_call` patched to pass), where
     torchfuse::rotary(..., interleaved=True) runs the interleaved composition: the original's
@@ -470,9 +471,11 @@ import transformers.models.cohere.modeling_cohere as C
 import transformers.models.ernie4_5.modeling_ernie4_5 as E
 import transformers.models.blt.modeling_blt as B
 import transformers.models.nanochat.modeling_nanochat as N
+import transformers.models.glm4v.modeling_glm4v as V
 torch.manual_seed(0)
 result = []
-cases = [(G, R._partial_rotary, "hf_rotary_pairs_partial", rotary_dim, x_dtype, trig_dtype, dim)
+cases = [(module, R._partial_rotary, form, rotary_dim, x_dtype, trig_dtype, dim)
+         for module, form in ((G, "hf_rotary_pairs_partial"), (V, "glm4v_rotary_pairs_partial"))
          for rotary_dim, x_dtype, trig_dtype, dim in ((32, torch.float32, torch.float32, 1), (64, torch.bfloat16, torch.float32, 1),
                                                       (32, torch.bfloat16, torch.bfloat16, 2))]
 cases += [(module, R._rotary_cast_back, form, 64, x_dtype, torch.float32, dim)
@@ -498,11 +501,11 @@ for module, make, form, rotary_dim, x_dtype, trig_dtype, dim in cases:
     rel = max(((a.double() - b.double()).norm() / b.double().norm()).item() for a, b in zip(g_ours, g_theirs))
     result.append([same, all(a.dtype == b.dtype for a, b in zip(g_ours, g_theirs)),
                    rel <= (1e-5 if x_dtype == torch.float32 else 1.6e-2)])
-print(json.dumps({"rewritten": [hasattr(m.apply_rotary_pos_emb, "__wrapped__") for m in (G, C, E, B, N)],
+print(json.dumps({"rewritten": [hasattr(m.apply_rotary_pos_emb, "__wrapped__") for m in (G, C, E, B, N, V)],
                   "checks": result}))
 """)
-    assert out["rewritten"] == [True] * 5 and all(all(check) for check in out["checks"]), out
-    assert len(out["checks"]) == 11, out
+    assert out["rewritten"] == [True] * 6 and all(all(check) for check in out["checks"]), out
+    assert len(out["checks"]) == 14, out
 
 
 # Each norm rewrite's CUDA replacement, written out, checked on CPU against the class's original
