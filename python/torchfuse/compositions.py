@@ -448,6 +448,26 @@ _FUNCTION_SOURCES = {
     k_embed = torch.cat([k_embed, k_pass], dim=-1)
     return q_embed, k_embed
 ''', (1,)),
+    # transformers.models.gpt_oss.modeling_gpt_oss.apply_rotary_pos_emb: the rotate-half rotary
+    # written with halves of the head dim and tables of half its size (its _apply_rotary_emb:
+    # chunk, the two products of each half, cat).
+    "gpt_oss_apply_rotary_emb": ('''def _apply_rotary_emb(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    first_half, second_half = torch.chunk(x, 2, dim=-1)
+    first_ = first_half * cos - second_half * sin
+    second_ = second_half * cos + first_half * sin
+    return torch.cat((first_, second_), dim=-1)
+''', None),
+    "gpt_oss_rotary": ('''def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = _apply_rotary_emb(q, cos, sin)
+    k_embed = _apply_rotary_emb(k, cos, sin)
+    return q_embed, k_embed
+''', (1,)),
     # OLMo's (and its copies'): Llama's, each result cast back to its input's dtype.
     "hf_rotary_cast_back": (_rope_source("""Applies Rotary Position Embedding to the query and key tensors.
 
@@ -684,7 +704,7 @@ COMPUTES = {"hf_dynamic_layer_update": "kv_cache", "hf_dynamic_sliding_window_la
             "mamba_rms_norm_gated": "hf_rms_norm", "qwen3_next_rms_norm_gated": "hf_rms_norm",
             "hf_partial_rotary": "rotary", "hf_partial_rotary_glm_doc": "rotary",
             "hf_partial_rotary_inline": "rotary", "hf_rotary_pairs_partial": "rotary",
-            "hf_prefix_rotary": "rotary", "glm4v_rotary_pairs_partial": "rotary",
+            "hf_prefix_rotary": "rotary", "glm4v_rotary_pairs_partial": "rotary", "gpt_oss_rotary": "rotary",
             "hf_rotary_pairs": "rotary", "hf_rotary_flipped": "rotary",
             "cohere_rotary_pairs_upcast": "rotary", "hf_rotary_pairs_upcast": "rotary",
             "hf_ignore_causal_mask_sdpa": "sdpa", "hf_ignore_bidirectional_mask_sdpa": "sdpa"}
@@ -737,6 +757,7 @@ _HELPER_FORMS = {"hf_rotary_pairs": {"rotate_half": "cohere_rotate_pairs"},
                  "hf_rotary_flipped": {"rotate_half": "nanochat_rotate_half"},
                  "hf_rotary_pairs_partial": {"rotate_half": "hf_rotate_pairs"},
                  "glm4v_rotary_pairs_partial": {"rotate_half_llm": "hf_rotate_pairs"},
+                 "gpt_oss_rotary": {"_apply_rotary_emb": "gpt_oss_apply_rotary_emb"},
                  "hf_rotary_pairs_upcast": {"rotate_half": "hf_rotate_pairs"},
                  "cohere_rotary_pairs_upcast": {"rotate_half": "cohere_rotate_pairs"}}
 

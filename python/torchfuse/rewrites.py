@@ -860,6 +860,41 @@ def _partial_rotary(torch, original, form, dependencies=None):
     return apply_rotary_pos_emb
 
 
+def _half_table_rotary(torch, original, form, dependencies=None):
+    """GPT-OSS's apply_rotary_pos_emb: the rotate-half rotary written with the halves of the head
+    dim (`first * cos - second * sin`, `second * cos + first * sin`, then cat) and tables of half
+    its size. torchfuse::rotary computes the same products with each table repeated over both
+    halves (the layout Llama's tables have: cat of the table with itself); tables of another
+    size (which the original might broadcast) and odd head dims run the original. The results
+    are laid out as the original's cat lays them out."""
+    op, cat = torch.ops.torchfuse.rotary.default, torch.cat
+    served = _rotary_call(torch, original, dependencies)
+
+    def as_cat_makes_it(t):
+        # The original's result is cat's of its two halves: row-major. The op lays its result
+        # out as Llama's arithmetic would (a transposed q gives a transposed result); where that
+        # is not row-major, the halves are cat as the original cats them.
+        size, step = t.shape, 1
+        row_major = []
+        for n in reversed(size):
+            row_major.append(step)
+            step *= n
+        if t.stride() == tuple(reversed(row_major)):
+            return t
+        half = size[-1] // 2
+        return cat((t[..., :half], t[..., half:]), dim=-1)
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if (served(q, k, cos, sin, unsqueeze_dim) and cos.dim() >= 1 and cos.shape == sin.shape
+                and 2 * cos.shape[-1] == q.shape[-1] == k.shape[-1]):
+            q_embed, k_embed = op(q, k, cat((cos, cos), dim=-1), cat((sin, sin), dim=-1), unsqueeze_dim, False)
+            return as_cat_makes_it(q_embed), as_cat_makes_it(k_embed)
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    return apply_rotary_pos_emb
+
+
 def _prefix_rotary(torch, original, form, dependencies=None):
     """DINOv3's apply_rotary_pos_emb (EoMT-DINOv3's, Sapiens 2's): Llama's rotary of the patch
     tokens only, the prefix tokens (class and register tokens, as many as q has tokens beyond
@@ -1110,6 +1145,7 @@ REWRITES = {
     **dict.fromkeys(("hf_rotary_pairs_partial", "glm4v_rotary_pairs_partial"),
                     Rewrite(_partial_rotary, _OPS + "rotary (interleaved), then the original's cat")),
     "hf_prefix_rotary": Rewrite(_prefix_rotary, _OPS + "rotary of the patch tokens, then the original's cat"),
+    "gpt_oss_rotary": Rewrite(_half_table_rotary, _OPS + "rotary of the half-size tables repeated over both halves"),
     # A class's other method.
     "hf_dynamic_layer_update": Rewrite(_dynamic_layer_update, _OPS + "kv_copy on the first append"),
     "hf_dynamic_sliding_window_layer_update": Rewrite(_dynamic_sliding_window_layer_update,

@@ -282,6 +282,9 @@ def test_hf_rotary_and_its_copies_are_recognised_with_their_rotate_half():
         assert compositions.scan_functions(module(f"models.{name}.modeling_{name}")) == {
             "apply_rotary_pos_emb": "hf_prefix_rotary"}, name
     assert compositions.COMPUTES["hf_prefix_rotary"] == "rotary"
+    # GPT-OSS's: halves of the head dim, half-size tables (its own _apply_rotary_emb).
+    assert compositions.scan_functions(module("models.gpt_oss.modeling_gpt_oss")) == {
+        "apply_rotary_pos_emb": "gpt_oss_rotary"}
     # GLM-4V's (GLM-OCR's) interleaved partial rotary, its rotate_half named rotate_half_llm.
     for name in ("glm4v", "glm_ocr"):
         assert compositions.scan_functions(module(f"models.{name}.modeling_{name}")) == {

@@ -263,6 +263,29 @@ def test_partial_rotary_rewrite_is_the_original_function(module_name):
         assert_like_the_original(ours, original, q, k, cos, sin, dq, dk, 1, what)
 
 
+def test_half_table_rotary_rewrite_is_the_original_function():
+    """The rewrite of GPT-OSS's apply_rotary_pos_emb (halves of the head dim, tables of half its
+    size): torchfuse::rotary of the tables repeated over both halves, laid out as the original's
+    cat, against the original function: served once a call, dtypes, layouts, values and
+    gradients within the original's error to float64."""
+    _, original, rewritten = original_and_rewrite("gpt_oss", "apply_rotary_pos_emb", "_half_table_rotary",
+                                                  "gpt_oss_rotary")
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    for x_dtype, trig_dtype in FORMS[:3]:
+        b, s, h, d = 2, 129, 8, 64
+        q, k = projected_heads(b, s, h, d, x_dtype), projected_heads(b, s, 2, d, x_dtype)
+        angles = torch.rand(b, s, d // 2, device="cuda") * 100
+        cos, sin = angles.cos().to(trig_dtype), angles.sin().to(trig_dtype)
+        out_dtype = torch.promote_types(x_dtype, trig_dtype)
+        dq, dk = (torch.randn(t.shape, device="cuda").to(out_dtype) for t in (q, k))
+        before = fused_count(OP)
+        ours = run(rewritten, q, k, cos, sin, dq, dk, 1)
+        assert fused_count(OP) == before + 1, stock_reasons(OP)
+        what = f"seed {seed} gpt_oss {x_dtype}/{trig_dtype}"
+        assert_like_the_original(ours, original, q, k, cos, sin, dq, dk, 1, what)
+
+
 def test_prefix_rotary_rewrite_is_the_original_function():
     """The rewrite of DINOv3's apply_rotary_pos_emb (the patch tokens rotated by
     torchfuse::rotary, the class and register tokens passed through, then the original's cats)

@@ -409,6 +409,44 @@ print(json.dumps({"rewritten": [hasattr(m.apply_rotary_pos_emb, "__wrapped__") f
     assert out == {"rewritten": [True, True, True], "equal": [True] * 9}
 
 
+def test_half_table_rotary_runs_its_cuda_path_on_cpu_with_the_guard_passed():
+    """GPT-OSS's apply_rotary_pos_emb (halves of the head dim, tables of half its size), its
+    rewrite's own code past the guard on CPU (`_rotary_call` patched to pass), where
+    torchfuse::rotary runs Llama's composition of the tables repeated over both halves: the
+    original's outputs bitwise with their dtypes and strides (fp32, bf16 q with fp32 tables,
+    heads second or third), gradients within two of their roundings; tables of another size go
+    to the original (which broadcasts a one-wide table); the model's function is the rewrite."""
+    out, _ = run("""
+import torchfuse.rewrites as R
+R._rotary_call = lambda torch, original, dependencies=None: (lambda *args: True)
+import transformers.models.gpt_oss.modeling_gpt_oss as G
+original = G.apply_rotary_pos_emb.__wrapped__
+rewritten = R._half_table_rotary(torch, original, "gpt_oss_rotary")
+torch.manual_seed(0)
+result = []
+for x_dtype, trig_dtype, dim, half in ((torch.float32, torch.float32, 1, 32), (torch.bfloat16, torch.float32, 1, 32),
+                                       (torch.bfloat16, torch.bfloat16, 2, 32), (torch.float32, torch.float32, 1, 1)):
+    shape = (2, 4, 5, 64) if dim == 1 else (2, 5, 4, 64)
+    q = torch.randn(2, 5, 4, 64).to(x_dtype).transpose(1, 2) if dim == 1 else torch.randn(shape).to(x_dtype)
+    k = torch.randn(shape).to(x_dtype)
+    cos, sin = torch.randn(2, 5, half).to(trig_dtype), torch.randn(2, 5, half).to(trig_dtype)
+    runs = []
+    for fn in (rewritten, original):
+        qi, ki = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
+        qe, ke = fn(qi, ki, cos, sin, dim)
+        (qe.float().square().sum() + ke.float().square().sum()).backward()
+        runs.append(((qe.detach(), ke.detach()), (qi.grad, ki.grad)))
+    (ours, g_ours), (theirs, g_theirs) = runs
+    same = all(torch.equal(a, b) and a.dtype == b.dtype and a.stride() == b.stride() for a, b in zip(ours, theirs))
+    rel = max(((a.double() - b.double()).norm() / b.double().norm()).item() for a, b in zip(g_ours, g_theirs))
+    result.append([same, all(a.dtype == b.dtype for a, b in zip(g_ours, g_theirs)),
+                   rel <= (1e-5 if x_dtype == torch.float32 else 1.6e-2)])
+print(json.dumps({"rewritten": hasattr(G.apply_rotary_pos_emb, "__wrapped__"), "checks": result}))
+""")
+    assert out["rewritten"] is True and all(all(check) for check in out["checks"]), out
+    assert len(out["checks"]) == 4, out
+
+
 def test_single_tensor_rotary_runs_its_cuda_path_on_cpu_with_the_guard_passed():
     """Gemma 4's one-tensor apply_rotary_pos_emb (Gemma 3n's), its rewrite's own code past the
     guard on CPU (`_rotary_call` patched to pass): torchfuse::rotary of x with an empty k along
