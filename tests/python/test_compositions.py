@@ -327,7 +327,8 @@ def test_hf_rotary_and_its_copies_are_recognised_with_their_rotate_half():
     ("olmo2", {}),  # the weight multiplied in fp32, the rotary cast back: their own forms now
     ("exaone4_5", {}),  # the gated MLP returned without a name: its own form now
     ("glm", {}),  # interleaved rotary: its own form now
-    ("gpt_oss", {"apply_rotary_pos_emb": "hf_rotary"}),  # halves rotated by chunk, half-width tables
+    ("gpt_oss", {}),  # halves rotated by chunk, half-width tables: its own form now
+    ("openai_privacy_filter", {"apply_rotary_pos_emb": "hf_rotary"}),  # the same of interleaved pairs
 ])
 def test_near_forms_name_what_is_like_a_known_form_but_is_not(model, near):
     """The coverage harness's guide to the forms to add next: what looks like a served form (its
