@@ -413,25 +413,9 @@ _FUNCTION_SOURCES = {
     # transformers.models.glm4v.modeling_glm4v.apply_rotary_pos_emb (GLM-4V's text attention, and
     # GLM-OCR's): the interleaved rotary (its rotate_half_llm pairs 2p with 2p+1) of the first
     # cos.shape[-1] features, the rest passed through, then cat; the tables taken as given.
-    "glm4v_rotary_pairs_partial": ('''def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-    """Applies Rotary Position Embedding to the query and key tensors.
+    "glm4v_rotary_pairs_partial": (_rope_source("""Applies Rotary Position Embedding to the query and key tensors.
 
-    Args:
-        q (`torch.Tensor`): The query tensor.
-        k (`torch.Tensor`): The key tensor.
-        cos (`torch.Tensor`): The cosine part of the rotary embedding.
-        sin (`torch.Tensor`): The sine part of the rotary embedding.
-        unsqueeze_dim (`int`, *optional*, defaults to 1):
-            The 'unsqueeze_dim' argument specifies the dimension along which to unsqueeze cos[position_ids] and
-            sin[position_ids] so that they can be properly broadcasted to the dimensions of q and k. For example, note
-            that cos[position_ids] and sin[position_ids] have the shape [batch_size, seq_len, head_dim]. Then, if q and
-            k have the shape [batch_size, heads, seq_len, head_dim], then setting unsqueeze_dim=1 makes
-            cos[position_ids] and sin[position_ids] broadcastable to the shapes of q and k. Similarly, if q and k have
-            the shape [batch_size, seq_len, heads, head_dim], then set unsqueeze_dim=2.
-    Returns:
-        `tuple(torch.Tensor)` comprising of the query and key tensors rotated using the Rotary Position Embedding.
-    """
-    cos = cos.unsqueeze(unsqueeze_dim)
+""", """    cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
 
     # Keep half or full tensor for later concatenation
@@ -447,7 +431,7 @@ _FUNCTION_SOURCES = {
     q_embed = torch.cat([q_embed, q_pass], dim=-1)
     k_embed = torch.cat([k_embed, k_pass], dim=-1)
     return q_embed, k_embed
-''', (1,)),
+"""), (1,)),
     # transformers.models.gpt_oss.modeling_gpt_oss.apply_rotary_pos_emb: the rotate-half rotary
     # written with halves of the head dim and tables of half its size (its _apply_rotary_emb:
     # chunk, the two products of each half, cat).

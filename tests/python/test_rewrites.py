@@ -16,6 +16,25 @@ torchfuse.enable({str(LIB_DIR)!r})
 """
 
 
+# A rotary rewrite's CUDA path run on CPU against its original (the scripts below): outputs
+# bitwise with dtypes and strides, gradients' dtypes, and the gradients within two of their
+# roundings of the original's.
+ROTARY_CHECKS = """
+def rotary_checks(rewritten, original, q, k, cos, sin, dim):
+    runs = []
+    for fn in (rewritten, original):
+        qi, ki = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
+        qe, ke = fn(qi, ki, cos, sin, dim)
+        (qe.float().square().sum() + ke.float().square().sum()).backward()
+        runs.append(((qe.detach(), ke.detach()), (qi.grad, ki.grad)))
+    (ours, g_ours), (theirs, g_theirs) = runs
+    same = all(torch.equal(a, b) and a.dtype == b.dtype and a.stride() == b.stride() for a, b in zip(ours, theirs))
+    rel = max(((a.double() - b.double()).norm() / b.double().norm()).item() for a, b in zip(g_ours, g_theirs))
+    return [same, all(a.dtype == b.dtype for a, b in zip(g_ours, g_theirs)),
+            rel <= (1e-5 if q.dtype == torch.float32 else 1.6e-2)]
+"""
+
+
 def run(code, **env):
     proc = check(run_python(ENABLE + code, PYTHONPATH=ROOT / "python", TORCHFUSE_LOG="debug", **env))
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
@@ -416,7 +435,7 @@ def test_half_table_rotary_runs_its_cuda_path_on_cpu_with_the_guard_passed():
     original's outputs bitwise with their dtypes and strides (fp32, bf16 q with fp32 tables,
     heads second or third), gradients within two of their roundings; tables of another size go
     to the original (which broadcasts a one-wide table); the model's function is the rewrite."""
-    out, _ = run("""
+    out, _ = run(ROTARY_CHECKS + """
 import torchfuse.rewrites as R
 R._rotary_call = lambda torch, original, dependencies=None: (lambda *args: True)
 import transformers.models.gpt_oss.modeling_gpt_oss as G
@@ -430,17 +449,7 @@ for x_dtype, trig_dtype, dim, half in ((torch.float32, torch.float32, 1, 32), (t
     q = torch.randn(2, 5, 4, 64).to(x_dtype).transpose(1, 2) if dim == 1 else torch.randn(shape).to(x_dtype)
     k = torch.randn(shape).to(x_dtype)
     cos, sin = torch.randn(2, 5, half).to(trig_dtype), torch.randn(2, 5, half).to(trig_dtype)
-    runs = []
-    for fn in (rewritten, original):
-        qi, ki = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
-        qe, ke = fn(qi, ki, cos, sin, dim)
-        (qe.float().square().sum() + ke.float().square().sum()).backward()
-        runs.append(((qe.detach(), ke.detach()), (qi.grad, ki.grad)))
-    (ours, g_ours), (theirs, g_theirs) = runs
-    same = all(torch.equal(a, b) and a.dtype == b.dtype and a.stride() == b.stride() for a, b in zip(ours, theirs))
-    rel = max(((a.double() - b.double()).norm() / b.double().norm()).item() for a, b in zip(g_ours, g_theirs))
-    result.append([same, all(a.dtype == b.dtype for a, b in zip(g_ours, g_theirs)),
-                   rel <= (1e-5 if x_dtype == torch.float32 else 1.6e-2)])
+    result.append(rotary_checks(rewritten, original, q, k, cos, sin, dim))
 print(json.dumps({"rewritten": hasattr(G.apply_rotary_pos_emb, "__wrapped__"), "checks": result}))
 """)
     assert out["rewritten"] is True and all(all(check) for check in out["checks"]), out
@@ -501,7 +510,7 @@ def test_interleaved_rotary_rewrites_run_their_cuda_path_on_cpu_with_the_guard_p
     outputs bitwise with their dtypes and strides (all of the head dim and half of it, bf16 q
     with fp32 cos, heads second or third), and q's and k's gradients within two of their
     roundings of the original's; each model's function is the rewrite."""
-    out, _ = run("""
+    out, _ = run(ROTARY_CHECKS + """
 import torchfuse.rewrites as R
 R._rotary_call = lambda torch, original, dependencies=None: (lambda *args: True)
 import transformers.models.glm4.modeling_glm4 as G
@@ -528,17 +537,7 @@ for module, make, form, rotary_dim, x_dtype, trig_dtype, dim in cases:
     shape = (2, 4, 5, 64) if dim == 1 else (2, 5, 4, 64)
     q, k = torch.randn(shape).to(x_dtype), torch.randn(shape).to(x_dtype)
     cos, sin = torch.randn(2, 5, rotary_dim).to(trig_dtype), torch.randn(2, 5, rotary_dim).to(trig_dtype)
-    runs = []
-    for fn in (rewritten, original):
-        qi, ki = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
-        qe, ke = fn(qi, ki, cos, sin, dim)
-        (qe.float().square().sum() + ke.float().square().sum()).backward()
-        runs.append(((qe.detach(), ke.detach()), (qi.grad, ki.grad)))
-    (ours, g_ours), (theirs, g_theirs) = runs
-    same = all(torch.equal(a, b) and a.dtype == b.dtype and a.stride() == b.stride() for a, b in zip(ours, theirs))
-    rel = max(((a.double() - b.double()).norm() / b.double().norm()).item() for a, b in zip(g_ours, g_theirs))
-    result.append([same, all(a.dtype == b.dtype for a, b in zip(g_ours, g_theirs)),
-                   rel <= (1e-5 if x_dtype == torch.float32 else 1.6e-2)])
+    result.append(rotary_checks(rewritten, original, q, k, cos, sin, dim))
 print(json.dumps({"rewritten": [hasattr(m.apply_rotary_pos_emb, "__wrapped__") for m in (G, C, E, B, N, V)],
                   "checks": result}))
 """)
