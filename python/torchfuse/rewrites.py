@@ -1030,9 +1030,10 @@ def _shared_cast(torch):
     matmul; the gradients of the Linears' inputs now add in bf16 before the one cast back
     (within the correctness contract, not bit for bit). A function (module, x, the attributes
     x goes to) -> the input to pass on: x cast, or x itself where any of those attributes is
-    not a plain, unobserved CUDA Linear, x is not a plain fp32 CUDA tensor, autocast is off or
-    fp16, the call is traced or under a torch function mode, or the toggle is switched off at run time (`set_enabled`: no op of its own
-    stands between, so the rewrite asks)."""
+    not a plain, unobserved Linear on x's device (or is shadowed by another attribute of that
+    name), x is not a plain fp32 CUDA tensor, autocast is off or fp16, the call is traced or
+    under a torch function or dispatch mode, or the toggle is switched off at run time
+    (`set_enabled`: no op of its own stands between, so the rewrite asks)."""
     linear, tensor, fp32, bf16 = torch.nn.Linear, torch.Tensor, torch.float32, torch.bfloat16
     autocast, autocast_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
     untraced, enabled = _untraced_call(torch), torch.ops.torchfuse.enabled.default
