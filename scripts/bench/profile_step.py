@@ -64,18 +64,21 @@ def package_dir(name):
     return os.path.dirname(spec.origin) + os.sep if spec and spec.origin else None
 
 
+def package_areas():
+    """(package directory, area) of torchfuse's, transformers' and torch's installed code."""
+    return [(package_dir(p), area) for p, area in (("torchfuse", "torchfuse's Python"),
+                                                   ("transformers", "transformers"),
+                                                   ("torch", "torch's Python"))]
+
+
 def area_of(filename, name, roots=None):
     """Where a profiled function runs: the area python_profile sums it under. `roots`: (package
-    directory, area) pairs, by default torchfuse's, transformers' and torch's installed ones."""
+    directory, area) pairs, by default `package_areas()`."""
     if filename == "~":  # a builtin: attribute it by what it is
         if "run_backward" in name:
             return "backward (C++ engine, hooks)"
         return "torch C++ and builtins called from Python"
-    if roots is None:
-        roots = [(package_dir(p), area) for p, area in (("torchfuse", "torchfuse's Python"),
-                                                        ("transformers", "transformers"),
-                                                        ("torch", "torch's Python"))]
-    for root, area in roots:
+    for root, area in package_areas() if roots is None else roots:
         if root and filename.startswith(root):
             return area
     return "other Python (the bench's loop)"
@@ -130,9 +133,7 @@ def python_profile(step, steps, top, show=True, sync=None):
     if not show:
         return
     stats = pstats.Stats(prof).stats
-    areas, roots = {}, [(package_dir(p), area) for p, area in (("torchfuse", "torchfuse's Python"),
-                                                                ("transformers", "transformers"),
-                                                                ("torch", "torch's Python"))]
+    areas, roots = {}, package_areas()  # found once, not per profiled function
     for (filename, _, name), (_, _, own, _, _) in stats.items():
         area = area_of(filename, name, roots)
         areas[area] = areas.get(area, 0.0) + own

@@ -5,24 +5,25 @@
 namespace torchfuse_glue {
 namespace {
 
-bool control_set_enabled(c10::string_view op, bool enabled) {
+// A toggle control call's answer: TF_FUSED true, TF_STOCK false, TF_ERROR its message raised.
+template <typename Call>
+bool toggle_answer(Call call) {
   TfStatus status;
   status.code = TF_STOCK;
   status.message[0] = '\0';
-  torchfuse_rs_set_enabled(op.data(), op.size(), enabled, &status);
+  call(&status);
   status.message[TF_MESSAGE_BYTES - 1] = '\0';
   TORCH_CHECK(status.code != TF_ERROR, status.message);
   return status.code == TF_FUSED;
 }
 
+bool control_set_enabled(c10::string_view op, bool enabled) {
+  return toggle_answer(
+      [&](TfStatus* status) { torchfuse_rs_set_enabled(op.data(), op.size(), enabled, status); });
+}
+
 bool control_enabled(c10::string_view op) {
-  TfStatus status;
-  status.code = TF_STOCK;
-  status.message[0] = '\0';
-  torchfuse_rs_enabled(op.data(), op.size(), &status);
-  status.message[TF_MESSAGE_BYTES - 1] = '\0';
-  TORCH_CHECK(status.code != TF_ERROR, status.message);
-  return status.code == TF_FUSED;
+  return toggle_answer([&](TfStatus* status) { torchfuse_rs_enabled(op.data(), op.size(), status); });
 }
 
 std::string control_stats() {
