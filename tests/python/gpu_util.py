@@ -93,6 +93,20 @@ def rel_err(out, ref):
     return diff / denom if denom > 0 else diff
 
 
+def casts_in_graph(t):
+    """ToCopyBackward0 nodes in the autograd graph behind t: autocast's casts of tensors that
+    need grad (counted without a dispatch mode, under which some rewrites stand aside)."""
+    seen, todo, count = set(), [t.grad_fn], 0
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        count += node.name() == "ToCopyBackward0"
+        todo += [next_node for next_node, _ in node.next_functions]
+    return count
+
+
 def poison_allocator(nbytes, device="cuda"):
     """Fills soon-to-be-reused allocator blocks with NaN, so unwritten outputs show up."""
     t = torch.full((max(nbytes // 4, 1) + 1024,), float("nan"), device=device)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import LIB_DIR, ROOT, clean_env, requires_cuda
-from gpu_util import (FLOOR, asked_count, enabled, fresh_seed, fused_count, load_torchfuse, original_and_rewrite,
-                      rel_err, stock_reasons)
+from gpu_util import (FLOOR, asked_count, casts_in_graph, enabled, fresh_seed, fused_count, load_torchfuse,
+                      original_and_rewrite, rel_err, stock_reasons)
 
 pytestmark = requires_cuda
 
@@ -547,24 +547,13 @@ sys.path.insert(0, {python!r}); sys.path.insert(0, {tests!r})
 import torchfuse
 torchfuse.enable({lib!r})
 torch.ops.torchfuse._serve_below_thresholds({force})
-from gpu_util import FLOOR, rel_err
+from gpu_util import FLOOR, casts_in_graph, rel_err
 from transformers.activations import NewGELUActivation
 from transformers.models.gpt2.modeling_gpt2 import GPT2Config, GPT2MLP
 
 def new_gelu(input):
     return 0.5 * input * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (input + 0.044715 * torch.pow(input, 3.0))))
 
-def casts(t):
-    # ToCopyBackward0 nodes in the autograd graph behind t: autocast's casts.
-    seen, todo, n = set(), [t.grad_fn], 0
-    while todo:
-        f = todo.pop()
-        if f is None or f in seen:
-            continue
-        seen.add(f)
-        n += type(f).__name__ == "ToCopyBackward0"
-        todo += [g for g, _ in f.next_functions]
-    return n
 
 def gelu_calls():
     # What served torchfuse::gelu_tanh and its backward so far: {{"kernel" or "stock: reason": calls}}.
@@ -616,8 +605,8 @@ for dtype in (torch.bfloat16, torch.float16):
         # Against HF's MLP code with only its GELU rewritten (fp32 out, as NewGELU's torch.pow
         # makes it): the cast of that output for c_proj is gone, one ToCopyBackward0 fewer.
         unfused, _ = run(lambda t: GPT2MLP.forward.__wrapped__(mlp, t))
-        if casts(ours) != casts(unfused) - 1:
-            failures.append(f"{{what}}: casts {{casts(ours)}} vs {{casts(unfused)}}")
+        if casts_in_graph(ours) != casts_in_graph(unfused) - 1:
+            failures.append(f"{{what}}: casts {{casts_in_graph(ours)}} vs {{casts_in_graph(unfused)}}")
 
 # A hook on c_proj sees the original's input dtype: the original code runs.
 mlp = GPT2MLP(64, GPT2Config(n_embd=16, n_head=4, resid_pdrop=0.0)).cuda()
@@ -766,19 +755,6 @@ def test_shared_cast_feeds_the_linears_one_cast_and_keeps_the_originals_values()
     sys.path.insert(0, str(ROOT / "python"))
     from torchfuse import compositions, rewrites
     import transformers.models.llama.modeling_llama as L
-
-    def casts_in_graph(loss):
-        # Autocast's casts of tensors that need grad, each a ToCopyBackward0 node (counted
-        # without a dispatch mode, under which shared_cast stands aside).
-        seen, stack, count = set(), [loss.grad_fn], 0
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            count += node.name() == "ToCopyBackward0"
-            stack.extend(next_node for next_node, _ in node.next_functions)
-        return count
 
     class Watching(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
