@@ -942,6 +942,12 @@ def linear_input_sites(function):
     return tuple(sites)
 
 
+def _own_classes(module):
+    """The classes `module` defines itself (not those it imports)."""
+    return [value for value in list(vars(module).values())
+            if isinstance(value, type) and value.__module__ == module.__name__]
+
+
 def scan_shared_inputs(module):
     """The classes defined in `module` whose own `forward` passes its input to two or more of
     its attributes' calls and does nothing else with it but read its shape (an attention's
@@ -949,9 +955,7 @@ def scan_shared_inputs(module):
     Under autocast, where those attributes are plain Linear layers, each casts the same fp32
     input to the same low-precision tensor."""
     found = {}
-    for value in list(vars(module).values()):
-        if not isinstance(value, type) or value.__module__ != module.__name__:
-            continue
+    for value in _own_classes(module):
         forward = value.__dict__.get("forward")
         sites = linear_input_sites(forward) if forward is not None else None
         if sites is not None and len(sites) >= 2:
@@ -963,9 +967,7 @@ def scan(module):
     """The classes defined in `module` whose own `forward` is a known form whose composition
     torchfuse serves: {class: form}."""
     found = {}
-    for value in list(vars(module).values()):
-        if not isinstance(value, type) or value.__module__ != module.__name__:
-            continue
+    for value in _own_classes(module):
         forward = value.__dict__.get("forward")
         form = form_of(forward) if forward is not None else None
         if form is not None and form in COMPUTES:
@@ -977,9 +979,7 @@ def scan_methods(module):
     """The classes defined in `module` with an own method (other than `forward`) of a known form
     whose composition torchfuse serves: {class: (method name, form)}."""
     found = {}
-    for value in list(vars(module).values()):
-        if not isinstance(value, type) or value.__module__ != module.__name__:
-            continue
+    for value in _own_classes(module):
         for form, (method, reference) in METHOD_FORMS.items():
             function = value.__dict__.get(method)
             if form in COMPUTES and function is not None and _matches(function, form, reference, None):
