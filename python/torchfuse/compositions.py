@@ -48,6 +48,14 @@ _SOURCES = {
     "hf_gated_mlp_inline": """def forward(self, hidden_state):
     return self.down_proj(self.act_fn(self.gate_proj(hidden_state)) * self.up_proj(hidden_state))
 """,
+    # The same gated MLP with a dropout of the product before down_proj (T5Gemma's and T5Gemma
+    # 2's).
+    "t5gemma_gated_mlp": """def forward(self, x):
+    hidden_states = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+    hidden_states = self.dropout(hidden_states)
+    down_proj = self.down_proj(hidden_states)
+    return down_proj
+""",
     # transformers.models.phi3.modeling_phi3.Phi3MLP.forward (one projection for gate and up,
     # chunked), and its copies (GLM, GLM-4, Dia, ...). Depends on its activation_fn as the gated
     # MLP on its act_fn.
@@ -452,6 +460,23 @@ _FUNCTION_SOURCES = {
     k_embed = _apply_rotary_emb(k, cos, sin)
     return q_embed, k_embed
 ''', (1,)),
+    # transformers.models.gptj.modeling_gptj.rotate_every_two (CodeGen's too): each pair
+    # (x[2p], x[2p+1]) becomes (-x[2p+1], x[2p]), the interleaved layout, of a 4-D x.
+    "gptj_rotate_every_two": ("""def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
+    x1 = x[:, :, :, ::2]
+    x2 = x[:, :, :, 1::2]
+    x = torch.stack((-x2, x1), dim=-1)
+    return x.flatten(-2)  # in einsum notation: rearrange(x, '... d j -> ... (d j)')
+""", None),
+    # transformers.models.gptj.modeling_gptj.apply_rotary_pos_emb (CodeGen's too): the
+    # interleaved rotary of one tensor [batch, tokens, heads, rotary dim] (the model calls it for
+    # q and k apart, with their rotary slices), sin before cos, each of half the rotary dim,
+    # repeated pair by pair and broadcast over the heads.
+    "gptj_rotary": ("""def apply_rotary_pos_emb(tensor: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+    sin = torch.repeat_interleave(sin[:, :, None, :], 2, 3)
+    cos = torch.repeat_interleave(cos[:, :, None, :], 2, 3)
+    return (tensor * cos) + (rotate_every_two(tensor) * sin)
+""", None),
     # OLMo's (and its copies'): Llama's, each result cast back to its input's dtype.
     "hf_rotary_cast_back": (_rope_source("""Applies Rotary Position Embedding to the query and key tensors.
 
@@ -680,6 +705,7 @@ COMPUTES = {"hf_dynamic_layer_update": "kv_cache", "hf_dynamic_sliding_window_la
             "hf_rms_norm": "hf_rms_norm", "gemma_rms_norm": "hf_rms_norm", "t5_rms_norm": "hf_rms_norm",
             "hf_causal_lm_loss": "cross_entropy", "hf_gated_mlp": "swiglu", "hf_moe_apply_gate": "swiglu",
             "hf_packed_gated_mlp": "swiglu", "hf_gated_mlp_inline": "swiglu", "llama4_gated_mlp": "swiglu",
+            "t5gemma_gated_mlp": "swiglu",
             "hf_rotary": "rotary", "hf_single_rotary": "rotary",
             "hf_rotary_cast_back": "rotary", "hf_rotary_upcast": "rotary", "gpt_oss_rms_norm": "hf_rms_norm",
             "gemma4_rms_norm": "hf_rms_norm", "cohere_layer_norm": "layer_norm",
@@ -689,7 +715,7 @@ COMPUTES = {"hf_dynamic_layer_update": "kv_cache", "hf_dynamic_sliding_window_la
             "hf_partial_rotary": "rotary", "hf_partial_rotary_glm_doc": "rotary",
             "hf_partial_rotary_inline": "rotary", "hf_rotary_pairs_partial": "rotary",
             "hf_prefix_rotary": "rotary", "glm4v_rotary_pairs_partial": "rotary", "gpt_oss_rotary": "rotary",
-            "hf_rotary_pairs": "rotary", "hf_rotary_flipped": "rotary",
+            "gptj_rotary": "rotary", "hf_rotary_pairs": "rotary", "hf_rotary_flipped": "rotary",
             "cohere_rotary_pairs_upcast": "rotary", "hf_rotary_pairs_upcast": "rotary",
             "hf_ignore_causal_mask_sdpa": "sdpa", "hf_ignore_bidirectional_mask_sdpa": "sdpa"}
 
@@ -742,6 +768,7 @@ _HELPER_FORMS = {"hf_rotary_pairs": {"rotate_half": "cohere_rotate_pairs"},
                  "hf_rotary_pairs_partial": {"rotate_half": "hf_rotate_pairs"},
                  "glm4v_rotary_pairs_partial": {"rotate_half_llm": "hf_rotate_pairs"},
                  "gpt_oss_rotary": {"_apply_rotary_emb": "gpt_oss_apply_rotary_emb"},
+                 "gptj_rotary": {"rotate_every_two": "gptj_rotate_every_two"},
                  "hf_rotary_pairs_upcast": {"rotate_half": "hf_rotate_pairs"},
                  "cohere_rotary_pairs_upcast": {"rotate_half": "cohere_rotate_pairs"}}
 

@@ -613,9 +613,11 @@ def _gated_mlp_forward(torch, original, form, dependencies=None):
     """HF's gated MLP with act(gate) * up in one op where act_fn is SiLU (torchfuse::silu_mul:
     Llama's and its copies) or the tanh GELU (torchfuse::gelu_tanh_mul: Gemma's), and gate and
     up agree in dtype and shape; the matmuls are the module's own. Llama 4's form names its
-    activation `activation_fn`."""
+    activation `activation_fn`; T5Gemma's passes the product through its own dropout module
+    before down_proj."""
     ops = {"silu": torch.ops.torchfuse.silu_mul.default, "gelu_tanh": torch.ops.torchfuse.gelu_tanh_mul.default}
     act_attribute = "activation_fn" if form == "llama4_gated_mlp" else "act_fn"
+    dropped = form == "t5gemma_gated_mlp"
     tensor, served = torch.Tensor, _served_dtypes(torch)
     takes = _gated_mlp_call(torch, original, dependencies)
 
@@ -631,8 +633,10 @@ def _gated_mlp_forward(torch, original, form, dependencies=None):
         gate, up = self.gate_proj(x), self.up_proj(x)
         if (type(gate) is tensor and type(up) is tensor and gate.dtype == up.dtype
                 and gate.dtype in served and gate.shape == up.shape):
-            return self.down_proj(ops[activation](gate, up))
-        return self.down_proj(act(gate) * up)
+            product = ops[activation](gate, up)
+        else:
+            product = act(gate) * up
+        return self.down_proj(self.dropout(product) if dropped else product)
 
     return forward
 
@@ -787,6 +791,28 @@ def _single_rotary(torch, original, form, dependencies=None):
             # which makes a zero tensor of x's size and adds it to x's gradient.
             return op(x, x.narrow(unsqueeze_dim, 0, 0).detach(), cos, sin, unsqueeze_dim)[0]
         return original(x, cos, sin, unsqueeze_dim)
+
+    return apply_rotary_pos_emb
+
+
+def _every_two_rotary(torch, original, form, dependencies=None):
+    """GPT-J's apply_rotary_pos_emb (CodeGen's): the interleaved rotary (rotate_every_two, pairs
+    (2p, 2p+1)) of one tensor [batch, tokens, heads, rotary dim], sin and cos [batch, tokens,
+    rotary dim / 2] given in that order. torchfuse::rotary of x as its q and, as its k, x with
+    no heads (as `_single_rotary`), the tables repeated pair by pair as the original repeats
+    them and broadcast over the heads (`unsqueeze_dim` 2, the original's `[:, :, None, :]`).
+    Other ranks and table sizes (which the original may broadcast or refuse) run the
+    original."""
+    op, served = torch.ops.torchfuse.rotary.default, _rotary_call(torch, original, dependencies)
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(tensor, sin, cos):
+        if (served(tensor, tensor, cos, sin, 2) and tensor.dim() == 4 and cos.dim() == 3
+                and cos.shape == sin.shape and 2 * cos.shape[-1] == tensor.shape[-1]):
+            cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+            # Detached: see `_single_rotary`.
+            return op(tensor, tensor.narrow(2, 0, 0).detach(), cos, sin, 2, True)[0]
+        return original(tensor, sin, cos)
 
     return apply_rotary_pos_emb
 
@@ -1126,7 +1152,7 @@ REWRITES = {
                                                     "then the original's cast")),
     "t5_rms_norm": Rewrite(_t5_rms_norm_forward, "aten::rms_norm in fp32 with an fp32 weight, else "
                                                  + _OPS + "hf_rms_norm"),
-    **dict.fromkeys(("hf_gated_mlp", "hf_gated_mlp_inline", "llama4_gated_mlp"),
+    **dict.fromkeys(("hf_gated_mlp", "hf_gated_mlp_inline", "llama4_gated_mlp", "t5gemma_gated_mlp"),
                     Rewrite(_gated_mlp_forward, _OPS + "silu_mul (SiLU) or gelu_tanh_mul (tanh GELU)")),
     "hf_packed_gated_mlp": Rewrite(_packed_gated_mlp_forward, _OPS + "silu_mul_packed"),
     # Module-level functions.
@@ -1146,6 +1172,7 @@ REWRITES = {
     **dict.fromkeys(("hf_rotary_pairs_partial", "glm4v_rotary_pairs_partial"),
                     Rewrite(_partial_rotary, _OPS + "rotary (interleaved), then the original's cat")),
     "hf_prefix_rotary": Rewrite(_prefix_rotary, _OPS + "rotary of the patch tokens, then the original's cat"),
+    "gptj_rotary": Rewrite(_every_two_rotary, _OPS + "rotary (interleaved) of x, of the tables repeated pair by pair"),
     "gpt_oss_rotary": Rewrite(_half_table_rotary, _OPS + "rotary of the half-size tables repeated over both halves"),
     # A class's other method.
     "hf_dynamic_layer_update": Rewrite(_dynamic_layer_update, _OPS + "kv_copy on the first append"),

@@ -1,4 +1,5 @@
 """Helpers for GPU tests that run torchfuse inside the test process."""
+import inspect
 import json
 import os
 
@@ -44,7 +45,7 @@ def original_and_rewrite(model, name, factory, form):
     from torchfuse import rewrites
     obj = getattr(importlib.import_module(f"transformers.models.{model}.modeling_{model}"), name)
     code = obj.forward if isinstance(obj, type) else obj
-    original = getattr(code, "__wrapped__", code)
+    original = inspect.unwrap(code)  # past the rewrite and any wrapper around it (shared_cast's)
     return obj, original, getattr(rewrites, factory)(torch, original, form)
 
 

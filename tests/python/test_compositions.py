@@ -228,7 +228,7 @@ def test_recognition_imports_no_torch():
                                   "'hf_gated_mlp_inline', 'hf_gelu_tanh', 'hf_packed_gated_mlp', 'hf_rms_norm', 'hf_silu', "
                                   "'llama4_gated_mlp', 'llama4_rms_norm', 'mamba_rms_norm_gated', 'moshi_rms_norm', "
                                   "'new_gelu', 'qwen3_next_rms_norm_gated', "
-                                  "'t5_rms_norm']")
+                                  "'t5_rms_norm', 't5gemma_gated_mlp']")
 
 
 def test_hf_causal_lm_loss_recognised_by_code_defaults_and_the_function_it_calls():
@@ -285,6 +285,17 @@ def test_hf_rotary_and_its_copies_are_recognised_with_their_rotate_half():
     # GPT-OSS's: halves of the head dim, half-size tables (its own _apply_rotary_emb).
     assert compositions.scan_functions(module("models.gpt_oss.modeling_gpt_oss")) == {
         "apply_rotary_pos_emb": "gpt_oss_rotary"}
+    # GPT-J's (CodeGen's): the interleaved rotary of one tensor, its helper rotate_every_two;
+    # with another rotate_every_two it is not the form.
+    for name in ("gptj", "codegen"):
+        everytwo = module(f"models.{name}.modeling_{name}")
+        assert compositions.scan_functions(everytwo) == {"apply_rotary_pos_emb": "gptj_rotary"}, name
+        saved = everytwo.rotate_every_two
+        try:
+            everytwo.rotate_every_two = lambda x: x
+            assert compositions.scan_functions(everytwo) == {}, name
+        finally:
+            everytwo.rotate_every_two = saved
     # GLM-4V's (GLM-OCR's) interleaved partial rotary, its rotate_half named rotate_half_llm.
     for name in ("glm4v", "glm_ocr"):
         assert compositions.scan_functions(module(f"models.{name}.modeling_{name}")) == {
@@ -347,14 +358,17 @@ def test_the_coverage_report_covers_the_installed_transformers():
         assert name in llama, llama
     gemma = next(line for line in lines if line.startswith("| gemma |"))
     assert "`GemmaRMSNorm` (gemma_rms_norm)" in gemma and gemma.endswith("| – |"), gemma
-    # Qwen 3.5's gated norm and Cohere's interleaved rotary are recognised; GPT-J's rotary and
-    # its copy (CodeGen's) are one group of the same code, near a known form; Gemma 3n's norm and
-    # one-tensor rotary are forms of their own.
+    # Qwen 3.5's gated norm, Cohere's interleaved rotary and GPT-J's (CodeGen's too) are
+    # recognised; PE Audio's complex-product rotary and its copies are one group of the same
+    # code, near a known form; Gemma 3n's norm and one-tensor rotary are forms of their own.
     qwen3_5 = next(line for line in lines if line.startswith("| qwen3_5 |"))
     assert "`Qwen3_5RMSNormGated` (qwen3_next_rms_norm_gated)" in qwen3_5, qwen3_5
     cohere = next(line for line in lines if line.startswith("| cohere |"))
     assert "`apply_rotary_pos_emb` (cohere_rotary_pairs_upcast)" in cohere, cohere
-    group = next(line for line in lines if "`gptj.apply_rotary_pos_emb`" in line)
+    for model in ("gptj", "codegen"):
+        line = next(line for line in lines if line.startswith(f"| {model} |"))
+        assert "`apply_rotary_pos_emb` (gptj_rotary)" in line and line.endswith("| – |"), line
+    group = next(line for line in lines if "`pe_audio.apply_rotary_pos_emb`" in line)
     assert group.startswith("| hf_rotary | ") and int(group.split("|")[2]) >= 2, group
     gemma3n = next(line for line in lines if line.startswith("| gemma3n |"))
     for name in ("`Gemma3nRMSNorm` (gemma4_rms_norm)", "`apply_rotary_pos_emb` (hf_single_rotary)"):

@@ -349,13 +349,37 @@ def test_cast_back_rotary_rewrite_is_the_original_function(module_name):
         assert_like_the_original(ours, original, q, k, cos, sin, dq, dk, 1, what)
 
 
+def assert_one_tensor_like_the_original(rewritten, original, x, tables, what):
+    """A one-tensor rotary's rewrite (called as fn(x, *tables)), its forward and backward served
+    once, against the original on the same inputs and float64 copies: dtypes, shapes, the
+    output's layout, values and x's gradient within max(2 x the original's error, the dtype's
+    floor)."""
+    served = fused_count(OP), fused_count(OP_BWD)
+    xi = x.detach().requires_grad_(True)
+    ours = rewritten(xi, *tables)
+    dy = torch.randn_like(ours)
+    (dx,) = torch.autograd.grad(ours, (xi,), dy)
+    assert (fused_count(OP), fused_count(OP_BWD)) == (served[0] + 1, served[1] + 1), (what, stock_reasons(OP))
+    ref_x = x.detach().double().requires_grad_(True)
+    ref = original(ref_x, *(t.double() if isinstance(t, torch.Tensor) else t for t in tables))
+    (ref_dx,) = torch.autograd.grad(ref, (ref_x,), dy.double())
+    xo = x.detach().requires_grad_(True)
+    theirs = original(xo, *tables)
+    (their_dx,) = torch.autograd.grad(theirs, (xo,), dy)
+    # The gradient's layout is autograd's accumulation order, not a contract (as in the op's
+    # own test): checked for the output only.
+    assert same_layout(ours, theirs), what
+    for name, o, t, r in (("x_embed", ours, theirs, ref), ("dx", dx, their_dx, ref_dx)):
+        assert o.dtype == t.dtype and o.shape == t.shape, (what, name)
+        e_ours, e_orig = rel_err(o, r), rel_err(t, r)
+        assert e_ours <= max(2 * e_orig, FLOOR[o.dtype]), f"{what} {name}: {e_ours:.3g} vs {e_orig:.3g}"
+
+
 @pytest.mark.parametrize("x_dtype,trig_dtype", FORMS)
 def test_gemma4_one_tensor_rotary_is_the_originals(x_dtype, trig_dtype):
     """Gemma 4's apply_rotary_pos_emb (one tensor; Gemma 3n's), rewritten: torchfuse::rotary of
-    x with an empty k, its forward and backward served once a call, against the original on the
-    same inputs and float64 copies: dtypes, shapes, the output's layout, values and x's gradient within
-    max(2 x the original's error, the dtype's floor); heads as HF's attention views them
-    (unsqueeze_dim 1) and [B, S, H, D] (unsqueeze_dim 2)."""
+    x with an empty k, against the original (`assert_one_tensor_like_the_original`); heads as
+    HF's attention views them (unsqueeze_dim 1) and [B, S, H, D] (unsqueeze_dim 2)."""
     _, original, rewritten = original_and_rewrite("gemma4", "apply_rotary_pos_emb", "_single_rotary",
                                                   "hf_single_rotary")
     seed = fresh_seed()
@@ -365,22 +389,24 @@ def test_gemma4_one_tensor_rotary_is_the_originals(x_dtype, trig_dtype):
         x = x if dim == 1 else x.transpose(1, 2)
         cos, sin = rope_tables(b, s, d, trig_dtype)
         what = f"seed {seed} {x_dtype}/{trig_dtype} {(b, s, h, d)} dim {dim}"
-        served = fused_count(OP), fused_count(OP_BWD)
-        xi = x.detach().requires_grad_(True)
-        ours = rewritten(xi, cos, sin, dim)
-        dy = torch.randn_like(ours)
-        (dx,) = torch.autograd.grad(ours, (xi,), dy)
-        assert (fused_count(OP), fused_count(OP_BWD)) == (served[0] + 1, served[1] + 1), (what, stock_reasons(OP))
-        ref_x = x.detach().double().requires_grad_(True)
-        ref = original(ref_x, cos.double(), sin.double(), dim)
-        (ref_dx,) = torch.autograd.grad(ref, (ref_x,), dy.double())
-        xo = x.detach().requires_grad_(True)
-        theirs = original(xo, cos, sin, dim)
-        (their_dx,) = torch.autograd.grad(theirs, (xo,), dy)
-        # The gradient's layout is autograd's accumulation order, not a contract (as in the op's
-        # own test): checked for the output only.
-        assert same_layout(ours, theirs), what
-        for name, o, t, r in (("x_embed", ours, theirs, ref), ("dx", dx, their_dx, ref_dx)):
-            assert o.dtype == t.dtype and o.shape == t.shape, (what, name)
-            e_ours, e_orig = rel_err(o, r), rel_err(t, r)
-            assert e_ours <= max(2 * e_orig, FLOOR[o.dtype]), f"{what} {name}: {e_ours:.3g} vs {e_orig:.3g}"
+        assert_one_tensor_like_the_original(rewritten, original, x, (cos, sin, dim), what)
+
+
+@pytest.mark.parametrize("module_name", ["gptj", "codegen"])
+@pytest.mark.parametrize("x_dtype,trig_dtype", FORMS)
+def test_gptj_rotary_is_the_originals(module_name, x_dtype, trig_dtype):
+    """GPT-J's apply_rotary_pos_emb (CodeGen's), rewritten: the interleaved torchfuse::rotary of
+    x with an empty k and the half-size tables repeated pair by pair, against the original
+    (`assert_one_tensor_like_the_original`). As GPT-J's attention calls it: x the rotary slice
+    of each head of a [B, S, H, D] projection view (GPT-J 6B's 64 of 256, and all of a head),
+    sin and cos the halves of one gathered table, a batch of one broadcast."""
+    _, original, rewritten = original_and_rewrite(module_name, "apply_rotary_pos_emb", "_every_two_rotary",
+                                                  "gptj_rotary")
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    for b, s, h, d, rotary_dim, table_batch in [(2, 1024, 16, 256, 64, 2), (3, 77, 4, 64, 64, 1), (1, 9, 2, 32, 16, 1)]:
+        x = torch.randn(b, s, h * d, device="cuda").to(x_dtype).view(b, s, h, d)[..., :rotary_dim]
+        angles = torch.rand(table_batch, s, rotary_dim // 2, device="cuda") * 100
+        sin, cos = torch.cat((angles.sin(), angles.cos()), dim=-1).to(trig_dtype).split(rotary_dim // 2, dim=-1)
+        what = f"seed {seed} {module_name} {x_dtype}/{trig_dtype} {(b, s, h, d)} rotary {rotary_dim}"
+        assert_one_tensor_like_the_original(rewritten, original, x, (sin, cos), what)

@@ -162,6 +162,8 @@ MLPS = {
     "llama4": ("Llama4TextMLP", "Llama4TextConfig", "_gated_mlp_forward", "llama4_gated_mlp", OP, OP_BWD),
     # Gemma's (Gemma 2's, 3's): Llama's form with HF's GELUTanh as act_fn, to gelu_tanh_mul.
     "gemma": ("GemmaMLP", "GemmaConfig", "_gated_mlp_forward", "hf_gated_mlp", GELU, GELU_BWD),
+    # T5Gemma's: Gemma's with a dropout of the product before down_proj (p = 0 by default).
+    "t5gemma": ("T5GemmaMLP", "T5GemmaModuleConfig", "_gated_mlp_forward", "t5gemma_gated_mlp", GELU, GELU_BWD),
 }
 
 

@@ -34,6 +34,26 @@ def rotary_checks(rewritten, original, q, k, cos, sin, dim):
             rel <= (1e-5 if q.dtype == torch.float32 else 1.6e-2)]
 """
 
+# Runs a one-tensor rotary's rewrite and its original on x (with the tables after it) and
+# backward: [the empty k sends no gradient back (a narrow's backward would add full-size zeros
+# to x's), the output bitwise with its dtype and strides, x's gradient in x's dtype within two
+# of its roundings of the original's (which rounds each branch's, then their sum)].
+ONE_TENSOR_CHECKS = """
+def one_tensor_checks(rewritten, original, x, *tables):
+    runs = []
+    for fn in (rewritten, original):
+        xi = x.detach().requires_grad_(True)
+        y = fn(xi, *tables)
+        y.float().square().sum().backward()
+        runs.append((y.detach(), xi.grad))
+    (ours, g_ours), (theirs, g_theirs) = runs
+    node = rewritten(x.detach().requires_grad_(True), *tables).grad_fn
+    no_zeros = node is None or all(n[0] is None or type(n[0]).__name__ == "AccumulateGrad" for n in node.next_functions)
+    rel = ((g_ours.double() - g_theirs.double()).norm() / g_theirs.double().norm()).item()
+    return [no_zeros, torch.equal(ours, theirs), ours.dtype == theirs.dtype, ours.stride() == theirs.stride(),
+            g_ours.dtype == g_theirs.dtype and rel <= (1e-5 if x.dtype == torch.float32 else 1.6e-2)]
+"""
+
 
 def run(code, **env):
     proc = check(run_python(ENABLE + code, PYTHONPATH=ROOT / "python", TORCHFUSE_LOG="debug", **env))
@@ -145,6 +165,7 @@ print(type(module.apply_rotary_pos_emb).__name__)
 
 def test_cpu_inputs_run_the_original_code_bitwise():
     out, _ = run("""
+import inspect
 import transformers.activations as A
 import transformers.models.llama.modeling_llama as L
 torch.manual_seed(0)
@@ -167,7 +188,7 @@ print(json.dumps([torch.equal(gelu(x), A.NewGELUActivation.forward.__wrapped__(g
                   torch.equal(norm(x), L.LlamaRMSNorm.forward.__wrapped__(norm, x)),
                   torch.equal(LU.ForCausalLMLoss(logits, labels, 50),
                               LU.ForCausalLMLoss.__wrapped__(logits, labels, 50)),
-                  torch.equal(mlp(h), L.LlamaMLP.forward.__wrapped__(mlp, h)),
+                  torch.equal(mlp(h), inspect.unwrap(L.LlamaMLP.forward)(mlp, h)),  # past shared_cast's wrapper too
                   torch.equal(gpt2_mlp(h), GPT2.GPT2MLP.forward.__wrapped__(gpt2_mlp, h)),
                   all(torch.equal(a, b) for a, b in zip(
                       L.apply_rotary_pos_emb(q, k, cos, sin),
@@ -463,7 +484,7 @@ def test_single_tensor_rotary_runs_its_cuda_path_on_cpu_with_the_guard_passed():
     with its dtype and strides (heads first or second, a transposed view, bf16 x with fp32 cos,
     a negative dim), and x's gradient in x's dtype within two of its roundings of the
     original's; the function in the model's module is the rewrite."""
-    out, _ = run("""
+    out, _ = run(ONE_TENSOR_CHECKS + """
 import torchfuse.rewrites as R
 R._rotary_call = lambda torch, original, dependencies=None: (lambda *args: True)
 import transformers.models.gemma4.modeling_gemma4 as G
@@ -480,25 +501,45 @@ for x_dtype, trig_dtype, dim, transposed in ((torch.float32, torch.float32, 1, F
     if transposed:
         x = torch.randn(2, 5, 4, 64).to(x_dtype).transpose(1, 2)
     cos, sin = torch.randn(2, 5, 64).to(trig_dtype), torch.randn(2, 5, 64).to(trig_dtype)
-    grads = []
-    for fn in (rewritten, original):
-        xi = x.detach().requires_grad_(True)
-        y = fn(xi, cos, sin, dim)
-        y.float().square().sum().backward()
-        grads.append((y.detach(), xi.grad))
-    (ours, g_ours), (theirs, g_theirs) = grads
-    # The empty k sends no gradient back: no full-size zeros added to x's (a narrow's backward).
-    xi = x.detach().requires_grad_(True)
-    node = rewritten(xi, cos, sin, dim).grad_fn
-    result.append([n[0] is None or type(n[0]).__name__ == "AccumulateGrad" for n in node.next_functions])
-    # The original rounds x's gradient to bf16 on each branch and adds them in bf16; the op once.
-    rel = ((g_ours.double() - g_theirs.double()).norm() / g_theirs.double().norm()).item()
-    result.append([torch.equal(ours, theirs), ours.dtype == theirs.dtype, ours.stride() == theirs.stride(),
-                   g_ours.dtype == g_theirs.dtype and rel <= (1e-5 if x_dtype == torch.float32 else 1.6e-2)])
+    result.append(one_tensor_checks(rewritten, original, x, cos, sin, dim))
 print(json.dumps({"rewritten": hasattr(G.apply_rotary_pos_emb, "__wrapped__"), "checks": result}))
 """)
     assert out["rewritten"] is True and all(all(check) for check in out["checks"]), out
-    assert len(out["checks"]) == 8, out
+    assert len(out["checks"]) == 4, out
+
+
+def test_every_two_rotary_runs_its_cuda_path_on_cpu_with_the_guard_passed():
+    """GPT-J's and CodeGen's apply_rotary_pos_emb (the interleaved rotary of one [B, S, H, R]
+    tensor, sin and cos of R / 2 given in that order), the rewrite's own code past the guard on
+    CPU (`_rotary_call` patched to pass), where torchfuse::rotary(..., interleaved=True) runs
+    the interleaved composition: the original's output bitwise with its dtype and strides (the
+    rotary slice of a wider head, all of the head, bf16 x with bf16 tables as the model casts
+    them, fp32, tables of one batch row broadcast), x's gradient within two of its roundings;
+    tables of another size get the original's error; each model's function is the rewrite."""
+    out, _ = run(ONE_TENSOR_CHECKS + """
+import torchfuse.rewrites as R
+R._rotary_call = lambda torch, original, dependencies=None: (lambda *args: True)
+import transformers.models.gptj.modeling_gptj as J
+import transformers.models.codegen.modeling_codegen as C
+torch.manual_seed(0)
+result = []
+for module in (J, C):
+    original = module.apply_rotary_pos_emb.__wrapped__
+    rewritten = R._every_two_rotary(torch, original, "gptj_rotary")
+    for x_dtype, trig_dtype, rotary_dim, batch in ((torch.bfloat16, torch.bfloat16, 16, 2), (torch.float32, torch.float32, 64, 2),
+                                                   (torch.bfloat16, torch.float32, 64, 2), (torch.float32, torch.float32, 32, 1)):
+        x = torch.randn(2, 5, 4, 64).to(x_dtype)[:, :, :, :rotary_dim]  # GPT-J's q_rot: a slice of each head
+        sin, cos = (torch.randn(batch, 5, rotary_dim // 2).to(trig_dtype) for _ in range(2))
+        result.append(one_tensor_checks(rewritten, original, x, sin, cos))
+    try:  # tables of another size: the original's error
+        rewritten(x, torch.randn(2, 5, 4), torch.randn(2, 5, 4))
+        result.append([False])
+    except RuntimeError as error:
+        result.append(["must match the size" in str(error)])
+print(json.dumps({"rewritten": [hasattr(m.apply_rotary_pos_emb, "__wrapped__") for m in (J, C)], "checks": result}))
+""")
+    assert out["rewritten"] == [True, True] and all(all(check) for check in out["checks"]), out
+    assert len(out["checks"]) == 10, out
 
 
 def test_interleaved_rotary_rewrites_run_their_cuda_path_on_cpu_with_the_guard_passed():
@@ -733,37 +774,50 @@ print(json.dumps(result))
     assert out == {"MoshiRMSNorm": ["AttributeError"] * 2, "Gemma4RMSNorm": ["AttributeError"] * 2}, out
 
 
-def test_llama4_mlp_rewrite_runs_its_cuda_path_on_cpu_with_the_guard_passed():
-    """Llama 4's gated MLP (its activation named activation_fn), its rewrite's own code past the
-    guard on CPU (`_gated_mlp_call` patched to say SiLU): the original is not called (the
-    rewrite's torchfuse::silu_mul is, whose CPU kernel is the original's composition), and the
-    output and every gradient are bitwise the original's."""
-    out, _ = run("""
+@pytest.mark.parametrize("module_name, cls, config, form, act", [
+    ("llama4", "Llama4TextMLP", "Llama4TextConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, "
+     "num_key_value_heads=4)", "llama4_gated_mlp", "silu"),
+    ("t5gemma", "T5GemmaMLP", "T5GemmaModuleConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, "
+     "num_key_value_heads=4, head_dim=16, dropout_rate=0.1)", "t5gemma_gated_mlp", "gelu_tanh"),
+    ("t5gemma2", "T5Gemma2MLP", "models.t5gemma2.configuration_t5gemma2.T5Gemma2TextConfig(hidden_size=64, "
+     "intermediate_size=96, num_attention_heads=4, num_key_value_heads=4, head_dim=16, dropout_rate=0.1)",
+     "t5gemma_gated_mlp", "gelu_tanh"),
+])
+def test_gated_mlp_forms_rewrites_run_their_cuda_path_on_cpu_with_the_guard_passed(module_name, cls, config, form, act):
+    """Llama 4's gated MLP (its activation named activation_fn) and T5Gemma's (a dropout of the
+    product before down_proj, live here: p = 0.1 in training), the rewrite's own code past the
+    guard on CPU (`_gated_mlp_call` patched to name the activation): the original is not called
+    (the rewrite's op is, whose CPU kernel is the original's composition), and the output and
+    every gradient are bitwise the original's, the dropout drawing the same mask from the same
+    seed."""
+    out, _ = run(f"""
+import inspect
 import transformers
 import torchfuse.rewrites as R
-R._gated_mlp_call = lambda torch, original, dependencies=None: (lambda x, act: "silu")
-from transformers.models.llama4.modeling_llama4 import Llama4TextMLP
-original_forward = Llama4TextMLP.forward.__wrapped__
+R._gated_mlp_call = lambda torch, original, dependencies=None: (lambda x, act: {act!r})
+from transformers.models.{module_name}.modeling_{module_name} import {cls} as MLP
+original_forward = inspect.unwrap(MLP.forward)  # HF's code: past the rewrite and shared_cast's wrapper
 original_calls = []
 def counted_original(self, *args, **kwargs):
     original_calls.append(1)
     return original_forward(self, *args, **kwargs)
-rewritten = R._gated_mlp_forward(torch, counted_original, "llama4_gated_mlp")
-cfg = transformers.Llama4TextConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                                    num_key_value_heads=4)
+rewritten = R._gated_mlp_forward(torch, counted_original, {form!r})
 torch.manual_seed(0)
-mlp = Llama4TextMLP(cfg)
+mlp = MLP(transformers.{config}).train()
 x = torch.randn(3, 5, 64)
 results = []
 for fn in (rewritten, original_forward):
     mlp.zero_grad()
     xi = x.clone().requires_grad_(True)
+    torch.manual_seed(1)
     y = fn(mlp, xi)
     y.square().sum().backward()
     results.append([y.detach(), xi.grad] + [p.grad.clone() for p in mlp.parameters()])
-print(json.dumps({"equal": [torch.equal(a, b) for a, b in zip(*results)], "original_calls": len(original_calls)}))
+print(json.dumps({{"equal": [torch.equal(a, b) for a, b in zip(*results)], "original_calls": len(original_calls),
+                  "dropout": getattr(getattr(mlp, "dropout", None), "p", None)}}))
 """)
-    assert out == {"equal": [True] * 5, "original_calls": 0}, out
+    dropout = 0.1 if form == "t5gemma_gated_mlp" else None
+    assert out == {"equal": [True] * 5, "original_calls": 0, "dropout": dropout}, out
 
 
 def test_olmo_and_modernbert_rotary_replacements_are_their_arithmetic_on_cpu():
