@@ -12,7 +12,7 @@ where matplotlib is installed, a PNG bar chart.
       [--sides stock,torchfuse,compile,torchfuse+compile,liger] [--rounds 2] [--steps 30]
   (--models also takes gpt2-b32, GPT-2 at batch 32, and the families of FAMILIES at realistic
   sizes: qwen2.5-0.5b, gemma-2b, pythia-410m, mistral-0.9b, phi3-2b, qwen3-0.6b, olmo2-1b,
-  gemma3-1b, glm4-1.4b, cohere-1.3b, mixtral-moe-0.9b)
+  gemma3-1b, glm4-1.4b, cohere-1.3b, gptj-0.8b, mixtral-moe-0.9b)
 
 Every run is also appended to OUT/bench_models.jsonl as it ends; `--merge A.jsonl B.jsonl`
 reports the runs of several calls as one table.
@@ -103,6 +103,11 @@ FAMILIES = {
                        num_attention_heads=16, num_key_value_heads=16, vocab_size=256000,
                        max_position_embeddings=1024),
                   (4, 1024), "HF Command-R shape at hidden 2048, 16 layers, 1.3B (LayerNorm, interleaved rotary in fp32)"),
+    # GPT-J's rotate_every_two (CodeGen's too): one tensor at a time, 64 of each 256-wide head
+    # rotated pair by pair; GPT-J's own attention (no SDPA), parallel attention and MLP.
+    "gptj-0.8b": ("GPTJConfig", "GPTJForCausalLM",
+                  dict(n_embd=2048, n_layer=12, n_head=8, rotary_dim=64, n_positions=1024, vocab_size=50400),
+                  (4, 1024), "HF GPT-J-6B shape at hidden 2048, 12 layers, 0.8B (rotate_every_two of 64 of 256)"),
     # MoE: the experts' gate (HF's _default_apply_gate under the default grouped_mm experts).
     "mixtral-moe-0.9b": ("MixtralConfig", "MixtralForCausalLM",
                          dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,

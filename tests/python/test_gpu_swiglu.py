@@ -162,9 +162,12 @@ MLPS = {
     "llama4": ("Llama4TextMLP", "Llama4TextConfig", "_gated_mlp_forward", "llama4_gated_mlp", OP, OP_BWD),
     # Gemma's (Gemma 2's, 3's): Llama's form with HF's GELUTanh as act_fn, to gelu_tanh_mul.
     "gemma": ("GemmaMLP", "GemmaConfig", "_gated_mlp_forward", "hf_gated_mlp", GELU, GELU_BWD),
-    # T5Gemma's: Gemma's with a dropout of the product before down_proj (p = 0 by default).
+    # T5Gemma's: Gemma's with a dropout of the product before down_proj (`CONFIGS`: live).
     "t5gemma": ("T5GemmaMLP", "T5GemmaModuleConfig", "_gated_mlp_forward", "t5gemma_gated_mlp", GELU, GELU_BWD),
 }
+# A model's own config fields beside the sizes (T5Gemma's module config has no dropout_rate of
+# its own: its model's config sets it).
+CONFIGS = {"t5gemma": {"dropout_rate": 0.1}}
 
 
 @pytest.mark.parametrize("model", sorted(MLPS))
@@ -176,8 +179,9 @@ def test_rewritten_mlp_gives_the_originals_output_and_grads(model):
     mlp_class, forward, rewritten = original_and_rewrite(model, cls, factory, form)
     import transformers
     cfg = getattr(transformers, config)(hidden_size=256, intermediate_size=704, num_attention_heads=4,
-                                        num_key_value_heads=4)
-    torch.manual_seed(fresh_seed())
+                                        num_key_value_heads=4, **CONFIGS.get(model, {}))
+    seed = fresh_seed()
+    torch.manual_seed(seed)
     mlp = mlp_class(cfg).cuda()
     x = torch.randn(4, 33, 256, device="cuda")
     for autocast in (False, True):
@@ -186,6 +190,7 @@ def test_rewritten_mlp_gives_the_originals_output_and_grads(model):
             mlp.zero_grad()
             xi = x.detach().requires_grad_(True)
             served = fused_count(op), fused_count(op_bwd)
+            torch.manual_seed(seed)  # a dropout draws the same mask on both sides
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
                 y = fn(mlp, xi)
             y.float().square().sum().backward()
