@@ -861,8 +861,8 @@ def _partial_rotary(torch, original, form, dependencies=None):
     """GPT-NeoX's apply_rotary_pos_emb (and its copies): the rotate-half rotary of the first
     `cos.shape[-1]` features of each head (Pythia: a quarter), the rest passed through, then
     cat. The rotated slices go to torchfuse::rotary as the views the original makes (the op
-    takes a slice of the head dim, and returns what HF's composition returns for it), and the
-    cats are the original's. An odd or too-wide rotary dim runs the original. GLM's (GLM-4's,
+    takes a slice of the head dim, and returns what HF's composition returns for it; both slices
+    of a tensor are made by one split), and the cats are the original's. An odd or too-wide rotary dim runs the original. GLM's (GLM-4's,
     Moonshine's) is the same of the interleaved rotary (pairs (2p, 2p+1)) with GLM's tables
     (`_interleaved_tables`), made as the original makes them; GLM-4V's (GLM-OCR's) the
     interleaved one with the tables as given."""
@@ -878,9 +878,13 @@ def _partial_rotary(torch, original, form, dependencies=None):
             # As the original reads it.
             rotary_dim = tables[0].unsqueeze(unsqueeze_dim).shape[-1] if tables is not None else 0
             if rotary_dim % 2 == 0 and 0 < rotary_dim <= min(q.shape[-1], k.shape[-1]):
-                q_embed, k_embed = op(q[..., :rotary_dim], k[..., :rotary_dim], *tables, unsqueeze_dim, interleaved)
-                return (cat([q_embed, q[..., rotary_dim:]], dim=-1),
-                        cat([k_embed, k[..., rotary_dim:]], dim=-1))
+                # The original's two slices of each, as one split: the same views, and in the
+                # backward one cat of the two gradients where the slices' backward fills a
+                # zero tensor for each and adds them (the same values).
+                q_rot, q_pass = q.split((rotary_dim, q.shape[-1] - rotary_dim), dim=-1)
+                k_rot, k_pass = k.split((rotary_dim, k.shape[-1] - rotary_dim), dim=-1)
+                q_embed, k_embed = op(q_rot, k_rot, *tables, unsqueeze_dim, interleaved)
+                return cat([q_embed, q_pass], dim=-1), cat([k_embed, k_pass], dim=-1)
         return original(q, k, cos, sin, unsqueeze_dim)
 
     return apply_rotary_pos_emb

@@ -415,6 +415,59 @@ print(json.dumps({"rewritten": [hasattr(N.apply_rotary_pos_emb, "__wrapped__"), 
     assert out == {"rewritten": [True, True], "equal": [True] * 6}
 
 
+def test_partial_rotary_takes_its_slices_by_one_split_on_cpu_with_the_guard_passed():
+    """The partial rotaries' rewrites (GPT-NeoX's, Phi-3's inline form, GLM-4's interleaved one),
+    their own code past the guard on CPU (`_rotary_call` patched to pass): the original's outputs
+    bitwise with their strides, and q's and k's gradients bitwise those of the original's two
+    slices of each (the same op called on `q[..., :r]`, then cat with `q[..., r:]`), while the
+    backward graph holds splits and no slice (whose backward fills a zero tensor per slice and
+    adds them); a quarter of the head, all of it."""
+    out, _ = run("""
+import torchfuse.rewrites as R
+R._rotary_call = lambda torch, original, dependencies=None: (lambda *args: True)
+import transformers.models.gpt_neox.modeling_gpt_neox as N
+import transformers.models.phi3.modeling_phi3 as P
+import transformers.models.glm4.modeling_glm4 as G
+torch.manual_seed(0)
+
+def nodes(root):  # the names of the nodes the backward runs from root (a node met twice, twice)
+    pending, names = [root], []
+    while pending:
+        node = pending.pop()
+        if node is not None:
+            names.append(type(node).__name__)
+            pending.extend(n for n, _ in node.next_functions)
+    return names
+
+result = []
+for module, form, interleaved in ((N, "hf_partial_rotary", False), (P, "hf_partial_rotary_inline", False),
+                                  (G, "hf_rotary_pairs_partial", True)):
+    original = module.apply_rotary_pos_emb.__wrapped__
+    rewritten = R._partial_rotary(torch, original, form)
+    for rotary_dim, x_dtype in ((16, torch.bfloat16), (64, torch.float32)):
+        q = torch.randn(2, 5, 4, 64).to(x_dtype).transpose(1, 2)  # a projection's view
+        k = torch.randn(2, 2, 5, 64).to(x_dtype)
+        cos, sin = torch.randn(2, 5, rotary_dim), torch.randn(2, 5, rotary_dim)
+        qi, ki = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
+        ours = rewritten(qi, ki, cos, sin)
+        theirs = original(q, k, cos, sin)
+        graph = nodes(ours[0].grad_fn) + nodes(ours[1].grad_fn)
+        (ours[0].float().square().sum() + ours[1].float().square().sum()).backward()
+        # The slices the rewrite made before: the same op, the same tables.
+        qs, ks = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
+        tables = R._interleaved_tables(cos, sin, 1) if interleaved else (cos, sin)
+        r = tables[0].shape[-1]
+        q_embed, k_embed = torch.ops.torchfuse.rotary(qs[..., :r], ks[..., :r], *tables, 1, interleaved)
+        sliced = (torch.cat([q_embed, qs[..., r:]], dim=-1), torch.cat([k_embed, ks[..., r:]], dim=-1))
+        (sliced[0].float().square().sum() + sliced[1].float().square().sum()).backward()
+        result.append([all(torch.equal(a, b) and a.dtype == b.dtype and a.stride() == b.stride() for a, b in zip(ours, theirs)),
+                       torch.equal(qi.grad, qs.grad) and torch.equal(ki.grad, ks.grad),
+                       "SplitWithSizesBackward0" in graph, "SliceBackward0" not in graph])
+print(json.dumps(result))
+""")
+    assert out == [[True] * 4] * 6, out
+
+
 def test_prefix_rotary_replacement_is_the_original_on_cpu():
     """What DINOv3's rewrite computes on CUDA (torchfuse::rotary of the patch tokens as the
     original's split views, tables [patches, head dim] as one batch, then the original's cats),
