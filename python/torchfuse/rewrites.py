@@ -897,13 +897,14 @@ def _half_table_rotary(torch, original, form, dependencies=None):
     halves (the layout Llama's tables have: cat of the table with itself); tables of another
     size (which the original might broadcast) and odd head dims run the original. The results
     are laid out as the original's cat lays them out."""
-    op, cat = torch.ops.torchfuse.rotary.default, torch.cat
+    op, cat, contiguous = torch.ops.torchfuse.rotary.default, torch.cat, torch.contiguous_format
     served = _rotary_call(torch, original, dependencies)
 
     def as_cat_makes_it(t):
         # The original's result is cat's of its two halves: row-major. The op lays its result
         # out as Llama's arithmetic would (a transposed q gives a transposed result); where that
-        # is not row-major, the halves are cat as the original cats them.
+        # is not row-major, a row-major copy (a clone's backward passes the gradient on as it is,
+        # where the halves' slices would fill a zero tensor each and add them).
         size, step = t.shape, 1
         row_major = []
         for n in reversed(size):
@@ -911,8 +912,7 @@ def _half_table_rotary(torch, original, form, dependencies=None):
             step *= n
         if t.stride() == tuple(reversed(row_major)):
             return t
-        half = size[-1] // 2
-        return cat((t[..., :half], t[..., half:]), dim=-1)
+        return t.clone(memory_format=contiguous)
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
