@@ -209,6 +209,15 @@ _SOURCES = {
     hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
     return (self.weight * hidden_states).to(input_dtype)  # main diff with Llama
 """,
+    # transformers.models.helium.modeling_helium.HeliumRMSNorm.forward: GPT-OSS's with the weight
+    # cast to fp32 before the product (which promotes a 16-bit weight to fp32 anyway).
+    "helium_rms_norm": """def forward(self, hidden_states):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return (self.weight.to(torch.float32) * hidden_states).to(input_dtype)
+""",
     # transformers.models.llama.modeling_llama.LlamaRMSNorm.forward, and its copies.
     "hf_rms_norm": """def forward(self, hidden_states):
     input_dtype = hidden_states.dtype
@@ -540,6 +549,35 @@ _FUNCTION_SOURCES = {
 
     return q_embed.to(original_dtype), k_embed.to(original_dtype)
 """), (1,)),
+    # transformers.models.helium.modeling_helium.apply_rotary_pos_emb: GLM's tables and its
+    # interleaved rotate_half over the whole head dim, in the inputs' dtypes.
+    "helium_rotary": (_rope_source("""Applies Rotary Position Embedding to the query and key tensors.
+
+""", """    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+
+""" + _GLM_INTERLEAVE + """
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+
+    return q_embed, k_embed
+"""), (1,)),
+    # transformers.models.nemotron.modeling_nemotron.apply_rotary_pos_emb: GPT-NeoX's partial
+    # rotary (the first cos.shape[-1] features rotated, the rest cat back) written another way.
+    "nemotron_partial_rotary": (_rope_source("""Applies Rotary Position Embedding to the query and key tensors.
+
+""", """    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+
+    rot_dim = cos.shape[-1]
+    # If q_pass/k_pass is empty, rotary pos embedding is applied to all tensor q/k
+    q, q_pass = q[..., :rot_dim], q[..., rot_dim:]
+    k, k_pass = k[..., :rot_dim], k[..., rot_dim:]
+
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return torch.cat((q_embed, q_pass), dim=-1), torch.cat((k_embed, k_pass), dim=-1)
+"""), (1,)),
     # The causal-LM loss every HF *ForCausalLM model's `loss_function` is (LOSS_MAPPING).
     "hf_causal_lm_loss": ("""def ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs):
     # Upcast to float if we need to compute the loss to avoid potential precision issues
@@ -715,7 +753,8 @@ COMPUTES = {"hf_dynamic_layer_update": "kv_cache", "hf_dynamic_sliding_window_la
             "hf_partial_rotary": "rotary", "hf_partial_rotary_glm_doc": "rotary",
             "hf_partial_rotary_inline": "rotary", "hf_rotary_pairs_partial": "rotary",
             "hf_prefix_rotary": "rotary", "glm4v_rotary_pairs_partial": "rotary", "gpt_oss_rotary": "rotary",
-            "gptj_rotary": "rotary", "hf_rotary_pairs": "rotary", "hf_rotary_flipped": "rotary",
+            "gptj_rotary": "rotary", "helium_rotary": "rotary", "nemotron_partial_rotary": "rotary",
+            "helium_rms_norm": "hf_rms_norm", "hf_rotary_pairs": "rotary", "hf_rotary_flipped": "rotary",
             "cohere_rotary_pairs_upcast": "rotary", "hf_rotary_pairs_upcast": "rotary",
             "hf_ignore_causal_mask_sdpa": "sdpa", "hf_ignore_bidirectional_mask_sdpa": "sdpa"}
 
@@ -769,6 +808,7 @@ _HELPER_FORMS = {"hf_rotary_pairs": {"rotate_half": "cohere_rotate_pairs"},
                  "glm4v_rotary_pairs_partial": {"rotate_half_llm": "hf_rotate_pairs"},
                  "gpt_oss_rotary": {"_apply_rotary_emb": "gpt_oss_apply_rotary_emb"},
                  "gptj_rotary": {"rotate_every_two": "gptj_rotate_every_two"},
+                 "helium_rotary": {"rotate_half": "hf_rotate_pairs"},
                  "hf_rotary_pairs_upcast": {"rotate_half": "hf_rotate_pairs"},
                  "cohere_rotary_pairs_upcast": {"rotate_half": "cohere_rotate_pairs"}}
 

@@ -424,8 +424,9 @@ def _fp32_norm_forward(torch, original, dependencies, norm):
 
 
 def _gpt_oss_rms_norm_forward(torch, original, form, dependencies=None):
-    """GPT-OSS's RMSNorm and its copies (OLMo 2 and 3, AFMoE, FlexOlmo): Llama's statistics in
-    fp32, then `(weight * x_normed).to(x's dtype)` with the weight multiplied in fp32:
+    """GPT-OSS's RMSNorm and its copies (OLMo 2 and 3, AFMoE, FlexOlmo; Helium's, its weight
+    cast to fp32 first): Llama's statistics in fp32, then `(weight * x_normed).to(x's dtype)`
+    with the weight multiplied in fp32:
     aten::rms_norm of `x.float()` (torchfuse's _fused_rms_norm), then the cast; one norm kernel
     and a cast where the original launches seven."""
     return _fp32_norm_forward(torch, original, dependencies, torch.rms_norm)
@@ -764,14 +765,19 @@ def _rotary(torch, original, form, dependencies=None):
     """HF's apply_rotary_pos_emb with q and k rotated by one op (torchfuse::rotary); its code
     calling Cohere's interleaved rotate_half (BLT's), the interleaved layout; calling NanoChat's
     (Llama's rotate_half negated), the op with sin negated, an exact table op: each product
-    is the original's."""
+    is the original's. Helium's: the interleaved layout with GLM's tables
+    (`_interleaved_tables`), made as the original makes them."""
     op, served = torch.ops.torchfuse.rotary.default, _rotary_call(torch, original, dependencies)
-    interleaved, flipped = form == "hf_rotary_pairs", form == "hf_rotary_flipped"
+    interleaved, flipped = form in ("hf_rotary_pairs", "helium_rotary"), form == "hf_rotary_flipped"
+    glm_tables = form == "helium_rotary"
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if served(q, k, cos, sin, unsqueeze_dim):
-            return op(q, k, cos, -sin if flipped else sin, unsqueeze_dim, interleaved)
+            tables = _interleaved_tables(cos, sin, unsqueeze_dim) if glm_tables else (cos, sin)
+            if tables is not None:
+                cos, sin = tables
+                return op(q, k, cos, -sin if flipped else sin, unsqueeze_dim, interleaved)
         return original(q, k, cos, sin, unsqueeze_dim)
 
     return apply_rotary_pos_emb
@@ -858,12 +864,13 @@ def _rotary_cast_back(torch, original, form, dependencies=None):
 
 
 def _partial_rotary(torch, original, form, dependencies=None):
-    """GPT-NeoX's apply_rotary_pos_emb (and its copies): the rotate-half rotary of the first
-    `cos.shape[-1]` features of each head (Pythia: a quarter), the rest passed through, then
-    cat. The rotated slices go to torchfuse::rotary as the views the original makes (the op
-    takes a slice of the head dim, and returns what HF's composition returns for it; both slices
-    of a tensor are made by one split), and the cats are the original's. An odd or too-wide rotary dim runs the original. GLM's (GLM-4's,
-    Moonshine's) is the same of the interleaved rotary (pairs (2p, 2p+1)) with GLM's tables
+    """GPT-NeoX's apply_rotary_pos_emb (and its copies, Nemotron's written its own way): the
+    rotate-half rotary of the first `cos.shape[-1]` features of each head (Pythia: a quarter),
+    the rest passed through, then cat. The rotated slices go to torchfuse::rotary as the views
+    the original makes (the op takes a slice of the head dim, and returns what HF's composition
+    returns for it; both slices of a tensor are made by one split), and the cats are the
+    original's. An odd or too-wide rotary dim runs the original. GLM's (GLM-4's, Moonshine's)
+    is the same of the interleaved rotary (pairs (2p, 2p+1)) with GLM's tables
     (`_interleaved_tables`), made as the original makes them; GLM-4V's (GLM-OCR's) the
     interleaved one with the tables as given."""
     op, cat = torch.ops.torchfuse.rotary.default, torch.cat
@@ -1147,8 +1154,9 @@ REWRITES = {
                                     "fp32 (torchfuse's _fused_rms_norm), the original's cast and weight"),
     "gemma4_rms_norm": Rewrite(_gemma4_rms_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm), "
                                                          "then the original's cast"),
-    "gpt_oss_rms_norm": Rewrite(_gpt_oss_rms_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm), "
-                                                           "then the original's cast"),
+    **dict.fromkeys(("gpt_oss_rms_norm", "helium_rms_norm"),
+                    Rewrite(_gpt_oss_rms_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm), "
+                                                       "then the original's cast")),
     "llama4_rms_norm": Rewrite(_llama4_rms_norm_forward, _OPS + "hf_rms_norm, as Llama's; a 16-bit x with an "
                                                          "fp32 weight: aten::rms_norm without the weight, then the weight"),
     **dict.fromkeys(("moshi_rms_norm", "fp32_rms_norm_weightless"),
@@ -1164,6 +1172,7 @@ REWRITES = {
     "hf_causal_lm_loss": Rewrite(_causal_lm_loss, _OPS + "cross_entropy"),
     "hf_rotary": Rewrite(_rotary, _OPS + "rotary"),
     "hf_rotary_pairs": Rewrite(_rotary, _OPS + "rotary (interleaved)"),
+    "helium_rotary": Rewrite(_rotary, _OPS + "rotary (interleaved) of GLM's tables"),
     "hf_rotary_flipped": Rewrite(_rotary, _OPS + "rotary of -sin"),
     "hf_single_rotary": Rewrite(_single_rotary, _OPS + "rotary of x (and of none of it as k)"),
     **dict.fromkeys(("hf_rotary_cast_back", "hf_rotary_upcast"),
@@ -1171,7 +1180,8 @@ REWRITES = {
     **dict.fromkeys(("cohere_rotary_pairs_upcast", "hf_rotary_pairs_upcast"),
                     Rewrite(_rotary_cast_back, _OPS + "rotary (interleaved), then the original's casts")),
     # GPT-NeoX's partial rotary, in its three writings.
-    **dict.fromkeys(("hf_partial_rotary", "hf_partial_rotary_glm_doc", "hf_partial_rotary_inline"),
+    **dict.fromkeys(("hf_partial_rotary", "hf_partial_rotary_glm_doc", "hf_partial_rotary_inline",
+                     "nemotron_partial_rotary"),
                     Rewrite(_partial_rotary, _OPS + "rotary, then the original's cat")),
     **dict.fromkeys(("hf_rotary_pairs_partial", "glm4v_rotary_pairs_partial"),
                     Rewrite(_partial_rotary, _OPS + "rotary (interleaved), then the original's cat")),

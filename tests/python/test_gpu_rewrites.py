@@ -301,6 +301,8 @@ CAST_BACK_NORMS = {
                 rms_reference, 2880),
     "cohere": ("cohere", "CohereLayerNorm", "_cohere_layer_norm_forward", "cohere_layer_norm", "native_layer_norm",
                layer_reference, 4096),
+    "helium": ("helium", "HeliumRMSNorm", "_gpt_oss_rms_norm_forward", "helium_rms_norm", "_fused_rms_norm",
+               rms_reference, 2560),
 }
 
 

@@ -170,11 +170,13 @@ def test_interleaved_rotary_is_glms_composition(x_dtype, trig_dtype):
     ("cohere", "_rotary_cast_back", "cohere_rotary_pairs_upcast"),
     ("ernie4_5", "_rotary_cast_back", "hf_rotary_pairs_upcast"),
     ("blt", "_rotary", "hf_rotary_pairs"),
+    ("helium", "_rotary", "helium_rotary"),
     ("nanochat", "_rotary", "hf_rotary_flipped")])
 def test_interleaved_rotary_rewrites_are_the_original_functions(module_name, factory, form):
     """The rewrites of GLM-4's apply_rotary_pos_emb (GLM's tables, half or all of the head dim,
     then cat), Cohere's and Ernie 4.5's (in fp32, cast back to q's dtype), BLT's (Llama's code
-    with Cohere's interleaved rotate_half) and NanoChat's (Llama's rotate_half negated: the op
+    with Cohere's interleaved rotate_half), Helium's (GLM's tables, all of the head dim, in the
+    inputs' dtypes) and NanoChat's (Llama's rotate_half negated: the op
     of -sin) against the original functions: served once a call where the rewrite takes it
     (the fp32 forms: where the arithmetic promotes to fp32 anyway), dtypes, layouts, values and
     gradients within the original's error to float64."""
@@ -182,7 +184,8 @@ def test_interleaved_rotary_rewrites_are_the_original_functions(module_name, fac
     seed = fresh_seed()
     torch.manual_seed(seed)
     partial = form in ("hf_rotary_pairs_partial", "glm4v_rotary_pairs_partial")
-    promoted = form in ("hf_rotary_pairs_partial", "glm4v_rotary_pairs_partial", "hf_rotary_pairs", "hf_rotary_flipped")
+    promoted = form in ("hf_rotary_pairs_partial", "glm4v_rotary_pairs_partial", "hf_rotary_pairs", "hf_rotary_flipped",
+                        "helium_rotary")
     cases = [(FORMS[1], 64), (FORMS[2], 64), (FORMS[0], 64)] + ([(FORMS[1], 32), (FORMS[3], 32)] if partial else [])
     for (x_dtype, trig_dtype), rotary_dim in cases:
         b, s, h, d = 2, 129, 8, 64
@@ -240,14 +243,14 @@ def test_odd_head_dims_and_forward_ad_take_hfs_ops():
     assert torch.allclose(tangent, expected)
 
 
-@pytest.mark.parametrize("module_name", ["gpt_neox", "phi3"])
-def test_partial_rotary_rewrite_is_the_original_function(module_name):
-    """The rewrite of GPT-NeoX's (and Phi-3's) apply_rotary_pos_emb: the first cos.shape[-1]
-    features rotated by torchfuse::rotary (a quarter of the head dim, as Pythia; all of it, as
-    Phi-3), the rest passed through, against the original function: dtypes, layouts, values and
-    gradients within the original's error to float64."""
-    _, original, rewritten = original_and_rewrite(module_name, "apply_rotary_pos_emb", "_partial_rotary",
-                                                  "hf_partial_rotary")
+@pytest.mark.parametrize("module_name, form", [("gpt_neox", "hf_partial_rotary"), ("phi3", "hf_partial_rotary_inline"),
+                                               ("nemotron", "nemotron_partial_rotary")])
+def test_partial_rotary_rewrite_is_the_original_function(module_name, form):
+    """The rewrite of GPT-NeoX's (Phi-3's, Nemotron's) apply_rotary_pos_emb: the first
+    cos.shape[-1] features rotated by torchfuse::rotary (a quarter of the head dim, as Pythia;
+    all of it, as Phi-3), the rest passed through, against the original function: dtypes,
+    layouts, values and gradients within the original's error to float64."""
+    _, original, rewritten = original_and_rewrite(module_name, "apply_rotary_pos_emb", "_partial_rotary", form)
     seed = fresh_seed()
     torch.manual_seed(seed)
     for (x_dtype, trig_dtype), rotary_dim in [(FORMS[0], 16), (FORMS[1], 16), (FORMS[1], 64), (FORMS[2], 32)]:

@@ -416,7 +416,8 @@ print(json.dumps({"rewritten": [hasattr(N.apply_rotary_pos_emb, "__wrapped__"), 
 
 
 def test_partial_rotary_takes_its_slices_by_one_split_on_cpu_with_the_guard_passed():
-    """The partial rotaries' rewrites (GPT-NeoX's, Phi-3's inline form, GLM-4's interleaved one),
+    """The partial rotaries' rewrites (GPT-NeoX's, Phi-3's inline form, GLM-4's interleaved one,
+    Nemotron's),
     their own code past the guard on CPU (`_rotary_call` patched to pass): the original's outputs
     bitwise with their strides, and q's and k's gradients bitwise those of the original's two
     slices of each (the same op called on `q[..., :r]`, then cat with `q[..., r:]`), while the
@@ -428,6 +429,7 @@ R._rotary_call = lambda torch, original, dependencies=None: (lambda *args: True)
 import transformers.models.gpt_neox.modeling_gpt_neox as N
 import transformers.models.phi3.modeling_phi3 as P
 import transformers.models.glm4.modeling_glm4 as G
+import transformers.models.nemotron.modeling_nemotron as M
 torch.manual_seed(0)
 
 def nodes(root):  # the names of the nodes the backward runs from root (a node met twice, twice)
@@ -441,7 +443,7 @@ def nodes(root):  # the names of the nodes the backward runs from root (a node m
 
 result = []
 for module, form, interleaved in ((N, "hf_partial_rotary", False), (P, "hf_partial_rotary_inline", False),
-                                  (G, "hf_rotary_pairs_partial", True)):
+                                  (G, "hf_rotary_pairs_partial", True), (M, "nemotron_partial_rotary", False)):
     original = module.apply_rotary_pos_emb.__wrapped__
     rewritten = R._partial_rotary(torch, original, form)
     for rotary_dim, x_dtype in ((16, torch.bfloat16), (64, torch.float32)):
@@ -465,7 +467,7 @@ for module, form, interleaved in ((N, "hf_partial_rotary", False), (P, "hf_parti
                        "SplitWithSizesBackward0" in graph, "SliceBackward0" not in graph])
 print(json.dumps(result))
 """)
-    assert out == [[True] * 4] * 6, out
+    assert out == [[True] * 4] * 8, out
 
 
 def test_prefix_rotary_replacement_is_the_original_on_cpu():
@@ -597,8 +599,8 @@ print(json.dumps({"rewritten": [hasattr(m.apply_rotary_pos_emb, "__wrapped__") f
 
 def test_interleaved_rotary_rewrites_run_their_cuda_path_on_cpu_with_the_guard_passed():
     """The interleaved rotaries' rewrites (GLM-4's partial one, GLM-4V's with its tables as
-    given, Cohere's and Ernie 4.5's in fp32,
-    BLT's Llama code with Cohere's rotate_half) and NanoChat's sign-flipped one (the op of -sin),
+    given, Cohere's and Ernie 4.5's in fp32, BLT's Llama code with Cohere's rotate_half, Helium's
+    with GLM's tables) and NanoChat's sign-flipped one (the op of -sin),
     their own code past the guard on CPU (`_rotary_call` patched to pass), where
     torchfuse::rotary(..., interleaved=True) runs the interleaved composition: the original's
     outputs bitwise with their dtypes and strides (all of the head dim and half of it, bf16 q
@@ -613,6 +615,7 @@ import transformers.models.ernie4_5.modeling_ernie4_5 as E
 import transformers.models.blt.modeling_blt as B
 import transformers.models.nanochat.modeling_nanochat as N
 import transformers.models.glm4v.modeling_glm4v as V
+import transformers.models.helium.modeling_helium as H
 torch.manual_seed(0)
 result = []
 cases = [(module, R._partial_rotary, form, rotary_dim, x_dtype, trig_dtype, dim)
@@ -623,7 +626,7 @@ cases += [(module, R._rotary_cast_back, form, 64, x_dtype, torch.float32, dim)
           for module, form in ((C, "cohere_rotary_pairs_upcast"), (E, "hf_rotary_pairs_upcast"))
           for x_dtype, dim in ((torch.bfloat16, 1), (torch.float32, 2))]
 cases += [(module, R._rotary, form, 64, x_dtype, trig_dtype, dim)
-          for module, form in ((B, "hf_rotary_pairs"), (N, "hf_rotary_flipped"))
+          for module, form in ((B, "hf_rotary_pairs"), (N, "hf_rotary_flipped"), (H, "helium_rotary"))
           for x_dtype, trig_dtype, dim in ((torch.bfloat16, torch.float32, 1), (torch.bfloat16, torch.bfloat16, 2))]
 for module, make, form, rotary_dim, x_dtype, trig_dtype, dim in cases:
     original = module.apply_rotary_pos_emb.__wrapped__
@@ -632,11 +635,11 @@ for module, make, form, rotary_dim, x_dtype, trig_dtype, dim in cases:
     q, k = torch.randn(shape).to(x_dtype), torch.randn(shape).to(x_dtype)
     cos, sin = torch.randn(2, 5, rotary_dim).to(trig_dtype), torch.randn(2, 5, rotary_dim).to(trig_dtype)
     result.append(rotary_checks(rewritten, original, q, k, cos, sin, dim))
-print(json.dumps({"rewritten": [hasattr(m.apply_rotary_pos_emb, "__wrapped__") for m in (G, C, E, B, N, V)],
+print(json.dumps({"rewritten": [hasattr(m.apply_rotary_pos_emb, "__wrapped__") for m in (G, C, E, B, N, V, H)],
                   "checks": result}))
 """)
-    assert out["rewritten"] == [True] * 6 and all(all(check) for check in out["checks"]), out
-    assert len(out["checks"]) == 14, out
+    assert out["rewritten"] == [True] * 7 and all(all(check) for check in out["checks"]), out
+    assert len(out["checks"]) == 16, out
 
 
 # Each norm rewrite's CUDA replacement, written out, checked on CPU against the class's original
@@ -648,6 +651,8 @@ NORM_REPLACEMENTS = {
                                   "norm.weight * torch.rms_norm(x, (x.shape[-1],), None, 1e-6)", "rms"),
     "gpt_oss": ("gpt_oss", "GptOssRMSNorm", {}, [("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16")],
                 "torch.rms_norm(x.float(), (x.shape[-1],), norm.weight.float(), 1e-6).to(x.dtype)", "rms"),
+    "helium": ("helium", "HeliumRMSNorm", {}, [("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16")],
+               "torch.rms_norm(x.float(), (x.shape[-1],), norm.weight.float(), 1e-6).to(x.dtype)", "rms"),
     "gemma4": ("gemma4", "Gemma4RMSNorm", {}, [("float32", "float32"), ("bfloat16", "float32")],
                "torch.rms_norm(x.float(), (x.shape[-1],), norm.weight.float(), 1e-6).type_as(x)", "rms"),
     "gemma4-without-scale": ("gemma4", "Gemma4RMSNorm", {"with_scale": False}, [("float32", None), ("bfloat16", None)],
@@ -754,6 +759,7 @@ import torchfuse.rewrites as R
 R._norm_call = lambda torch, original, dependencies=None: (lambda *args, **kwargs: True)
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+from transformers.models.helium.modeling_helium import HeliumRMSNorm
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
 from transformers.models.cohere.modeling_cohere import CohereLayerNorm
 from transformers.models.moshi.modeling_moshi import MoshiRMSNorm
@@ -762,6 +768,7 @@ from transformers.models.hrm_text.modeling_hrm_text import HrmTextRMSNorm
 from transformers.models.falcon_mamba.modeling_falcon_mamba import FalconMambaWeightlessRMSNorm
 cases = [("llama", LlamaRMSNorm, R._rms_norm_forward, "hf_rms_norm", {}, "bfloat16", "float32", "rms_norm"),
          ("gpt_oss", GptOssRMSNorm, R._gpt_oss_rms_norm_forward, "gpt_oss_rms_norm", {}, "bfloat16", "float32", "rms_norm"),
+         ("helium", HeliumRMSNorm, R._gpt_oss_rms_norm_forward, "helium_rms_norm", {}, "bfloat16", "bfloat16", "rms_norm"),
          ("gemma4", Gemma4RMSNorm, R._gemma4_rms_norm_forward, "gemma4_rms_norm", {}, "bfloat16", "float32", "rms_norm"),
          ("gemma4-without-scale", Gemma4RMSNorm, R._gemma4_rms_norm_forward, "gemma4_rms_norm", {"with_scale": False},
           "bfloat16", None, "rms_norm"),
@@ -794,7 +801,7 @@ for name, cls, factory, form, kwargs, x_name, w_name, op in cases:
                     "grads": x.grad is not None and all(p.grad is not None for p in norm.parameters())}
 print(json.dumps(result))
 """)
-    assert set(out) == {"llama", "gpt_oss", "gemma4", "gemma4-without-scale", "cohere", "llama4", "moshi",
+    assert set(out) == {"llama", "gpt_oss", "helium", "gemma4", "gemma4-without-scale", "cohere", "llama4", "moshi",
                         "hrm_text", "falcon_mamba"}, out
     for name, r in out.items():
         assert r == {"calls": 1, "dtype": True, "strides": True, "close": True, "grads": True}, (name, r)
