@@ -618,7 +618,7 @@ def _gated_mlp_forward(torch, original, form, dependencies=None):
     before down_proj."""
     ops = {"silu": torch.ops.torchfuse.silu_mul.default, "gelu_tanh": torch.ops.torchfuse.gelu_tanh_mul.default}
     act_attribute = "activation_fn" if form == "llama4_gated_mlp" else "act_fn"
-    dropped = form == "t5gemma_gated_mlp"
+    drops_product = form == "t5gemma_gated_mlp"
     tensor, served = torch.Tensor, _served_dtypes(torch)
     takes = _gated_mlp_call(torch, original, dependencies)
 
@@ -637,7 +637,7 @@ def _gated_mlp_forward(torch, original, form, dependencies=None):
             product = ops[activation](gate, up)
         else:
             product = act(gate) * up
-        return self.down_proj(self.dropout(product) if dropped else product)
+        return self.down_proj(self.dropout(product) if drops_product else product)
 
     return forward
 
@@ -783,19 +783,24 @@ def _rotary(torch, original, form, dependencies=None):
     return apply_rotary_pos_emb
 
 
+def _one_tensor_rotary(op, x, cos, sin, unsqueeze_dim, interleaved=False):
+    """torchfuse::rotary of one tensor x: x as its q and, as its k, x with nothing along the dim
+    cos and sin are broadcast over (`unsqueeze_dim`, the heads): no rows, which the op reads and
+    writes nothing of; its q result is x's. The empty k is detached: one needing a gradient
+    would send one back through narrow, which makes a zero tensor of x's size and adds it to
+    x's gradient."""
+    return op(x, x.narrow(unsqueeze_dim, 0, 0).detach(), cos, sin, unsqueeze_dim, interleaved)[0]
+
+
 def _single_rotary(torch, original, form, dependencies=None):
     """Gemma 4's apply_rotary_pos_emb (Gemma 3n's, DiffusionGemma's): Llama's rotary of one
-    tensor x, the model calling it for q and for k apart. torchfuse::rotary with x as its q and,
-    as its k, x with nothing along the dim cos and sin are broadcast over (`unsqueeze_dim`, the
-    heads): no rows, which the op reads and writes nothing of; its q result is x's."""
+    tensor x, the model calling it for q and for k apart (`_one_tensor_rotary`)."""
     op, served = torch.ops.torchfuse.rotary.default, _rotary_call(torch, original, dependencies)
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1):
         if served(x, x, cos, sin, unsqueeze_dim) and x.dim() == cos.dim() + 1 and -x.dim() <= unsqueeze_dim < x.dim():
-            # Detached: an empty k needing a gradient would send one back through narrow,
-            # which makes a zero tensor of x's size and adds it to x's gradient.
-            return op(x, x.narrow(unsqueeze_dim, 0, 0).detach(), cos, sin, unsqueeze_dim)[0]
+            return _one_tensor_rotary(op, x, cos, sin, unsqueeze_dim)
         return original(x, cos, sin, unsqueeze_dim)
 
     return apply_rotary_pos_emb
@@ -804,9 +809,9 @@ def _single_rotary(torch, original, form, dependencies=None):
 def _every_two_rotary(torch, original, form, dependencies=None):
     """GPT-J's apply_rotary_pos_emb (CodeGen's): the interleaved rotary (rotate_every_two, pairs
     (2p, 2p+1)) of one tensor [batch, tokens, heads, rotary dim], sin and cos [batch, tokens,
-    rotary dim / 2] given in that order. torchfuse::rotary of x as its q and, as its k, x with
-    no heads (as `_single_rotary`), the tables repeated pair by pair as the original repeats
-    them and broadcast over the heads (`unsqueeze_dim` 2, the original's `[:, :, None, :]`).
+    rotary dim / 2] given in that order. torchfuse::rotary of x alone (`_one_tensor_rotary`),
+    the tables repeated pair by pair as the original repeats them and broadcast over the heads
+    (`unsqueeze_dim` 2, the original's `[:, :, None, :]`).
     Other ranks and table sizes (which the original may broadcast or refuse) run the
     original."""
     op, served = torch.ops.torchfuse.rotary.default, _rotary_call(torch, original, dependencies)
@@ -816,8 +821,7 @@ def _every_two_rotary(torch, original, form, dependencies=None):
         if (served(tensor, tensor, cos, sin, 2) and tensor.dim() == 4 and cos.dim() == 3
                 and cos.shape == sin.shape and 2 * cos.shape[-1] == tensor.shape[-1]):
             cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
-            # Detached: see `_single_rotary`.
-            return op(tensor, tensor.narrow(2, 0, 0).detach(), cos, sin, 2, True)[0]
+            return _one_tensor_rotary(op, tensor, cos, sin, 2, interleaved=True)
         return original(tensor, sin, cos)
 
     return apply_rotary_pos_emb
@@ -904,14 +908,15 @@ def _half_table_rotary(torch, original, form, dependencies=None):
     halves (the layout Llama's tables have: cat of the table with itself); tables of another
     size (which the original might broadcast) and odd head dims run the original. The results
     are laid out as the original's cat lays them out."""
-    op, cat, contiguous = torch.ops.torchfuse.rotary.default, torch.cat, torch.contiguous_format
+    op, cat = torch.ops.torchfuse.rotary.default, torch.cat
     served = _rotary_call(torch, original, dependencies)
 
     def as_cat_makes_it(t):
-        # The original's result is cat's of its two halves: row-major. The op lays its result
-        # out as Llama's arithmetic would (a transposed q gives a transposed result); where that
-        # is not row-major, a row-major copy (a clone's backward passes the gradient on as it is,
-        # where the halves' slices would fill a zero tensor each and add them).
+        # The original's result is cat's of its two halves: row-major, or channels-last where
+        # both halves look channels-last. The op lays its result out as Llama's arithmetic would
+        # (a transposed q gives a transposed result); where that is not row-major, the halves
+        # are cat as the original cats them (one split: its backward is one cat of the
+        # gradients, where two slices' would fill a zero tensor each and add them).
         size, step = t.shape, 1
         row_major = []
         for n in reversed(size):
@@ -919,7 +924,7 @@ def _half_table_rotary(torch, original, form, dependencies=None):
             step *= n
         if t.stride() == tuple(reversed(row_major)):
             return t
-        return t.clone(memory_format=contiguous)
+        return cat(t.split(size[-1] // 2, dim=-1), dim=-1)
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):

@@ -291,14 +291,14 @@ def test_hf_rotary_and_its_copies_are_recognised_with_their_rotate_half():
     # GPT-J's (CodeGen's): the interleaved rotary of one tensor, its helper rotate_every_two;
     # with another rotate_every_two it is not the form.
     for name in ("gptj", "codegen"):
-        everytwo = module(f"models.{name}.modeling_{name}")
-        assert compositions.scan_functions(everytwo) == {"apply_rotary_pos_emb": "gptj_rotary"}, name
-        saved = everytwo.rotate_every_two
+        gptj_module = module(f"models.{name}.modeling_{name}")
+        assert compositions.scan_functions(gptj_module) == {"apply_rotary_pos_emb": "gptj_rotary"}, name
+        saved = gptj_module.rotate_every_two
         try:
-            everytwo.rotate_every_two = lambda x: x
-            assert compositions.scan_functions(everytwo) == {}, name
+            gptj_module.rotate_every_two = lambda x: x
+            assert compositions.scan_functions(gptj_module) == {}, name
         finally:
-            everytwo.rotate_every_two = saved
+            gptj_module.rotate_every_two = saved
     # GLM-4V's (GLM-OCR's) interleaved partial rotary, its rotate_half named rotate_half_llm.
     for name in ("glm4v", "glm_ocr"):
         assert compositions.scan_functions(module(f"models.{name}.modeling_{name}")) == {

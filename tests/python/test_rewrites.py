@@ -420,9 +420,10 @@ def test_partial_rotary_takes_its_slices_by_one_split_on_cpu_with_the_guard_pass
     Nemotron's),
     their own code past the guard on CPU (`_rotary_call` patched to pass): the original's outputs
     bitwise with their strides, and q's and k's gradients bitwise those of the original's two
-    slices of each (the same op called on `q[..., :r]`, then cat with `q[..., r:]`), while the
-    backward graph holds splits and no slice (whose backward fills a zero tensor per slice and
-    adds them); a quarter of the head, all of it."""
+    slices of each (the same op called on `q[..., :r]`, then cat with `q[..., r:]`: the same
+    values, so only the graph tells them apart), while the backward graph holds splits and no
+    slice (whose backward fills a zero tensor per slice and adds them); a quarter of the head
+    (k's head of another width), all of it."""
     out, _ = run("""
 import torchfuse.rewrites as R
 R._rotary_call = lambda torch, original, dependencies=None: (lambda *args: True)
@@ -448,7 +449,7 @@ for module, form, interleaved in ((N, "hf_partial_rotary", False), (P, "hf_parti
     rewritten = R._partial_rotary(torch, original, form)
     for rotary_dim, x_dtype in ((16, torch.bfloat16), (64, torch.float32)):
         q = torch.randn(2, 5, 4, 64).to(x_dtype).transpose(1, 2)  # a projection's view
-        k = torch.randn(2, 2, 5, 64).to(x_dtype)
+        k = torch.randn(2, 2, 5, 64 if rotary_dim == 64 else 32).to(x_dtype)  # another head dim than q's
         cos, sin = torch.randn(2, 5, rotary_dim), torch.randn(2, 5, rotary_dim)
         qi, ki = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
         ours = rewritten(qi, ki, cos, sin)
@@ -509,8 +510,9 @@ def test_half_table_rotary_runs_its_cuda_path_on_cpu_with_the_guard_passed():
     rewrite's own code past the guard on CPU (`_rotary_call` patched to pass), where
     torchfuse::rotary runs Llama's composition of the tables repeated over both halves: the
     original's outputs bitwise with their dtypes and strides (fp32, bf16 q with fp32 tables,
-    heads second or third), gradients within two of their roundings; tables of another size go
-    to the original (which broadcasts a one-wide table); the model's function is the rewrite."""
+    heads second or third, a channels-last q), gradients within two of their roundings; tables
+    of another size go to the original (which broadcasts a one-wide table); the model's function
+    is the rewrite."""
     out, _ = run(ROTARY_CHECKS + """
 import torchfuse.rewrites as R
 R._rotary_call = lambda torch, original, dependencies=None: (lambda *args: True)
@@ -526,10 +528,15 @@ for x_dtype, trig_dtype, dim, half in ((torch.float32, torch.float32, 1, 32), (t
     k = torch.randn(shape).to(x_dtype)
     cos, sin = torch.randn(2, 5, half).to(trig_dtype), torch.randn(2, 5, half).to(trig_dtype)
     result.append(rotary_checks(rewritten, original, q, k, cos, sin, dim))
+# A q laid out channels-last ([B, D, H, S] in memory): the halves of the op's result look
+# channels-last too, and the original's cat keeps that layout.
+q = torch.randn(2, 5, 8, 4).permute(0, 3, 1, 2)
+k = torch.randn(2, 4, 5, 8)
+result.append(rotary_checks(rewritten, original, q, k, torch.randn(2, 5, 4), torch.randn(2, 5, 4), 1))
 print(json.dumps({"rewritten": hasattr(G.apply_rotary_pos_emb, "__wrapped__"), "checks": result}))
 """)
     assert out["rewritten"] is True and all(all(check) for check in out["checks"]), out
-    assert len(out["checks"]) == 4, out
+    assert len(out["checks"]) == 5, out
 
 
 def test_single_tensor_rotary_runs_its_cuda_path_on_cpu_with_the_guard_passed():
@@ -570,8 +577,9 @@ def test_every_two_rotary_runs_its_cuda_path_on_cpu_with_the_guard_passed():
     the interleaved composition: the original's output bitwise with its dtype and strides (the
     rotary slice of a wider head, all of the head, bf16 x with bf16 tables as the model casts
     them, fp32, tables of one batch row broadcast), x's gradient within two of its roundings;
-    tables of another size get the original's error; each model's function is the rewrite."""
-    out, _ = run(ONE_TENSOR_CHECKS + """
+    tables of another size get the original's error; each model's function is rewritten (the
+    log says so)."""
+    out, log = run(ONE_TENSOR_CHECKS + """
 import torchfuse.rewrites as R
 R._rotary_call = lambda torch, original, dependencies=None: (lambda *args: True)
 import transformers.models.gptj.modeling_gptj as J
@@ -586,15 +594,18 @@ for module in (J, C):
         x = torch.randn(2, 5, 4, 64).to(x_dtype)[:, :, :, :rotary_dim]  # GPT-J's q_rot: a slice of each head
         sin, cos = (torch.randn(batch, 5, rotary_dim // 2).to(trig_dtype) for _ in range(2))
         result.append(one_tensor_checks(rewritten, original, x, sin, cos))
-    try:  # tables of another size: the original's error
-        rewritten(x, torch.randn(2, 5, 4), torch.randn(2, 5, 4))
+    try:  # tables of another size than x's rotary dim needs: the original's error
+        rewritten(torch.randn(2, 5, 4, 64)[:, :, :, :16], torch.randn(2, 5, 4), torch.randn(2, 5, 4))
         result.append([False])
     except RuntimeError as error:
         result.append(["must match the size" in str(error)])
-print(json.dumps({"rewritten": [hasattr(m.apply_rotary_pos_emb, "__wrapped__") for m in (J, C)], "checks": result}))
+print(json.dumps({"checks": result}))
 """)
-    assert out["rewritten"] == [True, True] and all(all(check) for check in out["checks"]), out
+    assert all(all(check) for check in out["checks"]), out
     assert len(out["checks"]) == 10, out
+    for model in ("gptj", "codegen"):
+        assert (f"rewrite rotary: transformers.models.{model}.modeling_{model}.apply_rotary_pos_emb "
+                "(gptj_rotary)") in log, log
 
 
 def test_interleaved_rotary_rewrites_run_their_cuda_path_on_cpu_with_the_guard_passed():
