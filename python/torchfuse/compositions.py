@@ -56,6 +56,12 @@ _SOURCES = {
     down_proj = self.down_proj(hidden_states)
     return down_proj
 """,
+    # The same gated MLP with a dropout of its output (Seed-OSS's).
+    "seed_oss_gated_mlp": """def forward(self, x):
+    down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    down_proj = nn.functional.dropout(down_proj, p=self.residual_dropout, training=self.training)
+    return down_proj
+""",
     # transformers.models.phi3.modeling_phi3.Phi3MLP.forward (one projection for gate and up,
     # chunked), and its copies (GLM, GLM-4, Dia, ...). Depends on its activation_fn as the gated
     # MLP on its act_fn.
@@ -562,6 +568,32 @@ _FUNCTION_SOURCES = {
 
     return q_embed, k_embed
 """), (1,)),
+    # transformers.models.qwen4_exp.modeling_qwen4_exp.apply_rotary_pos_emb: GPT-NeoX's partial
+    # rotary with k optional (none: q's alone, returned alone).
+    "qwen4_exp_partial_rotary": ('''def apply_rotary_pos_emb(q, k=None, cos=None, sin=None, unsqueeze_dim=1):
+    """Applies Rotary Position Embedding to the query and key tensors, or only the queries if the keys are not provided.
+
+''' + _ROPE_DOC.replace("        k (`torch.Tensor`): The key tensor.\n",
+                        "        k (`torch.Tensor`): The key tensor if provided.\n") + '''    """
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    rotary_dim = cos.shape[-1]
+
+    # Keep half or full tensor for later concatenation
+    q_rope, q_nope = q[..., :rotary_dim], q[..., rotary_dim:]
+    # Apply rotary embeddings on the first half or full tensor
+    q_rope = (q_rope * cos) + (rotate_half(q_rope) * sin)
+    # Concatenate back to full shape
+    q_rotated = torch.cat([q_rope, q_nope], dim=-1)
+
+    if k is not None:
+        k_rope, k_nope = k[..., :rotary_dim], k[..., rotary_dim:]
+        k_rope = (k_rope * cos) + (rotate_half(k_rope) * sin)
+        k_rotated = torch.cat([k_rope, k_nope], dim=-1)
+        return q_rotated, k_rotated
+    else:
+        return q_rotated
+''', (None, None, None, 1)),
     # transformers.models.nemotron.modeling_nemotron.apply_rotary_pos_emb: GPT-NeoX's partial
     # rotary (the first cos.shape[-1] features rotated, the rest cat back) written another way.
     "nemotron_partial_rotary": (_rope_source("""Applies Rotary Position Embedding to the query and key tensors.
@@ -743,7 +775,8 @@ COMPUTES = {"hf_dynamic_layer_update": "kv_cache", "hf_dynamic_sliding_window_la
             "hf_rms_norm": "hf_rms_norm", "gemma_rms_norm": "hf_rms_norm", "t5_rms_norm": "hf_rms_norm",
             "hf_causal_lm_loss": "cross_entropy", "hf_gated_mlp": "swiglu", "hf_moe_apply_gate": "swiglu",
             "hf_packed_gated_mlp": "swiglu", "hf_gated_mlp_inline": "swiglu", "llama4_gated_mlp": "swiglu",
-            "t5gemma_gated_mlp": "swiglu",
+            "t5gemma_gated_mlp": "swiglu", "seed_oss_gated_mlp": "swiglu",
+            "qwen4_exp_partial_rotary": "rotary",
             "hf_rotary": "rotary", "hf_single_rotary": "rotary",
             "hf_rotary_cast_back": "rotary", "hf_rotary_upcast": "rotary", "gpt_oss_rms_norm": "hf_rms_norm",
             "gemma4_rms_norm": "hf_rms_norm", "cohere_layer_norm": "layer_norm",

@@ -615,10 +615,12 @@ def _gated_mlp_forward(torch, original, form, dependencies=None):
     Llama's and its copies) or the tanh GELU (torchfuse::gelu_tanh_mul: Gemma's), and gate and
     up agree in dtype and shape; the matmuls are the module's own. Llama 4's form names its
     activation `activation_fn`; T5Gemma's passes the product through its own dropout module
-    before down_proj."""
+    before down_proj; Seed-OSS's passes its output through F.dropout with its
+    `residual_dropout` (the function the original calls: `takes` checks it is unchanged)."""
     ops = {"silu": torch.ops.torchfuse.silu_mul.default, "gelu_tanh": torch.ops.torchfuse.gelu_tanh_mul.default}
     act_attribute = "activation_fn" if form == "llama4_gated_mlp" else "act_fn"
-    drops_product = form == "t5gemma_gated_mlp"
+    drops_product, drops_output = form == "t5gemma_gated_mlp", form == "seed_oss_gated_mlp"
+    dropout = torch.nn.functional.dropout
     tensor, served = torch.Tensor, _served_dtypes(torch)
     takes = _gated_mlp_call(torch, original, dependencies)
 
@@ -637,7 +639,8 @@ def _gated_mlp_forward(torch, original, form, dependencies=None):
             product = ops[activation](gate, up)
         else:
             product = act(gate) * up
-        return self.down_proj(self.dropout(product) if drops_product else product)
+        out = self.down_proj(self.dropout(product) if drops_product else product)
+        return dropout(out, p=self.residual_dropout, training=self.training) if drops_output else out
 
     return forward
 
@@ -896,6 +899,30 @@ def _partial_rotary(torch, original, form, dependencies=None):
                 k_rot, k_pass = k.split((rotary_dim, k.shape[-1] - rotary_dim), dim=-1)
                 q_embed, k_embed = op(q_rot, k_rot, *tables, unsqueeze_dim, interleaved)
                 return cat([q_embed, q_pass], dim=-1), cat([k_embed, k_pass], dim=-1)
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    return apply_rotary_pos_emb
+
+
+def _optional_k_partial_rotary(torch, original, form, dependencies=None):
+    """Qwen4-exp's apply_rotary_pos_emb: GPT-NeoX's partial rotary (`_partial_rotary`) with k
+    optional; without k, q's alone (`_one_tensor_rotary` of its rotated slice, taken with the
+    passed one by one split, then the original's cat), returned alone. Calls the original would
+    refuse, or whose tables it would broadcast otherwise, run the original."""
+    both = _partial_rotary(torch, original, "hf_partial_rotary", dependencies)
+    op, cat = torch.ops.torchfuse.rotary.default, torch.cat
+    served = _rotary_call(torch, original, dependencies)
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k=None, cos=None, sin=None, unsqueeze_dim=1):
+        if k is not None:
+            return both(q, k, cos, sin, unsqueeze_dim)
+        if (served(q, q, cos, sin, unsqueeze_dim) and q.dim() == cos.dim() + 1
+                and -q.dim() <= unsqueeze_dim < q.dim()):
+            rotary_dim = cos.unsqueeze(unsqueeze_dim).shape[-1]  # as the original reads it
+            if rotary_dim % 2 == 0 and 0 < rotary_dim <= q.shape[-1]:
+                q_rope, q_nope = q.split((rotary_dim, q.shape[-1] - rotary_dim), dim=-1)
+                return cat([_one_tensor_rotary(op, q_rope, cos, sin, unsqueeze_dim), q_nope], dim=-1)
         return original(q, k, cos, sin, unsqueeze_dim)
 
     return apply_rotary_pos_emb
@@ -1169,7 +1196,8 @@ REWRITES = {
                                                     "then the original's cast")),
     "t5_rms_norm": Rewrite(_t5_rms_norm_forward, "aten::rms_norm in fp32 with an fp32 weight, else "
                                                  + _OPS + "hf_rms_norm"),
-    **dict.fromkeys(("hf_gated_mlp", "hf_gated_mlp_inline", "llama4_gated_mlp", "t5gemma_gated_mlp"),
+    **dict.fromkeys(("hf_gated_mlp", "hf_gated_mlp_inline", "llama4_gated_mlp", "t5gemma_gated_mlp",
+                     "seed_oss_gated_mlp"),
                     Rewrite(_gated_mlp_forward, _OPS + "silu_mul (SiLU) or gelu_tanh_mul (tanh GELU)")),
     "hf_packed_gated_mlp": Rewrite(_packed_gated_mlp_forward, _OPS + "silu_mul_packed"),
     # Module-level functions.
@@ -1190,6 +1218,8 @@ REWRITES = {
                     Rewrite(_partial_rotary, _OPS + "rotary, then the original's cat")),
     **dict.fromkeys(("hf_rotary_pairs_partial", "glm4v_rotary_pairs_partial"),
                     Rewrite(_partial_rotary, _OPS + "rotary (interleaved), then the original's cat")),
+    "qwen4_exp_partial_rotary": Rewrite(_optional_k_partial_rotary, _OPS + "rotary of q (and k where given), "
+                                                                 "then the original's cat"),
     "hf_prefix_rotary": Rewrite(_prefix_rotary, _OPS + "rotary of the patch tokens, then the original's cat"),
     "gptj_rotary": Rewrite(_every_two_rotary, _OPS + "rotary (interleaved) of x, of the tables repeated pair by pair"),
     "gpt_oss_rotary": Rewrite(_half_table_rotary, _OPS + "rotary of the half-size tables repeated over both halves"),

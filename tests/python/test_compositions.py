@@ -110,6 +110,8 @@ def test_t5s_rms_norm_is_its_own_form(model, cls):
     ("gpt_oss", {"GptOssRMSNorm": "gpt_oss_rms_norm"}),
     ("helium", {"HeliumRMSNorm": "helium_rms_norm", "apply_rotary_pos_emb": "helium_rotary"}),
     ("nemotron", {"apply_rotary_pos_emb": "nemotron_partial_rotary"}),
+    ("qwen4_exp", {"apply_rotary_pos_emb": "qwen4_exp_partial_rotary"}),
+    ("seed_oss", {"SeedOssMLP": "seed_oss_gated_mlp"}),
     ("olmo2", {"Olmo2RMSNorm": "gpt_oss_rms_norm", "apply_rotary_pos_emb": "hf_rotary_cast_back"}),
     ("olmo", {"apply_rotary_pos_emb": "hf_rotary_cast_back"}),
     ("modernbert", {"apply_rotary_pos_emb": "hf_rotary_upcast"}),
@@ -140,7 +142,8 @@ def test_gpt_oss_norm_olmo_rotary_and_the_inline_gated_mlp_are_their_own_forms(m
     found.update(compositions.scan_functions(mod))
     assert {name: found.get(name) for name in expected} == expected, found
     ops = {"gpt_oss_rms_norm": "hf_rms_norm", "helium_rms_norm": "hf_rms_norm", "helium_rotary": "rotary",
-           "nemotron_partial_rotary": "rotary", "gemma4_rms_norm": "hf_rms_norm", "cohere_layer_norm": "layer_norm",
+           "nemotron_partial_rotary": "rotary", "qwen4_exp_partial_rotary": "rotary", "seed_oss_gated_mlp": "swiglu",
+           "gemma4_rms_norm": "hf_rms_norm", "cohere_layer_norm": "layer_norm",
            "moshi_rms_norm": "hf_rms_norm", "fp32_rms_norm_weightless": "hf_rms_norm", "hf_rms_norm": "hf_rms_norm",
            "llama4_rms_norm": "hf_rms_norm", "llama4_gated_mlp": "swiglu", "hf_single_rotary": "rotary",
            "hf_rotary_cast_back": "rotary",
@@ -231,7 +234,7 @@ def test_recognition_imports_no_torch():
                                   "'hf_gated_mlp_inline', 'hf_gelu_tanh', 'hf_packed_gated_mlp', 'hf_rms_norm', 'hf_silu', "
                                   "'llama4_gated_mlp', 'llama4_rms_norm', 'mamba_rms_norm_gated', 'moshi_rms_norm', "
                                   "'new_gelu', 'qwen3_next_rms_norm_gated', "
-                                  "'t5_rms_norm', 't5gemma_gated_mlp']")
+                                  "'seed_oss_gated_mlp', 't5_rms_norm', 't5gemma_gated_mlp']")
 
 
 def test_hf_causal_lm_loss_recognised_by_code_defaults_and_the_function_it_calls():

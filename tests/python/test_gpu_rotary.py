@@ -243,14 +243,16 @@ def test_odd_head_dims_and_forward_ad_take_hfs_ops():
     assert torch.allclose(tangent, expected)
 
 
-@pytest.mark.parametrize("module_name, form", [("gpt_neox", "hf_partial_rotary"), ("phi3", "hf_partial_rotary_inline"),
-                                               ("nemotron", "nemotron_partial_rotary")])
-def test_partial_rotary_rewrite_is_the_original_function(module_name, form):
-    """The rewrite of GPT-NeoX's (Phi-3's, Nemotron's) apply_rotary_pos_emb: the first
-    cos.shape[-1] features rotated by torchfuse::rotary (a quarter of the head dim, as Pythia;
-    all of it, as Phi-3), the rest passed through, against the original function: dtypes,
-    layouts, values and gradients within the original's error to float64."""
-    _, original, rewritten = original_and_rewrite(module_name, "apply_rotary_pos_emb", "_partial_rotary", form)
+@pytest.mark.parametrize("module_name, factory, form", [
+    ("gpt_neox", "_partial_rotary", "hf_partial_rotary"), ("phi3", "_partial_rotary", "hf_partial_rotary_inline"),
+    ("nemotron", "_partial_rotary", "nemotron_partial_rotary"),
+    ("qwen4_exp", "_optional_k_partial_rotary", "qwen4_exp_partial_rotary")])
+def test_partial_rotary_rewrite_is_the_original_function(module_name, factory, form):
+    """The rewrite of GPT-NeoX's (Phi-3's, Nemotron's, Qwen4-exp's with k) apply_rotary_pos_emb:
+    the first cos.shape[-1] features rotated by torchfuse::rotary (a quarter of the head dim, as
+    Pythia; all of it, as Phi-3), the rest passed through, against the original function:
+    dtypes, layouts, values and gradients within the original's error to float64."""
+    _, original, rewritten = original_and_rewrite(module_name, "apply_rotary_pos_emb", factory, form)
     seed = fresh_seed()
     torch.manual_seed(seed)
     for (x_dtype, trig_dtype), rotary_dim in [(FORMS[0], 16), (FORMS[1], 16), (FORMS[1], 64), (FORMS[2], 32)]:
@@ -413,3 +415,27 @@ def test_gptj_rotary_is_the_originals(module_name, x_dtype, trig_dtype):
         sin, cos = torch.cat((angles.sin(), angles.cos()), dim=-1).to(trig_dtype).split(rotary_dim // 2, dim=-1)
         what = f"seed {seed} {module_name} {x_dtype}/{trig_dtype} {(b, s, h, d)} rotary {rotary_dim}"
         assert_one_tensor_like_the_original(rewritten, original, x, (sin, cos), what)
+
+
+@pytest.mark.parametrize("x_dtype,trig_dtype", FORMS)
+def test_qwen4_exp_rotary_of_q_alone_is_the_originals(x_dtype, trig_dtype):
+    """Qwen4-exp's apply_rotary_pos_emb without k (its indexer's call: keywords, [B, S, H, D],
+    unsqueeze_dim 2), rewritten: torchfuse::rotary of q's rotated slice alone, then the
+    original's cat, against the original (`assert_one_tensor_like_the_original`); a quarter
+    of the head dim and all of it."""
+    _, original, rewritten = original_and_rewrite("qwen4_exp", "apply_rotary_pos_emb", "_optional_k_partial_rotary",
+                                                  "qwen4_exp_partial_rotary")
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+
+    def ours(x, cos, sin):
+        return rewritten(x, cos=cos, sin=sin, unsqueeze_dim=2)
+
+    def theirs(x, cos, sin):
+        return original(x, cos=cos, sin=sin, unsqueeze_dim=2)
+
+    for b, s, h, d, rotary_dim in [(2, 1024, 8, 128, 32), (3, 77, 4, 64, 64)]:
+        x = torch.randn(b, s, h * d, device="cuda").to(x_dtype).view(b, s, h, d)
+        cos, sin = rope_tables(b, s, rotary_dim, trig_dtype)
+        what = f"seed {seed} {x_dtype}/{trig_dtype} {(b, s, h, d)} rotary {rotary_dim}"
+        assert_one_tensor_like_the_original(ours, theirs, x, (cos, sin), what)

@@ -164,10 +164,12 @@ MLPS = {
     "gemma": ("GemmaMLP", "GemmaConfig", "_gated_mlp_forward", "hf_gated_mlp", GELU, GELU_BWD),
     # T5Gemma's: Gemma's with a dropout of the product before down_proj (`CONFIGS`: live).
     "t5gemma": ("T5GemmaMLP", "T5GemmaModuleConfig", "_gated_mlp_forward", "t5gemma_gated_mlp", GELU, GELU_BWD),
+    # Seed-OSS's: Llama's with F.dropout of its output (`CONFIGS`: live).
+    "seed_oss": ("SeedOssMLP", "SeedOssConfig", "_gated_mlp_forward", "seed_oss_gated_mlp", OP, OP_BWD),
 }
 # A model's own config fields beside the sizes (T5Gemma's module config has no dropout_rate of
 # its own: its model's config sets it).
-CONFIGS = {"t5gemma": {"dropout_rate": 0.1}}
+CONFIGS = {"t5gemma": {"dropout_rate": 0.1}, "seed_oss": {"residual_dropout": 0.1, "mlp_bias": True}}
 
 
 @pytest.mark.parametrize("model", sorted(MLPS))

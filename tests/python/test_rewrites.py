@@ -471,6 +471,46 @@ print(json.dumps(result))
     assert out == [[True] * 4] * 8, out
 
 
+def test_optional_k_partial_rotary_runs_its_cuda_path_on_cpu_with_the_guard_passed():
+    """Qwen4-exp's apply_rotary_pos_emb (GPT-NeoX's partial rotary, k optional), the rewrite's own
+    code past the guard on CPU (`_rotary_call` patched to pass): with k, q's and k's results as
+    the original's (bitwise with dtypes and strides, gradients within two roundings); without k
+    (the model's indexer: keywords, unsqueeze_dim 2, [B, S, H, D]), q's alone, the same checks;
+    tables the original cannot use get its error."""
+    out, log = run(ROTARY_CHECKS + ONE_TENSOR_CHECKS + """
+import torchfuse.rewrites as R
+R._rotary_call = lambda torch, original, dependencies=None: (lambda *args: True)
+import transformers.models.qwen4_exp.modeling_qwen4_exp as Q
+original = Q.apply_rotary_pos_emb.__wrapped__
+rewritten = R._optional_k_partial_rotary(torch, original, "qwen4_exp_partial_rotary")
+torch.manual_seed(0)
+result = []
+for rotary_dim, x_dtype, trig_dtype in ((32, torch.bfloat16, torch.float32), (64, torch.float32, torch.float32),
+                                        (16, torch.bfloat16, torch.bfloat16)):
+    q, k = torch.randn(2, 5, 4, 64).to(x_dtype).transpose(1, 2), torch.randn(2, 2, 5, 64).to(x_dtype)
+    cos, sin = torch.randn(2, 5, rotary_dim).to(trig_dtype), torch.randn(2, 5, rotary_dim).to(trig_dtype)
+    result.append(rotary_checks(rewritten, original, q, k, cos, sin, 1))
+    x = torch.randn(2, 5, 4, 64).to(x_dtype)
+    # Past the first check (the output's node feeds x's leaf directly: here it is the cat's).
+    result.append(one_tensor_checks(lambda t, c, s: rewritten(t, cos=c, sin=s, unsqueeze_dim=2),
+                                    lambda t, c, s: original(t, cos=c, sin=s, unsqueeze_dim=2), x, cos, sin)[1:])
+    # The op's node (a CppFunction) under the cat, with k and without: the rewrite's path, not the original's.
+    with_k = rewritten(q.requires_grad_(True), k, cos, sin)[0]
+    alone = rewritten(x.requires_grad_(True), cos=cos, sin=sin, unsqueeze_dim=2)
+    result.append([type(t.grad_fn.next_functions[0][0]).__name__ == "CppFunction" for t in (with_k, alone)])
+try:
+    rewritten(torch.randn(2, 4, 5, 64), cos=torch.randn(2, 5, 80), sin=torch.randn(2, 5, 80))
+    result.append([False])
+except RuntimeError as error:
+    result.append(["must match the size" in str(error)])
+print(json.dumps({"checks": result}))
+""")
+    assert all(all(check) for check in out["checks"]), out
+    assert len(out["checks"]) == 10, out
+    assert ("rewrite rotary: transformers.models.qwen4_exp.modeling_qwen4_exp.apply_rotary_pos_emb "
+            "(qwen4_exp_partial_rotary)") in log, log
+
+
 def test_prefix_rotary_replacement_is_the_original_on_cpu():
     """What DINOv3's rewrite computes on CUDA (torchfuse::rotary of the patch tokens as the
     original's split views, tables [patches, head dim] as one batch, then the original's cats),
@@ -853,10 +893,13 @@ print(json.dumps(result))
     ("t5gemma2", "T5Gemma2MLP", "models.t5gemma2.configuration_t5gemma2.T5Gemma2TextConfig(hidden_size=64, "
      "intermediate_size=96, num_attention_heads=4, num_key_value_heads=4, head_dim=16, dropout_rate=0.1)",
      "t5gemma_gated_mlp", "gelu_tanh"),
+    ("seed_oss", "SeedOssMLP", "SeedOssConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, "
+     "num_key_value_heads=4, head_dim=16, residual_dropout=0.1, mlp_bias=True)", "seed_oss_gated_mlp", "silu"),
 ])
 def test_gated_mlp_forms_rewrites_run_their_cuda_path_on_cpu_with_the_guard_passed(module_name, cls, config, form, act):
-    """Llama 4's gated MLP (its activation named activation_fn) and T5Gemma's (a dropout of the
-    product before down_proj, live here: p = 0.1 in training), the rewrite's own code past the
+    """Llama 4's gated MLP (its activation named activation_fn), T5Gemma's (a dropout of the
+    product before down_proj) and Seed-OSS's (F.dropout of its output; biases), the dropouts
+    live here (p = 0.1 in training), the rewrite's own code past the
     guard on CPU (`_gated_mlp_call` patched to name the activation): the original is not called
     (the rewrite's op is, whose CPU kernel is the original's composition), and the output and
     every gradient are bitwise the original's, the dropout drawing the same mask from the same
@@ -885,10 +928,11 @@ for fn in (rewritten, original_forward):
     y.square().sum().backward()
     results.append([y.detach(), xi.grad] + [p.grad.clone() for p in mlp.parameters()])
 print(json.dumps({{"equal": [torch.equal(a, b) for a, b in zip(*results)], "original_calls": len(original_calls),
-                  "dropout": getattr(getattr(mlp, "dropout", None), "p", None)}}))
+                  "dropout": getattr(getattr(mlp, "dropout", None), "p", getattr(mlp, "residual_dropout", None))}}))
 """)
-    dropout = 0.1 if form == "t5gemma_gated_mlp" else None
-    assert out == {"equal": [True] * 5, "original_calls": 0, "dropout": dropout}, out
+    dropout = None if form == "llama4_gated_mlp" else 0.1
+    parameters = 8 if form == "seed_oss_gated_mlp" else 5  # y, x's gradient, then each parameter's
+    assert out == {"equal": [True] * parameters, "original_calls": 0, "dropout": dropout}, out
 
 
 def test_olmo_and_modernbert_rotary_replacements_are_their_arithmetic_on_cpu():
