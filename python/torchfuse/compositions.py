@@ -56,6 +56,22 @@ _SOURCES = {
     down_proj = self.down_proj(hidden_states)
     return down_proj
 """,
+    # Gemma 3n's text MLP: the gated MLP whose gate may first keep its top activations
+    # (`_gaussian_topk`, where the layer's activation_sparsity is above 0).
+    "gemma3n_gated_mlp": """def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    gate_proj = self.gate_proj(hidden_states)
+    if self.activation_sparsity > 0.0:
+        gate_proj = self._gaussian_topk(gate_proj)
+    activations = self.act_fn(gate_proj)
+    up_proj = self.up_proj(hidden_states)
+    down_proj = self.down_proj(activations * up_proj)
+    return down_proj
+""",
+    # RecurrentGemma's MLP: the gated MLP with the activation named first.
+    "recurrent_gemma_gated_mlp": """def forward(self, hidden_states):
+    gate = self.act_fn(self.gate_proj(hidden_states))
+    return self.down_proj(gate * self.up_proj(hidden_states))
+""",
     # The same gated MLP with a dropout of its output (Seed-OSS's).
     "seed_oss_gated_mlp": """def forward(self, x):
     down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
@@ -775,7 +791,8 @@ COMPUTES = {"hf_dynamic_layer_update": "kv_cache", "hf_dynamic_sliding_window_la
             "hf_rms_norm": "hf_rms_norm", "gemma_rms_norm": "hf_rms_norm", "t5_rms_norm": "hf_rms_norm",
             "hf_causal_lm_loss": "cross_entropy", "hf_gated_mlp": "swiglu", "hf_moe_apply_gate": "swiglu",
             "hf_packed_gated_mlp": "swiglu", "hf_gated_mlp_inline": "swiglu", "llama4_gated_mlp": "swiglu",
-            "t5gemma_gated_mlp": "swiglu", "seed_oss_gated_mlp": "swiglu",
+            "t5gemma_gated_mlp": "swiglu", "seed_oss_gated_mlp": "swiglu", "gemma3n_gated_mlp": "swiglu",
+            "recurrent_gemma_gated_mlp": "swiglu",
             "qwen4_exp_partial_rotary": "rotary",
             "hf_rotary": "rotary", "hf_single_rotary": "rotary",
             "hf_rotary_cast_back": "rotary", "hf_rotary_upcast": "rotary", "gpt_oss_rms_norm": "hf_rms_norm",

@@ -616,10 +616,13 @@ def _gated_mlp_forward(torch, original, form, dependencies=None):
     up agree in dtype and shape; the matmuls are the module's own. Llama 4's form names its
     activation `activation_fn`; T5Gemma's passes the product through its own dropout module
     before down_proj; Seed-OSS's passes its output through F.dropout with its
-    `residual_dropout` (the function the original calls: `takes` checks it is unchanged)."""
+    `residual_dropout` (the function the original calls: `takes` checks it is unchanged);
+    Gemma 3n's passes the gate through its own `_gaussian_topk` first where its layer's
+    activation_sparsity is above 0."""
     ops = {"silu": torch.ops.torchfuse.silu_mul.default, "gelu_tanh": torch.ops.torchfuse.gelu_tanh_mul.default}
     act_attribute = "activation_fn" if form == "llama4_gated_mlp" else "act_fn"
     drops_product, drops_output = form == "t5gemma_gated_mlp", form == "seed_oss_gated_mlp"
+    sparse_gate = form == "gemma3n_gated_mlp"
     dropout = torch.nn.functional.dropout
     tensor, served = torch.Tensor, _served_dtypes(torch)
     takes = _gated_mlp_call(torch, original, dependencies)
@@ -633,7 +636,10 @@ def _gated_mlp_forward(torch, original, form, dependencies=None):
         activation = takes(x, act)
         if activation is None:
             return original(self, *args, **kwargs)
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate = self.gate_proj(x)
+        if sparse_gate and self.activation_sparsity > 0.0:
+            gate = self._gaussian_topk(gate)
+        up = self.up_proj(x)
         if (type(gate) is tensor and type(up) is tensor and gate.dtype == up.dtype
                 and gate.dtype in served and gate.shape == up.shape):
             product = ops[activation](gate, up)
@@ -1197,7 +1203,7 @@ REWRITES = {
     "t5_rms_norm": Rewrite(_t5_rms_norm_forward, "aten::rms_norm in fp32 with an fp32 weight, else "
                                                  + _OPS + "hf_rms_norm"),
     **dict.fromkeys(("hf_gated_mlp", "hf_gated_mlp_inline", "llama4_gated_mlp", "t5gemma_gated_mlp",
-                     "seed_oss_gated_mlp"),
+                     "seed_oss_gated_mlp", "gemma3n_gated_mlp", "recurrent_gemma_gated_mlp"),
                     Rewrite(_gated_mlp_forward, _OPS + "silu_mul (SiLU) or gelu_tanh_mul (tanh GELU)")),
     "hf_packed_gated_mlp": Rewrite(_packed_gated_mlp_forward, _OPS + "silu_mul_packed"),
     # Module-level functions.

@@ -166,10 +166,16 @@ MLPS = {
     "t5gemma": ("T5GemmaMLP", "T5GemmaModuleConfig", "_gated_mlp_forward", "t5gemma_gated_mlp", GELU, GELU_BWD),
     # Seed-OSS's: Llama's with F.dropout of its output (`CONFIGS`: live).
     "seed_oss": ("SeedOssMLP", "SeedOssConfig", "_gated_mlp_forward", "seed_oss_gated_mlp", OP, OP_BWD),
+    # Gemma 3n's: Gemma's with the gate's top activations kept first (`CONFIGS`: sparsity 0.95).
+    "gemma3n": ("Gemma3nTextMLP", "Gemma3nTextConfig", "_gated_mlp_forward", "gemma3n_gated_mlp", GELU, GELU_BWD),
+    # RecurrentGemma's: Gemma's with the activation named first; biases.
+    "recurrent_gemma": ("RecurrentGemmaMlp", "RecurrentGemmaConfig", "_gated_mlp_forward", "recurrent_gemma_gated_mlp",
+                        GELU, GELU_BWD),
 }
 # A model's own config fields beside the sizes (T5Gemma's module config has no dropout_rate of
 # its own: its model's config sets it).
-CONFIGS = {"t5gemma": {"dropout_rate": 0.1}, "seed_oss": {"residual_dropout": 0.1, "mlp_bias": True}}
+CONFIGS = {"t5gemma": {"dropout_rate": 0.1}, "seed_oss": {"residual_dropout": 0.1, "mlp_bias": True},
+           "gemma3n": {"num_hidden_layers": 1, "activation_sparsity_pattern": [0.95]}}
 
 
 @pytest.mark.parametrize("model", sorted(MLPS))

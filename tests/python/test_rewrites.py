@@ -895,11 +895,17 @@ print(json.dumps(result))
      "t5gemma_gated_mlp", "gelu_tanh"),
     ("seed_oss", "SeedOssMLP", "SeedOssConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, "
      "num_key_value_heads=4, head_dim=16, residual_dropout=0.1, mlp_bias=True)", "seed_oss_gated_mlp", "silu"),
+    ("gemma3n", "Gemma3nTextMLP", "Gemma3nTextConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, "
+     "num_key_value_heads=4, head_dim=16, num_hidden_layers=1, activation_sparsity_pattern=[0.95])",
+     "gemma3n_gated_mlp", "gelu_tanh"),
+    ("recurrent_gemma", "RecurrentGemmaMlp", "RecurrentGemmaConfig(hidden_size=64, intermediate_size=96, "
+     "num_attention_heads=4, num_key_value_heads=4)", "recurrent_gemma_gated_mlp", "gelu_tanh"),
 ])
 def test_gated_mlp_forms_rewrites_run_their_cuda_path_on_cpu_with_the_guard_passed(module_name, cls, config, form, act):
     """Llama 4's gated MLP (its activation named activation_fn), T5Gemma's (a dropout of the
-    product before down_proj) and Seed-OSS's (F.dropout of its output; biases), the dropouts
-    live here (p = 0.1 in training), the rewrite's own code past the
+    product before down_proj), Seed-OSS's (F.dropout of its output; biases), Gemma 3n's (its
+    gate's top activations kept first: sparsity 0.95) and RecurrentGemma's, the dropouts live
+    here (p = 0.1 in training), the rewrite's own code past the
     guard on CPU (`_gated_mlp_call` patched to name the activation): the original is not called
     (the rewrite's op is, whose CPU kernel is the original's composition), and the output and
     every gradient are bitwise the original's, the dropout drawing the same mask from the same
@@ -930,8 +936,9 @@ for fn in (rewritten, original_forward):
 print(json.dumps({{"equal": [torch.equal(a, b) for a, b in zip(*results)], "original_calls": len(original_calls),
                   "dropout": getattr(getattr(mlp, "dropout", None), "p", getattr(mlp, "residual_dropout", None))}}))
 """)
-    dropout = None if form == "llama4_gated_mlp" else 0.1
-    parameters = 8 if form == "seed_oss_gated_mlp" else 5  # y, x's gradient, then each parameter's
+    dropout = 0.1 if form in ("t5gemma_gated_mlp", "seed_oss_gated_mlp") else None
+    biased = form in ("seed_oss_gated_mlp", "recurrent_gemma_gated_mlp")
+    parameters = 8 if biased else 5  # y, x's gradient, then each parameter's
     assert out == {"equal": [True] * parameters, "original_calls": 0, "dropout": dropout}, out
 
 
