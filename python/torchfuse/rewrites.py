@@ -623,7 +623,7 @@ def _gated_mlp_forward(torch, original, form, dependencies=None):
     act_attribute = "activation_fn" if form == "llama4_gated_mlp" else "act_fn"
     drops_product, drops_output = form == "t5gemma_gated_mlp", form == "seed_oss_gated_mlp"
     sparse_gate = form == "gemma3n_gated_mlp"
-    dropout = torch.nn.functional.dropout
+    dropout = torch.nn.functional.dropout if drops_output else None
     tensor, served = torch.Tensor, _served_dtypes(torch)
     takes = _gated_mlp_call(torch, original, dependencies)
 
@@ -801,6 +801,19 @@ def _one_tensor_rotary(op, x, cos, sin, unsqueeze_dim, interleaved=False):
     return op(x, x.narrow(unsqueeze_dim, 0, 0).detach(), cos, sin, unsqueeze_dim, interleaved)[0]
 
 
+def _one_tensor_fits(x, cos, unsqueeze_dim):
+    """Whether x and its table take `_one_tensor_rotary`: x has the one dim more that the table
+    is unsqueezed at (the heads), and `unsqueeze_dim` names one of x's dims (the empty k's)."""
+    return x.dim() == cos.dim() + 1 and -x.dim() <= unsqueeze_dim < x.dim()
+
+
+def _rotated_and_passed(t, rotary_dim):
+    """t's first `rotary_dim` features and the rest: the views the partial rotaries' two slices
+    make, by one split (in the backward one cat of the two gradients, where two slices' would
+    fill a zero tensor each and add them)."""
+    return t.split((rotary_dim, t.shape[-1] - rotary_dim), dim=-1)
+
+
 def _single_rotary(torch, original, form, dependencies=None):
     """Gemma 4's apply_rotary_pos_emb (Gemma 3n's, DiffusionGemma's): Llama's rotary of one
     tensor x, the model calling it for q and for k apart (`_one_tensor_rotary`)."""
@@ -808,7 +821,7 @@ def _single_rotary(torch, original, form, dependencies=None):
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1):
-        if served(x, x, cos, sin, unsqueeze_dim) and x.dim() == cos.dim() + 1 and -x.dim() <= unsqueeze_dim < x.dim():
+        if served(x, x, cos, sin, unsqueeze_dim) and _one_tensor_fits(x, cos, unsqueeze_dim):
             return _one_tensor_rotary(op, x, cos, sin, unsqueeze_dim)
         return original(x, cos, sin, unsqueeze_dim)
 
@@ -898,11 +911,8 @@ def _partial_rotary(torch, original, form, dependencies=None):
             # As the original reads it.
             rotary_dim = tables[0].unsqueeze(unsqueeze_dim).shape[-1] if tables is not None else 0
             if rotary_dim % 2 == 0 and 0 < rotary_dim <= min(q.shape[-1], k.shape[-1]):
-                # The original's two slices of each, as one split: the same views, and in the
-                # backward one cat of the two gradients where the slices' backward fills a
-                # zero tensor for each and adds them (the same values).
-                q_rot, q_pass = q.split((rotary_dim, q.shape[-1] - rotary_dim), dim=-1)
-                k_rot, k_pass = k.split((rotary_dim, k.shape[-1] - rotary_dim), dim=-1)
+                q_rot, q_pass = _rotated_and_passed(q, rotary_dim)
+                k_rot, k_pass = _rotated_and_passed(k, rotary_dim)
                 q_embed, k_embed = op(q_rot, k_rot, *tables, unsqueeze_dim, interleaved)
                 return cat([q_embed, q_pass], dim=-1), cat([k_embed, k_pass], dim=-1)
         return original(q, k, cos, sin, unsqueeze_dim)
@@ -912,22 +922,22 @@ def _partial_rotary(torch, original, form, dependencies=None):
 
 def _optional_k_partial_rotary(torch, original, form, dependencies=None):
     """Qwen4-exp's apply_rotary_pos_emb: GPT-NeoX's partial rotary (`_partial_rotary`) with k
-    optional; without k, q's alone (`_one_tensor_rotary` of its rotated slice, taken with the
-    passed one by one split, then the original's cat), returned alone. Calls the original would
-    refuse, or whose tables it would broadcast otherwise, run the original."""
-    both = _partial_rotary(torch, original, "hf_partial_rotary", dependencies)
+    optional; without k, q's alone (`_one_tensor_rotary` of its rotated slice, then the
+    original's cat), returned alone. An odd or too-wide rotary dim, or tables of another rank,
+    run the original; tables the original could not broadcast either reach the op, whose stock
+    path raises the original's error."""
+    with_k = _partial_rotary(torch, original, form, dependencies)
     op, cat = torch.ops.torchfuse.rotary.default, torch.cat
     served = _rotary_call(torch, original, dependencies)
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k=None, cos=None, sin=None, unsqueeze_dim=1):
         if k is not None:
-            return both(q, k, cos, sin, unsqueeze_dim)
-        if (served(q, q, cos, sin, unsqueeze_dim) and q.dim() == cos.dim() + 1
-                and -q.dim() <= unsqueeze_dim < q.dim()):
+            return with_k(q, k, cos, sin, unsqueeze_dim)
+        if served(q, q, cos, sin, unsqueeze_dim) and _one_tensor_fits(q, cos, unsqueeze_dim):
             rotary_dim = cos.unsqueeze(unsqueeze_dim).shape[-1]  # as the original reads it
             if rotary_dim % 2 == 0 and 0 < rotary_dim <= q.shape[-1]:
-                q_rope, q_nope = q.split((rotary_dim, q.shape[-1] - rotary_dim), dim=-1)
+                q_rope, q_nope = _rotated_and_passed(q, rotary_dim)
                 return cat([_one_tensor_rotary(op, q_rope, cos, sin, unsqueeze_dim), q_nope], dim=-1)
         return original(q, k, cos, sin, unsqueeze_dim)
 

@@ -34,6 +34,19 @@ def rotary_checks(rewritten, original, q, k, cos, sin, dim):
             rel <= (1e-5 if q.dtype == torch.float32 else 1.6e-2)]
 """
 
+# The names of the nodes a backward runs from a grad_fn (a node met twice, twice): which ops an
+# output came from (the torchfuse ops' autograd nodes are CppFunction).
+GRAPH_NODES = """
+def graph_nodes(root):
+    pending, names = [root], []
+    while pending:
+        node = pending.pop()
+        if node is not None:
+            names.append(type(node).__name__)
+            pending.extend(n for n, _ in node.next_functions)
+    return names
+"""
+
 # Runs a one-tensor rotary's rewrite and its original on x (with the tables after it) and
 # backward: [the empty k sends no gradient back (a narrow's backward would add full-size zeros
 # to x's), the output bitwise with its dtype and strides, x's gradient in x's dtype within two
@@ -424,7 +437,7 @@ def test_partial_rotary_takes_its_slices_by_one_split_on_cpu_with_the_guard_pass
     values, so only the graph tells them apart), while the backward graph holds splits and no
     slice (whose backward fills a zero tensor per slice and adds them); a quarter of the head
     (k's head of another width), all of it."""
-    out, _ = run("""
+    out, _ = run(GRAPH_NODES + """
 import torchfuse.rewrites as R
 R._rotary_call = lambda torch, original, dependencies=None: (lambda *args: True)
 import transformers.models.gpt_neox.modeling_gpt_neox as N
@@ -432,15 +445,6 @@ import transformers.models.phi3.modeling_phi3 as P
 import transformers.models.glm4.modeling_glm4 as G
 import transformers.models.nemotron.modeling_nemotron as M
 torch.manual_seed(0)
-
-def nodes(root):  # the names of the nodes the backward runs from root (a node met twice, twice)
-    pending, names = [root], []
-    while pending:
-        node = pending.pop()
-        if node is not None:
-            names.append(type(node).__name__)
-            pending.extend(n for n, _ in node.next_functions)
-    return names
 
 result = []
 for module, form, interleaved in ((N, "hf_partial_rotary", False), (P, "hf_partial_rotary_inline", False),
@@ -454,7 +458,7 @@ for module, form, interleaved in ((N, "hf_partial_rotary", False), (P, "hf_parti
         qi, ki = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
         ours = rewritten(qi, ki, cos, sin)
         theirs = original(q, k, cos, sin)
-        graph = nodes(ours[0].grad_fn) + nodes(ours[1].grad_fn)
+        graph = graph_nodes(ours[0].grad_fn) + graph_nodes(ours[1].grad_fn)
         (ours[0].float().square().sum() + ours[1].float().square().sum()).backward()
         # The slices the rewrite made before: the same op, the same tables.
         qs, ks = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
@@ -498,15 +502,17 @@ for rotary_dim, x_dtype, trig_dtype in ((32, torch.bfloat16, torch.float32), (64
     with_k = rewritten(q.requires_grad_(True), k, cos, sin)[0]
     alone = rewritten(x.requires_grad_(True), cos=cos, sin=sin, unsqueeze_dim=2)
     result.append([type(t.grad_fn.next_functions[0][0]).__name__ == "CppFunction" for t in (with_k, alone)])
-try:
-    rewritten(torch.randn(2, 4, 5, 64), cos=torch.randn(2, 5, 80), sin=torch.randn(2, 5, 80))
-    result.append([False])
-except RuntimeError as error:
-    result.append(["must match the size" in str(error)])
+for x, table in ((torch.randn(2, 4, 5, 64), torch.randn(2, 5, 80)),  # too wide: the original runs
+                 (torch.randn(2, 5, 4, 64), torch.randn(2, 3, 32))):  # past the guard: the op's stock path
+    try:
+        rewritten(x, cos=table, sin=table, unsqueeze_dim=2 if x.shape[1] == 5 else 1)
+        result.append([False])
+    except RuntimeError as error:
+        result.append(["must match the size" in str(error)])
 print(json.dumps({"checks": result}))
 """)
     assert all(all(check) for check in out["checks"]), out
-    assert len(out["checks"]) == 10, out
+    assert len(out["checks"]) == 11, out
     assert ("rewrite rotary: transformers.models.qwen4_exp.modeling_qwen4_exp.apply_rotary_pos_emb "
             "(qwen4_exp_partial_rotary)") in log, log
 
@@ -898,6 +904,10 @@ print(json.dumps(result))
     ("gemma3n", "Gemma3nTextMLP", "Gemma3nTextConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, "
      "num_key_value_heads=4, head_dim=16, num_hidden_layers=1, activation_sparsity_pattern=[0.95])",
      "gemma3n_gated_mlp", "gelu_tanh"),
+    # Gemma 3n's dense layers (sparsity 0: `_gaussian_topk` not called, which would give inf there).
+    ("gemma3n", "Gemma3nTextMLP", "Gemma3nTextConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, "
+     "num_key_value_heads=4, head_dim=16, num_hidden_layers=1, activation_sparsity_pattern=[0.0])",
+     "gemma3n_gated_mlp", "gelu_tanh"),
     ("recurrent_gemma", "RecurrentGemmaMlp", "RecurrentGemmaConfig(hidden_size=64, intermediate_size=96, "
      "num_attention_heads=4, num_key_value_heads=4)", "recurrent_gemma_gated_mlp", "gelu_tanh"),
 ])
@@ -906,11 +916,11 @@ def test_gated_mlp_forms_rewrites_run_their_cuda_path_on_cpu_with_the_guard_pass
     product before down_proj), Seed-OSS's (F.dropout of its output; biases), Gemma 3n's (its
     gate's top activations kept first: sparsity 0.95) and RecurrentGemma's, the dropouts live
     here (p = 0.1 in training), the rewrite's own code past the
-    guard on CPU (`_gated_mlp_call` patched to name the activation): the original is not called
-    (the rewrite's op is, whose CPU kernel is the original's composition), and the output and
-    every gradient are bitwise the original's, the dropout drawing the same mask from the same
-    seed."""
-    out, _ = run(f"""
+    guard on CPU (`_gated_mlp_call` patched to name the activation), in training and in eval:
+    the original is not called, the rewrite's op is (its autograd node in the output's graph;
+    its CPU kernel is the original's composition), and the output and every gradient are
+    bitwise the original's, the dropout drawing the same mask from the same seed."""
+    out, _ = run(GRAPH_NODES + f"""
 import inspect
 import transformers
 import torchfuse.rewrites as R
@@ -923,23 +933,30 @@ def counted_original(self, *args, **kwargs):
     return original_forward(self, *args, **kwargs)
 rewritten = R._gated_mlp_forward(torch, counted_original, {form!r})
 torch.manual_seed(0)
-mlp = MLP(transformers.{config}).train()
+mlp = MLP(transformers.{config})
 x = torch.randn(3, 5, 64)
-results = []
-for fn in (rewritten, original_forward):
-    mlp.zero_grad()
-    xi = x.clone().requires_grad_(True)
-    torch.manual_seed(1)
-    y = fn(mlp, xi)
-    y.square().sum().backward()
-    results.append([y.detach(), xi.grad] + [p.grad.clone() for p in mlp.parameters()])
-print(json.dumps({{"equal": [torch.equal(a, b) for a, b in zip(*results)], "original_calls": len(original_calls),
-                  "dropout": getattr(getattr(mlp, "dropout", None), "p", getattr(mlp, "residual_dropout", None))}}))
+out = {{}}
+for training in (True, False):
+    mlp.train(training)
+    results, ops = [], []
+    for fn in (rewritten, original_forward):
+        mlp.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        torch.manual_seed(1)
+        y = fn(mlp, xi)
+        ops.append("CppFunction" in graph_nodes(y.grad_fn))
+        y.square().sum().backward()
+        results.append([y.detach(), xi.grad] + [p.grad.clone() for p in mlp.parameters()])
+    out["train" if training else "eval"] = {{"equal": [torch.equal(a, b) for a, b in zip(*results)], "ops": ops}}
+out["original_calls"] = len(original_calls)
+out["dropout"] = getattr(getattr(mlp, "dropout", None), "p", getattr(mlp, "residual_dropout", None))
+print(json.dumps(out))
 """)
     dropout = 0.1 if form in ("t5gemma_gated_mlp", "seed_oss_gated_mlp") else None
     biased = form in ("seed_oss_gated_mlp", "recurrent_gemma_gated_mlp")
     parameters = 8 if biased else 5  # y, x's gradient, then each parameter's
-    assert out == {"equal": [True] * parameters, "original_calls": 0, "dropout": dropout}, out
+    mode = {"equal": [True] * parameters, "ops": [True, False]}  # the op in the rewrite's graph only
+    assert out == {"train": mode, "eval": mode, "original_calls": 0, "dropout": dropout}, out
 
 
 def test_olmo_and_modernbert_rotary_replacements_are_their_arithmetic_on_cpu():
