@@ -65,6 +65,13 @@ def one_tensor_checks(rewritten, original, x, *tables):
     rel = ((g_ours.double() - g_theirs.double()).norm() / g_theirs.double().norm()).item()
     return [no_zeros, torch.equal(ours, theirs), ours.dtype == theirs.dtype, ours.stride() == theirs.stride(),
             g_ours.dtype == g_theirs.dtype and rel <= (1e-5 if x.dtype == torch.float32 else 1.6e-2)]
+
+def size_error(fn, *args, **kwargs):  # [fn raises the original's error for tables of another size]
+    try:
+        fn(*args, **kwargs)
+        return [False]
+    except RuntimeError as error:
+        return ["must match the size" in str(error)]
 """
 
 
@@ -467,7 +474,8 @@ for module, form, interleaved in ((N, "hf_partial_rotary", False), (P, "hf_parti
         q_embed, k_embed = torch.ops.torchfuse.rotary(qs[..., :r], ks[..., :r], *tables, 1, interleaved)
         sliced = (torch.cat([q_embed, qs[..., r:]], dim=-1), torch.cat([k_embed, ks[..., r:]], dim=-1))
         (sliced[0].float().square().sum() + sliced[1].float().square().sum()).backward()
-        result.append([all(torch.equal(a, b) and a.dtype == b.dtype and a.stride() == b.stride() for a, b in zip(ours, theirs)),
+        same = all(torch.equal(a, b) and a.dtype == b.dtype and a.stride() == b.stride() for a, b in zip(ours, theirs))
+        result.append([same,
                        torch.equal(qi.grad, qs.grad) and torch.equal(ki.grad, ks.grad),
                        "SplitWithSizesBackward0" in graph, "SliceBackward0" not in graph])
 print(json.dumps(result))
@@ -502,13 +510,10 @@ for rotary_dim, x_dtype, trig_dtype in ((32, torch.bfloat16, torch.float32), (64
     with_k = rewritten(q.requires_grad_(True), k, cos, sin)[0]
     alone = rewritten(x.requires_grad_(True), cos=cos, sin=sin, unsqueeze_dim=2)
     result.append([type(t.grad_fn.next_functions[0][0]).__name__ == "CppFunction" for t in (with_k, alone)])
-for x, table in ((torch.randn(2, 4, 5, 64), torch.randn(2, 5, 80)),  # too wide: the original runs
-                 (torch.randn(2, 5, 4, 64), torch.randn(2, 3, 32))):  # past the guard: the op's stock path
-    try:
-        rewritten(x, cos=table, sin=table, unsqueeze_dim=2 if x.shape[1] == 5 else 1)
-        result.append([False])
-    except RuntimeError as error:
-        result.append(["must match the size" in str(error)])
+table = torch.randn(2, 5, 80)  # too wide: the original runs
+result.append(size_error(rewritten, torch.randn(2, 4, 5, 64), cos=table, sin=table))
+table = torch.randn(2, 3, 32)  # past the guard: the op's stock path
+result.append(size_error(rewritten, torch.randn(2, 5, 4, 64), cos=table, sin=table, unsqueeze_dim=2))
 print(json.dumps({"checks": result}))
 """)
     assert all(all(check) for check in out["checks"]), out
@@ -635,16 +640,16 @@ result = []
 for module in (J, C):
     original = module.apply_rotary_pos_emb.__wrapped__
     rewritten = R._every_two_rotary(torch, original, "gptj_rotary")
-    for x_dtype, trig_dtype, rotary_dim, batch in ((torch.bfloat16, torch.bfloat16, 16, 2), (torch.float32, torch.float32, 64, 2),
-                                                   (torch.bfloat16, torch.float32, 64, 2), (torch.float32, torch.float32, 32, 1)):
+    for x_dtype, trig_dtype, rotary_dim, batch in ((torch.bfloat16, torch.bfloat16, 16, 2),
+                                                   (torch.float32, torch.float32, 64, 2),
+                                                   (torch.bfloat16, torch.float32, 64, 2),
+                                                   (torch.float32, torch.float32, 32, 1)):
         x = torch.randn(2, 5, 4, 64).to(x_dtype)[:, :, :, :rotary_dim]  # GPT-J's q_rot: a slice of each head
         sin, cos = (torch.randn(batch, 5, rotary_dim // 2).to(trig_dtype) for _ in range(2))
         result.append(one_tensor_checks(rewritten, original, x, sin, cos))
-    try:  # tables of another size than x's rotary dim needs: the original's error
-        rewritten(torch.randn(2, 5, 4, 64)[:, :, :, :16], torch.randn(2, 5, 4), torch.randn(2, 5, 4))
-        result.append([False])
-    except RuntimeError as error:
-        result.append(["must match the size" in str(error)])
+    # Tables of another size than x's rotary dim needs.
+    x = torch.randn(2, 5, 4, 64)[:, :, :, :16]
+    result.append(size_error(rewritten, x, torch.randn(2, 5, 4), torch.randn(2, 5, 4)))
 print(json.dumps({"checks": result}))
 """)
     assert all(all(check) for check in out["checks"]), out
