@@ -72,6 +72,12 @@ _SOURCES = {
     gate = self.act_fn(self.gate_proj(hidden_states))
     return self.down_proj(gate * self.up_proj(hidden_states))
 """,
+    # Falcon-H1's MLP: the gated MLP with multipliers on the gate and the output.
+    "falcon_h1_gated_mlp": """def forward(self, x):
+    y = self.up_proj(x) * self.act_fn(self.gate_proj(x) * self.gate_multiplier)
+    y = self.down_proj(y) * self.down_multiplier
+    return y
+""",
     # The same gated MLP with a dropout of its output (Seed-OSS's).
     "seed_oss_gated_mlp": """def forward(self, x):
     down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
@@ -792,7 +798,7 @@ COMPUTES = {"hf_dynamic_layer_update": "kv_cache", "hf_dynamic_sliding_window_la
             "hf_causal_lm_loss": "cross_entropy", "hf_gated_mlp": "swiglu", "hf_moe_apply_gate": "swiglu",
             "hf_packed_gated_mlp": "swiglu", "hf_gated_mlp_inline": "swiglu", "llama4_gated_mlp": "swiglu",
             "t5gemma_gated_mlp": "swiglu", "seed_oss_gated_mlp": "swiglu", "gemma3n_gated_mlp": "swiglu",
-            "recurrent_gemma_gated_mlp": "swiglu",
+            "recurrent_gemma_gated_mlp": "swiglu", "falcon_h1_gated_mlp": "swiglu",
             "qwen4_exp_partial_rotary": "rotary",
             "hf_rotary": "rotary", "hf_single_rotary": "rotary",
             "hf_rotary_cast_back": "rotary", "hf_rotary_upcast": "rotary", "gpt_oss_rms_norm": "hf_rms_norm",

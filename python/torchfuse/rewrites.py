@@ -614,16 +614,12 @@ def _gated_mlp_forward(torch, original, form, dependencies=None):
     """HF's gated MLP with act(gate) * up in one op where act_fn is SiLU (torchfuse::silu_mul:
     Llama's and its copies) or the tanh GELU (torchfuse::gelu_tanh_mul: Gemma's), and gate and
     up agree in dtype and shape; the matmuls are the module's own. Llama 4's form names its
-    activation `activation_fn`; T5Gemma's passes the product through its own dropout module
-    before down_proj; Seed-OSS's passes its output through F.dropout with its
-    `residual_dropout` (the function the original calls: `takes` checks it is unchanged);
-    Gemma 3n's passes the gate through its own `_gaussian_topk` first where its layer's
-    activation_sparsity is above 0."""
+    activation `activation_fn`. The forms' own steps around it (`_GATED_MLP_STEPS`) run as
+    their originals write them."""
     ops = {"silu": torch.ops.torchfuse.silu_mul.default, "gelu_tanh": torch.ops.torchfuse.gelu_tanh_mul.default}
     act_attribute = "activation_fn" if form == "llama4_gated_mlp" else "act_fn"
-    drops_product, drops_output = form == "t5gemma_gated_mlp", form == "seed_oss_gated_mlp"
-    sparse_gate = form == "gemma3n_gated_mlp"
-    dropout = torch.nn.functional.dropout if drops_output else None
+    gate_step, product_step, output_step = _GATED_MLP_STEPS.get(form, (None, None, None))
+    dropout = torch.nn.functional.dropout
     tensor, served = torch.Tensor, _served_dtypes(torch)
     takes = _gated_mlp_call(torch, original, dependencies)
 
@@ -637,18 +633,36 @@ def _gated_mlp_forward(torch, original, form, dependencies=None):
         if activation is None:
             return original(self, *args, **kwargs)
         gate = self.gate_proj(x)
-        if sparse_gate and self.activation_sparsity > 0.0:
-            gate = self._gaussian_topk(gate)
+        if gate_step:
+            gate = gate_step(self, gate)
         up = self.up_proj(x)
         if (type(gate) is tensor and type(up) is tensor and gate.dtype == up.dtype
                 and gate.dtype in served and gate.shape == up.shape):
             product = ops[activation](gate, up)
         else:
             product = act(gate) * up
-        out = self.down_proj(self.dropout(product) if drops_product else product)
-        return dropout(out, p=self.residual_dropout, training=self.training) if drops_output else out
+        out = self.down_proj(product_step(self, product) if product_step else product)
+        return output_step(self, out, dropout) if output_step else out
 
     return forward
+
+
+# The gated-MLP forms' steps besides act(gate) * up, each as its original writes it: (to the
+# gate before the activation, to the product before down_proj, to the output (given F.dropout,
+# the function the original calls: `takes` checks it is unchanged)).
+_GATED_MLP_STEPS = {
+    # Gemma 3n's: its gate's top activations kept first where its layer's sparsity is above 0.
+    "gemma3n_gated_mlp": (lambda self, gate: self._gaussian_topk(gate) if self.activation_sparsity > 0.0 else gate,
+                          None, None),
+    # T5Gemma's: its dropout module on the product.
+    "t5gemma_gated_mlp": (None, lambda self, product: self.dropout(product), None),
+    # Seed-OSS's: F.dropout of its output with its residual_dropout.
+    "seed_oss_gated_mlp": (None, None, lambda self, out, dropout: dropout(out, p=self.residual_dropout,
+                                                                          training=self.training)),
+    # Falcon-H1's: its multipliers on the gate before the activation and on the output.
+    "falcon_h1_gated_mlp": (lambda self, gate: gate * self.gate_multiplier, None,
+                            lambda self, out, dropout: out * self.down_multiplier),
+}
 
 
 def _packed_gated_mlp_forward(torch, original, form, dependencies=None):
@@ -1213,7 +1227,7 @@ REWRITES = {
     "t5_rms_norm": Rewrite(_t5_rms_norm_forward, "aten::rms_norm in fp32 with an fp32 weight, else "
                                                  + _OPS + "hf_rms_norm"),
     **dict.fromkeys(("hf_gated_mlp", "hf_gated_mlp_inline", "llama4_gated_mlp", "t5gemma_gated_mlp",
-                     "seed_oss_gated_mlp", "gemma3n_gated_mlp", "recurrent_gemma_gated_mlp"),
+                     "seed_oss_gated_mlp", "gemma3n_gated_mlp", "recurrent_gemma_gated_mlp", "falcon_h1_gated_mlp"),
                     Rewrite(_gated_mlp_forward, _OPS + "silu_mul (SiLU) or gelu_tanh_mul (tanh GELU)")),
     "hf_packed_gated_mlp": Rewrite(_packed_gated_mlp_forward, _OPS + "silu_mul_packed"),
     # Module-level functions.
