@@ -170,6 +170,11 @@ _SOURCES = {
     "fp32_rms_norm_weightless": """def forward(self, x):
     return self._norm(x.float()).type_as(x)
 """,
+    # transformers.models.deepseek_v4.modeling_deepseek_v4.DeepseekV4UnweightedRMSNorm.forward
+    # (GLM-5-next's too): x times its rsqrt factor, computed in fp32 and rounded to x's dtype.
+    "unweighted_rms_norm": """def forward(self, x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + self.eps).to(x.dtype)
+""",
     # transformers.models.cohere.modeling_cohere.CohereLayerNorm.forward and its copies
     # (Cohere 2, Cohere2-MoE, ...): LayerNorm without a bias, in fp32, the weight in fp32.
     "cohere_layer_norm": """def forward(self, hidden_states):
@@ -804,7 +809,7 @@ COMPUTES = {"hf_dynamic_layer_update": "kv_cache", "hf_dynamic_sliding_window_la
             "hf_rotary_cast_back": "rotary", "hf_rotary_upcast": "rotary", "gpt_oss_rms_norm": "hf_rms_norm",
             "gemma4_rms_norm": "hf_rms_norm", "cohere_layer_norm": "layer_norm",
             "moshi_rms_norm": "hf_rms_norm", "fp32_rms_norm_weightless": "hf_rms_norm",
-            "llama4_rms_norm": "hf_rms_norm",
+            "llama4_rms_norm": "hf_rms_norm", "unweighted_rms_norm": "hf_rms_norm",
             "mamba_rms_norm_gated": "hf_rms_norm", "qwen3_next_rms_norm_gated": "hf_rms_norm",
             "hf_partial_rotary": "rotary", "hf_partial_rotary_glm_doc": "rotary",
             "hf_partial_rotary_inline": "rotary", "hf_rotary_pairs_partial": "rotary",

@@ -367,6 +367,26 @@ def _fp32_own_norm_forward(torch, original, form, dependencies=None):
                              lambda module: _weight_or_false(module) if weighted else None)
 
 
+def _unweighted_rms_norm_forward(torch, original, form, dependencies=None):
+    """DeepSeek-V4's weightless RMSNorm (GLM-5-next's): x times its rsqrt factor computed in
+    fp32 and rounded to x's dtype. aten::rms_norm of x without a weight (torchfuse's
+    _fused_rms_norm: fp32 statistics, the result rounded once to x's dtype, where the original
+    rounds the factor and then the product: closer to exact); rows under 32 features run the
+    original; a strided x is normalised as it lies in memory (`_row_wise`)."""
+    rms_norm, plain = torch.rms_norm, _norm_call(torch, original, dependencies)
+
+    @functools.wraps(original)
+    def forward(self, x):
+        eps = self.eps
+        if plain(x, None, eps, weightless=True) and x.shape[-1] >= _RMS_NORM_MIN_HIDDEN:
+            out = _row_wise(x, lambda rows: rms_norm(rows, (x.shape[-1],), None, eps))
+            if out is not None:
+                return out
+        return original(self, x)
+
+    return forward
+
+
 def _weight_or_false(module):
     """The module's weight for a form that multiplies by it, or False where it has none (no
     attribute, or None): the original runs, and raises its own error."""
@@ -1224,6 +1244,8 @@ REWRITES = {
     **dict.fromkeys(("moshi_rms_norm", "fp32_rms_norm_weightless"),
                     Rewrite(_fp32_own_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm), "
                                                     "then the original's cast")),
+    "unweighted_rms_norm": Rewrite(_unweighted_rms_norm_forward, "aten::rms_norm of x without a weight "
+                                                                 "(torchfuse's _fused_rms_norm)"),
     "t5_rms_norm": Rewrite(_t5_rms_norm_forward, "aten::rms_norm in fp32 with an fp32 weight, else "
                                                  + _OPS + "hf_rms_norm"),
     **dict.fromkeys(("hf_gated_mlp", "hf_gated_mlp_inline", "llama4_gated_mlp", "t5gemma_gated_mlp",

@@ -430,13 +430,14 @@ def test_llama4_rms_norm_is_the_original_composition(dtypes):
                                               f"weight {w_dtype}")
 
 
-def assert_own_norm_rewrite_like_the_original(rewritten, original_forward, make, shapes, x_dtype, what):
-    """A norm rewrite that checks its instance's `_norm` (Gemma 4's, Moshi's, the weightless
-    fp32 ones) against the original forward, `make(width)` building the module (eps 1e-6) and
-    4-D shapes transposed out of a projection: same dtype, shape and strides; values and the
-    gradients within the original's error to float64 (x's alone for a module with no weight read);
-    rows of 32 features or more reach aten's fused RMSNorm once; a `_norm` set on the instance
-    runs the original."""
+def assert_own_norm_rewrite_like_the_original(rewritten, original_forward, make, shapes, x_dtype, what,
+                                              own_norm=True):
+    """A norm rewrite (where `own_norm`, one that checks its instance's `_norm`: Gemma 4's,
+    Moshi's, the weightless fp32 ones) against the original forward, `make(width)` building the
+    module (eps 1e-6) and 4-D shapes transposed out of a projection: same dtype, shape and
+    strides; values and the gradients within the original's error to float64 (x's alone for a
+    module with no weight read); rows of 32 features or more reach aten's fused RMSNorm once;
+    where `own_norm`, a `_norm` set on the instance runs the original."""
     seed = fresh_seed()
     torch.manual_seed(seed)
     for shape in shapes:
@@ -457,6 +458,8 @@ def assert_own_norm_rewrite_like_the_original(rewritten, original_forward, make,
             grad_out = torch.randn_like(original)
             (g_ours,), (g_original,) = (torch.autograd.grad(y, (x,), grad_out) for y in (ours, original))
             assert g_ours.dtype == x_dtype and rel_err(g_ours, g_original.double()) <= 2 * FLOOR[x_dtype], where
+    if not own_norm:
+        return
     norm._norm = lambda h: h * 0
     asked = asked_count("_fused_rms_norm")
     assert torch.equal(rewritten(norm, x.detach()), original_forward(norm, x.detach()))
@@ -489,6 +492,19 @@ def test_fp32_own_norm_forms_are_the_original_composition(x_dtype, model, name, 
         lambda width: with_random_weight(Norm(width, eps=1e-6)))
     assert_own_norm_rewrite_like_the_original(rewritten, original_forward, make,
                                               [(3, 7), (2, 5, 64), (4, 512, 2048), (2, 9, 8, 128)], x_dtype, name)
+
+
+@pytest.mark.parametrize("x_dtype", DTYPES)
+@pytest.mark.parametrize("model,name", [("deepseek_v4", "DeepseekV4UnweightedRMSNorm"),
+                                        ("glm5_next", "Glm5NextTextUnweightedRMSNorm")])
+def test_unweighted_rms_norm_is_the_original_composition(x_dtype, model, name):
+    """DeepSeek-V4's weightless RMSNorm (GLM-5-next's), rewritten to aten::rms_norm of x without
+    a weight, against its own original forward (assert_own_norm_rewrite_like_the_original)."""
+    Norm, original_forward, rewritten = original_and_rewrite(model, name, "_unweighted_rms_norm_forward",
+                                                             "unweighted_rms_norm")
+    assert_own_norm_rewrite_like_the_original(rewritten, original_forward, lambda width: with_random_weight(Norm(eps=1e-6)),
+                                              [(3, 7), (2, 5, 64), (4, 512, 2048), (2, 9, 8, 128)], x_dtype, name,
+                                              own_norm=False)
 
 
 @pytest.mark.parametrize("x_dtype", DTYPES)

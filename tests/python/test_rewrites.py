@@ -727,6 +727,9 @@ NORM_REPLACEMENTS = {
               "torch.rms_norm(x.float(), (x.shape[-1],), norm.weight.float(), 1e-6).type_as(x)", "rms"),
     "weightless": ("hrm_text", "HrmTextRMSNorm", {}, [("float32", None), ("bfloat16", None), ("float16", None)],
                    "torch.rms_norm(x.float(), (x.shape[-1],), None, 1e-6).type_as(x)", "rms"),
+    "unweighted": ("deepseek_v4", "DeepseekV4UnweightedRMSNorm", {}, [("float32", None), ("bfloat16", None),
+                                                                      ("float16", None)],
+                   "torch.rms_norm(x, (x.shape[-1],), None, 1e-6)", "rms"),
 }
 
 # A norm class of `width` features: most take the width first, the weightless ones eps only.
@@ -828,6 +831,7 @@ from transformers.models.moshi.modeling_moshi import MoshiRMSNorm
 from transformers.models.llama4.modeling_llama4 import Llama4TextRMSNorm
 from transformers.models.hrm_text.modeling_hrm_text import HrmTextRMSNorm
 from transformers.models.falcon_mamba.modeling_falcon_mamba import FalconMambaWeightlessRMSNorm
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4UnweightedRMSNorm
 cases = [("llama", LlamaRMSNorm, R._rms_norm_forward, "hf_rms_norm", {}, "bfloat16", "float32", "rms_norm"),
          ("gpt_oss", GptOssRMSNorm, R._gpt_oss_rms_norm_forward, "gpt_oss_rms_norm", {}, "bfloat16", "float32", "rms_norm"),
          ("helium", HeliumRMSNorm, R._gpt_oss_rms_norm_forward, "helium_rms_norm", {}, "bfloat16", "bfloat16", "rms_norm"),
@@ -843,6 +847,8 @@ cases = [("llama", LlamaRMSNorm, R._rms_norm_forward, "hf_rms_norm", {}, "bfloat
           "rms_norm"),
          # Its unused weight buffer (ones) is not read.
          ("falcon_mamba", FalconMambaWeightlessRMSNorm, R._fp32_own_norm_forward, "fp32_rms_norm_weightless", {},
+          "bfloat16", None, "rms_norm"),
+         ("deepseek_v4", DeepseekV4UnweightedRMSNorm, R._unweighted_rms_norm_forward, "unweighted_rms_norm", {},
           "bfloat16", None, "rms_norm")]
 result = {}
 torch.manual_seed(0)
@@ -864,7 +870,7 @@ for name, cls, factory, form, kwargs, x_name, w_name, op in cases:
 print(json.dumps(result))
 """)
     assert set(out) == {"llama", "gpt_oss", "helium", "gemma4", "gemma4-without-scale", "cohere", "llama4", "moshi",
-                        "hrm_text", "falcon_mamba"}, out
+                        "hrm_text", "falcon_mamba", "deepseek_v4"}, out
     for name, r in out.items():
         assert r == {"calls": 1, "dtype": True, "strides": True, "close": True, "grads": True}, (name, r)
 
