@@ -78,6 +78,22 @@ _SOURCES = {
     y = self.down_proj(y) * self.down_multiplier
     return y
 """,
+    # DeepSeek-V4's MLP: the gated MLP with its gate clamped from above and its up from both
+    # sides at its `limit`.
+    "deepseek_v4_clamped_gated_mlp": """def forward(self, x: torch.Tensor) -> torch.Tensor:
+    gate = self.gate_proj(x).clamp(max=self.limit)
+    up = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
+    return self.down_proj(self.act_fn(gate) * up)
+""",
+    # GLM-5-next's text and vision MLPs: the same clamps at its `swiglu_limit`, written apart.
+    "glm5_clamped_gated_mlp": """def forward(self, x):
+    gate = self.gate_proj(x)
+    up = self.up_proj(x)
+    # Key difference using clamping
+    gate = gate.clamp(min=None, max=self.swiglu_limit)
+    up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
+    return self.down_proj(self.act_fn(gate) * up)
+""",
     # The same gated MLP with a dropout of its output (Seed-OSS's).
     "seed_oss_gated_mlp": """def forward(self, x):
     down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
@@ -804,6 +820,7 @@ COMPUTES = {"hf_dynamic_layer_update": "kv_cache", "hf_dynamic_sliding_window_la
             "hf_packed_gated_mlp": "swiglu", "hf_gated_mlp_inline": "swiglu", "llama4_gated_mlp": "swiglu",
             "t5gemma_gated_mlp": "swiglu", "seed_oss_gated_mlp": "swiglu", "gemma3n_gated_mlp": "swiglu",
             "recurrent_gemma_gated_mlp": "swiglu", "falcon_h1_gated_mlp": "swiglu",
+            "deepseek_v4_clamped_gated_mlp": "swiglu", "glm5_clamped_gated_mlp": "swiglu",
             "qwen4_exp_partial_rotary": "rotary",
             "hf_rotary": "rotary", "hf_single_rotary": "rotary",
             "hf_rotary_cast_back": "rotary", "hf_rotary_upcast": "rotary", "gpt_oss_rms_norm": "hf_rms_norm",

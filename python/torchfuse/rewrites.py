@@ -638,7 +638,7 @@ def _gated_mlp_forward(torch, original, form, dependencies=None):
     their originals write them."""
     ops = {"silu": torch.ops.torchfuse.silu_mul.default, "gelu_tanh": torch.ops.torchfuse.gelu_tanh_mul.default}
     act_attribute = "activation_fn" if form == "llama4_gated_mlp" else "act_fn"
-    gate_step, product_step, output_step = _GATED_MLP_STEPS.get(form, (None, None, None))
+    gate_step, up_step, product_step, output_step = _GATED_MLP_STEPS.get(form, (None, None, None, None))
     dropout = torch.nn.functional.dropout
     tensor, served = torch.Tensor, _served_dtypes(torch)
     takes = _gated_mlp_call(torch, original, dependencies)
@@ -656,6 +656,8 @@ def _gated_mlp_forward(torch, original, form, dependencies=None):
         if gate_step:
             gate = gate_step(self, gate)
         up = self.up_proj(x)
+        if up_step:
+            up = up_step(self, up)
         if (type(gate) is tensor and type(up) is tensor and gate.dtype == up.dtype
                 and gate.dtype in served and gate.shape == up.shape):
             product = ops[activation](gate, up)
@@ -668,20 +670,25 @@ def _gated_mlp_forward(torch, original, form, dependencies=None):
 
 
 # The gated-MLP forms' steps besides act(gate) * up, each as its original writes it: (to the
-# gate before the activation, to the product before down_proj, to the output (given F.dropout,
-# the function the original calls: `takes` checks it is unchanged)).
+# gate before the activation, to up, to the product before down_proj, to the output (given
+# F.dropout, the function the original calls: `takes` checks it is unchanged)).
 _GATED_MLP_STEPS = {
     # Gemma 3n's: its gate's top activations kept first where its layer's sparsity is above 0.
     "gemma3n_gated_mlp": (lambda self, gate: self._gaussian_topk(gate) if self.activation_sparsity > 0.0 else gate,
-                          None, None),
+                          None, None, None),
     # T5Gemma's: its dropout module on the product.
-    "t5gemma_gated_mlp": (None, lambda self, product: self.dropout(product), None),
+    "t5gemma_gated_mlp": (None, None, lambda self, product: self.dropout(product), None),
     # Seed-OSS's: F.dropout of its output with its residual_dropout.
-    "seed_oss_gated_mlp": (None, None, lambda self, out, dropout: dropout(out, p=self.residual_dropout,
-                                                                          training=self.training)),
+    "seed_oss_gated_mlp": (None, None, None, lambda self, out, dropout: dropout(out, p=self.residual_dropout,
+                                                                                training=self.training)),
     # Falcon-H1's: its multipliers on the gate before the activation and on the output.
-    "falcon_h1_gated_mlp": (lambda self, gate: gate * self.gate_multiplier, None,
+    "falcon_h1_gated_mlp": (lambda self, gate: gate * self.gate_multiplier, None, None,
                             lambda self, out, dropout: out * self.down_multiplier),
+    # DeepSeek-V4's and GLM-5-next's: the gate clamped from above, up from both sides.
+    "deepseek_v4_clamped_gated_mlp": (lambda self, gate: gate.clamp(max=self.limit),
+                                      lambda self, up: up.clamp(min=-self.limit, max=self.limit), None, None),
+    "glm5_clamped_gated_mlp": (lambda self, gate: gate.clamp(min=None, max=self.swiglu_limit),
+                               lambda self, up: up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit), None, None),
 }
 
 
@@ -1249,7 +1256,8 @@ REWRITES = {
     "t5_rms_norm": Rewrite(_t5_rms_norm_forward, "aten::rms_norm in fp32 with an fp32 weight, else "
                                                  + _OPS + "hf_rms_norm"),
     **dict.fromkeys(("hf_gated_mlp", "hf_gated_mlp_inline", "llama4_gated_mlp", "t5gemma_gated_mlp",
-                     "seed_oss_gated_mlp", "gemma3n_gated_mlp", "recurrent_gemma_gated_mlp", "falcon_h1_gated_mlp"),
+                     "seed_oss_gated_mlp", "gemma3n_gated_mlp", "recurrent_gemma_gated_mlp", "falcon_h1_gated_mlp",
+                     "deepseek_v4_clamped_gated_mlp", "glm5_clamped_gated_mlp"),
                     Rewrite(_gated_mlp_forward, _OPS + "silu_mul (SiLU) or gelu_tanh_mul (tanh GELU)")),
     "hf_packed_gated_mlp": Rewrite(_packed_gated_mlp_forward, _OPS + "silu_mul_packed"),
     # Module-level functions.

@@ -115,8 +115,10 @@ def test_t5s_rms_norm_is_its_own_form(model, cls):
     ("gemma3n", {"Gemma3nTextMLP": "gemma3n_gated_mlp"}),
     ("recurrent_gemma", {"RecurrentGemmaMlp": "recurrent_gemma_gated_mlp"}),
     ("falcon_h1", {"FalconH1MLP": "falcon_h1_gated_mlp"}),
-    ("deepseek_v4", {"DeepseekV4UnweightedRMSNorm": "unweighted_rms_norm"}),
-    ("glm5_next", {"Glm5NextTextUnweightedRMSNorm": "unweighted_rms_norm"}),
+    ("deepseek_v4", {"DeepseekV4UnweightedRMSNorm": "unweighted_rms_norm",
+                     "DeepseekV4MLP": "deepseek_v4_clamped_gated_mlp"}),
+    ("glm5_next", {"Glm5NextTextUnweightedRMSNorm": "unweighted_rms_norm", "Glm5NextTextMLP": "glm5_clamped_gated_mlp",
+                   "Glm5NextVisionMLP": "glm5_clamped_gated_mlp"}),
     ("olmo2", {"Olmo2RMSNorm": "gpt_oss_rms_norm", "apply_rotary_pos_emb": "hf_rotary_cast_back"}),
     ("olmo", {"apply_rotary_pos_emb": "hf_rotary_cast_back"}),
     ("modernbert", {"apply_rotary_pos_emb": "hf_rotary_upcast"}),
@@ -149,7 +151,8 @@ def test_gpt_oss_norm_olmo_rotary_and_the_inline_gated_mlp_are_their_own_forms(m
     ops = {"gpt_oss_rms_norm": "hf_rms_norm", "helium_rms_norm": "hf_rms_norm", "helium_rotary": "rotary",
            "nemotron_partial_rotary": "rotary", "qwen4_exp_partial_rotary": "rotary", "seed_oss_gated_mlp": "swiglu",
            "gemma3n_gated_mlp": "swiglu", "recurrent_gemma_gated_mlp": "swiglu", "falcon_h1_gated_mlp": "swiglu",
-           "unweighted_rms_norm": "hf_rms_norm",
+           "unweighted_rms_norm": "hf_rms_norm", "deepseek_v4_clamped_gated_mlp": "swiglu",
+           "glm5_clamped_gated_mlp": "swiglu",
            "gemma4_rms_norm": "hf_rms_norm", "cohere_layer_norm": "layer_norm",
            "moshi_rms_norm": "hf_rms_norm", "fp32_rms_norm_weightless": "hf_rms_norm", "hf_rms_norm": "hf_rms_norm",
            "llama4_rms_norm": "hf_rms_norm", "llama4_gated_mlp": "swiglu", "hf_single_rotary": "rotary",
@@ -235,13 +238,15 @@ def test_recognition_imports_no_torch():
             "print(sorted(compositions.FORMS))" % str(ROOT / "python"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == ("['cohere_layer_norm', 'falcon_h1_gated_mlp', 'fast_gelu', 'fp32_rms_norm_weightless', "
-                                  "'gemma3n_gated_mlp', 'gemma4_norm', 'gemma4_rms_norm', 'gemma_norm', 'gemma_rms_norm', 'gpt_oss_rms_norm', "
-                                  "'helium_rms_norm', 'hf_conv1d', 'hf_conv1d_mlp', 'hf_gated_mlp', 'hf_gated_mlp_inline', "
-                                  "'hf_gelu_tanh', 'hf_packed_gated_mlp', 'hf_rms_norm', 'hf_silu', 'llama4_gated_mlp', "
-                                  "'llama4_rms_norm', 'mamba_rms_norm_gated', 'moshi_rms_norm', 'new_gelu', "
-                                  "'qwen3_next_rms_norm_gated', 'recurrent_gemma_gated_mlp', 'seed_oss_gated_mlp', "
-                                  "'t5_rms_norm', 't5gemma_gated_mlp', 'unweighted_rms_norm']")
+    assert out.stdout.strip() == ("['cohere_layer_norm', 'deepseek_v4_clamped_gated_mlp', 'falcon_h1_gated_mlp', "
+                                  "'fast_gelu', 'fp32_rms_norm_weightless', 'gemma3n_gated_mlp', 'gemma4_norm', "
+                                  "'gemma4_rms_norm', 'gemma_norm', 'gemma_rms_norm', 'glm5_clamped_gated_mlp', "
+                                  "'gpt_oss_rms_norm', 'helium_rms_norm', 'hf_conv1d', 'hf_conv1d_mlp', "
+                                  "'hf_gated_mlp', 'hf_gated_mlp_inline', 'hf_gelu_tanh', 'hf_packed_gated_mlp', "
+                                  "'hf_rms_norm', 'hf_silu', 'llama4_gated_mlp', 'llama4_rms_norm', "
+                                  "'mamba_rms_norm_gated', 'moshi_rms_norm', 'new_gelu', 'qwen3_next_rms_norm_gated', "
+                                  "'recurrent_gemma_gated_mlp', 'seed_oss_gated_mlp', 't5_rms_norm', "
+                                  "'t5gemma_gated_mlp', 'unweighted_rms_norm']")
 
 
 def test_hf_causal_lm_loss_recognised_by_code_defaults_and_the_function_it_calls():

@@ -173,12 +173,15 @@ MLPS = {
                         GELU, GELU_BWD),
     # Falcon-H1's: Llama's with multipliers on the gate and the output (`CONFIGS`).
     "falcon_h1": ("FalconH1MLP", "FalconH1Config", "_gated_mlp_forward", "falcon_h1_gated_mlp", OP, OP_BWD),
+    # DeepSeek-V4's: Llama's with gate and up clamped at its swiglu_limit (`CONFIGS`: one they cross).
+    "deepseek_v4": ("DeepseekV4MLP", "DeepseekV4Config", "_gated_mlp_forward", "deepseek_v4_clamped_gated_mlp",
+                    OP, OP_BWD),
 }
 # A model's own config fields beside the sizes (T5Gemma's module config has no dropout_rate of
 # its own: its model's config sets it).
 CONFIGS = {"t5gemma": {"dropout_rate": 0.1}, "seed_oss": {"residual_dropout": 0.1, "mlp_bias": True},
            "gemma3n": {"num_hidden_layers": 1, "activation_sparsity_pattern": [0.95]},
-           "falcon_h1": {"mlp_multipliers": [0.5, 3.0]}}
+           "falcon_h1": {"mlp_multipliers": [0.5, 3.0]}, "deepseek_v4": {"swiglu_limit": 0.3}}
 
 
 @pytest.mark.parametrize("model", sorted(MLPS))

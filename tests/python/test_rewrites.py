@@ -923,12 +923,18 @@ print(json.dumps(result))
      "num_attention_heads=4, num_key_value_heads=4)", "recurrent_gemma_gated_mlp", "gelu_tanh"),
     ("falcon_h1", "FalconH1MLP", "FalconH1Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, "
      "num_key_value_heads=4, head_dim=16, mlp_multipliers=[0.5, 3.0])", "falcon_h1_gated_mlp", "silu"),
+    # A limit the projections' outputs cross, so that the clamps change them.
+    ("deepseek_v4", "DeepseekV4MLP", "DeepseekV4Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, "
+     "num_key_value_heads=4, head_dim=16, swiglu_limit=0.3)", "deepseek_v4_clamped_gated_mlp", "silu"),
+    ("glm5_next", "Glm5NextTextMLP", "Glm5NextTextConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, "
+     "num_key_value_heads=4, head_dim=16, swiglu_limit=0.3)", "glm5_clamped_gated_mlp", "silu"),
 ])
 def test_gated_mlp_forms_rewrites_run_their_cuda_path_on_cpu_with_the_guard_passed(module_name, cls, config, form, act):
     """Llama 4's gated MLP (its activation named activation_fn), T5Gemma's (a dropout of the
     product before down_proj), Seed-OSS's (F.dropout of its output; biases), Gemma 3n's (its
-    gate's top activations kept first: sparsity 0.95, and its dense layers), RecurrentGemma's
-    and Falcon-H1's (multipliers on the gate and the output), the dropouts live
+    gate's top activations kept first: sparsity 0.95, and its dense layers), RecurrentGemma's,
+    Falcon-H1's (multipliers on the gate and the output) and DeepSeek-V4's and GLM-5-next's
+    (gate and up clamped), the dropouts live
     here (p = 0.1 in training), the rewrite's own code past the
     guard on CPU (`_gated_mlp_call` patched to name the activation), in training and in eval:
     the original is not called, the rewrite's op is (its autograd node in the output's graph;
