@@ -874,9 +874,8 @@ def _every_two_rotary(torch, original, form, dependencies=None):
     (2p, 2p+1)) of one tensor [batch, tokens, heads, rotary dim], sin and cos [batch, tokens,
     rotary dim / 2] given in that order. torchfuse::rotary of x alone (`_one_tensor_rotary`),
     the tables repeated pair by pair as the original repeats them and broadcast over the heads
-    (`unsqueeze_dim` 2, the original's `[:, :, None, :]`).
-    Other ranks and table sizes (which the original may broadcast or refuse) run the
-    original."""
+    (`unsqueeze_dim` 2, the original's `[:, :, None, :]`). Other ranks and table sizes (which
+    the original may broadcast or refuse) run the original."""
     op, served = torch.ops.torchfuse.rotary.default, _rotary_call(torch, original, dependencies)
 
     @functools.wraps(original)

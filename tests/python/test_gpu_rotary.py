@@ -69,6 +69,18 @@ def assert_like_the_original(ours, original, q, k, cos, sin, dq, dk, dim, what, 
         assert e_ours <= max(2 * e_orig, FLOOR[o.dtype]), f"{what} {name}: {e_ours:.3g} vs {e_orig:.3g}"
 
 
+def assert_served_once_like_the_original(rewritten, original, q, k, cos, sin, what):
+    """A rewrite of q's and k's rotary (called as fn(q, k, cos, sin, 1)) served by
+    torchfuse::rotary once, against the original (`assert_like_the_original`), with random
+    gradients of the dtype q and cos promote to."""
+    out_dtype = torch.promote_types(q.dtype, cos.dtype)
+    dq, dk = (torch.randn(t.shape, device="cuda").to(out_dtype) for t in (q, k))
+    before = fused_count(OP)
+    ours = run(rewritten, q, k, cos, sin, dq, dk, 1)
+    assert fused_count(OP) == before + 1, (what, stock_reasons(OP))
+    assert_like_the_original(ours, original, q, k, cos, sin, dq, dk, 1, what)
+
+
 def operand_cases(rng, x_dtype):
     """(b, s, hq, hk, d, q, k, unsqueeze_dim) of the layouts the op serves. Head dims 64, 128
     (16-byte chunks, 4 and 8 lanes a row), 32, 96 and 256 (2, 2 and 16 lanes), 2 and 40 (element
@@ -259,13 +271,8 @@ def test_partial_rotary_rewrite_is_the_original_function(module_name, factory, f
         b, s, h, d = 2, 129, 8, 64
         q, k = projected_heads(b, s, h, d, x_dtype), projected_heads(b, s, h, d, x_dtype)
         cos, sin = rope_tables(b, s, rotary_dim, trig_dtype)
-        out_dtype = torch.promote_types(x_dtype, trig_dtype)
-        dq, dk = (torch.randn(t.shape, device="cuda").to(out_dtype) for t in (q, k))
-        before = fused_count(OP)
-        ours = run(rewritten, q, k, cos, sin, dq, dk, 1)
-        assert fused_count(OP) == before + 1, stock_reasons(OP)
         what = f"seed {seed} {module_name} {x_dtype}/{trig_dtype} rotary_dim {rotary_dim}"
-        assert_like_the_original(ours, original, q, k, cos, sin, dq, dk, 1, what)
+        assert_served_once_like_the_original(rewritten, original, q, k, cos, sin, what)
 
 
 def test_half_table_rotary_rewrite_is_the_original_function():
@@ -282,13 +289,8 @@ def test_half_table_rotary_rewrite_is_the_original_function():
         q, k = projected_heads(b, s, h, d, x_dtype), projected_heads(b, s, 2, d, x_dtype)
         angles = torch.rand(b, s, d // 2, device="cuda") * 100
         cos, sin = angles.cos().to(trig_dtype), angles.sin().to(trig_dtype)
-        out_dtype = torch.promote_types(x_dtype, trig_dtype)
-        dq, dk = (torch.randn(t.shape, device="cuda").to(out_dtype) for t in (q, k))
-        before = fused_count(OP)
-        ours = run(rewritten, q, k, cos, sin, dq, dk, 1)
-        assert fused_count(OP) == before + 1, stock_reasons(OP)
         what = f"seed {seed} gpt_oss {x_dtype}/{trig_dtype}"
-        assert_like_the_original(ours, original, q, k, cos, sin, dq, dk, 1, what)
+        assert_served_once_like_the_original(rewritten, original, q, k, cos, sin, what)
 
 
 def test_prefix_rotary_rewrite_is_the_original_function():
@@ -314,13 +316,8 @@ def test_prefix_rotary_rewrite_is_the_original_function():
         angles = torch.rand(patches, d // 2, device="cuda") * 100
         emb = torch.cat((angles, angles), dim=-1)
         cos, sin = emb.cos().to(trig_dtype), emb.sin().to(trig_dtype)
-        out_dtype = torch.promote_types(x_dtype, trig_dtype)
-        dq, dk = (torch.randn(t.shape, device="cuda").to(out_dtype) for t in (q, k))
-        before = fused_count(OP)
-        result = run(ours, q, k, cos, sin, dq, dk, 1)
-        assert fused_count(OP) == before + 1, stock_reasons(OP)
         what = f"seed {seed} dinov3 {x_dtype}/{trig_dtype} prefix {prefix}"
-        assert_like_the_original(result, theirs, q, k, cos, sin, dq, dk, 1, what)
+        assert_served_once_like_the_original(ours, theirs, q, k, cos, sin, what)
 
 
 @pytest.mark.parametrize("module_name", ["olmo2", "modernbert"])

@@ -34,6 +34,14 @@ def rotary_checks(rewritten, original, q, k, cos, sin, dim):
             rel <= (1e-5 if q.dtype == torch.float32 else 1.6e-2)]
 """
 
+# Runs a rotary rewrite's own code past its guard on CPU (the path a CUDA call takes): rotary
+# rewrites made after it find `_rotary_call` passing every call, and torchfuse::rotary's CPU
+# kernel is HF's composition.
+ROTARY_GUARD_PASSED = """
+import torchfuse.rewrites as R
+R._rotary_call = lambda torch, original, dependencies=None: (lambda *args: True)
+"""
+
 # The names of the nodes a backward runs from a grad_fn (a node met twice, twice): which ops an
 # output came from (the torchfuse ops' autograd nodes are CppFunction).
 GRAPH_NODES = """
@@ -444,9 +452,7 @@ def test_partial_rotary_takes_its_slices_by_one_split_on_cpu_with_the_guard_pass
     values, so only the graph tells them apart), while the backward graph holds splits and no
     slice (whose backward fills a zero tensor per slice and adds them); a quarter of the head
     (k's head of another width), all of it."""
-    out, _ = run(GRAPH_NODES + """
-import torchfuse.rewrites as R
-R._rotary_call = lambda torch, original, dependencies=None: (lambda *args: True)
+    out, _ = run(GRAPH_NODES + ROTARY_GUARD_PASSED + """
 import transformers.models.gpt_neox.modeling_gpt_neox as N
 import transformers.models.phi3.modeling_phi3 as P
 import transformers.models.glm4.modeling_glm4 as G
@@ -489,9 +495,7 @@ def test_optional_k_partial_rotary_runs_its_cuda_path_on_cpu_with_the_guard_pass
     the original's (bitwise with dtypes and strides, gradients within two roundings); without k
     (the model's indexer: keywords, unsqueeze_dim 2, [B, S, H, D]), q's alone, the same checks;
     tables the original cannot use get its error."""
-    out, log = run(ROTARY_CHECKS + ONE_TENSOR_CHECKS + """
-import torchfuse.rewrites as R
-R._rotary_call = lambda torch, original, dependencies=None: (lambda *args: True)
+    out, log = run(ROTARY_CHECKS + ONE_TENSOR_CHECKS + ROTARY_GUARD_PASSED + """
 import transformers.models.qwen4_exp.modeling_qwen4_exp as Q
 original = Q.apply_rotary_pos_emb.__wrapped__
 rewritten = R._optional_k_partial_rotary(torch, original, "qwen4_exp_partial_rotary")
@@ -564,9 +568,7 @@ def test_half_table_rotary_runs_its_cuda_path_on_cpu_with_the_guard_passed():
     heads second or third, a channels-last q), gradients within two of their roundings; tables
     of another size go to the original (which broadcasts a one-wide table); the model's function
     is the rewrite."""
-    out, _ = run(ROTARY_CHECKS + """
-import torchfuse.rewrites as R
-R._rotary_call = lambda torch, original, dependencies=None: (lambda *args: True)
+    out, _ = run(ROTARY_CHECKS + ROTARY_GUARD_PASSED + """
 import transformers.models.gpt_oss.modeling_gpt_oss as G
 original = G.apply_rotary_pos_emb.__wrapped__
 rewritten = R._half_table_rotary(torch, original, "gpt_oss_rotary")
@@ -597,9 +599,7 @@ def test_single_tensor_rotary_runs_its_cuda_path_on_cpu_with_the_guard_passed():
     with its dtype and strides (heads first or second, a transposed view, bf16 x with fp32 cos,
     a negative dim), and x's gradient in x's dtype within two of its roundings of the
     original's; the function in the model's module is the rewrite."""
-    out, _ = run(ONE_TENSOR_CHECKS + """
-import torchfuse.rewrites as R
-R._rotary_call = lambda torch, original, dependencies=None: (lambda *args: True)
+    out, _ = run(ONE_TENSOR_CHECKS + ROTARY_GUARD_PASSED + """
 import transformers.models.gemma4.modeling_gemma4 as G
 original = G.apply_rotary_pos_emb.__wrapped__
 rewritten = R._single_rotary(torch, original, "hf_single_rotary")
@@ -630,9 +630,7 @@ def test_every_two_rotary_runs_its_cuda_path_on_cpu_with_the_guard_passed():
     them, fp32, tables of one batch row broadcast), x's gradient within two of its roundings;
     tables of another size get the original's error; each model's function is rewritten (the
     log says so)."""
-    out, log = run(ONE_TENSOR_CHECKS + """
-import torchfuse.rewrites as R
-R._rotary_call = lambda torch, original, dependencies=None: (lambda *args: True)
+    out, log = run(ONE_TENSOR_CHECKS + ROTARY_GUARD_PASSED + """
 import transformers.models.gptj.modeling_gptj as J
 import transformers.models.codegen.modeling_codegen as C
 torch.manual_seed(0)
@@ -668,9 +666,7 @@ def test_interleaved_rotary_rewrites_run_their_cuda_path_on_cpu_with_the_guard_p
     outputs bitwise with their dtypes and strides (all of the head dim and half of it, bf16 q
     with fp32 cos, heads second or third), and q's and k's gradients within two of their
     roundings of the original's; each model's function is the rewrite."""
-    out, _ = run(ROTARY_CHECKS + """
-import torchfuse.rewrites as R
-R._rotary_call = lambda torch, original, dependencies=None: (lambda *args: True)
+    out, _ = run(ROTARY_CHECKS + ROTARY_GUARD_PASSED + """
 import transformers.models.glm4.modeling_glm4 as G
 import transformers.models.cohere.modeling_cohere as C
 import transformers.models.ernie4_5.modeling_ernie4_5 as E
