@@ -944,3 +944,69 @@ def test_unchanged_llm_trains_with_stocks_losses(model):
     assert f"rewrite kv_cache: transformers.cache_utils.{layer}.update" in log, log[-3000:]
     kv = stats["ops"].get("torchfuse::kv_copy", {})
     assert kv.get("fused", 0) + kv.get("stock", 0) > 0, stats
+
+
+def eager_attention_reference(q, k, v, mask, scale, mask_divided):
+    """GPT-J's (CodeGen's: the mask added before the scale) eager attention in float64."""
+    scores = q.double() @ k.double().transpose(-1, -2)
+    scores = (scores + mask.double()) / scale if mask_divided else scores / scale + mask.double()
+    return torch.softmax(scores, dim=-1) @ v.double()
+
+
+@pytest.mark.parametrize("model, cls, form", [("gptj", "GPTJAttention", "gptj_attn"),
+                                              ("codegen", "CodeGenAttention", "codegen_attn")])
+@pytest.mark.parametrize("dtypes", ["autocast", "autocast fp32 q k", "fp32", "bf16"])
+def test_eager_attention_as_sdpa_is_the_original(model, cls, form, dtypes):
+    """GPT-J's and CodeGen's `_attn` sent to SDPA (weights not asked for) against a float64
+    evaluation of the original, the original's own error as the bar: the output and q, k, v's
+    gradients, same dtype and shape; under bf16 autocast (q, k, v as the projections give them;
+    CodeGen's q and k fp32 after its rotary), in fp32 and in bf16. HF's causal mask (fp32's
+    lowest, padding keys in one row of the batch) is served (the weights None); with padding
+    queries (rows masked whole) the original runs, its weights returned."""
+    pytest.importorskip("transformers")
+    import importlib
+    import inspect
+    sys.path.insert(0, str(ROOT / "python"))
+    from torchfuse import rewrites
+    attention = getattr(importlib.import_module(f"transformers.models.{model}.modeling_{model}"), cls)
+    original = inspect.unwrap(attention._attn)
+    rewritten = rewrites._eager_attention_as_sdpa(torch, original, form)
+    module = torch.nn.Module()
+    module.scale_attn, module.attn_dropout = math.sqrt(256.0), torch.nn.Dropout(0.0)
+    torch.manual_seed(fresh_seed())
+    b, h, s, d = 2, 4, 384, 256
+    low = torch.bfloat16 if dtypes in ("autocast", "bf16") else torch.float32
+    q, k = (torch.randn(b, h, s, d, device="cuda").to(low) for _ in range(2))
+    v = torch.randn(b, h, s, d, device="cuda").to(torch.float32 if dtypes == "fp32" else torch.bfloat16)
+    lowest = torch.finfo(torch.float32).min
+    mask = torch.where(torch.ones(s, s, device="cuda").tril().bool(), 0.0, lowest).expand(b, 1, s, s).clone()
+    mask[1, :, 7:, :5] = lowest  # padding keys
+    padded = mask.clone()
+    padded[1, :, :5] = lowest  # padding queries
+    grad_out = torch.randn(b, h, s, d, device="cuda")
+
+    def run(fn, m):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        token = rewrites._WEIGHTS_UNUSED.set(True)
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtypes.startswith("autocast")):
+                out, weights = fn(module, *leaves, m)
+        finally:
+            rewrites._WEIGHTS_UNUSED.reset(token)
+        out.backward(grad_out.to(out.dtype))
+        return out.detach(), weights, [t.grad for t in leaves]
+
+    ours, weights, ours_grads = run(rewritten, mask)
+    theirs, _, their_grads = run(original, mask)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    reference = eager_attention_reference(*leaves, mask, module.scale_attn, form == "codegen_attn")
+    reference.backward(grad_out.double())
+    assert weights is None and ours.dtype == theirs.dtype and ours.shape == theirs.shape
+    floor = FLOOR[ours.dtype]
+    assert rel_err(ours, reference) <= max(2 * rel_err(theirs, reference), floor), "output"
+    for name, a, b_, leaf in zip("qkv", ours_grads, their_grads, leaves):
+        assert a.dtype == b_.dtype, name
+        assert rel_err(a, leaf.grad) <= max(2 * rel_err(b_, leaf.grad), FLOOR[a.dtype]), name
+    ours, weights, _ = run(rewritten, padded)
+    theirs, their_weights, _ = run(original, padded)
+    assert weights is not None and torch.equal(weights, their_weights) and torch.equal(ours, theirs)

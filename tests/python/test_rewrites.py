@@ -1416,3 +1416,79 @@ def test_shared_cast_takes_only_plain_unobserved_linears_on_the_inputs_device():
                torch.nn.Identity(), None]
     assert not any(plain_linear(m, cpu) for m in refused)
     assert not plain_linear(made(), torch.device("meta"))
+
+
+def test_gptj_and_codegen_eager_attention_run_sdpa_on_cpu_with_the_guard_passed():
+    """GPT-J's and CodeGen's `_attn` (eager attention returning its weights), the rewrite's own
+    code past its guard on CPU (`_eager_attention_call` patched to pass): with the weights not
+    asked for, SDPA's output within fp32 rounding of the original's and its q, k, v gradients
+    too (a causal mask of HF's fp32 lowest with padding keys; CodeGen's mask added before its
+    scale; a random additive mask; none), the weights None; asked for, with dropout in
+    training, a bool mask, or rows masked whole (padding queries, whose even weights over every
+    key fused kernels do not give), the original's result bitwise with its weights.
+    The models' forwards tell `_attn`: a tiny GPT-J under the rewrites gives the original's loss
+    without attentions asked for, and the original's attentions bitwise where they are."""
+    out, log = run("""
+import inspect
+import torchfuse.rewrites as R
+R._eager_attention_call = lambda torch, original, dependencies=None: (lambda q: True)
+import transformers.models.gptj.modeling_gptj as J
+import transformers.models.codegen.modeling_codegen as C
+torch.manual_seed(0)
+def run(fn, module, q, k, v, mask, unused):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    token = R._WEIGHTS_UNUSED.set(unused)
+    try:
+        out, weights = fn(module, *leaves, mask)
+    finally:
+        R._WEIGHTS_UNUSED.reset(token)
+    out.backward(torch.ones_like(out))
+    return out.detach(), weights, [t.grad for t in leaves]
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+lowest = torch.finfo(torch.float32).min
+causal = torch.where(torch.ones(6, 6).tril().bool(), 0.0, lowest).expand(2, 1, 6, 6).clone()
+causal[1, :, 3:, :2] = lowest  # padding keys
+padded = causal.clone()
+padded[1, :, :2] = lowest  # padding queries: rows masked whole
+checks = {}
+for cls, form in ((J.GPTJAttention, "gptj_attn"), (C.CodeGenAttention, "codegen_attn")):
+    original = inspect.unwrap(cls._attn)
+    rewritten = R._eager_attention_as_sdpa(torch, original, form)
+    module = torch.nn.Module()
+    module.scale_attn, module.attn_dropout = 8.0 ** 0.5, torch.nn.Dropout(0.0)
+    q, k, v = (torch.randn(2, 3, 6, 8) for _ in range(3))
+    for name, mask in (("causal", causal), ("additive", torch.randn(2, 1, 6, 6)), ("none", None)):
+        ours, weights, g_ours = run(rewritten, module, q, k, v, mask, True)
+        theirs, _, g_theirs = run(original, module, q, k, v, mask, True)
+        checks[f"{form} {name}"] = [weights is None, ours.dtype == theirs.dtype, rel(ours, theirs) < 1e-6,
+                                    max(rel(a, b) for a, b in zip(g_ours, g_theirs)) < 1e-5]
+    cases = [("asked for", module, causal, False), ("bool mask", module, causal == 0, True),
+             ("padded", module, padded, True)]
+    dropping = torch.nn.Module()
+    dropping.scale_attn, dropping.attn_dropout = 8.0 ** 0.5, torch.nn.Dropout(0.5)
+    cases.append(("dropout", dropping, causal, True))
+    for name, m, mask, unused in cases:
+        torch.manual_seed(1)
+        ours = run(rewritten, m, q, k, v, mask, unused)
+        torch.manual_seed(1)
+        theirs = run(original, m, q, k, v, mask, unused)
+        checks[f"{form} {name}"] = [torch.equal(ours[0], theirs[0]), ours[1] is not None
+                                    and torch.equal(ours[1], theirs[1])]
+config = J.GPTJConfig(n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=16, vocab_size=64)
+model = J.GPTJForCausalLM(config)
+ids = torch.randint(0, 64, (2, 8))
+with torchfuse.disabled():
+    reference = model(input_ids=ids, labels=ids, output_attentions=True)
+ours = model(input_ids=ids, labels=ids)
+asked = model(input_ids=ids, labels=ids, output_attentions=True)
+checks["model"] = [ours.attentions is None, abs(ours.loss.item() - reference.loss.item()) < 1e-5,
+                   all(torch.equal(a, b) for a, b in zip(asked.attentions, reference.attentions)),
+                   len(asked.attentions) == 2]
+print(json.dumps(checks))
+""")
+    assert len(out) == 15 and all(all(c) for c in out.values()), out
+    for model, cls in (("gptj", "GPTJAttention"), ("codegen", "CodeGenAttention")):
+        assert (f"rewrite sdpa: transformers.models.{model}.modeling_{model}.{cls}._attn "
+                f"({model}_attn) -> F.scaled_dot_product_attention") in log, log
+        assert f"rewrite sdpa: transformers.models.{model}.modeling_{model}.{cls}.forward ({model}_attention)" in log
