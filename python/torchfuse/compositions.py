@@ -20,10 +20,9 @@ import math
 import sys
 
 # The reference forms, each written exactly as the library writes it (transformers 5.17), in a
-# module that imports `math`, `torch` and torch's `nn` as the library's modules do: the compiler
-# emits different bytecode for attribute calls on an imported name (CodeGen's `nn.Softmax(...)`).
-# Compiled, never run.
-_PRELUDE = "import math\nimport torch\nfrom torch import nn\n\n\n"
+# module that imports `math` and `torch` as the library's modules do: the compiler emits
+# different bytecode for attribute calls on an imported name. Compiled, never run.
+_PRELUDE = "import math\nimport torch\n\n\n"
 _SOURCES = {
     # transformers.activations.NewGELUActivation.forward (GPT-2's "gelu_new").
     "new_gelu": """def forward(self, input):
@@ -275,136 +274,6 @@ _SOURCES = {
     variance = hidden_states.pow(2).mean(-1, keepdim=True)
     hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
     return self.weight * hidden_states.to(input_dtype)
-""",
-    # transformers.models.gptj.modeling_gptj.GPTJAttention.forward: its attention weights go only
-    # to its result (the model keeps them where output_attentions asks for them); the rewrite
-    # calls it as it is, telling its `_attn` (the gptj_attn form) whether they are asked for.
-    "gptj_attention": """def forward(
-    self,
-    hidden_states: torch.FloatTensor,
-    layer_past: Cache | None = None,
-    attention_mask: torch.FloatTensor | None = None,
-    position_ids: torch.LongTensor | None = None,
-    use_cache: bool | None = False,
-    output_attentions: bool | None = False,
-    **kwargs,
-) -> (
-    tuple[torch.Tensor, tuple[torch.Tensor]]
-    | tuple[torch.Tensor, tuple[torch.Tensor], tuple[torch.Tensor, ...]]
-    | None
-):
-    query = self.q_proj(hidden_states)
-    key = self.k_proj(hidden_states)
-    value = self.v_proj(hidden_states)
-
-    query = self._split_heads(query, self.num_attention_heads, self.head_dim, True)
-    key = self._split_heads(key, self.num_attention_heads, self.head_dim, True)
-    value = self._split_heads(value, self.num_attention_heads, self.head_dim, False)
-
-    embed_positions = self._get_embed_positions(position_ids)
-
-    repeated_position_ids = position_ids.unsqueeze(-1).repeat(1, 1, embed_positions.shape[-1])
-    sincos = torch.gather(embed_positions, 1, repeated_position_ids).to(key.dtype)
-    sin, cos = torch.split(sincos, sincos.shape[-1] // 2, dim=-1)
-
-    if self.rotary_dim is not None:
-        k_rot = key[:, :, :, : self.rotary_dim]
-        k_pass = key[:, :, :, self.rotary_dim :]
-
-        q_rot = query[:, :, :, : self.rotary_dim]
-        q_pass = query[:, :, :, self.rotary_dim :]
-
-        k_rot = apply_rotary_pos_emb(k_rot, sin, cos)
-        q_rot = apply_rotary_pos_emb(q_rot, sin, cos)
-
-        key = torch.cat([k_rot, k_pass], dim=-1)
-        query = torch.cat([q_rot, q_pass], dim=-1)
-    else:
-        key = apply_rotary_pos_emb(key, sin, cos)
-        query = apply_rotary_pos_emb(query, sin, cos)
-
-    key = key.permute(0, 2, 1, 3)
-    query = query.permute(0, 2, 1, 3)
-
-    if layer_past is not None:
-        key, value = layer_past.update(key, value, self.layer_idx)
-
-    # compute self-attention: V x Softmax(QK^T)
-    attn_output, attn_weights = self._attn(query, key, value, attention_mask)
-
-    attn_output = self._merge_heads(attn_output, self.num_attention_heads, self.head_dim)
-    attn_output = self.out_proj(attn_output)
-    attn_output = self.resid_dropout(attn_output)
-
-    return attn_output, attn_weights
-""",
-    # transformers.models.codegen.modeling_codegen.CodeGenAttention.forward: the same for CodeGen
-    # (its q, k and v from one projection, its cache's key cast).
-    "codegen_attention": """def forward(
-    self,
-    hidden_states: torch.FloatTensor | None,
-    layer_past: Cache | None = None,
-    attention_mask: torch.FloatTensor | None = None,
-    position_ids: torch.LongTensor | None = None,
-    use_cache: bool | None = False,
-    output_attentions: bool | None = False,
-) -> (
-    tuple[torch.Tensor, tuple[torch.Tensor]]
-    | tuple[torch.Tensor, tuple[torch.Tensor], tuple[torch.Tensor, ...]]
-    | None
-):
-    qkv = self.qkv_proj(hidden_states)
-    # TODO(enijkamp): factor out number of logical TPU-v4 cores or make forward pass agnostic
-    mp_num = 4
-    qkv_split = qkv.reshape(qkv.shape[:-1] + (mp_num, -1))
-
-    local_dim = self.head_dim * self.num_attention_heads // mp_num
-    query, value, key = torch.split(qkv_split, local_dim, dim=-1)
-    query = self._split_heads(query, self.num_attention_heads, self.head_dim, mp_num=mp_num)
-    key = self._split_heads(key, self.num_attention_heads, self.head_dim, mp_num=mp_num)
-
-    value = self._split_heads(value, self.num_attention_heads, self.head_dim, mp_num=mp_num)
-    value = value.permute(0, 2, 1, 3)
-
-    embed_positions = self.embed_positions
-    if embed_positions.device != position_ids.device:
-        embed_positions = embed_positions.to(position_ids.device)
-        self.embed_positions = embed_positions
-
-    sincos = embed_positions[position_ids]
-    sin, cos = torch.split(sincos, sincos.shape[-1] // 2, dim=-1)
-
-    if self.rotary_dim is not None:
-        k_rot = key[:, :, :, : self.rotary_dim]
-        k_pass = key[:, :, :, self.rotary_dim :]
-
-        q_rot = query[:, :, :, : self.rotary_dim]
-        q_pass = query[:, :, :, self.rotary_dim :]
-
-        k_rot = apply_rotary_pos_emb(k_rot, sin, cos)
-        q_rot = apply_rotary_pos_emb(q_rot, sin, cos)
-
-        key = torch.cat([k_rot, k_pass], dim=-1)
-        query = torch.cat([q_rot, q_pass], dim=-1)
-    else:
-        key = apply_rotary_pos_emb(key, sin, cos)
-        query = apply_rotary_pos_emb(query, sin, cos)
-
-    key = key.permute(0, 2, 1, 3)
-    query = query.permute(0, 2, 1, 3)
-
-    # Note that this cast is quite ugly, but is not implemented before ROPE as k_rot in the original codebase is always in fp32.
-    # Reference: https://github.com/salesforce/CodeGen/blob/f210c3bb1216c975ad858cd4132c0fdeabf4bfc2/codegen1/jaxformer/hf/codegen/modeling_codegen.py#L38
-    if layer_past is not None:
-        key, value = layer_past.update(key.to(hidden_states.dtype), value, self.layer_idx)
-
-    # compute self-attention: V x Softmax(QK^T)
-    attn_output, attn_weights = self._attn(query, key, value, attention_mask)
-
-    attn_output = self._merge_heads(attn_output, self.num_attention_heads, self.head_dim)
-    attn_output = self.out_proj(attn_output)
-    attn_output = self.resid_dropout(attn_output)
-    return attn_output, attn_weights
 """,
 }
 
@@ -941,61 +810,6 @@ _METHOD_SOURCES = {
     # Return the full states
     return full_key_states, full_value_states
 '''),
-    # transformers.models.gptj.modeling_gptj.GPTJAttention._attn: softmax(q k^T / scale + mask) v,
-    # the weights computed after a cast of q and k to fp32 (under autocast the matmul casts them
-    # back), rounded to v's dtype before the product, and returned with it.
-    "gptj_attn": ("_attn", """def _attn(
-    self,
-    query,
-    key,
-    value,
-    attention_mask=None,
-):
-    # Keep the attention weights computation in fp32 to avoid overflow issues
-    query = query.to(torch.float32)
-    key = key.to(torch.float32)
-
-    attn_weights = torch.matmul(query, key.transpose(-1, -2))
-    attn_weights = attn_weights / self.scale_attn
-
-    if attention_mask is not None:
-        attn_weights = attn_weights + attention_mask
-
-    attn_weights = nn.functional.softmax(attn_weights, dim=-1)
-    attn_weights = attn_weights.to(value.dtype)
-    attn_weights = self.attn_dropout(attn_weights)
-
-    attn_output = torch.matmul(attn_weights, value)
-
-    return attn_output, attn_weights
-"""),
-    # transformers.models.codegen.modeling_codegen.CodeGenAttention._attn: the same with the mask
-    # added before the division by the scale, and the softmax a module made at each call.
-    "codegen_attn": ("_attn", """def _attn(
-    self,
-    query,
-    key,
-    value,
-    attention_mask=None,
-):
-    # Keep the attention weights computation in fp32 to avoid overflow issues
-    query = query.to(torch.float32)
-    key = key.to(torch.float32)
-
-    attn_weights = torch.matmul(query, key.transpose(-1, -2))
-
-    if attention_mask is not None:
-        attn_weights = attn_weights + attention_mask
-
-    attn_weights = attn_weights / self.scale_attn
-    attn_weights = nn.Softmax(dim=-1)(attn_weights)
-    attn_weights = attn_weights.to(value.dtype)
-    attn_weights = self.attn_dropout(attn_weights)
-
-    attn_output = torch.matmul(attn_weights, value)
-
-    return attn_output, attn_weights
-"""),
 }
 
 # Form name -> the composition it computes.
@@ -1020,8 +834,7 @@ COMPUTES = {"hf_dynamic_layer_update": "kv_cache", "hf_dynamic_sliding_window_la
             "gptj_rotary": "rotary", "helium_rotary": "rotary", "nemotron_partial_rotary": "rotary",
             "helium_rms_norm": "hf_rms_norm", "hf_rotary_pairs": "rotary", "hf_rotary_flipped": "rotary",
             "cohere_rotary_pairs_upcast": "rotary", "hf_rotary_pairs_upcast": "rotary",
-            "hf_ignore_causal_mask_sdpa": "sdpa", "hf_ignore_bidirectional_mask_sdpa": "sdpa",
-            "gptj_attention": "sdpa", "codegen_attention": "sdpa", "gptj_attn": "sdpa", "codegen_attn": "sdpa"}
+            "hf_ignore_causal_mask_sdpa": "sdpa", "hf_ignore_bidirectional_mask_sdpa": "sdpa"}
 
 
 def _compiled(source):
@@ -1031,10 +844,8 @@ def _compiled(source):
 
 
 FORMS = {name: _compiled(source) for name, source in _SOURCES.items()}
-# The defaults a class form's forward or method has (most have none).
-_FORM_DEFAULTS = {"mamba_rms_norm_gated": (None,),
-                  **dict.fromkeys(("gptj_attention", "codegen_attention"), (None, None, None, False, False)),
-                  **dict.fromkeys(("gptj_attn", "codegen_attn"), (None,))}
+# The defaults a class form's forward has (most have none).
+_FORM_DEFAULTS = {"mamba_rms_norm_gated": (None,)}
 FUNCTION_FORMS = {name: (_compiled(source), defaults)
                   for name, (source, defaults) in _FUNCTION_SOURCES.items()}
 METHOD_FORMS = {name: (method, _compiled(source)) for name, (method, source) in _METHOD_SOURCES.items()}
@@ -1075,8 +886,6 @@ _HELPER_FORMS = {"hf_rotary_pairs": {"rotate_half": "cohere_rotate_pairs"},
                  "glm4v_rotary_pairs_partial": {"rotate_half_llm": "hf_rotate_pairs"},
                  "gpt_oss_rotary": {"_apply_rotary_emb": "gpt_oss_apply_rotary_emb"},
                  "gptj_rotary": {"rotate_every_two": "gptj_rotate_every_two"},
-                 "gptj_attention": {"apply_rotary_pos_emb": "gptj_rotary"},
-                 "codegen_attention": {"apply_rotary_pos_emb": "gptj_rotary"},
                  "helium_rotary": {"rotate_half": "hf_rotate_pairs"},
                  "hf_rotary_pairs_upcast": {"rotate_half": "hf_rotate_pairs"},
                  "cohere_rotary_pairs_upcast": {"rotate_half": "cohere_rotate_pairs"}}
@@ -1318,8 +1127,7 @@ def scan_methods(module):
     for value in _own_classes(module):
         for form, (method, reference) in METHOD_FORMS.items():
             function = value.__dict__.get(method)
-            if form in COMPUTES and function is not None and _matches(function, form, reference,
-                                                                      _FORM_DEFAULTS.get(form)):
+            if form in COMPUTES and function is not None and _matches(function, form, reference, None):
                 found[value] = (method, form)
     return found
 

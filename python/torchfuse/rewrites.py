@@ -26,12 +26,10 @@ that matmul would have cast it to); their calls are
 counted in torchfuse's stats, and `torch.ops.torchfuse.set_enabled(name, False)` sends them to
 PyTorch's own kernels.
 """
-import contextvars
 import functools
 import sys
 import types
 import typing
-import weakref
 
 from . import compositions
 from ._library import enabled_toggles, note, rewrite_switch
@@ -1099,126 +1097,6 @@ def _kv_update(torch, original, dependencies, appended):
     return update
 
 
-# Whether the caller of an eager `_attn` form asks for the attention weights it returns: set by
-# the rewritten attention forward (gptj_attention, codegen_attention) around its original code,
-# whose weights go only to its result.
-_WEIGHTS_UNUSED = contextvars.ContextVar("torchfuse_attention_weights_unused", default=False)
-
-
-def _weights_unused_forward(torch, original, form, dependencies=None):
-    """GPT-J's and CodeGen's attention forward, run as it is, telling its `_attn` (the rewritten
-    one: `_eager_attention_as_sdpa`) whether the weights it returns are asked for: they are
-    where output_attentions is true or where a hook may see the module's result. Its code is
-    the known form, so the weights go nowhere else."""
-    unobserved = functools.partial(_unobserved, torch)
-
-    @functools.wraps(original)
-    def forward(self, hidden_states, layer_past=None, attention_mask=None, position_ids=None,
-                use_cache=False, output_attentions=False, **kwargs):
-        token = _WEIGHTS_UNUSED.set(not output_attentions and unobserved(self))
-        try:
-            return original(self, hidden_states, layer_past, attention_mask, position_ids, use_cache,
-                            output_attentions, **kwargs)
-        finally:
-            _WEIGHTS_UNUSED.reset(token)
-
-    return forward
-
-
-def _additive_mask_in(torch):
-    """A function (mask, dtype, divisor) -> the additive float mask as SDPA takes it in `dtype`
-    (the dtype its q, k and v run in), divided by `divisor` first where not None; or None where
-    a row of it is masked whole (a padding query), which the original gives even weights over
-    every key (its logits vanish against fp32's lowest) and a gradient through those weights,
-    and fused attention kernels do not: there the original runs. Finding such rows reads the
-    mask (one wait for the GPU a new mask; none while a CUDA graph is captured, where the
-    original runs). The original adds the fp32 mask HF builds (0, or fp32's lowest where masked)
-    in fp32; autocast would cast it to bf16 for SDPA, where fp32's lowest rounds to -inf: finite
-    values are kept finite (clamped to the dtype's range), infinities and NaN stay as they are.
-    Every layer of a forward passes the model's one mask: decided and converted once, while it
-    is the same unchanged tensor."""
-    where, capturing, last = torch.where, torch.cuda.is_current_stream_capturing, [None]
-    # A mask row whose largest value is below this absorbs any logit (fp32 spacing there: 2e22).
-    masked_whole = -1e30
-
-    def additive_mask_in(mask, dtype, divisor):
-        key = (mask._version, dtype, divisor)
-        cached = last[0]
-        if cached is not None and cached[0]() is mask and cached[1] == key:
-            return cached[2]
-        if mask.is_cuda and capturing():
-            return None
-        if bool((mask.amax(dim=-1) < masked_whole).any()):
-            converted = None
-        else:
-            converted = mask if divisor is None else mask / divisor
-            if converted.dtype != dtype:
-                info = torch.finfo(dtype)
-                converted = where(converted.isinf(), converted, converted.clamp(info.min, info.max)).to(dtype)
-        last[0] = (weakref.ref(mask), key, converted)
-        return converted
-
-    return additive_mask_in
-
-
-def _eager_attention_call(torch, original, dependencies=None):
-    """A function telling whether an eager `_attn` call on q may go to SDPA as far as where it
-    runs goes: CUDA, outside traces and forward-mode AD (no formula in stock's fused attention),
-    the torch.matmul and softmax the original calls as recognised."""
-    untraced, unchanged = _untraced_call(torch), (dependencies or compositions.Dependencies(original)).unchanged
-    forward_ad = torch.autograd.forward_ad
-    return lambda q: q.is_cuda and forward_ad._current_level < 0 and untraced() and unchanged()
-
-
-def _eager_attention_as_sdpa(torch, original, form, dependencies=None):
-    """GPT-J's and CodeGen's eager attention, softmax(q k^T / scale + mask) v (CodeGen's:
-    softmax((q k^T + mask) / scale) v), as F.scaled_dot_product_attention where the weights it
-    also returns are not asked for (`_weights_unused_forward` says so), no dropout of them
-    applies and no row of the mask is masked whole (`_additive_mask_in`); the weights are then
-    None, as HF's SDPA attention returns them. Under autocast the original's matmuls cast q, k,
-    the weights and v to the low precision as SDPA does, its logits rounded to it where SDPA
-    keeps them in fp32 (closer to exact); outside it, q, k and v of one dtype. The mask is the
-    original's, additive. Elsewhere (weights asked for, dropout in training, padding queries, a
-    bool or differentiable mask, other shapes, forward-mode AD, traces, a patched torch.matmul
-    or softmax) the original runs. A double backward through it is SDPA's, which stock's fused
-    attention kernels do not have."""
-    sdpa, tensor, dropout = torch.nn.functional.scaled_dot_product_attention, torch.Tensor, torch.nn.Dropout
-    autocasting, autocast_dtype, served = torch.is_autocast_enabled, torch.get_autocast_dtype, _served_dtypes(torch)
-    plain_call, additive_mask_in = _eager_attention_call(torch, original, dependencies), _additive_mask_in(torch)
-    mask_divided = form == "codegen_attn"  # CodeGen adds the mask before dividing by the scale
-
-    def sdpa_dtype(q, k, v):
-        """The dtype SDPA would run q, k and v in, where the original's is the same; else None."""
-        if autocasting("cuda"):
-            lowered = autocast_dtype("cuda")
-            return lowered if all(t.dtype in served for t in (q, k, v)) else None
-        return q.dtype if q.dtype in served and q.dtype == k.dtype == v.dtype else None
-
-    def fits(q, k, v, mask):
-        if not (q.dim() == k.dim() == v.dim() == 4 and q.shape[:2] == k.shape[:2] == v.shape[:2]
-                and q.shape[3] == k.shape[3] and k.shape[2] == v.shape[2]):
-            return False
-        scores = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        return mask is None or (type(mask) is tensor and mask.is_floating_point() and mask.device == q.device
-                                and not mask.requires_grad and mask.dim() <= 4
-                                and torch.broadcast_shapes(mask.shape, scores) == scores)
-
-    @functools.wraps(original)
-    def _attn(self, query, key, value, attention_mask=None):
-        scale, drop = self.scale_attn, self.attn_dropout
-        if (_WEIGHTS_UNUSED.get() and type(query) is tensor and type(key) is tensor and type(value) is tensor
-                and type(scale) is float and scale > 0 and type(drop) is dropout and (drop.p == 0 or not drop.training)
-                and plain_call(query) and fits(query, key, value, attention_mask)):
-            dtype = sdpa_dtype(query, key, value)
-            mask = (None if attention_mask is None or dtype is None
-                    else additive_mask_in(attention_mask, dtype, scale if mask_divided else None))
-            if dtype is not None and (mask is not None or attention_mask is None):
-                return sdpa(query, key, value, attn_mask=mask, scale=1.0 / scale), None
-        return original(self, query, key, value, attention_mask)
-
-    return _attn
-
-
 def _dynamic_layer_update(torch, original, form, dependencies=None):
     """HF's DynamicLayer.update (_kv_update)."""
     def appended(self, key_states, value_states, append):
@@ -1381,8 +1259,6 @@ REWRITES = {
                      "deepseek_v4_clamped_gated_mlp", "glm5_clamped_gated_mlp"),
                     Rewrite(_gated_mlp_forward, _OPS + "silu_mul (SiLU) or gelu_tanh_mul (tanh GELU)")),
     "hf_packed_gated_mlp": Rewrite(_packed_gated_mlp_forward, _OPS + "silu_mul_packed"),
-    **dict.fromkeys(("gptj_attention", "codegen_attention"),
-                    Rewrite(_weights_unused_forward, "the original, telling its _attn whether its weights are asked for")),
     # Module-level functions.
     "hf_moe_apply_gate": Rewrite(_moe_apply_gate, _OPS + "silu_mul_packed"),
     "hf_causal_lm_loss": Rewrite(_causal_lm_loss, _OPS + "cross_entropy"),
@@ -1410,9 +1286,6 @@ REWRITES = {
     "hf_dynamic_layer_update": Rewrite(_dynamic_layer_update, _OPS + "kv_copy on the first append"),
     "hf_dynamic_sliding_window_layer_update": Rewrite(_dynamic_sliding_window_layer_update,
                                                       _OPS + "kv_copy on the first append"),
-    **dict.fromkeys(("gptj_attn", "codegen_attn"),
-                    Rewrite(_eager_attention_as_sdpa, "F.scaled_dot_product_attention where its weights are not "
-                                                      "asked for")),
     "hf_ignore_causal_mask_sdpa": Rewrite(
         _mask_skip_under_compile, "under torch.compile, eager's is_causal=True where sizes decide"),
     "hf_ignore_bidirectional_mask_sdpa": Rewrite(
