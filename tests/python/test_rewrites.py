@@ -1416,3 +1416,41 @@ def test_shared_cast_takes_only_plain_unobserved_linears_on_the_inputs_device():
                torch.nn.Identity(), None]
     assert not any(plain_linear(m, cpu) for m in refused)
     assert not plain_linear(made(), torch.device("meta"))
+
+
+def test_hf_decoders_compile_with_fullgraph_under_the_rewrites():
+    """torch.compile(fullgraph=True) of unchanged HF decoders in training (their forward builds a
+    DynamicCache, whose layers are made inside the trace, so Dynamo reaches the rewritten
+    `update` without a source and wraps every cell of its closure: a bound method there failed
+    the trace): Llama (DynamicLayer), Mistral with a sliding window (DynamicSlidingWindowLayer)
+    and GPT-J (its rotary form, shared_cast) trace whole, with eager's loss, and the KV-cache
+    rewrites are in place."""
+    out, _ = run("""
+import transformers
+import transformers.cache_utils as CU
+configs = {
+    "llama": transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64),
+    "mistral": transformers.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                          sliding_window=4),
+    "gptj": transformers.GPTJConfig(n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=16, vocab_size=64),
+}
+classes = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
+           "gptj": transformers.GPTJForCausalLM}
+result = {"rewritten": [hasattr(CU.DynamicLayer.update, "__wrapped__"),
+                        hasattr(CU.DynamicSlidingWindowLayer.update, "__wrapped__")]}
+for name, config in configs.items():
+    torch.manual_seed(0)
+    model = classes[name](config)
+    ids = torch.randint(0, 64, (2, 8))
+    eager = model(input_ids=ids, labels=ids).loss
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend="eager", fullgraph=True)(input_ids=ids, labels=ids).loss
+        result[name] = torch.equal(compiled, eager)
+    except Exception as e:
+        result[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+print(json.dumps(result))
+""")
+    assert out == {"rewritten": [True, True], "llama": True, "mistral": True, "gptj": True}, out
