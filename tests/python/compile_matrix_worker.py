@@ -65,9 +65,10 @@ def train(mode):
     if mode in ("checkpoint", "checkpoint-reentrant"):
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": mode == "checkpoint-reentrant"})
-    if mode in ("compile", "compile-dynamic", "shape-change", "reduce-overhead", "max-autotune"):
+    if mode in ("compile", "compile-dynamic", "shape-change", "reduce-overhead", "max-autotune",
+                "compile-fullgraph"):
         options = {"compile-dynamic": {"dynamic": True}, "reduce-overhead": {"mode": "reduce-overhead"},
-                   "max-autotune": {"mode": "max-autotune"}}.get(mode, {})
+                   "max-autotune": {"mode": "max-autotune"}, "compile-fullgraph": {"fullgraph": True}}.get(mode, {})
         model = torch.compile(model, **options)
     if mode == "compiled-optimizer":
         step_fn = torch.compile(opt.step)
