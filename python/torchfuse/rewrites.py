@@ -1049,12 +1049,13 @@ def _prefix_rotary(torch, original, form, dependencies=None):
 
 def _kv_appends(torch, original, dependencies):
     """What both KV-cache rewrites share: whether the call may take the op (the original's
-    dependencies unchanged; the caller checks first that it runs untraced), and the append of
-    K and V to the caches with the first append (the cache a training forward builds, empty until then) as one op, torchfuse::kv_copy:
-    the fresh row-major copies of K and V that `torch.cat([cache, x], dim=-2)` makes of the 1-D
-    empty cache and x, in the dtype cat promotes to (the cache's is K's: after a rotary with fp32
-    tables, an fp32 K promotes a bf16 V). Later appends, and K or V of another layout, run the
-    original's cats."""
+    dependencies unchanged; the caller checks first that it runs untraced), and the append of K
+    and V to the caches with the first append (the cache a training forward builds, empty until
+    then) as one op, torchfuse::kv_copy: the fresh row-major copies of K and V that
+    `torch.cat([cache, x], dim=-2)` makes of the 1-D empty cache and x, in the dtype cat promotes
+    to (the cache's is K's: after a rotary with fp32 tables, an fp32 K promotes a bf16 V). Later
+    appends, and K or V of another layout, run the original's cats. `unchanged` is a plain
+    function: a bound method in a closure Dynamo reaches without a source fails its trace."""
     op, tensor, promote = torch.ops.torchfuse.kv_copy.default, torch.Tensor, torch.promote_types
     recognised = dependencies or compositions.Dependencies(original)
 

@@ -68,7 +68,8 @@ def train(mode):
     if mode in ("compile", "compile-dynamic", "shape-change", "reduce-overhead", "max-autotune",
                 "compile-fullgraph"):
         options = {"compile-dynamic": {"dynamic": True}, "reduce-overhead": {"mode": "reduce-overhead"},
-                   "max-autotune": {"mode": "max-autotune"}, "compile-fullgraph": {"fullgraph": True}}.get(mode, {})
+                   "max-autotune": {"mode": "max-autotune"},
+                   "compile-fullgraph": {"fullgraph": True}}.get(mode, {})
         model = torch.compile(model, **options)
     if mode == "compiled-optimizer":
         step_fn = torch.compile(opt.step)
