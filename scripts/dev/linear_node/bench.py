@@ -16,6 +16,7 @@ import torch.nn.functional as F
 torch.ops.load_library("/tmp/linear_node/proto.so")
 torch.set_num_threads(1)
 linear_node = torch.ops.proto.linear_node
+lean_node = torch.ops.proto.linear_node_lean  # a plain autograd Node: members, no saved_data map
 low, high = torch.float32, torch.float64
 x = torch.randn(2, 4, 8, dtype=high, requires_grad=True)
 weight = torch.randn(8, 8, dtype=high, requires_grad=True)
@@ -32,6 +33,10 @@ def node_three_casts():
     linear_node(x, weight, bias, 6).backward(grad)  # 6: torch.float32's ScalarType
 
 
+def lean_three_casts():
+    lean_node(x, weight, bias, 6).backward(grad)
+
+
 def stock_two_casts():
     F.linear(x_low, weight.to(low), bias.to(low)).backward(grad)
 
@@ -40,12 +45,20 @@ def node_two_casts():
     linear_node(x_low, weight, bias, 6).backward(grad)
 
 
+def lean_two_casts():
+    lean_node(x_low, weight, bias, 6).backward(grad)
+
+
 def stock_one_cast():  # no bias, x already cast: a Llama MLP's or o_proj's Linear
     F.linear(x_low, weight.to(low)).backward(grad)
 
 
 def node_one_cast():
     linear_node(x_low, weight, None, 6).backward(grad)
+
+
+def lean_one_cast():
+    lean_node(x_low, weight, None, 6).backward(grad)
 
 
 def one_multiply():  # the floor: one op and one node, and backward()'s own start
@@ -69,11 +82,12 @@ def per_call_us(fn, n=1500):
 
 
 same = all(torch.equal(a, b) for pair in ((stock_three_casts, node_three_casts), (stock_two_casts, node_two_casts),
-                                            (stock_one_cast, node_one_cast))
+                                            (stock_one_cast, node_one_cast), (stock_three_casts, lean_three_casts),
+                                            (stock_two_casts, lean_two_casts), (stock_one_cast, lean_one_cast))
            for a, b in zip(gradients(pair[0]), gradients(pair[1])))
 print("gradients bitwise stock's:", same)
-cases = (stock_three_casts, node_three_casts, stock_two_casts, node_two_casts, stock_one_cast, node_one_cast,
-         one_multiply)
+cases = (stock_three_casts, node_three_casts, lean_three_casts, stock_two_casts, node_two_casts, lean_two_casts,
+         stock_one_cast, node_one_cast, lean_one_cast, one_multiply)
 times = {f.__name__: [] for f in cases}
 for _ in range(6):
     for f in cases:
