@@ -955,10 +955,16 @@ class Dependencies:
     """What a recognised function's code calls through its globals (`torch.tanh`,
     `nn.functional.cross_entropy`, a helper such as `rotate_half` and what that calls in turn),
     as it was when recognised. A rewrite runs only while `unchanged()`: a patch of any of them
-    (a library's, a user's) means the original code, which calls the patch, must run."""
+    (a library's, a user's) means the original code, which calls the patch, must run.
+
+    `unchanged` is a plain function, not a bound method: the rewrites keep it in their closures,
+    and Dynamo cannot wrap a bound method in the closure of a function it reaches without a
+    source (the forward of a module made inside a compiled region, a KV-cache layer's update):
+    torch.compile would fail there, or break the graph, where it compiles stock's code whole."""
 
     def __init__(self, *functions):
-        self._expected = []
+        expected = self._expected = []
+        self.unchanged = lambda: all(_resolve(namespace, chain) is value for namespace, chain, value in expected)
         seen = set()
         pending = list(functions)
         while pending:
@@ -977,9 +983,6 @@ class Dependencies:
         """Counts one more dependency: `chain` resolved in `namespace` (a module's dict)."""
         self._expected.append((namespace, chain, _resolve(namespace, chain)))
         return self
-
-    def unchanged(self):
-        return all(_resolve(namespace, chain) is expected for namespace, chain, expected in self._expected)
 
 
 def _matches(function, form, reference, defaults):

@@ -1048,19 +1048,19 @@ def _prefix_rotary(torch, original, form, dependencies=None):
 
 
 def _kv_appends(torch, original, dependencies):
-    """What both KV-cache rewrites share: whether the call may take the op (the original's
-    dependencies unchanged; the caller checks first that it runs untraced), and the append of K
-    and V to the caches with the first append (the cache a training forward builds, empty until
-    then) as one op, torchfuse::kv_copy: the fresh row-major copies of K and V that
-    `torch.cat([cache, x], dim=-2)` makes of the 1-D empty cache and x, in the dtype cat promotes
-    to (the cache's is K's: after a rotary with fp32 tables, an fp32 K promotes a bf16 V). Later
-    appends, and K or V of another layout, run the original's cats. `unchanged` is a plain
-    function: a bound method in a closure Dynamo reaches without a source fails its trace."""
+    """What both KV-cache rewrites share: whether the call may take the op (untraced, the
+    original's dependencies unchanged), and the append of K and V to the caches with the first
+    append (the cache a training forward builds, empty until then) as one op, torchfuse::kv_copy:
+    the fresh row-major copies of K and V that `torch.cat([cache, x], dim=-2)` makes of the 1-D
+    empty cache and x, in the dtype cat promotes to (the cache's is K's: after a rotary with fp32
+    tables, an fp32 K promotes a bf16 V). Later appends, and K or V of another layout, run the
+    original's cats."""
     op, tensor, promote = torch.ops.torchfuse.kv_copy.default, torch.Tensor, torch.promote_types
-    recognised = dependencies or compositions.Dependencies(original)
+    untraced = _untraced_call(torch)
+    unchanged = (dependencies or compositions.Dependencies(original)).unchanged
 
-    def unchanged():
-        return recognised.unchanged()
+    def takes_op():
+        return untraced() and unchanged()
 
     def first_append(cache, x):
         # cat's output is then x's values, fresh and row-major whatever x's layout: cat skips
@@ -1077,20 +1077,18 @@ def _kv_appends(torch, original, dependencies):
                       promote(values.dtype, value_states.dtype))
         return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
 
-    return unchanged, append
+    return takes_op, append
 
 
 def _kv_update(torch, original, dependencies, appended):
     """A KV-cache layer's update as the original writes it, its first append as one op
     (_kv_appends): `appended(self, key_states, value_states, append)` is the original's code
-    after its lazy initialization, its cats as `append`. Traces run the original: `untraced()` is
-    checked first, so Dynamo (torch.compile, fullgraph too) never meets the closures below it."""
-    untraced = _untraced_call(torch)
-    unchanged, append = _kv_appends(torch, original, dependencies)
+    after its lazy initialization, its cats as `append`. Traces run the original."""
+    takes_op, append = _kv_appends(torch, original, dependencies)
 
     @functools.wraps(original)
     def update(self, key_states, value_states, *args, **kwargs):
-        if not (untraced() and unchanged()):
+        if not takes_op():
             return original(self, key_states, value_states, *args, **kwargs)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)

@@ -1424,7 +1424,8 @@ def test_hf_decoders_compile_with_fullgraph_under_the_rewrites():
     `update` without a source and wraps every cell of its closure: a bound method there failed
     the trace): Llama (DynamicLayer), Mistral with a sliding window (DynamicSlidingWindowLayer)
     and GPT-J (its rotary form, shared_cast) trace whole, with eager's loss, and the KV-cache
-    rewrites are in place."""
+    rewrites are in place. The same for a rewritten module made inside the compiled function (HF's
+    ACT2FN makes an activation module at each lookup), as stock's compiles."""
     out, _ = run("""
 import transformers
 import transformers.cache_utils as CU
@@ -1451,6 +1452,16 @@ for name, config in configs.items():
         result[name] = torch.equal(compiled, eager)
     except Exception as e:
         result[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+import transformers.activations as A
+x = torch.randn(2, 8)
+torch._dynamo.reset()
+try:
+    made_inside = torch.compile(lambda t: A.ACT2FN["gelu_new"](t), backend="eager", fullgraph=True)(x)
+    result["made_inside"] = [hasattr(A.NewGELUActivation.forward, "__wrapped__"),
+                             torch.equal(made_inside, A.NewGELUActivation()(x))]
+except Exception as e:
+    result["made_inside"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 print(json.dumps(result))
 """)
-    assert out == {"rewritten": [True, True], "llama": True, "mistral": True, "gptj": True}, out
+    assert out == {"rewritten": [True, True], "llama": True, "mistral": True, "gptj": True,
+                   "made_inside": [True, True]}, out
