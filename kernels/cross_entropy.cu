@@ -13,16 +13,22 @@
 //
 // Passes over memory: the forward reads the logits once (ce_fwd), the backward reads them
 // once and writes the gradient once (ce_bwd). One CTA owns a row (TF_THREADS threads; grids
-// stride over rows); thread tx takes the row's chunks tx, tx + TF_THREADS, ... of 8 elements
-// (16-byte loads where `vectorized`: the logits 16-byte aligned and cols % 8 == 0; otherwise
-// element by element, the same columns).
+// stride over rows); thread tx takes the row's 16-byte chunks tx, tx + TF_THREADS, ... of 8
+// elements, counted from the row's first 16-byte boundary; the few elements before it and
+// after the last whole chunk (rows of any width, GPT-2's 50257 classes: a row's offset within
+// 16 bytes changes from row to row) one a thread (RowSplit). Where the host finds the pointers
+// a kernel reads and writes at different offsets within 16 bytes (`vectorized` 0), every
+// element is loaded alone, the same columns.
 //
 // Forward, in registers: each thread keeps a running max m and sum s of exp(x - m) over its
-// columns (rescaled when the max grows: an online softmax over chunks) and their plain sum
-// (for label smoothing), then the CTA combines the (m, s, sum) triples, warps by butterfly and
-// then warp by warp in a fixed order. The loss rows and the count of rows not ignored are
-// summed by ce_reduce, one CTA, each thread a fixed stride of rows, then a fixed tree: every
-// reduction runs in an order set by the shape alone, so results are bitwise reproducible.
+// columns (an online softmax: one rescale of s per two chunks, whose loads are both in flight
+// before either is folded; the exps on the SFU alone, ex2.approx) and their plain sum (for
+// label smoothing), then the CTA combines the (m, s, sum) triples, warps by butterfly, then
+// warp 0 over the warps' parts by butterfly while the other warps start the next row (thread
+// 0 read the row's target and its logit before the scan, so those loads overlap it). The loss
+// rows and the count of rows not ignored are summed by ce_reduce, one CTA, each thread a fixed
+// stride of rows, then a fixed tree: every reduction runs in an order set by the shape alone,
+// so results are bitwise reproducible.
 //
 // NaN logits give NaN (as stock's log_softmax): fmaxf skips a NaN max but its exp is NaN and
 // enters the sum. An ignored row's gradient is 0 whatever its logits (stock: NaN there). A
@@ -91,50 +97,132 @@ __device__ __forceinline__ tf_i64 checked_target(const tf_i64* target, tf_i64 ro
   return t;
 }
 
+// exp2 of x by the SFU alone (ex2.approx.ftz: relative error about 2^-22; results below 2^-126
+// flush to 0, terms that vanish beside the row's largest, which is 1). The forward's sums only.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// A row's layout for 16-byte accesses where `vectorized` (the host found every pointer the
+// row is read from or written to at the same offset within 16 bytes): elements [0, head)
+// before the row's first 16-byte boundary, `chunks` whole chunks of TF_EW_CHUNK from there,
+// the tail after them. head + tail < 2 * TF_EW_CHUNK <= 32 elements: a thread each (`leftover`).
+// Otherwise no chunk: every element is the caller's element loop's.
+struct RowSplit {
+  bool vec;
+  tf_i64 head, chunks, tail_start;
+  __device__ __forceinline__ RowSplit(const tf_x* x, tf_i64 cols, int vectorized)
+      : vec(vectorized != 0), head(0), chunks(0), tail_start(cols) {
+    if (!vec) return;
+    const tf_i64 misaligned = static_cast<tf_i64>(reinterpret_cast<unsigned long long>(x) % 16);
+    head = misaligned == 0 ? 0 : (16 - misaligned) / static_cast<tf_i64>(sizeof(tf_x));
+    if (head > cols) head = cols;
+    chunks = (cols - head) / TF_EW_CHUNK;
+    tail_start = head + chunks * TF_EW_CHUNK;
+  }
+  // The column outside the chunks this thread takes, or -1.
+  __device__ __forceinline__ tf_i64 leftover(tf_i64 cols) const {
+    const tf_i64 tx = threadIdx.x;
+    if (tx < head) return tx;
+    const tf_i64 i = tx - head;
+    return i < cols - tail_start ? tail_start + i : -1;
+  }
+};
+
 #if TF_CE_FWD
-// This thread's part of one row's (max, sum of exp).
+// Folds W values into this thread's running (max m, sum s of exp(x - m), plain sum): one
+// rescale of s a fold. -inf pads need no care: exp2 of -inf is 0, and they are left out of sum.
 template <int W>
-__device__ __forceinline__ void scan_row(const tf_x* __restrict__ x, tf_i64 cols, float& m,
-                                         float& s, float& sum) {
-  for (tf_i64 k = threadIdx.x; k * TF_EW_CHUNK < cols; k += TF_THREADS) {
-    float v[TF_EW_CHUNK];
-    if constexpr (W == TF_EW_CHUNK) {
-      tf_load_elems<TF_EW_CHUNK>(x + k * TF_EW_CHUNK, v);
+__device__ __forceinline__ void fold(const float (&v)[W], int valid, float& m, float& s,
+                                     float& sum) {
+  float cmax = v[0];
 #pragma unroll
-      for (int j = 0; j < TF_EW_CHUNK; ++j) sum += v[j];
-    } else {
+  for (int j = 1; j < W; ++j) cmax = fmaxf(cmax, v[j]);
+  const float mm = fmaxf(m, cmax);
+  float add = 0.f;
+  if (mm != NEG_INF) {  // the common case: no -inf - -inf to guard
+#pragma unroll
+    for (int j = 0; j < W; ++j) add += fast_exp2((v[j] - mm) * LOG2E);
+    s = s * fast_exp2((m - mm) * LOG2E) + add;
+  } else {  // every value so far -inf or NaN: exp_shifted's guard (0 for -inf, NaN stays NaN)
+#pragma unroll
+    for (int j = 0; j < W; ++j) add += exp_shifted(v[j], mm);
+    s = s * exp_shifted(m, mm) + add;
+  }
+  m = mm;
+#pragma unroll
+  for (int j = 0; j < W; ++j)
+    if (j < valid) sum += v[j];
+}
+
+// This thread's part of one row's (max, sum of exp, plain sum). Vectorized: two chunks a step
+// (both loads in flight before either is folded), then head and tail one element a thread.
+// Otherwise every element one at a time, TF_EW_CHUNK of them a fold.
+__device__ __forceinline__ void scan_row(const tf_x* __restrict__ x, tf_i64 cols,
+                                         const RowSplit& split, float& m, float& s, float& sum) {
+  if (split.vec) {
+    const tf_x* __restrict__ body = x + split.head;
+    tf_i64 k = threadIdx.x;
+    for (; k + TF_THREADS < split.chunks; k += 2 * TF_THREADS) {
+      float v[2 * TF_EW_CHUNK];
+      float a[TF_EW_CHUNK], b[TF_EW_CHUNK];
+      tf_load_elems<TF_EW_CHUNK>(body + k * TF_EW_CHUNK, a);
+      tf_load_elems<TF_EW_CHUNK>(body + (k + TF_THREADS) * TF_EW_CHUNK, b);
 #pragma unroll
       for (int j = 0; j < TF_EW_CHUNK; ++j) {
-        const tf_i64 c = k * TF_EW_CHUNK + j;
-        v[j] = c < cols ? tf_float(x[c]) : NEG_INF;
-        if (c < cols) sum += v[j];  // the padding -inf stays out
+        v[j] = a[j];
+        v[TF_EW_CHUNK + j] = b[j];
       }
+      fold<2 * TF_EW_CHUNK>(v, 2 * TF_EW_CHUNK, m, s, sum);
     }
-    float cmax = v[0];
+    if (k < split.chunks) {
+      float v[TF_EW_CHUNK];
+      tf_load_elems<TF_EW_CHUNK>(body + k * TF_EW_CHUNK, v);
+      fold<TF_EW_CHUNK>(v, TF_EW_CHUNK, m, s, sum);
+    }
+    const tf_i64 c = split.leftover(cols);
+    if (c >= 0) {
+      const float v[1] = {tf_float(x[c])};
+      fold<1>(v, 1, m, s, sum);
+    }
+    return;
+  }
+  for (tf_i64 k = threadIdx.x; k * TF_EW_CHUNK < cols; k += TF_THREADS) {
+    float v[TF_EW_CHUNK];
+    int valid = 0;
 #pragma unroll
-    for (int j = 1; j < TF_EW_CHUNK; ++j) cmax = fmaxf(cmax, v[j]);
-    const float mm = fmaxf(m, cmax);
-    float add = 0.f;
-#pragma unroll
-    for (int j = 0; j < TF_EW_CHUNK; ++j) add += exp_shifted(v[j], mm);
-    s = s * exp_shifted(m, mm) + add;
-    m = mm;
+    for (int j = 0; j < TF_EW_CHUNK; ++j) {
+      const tf_i64 c = k * TF_EW_CHUNK + j;
+      v[j] = c < cols ? tf_float(x[c]) : NEG_INF;
+      valid += c < cols ? 1 : 0;
+    }
+    fold<TF_EW_CHUNK>(v, valid, m, s, sum);  // the columns in order: the first `valid` are real
   }
 }
 
 // loss_rows[i] = loss_i (fp32), lse[i] = lse_i, for rows blockIdx.x, + gridDim.x, ...
+// Thread 0 reads the row's target (and its logit) before the scan, so those loads overlap it;
+// warp 0 combines the warps' parts while the other warps start the next row (the parts are
+// double-buffered by row parity: a buffer is written again only after the next row's barrier,
+// which warp 0 reaches once its combine is done).
 extern "C" __global__ void __launch_bounds__(TF_THREADS)
     ce_fwd(const tf_x* __restrict__ logits, const tf_i64* __restrict__ target,
            float* __restrict__ loss_rows, float* __restrict__ lse, tf_i64 rows, tf_i64 cols,
            tf_i64 ignore_index, float smoothing, int vectorized) {
-  __shared__ float part_m[WARPS], part_s[WARPS], part_sum[WARPS];
-  for (tf_i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+  __shared__ float part_m[2][WARPS], part_s[2][WARPS], part_sum[2][WARPS];
+  int parity = 0;
+  for (tf_i64 row = blockIdx.x; row < rows; row += gridDim.x, parity ^= 1) {
     const tf_x* __restrict__ x = logits + row * cols;
+    tf_i64 t = -1;
+    float xt = 0.f;
+    if (threadIdx.x == 0) {
+      t = checked_target(target, row, cols, ignore_index);
+      if (t >= 0) xt = tf_float(x[t]);
+    }
     float m = NEG_INF, s = 0.f, sum = 0.f;
-    if (vectorized)
-      scan_row<TF_EW_CHUNK>(x, cols, m, s, sum);
-    else
-      scan_row<1>(x, cols, m, s, sum);
+    scan_row(x, cols, RowSplit(x, cols, vectorized), m, s, sum);
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {
       const float m2 = __shfl_xor_sync(0xffffffffu, m, offset);
@@ -142,31 +230,36 @@ extern "C" __global__ void __launch_bounds__(TF_THREADS)
       combine(m, s, m2, s2);
     }
     sum = tf_warp_sum(sum);
-    const int warp = threadIdx.x / 32;
-    if (threadIdx.x % 32 == 0) {
-      part_m[warp] = m;
-      part_s[warp] = s;
-      part_sum[warp] = sum;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) {
+      part_m[parity][warp] = m;
+      part_s[parity][warp] = s;
+      part_sum[parity][warp] = sum;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-      float tm = part_m[0], ts = part_s[0], tsum = part_sum[0];
-      for (int w = 1; w < WARPS; ++w) {
-        combine(tm, ts, part_m[w], part_s[w]);
-        tsum += part_sum[w];
-      }
+    if (warp != 0) continue;
+    // The warps' parts in a fixed butterfly: the order is set by the shape alone.
+    float tm = lane < WARPS ? part_m[parity][lane] : NEG_INF;
+    float ts = lane < WARPS ? part_s[parity][lane] : 0.f;
+    float tsum = lane < WARPS ? part_sum[parity][lane] : 0.f;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, tm, offset);
+      const float s2 = __shfl_xor_sync(0xffffffffu, ts, offset);
+      combine(tm, ts, m2, s2);
+    }
+    tsum = tf_warp_sum(tsum);
+    if (lane == 0) {
       // All -inf: log(0) = -inf, and the loss -inf - -inf = NaN, as stock's log_softmax gives.
       const float row_lse = tm == NEG_INF ? NEG_INF : tm + logf(ts);
-      const tf_i64 t = checked_target(target, row, cols, ignore_index);
       lse[row] = row_lse;
       // (max - x_t) + log(sum) rather than lse - x_t: no cancellation in confident rows.
-      float loss = t < 0 ? 0.f : (tm - tf_float(x[t])) + logf(ts);
+      float loss = t < 0 ? 0.f : (tm - xt) + logf(ts);
       if (smoothing != 0.f && t >= 0)
         loss = (1.f - smoothing) * loss +
                smoothing * ((tm - tsum / static_cast<float>(cols)) + logf(ts));
       loss_rows[row] = loss;
     }
-    __syncthreads();  // the parts are rewritten for the next row
   }
 }
 
@@ -250,9 +343,12 @@ extern "C" __global__ void __launch_bounds__(TF_THREADS)
       continue;
     }
     const RowGrad op{logits + offset, dx, lse[row], g, on, off, t};
-    if (vectorized) {
-      for (tf_i64 k = threadIdx.x; k * TF_EW_CHUNK < cols; k += TF_THREADS)
-        op.template apply<TF_EW_CHUNK>(k * TF_EW_CHUNK);
+    const RowSplit split(logits + offset, cols, vectorized);
+    if (split.vec) {
+      for (tf_i64 k = threadIdx.x; k < split.chunks; k += TF_THREADS)
+        op.template apply<TF_EW_CHUNK>(split.head + k * TF_EW_CHUNK);
+      const tf_i64 c = split.leftover(cols);
+      if (c >= 0) op.template apply<1>(c);
     } else {
       for (tf_i64 c = threadIdx.x; c < cols; c += TF_THREADS) op.template apply<1>(c);
     }

@@ -9,7 +9,7 @@
 
 use super::{elementwise, params};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
-use crate::abi::tensor::{aligned16, describe, device_addr, empty, kind_of_scalar_type};
+use crate::abi::tensor::{describe, device_addr, empty, kind_of_scalar_type};
 use crate::abi::types::{TfCrossEntropyCall, TfTensor};
 use crate::gpu::args::{self, kernel_args, Field, KernelArgs};
 use crate::gpu::{self, Launch};
@@ -267,9 +267,11 @@ fn row_launch(rows: i64, threads: i64) -> Result<LaunchConfig, StockReason> {
     })
 }
 
-/// 16-byte accesses are legal: every row starts 16-byte aligned and holds whole chunks.
-fn vectorized(cols: i64, addrs: &[u64]) -> i32 {
-    i32::from(cols % elementwise::CHUNK == 0 && aligned16(addrs.iter().copied()))
+/// 16-byte accesses are legal from each row's first 16-byte boundary on (the kernels take the
+/// elements before and after the whole chunks one by one): the pointers a kernel reads and
+/// writes a row through sit at the same offset within 16 bytes.
+fn vectorized(addrs: &[u64]) -> i32 {
+    i32::from(addrs.windows(2).all(|pair| pair[0] % 16 == pair[1] % 16))
 }
 
 /// ce_fwd, then ce_reduce (mean, sum; or none with a loss dtype other than fp32).
@@ -300,7 +302,7 @@ unsafe fn forward_launch(
         device_addr(&lse),
         device_addr(&total_weight),
     );
-    let vec = vectorized(s.cols, &[logits_ptr]);
+    let vec = vectorized(&[logits_ptr]);
     let smoothing = call.label_smoothing as f32;
     let fwd = kernels.get(FWD_KERNEL)?;
     let mut args = stream.launch_builder(&fwd.function);
@@ -423,7 +425,7 @@ unsafe fn backward_launch(
         ignore_index: call.ignore_index,
         smoothing: call.label_smoothing as f32,
         reduction: call.reduction,
-        vectorized: vectorized(s.cols, &[logits_ptr, grad_logits_ptr]),
+        vectorized: vectorized(&[logits_ptr, grad_logits_ptr]),
     };
     let bwd = kernels.get(BWD_KERNEL)?;
     let mut args = stream.launch_builder(&bwd.function);

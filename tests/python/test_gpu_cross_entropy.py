@@ -124,6 +124,26 @@ def test_random_cases():
               f"{REDUCTIONS[reduction]} label_smoothing {smoothing}", smoothing)
 
 
+def test_rows_at_every_offset_within_16_bytes():
+    """Rows of odd widths (GPT-2's 50257 classes) start at a different offset within 16 bytes
+    row by row, and a view into a buffer moves the first row too: the kernels take the elements
+    before each row's first 16-byte boundary and after its last whole chunk one by one."""
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    for dtype in (torch.bfloat16, torch.float32):
+        for cols in (50257, 1003, 9, 17, 3):
+            rows = 37
+            for offset in (0, 1, 3, 5):
+                flat = torch.randn(offset + rows * cols, device="cuda") * 4
+                logits = flat.to(dtype)[offset:].view(rows, cols)
+                target = torch.randint(0, cols, (rows,), device="cuda")
+                target[::5] = -100
+                for smoothing in (0.0, 0.1):
+                    check(logits, target, 1, -100, torch.float32,
+                          f"seed {seed}: {dtype} {rows}x{cols} at offset {offset} smoothing {smoothing}",
+                          smoothing)
+
+
 def test_every_row_ignored_gives_stocks_nan_and_zero_grads():
     logits = torch.randn(16, 100, device="cuda", dtype=torch.bfloat16)
     target = torch.full((16,), -100, device="cuda")
