@@ -29,6 +29,10 @@
 // over the dims they lack. Strides come per operand from src/ops/rotary.rs (`RopeOperand`),
 // and so does `group`.
 //
+// Partial rotary (GPT-NeoX's: `d`, the row's length, more than the rotated 2 * half): the rest
+// of the row passes through in the same launch, converted to the output's dtype (`pass_row`),
+// where the original splits the head dim and cats the rotated part with the rest.
+//
 // Dtypes: x (q, k, and the backward's dx) is TF_DTYPE. TF_WIDE = 1: cos, sin and the forward's
 // output (the backward's dy) are fp32 while x is 16-bit, the form autocast gives HF's code
 // (cos/sin follow the fp32 hidden states and the product promotes); otherwise all TF_DTYPE.
@@ -168,6 +172,24 @@ __device__ __forceinline__ void rotate_pairs(const RopeOperand& op, const tf_y* 
   }
 }
 
+// Partial rotary (`d` > 2 * half): the row's features from `from` to d pass through, converted
+// from the input's dtype to the output's (the forward's cat promotes a 16-bit x to fp32 beside
+// fp32 rotated features; the backward's gradient goes back to x's dtype): this lane's W-element
+// pieces, `first` and every `lanes`-th after it.
+template <int W, typename TIn, typename TOut>
+__device__ __forceinline__ void pass_row(const RopeOperand& op, tf_i64 row, int from, int d,
+                                         int first, int lanes) {
+  tf_i64 i0, i1, i2;
+  split_row(op, row, i0, i1, i2);
+  const TIn* in = static_cast<const TIn*>(op.in) + offset(op.in_s, i0, i1, i2);
+  TOut* out = static_cast<TOut*>(op.out) + offset(op.out_s, i0, i1, i2);
+  for (int j = from + first * W; j < d; j += lanes * W) {
+    float v[W];
+    tf_load_elems<W>(in + j, v);
+    tf_store_elems<W>(out + j, v);
+  }
+}
+
 #if TF_ROPE_BWD
 typedef tf_y tf_in;  // dy
 typedef tf_x tf_out;  // dx
@@ -179,7 +201,13 @@ typedef tf_y tf_out;
 template <bool PAIRS>
 __device__ __forceinline__ void rope_row(const RopeOperand& op, const tf_y* __restrict__ cos,
                                          const tf_y* __restrict__ sin, tf_i64 row, int half,
-                                         int group, int lane, int lanes) {
+                                         int d, int group, int lane, int lanes) {
+  if (d > 2 * half) {
+    if (group > 0)
+      pass_row<TF_EW_CHUNK, tf_in, tf_out>(op, row, 2 * half, d, lane % lanes, lanes);
+    else
+      pass_row<1, tf_in, tf_out>(op, row, 2 * half, d, lane, 32);
+  }
   if constexpr (PAIRS) {
     if (group > 0)
       rotate_pairs<TF_EW_CHUNK, tf_in, tf_out>(op, cos, sin, row, half, lane % lanes, lanes);
@@ -199,7 +227,8 @@ __device__ __forceinline__ void rope_row(const RopeOperand& op, const tf_y* __re
 template <bool PAIRS>
 __device__ __forceinline__ void rope_rows(const RopeOperand& q, const RopeOperand& k,
                                           const tf_y* __restrict__ cos,
-                                          const tf_y* __restrict__ sin, int half, int group) {
+                                          const tf_y* __restrict__ sin, int half, int d,
+                                          int group) {
   constexpr int warps = TF_THREADS / 32;
   const int lane = threadIdx.x % 32;
   const int lanes = group > 0 ? group : 32;  // a row's lanes
@@ -212,22 +241,22 @@ __device__ __forceinline__ void rope_rows(const RopeOperand& q, const RopeOperan
     // Each call names its operand: `is_q ? q : k` would copy the chosen one to the stack
     // (local memory) on every row, where the parameters' constant bank serves them directly.
     if (r < q.rows)
-      rope_row<PAIRS>(q, cos, sin, r, half, group, lane, lanes);
+      rope_row<PAIRS>(q, cos, sin, r, half, d, group, lane, lanes);
     else
-      rope_row<PAIRS>(k, cos, sin, r - q.rows, half, group, lane, lanes);
+      rope_row<PAIRS>(k, cos, sin, r - q.rows, half, d, group, lane, lanes);
   }
 }
 
 extern "C" __global__ void __launch_bounds__(TF_THREADS)
     rope(RopeOperand q, RopeOperand k, const tf_y* __restrict__ cos,
-         const tf_y* __restrict__ sin, int half, int group) {
-  rope_rows<false>(q, k, cos, sin, half, group);
+         const tf_y* __restrict__ sin, int half, int d, int group) {
+  rope_rows<false>(q, k, cos, sin, half, d, group);
 }
 
 extern "C" __global__ void __launch_bounds__(TF_THREADS)
     rope_pairs(RopeOperand q, RopeOperand k, const tf_y* __restrict__ cos,
-               const tf_y* __restrict__ sin, int half, int group) {
-  rope_rows<true>(q, k, cos, sin, half, group);
+               const tf_y* __restrict__ sin, int half, int d, int group) {
+  rope_rows<true>(q, k, cos, sin, half, d, group);
 }
 
 // kv_copy: each row of x (a [n0, n1, n2, d] view with a contiguous last dim: HF's K or V, often a

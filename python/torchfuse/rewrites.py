@@ -932,11 +932,13 @@ def _rotary_cast_back(torch, original, form, dependencies=None):
 def _partial_rotary(torch, original, form, dependencies=None):
     """GPT-NeoX's apply_rotary_pos_emb (and its copies, Nemotron's written its own way): the
     rotate-half rotary of the first `cos.shape[-1]` features of each head (Pythia: a quarter),
-    the rest passed through, then cat. The rotated slices go to torchfuse::rotary as the views
-    the original makes (the op takes a slice of the head dim, and returns what HF's composition
-    returns for it; both slices of a tensor are made by one split), and the cats are the
-    original's. An odd or too-wide rotary dim runs the original. GLM's (GLM-4's, Moonshine's)
-    is the same of the interleaved rotary (pairs (2p, 2p+1)) with GLM's tables
+    the rest passed through, then cat. One torchfuse::rotary call with `passthrough` does all
+    of it: the rotated features and the rest written into the cat's row-major output (in the
+    dtype the cat promotes to), and in the backward the gradient of the whole head at once, in
+    place of the original's split, two cats forward and two backward. A rotary dim of the whole
+    head dim takes its rotated slice to the op and the original's cat (that cat's layout is the
+    original's); an odd or too-wide one runs the original. GLM's (GLM-4's, Moonshine's) is the
+    same of the interleaved rotary (pairs (2p, 2p+1)) with GLM's tables
     (`_interleaved_tables`), made as the original makes them; GLM-4V's (GLM-OCR's) the
     interleaved one with the tables as given."""
     op, cat = torch.ops.torchfuse.rotary.default, torch.cat
@@ -950,6 +952,8 @@ def _partial_rotary(torch, original, form, dependencies=None):
             tables = _interleaved_tables(cos, sin, unsqueeze_dim) if glm_tables else (cos, sin)
             # As the original reads it.
             rotary_dim = tables[0].unsqueeze(unsqueeze_dim).shape[-1] if tables is not None else 0
+            if rotary_dim % 2 == 0 and 0 < rotary_dim < min(q.shape[-1], k.shape[-1]):
+                return op(q, k, *tables, unsqueeze_dim, interleaved, True)
             if rotary_dim % 2 == 0 and 0 < rotary_dim <= min(q.shape[-1], k.shape[-1]):
                 q_rot, q_pass = _rotated_and_passed(q, rotary_dim)
                 k_rot, k_pass = _rotated_and_passed(k, rotary_dim)

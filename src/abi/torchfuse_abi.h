@@ -124,8 +124,8 @@ typedef struct TfSwigluCall {
   TfTensor grad_out;  // backward only
 } TfSwigluCall;
 
-// torchfuse::rotary (q, k, cos, sin, unsqueeze_dim, interleaved) and rotary_backward (grad_q,
-// grad_k, cos, sin, unsqueeze_dim, x_dtype, interleaved).
+// torchfuse::rotary (q, k, cos, sin, unsqueeze_dim, interleaved, passthrough) and
+// rotary_backward (grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype, interleaved, passthrough).
 typedef struct TfRotaryCall {
   TfTensor q, k;            // forward only
   TfTensor cos, sin;
@@ -133,7 +133,8 @@ typedef struct TfRotaryCall {
   int64_t unsqueeze_dim;
   int16_t x_dtype;  // backward: q's and k's c10::ScalarType, the gradients' dtype
   uint8_t interleaved;  // 1: pairs (2p, 2p+1) rotate (rotate_every_two); 0: rotate_half's (j, j+d/2)
-  uint8_t unused[5];
+  uint8_t passthrough;  // 1: cos/sin's last dim r < the head dim: the first r rotate, the rest pass
+  uint8_t unused[4];
 } TfRotaryCall;
 
 // embedding (weight, indices) and embedding_dense_backward (grad, indices, ...).

@@ -207,7 +207,10 @@ pub struct TfRotaryCall {
     pub x_dtype: i16,
     /// 1: pairs (2p, 2p+1) rotate (rotate_every_two); 0: rotate_half's (j, j + d/2).
     pub interleaved: u8,
-    pub unused: [u8; 5],
+    /// 1: cos/sin's last dim r is less than the head dim: its first r features rotate, the rest
+    /// pass through (GPT-NeoX's partial rotary, as one op: the original's split and cat).
+    pub passthrough: u8,
+    pub unused: [u8; 4],
 }
 
 /// `TfEmbeddingCall`.

@@ -64,8 +64,10 @@ kernel_args! {
         k: RopeOperand,
         cos: u64,
         sin: u64,
-        /// Half the head dim.
+        /// Half the rotated features (the head dim, or cos/sin's last dim in partial rotary).
         half: i32,
+        /// The head dim: where it is more than 2 * half, the rest of the row passes through.
+        d: i32,
         /// Lanes a row, 1 to 32 (kv_copy takes only rows of whole 16-byte chunks).
         group: i32,
     }
@@ -144,8 +146,9 @@ fn row_launch(rows: i64, group: i32, threads: i64) -> Result<LaunchConfig, Stock
 
 /// Lanes a row for the kernel's chunked path (a power of two: the chunks of a half, or the
 /// largest power of two that divides them, at most a warp), or 0 for element by element: chunks
-/// need a half of whole chunks and every row of every operand 16-byte aligned.
-fn lanes_per_row(half: i64, ops: &[&RopeOperand], addrs: &[u64]) -> i32 {
+/// need a half of whole chunks (and a head dim `d` of whole chunks, where the rest of the row
+/// passes through) and every row of every operand 16-byte aligned.
+fn lanes_per_row(half: i64, d: i64, ops: &[&RopeOperand], addrs: &[u64]) -> i32 {
     let chunk = elementwise::CHUNK;
     // A dim of one element never steps: its stride does not matter.
     let whole = |o: &RopeOperand, s: &RopeStrides| {
@@ -157,7 +160,7 @@ fn lanes_per_row(half: i64, ops: &[&RopeOperand], addrs: &[u64]) -> i32 {
     let rows_aligned = ops
         .iter()
         .all(|o| whole(o, &o.in_s) && whole(o, &o.out_s) && whole(o, &o.trig_s));
-    if half % chunk != 0 || !rows_aligned || !aligned16(addrs.iter().copied()) {
+    if half % chunk != 0 || d % chunk != 0 || !rows_aligned || !aligned16(addrs.iter().copied()) {
         return 0;
     }
     let chunks = half / chunk;
@@ -203,16 +206,40 @@ fn output_strides(size: &[i64], stride: &[i64], dense: bool) -> Vec<i64> {
     out
 }
 
-/// A new tensor for the output of `like`, laid out as HF's composition lays it out, and its
-/// strides (what it was made with: not read back from libtorch).
+/// Row-major strides of a 4-D size.
+fn contiguous_strides(size: &[i64]) -> Vec<i64> {
+    let mut out = vec![1; size.len()];
+    for i in (0..size.len().saturating_sub(1)).rev() {
+        out[i] = out[i + 1] * size[i + 1].max(1);
+    }
+    out
+}
+
+/// Whether PyTorch could suggest channels-last for a 4-D view with a contiguous last dim of more
+/// than one element (`is_channels_last_strides_2d`): only where dim 1 holds one element at
+/// stride 1. torch.cat keeps channels-last where all its inputs suggest it, so partial rotary's
+/// output (the cat of the rotated features and the rest) is row-major but there: such views
+/// go to stock.
+fn may_suggest_channels_last(size: &[i64], stride: &[i64]) -> bool {
+    size.get(1) == Some(&1) && stride.get(1) == Some(&1)
+}
+
+/// A new tensor for the output of `like`, laid out as HF's composition lays it out (row-major
+/// where the rest of the row passes through: the original's cat makes it), and its strides
+/// (what it was made with: not read back from libtorch).
 fn empty_like(
     like: &TfTensor,
     dense: bool,
+    passthrough: bool,
     kind: Kind,
     device: Device,
 ) -> Result<(Tensor, Vec<i64>), StockReason> {
     let size = like.sizes();
-    let stride = output_strides(size, like.strides(), dense);
+    let stride = if passthrough {
+        contiguous_strides(size)
+    } else {
+        output_strides(size, like.strides(), dense)
+    };
     let out = Tensor::f_empty_strided(size, &stride, (kind, device))
         .map_err(|_| StockReason::InternalError)?;
     Ok((out, stride))
@@ -292,6 +319,31 @@ impl Family for Rotary {
         {
             return Err(StockReason::InvalidInput);
         }
+        // The rotated features: the head dim, or in partial rotary cos/sin's last dim (even, and
+        // less than the head dim; the rest passes through).
+        let passthrough = call.passthrough != 0;
+        let rotated = if passthrough {
+            // cos's last dim as the original reads it, after the unsqueeze: one where the new
+            // dim is the last (odd: not served).
+            let trig_dims =
+                i64::try_from(cos.sizes().len()).map_err(|_| StockReason::InvalidInput)?;
+            let r = if call.unsqueeze_dim == trig_dims || call.unsqueeze_dim == -1 {
+                1
+            } else {
+                *cos.sizes().last().ok_or(StockReason::InvalidInput)?
+            };
+            if r <= 0 || r >= d || r % 2 != 0 {
+                return Err(StockReason::InvalidInput);
+            }
+            if may_suggest_channels_last(a_size, a.strides())
+                || may_suggest_channels_last(b_size, b.strides())
+            {
+                return Err(StockReason::NotContiguous);
+            }
+            r
+        } else {
+            d
+        };
         let a_kind = a.kind().ok_or(StockReason::UnsupportedDtype)?;
         let trig_kind = cos.kind().ok_or(StockReason::UnsupportedDtype)?;
         if b.kind() != Some(a_kind) || sin.kind() != Some(trig_kind) {
@@ -316,10 +368,13 @@ impl Family for Rotary {
         let operand = |t: &TfTensor,
                        (out, out_stride): &(Tensor, Vec<i64>)|
          -> Result<RopeOperand, StockReason> {
+            // cos/sin broadcast to the rotated features' view (the original's slice).
+            let mut rotated_size = t.sizes().to_vec();
+            rotated_size[3] = rotated;
             let size = t.sizes();
-            let trig_s = trig_strides(cos, call.unsqueeze_dim, size)
+            let trig_s = trig_strides(cos, call.unsqueeze_dim, &rotated_size)
                 .filter(|s| {
-                    trig_strides(sin, call.unsqueeze_dim, size)
+                    trig_strides(sin, call.unsqueeze_dim, &rotated_size)
                         .is_some_and(|t| (t.s0, t.s1, t.s2) == (s.s0, s.s1, s.s2))
                 })
                 .ok_or(StockReason::InvalidInput)?;
@@ -336,8 +391,8 @@ impl Family for Rotary {
         };
         let out_kind = if backward { x_kind } else { other_kind };
         let (out_a, out_b) = (
-            empty_like(a, a_dense, out_kind, device)?,
-            empty_like(b, b_dense, out_kind, device)?,
+            empty_like(a, a_dense, passthrough, out_kind, device)?,
+            empty_like(b, b_dense, passthrough, out_kind, device)?,
         );
         let (op_a, op_b) = (operand(a, &out_a)?, operand(b, &out_b)?);
         let total = op_a.rows + op_b.rows;
@@ -365,7 +420,8 @@ impl Family for Rotary {
         })?;
         let p = Rotary::params(params)?;
         let group = lanes_per_row(
-            d / 2,
+            rotated / 2,
+            d,
             &[&op_a, &op_b],
             &[
                 a.addr(),
@@ -378,7 +434,8 @@ impl Family for Rotary {
         );
         let config = row_launch(total, group, p.threads)?;
         let (cos_ptr, sin_ptr) = (cos.addr(), sin.addr());
-        let half = i32::try_from(d / 2).map_err(|_| StockReason::NoVariantForShape)?;
+        let half = i32::try_from(rotated / 2).map_err(|_| StockReason::NoVariantForShape)?;
+        let row_len = i32::try_from(d).map_err(|_| StockReason::NoVariantForShape)?;
         let stream = gpu.stream(launch);
         let kernel = kernels.get(if call.interleaved != 0 {
             PAIRS_KERNEL
@@ -392,6 +449,7 @@ impl Family for Rotary {
             cos: cos_ptr,
             sin: sin_ptr,
             half,
+            d: row_len,
             group,
         };
         args::push(&mut args, &rope_args);
@@ -511,7 +569,7 @@ fn kv_copy(launch: Launch, call: &TfRotaryCall) -> Result<Served, StockReason> {
     // (a head dim of no whole number of 16-byte chunks, an unaligned view) were not measured
     // against the glue's copy, which keeps them. Asked before the output exists, its address
     // standing as 0: PyTorch's allocator starts every block 16-byte aligned (512 on CUDA).
-    let group = lanes_per_row(d, &[&op], &[op.input, op.output]);
+    let group = lanes_per_row(d, d, &[&op], &[op.input, op.output]);
     if group == 0 {
         return Err(StockReason::NoVariantForShape);
     }
@@ -573,21 +631,28 @@ mod tests {
         let tensors = [0x7000_0000_u64];
         let aligned = operand(64);
         // Head dims 64, 128, 96, 512: halves of 4, 8, 6 and 32 chunks.
-        assert_eq!(lanes_per_row(32, &[&aligned], &tensors), 4);
-        assert_eq!(lanes_per_row(64, &[&aligned], &tensors), 8);
-        assert_eq!(lanes_per_row(48, &[&aligned], &tensors), 2);
-        assert_eq!(lanes_per_row(256, &[&aligned], &tensors), 32);
+        assert_eq!(lanes_per_row(32, 64, &[&aligned], &tensors), 4);
+        assert_eq!(lanes_per_row(64, 128, &[&aligned], &tensors), 8);
+        assert_eq!(lanes_per_row(48, 96, &[&aligned], &tensors), 2);
+        assert_eq!(lanes_per_row(256, 512, &[&aligned], &tensors), 32);
+        // Partial rotary: Pythia's 16 of 64 features rotate (a half of one chunk), the rest
+        // pass through by chunks too; a head dim of no whole chunks takes the element path.
+        assert_eq!(lanes_per_row(8, 64, &[&aligned], &tensors), 1);
+        assert_eq!(lanes_per_row(8, 60, &[&aligned], &tensors), 0);
         // A half not of whole chunks, a row stride off the chunk, a misaligned pointer.
-        assert_eq!(lanes_per_row(36, &[&aligned], &tensors), 0);
-        assert_eq!(lanes_per_row(32, &[&aligned, &operand(68)], &tensors), 0);
+        assert_eq!(lanes_per_row(36, 72, &[&aligned], &tensors), 0);
+        assert_eq!(
+            lanes_per_row(32, 64, &[&aligned, &operand(68)], &tensors),
+            0
+        );
         // ... unless that dim has one element (it never steps).
         let one_head = RopeOperand {
             n1: 1,
             rows: 4,
             ..operand(68)
         };
-        assert_eq!(lanes_per_row(32, &[&aligned, &one_head], &tensors), 4);
-        assert_eq!(lanes_per_row(32, &[&aligned], &[0x7000_0004]), 0);
+        assert_eq!(lanes_per_row(32, 64, &[&aligned, &one_head], &tensors), 4);
+        assert_eq!(lanes_per_row(32, 64, &[&aligned], &[0x7000_0004]), 0);
     }
 
     #[test]

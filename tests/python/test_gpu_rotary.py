@@ -262,17 +262,28 @@ def test_odd_head_dims_and_forward_ad_take_hfs_ops():
 def test_partial_rotary_rewrite_is_the_original_function(module_name, factory, form):
     """The rewrite of GPT-NeoX's (Phi-3's, Nemotron's, Qwen4-exp's with k) apply_rotary_pos_emb:
     the first cos.shape[-1] features rotated by torchfuse::rotary (a quarter of the head dim, as
-    Pythia; all of it, as Phi-3), the rest passed through, against the original function:
-    dtypes, layouts, values and gradients within the original's error to float64."""
+    Pythia; Phi-2's 32 of 80; 24 of 64, a half of no whole chunk: element by element; all of
+    it, as Phi-3), the rest passed through in the same call, against the original function:
+    dtypes, layouts, values and gradients within the original's error to float64; the passed
+    features bit for bit the original's (the cat's promotion, and its backward's cast)."""
     _, original, rewritten = original_and_rewrite(module_name, "apply_rotary_pos_emb", factory, form)
     seed = fresh_seed()
     torch.manual_seed(seed)
-    for (x_dtype, trig_dtype), rotary_dim in [(FORMS[0], 16), (FORMS[1], 16), (FORMS[1], 64), (FORMS[2], 32)]:
-        b, s, h, d = 2, 129, 8, 64
+    for (x_dtype, trig_dtype), rotary_dim, d in [(FORMS[0], 16, 64), (FORMS[1], 16, 64), (FORMS[1], 64, 64),
+                                                 (FORMS[2], 32, 64), (FORMS[1], 32, 80), (FORMS[1], 24, 64),
+                                                 (FORMS[3], 16, 64)]:
+        b, s, h = 2, 129, 8
         q, k = projected_heads(b, s, h, d, x_dtype), projected_heads(b, s, h, d, x_dtype)
         cos, sin = rope_tables(b, s, rotary_dim, trig_dtype)
-        what = f"seed {seed} {module_name} {x_dtype}/{trig_dtype} rotary_dim {rotary_dim}"
+        what = f"seed {seed} {module_name} {x_dtype}/{trig_dtype} rotary_dim {rotary_dim} of {d}"
         assert_served_once_like_the_original(rewritten, original, q, k, cos, sin, what)
+        if rotary_dim < d:
+            dq, dk = (torch.randn(t.shape, device="cuda").to(torch.promote_types(x_dtype, trig_dtype))
+                      for t in (q, k))
+            ours = run(rewritten, q, k, cos, sin, dq, dk, 1)
+            theirs = run(original, q, k, cos, sin, dq, dk, 1)
+            for name, o, t in zip(("q_embed", "k_embed", "dq", "dk"), ours, theirs):
+                assert torch.equal(o[..., rotary_dim:], t[..., rotary_dim:]), (what, name)
 
 
 def test_half_table_rotary_rewrite_is_the_original_function():

@@ -22,8 +22,9 @@ q, k, cos, sin = r(2, 3, 5, 8, grad=True), r(2, 1, 5, 8, grad=True), r(2, 5, 8),
 x, w = r(5, 64, grad=True), r(64)
 logits, target = r(6, 10, grad=True), torch.randint(0, 10, (6,), generator=g)
 SAMPLES = {
-    "rotary": [(q, k, cos, sin, 1)],
-    "rotary_backward": [(q.detach(), k.detach(), cos, sin, 1, torch.float32)],
+    "rotary": [(q, k, cos, sin, 1), (q, k, cos[..., :4], sin[..., :4], 1, False, True)],
+    "rotary_backward": [(q.detach(), k.detach(), cos, sin, 1, torch.float32),
+                        (q.detach(), k.detach(), cos[..., :4], sin[..., :4], 1, torch.float32, False, True)],
     "gelu_tanh": [(x, None), (x, torch.float32)],
     "gelu_tanh_backward": [(x.detach(), r(5, 64))],
     "silu_mul": [(x, r(5, 64, grad=True))],

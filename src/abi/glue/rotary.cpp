@@ -5,10 +5,12 @@
 namespace torchfuse_glue {
 namespace {
 
-// torchfuse::rotary(q, k, cos, sin, unsqueeze_dim, interleaved): HF's apply_rotary_pos_emb (the
-// rotate-half form, or with `interleaved` the rotate_every_two form of GLM, Cohere and GPT-J),
-// q and k in one call. The gradients go to q and k (cos and sin that need one take HF's own
-// ops, autograd included).
+// torchfuse::rotary(q, k, cos, sin, unsqueeze_dim, interleaved, passthrough): HF's
+// apply_rotary_pos_emb (the rotate-half form, or with `interleaved` the rotate_every_two form of
+// GLM, Cohere and GPT-J), q and k in one call; with `passthrough`, GPT-NeoX's partial rotary:
+// the first r features of the head dim rotate (r: the tables' last dim, as unsqueezed), the
+// rest pass through, and the two are concatenated (the original's split and cat). The
+// gradients go to q and k (cos and sin that need one take HF's own ops, autograd included).
 at::Tensor rotate_half(const at::Tensor& x) {
   const int64_t half = x.size(-1) / 2;
   return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
@@ -58,24 +60,55 @@ std::tuple<at::Tensor, at::Tensor> rotary_backward_composed(
   return {one(grad_q), one(grad_k)};
 }
 
-std::tuple<at::Tensor, at::Tensor> rotary_stock(const at::Tensor& q, const at::Tensor& k,
-                                                const at::Tensor& cos, const at::Tensor& sin,
-                                                int64_t unsqueeze_dim, bool interleaved) {
-  return interleaved ? rotary_composed(q, k, cos, sin, unsqueeze_dim, rotate_pairs)
-                     : rotary_composed(q, k, cos, sin, unsqueeze_dim, rotate_half);
+// Partial rotary's rotated features: the tables' last dim, as the original reads it (after
+// the unsqueeze).
+int64_t rotated_features(const at::Tensor& cos, int64_t unsqueeze_dim) {
+  return cos.unsqueeze(unsqueeze_dim).size(-1);
 }
 
+// x's first r features and the rest: the original's two slices (one split).
+std::vector<at::Tensor> rotated_and_passed(const at::Tensor& x, int64_t r) {
+  return x.split_with_sizes({r, x.size(-1) - r}, -1);
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_stock(const at::Tensor& q, const at::Tensor& k,
+                                                const at::Tensor& cos, const at::Tensor& sin,
+                                                int64_t unsqueeze_dim, bool interleaved,
+                                                bool passthrough) {
+  auto rotated = [&](const at::Tensor& a, const at::Tensor& b) {
+    return interleaved ? rotary_composed(a, b, cos, sin, unsqueeze_dim, rotate_pairs)
+                       : rotary_composed(a, b, cos, sin, unsqueeze_dim, rotate_half);
+  };
+  if (!passthrough) return rotated(q, k);
+  const int64_t r = rotated_features(cos, unsqueeze_dim);
+  const auto qs = rotated_and_passed(q, r), ks = rotated_and_passed(k, r);
+  auto [q_embed, k_embed] = rotated(qs[0], ks[0]);
+  return {at::cat({q_embed, qs[1]}, -1), at::cat({k_embed, ks[1]}, -1)};
+}
+
+// Partial rotary's backward (cat's, then the rotation's, then the split's): the rotated
+// features' gradient by the rotation's transpose, the rest's passed back in x's dtype.
 std::tuple<at::Tensor, at::Tensor> rotary_backward_stock(const at::Tensor& grad_q,
                                                          const at::Tensor& grad_k,
                                                          const at::Tensor& cos,
                                                          const at::Tensor& sin,
                                                          int64_t unsqueeze_dim,
                                                          at::ScalarType x_dtype,
-                                                         bool interleaved) {
-  return interleaved ? rotary_backward_composed(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype,
-                                                rotate_pairs_transposed)
-                     : rotary_backward_composed(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype,
-                                                rotate_half_transposed);
+                                                         bool interleaved, bool passthrough) {
+  auto rotated = [&](const at::Tensor& a, const at::Tensor& b) {
+    return interleaved ? rotary_backward_composed(a, b, cos, sin, unsqueeze_dim, x_dtype,
+                                                  rotate_pairs_transposed)
+                       : rotary_backward_composed(a, b, cos, sin, unsqueeze_dim, x_dtype,
+                                                  rotate_half_transposed);
+  };
+  if (!passthrough) return rotated(grad_q, grad_k);
+  const int64_t r = rotated_features(cos, unsqueeze_dim);
+  auto rotated_part = [&](const at::Tensor& g) { return g.defined() ? g.slice(-1, 0, r) : g; };
+  auto [dq, dk] = rotated(rotated_part(grad_q), rotated_part(grad_k));
+  auto whole = [&](const at::Tensor& d, const at::Tensor& g) {
+    return g.defined() ? at::cat({d, g.slice(-1, r).to(x_dtype)}, -1) : at::Tensor();
+  };
+  return {whole(dq, grad_q), whole(dk, grad_k)};
 }
 
 // Meta tensors (and a compiler's fake ones, whose symbolic sizes the slices of rotate_half
@@ -92,11 +125,23 @@ void check_pairs(const at::Tensor& x, bool interleaved) {
               x.sym_size(-1));
 }
 
+// Partial rotary's outputs: the cat's, row-major of the inputs' sizes in `dtype`.
+at::Tensor passed_through_like(const at::Tensor& x, at::ScalarType dtype) {
+  return at::empty_symint(x.sym_sizes(), x.options().dtype(dtype));
+}
+
 std::tuple<at::Tensor, at::Tensor> rotary_meta(const at::Tensor& q, const at::Tensor& k,
                                                const at::Tensor& cos, const at::Tensor& sin,
-                                               int64_t unsqueeze_dim, bool interleaved) {
+                                               int64_t unsqueeze_dim, bool interleaved,
+                                               bool passthrough) {
   check_pairs(q, interleaved);
   check_pairs(k, interleaved);
+  if (passthrough) {
+    // q * cos + rotate(q) * sin, then cat with q's rest: q's dtype promoted with the tables'.
+    const auto dtype = c10::promoteTypes(c10::promoteTypes(q.scalar_type(), cos.scalar_type()),
+                                         sin.scalar_type());
+    return {passed_through_like(q, dtype), passed_through_like(k, dtype)};
+  }
   return rotary_composed(q, k, cos, sin, unsqueeze_dim, unrotated);
 }
 
@@ -106,15 +151,22 @@ std::tuple<at::Tensor, at::Tensor> rotary_backward_meta(const at::Tensor& grad_q
                                                         const at::Tensor& sin,
                                                         int64_t unsqueeze_dim,
                                                         at::ScalarType x_dtype,
-                                                        bool interleaved) {
+                                                        bool interleaved, bool passthrough) {
   for (const at::Tensor* g : {&grad_q, &grad_k})
     if (g->defined()) check_pairs(*g, interleaved);
+  if (passthrough) {
+    auto one = [&](const at::Tensor& g) {
+      return g.defined() ? passed_through_like(g, x_dtype) : at::Tensor();
+    };
+    return {one(grad_q), one(grad_k)};
+  }
   return rotary_backward_composed(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype, unrotated);
 }
 
 std::tuple<at::Tensor, at::Tensor> rotary_cuda(const at::Tensor& q, const at::Tensor& k,
                                                const at::Tensor& cos, const at::Tensor& sin,
-                                               int64_t unsqueeze_dim, bool interleaved) {
+                                               int64_t unsqueeze_dim, bool interleaved,
+                                               bool passthrough) {
   TfRotaryCall call{};
   call.q = describe(q);
   call.k = describe(k);
@@ -122,8 +174,10 @@ std::tuple<at::Tensor, at::Tensor> rotary_cuda(const at::Tensor& q, const at::Te
   call.sin = describe(sin);
   call.unsqueeze_dim = unsqueeze_dim;
   call.interleaved = interleaved;
-  return fused_or_stock(TF_ENTRY_ROTARY, q, call,
-                        [&] { return rotary_stock(q, k, cos, sin, unsqueeze_dim, interleaved); });
+  call.passthrough = passthrough;
+  return fused_or_stock(TF_ENTRY_ROTARY, q, call, [&] {
+    return rotary_stock(q, k, cos, sin, unsqueeze_dim, interleaved, passthrough);
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor> rotary_backward_cuda(const at::Tensor& grad_q,
@@ -132,7 +186,7 @@ std::tuple<at::Tensor, at::Tensor> rotary_backward_cuda(const at::Tensor& grad_q
                                                         const at::Tensor& sin,
                                                         int64_t unsqueeze_dim,
                                                         at::ScalarType x_dtype,
-                                                        bool interleaved) {
+                                                        bool interleaved, bool passthrough) {
   TfRotaryCall call{};
   call.grad_q = describe(grad_q);
   call.grad_k = describe(grad_k);
@@ -141,16 +195,19 @@ std::tuple<at::Tensor, at::Tensor> rotary_backward_cuda(const at::Tensor& grad_q
   call.unsqueeze_dim = unsqueeze_dim;
   call.x_dtype = static_cast<int16_t>(x_dtype);
   call.interleaved = interleaved;
+  call.passthrough = passthrough;
   return fused_or_stock(TF_ENTRY_ROTARY_BACKWARD, grad_q, call, [&] {
-    return rotary_backward_stock(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype, interleaved);
+    return rotary_backward_stock(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype, interleaved,
+                                 passthrough);
   });
 }
 
 std::tuple<at::Tensor, at::Tensor> call_rotary(const at::Tensor& q, const at::Tensor& k,
                                                const at::Tensor& cos, const at::Tensor& sin,
-                                               int64_t unsqueeze_dim, bool interleaved) {
+                                               int64_t unsqueeze_dim, bool interleaved,
+                                               bool passthrough) {
   static const auto op = own_op<decltype(call_rotary)>("torchfuse::rotary");
-  return op.call(q, k, cos, sin, unsqueeze_dim, interleaved);
+  return op.call(q, k, cos, sin, unsqueeze_dim, interleaved, passthrough);
 }
 
 std::tuple<at::Tensor, at::Tensor> call_rotary_backward(const at::Tensor& grad_q,
@@ -159,9 +216,9 @@ std::tuple<at::Tensor, at::Tensor> call_rotary_backward(const at::Tensor& grad_q
                                                         const at::Tensor& sin,
                                                         int64_t unsqueeze_dim,
                                                         at::ScalarType x_dtype,
-                                                        bool interleaved) {
+                                                        bool interleaved, bool passthrough) {
   static const auto op = own_op<decltype(call_rotary_backward)>("torchfuse::rotary_backward");
-  return op.call(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype, interleaved);
+  return op.call(grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype, interleaved, passthrough);
 }
 
 class RotaryFunction : public torch::autograd::Function<RotaryFunction> {
@@ -169,13 +226,16 @@ class RotaryFunction : public torch::autograd::Function<RotaryFunction> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& cos, const at::Tensor& sin,
-                                                int64_t unsqueeze_dim, bool interleaved) {
+                                                int64_t unsqueeze_dim, bool interleaved,
+                                                bool passthrough) {
     ctx->save_for_backward({cos, sin});
     ctx->saved_data["unsqueeze_dim"] = unsqueeze_dim;
     ctx->saved_data["x_dtype"] = static_cast<int64_t>(q.scalar_type());
     ctx->saved_data["interleaved"] = interleaved;
+    ctx->saved_data["passthrough"] = passthrough;
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [q_embed, k_embed] = call_rotary(q, k, cos, sin, unsqueeze_dim, interleaved);
+    auto [q_embed, k_embed] =
+        call_rotary(q, k, cos, sin, unsqueeze_dim, interleaved, passthrough);
     return {q_embed, k_embed};
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -184,25 +244,27 @@ class RotaryFunction : public torch::autograd::Function<RotaryFunction> {
     const int64_t dim = ctx->saved_data["unsqueeze_dim"].toInt();
     const auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt());
     const bool interleaved = ctx->saved_data["interleaved"].toBool();
+    const bool passthrough = ctx->saved_data["passthrough"].toBool();
     // create_graph, or one output unused: the composed, differentiable form.
     auto [dq, dk] = at::GradMode::is_enabled() || !grads[0].defined() || !grads[1].defined()
                         ? rotary_backward_stock(grads[0], grads[1], saved[0], saved[1], dim,
-                                                x_dtype, interleaved)
+                                                x_dtype, interleaved, passthrough)
                         : call_rotary_backward(grads[0], grads[1], saved[0], saved[1], dim,
-                                               x_dtype, interleaved);
-    return {dq, dk, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+                                               x_dtype, interleaved, passthrough);
+    return {dq, dk, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 std::tuple<at::Tensor, at::Tensor> rotary_autograd(const at::Tensor& q, const at::Tensor& k,
                                                    const at::Tensor& cos, const at::Tensor& sin,
-                                                   int64_t unsqueeze_dim, bool interleaved) {
+                                                   int64_t unsqueeze_dim, bool interleaved,
+                                                   bool passthrough) {
   // cos/sin that need a gradient, and what the Function cannot take: HF's ops.
   if (q.scalar_type() != k.scalar_type() ||
       (at::GradMode::is_enabled() && (cos.requires_grad() || sin.requires_grad())) ||
       composition_only({q, k, cos, sin}))
-    return rotary_stock(q, k, cos, sin, unsqueeze_dim, interleaved);
-  auto outputs = RotaryFunction::apply(q, k, cos, sin, unsqueeze_dim, interleaved);
+    return rotary_stock(q, k, cos, sin, unsqueeze_dim, interleaved, passthrough);
+  auto outputs = RotaryFunction::apply(q, k, cos, sin, unsqueeze_dim, interleaved, passthrough);
   return {outputs[0], outputs[1]};
 }
 
