@@ -202,6 +202,18 @@ __device__ __forceinline__ void scan_row(const tf_x* __restrict__ x, tf_i64 cols
   }
 }
 
+// The warp's (m, s, sum) triples combined by butterfly, every lane left with the total: the
+// order is set by the shape alone.
+__device__ __forceinline__ void warp_combine(float& m, float& s, float& sum) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, offset);
+    const float s2 = __shfl_xor_sync(0xffffffffu, s, offset);
+    combine(m, s, m2, s2);
+  }
+  sum = tf_warp_sum(sum);
+}
+
 // loss_rows[i] = loss_i (fp32), lse[i] = lse_i, for rows blockIdx.x, + gridDim.x, ...
 // Thread 0 reads the row's target (and its logit) before the scan, so those loads overlap it;
 // warp 0 combines the warps' parts while the other warps start the next row (the parts are
@@ -223,13 +235,7 @@ extern "C" __global__ void __launch_bounds__(TF_THREADS)
     }
     float m = NEG_INF, s = 0.f, sum = 0.f;
     scan_row(x, cols, RowSplit(x, cols, vectorized), m, s, sum);
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      const float m2 = __shfl_xor_sync(0xffffffffu, m, offset);
-      const float s2 = __shfl_xor_sync(0xffffffffu, s, offset);
-      combine(m, s, m2, s2);
-    }
-    sum = tf_warp_sum(sum);
+    warp_combine(m, s, sum);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (lane == 0) {
       part_m[parity][warp] = m;
@@ -238,17 +244,10 @@ extern "C" __global__ void __launch_bounds__(TF_THREADS)
     }
     __syncthreads();
     if (warp != 0) continue;
-    // The warps' parts in a fixed butterfly: the order is set by the shape alone.
     float tm = lane < WARPS ? part_m[parity][lane] : NEG_INF;
     float ts = lane < WARPS ? part_s[parity][lane] : 0.f;
     float tsum = lane < WARPS ? part_sum[parity][lane] : 0.f;
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      const float m2 = __shfl_xor_sync(0xffffffffu, tm, offset);
-      const float s2 = __shfl_xor_sync(0xffffffffu, ts, offset);
-      combine(tm, ts, m2, s2);
-    }
-    tsum = tf_warp_sum(tsum);
+    warp_combine(tm, ts, tsum);
     if (lane == 0) {
       // All -inf: log(0) = -inf, and the loss -inf - -inf = NaN, as stock's log_softmax gives.
       const float row_lse = tm == NEG_INF ? NEG_INF : tm + logf(ts);
