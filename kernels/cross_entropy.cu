@@ -16,9 +16,9 @@
 // stride over rows); thread tx takes the row's 16-byte chunks tx, tx + TF_THREADS, ... of 8
 // elements, counted from the row's first 16-byte boundary; the few elements before it and
 // after the last whole chunk (rows of any width, GPT-2's 50257 classes: a row's offset within
-// 16 bytes changes from row to row) one a thread (RowSplit). Where the host finds the pointers
-// a kernel reads and writes at different offsets within 16 bytes (`vectorized` 0), every
-// element is loaded alone, the same columns.
+// 16 bytes changes from row to row) one a thread (RowSplit). Where the host finds the logits
+// and their gradient at different offsets within 16 bytes (the backward's `vectorized` 0),
+// the backward takes every element alone.
 //
 // Forward, in registers: each thread keeps a running max m and sum s of exp(x - m) over its
 // columns (an online softmax: one rescale of s per two chunks, whose loads are both in flight
@@ -105,8 +105,9 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// A row's layout for 16-byte accesses where `vectorized` (the host found every pointer the
-// row is read from or written to at the same offset within 16 bytes): elements [0, head)
+// A row's layout for 16-byte accesses where `vectorized` (always in the forward, which reads
+// one tensor; in the backward where the host found the logits and their gradient at the same
+// offset within 16 bytes): elements [0, head)
 // before the row's first 16-byte boundary, `chunks` whole chunks of TF_EW_CHUNK from there,
 // the tail after them. head + tail < 2 * TF_EW_CHUNK <= 32 elements: a thread each (`leftover`).
 // Otherwise no chunk: every element is the caller's element loop's.
@@ -133,10 +134,9 @@ struct RowSplit {
 
 #if TF_CE_FWD
 // Folds W values into this thread's running (max m, sum s of exp(x - m), plain sum): one
-// rescale of s a fold. -inf pads need no care: exp2 of -inf is 0, and they are left out of sum.
+// rescale of s a fold.
 template <int W>
-__device__ __forceinline__ void fold(const float (&v)[W], int valid, float& m, float& s,
-                                     float& sum) {
+__device__ __forceinline__ void fold(const float (&v)[W], float& m, float& s, float& sum) {
   float cmax = v[0];
 #pragma unroll
   for (int j = 1; j < W; ++j) cmax = fmaxf(cmax, v[j]);
@@ -153,52 +153,36 @@ __device__ __forceinline__ void fold(const float (&v)[W], int valid, float& m, f
   }
   m = mm;
 #pragma unroll
-  for (int j = 0; j < W; ++j)
-    if (j < valid) sum += v[j];
+  for (int j = 0; j < W; ++j) sum += v[j];
 }
 
-// This thread's part of one row's (max, sum of exp, plain sum). Vectorized: two chunks a step
-// (both loads in flight before either is folded), then head and tail one element a thread.
-// Otherwise every element one at a time, TF_EW_CHUNK of them a fold.
+// This thread's part of one row's (max, sum of exp, plain sum): two chunks a step (both loads
+// in flight before either is folded), then the row's head and tail, one element a thread.
 __device__ __forceinline__ void scan_row(const tf_x* __restrict__ x, tf_i64 cols,
                                          const RowSplit& split, float& m, float& s, float& sum) {
-  if (split.vec) {
-    const tf_x* __restrict__ body = x + split.head;
-    tf_i64 k = threadIdx.x;
-    for (; k + TF_THREADS < split.chunks; k += 2 * TF_THREADS) {
-      float v[2 * TF_EW_CHUNK];
-      float a[TF_EW_CHUNK], b[TF_EW_CHUNK];
-      tf_load_elems<TF_EW_CHUNK>(body + k * TF_EW_CHUNK, a);
-      tf_load_elems<TF_EW_CHUNK>(body + (k + TF_THREADS) * TF_EW_CHUNK, b);
-#pragma unroll
-      for (int j = 0; j < TF_EW_CHUNK; ++j) {
-        v[j] = a[j];
-        v[TF_EW_CHUNK + j] = b[j];
-      }
-      fold<2 * TF_EW_CHUNK>(v, 2 * TF_EW_CHUNK, m, s, sum);
-    }
-    if (k < split.chunks) {
-      float v[TF_EW_CHUNK];
-      tf_load_elems<TF_EW_CHUNK>(body + k * TF_EW_CHUNK, v);
-      fold<TF_EW_CHUNK>(v, TF_EW_CHUNK, m, s, sum);
-    }
-    const tf_i64 c = split.leftover(cols);
-    if (c >= 0) {
-      const float v[1] = {tf_float(x[c])};
-      fold<1>(v, 1, m, s, sum);
-    }
-    return;
-  }
-  for (tf_i64 k = threadIdx.x; k * TF_EW_CHUNK < cols; k += TF_THREADS) {
-    float v[TF_EW_CHUNK];
-    int valid = 0;
+  const tf_x* __restrict__ body = x + split.head;
+  tf_i64 k = threadIdx.x;
+  for (; k + TF_THREADS < split.chunks; k += 2 * TF_THREADS) {
+    float v[2 * TF_EW_CHUNK];
+    float a[TF_EW_CHUNK], b[TF_EW_CHUNK];
+    tf_load_elems<TF_EW_CHUNK>(body + k * TF_EW_CHUNK, a);
+    tf_load_elems<TF_EW_CHUNK>(body + (k + TF_THREADS) * TF_EW_CHUNK, b);
 #pragma unroll
     for (int j = 0; j < TF_EW_CHUNK; ++j) {
-      const tf_i64 c = k * TF_EW_CHUNK + j;
-      v[j] = c < cols ? tf_float(x[c]) : NEG_INF;
-      valid += c < cols ? 1 : 0;
+      v[j] = a[j];
+      v[TF_EW_CHUNK + j] = b[j];
     }
-    fold<TF_EW_CHUNK>(v, valid, m, s, sum);  // the columns in order: the first `valid` are real
+    fold<2 * TF_EW_CHUNK>(v, m, s, sum);
+  }
+  if (k < split.chunks) {
+    float v[TF_EW_CHUNK];
+    tf_load_elems<TF_EW_CHUNK>(body + k * TF_EW_CHUNK, v);
+    fold<TF_EW_CHUNK>(v, m, s, sum);
+  }
+  const tf_i64 c = split.leftover(cols);
+  if (c >= 0) {
+    const float v[1] = {tf_float(x[c])};
+    fold<1>(v, m, s, sum);
   }
 }
 
@@ -222,7 +206,7 @@ __device__ __forceinline__ void warp_combine(float& m, float& s, float& sum) {
 extern "C" __global__ void __launch_bounds__(TF_THREADS)
     ce_fwd(const tf_x* __restrict__ logits, const tf_i64* __restrict__ target,
            float* __restrict__ loss_rows, float* __restrict__ lse, tf_i64 rows, tf_i64 cols,
-           tf_i64 ignore_index, float smoothing, int vectorized) {
+           tf_i64 ignore_index, float smoothing) {
   __shared__ float part_m[2][WARPS], part_s[2][WARPS], part_sum[2][WARPS];
   int parity = 0;
   for (tf_i64 row = blockIdx.x; row < rows; row += gridDim.x, parity ^= 1) {
@@ -234,7 +218,7 @@ extern "C" __global__ void __launch_bounds__(TF_THREADS)
       if (t >= 0) xt = tf_float(x[t]);
     }
     float m = NEG_INF, s = 0.f, sum = 0.f;
-    scan_row(x, cols, RowSplit(x, cols, vectorized), m, s, sum);
+    scan_row(x, cols, RowSplit(x, cols, 1), m, s, sum);
     warp_combine(m, s, sum);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (lane == 0) {

@@ -35,7 +35,6 @@ kernel_args! {
         cols: i64,
         ignore_index: i64,
         smoothing: f32,
-        vectorized: i32,
     }
 }
 
@@ -267,9 +266,9 @@ fn row_launch(rows: i64, threads: i64) -> Result<LaunchConfig, StockReason> {
     })
 }
 
-/// 16-byte accesses are legal from each row's first 16-byte boundary on (the kernels take the
-/// elements before and after the whole chunks one by one): the pointers a kernel reads and
-/// writes a row through sit at the same offset within 16 bytes.
+/// ce_bwd's 16-byte accesses are legal from each row's first 16-byte boundary on (the elements
+/// before and after the whole chunks go one by one): the logits and their gradient sit at the
+/// same offset within 16 bytes. (ce_fwd reads the logits alone: always.)
 fn vectorized(addrs: &[u64]) -> i32 {
     i32::from(addrs.windows(2).all(|pair| pair[0] % 16 == pair[1] % 16))
 }
@@ -302,7 +301,6 @@ unsafe fn forward_launch(
         device_addr(&lse),
         device_addr(&total_weight),
     );
-    let vec = vectorized(&[logits_ptr]);
     let smoothing = call.label_smoothing as f32;
     let fwd = kernels.get(FWD_KERNEL)?;
     let mut args = stream.launch_builder(&fwd.function);
@@ -315,7 +313,6 @@ unsafe fn forward_launch(
         cols: s.cols,
         ignore_index: call.ignore_index,
         smoothing,
-        vectorized: vec,
     };
     args::push(&mut args, &fwd_args);
     // SAFETY: ce_fwd's parameters are CeFwdArgs's fields (the compile test checks); logits is

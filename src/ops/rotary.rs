@@ -311,17 +311,15 @@ impl Family for Rotary {
         let (Some(&d), Some(&d_k)) = (a_size.last(), b_size.last()) else {
             return Err(StockReason::InvalidInput);
         };
-        if a_size.len() != 4
-            || b_size.len() != 4
-            || d != d_k
-            || d % 2 != 0
-            || cos.sizes() != sin.sizes()
-        {
+        if a_size.len() != 4 || b_size.len() != 4 || cos.sizes() != sin.sizes() {
             return Err(StockReason::InvalidInput);
         }
         // The rotated features: the head dim, or in partial rotary cos/sin's last dim (even, and
-        // less than the head dim; the rest passes through).
+        // less than the head dim; the rest passes through, of any width).
         let passthrough = call.passthrough != 0;
+        if d != d_k || (d % 2 != 0 && !passthrough) {
+            return Err(StockReason::NoVariantForShape);
+        }
         let rotated = if passthrough {
             // cos's last dim as the original reads it, after the unsqueeze: one where the new
             // dim is the last (odd: not served).
@@ -335,8 +333,10 @@ impl Family for Rotary {
             if r <= 0 || r >= d || r % 2 != 0 {
                 return Err(StockReason::InvalidInput);
             }
-            if may_suggest_channels_last(a_size, a.strides())
-                || may_suggest_channels_last(b_size, b.strides())
+            // (The backward's gradient is row-major whatever the incoming one's layout.)
+            if !backward
+                && (may_suggest_channels_last(a_size, a.strides())
+                    || may_suggest_channels_last(b_size, b.strides()))
             {
                 return Err(StockReason::NotContiguous);
             }

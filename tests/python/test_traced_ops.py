@@ -310,3 +310,33 @@ print(json.dumps({f"{dev} {d} {bwd}": raises(dev, d, bwd) for dev in ("cpu", "me
         assert out[f"cpu 6 {bwd}"] is None and out[f"meta 6 {bwd}"] is None, out
         assert out[f"cpu 5 {bwd}"] is not None, out
         assert "must be even; got 5" in out[f"meta 5 {bwd}"], out
+
+
+def test_partial_rotary_on_meta_describes_what_cpu_makes():
+    """With `passthrough` the Meta kernels give the composition's (stock's path, on CPU) dtypes,
+    sizes and row-major strides, each of q and k in its own promoted dtype; an odd head dim
+    with an even count of rotated features passes (only those pair up), an odd count raises on
+    both."""
+    proc = check(run_python(r"""
+import json, torch
+ops = torch.ops.torchfuse
+def outputs(device, d, r, interleaved, backward=False):
+    q = torch.randn(1, 2, 3, d, device=device)
+    k = torch.randn(1, 1, 3, d, device=device, dtype=torch.bfloat16)
+    cos, sin = (torch.randn(1, 3, r, device=device, dtype=torch.bfloat16) for _ in range(2))
+    try:
+        if backward:
+            out = ops.rotary_backward(q, k, cos, sin, 1, torch.float16, interleaved, True)
+        else:
+            out = ops.rotary(q, k, cos, sin, 1, interleaved, True)
+        return [[str(t.dtype), list(t.shape), list(t.stride())] for t in out]
+    except RuntimeError as e:
+        return "raises"
+print(json.dumps({f"{d} {r} {i} {b}": [outputs(dev, d, r, i, b) for dev in ("cpu", "meta")]
+                  for d, r in ((8, 4), (9, 4), (9, 3)) for i in (False, True) for b in (False, True)}))
+""", load_library=True))
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key, (cpu, meta) in out.items():
+        assert cpu == meta, (key, cpu, meta)
+    assert out["8 4 False False"][0][0][0] == "torch.float32" and out["8 4 False False"][0][1][0] == "torch.bfloat16"
+    assert out["9 4 True False"][0] != "raises" and out["9 3 True False"][0] == "raises", out

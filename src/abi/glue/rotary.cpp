@@ -116,13 +116,17 @@ std::tuple<at::Tensor, at::Tensor> rotary_backward_stock(const at::Tensor& grad_
 // without it gives the outputs' metadata.
 const auto unrotated = [](const at::Tensor& t) { return t; };
 
-// The interleaved rotation pairs (x[2p], x[2p+1]): of an odd last dim the composition stacks
-// halves of unequal sizes and raises, so the Meta kernels raise too (clearer).
-void check_pairs(const at::Tensor& x, bool interleaved) {
-  TORCH_CHECK(!interleaved || x.sym_size(-1) % 2 == 0,
-              "torchfuse::rotary: the interleaved rotation pairs the last dim's elements, so its "
-              "size must be even; got ",
-              x.sym_size(-1));
+// The interleaved rotation pairs (x[2p], x[2p+1]) of the rotated features (the last dim, or
+// in partial rotary the tables' last dim): of an odd count the composition stacks halves of
+// unequal sizes and raises, so the Meta kernels raise too (clearer).
+void check_pairs(const at::Tensor& x, const at::Tensor& cos, int64_t unsqueeze_dim,
+                 bool interleaved, bool passthrough) {
+  const c10::SymInt rotated =
+      passthrough ? cos.unsqueeze(unsqueeze_dim).sym_size(-1) : x.sym_size(-1);
+  TORCH_CHECK(!interleaved || rotated % 2 == 0,
+              "torchfuse::rotary: the interleaved rotation pairs the rotated features, so their "
+              "count must be even; got ",
+              rotated);
 }
 
 // Partial rotary's outputs: the cat's, row-major of the inputs' sizes in `dtype`.
@@ -134,13 +138,15 @@ std::tuple<at::Tensor, at::Tensor> rotary_meta(const at::Tensor& q, const at::Te
                                                const at::Tensor& cos, const at::Tensor& sin,
                                                int64_t unsqueeze_dim, bool interleaved,
                                                bool passthrough) {
-  check_pairs(q, interleaved);
-  check_pairs(k, interleaved);
+  check_pairs(q, cos, unsqueeze_dim, interleaved, passthrough);
+  check_pairs(k, cos, unsqueeze_dim, interleaved, passthrough);
   if (passthrough) {
-    // q * cos + rotate(q) * sin, then cat with q's rest: q's dtype promoted with the tables'.
-    const auto dtype = c10::promoteTypes(c10::promoteTypes(q.scalar_type(), cos.scalar_type()),
-                                         sin.scalar_type());
-    return {passed_through_like(q, dtype), passed_through_like(k, dtype)};
+    // x * cos + rotate(x) * sin, then cat with x's rest: x's dtype promoted with the tables'.
+    auto promoted = [&](const at::Tensor& x) {
+      return c10::promoteTypes(c10::promoteTypes(x.scalar_type(), cos.scalar_type()),
+                               sin.scalar_type());
+    };
+    return {passed_through_like(q, promoted(q)), passed_through_like(k, promoted(k))};
   }
   return rotary_composed(q, k, cos, sin, unsqueeze_dim, unrotated);
 }
@@ -153,7 +159,7 @@ std::tuple<at::Tensor, at::Tensor> rotary_backward_meta(const at::Tensor& grad_q
                                                         at::ScalarType x_dtype,
                                                         bool interleaved, bool passthrough) {
   for (const at::Tensor* g : {&grad_q, &grad_k})
-    if (g->defined()) check_pairs(*g, interleaved);
+    if (g->defined()) check_pairs(*g, cos, unsqueeze_dim, interleaved, passthrough);
   if (passthrough) {
     auto one = [&](const at::Tensor& g) {
       return g.defined() ? passed_through_like(g, x_dtype) : at::Tensor();
