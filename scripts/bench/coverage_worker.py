@@ -26,6 +26,8 @@ if SIDE == "torchfuse":
 import transformers  # noqa: E402  (after the hooks, as under the launcher)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
 
+from tiny_configs import tiny_config  # noqa: E402
+
 VOCAB, STEPS, BATCH, LENGTH = 512, 3, 2, 64
 # Tiny sizes under every name configs use for them; a config takes those it has.
 TINY = {
@@ -52,21 +54,9 @@ SHALLOW = {key: TINY[key] for key in TINY if key.startswith(("num_hidden", "n_la
 MAX_PARAMS = 1.5e9 if DEVICE == "cuda" else 4e8
 
 
-def config_for(model_type, sizes):
-    config = transformers.AutoConfig.for_model(model_type)
-    known = config.to_dict()
-    for key, value in sizes.items():
-        if key in known:
-            setattr(config, key, value)
-    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        if isinstance(getattr(config, key, None), int) and not 0 <= getattr(config, key) < VOCAB:
-            setattr(config, key, 0)
-    return config
-
-
 def model_for(model_type, sizes):
     """The model on DEVICE, its parameter count checked on the meta device first."""
-    config = config_for(model_type, sizes)
+    config = tiny_config(model_type, sizes, VOCAB)
     model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
     with torch.device("meta"):
         params = sum(p.numel() for p in model_class(config).parameters())

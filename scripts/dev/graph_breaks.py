@@ -7,6 +7,7 @@ not depend on the device, so a break the rewrites add shows here.
     PYTHONPATH=python python3 scripts/dev/graph_breaks.py LIB_DIR MODEL_TYPE[,MODEL_TYPE...]
 """
 import sys
+from pathlib import Path
 
 import torch
 
@@ -17,6 +18,9 @@ if sys.argv[1] != "stock":
 import transformers  # noqa: E402  (after the hooks, as under the launcher)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from tiny_configs import tiny_config  # noqa: E402
+
 VOCAB = 64
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=VOCAB, head_dim=8, n_embd=32, n_layer=2, n_head=4, max_position_embeddings=64,
@@ -25,14 +29,7 @@ TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atten
 
 for model_type in sys.argv[2].split(","):
     try:
-        config = transformers.AutoConfig.for_model(model_type)
-        known = config.to_dict()
-        for key, value in TINY.items():
-            if key in known:
-                setattr(config, key, value)
-        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
-            if isinstance(getattr(config, key, None), int) and not 0 <= getattr(config, key) < VOCAB:
-                setattr(config, key, 0)
+        config = tiny_config(model_type, TINY, VOCAB)
         torch.manual_seed(0)
         model = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(config)
         ids = torch.randint(1, VOCAB, (2, 8))
