@@ -952,9 +952,10 @@ def _partial_rotary(torch, original, form, dependencies=None):
             tables = _interleaved_tables(cos, sin, unsqueeze_dim) if glm_tables else (cos, sin)
             # As the original reads it.
             rotary_dim = tables[0].unsqueeze(unsqueeze_dim).shape[-1] if tables is not None else 0
-            if rotary_dim % 2 == 0 and 0 < rotary_dim < min(q.shape[-1], k.shape[-1]):
+            head_dim = min(q.shape[-1], k.shape[-1])
+            if rotary_dim % 2 == 0 and 0 < rotary_dim < head_dim:
                 return op(q, k, *tables, unsqueeze_dim, interleaved, True)
-            if rotary_dim % 2 == 0 and 0 < rotary_dim <= min(q.shape[-1], k.shape[-1]):
+            if rotary_dim % 2 == 0 and 0 < rotary_dim == head_dim:
                 q_rot, q_pass = _rotated_and_passed(q, rotary_dim)
                 k_rot, k_pass = _rotated_and_passed(k, rotary_dim)
                 q_embed, k_embed = op(q_rot, k_rot, *tables, unsqueeze_dim, interleaved)
