@@ -107,10 +107,10 @@ __device__ __forceinline__ float fast_exp2(float x) {
 
 // A row's layout for 16-byte accesses where `vectorized` (always in the forward, which reads
 // one tensor; in the backward where the host found the logits and their gradient at the same
-// offset within 16 bytes): elements [0, head)
-// before the row's first 16-byte boundary, `chunks` whole chunks of TF_EW_CHUNK from there,
-// the tail after them. head + tail < 2 * TF_EW_CHUNK <= 32 elements: a thread each (`leftover`).
-// Otherwise no chunk: every element is the caller's element loop's.
+// offset within 16 bytes): elements [0, head) before the row's first 16-byte boundary,
+// `chunks` whole chunks of TF_EW_CHUNK from there, the tail after them. head + tail <
+// 2 * TF_EW_CHUNK <= 32 elements: a thread each (`leftover`). Otherwise no chunk: every
+// element is the caller's element loop's.
 struct RowSplit {
   bool vec;
   tf_i64 head, chunks, tail_start;
