@@ -37,6 +37,13 @@
 // grid size, which depends only on the shape, the variant and the GPU. Results are bitwise
 // reproducible run to run.
 //
+// Narrowing (TF_Y_DTYPE, torchfuse::norm_cast): y (forward) and dy (backward) in a narrower
+// dtype than x, the one the norm's consumers cast y to under autocast (fp32 x, bf16 y). The
+// row's other tensors keep x's dtype; y is converted from the same fp32 value (one rounding,
+// the cast's), and dy is widened to fp32 in registers, where the cast's kernel would have
+// widened it in memory. A chunk of y or dy is VEC elements of its dtype (8 bytes for bf16 of an
+// fp32 row), accessed in one instruction.
+//
 // Compile-time parameters (registry/norm.toml): TF_DTYPE (every tensor but the fp32 statistics), TF_RMS,
 // TF_THREADS_PER_ROW (a multiple of 32), TF_ROWS_PER_BLOCK, TF_ELEMS_PER_THREAD (a multiple of
 // TF_VEC), TF_PREFETCH (forward only), TF_STREAM, TF_MIN_BLOCKS (CTAs per SM the register budget must allow),
@@ -65,12 +72,34 @@
 // (a float32 weight with bf16 input is an error there), so they share the storage type.
 typedef tf_storage tf_param;
 
+// y's and dy's dtype: x's, or (norm_cast, src/ops/norm.rs) a narrower one.
+#ifndef TF_Y_DTYPE
+#define TF_Y_DTYPE TF_DTYPE
+#endif
+typedef tf_type_of<TF_Y_DTYPE>::type tf_y;
+#define Y_NARROW (TF_Y_DTYPE != TF_DTYPE)
+
 #define TPR TF_THREADS_PER_ROW
 #define RPB TF_ROWS_PER_BLOCK
 #define VEC TF_VEC
 #define ITERS (TF_ELEMS_PER_THREAD / VEC)
 #define WARPS_PER_ROW (TPR / 32)
 #define BLOCK_COLS (TPR * TF_ELEMS_PER_THREAD)
+
+#if Y_NARROW
+#if TF_DTYPE != 0
+#error "TF_Y_DTYPE narrows fp32 rows only (TF_DTYPE 0)"
+#endif
+// A chunk of y or dy: VEC elements of the narrow dtype, as raw words for one access.
+struct alignas(VEC * sizeof(tf_y)) y_raw {
+  unsigned int w[VEC * sizeof(tf_y) / 4];
+};
+union y_chunk {
+  y_raw raw;
+  tf_y e[VEC];
+};
+static_assert(sizeof(y_raw) == 8, "a narrow chunk is 4 16-bit elements of an fp32 row");
+#endif
 
 #if TF_CLUSTER > 1 && RPB != 1
 #error "TF_CLUSTER > 1 needs TF_ROWS_PER_BLOCK 1"
@@ -298,6 +327,25 @@ __device__ __forceinline__ void store_row_chunk(T* __restrict__ p, int col0, int
   }
 }
 
+// A chunk of y: store_row_chunk's, in y's dtype.
+__device__ __forceinline__ void store_y_chunk(tf_y* __restrict__ p, int col0, int cols,
+                                              bool vectorized, const float (&v)[VEC]) {
+#if Y_NARROW
+  y_chunk u;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) u.e[j] = tf_cast<tf_y>(v[j]);
+  if (vectorized) {
+    *reinterpret_cast<y_raw*>(p + col0) = u.raw;
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j)
+      if (col0 + j < cols) p[col0 + j] = u.e[j];
+  }
+#else
+  store_row_chunk(p, col0, cols, vectorized, v);
+#endif
+}
+
 // ONCE: the row bypasses L1 (load_once16).
 template <bool ONCE = false>
 __device__ __forceinline__ void load_row(tf_raw16 (&chunks)[ITERS], const tf_storage* __restrict__ p,
@@ -314,6 +362,51 @@ __device__ __forceinline__ void load_row_or_zeros(tf_raw16 (&chunks)[ITERS],
   const bool exists = row < rows;
   load_row<TF_STREAM>(chunks, x + (exists ? row * cols : 0), exists ? cols : 0, vectorized);
 }
+
+#if TF_NORM_BWD
+// A row of dy in chunks (load_row's), and element j of a chunk as fp32.
+#if Y_NARROW
+typedef y_chunk dy_chunk;
+
+// load_once16's 8 bytes.
+__device__ __forceinline__ y_raw load_once8(const void* p) {
+  y_raw r;
+  asm("ld.global.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.w[0]), "=r"(r.w[1]) : "l"(p));
+  return r;
+}
+
+template <bool ONCE>
+__device__ __forceinline__ void load_dy_row(dy_chunk (&chunks)[ITERS], const tf_y* __restrict__ p,
+                                            int cols, bool vectorized) {
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int col0 = chunk_col(it);
+    if (vectorized && col0 < cols) {
+      if constexpr (ONCE) {
+        chunks[it].raw = load_once8(p + col0);
+      } else {
+        chunks[it].raw = *reinterpret_cast<const y_raw*>(p + col0);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) chunks[it].e[j] = col0 + j < cols ? p[col0 + j] : tf_y{};
+    }
+  }
+}
+
+__device__ __forceinline__ float dy_at(const dy_chunk& c, int j) { return tf_float(c.e[j]); }
+#else
+typedef tf_raw16 dy_chunk;
+
+template <bool ONCE>
+__device__ __forceinline__ void load_dy_row(dy_chunk (&chunks)[ITERS], const tf_y* __restrict__ p,
+                                            int cols, bool vectorized) {
+  load_row<ONCE>(chunks, p, cols, vectorized);
+}
+
+__device__ __forceinline__ float dy_at(const dy_chunk& c, int j) { return unpack(c, j); }
+#endif
+#endif  // TF_NORM_BWD
 
 #if TF_NORM_FWD
 // This thread's sum of its elements of the row (zeros past the row's end).
@@ -344,7 +437,7 @@ __device__ __forceinline__ float squared_deviations(const tf_raw16 (&chunks)[ITE
 
 extern "C" __global__ void TF_ROW_CTAS __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
     norm_fwd(const tf_storage* __restrict__ x, const tf_param* __restrict__ weight,
-             const tf_param* __restrict__ bias, tf_storage* __restrict__ y,
+             const tf_param* __restrict__ bias, tf_y* __restrict__ y,
              float* __restrict__ mean_out, float* __restrict__ rstd_out, tf_i64 rows, int cols,
              float eps, int vectorized) {
   __shared__ float scratch[RPB][WARPS_PER_ROW][2];
@@ -414,7 +507,7 @@ extern "C" __global__ void TF_ROW_CTAS __launch_bounds__(TPR * RPB, TF_MIN_BLOCK
 #endif
 
     if (row_ok) {
-      tf_storage* __restrict__ yr = y + offset;
+      tf_y* __restrict__ yr = y + offset;
 #pragma unroll
       for (int it = 0; it < ITERS; ++it) {
         const int col0 = chunk_col(it);
@@ -424,7 +517,7 @@ extern "C" __global__ void TF_ROW_CTAS __launch_bounds__(TPR * RPB, TF_MIN_BLOCK
         load_params<TF_STREAM>(bias, col0, cols, vec, 0.f, b);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) out[j] = (unpack(cur[it], j) - mean) * rstd * w[j] + b[j];
-        store_row_chunk(yr, col0, cols, vec, out);
+        store_y_chunk(yr, col0, cols, vec, out);
       }
       if (threadIdx.x == 0 && cluster_rank() == 0) {
 #if !TF_RMS
@@ -538,7 +631,7 @@ __device__ __forceinline__ void write_partial(float (&acc)[ITERS][VEC], float* _
 // dx (when dx != nullptr) and this CTA's partial sums of dgamma (dw_partial) and dbeta
 // (db_partial, LayerNorm only), one fp32 row of `cols` each at row cluster_index().
 extern "C" __global__ void TF_ROW_CTAS __launch_bounds__(TPR * RPB, TF_MIN_BLOCKS)
-    norm_bwd(const tf_storage* __restrict__ dy, const tf_storage* __restrict__ x,
+    norm_bwd(const tf_y* __restrict__ dy, const tf_storage* __restrict__ x,
              const float* __restrict__ mean, const float* __restrict__ rstd,
              const tf_param* __restrict__ weight, tf_storage* __restrict__ dx,
              float* __restrict__ dw_partial, float* __restrict__ db_partial, tf_i64 rows,
@@ -579,9 +672,10 @@ extern "C" __global__ void TF_ROW_CTAS __launch_bounds__(TPR * RPB, TF_MIN_BLOCK
     const bool row_ok = row < rows;
     const int active_cols = row_ok ? cols : 0;
     const tf_i64 offset = row_ok ? row * cols : 0;
-    tf_raw16 xs[ITERS], dys[ITERS];
+    tf_raw16 xs[ITERS];
+    dy_chunk dys[ITERS];
     load_row<BWD_STREAM>(xs, x + offset, active_cols, vec);
-    load_row<BWD_STREAM>(dys, dy + offset, active_cols, vec);
+    load_dy_row<BWD_STREAM>(dys, dy + offset, active_cols, vec);
     // Past the row's end dy is 0, so every product below that involves dy is 0 there too.
 #if TF_RMS
     const float mu = 0.f;
@@ -614,7 +708,7 @@ extern "C" __global__ void TF_ROW_CTAS __launch_bounds__(TPR * RPB, TF_MIN_BLOCK
 #endif
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        const float d = unpack(dys[it], j);
+        const float d = dy_at(dys[it], j);
         const float xhat = (unpack(xs[it], j) - mu) * rs;
         // Rounded once and reused below, never fused into an FMA there: a row of one element
         // must give dx = 0 exactly, as stock does (g - mean(g) cancels only if g is the same).
@@ -658,7 +752,7 @@ extern "C" __global__ void TF_ROW_CTAS __launch_bounds__(TPR * RPB, TF_MIN_BLOCK
         double g[VEC], xhat[VEC], sum_g = 0.0, sum_gx = 0.0;
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-          g[j] = j < cols ? static_cast<double>(unpack(dys[0], j)) * w[j] : 0.0;
+          g[j] = j < cols ? static_cast<double>(dy_at(dys[0], j)) * w[j] : 0.0;
           xhat[j] = (static_cast<double>(unpack(xs[0], j)) - mu) * rs;
           sum_g += g[j];
           sum_gx += g[j] * xhat[j];
@@ -680,7 +774,7 @@ extern "C" __global__ void TF_ROW_CTAS __launch_bounds__(TPR * RPB, TF_MIN_BLOCK
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const float xhat = (unpack(xs[it], j) - mu) * rs;
-        out[j] = rs * (__fmul_rn(unpack(dys[it], j), w[j]) - mean_g - xhat * mean_gx);
+        out[j] = rs * (__fmul_rn(dy_at(dys[it], j), w[j]) - mean_g - xhat * mean_gx);
       }
       store_row_chunk(dxr, col0, cols, vec, out);
     }

@@ -15,9 +15,12 @@ This module recognises; the rewrite layer (issue 23) decides what serves a recog
 Nothing here imports torch.
 """
 import __future__
+import ast
 import dis
+import inspect
 import math
 import sys
+import textwrap
 
 # The reference forms, each written exactly as the library writes it (transformers 5.17), in a
 # module that imports `math` and `torch` as the library's modules do: the compiler emits
@@ -1090,6 +1093,149 @@ def linear_input_sites(function):
     return tuple(sites)
 
 
+def consumer_input(function):
+    """Where a forward sends its input, if only to its attributes' calls: (the input's name, the
+    attributes), shared_cast's reading (`linear_input_sites`, one site or more), or where the
+    forward's first statement is `x = self.<a>(x)` (an MLP's first projection; x names another
+    tensor from there on), (x, (a,)). None otherwise. What the attributes are is checked at run
+    time."""
+    code = getattr(function, "__code__", None)
+    sites = linear_input_sites(function)
+    if sites:
+        return code.co_varnames[1], sites
+    if code is None or code.co_argcount < 2 or code.co_flags & _SUSPENDS:
+        return None
+    self_name, x_name = code.co_varnames[0], code.co_varnames[1]
+    if {self_name, x_name} & set(code.co_cellvars) or _OPAQUE_NAMES & set(code.co_names):
+        return None
+    first = [i for i in dis.get_instructions(code) if i.opname not in _SKIPPED_OPCODES][:5]
+    if len(first) < 5 or any(i.is_jump_target for i in first):
+        return None
+    load_self, attribute, load_x, call, store = first
+    # 3.13 fuses the store with the next statement's first load (STORE_FAST_LOAD_FAST).
+    stored = store.argval[0] if isinstance(store.argval, tuple) else store.argval
+    if (load_self.opname in _LOADS and load_self.argval == self_name
+            and attribute.opname in ("LOAD_ATTR", "LOAD_METHOD") and isinstance(attribute.argval, str)
+            and load_x.opname in _LOADS and load_x.argval == x_name
+            and call.opname == "CALL" and call.arg == 1
+            and store.opname in ("STORE_FAST", "STORE_FAST_LOAD_FAST") and stored == x_name):
+        return x_name, (attribute.argval,)
+    return None
+
+
+def _self_call(node, self_name):
+    """`self.<attribute>(...)`: the attribute's name, else None."""
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == self_name):
+        return node.func.attr
+    return None
+
+
+def _function_tree(function):
+    """The parsed source of `function` (an ast.FunctionDef), checked against its code (the same
+    names and locals: a source file changed since the import reads as None), or None."""
+    code = getattr(function, "__code__", None)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+        compiled = compile(tree, "<analysis>", "exec", dont_inherit=True)
+    except (OSError, TypeError, SyntaxError, ValueError):
+        return None
+    node = tree.body[0] if tree.body else None
+    inner = next((c for c in compiled.co_consts if getattr(c, "co_name", None) == code.co_name), None)
+    if (not isinstance(node, ast.FunctionDef) or inner is None or inner.co_names != code.co_names
+            or inner.co_varnames != code.co_varnames or inner.co_argcount != code.co_argcount):
+        return None
+    return node
+
+
+def norm_handoffs(function):
+    """Where a layer's forward hands a submodule's output, unchanged and to nothing else, to
+    another submodule: `h = self.<norm>(x)` followed by uses of `h` that are all the argument
+    (the first positional, or one keyword) of calls of one `self.<sub>(...)`, up to `h`'s next
+    assignment; or `self.<sub>(self.<norm>(x), ...)`. The first module must be called in that one
+    place only (its output there is all it gives the layer) with one positional argument.
+    [(norm, sub, how)]: `how` is 0 (the first positional argument) or the keyword's name.
+    Read from the source, checked against the code (`_function_tree`); anything it cannot
+    follow (a closure over `h`, an assignment of it in a branch, a use in an expression) gives
+    no pair. Which modules these are (a norm, a submodule passing its input only to Linear
+    layers) is checked at run time. A decorated forward is read through to the function it
+    wraps (`functools.wraps`' `__wrapped__`)."""
+    function = inspect.unwrap(function)
+    code = getattr(function, "__code__", None)
+    if code is None or code.co_argcount < 1 or code.co_flags & _SUSPENDS or _OPAQUE_NAMES & set(code.co_names):
+        return []
+    tree = _function_tree(function)
+    if tree is None:
+        return []
+    self_name = code.co_varnames[0]
+    if any(isinstance(n, ast.Name) and n.id == self_name and not isinstance(n.ctx, ast.Load)
+           for n in ast.walk(tree)):
+        return []
+
+    def position(call, node):
+        """How `node` is an argument of `call`: 0, a keyword's name, or None."""
+        if call.args and call.args[0] is node:
+            return 0
+        for keyword in call.keywords:
+            if keyword.value is node and keyword.arg is not None:
+                return keyword.arg
+        return None
+
+    calls = sorted((n for n in ast.walk(tree) if _self_call(n, self_name)), key=lambda n: (n.lineno, n.col_offset))
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    # self.<name> read anywhere other than as a call's function: the module is passed on or
+    # stored, so its calls are not all in view.
+    attribute_reads = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == self_name:
+            attribute_reads[node.attr] = attribute_reads.get(node.attr, 0) + 1
+
+    def single_call(call):
+        """A call of self.<norm> with one positional argument, the only mention of self.<norm>."""
+        name = _self_call(call, self_name)
+        return len(call.args) == 1 and not call.keywords and attribute_reads.get(name) == 1 and not any(
+            isinstance(a, ast.Starred) for a in call.args)
+
+    pairs = []
+    for call in calls:
+        parent = parents.get(call)
+        if not single_call(call) or parent is None:
+            continue
+        norm = _self_call(call, self_name)
+        if _self_call(parent, self_name) and position(parent, call) is not None:
+            pairs.append((norm, _self_call(parent, self_name), position(parent, call)))
+            continue
+        statement = parent
+        if not (isinstance(statement, ast.Assign) and len(statement.targets) == 1
+                and isinstance(statement.targets[0], ast.Name) and statement in tree.body):
+            continue
+        name = statement.targets[0].id
+        if name not in code.co_varnames or name in code.co_cellvars:
+            continue
+        uses = set()
+        for later in tree.body[tree.body.index(statement) + 1:]:
+            names = [n for n in ast.walk(later) if isinstance(n, ast.Name) and n.id == name]
+            stored = [n for n in names if not isinstance(n.ctx, ast.Load)]
+            for load in (n for n in names if isinstance(n.ctx, ast.Load)):
+                holder = parents.get(load)
+                if isinstance(holder, ast.keyword):
+                    holder = parents.get(holder)
+                how = position(holder, load) if _self_call(holder, self_name) else None
+                uses.add((_self_call(holder, self_name), how) if how is not None else None)
+            if stored:
+                # An assignment ends h's life only as a simple statement: in a branch or loop
+                # the old h may live on past it.
+                if not isinstance(later, ast.Assign):
+                    uses.add(None)
+                break
+            if isinstance(later, ast.Return):
+                break
+        if len(uses) == 1 and None not in uses:
+            (sub, how), = uses
+            pairs.append((norm, sub, how))
+    return list(dict.fromkeys(pairs))
+
+
 def _own_classes(module):
     """The classes `module` defines itself (not those it imports)."""
     return [value for value in list(vars(module).values())
@@ -1108,6 +1254,52 @@ def scan_shared_inputs(module):
         sites = linear_input_sites(forward) if forward is not None else None
         if sites is not None and len(sites) >= 2:
             found[value] = (forward.__code__.co_varnames[1], sites)
+    return found
+
+
+def scan_consumers(module):
+    """The classes defined in `module` whose own `forward` passes its input only to its
+    attributes' calls (`consumer_input`): {class: (the input's name, the attributes)}."""
+    found = {}
+    for value in _own_classes(module):
+        forward = value.__dict__.get("forward")
+        consumer = consumer_input(forward) if forward is not None else None
+        if consumer is not None:
+            found[value] = consumer
+    return found
+
+
+def _made_as_norms(cls):
+    """The attributes `cls.__init__` assigns a call of something named like a norm
+    (`self.ln_1 = nn.LayerNorm(...)`, `LlamaRMSNorm(...)`), or named so themselves: which of a
+    layer's handoffs may start at a norm (a filter only; the modules' types decide at run time)."""
+    init = cls.__dict__.get("__init__")
+    tree = _function_tree(init) if init is not None else None
+    if tree is None:
+        return set()
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            func = node.value.func
+            made = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            for target in node.targets:
+                if isinstance(target, ast.Attribute) and ("Norm" in made or "norm" in target.attr):
+                    names.add(target.attr)
+    return names
+
+
+def scan_norm_handoffs(module):
+    """The classes defined in `module` whose own `forward` hands a norm's output only to one
+    submodule (`norm_handoffs`, its first module made as a norm in `__init__`):
+    {class: ((norm, sub, how), ...)}."""
+    found = {}
+    for value in _own_classes(module):
+        forward = value.__dict__.get("forward")
+        pairs = norm_handoffs(forward) if forward is not None else []
+        norms = _made_as_norms(value) if pairs else set()
+        pairs = tuple(pair for pair in pairs if pair[0] in norms)
+        if pairs:
+            found[value] = pairs
     return found
 
 

@@ -28,6 +28,7 @@ PyTorch's own kernels.
 """
 import functools
 import sys
+import threading
 import types
 import typing
 
@@ -132,14 +133,28 @@ def _llama_norm(torch, original, dependencies=None, eps_attribute="variance_epsi
 
 
 def _rms_norm_forward(torch, original, form, dependencies=None):
-    """Llama's RMSNorm (LlamaRMSNorm and its copies) in one op (`_llama_norm`)."""
+    """Llama's RMSNorm (LlamaRMSNorm and its copies) in one op (`_llama_norm`). Its output can
+    also be written in bf16 by torchfuse::norm_cast (`_NARROWERS`): the rewrite's RMSNorm of an
+    fp32 x and weight (torchfuse::hf_rms_norm, aten::rms_norm), then the cast, in one op."""
     norm = _llama_norm(torch, original, dependencies)
+    op, tensor, plain = torch.ops.torchfuse.norm_cast.default, torch.Tensor, (torch.Tensor, torch.nn.Parameter)
+    fp32, bf16 = torch.float32, torch.bfloat16
+    unchanged = (dependencies or compositions.Dependencies(original)).unchanged
 
     @functools.wraps(original)
     def forward(self, hidden_states):
         out = norm(self, hidden_states)
         return original(self, hidden_states) if out is None else out
 
+    def narrow(module, x):
+        weight, eps = module.weight, module.variance_epsilon
+        if (type(weight) in plain and weight.dtype == fp32 and weight.dim() == 1
+                and weight.shape[0] == x.shape[-1] and weight.device == x.device
+                and x.shape[-1] >= _RMS_NORM_MIN_HIDDEN and type(eps) is float and unchanged()):
+            return op(x, weight, None, eps, True, bf16)
+        return None
+
+    _NARROWERS[forward] = narrow
     return forward
 
 
@@ -1218,6 +1233,175 @@ def _shared_cast_forward(torch, forward, input_name, sites):
     return shared_cast
 
 
+# A norm class's forward -> a function (module, x) -> the module's output for an fp32 x written
+# in bf16 by torchfuse::norm_cast, or None where the original must run: the norms
+# `_norm_cast_forward` may switch. nn.LayerNorm's is added when the first layer is rewritten.
+_NARROWERS = {}
+
+# Classes whose forward passes its input only to its attributes' calls
+# (`compositions.consumer_input`, read before any rewrite): {class: (the input's name, the
+# attributes, the class's forward once its module was patched)}. A forward replaced since is
+# another forward: no norm writes bf16 for it.
+_CONSUMERS = {}
+
+
+def _layer_norm_narrower(torch):
+    """nn.LayerNorm's `_NARROWERS` entry: F.layer_norm of an fp32 x over its last dim with fp32
+    (or no) weight and bias, then the cast, as torchfuse::norm_cast."""
+    op, plain = torch.ops.torchfuse.norm_cast.default, (torch.Tensor, torch.nn.Parameter)
+    fp32, bf16 = torch.float32, torch.bfloat16
+    forward = torch.nn.LayerNorm.forward
+    unchanged = compositions.Dependencies(forward).unchanged
+
+    def plain_parameter(p, shape, device):
+        return p is None or (type(p) in plain and p.dtype == fp32 and p.shape == shape and p.device == device)
+
+    def narrow(module, x):
+        own, params = module.__dict__, module._parameters
+        weight, bias = params.get("weight"), params.get("bias")
+        shape, eps = own.get("normalized_shape"), own.get("eps")
+        if (type(shape) is tuple and len(shape) == 1 and x.shape[-1] == shape[0] and type(eps) is float
+                and "weight" not in own and "bias" not in own
+                and plain_parameter(weight, shape, x.device) and plain_parameter(bias, shape, x.device)
+                and unchanged()):
+            return op(x, weight, bias, eps, False, bf16)
+        return None
+
+    return forward, narrow
+
+
+def _sites_check(torch):
+    """A function (module, its sites, device) -> how many of the sites are there, each a plain,
+    unobserved Linear (`_plain_linear_check`) or HF Conv1D (the recognised `hf_conv1d` forward:
+    addmm of x, which autocast casts) on that device; None where any site is something else.
+    A site that is no attribute at all counts as none: its call raises AttributeError whatever
+    its input's dtype (GPT-2's `q_attn`, made only for cross-attention)."""
+    plain_linear, plain = _plain_linear_check(torch), (torch.Tensor, torch.nn.Parameter)
+    module_getattr = torch.nn.Module.__getattr__
+    conv1d_forms = {}  # a class's forward -> it is the recognised Conv1D forward
+
+    @functools.lru_cache(maxsize=None)
+    def submodule_only(cls, name):
+        return not any(name in vars(c) for c in cls.__mro__)
+
+    def plain_conv1d(m, device):
+        forward = type(m).forward
+        known = conv1d_forms.get(forward)
+        if known is None:
+            known = conv1d_forms[forward] = compositions.form_of(forward) == "hf_conv1d"
+        if not (known and _unobserved(torch, m)):
+            return False
+        params = m._parameters
+        weight, bias = params.get("weight"), params.get("bias")
+        return (type(weight) in plain and weight.device == device and (bias is None or type(bias) in plain)
+                and "weight" not in m.__dict__ and "bias" not in m.__dict__)
+
+    def sites_present(module, sites, device):
+        own, cls = module.__dict__, type(module)
+        children = own.get("_modules", {})
+        present = 0
+        for name in sites:
+            if name in own or not submodule_only(cls, name):
+                return None
+            child = children.get(name, children)  # children itself: no such submodule
+            if child is children:
+                if (name in own.get("_parameters", ()) or name in own.get("_buffers", ())
+                        or cls.__getattr__ is not module_getattr):
+                    return None
+                continue
+            if not (plain_linear(child, device) or plain_conv1d(child, device)):
+                return None
+            present += 1
+        return present
+
+    return sites_present
+
+
+def _norm_cast_forward(torch, forward, pairs):
+    """`forward` (a layer class's, rewritten or not) with the norms of `pairs`
+    (`compositions.norm_handoffs`: (norm, sub, how), the norm's output handed only to `sub`)
+    writing their output in bf16 where that is all its consumers make of it: under CUDA bf16
+    autocast, each Linear `sub` passes its input to casts it to bf16 first. The norm and the
+    cast become one op (torchfuse::norm_cast), and in the backward the cast back and the norm's
+    backward: the norm's output is never made in fp32. Values: bitwise the norm's output cast,
+    and the norm's gradient from the same bf16 gradient; the projections' input gradients add in
+    bf16 as under shared_cast (required where `sub` has more than one: its toggle must be on).
+
+    Per call: the norm is switched only for this forward's duration and its first call (an
+    instance `forward` the norm's `__call__` finds first, popped again), in this thread, where
+    the norm is nn.LayerNorm or a served RMSNorm form (`_NARROWERS`), `sub`'s class passes its
+    input only to Linear layers (`_CONSUMERS`, its forward unchanged since) and takes the norm's
+    output as that input (`how`); both modules unobserved (no hooks, not compiled in place), and
+    outside traces, torch function and dispatch modes, global module hooks. At the norm's call,
+    x must be a plain, contiguous fp32 CUDA tensor and `sub`'s sites plain Linear/Conv1D layers on
+    its device (`_sites_check`); anything else runs the norm's own forward."""
+    if torch.nn.LayerNorm.forward not in _NARROWERS:
+        layer_norm_forward, narrow = _layer_norm_narrower(torch)
+        _NARROWERS[layer_norm_forward] = narrow
+    tensor, fp32, bf16 = torch.Tensor, torch.float32, torch.bfloat16
+    autocast, autocast_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+    untraced, enabled = _untraced_call(torch), torch.ops.torchfuse.enabled.default
+    function_mode, dispatch_modes = torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack
+    sites_present, get_ident = _sites_check(torch), threading.get_ident
+
+    def plain_module(m):
+        return _unobserved(torch, m) and m.__dict__.get("_compiled_call_impl") is None
+
+    def consumer_sites(sub, how):
+        known = _CONSUMERS.get(type(sub))
+        if known is None:
+            return None
+        input_name, sites, final_forward = known
+        if type(sub).forward is not final_forward or (how != 0 and how != input_name) or not plain_module(sub):
+            return None
+        return sites
+
+    def switch(norm, narrow, sub, sites):
+        owner, own = get_ident(), norm.__dict__
+
+        def switched(*args, **kwargs):
+            if own.get("forward") is switched:
+                del own["forward"]  # the first call only
+            if get_ident() == owner and len(args) == 1 and not kwargs:
+                x = args[0]
+                if type(x) is tensor and x.dtype == fp32 and x.is_cuda and x.is_contiguous():
+                    present = sites_present(sub, sites, x.device)
+                    if present is not None and (present < 2 or enabled("shared_cast")):
+                        out = narrow(norm, x)
+                        if out is not None:
+                            return out
+            return type(norm).forward(norm, *args, **kwargs)
+
+        own["forward"] = switched
+        return switched
+
+    @functools.wraps(forward)
+    def norm_cast(self, *args, **kwargs):
+        if not (untraced() and autocast("cuda") and autocast_dtype("cuda") == bf16 and not function_mode()
+                and not dispatch_modes() and not _global_module_hooks(torch)):
+            return forward(self, *args, **kwargs)
+        modules, chosen = self.__dict__.get("_modules", {}), []
+        for norm_name, sub_name, how in pairs:
+            norm, sub = modules.get(norm_name), modules.get(sub_name)
+            narrow = _NARROWERS.get(getattr(type(norm), "forward", None))
+            if narrow is None or "forward" in norm.__dict__ or not plain_module(norm):
+                continue
+            sites = consumer_sites(sub, how)
+            if sites is not None:
+                chosen.append((norm, narrow, sub, sites))
+        if not chosen or not enabled("norm_cast"):
+            return forward(self, *args, **kwargs)
+        switched = [(norm, switch(norm, narrow, sub, sites)) for norm, narrow, sub, sites in chosen]
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            for norm, mine in switched:
+                if norm.__dict__.get("forward") is mine:
+                    del norm.__dict__["forward"]
+
+    return norm_cast
+
+
 class Rewrite(typing.NamedTuple):
     """One rewrite of a recognised form (compositions.py holds its reference code and the
     toggle that switches it): what makes the replacement from the original
@@ -1327,6 +1511,7 @@ def patch_module(module):
     found = compositions.scan(module)
     # Read from the classes' own code before any rewrite replaces it.
     shared_inputs = compositions.scan_shared_inputs(module)
+    consumers, handoffs = compositions.scan_consumers(module), compositions.scan_norm_handoffs(module)
     _take_rewritten_methods(torch, module)
     for cls, form in found.items():
         op = compositions.COMPUTES[form]
@@ -1358,6 +1543,17 @@ def patch_module(module):
         cls.forward = _shared_cast_forward(torch, cls.forward, input_name, sites)
         note(torch, f"rewrite shared_cast: {where} -> {input_name} cast once for {', '.join(sites)} "
                     "under autocast")
+    for cls, pairs in handoffs.items():
+        where = f"{module.__name__}.{cls.__qualname__}.forward"
+        if not enabled.get("norm_cast", False):
+            note(torch, f"rewrite norm_cast off: {where} left as it is", debug=True)
+            continue
+        cls.forward = _norm_cast_forward(torch, cls.forward, pairs)
+        handed = ", ".join(f"{norm} -> {sub}" for norm, sub, _ in pairs)
+        note(torch, f"rewrite norm_cast: {where} -> {handed}: the norm writes bf16 where its consumers "
+                    "are Linear layers under bf16 autocast (" + _OPS + "norm_cast)")
+    for cls, (input_name, sites) in consumers.items():
+        _CONSUMERS[cls] = (input_name, sites, cls.forward)
     functions = compositions.scan_functions(module)
     for name, form in functions.items():
         original, op = getattr(module, name), compositions.COMPUTES[form]

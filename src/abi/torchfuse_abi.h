@@ -75,7 +75,7 @@ typedef struct TfOutputs {
 } TfOutputs;
 
 // native_layer_norm[_backward], _fused_rms_norm[_backward], torchfuse::hf_rms_norm (input,
-// weight, eps).
+// weight, eps), torchfuse::norm_cast[_backward] (over the last dim; `rms`, y's `y_dtype`).
 typedef struct TfNormCall {
   TfTensor input;
   TfTensor weight;
@@ -87,7 +87,8 @@ typedef struct TfNormCall {
   size_t normalized_ndim;
   double eps;
   uint8_t has_eps;      // _fused_rms_norm's eps is optional
-  uint8_t unused[3];
+  uint8_t rms;          // norm_cast: RMSNorm (1) or LayerNorm (0)
+  int16_t y_dtype;      // norm_cast: y's (and the backward's dy's) c10::ScalarType
   uint32_t output_mask;  // backward: bit i asks for output i
 } TfNormCall;
 

@@ -157,7 +157,8 @@ pub struct TfNormCall {
     pub normalized_ndim: usize,
     pub eps: f64,
     pub has_eps: u8,
-    pub unused: [u8; 3],
+    pub rms: u8,
+    pub y_dtype: i16,
     pub output_mask: u32,
 }
 
@@ -345,6 +346,8 @@ mod tests {
             n(offset_of!(TfNormCall, normalized_ndim)),
             n(offset_of!(TfNormCall, eps)),
             n(offset_of!(TfNormCall, has_eps)),
+            n(offset_of!(TfNormCall, rms)),
+            n(offset_of!(TfNormCall, y_dtype)),
             n(offset_of!(TfNormCall, output_mask)),
             n(size_of::<TfGeluCall>()),
             n(offset_of!(TfGeluCall, grad_out)),

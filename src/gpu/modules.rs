@@ -111,8 +111,9 @@ impl Kernels {
     }
 }
 
-/// What identifies a module: the registry variant's index, the dtype, the device ordinal.
-pub type ModuleKey = (usize, DType, i32);
+/// What identifies a module: the registry variant's index, the dtype, the output's dtype where
+/// it is narrower (`TF_Y_DTYPE`), the device ordinal.
+pub type ModuleKey = (usize, DType, Option<DType>, i32);
 
 /// What to compile for a module, and the kernels to fetch from it.
 pub struct ModuleSpec<'a> {
@@ -138,7 +139,7 @@ pub fn load<'a>(
     let mut all = MODULES.lock().unwrap_or_else(|p| p.into_inner());
     all.entry(key)
         .or_insert_with(|| {
-            let ordinal = key.2;
+            let ordinal = key.3;
             let spec = spec();
             let loaded = cubin(
                 &spec.label,

@@ -252,6 +252,21 @@ pub fn compile_options(params: &OpParams, dtype: DType, arch: &str) -> Vec<Strin
     options
 }
 
+/// `compile_options` with the output's dtype apart from `dtype` where `narrow` names one
+/// (`TF_Y_DTYPE`: a norm writing the dtype its consumers cast to, norm_cast).
+pub fn compile_options_narrowed(
+    params: &OpParams,
+    dtype: DType,
+    narrow: Option<DType>,
+    arch: &str,
+) -> Vec<String> {
+    let mut options = compile_options(params, dtype, arch);
+    if let Some(y) = narrow {
+        options.push(format!("-DTF_Y_DTYPE={}", y.kernel_code()));
+    }
+    options
+}
+
 /// What serves a call: the launch's GPU, the registry's variant and its loaded kernels.
 pub struct Selected {
     pub gpu: Arc<Device>,
@@ -266,6 +281,16 @@ pub struct Selected {
 pub fn select(
     launch: Launch,
     request: impl FnOnce(u32) -> Request,
+) -> Result<Selected, StockReason> {
+    select_narrowed(launch, request, None)
+}
+
+/// `select`, the kernels compiled with their output in `narrow`'s dtype where it names one
+/// (`compile_options_narrowed`).
+pub fn select_narrowed(
+    launch: Launch,
+    request: impl FnOnce(u32) -> Request,
+    narrow: Option<DType>,
 ) -> Result<Selected, StockReason> {
     let gpu = gpu::device(launch.device).map_err(|e| {
         tracing::debug!("cuda:{} unavailable to torchfuse: {e}", launch.device);
@@ -292,13 +317,16 @@ pub fn select(
     let variant = registry.variant(index);
     let params = registry.params(index);
     let kernels = gpu::modules::load(
-        (index, req.dtype, launch.device),
+        (index, req.dtype, narrow, launch.device),
         &gpu,
         &crate::runtime::config::get().cache_dir,
         || gpu::modules::ModuleSpec {
-            label: format!("{} ({})", variant.name, req.dtype.name()),
+            label: match narrow {
+                None => format!("{} ({})", variant.name, req.dtype.name()),
+                Some(y) => format!("{} ({} to {})", variant.name, req.dtype.name(), y.name()),
+            },
             source: &variant.source,
-            options: compile_options(params, req.dtype, &gpu.arch),
+            options: compile_options_narrowed(params, req.dtype, narrow, &gpu.arch),
             kernels: params.kernels(),
         },
     )
@@ -915,9 +943,10 @@ mod nvrtc_tests {
         );
     }
 
-    /// Every registry variant compiles, for every dtype it claims, for sm_80 and sm_90a where
-    /// its SM range includes them (a warpgroup-MMA variant is sm_90a only), with no stack
-    /// frame beyond a few spilled registers.
+    /// Every registry variant compiles, for every dtype it claims (a norm's fp32 variants also
+    /// narrowed to bf16 output, as norm_cast asks), for sm_80 and sm_90a where its SM range
+    /// includes them (a warpgroup-MMA variant is sm_90a only), with no stack frame beyond a few
+    /// spilled registers.
     /// Needs torch's NVRTC (the test binary links libtorch, so it is found next to it).
     #[test]
     fn every_variant_compiles_for_sm80_and_sm90a() {
@@ -927,16 +956,25 @@ mod nvrtc_tests {
             panic!("NVRTC unavailable: {e}");
         }
         let registry = REGISTRY.as_ref().expect("registry");
-        let jobs: Vec<(&Variant, &OpParams, DType, &str)> = registry
+        let narrowed = |v: &Variant, d: DType| {
+            (v.op.family() == OpFamily::Norm && d == DType::F32).then_some(DType::BF16)
+        };
+        let jobs: Vec<(&Variant, &OpParams, DType, Option<DType>, &str)> = registry
             .variants()
             .iter()
             .enumerate()
-            .flat_map(|(i, v)| v.dtypes.iter().map(move |&d| (v, registry.params(i), d)))
-            .flat_map(|(v, p, d)| {
+            .flat_map(|(i, v)| {
+                v.dtypes.iter().flat_map(move |&d| {
+                    std::iter::once(None)
+                        .chain(narrowed(v, d).map(Some))
+                        .map(move |y| (v, registry.params(i), d, y))
+                })
+            })
+            .flat_map(|(v, p, d, y)| {
                 [(80, "sm_80"), (90, "sm_90a")]
                     .into_iter()
                     .filter(|(sm, _)| (v.sm[0]..=v.sm[1]).contains(sm))
-                    .map(move |(_, arch)| (v, p, d, arch))
+                    .map(move |(_, arch)| (v, p, d, y, arch))
             })
             .collect();
         let next = std::sync::atomic::AtomicUsize::new(0);
@@ -946,10 +984,11 @@ mod nvrtc_tests {
                 .map(|_| {
                     scope.spawn(|| {
                         let mut done = 0;
-                        while let Some(&(variant, params, dtype, arch)) =
+                        while let Some(&(variant, params, dtype, narrow, arch)) =
                             jobs.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
                         {
-                            let options = compile_options(params, dtype, arch);
+                            let options =
+                                compile_options_narrowed(params, dtype, narrow, arch);
                             let cubin =
                                 nvrtc_compile(&variant.source, &options).unwrap_or_else(|e| {
                                     panic!("{} {} {arch}: {e}", variant.name, dtype.name())
@@ -982,10 +1021,14 @@ mod nvrtc_tests {
         });
         assert_eq!(compiled, jobs.len());
         assert!(compiled >= registry.variants().len());
+        assert!(
+            jobs.iter().any(|j| j.3.is_some()),
+            "no narrowed norm compiled"
+        );
         // Both architectures are covered.
         for arch in ["sm_80", "sm_90a"] {
             assert!(
-                jobs.iter().any(|j| j.3 == arch),
+                jobs.iter().any(|j| j.4 == arch),
                 "nothing compiled for {arch}"
             );
         }

@@ -1,7 +1,9 @@
 //! LayerNorm and RMSNorm, forward and backward, through kernels/norm.cu, or why stock runs a
 //! call. Calls stock would reject are sent to stock so the user gets stock's error. Also
 //! `torchfuse::hf_rms_norm`, HF's RMSNorm composition, which is served by `aten::rms_norm`
-//! where that computes the same thing (and so reaches the RMSNorm kernels).
+//! where that computes the same thing (and so reaches the RMSNorm kernels), and
+//! `torchfuse::norm_cast[_backward]`, a norm of fp32 rows whose output is written in bf16 (and
+//! whose backward reads its gradient in bf16): the same kernels, compiled narrowed.
 
 use super::params::{self, flag, one};
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
@@ -87,6 +89,9 @@ impl Family for Norm {
         shape: &[i64],
     ) -> Result<Served, StockReason> {
         let input = call.input.given().ok_or(StockReason::InvalidInput)?;
+        if matches!(entry, Entry::NormCast | Entry::NormCastBackward) {
+            return norm_cast(entry, launch, call, input, shape);
+        }
         if entry == Entry::HfRmsNorm {
             let weight = call.weight.given().ok_or(StockReason::InvalidInput)?;
             return hf_rms_norm(launch, input, weight);
@@ -109,6 +114,7 @@ impl Family for Norm {
                     weight,
                     bias,
                     eps: (call.has_eps != 0).then_some(call.eps),
+                    narrow: None,
                 },
             )?;
             return Ok(Served::new(
@@ -134,7 +140,8 @@ impl Family for Norm {
                 rstd,
                 weight,
                 bias,
-                output_mask: [0, 1, 2].map(|bit| call.output_mask & (1 << bit) != 0),
+                output_mask: mask(call),
+                narrow: None,
             },
         )?;
         Ok(Served::new(bwd.kernel, [bwd.dx, bwd.dweight, bwd.dbias]))
@@ -172,6 +179,88 @@ impl Family for Norm {
     fn prepare(v: &Variant) -> Result<Params, String> {
         prepare(v)
     }
+}
+
+/// A backward call's `output_mask` bits: dx, dweight, dbias.
+fn mask(call: &TfNormCall) -> [bool; 3] {
+    [0, 1, 2].map(|bit| call.output_mask & (1 << bit) != 0)
+}
+
+/// The dtype norm_cast writes y (and reads dy) in: bf16, the dtype bf16 autocast's Linears cast
+/// an fp32 input to (fp16 autocast is not served: its consumers' gradients would add in fp16).
+const NORM_CAST_Y: Kind = Kind::BFloat16;
+
+/// `torchfuse::norm_cast[_backward]`: LayerNorm (`rms` 0) or RMSNorm over the last dim of an
+/// fp32 x, y written in bf16 (`y_dtype`), dy read in bf16; every other tensor as the norm's
+/// own (fp32 x, weight and bias, fp32 statistics). Served only where the norm's own override
+/// serves (its toggle, `layer_norm` or `rms_norm`, on), so the kernel is the one the original's
+/// norm runs and y is its output cast, bit for bit; otherwise the glue composes the norm and
+/// the cast.
+unsafe fn norm_cast(
+    entry: Entry,
+    launch: Launch,
+    call: &TfNormCall,
+    input: &TfTensor,
+    shape: &[i64],
+) -> Result<Served, StockReason> {
+    let (kind, own) = if call.rms != 0 {
+        (NormKind::Rms, Toggle::RmsNorm)
+    } else {
+        (NormKind::Layer, Toggle::LayerNorm)
+    };
+    if !(own.registered() && own.active()) {
+        return Err(StockReason::DisabledAtRuntime);
+    }
+    if input.kind() != Some(Kind::Float) {
+        return Err(StockReason::UnsupportedDtype);
+    }
+    if crate::abi::tensor::kind_of_scalar_type(call.y_dtype) != Some(NORM_CAST_Y) {
+        return Err(StockReason::UnsupportedDtype);
+    }
+    let hidden = shape.last().ok_or(StockReason::InvalidInput)?;
+    if kind == NormKind::Rms && *hidden < HF_RMS_NORM_MIN_HIDDEN {
+        return Err(StockReason::NoVariantForShape);
+    }
+    let normalized_shape = std::slice::from_ref(hidden);
+    let (weight, bias) = (call.weight.given(), call.bias.given());
+    if entry == Entry::NormCast {
+        let fwd = forward(
+            launch,
+            &ForwardCall {
+                kind,
+                input,
+                shape,
+                normalized_shape,
+                weight,
+                bias,
+                eps: Some(call.eps),
+                narrow: Some(NORM_CAST_Y),
+            },
+        )?;
+        return Ok(Served::new(
+            fwd.kernel,
+            [Some(fwd.y), fwd.mean, Some(fwd.rstd)],
+        ));
+    }
+    let grad_out = call.grad_out.given().ok_or(StockReason::InvalidInput)?;
+    let rstd = call.rstd.given().ok_or(StockReason::InvalidInput)?;
+    let bwd = backward(
+        launch,
+        &BackwardCall {
+            kind,
+            grad_out,
+            input,
+            shape,
+            normalized_shape,
+            mean: call.mean.given(),
+            rstd,
+            weight,
+            bias,
+            output_mask: mask(call),
+            narrow: Some(NORM_CAST_Y),
+        },
+    )?;
+    Ok(Served::new(bwd.kernel, [bwd.dx, bwd.dweight, bwd.dbias]))
 }
 
 fn is_backward(op: KernelOp) -> bool {
@@ -416,20 +505,33 @@ impl Plan {
     }
 }
 
-fn plan(op: KernelOp, l: &Layout, launch: Launch) -> Result<Plan, StockReason> {
+/// `narrow`: y's (forward) or dy's (backward) dtype where it is narrower than x's.
+fn plan(
+    op: KernelOp,
+    l: &Layout,
+    launch: Launch,
+    narrow: Option<Kind>,
+) -> Result<Plan, StockReason> {
+    let narrow = narrow
+        .map(|k| dtype_of(k).ok_or(StockReason::UnsupportedDtype))
+        .transpose()?;
     let Selected {
         gpu,
         variant,
         kernels,
         params,
-    } = super::select(launch, |sm| Request {
-        op,
-        dtype: l.dtype,
-        hidden: l.cols,
-        rows: l.rows,
-        sm,
-        deterministic: false,
-    })?;
+    } = super::select_narrowed(
+        launch,
+        |sm| Request {
+            op,
+            dtype: l.dtype,
+            hidden: l.cols,
+            rows: l.rows,
+            sm,
+            deterministic: false,
+        },
+        narrow,
+    )?;
     let p = Norm::params(params)?;
     let g = geometry(p);
     let main = kernels.get(if is_backward(op) {
@@ -525,6 +627,8 @@ struct ForwardCall<'a> {
     pub bias: Option<&'a TfTensor>,
     /// None: RMSNorm's default, float32's machine epsilon (stock's choice for these dtypes).
     pub eps: Option<f64>,
+    /// y's dtype where it is narrower than x's (norm_cast); None: x's.
+    pub narrow: Option<Kind>,
 }
 
 kernel_args! {
@@ -583,12 +687,12 @@ fn forward(launch: Launch, call: &ForwardCall) -> Result<Forward, StockReason> {
         launch,
         &[call.weight, call.bias],
     )?;
-    let plan = plan(call.kind.kernel_op(false), &l, launch)?;
+    let plan = plan(call.kind.kernel_op(false), &l, launch, call.narrow)?;
 
     let x = call.input.contiguous()?;
     let weight = contiguous(call.weight)?;
     let bias = contiguous(call.bias)?;
-    let y = empty(call.shape, l.kind, l.device)?;
+    let y = empty(call.shape, call.narrow.unwrap_or(l.kind), l.device)?;
     let mean = match call.kind {
         NormKind::Layer => Some(empty(&l.stat_shape, Kind::Float, l.device)?),
         NormKind::Rms => None,
@@ -621,7 +725,8 @@ fn forward(launch: Launch, call: &ForwardCall) -> Result<Forward, StockReason> {
     };
     args::push(&mut args, &fwd_args);
     // SAFETY: norm_fwd's parameters are NormFwdArgs's fields (the compile test checks); x and y
-    // hold rows x cols elements of the kernel's dtype, weight and bias cols, mean (LayerNorm
+    // hold rows x cols elements of the kernel's dtype (y of its TF_Y_DTYPE, which `plan`
+    // compiled from `narrow`), weight and bias cols, mean (LayerNorm
     // only) and rstd rows fp32 values; all live until the stream is done with them (PyTorch's
     // allocator orders reuse on it).
     unsafe { args.launch(plan.rows_config()) }.map_err(|e| plan.launch_failed(e))?;
@@ -655,6 +760,8 @@ struct BackwardCall<'a> {
     pub bias: Option<&'a TfTensor>,
     /// dx, dweight, dbias (RMSNorm: the third is false).
     pub output_mask: [bool; 3],
+    /// dy's dtype where it is narrower than x's (norm_cast); None: x's.
+    pub narrow: Option<Kind>,
 }
 
 fn statistic_ok(stat: &TfTensor, rows: i64, input: &TfTensor) -> bool {
@@ -680,7 +787,7 @@ fn backward(launch: Launch, call: &BackwardCall) -> Result<Backward, StockReason
         &[call.weight, call.bias],
     )?;
     if call.grad_out.sizes() != call.shape
-        || call.grad_out.kind() != Some(l.kind)
+        || call.grad_out.kind() != Some(call.narrow.unwrap_or(l.kind))
         || call.grad_out.device() != call.input.device()
         || !statistic_ok(call.rstd, l.rows, call.input)
         || (call.kind == NormKind::Layer
@@ -690,7 +797,7 @@ fn backward(launch: Launch, call: &BackwardCall) -> Result<Backward, StockReason
     {
         return Err(StockReason::InvalidInput);
     }
-    let plan = plan(call.kind.kernel_op(true), &l, launch)?;
+    let plan = plan(call.kind.kernel_op(true), &l, launch, call.narrow)?;
 
     let dy = call.grad_out.contiguous()?;
     let x = call.input.contiguous()?;
@@ -744,9 +851,9 @@ fn backward(launch: Launch, call: &BackwardCall) -> Result<Backward, StockReason
     };
     args::push(&mut args, &bwd_args);
     // SAFETY: norm_bwd's parameters are NormBwdArgs's fields (the compile test checks); dy, x and
-    // dx hold rows x cols elements of the kernel's dtype, mean/rstd rows fp32 values, weight
-    // cols elements, the partials partial_rows x cols fp32 values; null pointers are the
-    // outputs not requested. All live until the stream is done with them.
+    // dx hold rows x cols elements of the kernel's dtype (dy of its TF_Y_DTYPE), mean/rstd rows
+    // fp32 values, weight cols elements, the partials partial_rows x cols fp32 values; null
+    // pointers are the outputs not requested. All live until the stream is done with them.
     unsafe { args.launch(plan.rows_config()) }.map_err(|e| plan.launch_failed(e))?;
 
     if want_dw || want_db {

@@ -490,6 +490,145 @@ def test_linear_input_sites_are_read_from_the_code_or_not_at_all(name, sites):
     assert compositions.linear_input_sites(getattr(_Sites, name)) == sites
 
 
+def _decorated(function):
+    import functools
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+class _Handoffs:
+    """Layer forwards handing a norm's output to one submodule, or not only to it."""
+
+    def assigned(self, x):
+        residual = x
+        x = self.norm(x)
+        x, _ = self.attn(x, mask=self.mask)
+        return x + residual
+
+    def by_keyword(self, x):
+        h = self.norm(x)
+        out = self.attn(hidden_states=h, mask=None)
+        return out + x
+
+    def inline(self, x):
+        return x + self.attn(self.norm(x)) + self.mlp(self.ln_2(x))
+
+    def twice_to_one(self, x):
+        h = self.norm(x)
+        return self.attn(h) + self.attn(h)
+
+    @_decorated
+    def decorated(self, x):
+        h = self.norm(x)
+        return self.attn(h)
+
+    def kept_as_residual(self, x):
+        h = self.norm(x)
+        residual = h
+        return self.attn(h) + residual
+
+    def computed_with(self, x):
+        h = self.norm(x)
+        return self.attn(h * 2)
+
+    def to_two_modules(self, x):
+        h = self.norm(x)
+        return self.attn(h) + self.mlp(h)
+
+    def second_argument(self, x):
+        h = self.norm(x)
+        return self.attn(x, h)
+
+    def norm_called_twice(self, x):
+        h = self.norm(x)
+        return self.attn(h) + self.norm(x)
+
+    def norm_passed_on(self, x):
+        h = self.norm(x)
+        return self.attn(h, self.norm)
+
+    def reassigned_in_a_branch(self, x):
+        h = self.norm(x)
+        if self.flag:
+            h = x
+        return self.attn(h)
+
+    def in_a_closure(self, x):
+        h = self.norm(x)
+        return self.attn(h) + (lambda: h)()
+
+    def norm_with_keywords(self, x):
+        h = self.norm(x, eps=1e-5)
+        return self.attn(h)
+
+    def reused_after_reassignment(self, x):
+        h = self.norm(x)
+        x = self.attn(h)
+        h = x * 2
+        return h + x
+
+
+@pytest.mark.parametrize("name,pairs", [
+    ("assigned", [("norm", "attn", 0)]), ("by_keyword", [("norm", "attn", "hidden_states")]),
+    ("inline", [("norm", "attn", 0), ("ln_2", "mlp", 0)]), ("twice_to_one", [("norm", "attn", 0)]),
+    ("decorated", [("norm", "attn", 0)]), ("reused_after_reassignment", [("norm", "attn", 0)]),
+    ("kept_as_residual", []), ("computed_with", []), ("to_two_modules", []), ("second_argument", []),
+    ("norm_called_twice", []), ("norm_passed_on", []), ("reassigned_in_a_branch", []), ("in_a_closure", []),
+    ("norm_with_keywords", [])])
+def test_norm_handoffs_are_read_from_the_code_or_not_at_all(name, pairs):
+    assert compositions.norm_handoffs(getattr(_Handoffs, name)) == pairs
+
+
+class _Consumers:
+    def first_projection(self, x):
+        x = self.fc1(x)
+        x = self.act(x)
+        return self.fc2(x)
+
+    def projections(self, x):
+        return self.q(x) + self.k(x)
+
+    def first_projection_kept(self, x):
+        y = self.fc1(x)
+        return y + x
+
+    def first_computed(self, x):
+        x = self.fc1(x) * 2
+        return x
+
+
+@pytest.mark.parametrize("name,found", [
+    ("first_projection", ("x", ("fc1",))), ("projections", ("x", ("q", "k"))), ("first_projection_kept", None),
+    ("first_computed", None)])
+def test_consumer_inputs_are_read_from_the_code(name, found):
+    assert compositions.consumer_input(getattr(_Consumers, name)) == found
+
+
+@pytest.mark.parametrize("family,layer,pairs,consumers", [
+    ("gpt2", "GPT2Block", (("ln_1", "attn", 0), ("ln_2", "mlp", 0)),
+     {"GPT2Attention": ("hidden_states", ("q_attn", "c_attn")), "GPT2MLP": ("hidden_states", ("c_fc",))}),
+    ("llama", "LlamaDecoderLayer", (("input_layernorm", "self_attn", "hidden_states"), ("post_attention_layernorm", "mlp", 0)),
+     {"LlamaAttention": ("hidden_states", ("q_proj", "k_proj", "v_proj")), "LlamaMLP": ("x", ("gate_proj", "up_proj"))}),
+    ("gpt_neox", "GPTNeoXLayer", (("input_layernorm", "attention", 0),),
+     {"GPTNeoXAttention": ("hidden_states", ("query_key_value",))}),
+    ("vit", "ViTLayer", (("layernorm_before", "attention", 0), ("layernorm_after", "mlp", 0)),
+     {"ViTAttention": ("hidden_states", ("q_proj", "k_proj", "v_proj"))})])
+def test_norm_handoffs_found_in_hf_layers(family, layer, pairs, consumers):
+    """The layers' norms and the modules taking their output (GPT-NeoX's post-attention norm is
+    called in two branches, parallel residual or not: not followed), and those modules' classes
+    passing their input only to their projections (GPT-2's attention to q_attn too, made only
+    for cross-attention)."""
+    m = module(f"models.{family}.modeling_{family}")
+    found = {cls.__name__: v for cls, v in compositions.scan_norm_handoffs(m).items()}
+    assert found == {layer: pairs}, found
+    read = {cls.__name__: v for cls, v in compositions.scan_consumers(m).items()}
+    assert {name: read.get(name) for name in consumers} == consumers, read
+
+
 @pytest.mark.parametrize("family,attention,mlp", [
     ("llama", "LlamaAttention", "LlamaMLP"), ("qwen2", "Qwen2Attention", "Qwen2MLP"),
     ("qwen3", "Qwen3Attention", "Qwen3MLP"), ("mistral", "MistralAttention", "MistralMLP"),

@@ -414,3 +414,87 @@ def test_autograd_modules_match_stock(case):
     for i, (o, s) in enumerate(zip(ours, stock)):
         assert o.dtype == s.dtype and o.shape == s.shape
         assert rel_err(o, s) <= 2 * floor, (case, i, rel_err(o, s))
+
+
+# ---------------------------------------------------------------- torchfuse::norm_cast
+
+NORM_CAST_SHAPES = [(4096, 768), (2, 512, 1024), (37, 2048), (300, 770), (64, 4096)]
+
+
+def norm_then_cast(kind, x, w, b, eps):
+    """What norm_cast replaces: the norm as torchfuse serves it (aten's layer_norm; HF's RMSNorm
+    through torchfuse::hf_rms_norm), then autocast's cast to bf16."""
+    if kind == "layer":
+        y = torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b, eps)
+    else:
+        y = torch.ops.torchfuse.hf_rms_norm(x, w, eps)
+    return y.to(torch.bfloat16)
+
+
+def norm_cast_grads(kind, x, w, b, eps, dy, cast):
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, w, b)]
+    x_, w_, b_ = leaves
+    y = (torch.ops.torchfuse.norm_cast(x_, w_, b_, eps, kind == "rms", torch.bfloat16) if cast
+         else norm_then_cast(kind, x_, w_, b_, eps))
+    y.backward(dy)
+    return [y.detach()] + [t.grad for t in leaves if t is not None]
+
+
+@pytest.mark.parametrize("kind,affine", [("layer", "both"), ("layer", "weight"), ("layer", "none"), ("rms", "weight")])
+def test_norm_cast_is_the_norm_then_the_cast_bit_for_bit(kind, affine):
+    """torchfuse::norm_cast (the norm and autocast's cast in one op, dy read in bf16) gives the
+    bits of the norm torchfuse serves followed by the cast: the bf16 output, and the input's,
+    weight's and bias's gradients from the same bf16 gradient (rows whose width is a multiple of
+    the vector or not, 1-D to 3-D); the fused kernels serve it where the norm's own do."""
+    eps = 1e-5
+    for shape in NORM_CAST_SHAPES:
+        hidden = shape[-1]
+        torch.manual_seed(fresh_seed())
+        x = torch.randn(shape, device="cuda") * 3 + 0.5
+        w = torch.randn(hidden, device="cuda") if affine != "none" else None
+        b = torch.randn(hidden, device="cuda") if affine == "both" else None
+        dy = torch.randn(shape, device="cuda").to(torch.bfloat16)
+        before = [fused_count("torchfuse::norm_cast"), fused_count("torchfuse::norm_cast_backward")]
+        ours = norm_cast_grads(kind, x, w, b, eps, dy, cast=True)
+        served = [fused_count("torchfuse::norm_cast") - before[0],
+                  fused_count("torchfuse::norm_cast_backward") - before[1]]
+        want = norm_cast_grads(kind, x, w, b, eps, dy, cast=False)
+        expect = [int(has_variant(kind, d, torch.float32, hidden)) for d in ("fwd", "bwd")]
+        assert served == expect, (shape, served, expect)
+        assert ours[0].dtype == torch.bfloat16 and ours[0].shape == x.shape and ours[0].is_contiguous()
+        for i, (o, s) in enumerate(zip(ours, want)):
+            assert o.dtype == s.dtype and o.shape == s.shape, (shape, i)
+            assert torch.equal(o, s), (kind, affine, shape, i, (o.float() - s.float()).abs().max().item())
+
+
+def test_norm_cast_where_the_norms_own_toggle_is_off_composes_the_original():
+    """With layer_norm (rms_norm) switched off, the original's norm is stock's: norm_cast does not
+    serve (its kernel would not be that norm's), it runs the norm and the cast as the original,
+    autograd included; and under create_graph its fused backward gives way to a differentiable
+    one, whose gradient of the gradient is stock's."""
+    torch.manual_seed(fresh_seed())
+    x = torch.randn(512, 1024, device="cuda")
+    w, b = torch.randn(1024, device="cuda"), torch.randn(1024, device="cuda")
+    dy = torch.randn(512, 1024, device="cuda").to(torch.bfloat16)
+    for kind, toggle in (("layer", "layer_norm"), ("rms", "rms_norm")):
+        bias = b if kind == "layer" else None
+        before = fused_count("torchfuse::norm_cast")
+        with enabled(toggle, False):
+            ours = norm_cast_grads(kind, x, w, bias, 1e-5, dy, cast=True)
+            want = norm_cast_grads(kind, x, w, bias, 1e-5, dy, cast=False)
+        assert fused_count("torchfuse::norm_cast") == before
+        assert all(torch.equal(o, s) for o, s in zip(ours, want)), kind
+        assert "disabled at run time" in stock_reasons("torchfuse::norm_cast")
+    # Double backward: d/dx of sum(dx * v), against the composition's.
+    v = torch.randn(512, 1024, device="cuda")
+
+    def second_order(cast):
+        x_ = x.clone().requires_grad_()
+        y = (torch.ops.torchfuse.norm_cast(x_, w, b, 1e-5, False, torch.bfloat16) if cast
+             else norm_then_cast("layer", x_, w, b, 1e-5))
+        dx, = torch.autograd.grad(y, x_, dy, create_graph=True)
+        ddx, = torch.autograd.grad((dx * v).sum(), x_)
+        return dx.detach(), ddx
+
+    for o, s in zip(second_order(True), second_order(False)):
+        assert rel_err(o, s) <= FLOOR[torch.float32], rel_err(o, s)

@@ -881,7 +881,8 @@ OP_STATS = {"swiglu": "torchfuse::silu_mul", "hf_rms_norm": "_fused_rms_norm"}
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("model,op", [("gpt2", "gelu_tanh"), ("llama", "hf_rms_norm"), ("llama", "cross_entropy"),
-                                      ("llama", "swiglu"), ("llama", "rotary")])
+                                      ("llama", "swiglu"), ("llama", "rotary"), ("gpt2", "norm_cast"),
+                                      ("llama", "norm_cast")])
 def test_unchanged_hf_model_trains_as_without_the_rewrite(model, op, compiled):
     pytest.importorskip("transformers", reason="scripts/setup installs transformers")
     if compiled and op in EAGER_ONLY:
@@ -897,6 +898,10 @@ def test_unchanged_hf_model_trains_as_without_the_rewrite(model, op, compiled):
         # Under torch.compile the original composition runs (Inductor fuses it): neither the
         # rewrite's op nor the op it routes to is called.
         assert not calls and not stats["ops"].get(f"torchfuse::{op}"), stats
+    elif op == "norm_cast":
+        # Reached at every layer's norms, and served or sent to stock as the norm's own call
+        # would be (a tiny model's rows may be stock's).
+        assert calls.get("fused", 0) + sum(calls.get("stock_reasons", {}).values()) >= 8 * 2 * 2, stats
     elif model == "gpt2":
         # GPT-2's MLP under autocast asks for the GELU in bf16 (hf_conv1d_mlp), where the
         # registry keeps stock's own one-pass gelu: the op is called, and stock serves it for
@@ -911,6 +916,85 @@ def test_unchanged_hf_model_trains_as_without_the_rewrite(model, op, compiled):
         assert calls.get("fused", 0) + sum(calls.get("stock_reasons", {}).values()) > 0, stats
     else:
         assert calls.get("fused", 0) > 0, stats
+
+
+NORM_CAST = r"""
+import sys, json, torch
+sys.path.insert(0, {python!r})
+sys.path.insert(0, {tests!r})
+import torchfuse
+torchfuse.enable({lib!r})
+torch.ops.torchfuse._serve_below_thresholds(True)
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from gpu_util import casts_in_graph
+
+class Watching(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {{}}))
+
+torch.manual_seed({seed})
+layers = 2
+if {model!r} == "gpt2":
+    model = GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=256, n_head=4, vocab_size=512, n_positions=256,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+else:
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=512))
+model = model.cuda()
+ids = torch.randint(0, 512, (4, 256), device="cuda")
+
+def count(op):
+    return json.loads(torch.ops.torchfuse.stats())["ops"].get(op, {{}}).get("fused", 0)
+
+def step(on, dtype=torch.bfloat16, mode=None):
+    torch.ops.torchfuse.set_enabled("norm_cast", on)
+    model.zero_grad(set_to_none=True)
+    before = count("torchfuse::norm_cast"), count("torchfuse::norm_cast_backward")
+    with torch.autocast("cuda", dtype=dtype):
+        if mode is None:
+            loss = model(input_ids=ids, labels=ids).loss
+        else:
+            with mode:
+                loss = model(input_ids=ids, labels=ids).loss
+    casts = casts_in_graph(loss)
+    loss.backward()
+    served = [count("torchfuse::norm_cast") - before[0], count("torchfuse::norm_cast_backward") - before[1]]
+    return loss.detach(), [p.grad.clone() for p in model.parameters()], casts, served
+
+loss0, grads0, casts0, _ = step(False)
+loss1, grads1, casts1, served = step(True)
+fp16 = [step(on, torch.float16)[2:] for on in (False, True)]
+watched = [step(on, mode=Watching())[2:] for on in (False, True)]
+print("RESULT " + json.dumps({{
+    "loss_equal": torch.equal(loss0, loss1), "grads_equal": [torch.equal(a, b) for a, b in zip(grads0, grads1)],
+    "casts": [casts0, casts1], "served": served, "layers": layers, "fp16": fp16, "watched": watched}}))
+"""
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_norm_cast_keeps_the_models_bits_with_two_casts_fewer_a_layer(model):
+    """norm_cast on unchanged HF GPT-2 (nn.LayerNorm into Conv1D projections) and Llama (its
+    RMSNorm into q/k/v and gate/up under shared_cast) under bf16 autocast, with the kernels
+    serving every shape: each layer's two norms write bf16 (served forward and backward; two
+    casts fewer a layer in the graph), and the loss and every parameter's gradient equal those
+    with norm_cast switched off, bit for bit. Under fp16 autocast, and under a dispatch mode
+    (which must see stock's ops), nothing is switched."""
+    pytest.importorskip("transformers", reason="scripts/setup installs transformers")
+    code = NORM_CAST.format(python=str(ROOT / "python"), tests=str(ROOT / "tests" / "python"), lib=str(LIB_DIR),
+                            model=model, seed=fresh_seed())
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env=clean_env(TORCHFUSE_LOG="info"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    import json
+    out = json.loads(re.search(r"^RESULT (.*)$", proc.stdout, re.M).group(1))
+    norms = 2 * out["layers"]
+    assert out["served"] == [norms, norms], out
+    assert out["casts"][0] - out["casts"][1] == norms, out
+    assert out["loss_equal"] and all(out["grads_equal"]), out
+    assert out["fp16"][0] == out["fp16"][1] and out["watched"][0] == out["watched"][1], out
+    assert out["fp16"][1][1] == [0, 0] and out["watched"][1][1] == [0, 0], out
+    assert "rewrite norm_cast: transformers.models." in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("model", ["llama", "mistral", "qwen2"])

@@ -1387,6 +1387,75 @@ def test_shared_cast_wraps_attention_and_gated_mlps_where_its_toggle_is_on_and_p
     assert "rewrite shared_cast off: transformers.models.llama.modeling_llama.LlamaAttention.forward" in log
 
 
+NORM_CAST = """
+import transformers.models.gpt2.modeling_gpt2 as G
+from transformers import GPT2Config, GPT2LMHeadModel
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32, resid_pdrop=0.0,
+                                   embd_pdrop=0.0, attn_pdrop=0.0))
+ids = torch.randint(0, 128, (2, 16))
+loss = model(input_ids=ids, labels=ids).loss
+wrapped = G.GPT2Block.forward.__code__.co_name == "norm_cast"
+same = None
+if wrapped:  # the forward without the wrapper (on CPU it passes the call on unchanged)
+    wrapper = G.GPT2Block.forward
+    G.GPT2Block.forward = wrapper.__wrapped__
+    again = model(input_ids=ids, labels=ids).loss
+    G.GPT2Block.forward = wrapper
+    same = torch.equal(loss, again)
+switched = [n for n, m in model.named_modules() if "forward" in m.__dict__]
+print(json.dumps({"wrapped": wrapped, "same": same, "switched_left": switched}))
+"""
+
+
+def test_norm_cast_wraps_layers_handing_a_norms_output_to_one_module_where_its_toggle_is_on():
+    out, log = run(NORM_CAST)
+    assert out == {"wrapped": True, "same": True, "switched_left": []}, out
+    assert ("rewrite norm_cast: transformers.models.gpt2.modeling_gpt2.GPT2Block.forward -> ln_1 -> attn, "
+            "ln_2 -> mlp: the norm writes bf16") in log
+    off, log = run(NORM_CAST, TORCHFUSE_OPS="-norm_cast")
+    assert off == {"wrapped": False, "same": None, "switched_left": []}, off
+    assert "rewrite norm_cast off: transformers.models.gpt2.modeling_gpt2.GPT2Block.forward" in log
+
+
+def test_norm_cast_sites_are_plain_linears_or_conv1ds_or_absent():
+    """The check of a norm's consumer's sites (`_sites_check`): plain Linear and HF Conv1D layers
+    on x's device are counted, an attribute the module does not have counts as none (its call
+    raises whatever x's dtype); a hooked or subclassed layer, another device, a parameter or a
+    class attribute of that name refuse the switch."""
+    import sys
+    import torch
+    sys.path.insert(0, str(ROOT / "python"))
+    from torchfuse import rewrites
+    from transformers.pytorch_utils import Conv1D
+    sites_present = rewrites._sites_check(torch)
+    cpu = torch.device("cpu")
+
+    class Holder(torch.nn.Module):
+        def __init__(self, **children):
+            super().__init__()
+            for name, child in children.items():
+                setattr(self, name, child)
+
+    class Sub(torch.nn.Linear):
+        pass
+
+    assert sites_present(Holder(a=torch.nn.Linear(4, 4), b=Conv1D(4, 4)), ("a", "b"), cpu) == 2
+    assert sites_present(Holder(b=Conv1D(4, 4)), ("missing", "b"), cpu) == 1
+    hooked = torch.nn.Linear(4, 4)
+    hooked.register_forward_hook(lambda *a: None)
+    with_parameter = Holder(b=Conv1D(4, 4))
+    with_parameter.a = torch.nn.Parameter(torch.ones(1))
+
+    class WithProperty(Holder):
+        a = property(lambda self: None)
+
+    refused = [(Holder(a=hooked), ("a",)), (Holder(a=Sub(4, 4)), ("a",)), (Holder(a=torch.nn.ReLU()), ("a",)),
+               (with_parameter, ("a", "b")), (WithProperty(b=Conv1D(4, 4)), ("a", "b"))]
+    assert [sites_present(m, sites, cpu) for m, sites in refused] == [None] * len(refused)
+    assert sites_present(Holder(a=torch.nn.Linear(4, 4)), ("a",), torch.device("meta")) is None
+
+
 def test_shared_cast_takes_only_plain_unobserved_linears_on_the_inputs_device():
     """shared_cast's check of each Linear its input goes to (read from the module's dicts, as
     it runs before every call): a plain nn.Linear on x's device, with or without bias, is
