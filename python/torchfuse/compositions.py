@@ -1152,8 +1152,8 @@ def norm_handoffs(function):
     """Where a layer's forward hands a submodule's output, unchanged and to nothing else, to
     another submodule: `h = self.<norm>(x)` followed by uses of `h` that are all the argument
     (the first positional, or one keyword) of calls of one `self.<sub>(...)`, up to `h`'s next
-    assignment; or `self.<sub>(self.<norm>(x), ...)`. The first module must be called in that one
-    place only (its output there is all it gives the layer) with one positional argument.
+    assignment; or `self.<sub>(self.<norm>(x), ...)`, at every call of the norm. The first
+    module is mentioned only in those calls, each with one positional argument.
     [(norm, sub, how)]: `how` is 0 (the first positional argument) or the keyword's name.
     Read from the source, checked against the code (`_function_tree`); anything it cannot
     follow (a closure over `h`, an assignment of it in a branch, a use in an expression) gives
@@ -1190,23 +1190,31 @@ def norm_handoffs(function):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == self_name:
             attribute_reads[node.attr] = attribute_reads.get(node.attr, 0) + 1
 
-    def single_call(call):
-        """A call of self.<norm> with one positional argument, the only mention of self.<norm>."""
-        name = _self_call(call, self_name)
-        return len(call.args) == 1 and not call.keywords and attribute_reads.get(name) == 1 and not any(
-            isinstance(a, ast.Starred) for a in call.args)
+    def handed_to(node):
+        """(sub, how) where `node` is an argument of a `self.<sub>(...)` call, else None."""
+        holder = parents.get(node)
+        if isinstance(holder, ast.keyword):
+            holder = parents.get(holder)
+        how = position(holder, node) if _self_call(holder, self_name) else None
+        return None if how is None else (_self_call(holder, self_name), how)
+
+    def one_argument(call):
+        return len(call.args) == 1 and not call.keywords and not isinstance(call.args[0], ast.Starred)
 
     pairs = []
-    for call in calls:
-        parent = parents.get(call)
-        if not single_call(call) or parent is None:
+    for norm in dict.fromkeys(_self_call(c, self_name) for c in calls):
+        own_calls = [c for c in calls if _self_call(c, self_name) == norm]
+        # Every mention of self.<norm> is one of these calls: it is not passed on or stored.
+        if attribute_reads.get(norm) != len(own_calls) or not all(map(one_argument, own_calls)):
             continue
-        norm = _self_call(call, self_name)
-        if _self_call(parent, self_name) and position(parent, call) is not None:
-            pairs.append((norm, _self_call(parent, self_name), position(parent, call)))
+        # Every call's output an argument of the same module's calls (GPT-NeoX's post-attention
+        # norm, called in both branches of its residual choice).
+        handed = {handed_to(c) for c in own_calls}
+        if len(handed) == 1 and None not in handed:
+            pairs.append((norm, *handed.pop()))
             continue
-        statement = parent
-        if not (isinstance(statement, ast.Assign) and len(statement.targets) == 1
+        statement = parents.get(own_calls[0])
+        if not (len(own_calls) == 1 and isinstance(statement, ast.Assign) and len(statement.targets) == 1
                 and isinstance(statement.targets[0], ast.Name) and statement in tree.body):
             continue
         name = statement.targets[0].id
@@ -1215,14 +1223,8 @@ def norm_handoffs(function):
         uses = set()
         for later in tree.body[tree.body.index(statement) + 1:]:
             names = [n for n in ast.walk(later) if isinstance(n, ast.Name) and n.id == name]
-            stored = [n for n in names if not isinstance(n.ctx, ast.Load)]
-            for load in (n for n in names if isinstance(n.ctx, ast.Load)):
-                holder = parents.get(load)
-                if isinstance(holder, ast.keyword):
-                    holder = parents.get(holder)
-                how = position(holder, load) if _self_call(holder, self_name) else None
-                uses.add((_self_call(holder, self_name), how) if how is not None else None)
-            if stored:
+            uses.update(handed_to(n) for n in names if isinstance(n.ctx, ast.Load))
+            if any(not isinstance(n.ctx, ast.Load) for n in names):
                 # An assignment ends h's life only as a simple statement: in a branch or loop
                 # the old h may live on past it.
                 if not isinstance(later, ast.Assign):
@@ -1231,8 +1233,7 @@ def norm_handoffs(function):
             if isinstance(later, ast.Return):
                 break
         if len(uses) == 1 and None not in uses:
-            (sub, how), = uses
-            pairs.append((norm, sub, how))
+            pairs.append((norm, *uses.pop()))
     return list(dict.fromkeys(pairs))
 
 

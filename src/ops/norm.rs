@@ -515,46 +515,56 @@ fn plan(
     let narrow = narrow
         .map(|k| dtype_of(k).ok_or(StockReason::UnsupportedDtype))
         .transpose()?;
+    let request = |sm| Request {
+        op,
+        dtype: l.dtype,
+        hidden: l.cols,
+        rows: l.rows,
+        sm,
+        deterministic: false,
+    };
+    let main_kernel = if is_backward(op) {
+        BWD_KERNEL
+    } else {
+        FWD_KERNEL
+    };
     let Selected {
         gpu,
         variant,
         kernels,
         params,
-    } = super::select_narrowed(
-        launch,
-        |sm| Request {
-            op,
-            dtype: l.dtype,
-            hidden: l.cols,
-            rows: l.rows,
-            sm,
-            deterministic: false,
-        },
-        narrow,
-    )?;
+    } = super::select_narrowed(launch, request, narrow)?;
+    // The grid is the un-narrowed kernel's: the backward's dgamma/dbeta partial rows, one per
+    // CTA, and so the order of their sums, follow the grid, and a narrowed call must sum in the
+    // original's order (its register count, and so its occupancy, may differ). More CTAs than
+    // fit at once only run in waves.
+    let sized_by = match narrow {
+        None => kernels.clone(),
+        Some(_) => super::select(launch, request)?.kernels,
+    };
     let p = Norm::params(params)?;
     let g = geometry(p);
-    let main = kernels.get(if is_backward(op) {
-        BWD_KERNEL
-    } else {
-        FWD_KERNEL
-    })?;
+    let main = kernels.get(main_kernel)?;
+    let sizing = sized_by.get(main_kernel)?;
     let groups = gpu::ceil_div(l.rows, i64::from(g.rows_per_block));
     let block_threads = g.threads_per_row * g.rows_per_block;
     // `prepare` keeps it below DYNAMIC_SMEM_LIMIT.
     let shared_bytes = u32::try_from(accumulator_bytes(op, p)).unwrap_or(u32::MAX);
     if shared_bytes > 0 {
-        main.allow_shared_bytes(shared_bytes)
-            .map_err(|e| super::launch_failed(variant, e))?;
+        for kernel in [main, sizing] {
+            kernel
+                .allow_shared_bytes(shared_bytes)
+                .map_err(|e| super::launch_failed(variant, e))?;
+        }
     }
     let grid = if g.cluster > 1 {
         // A cluster per group of rows; no more clusters than the GPCs can hold at once.
-        let clusters = main
+        let clusters = sizing
             .resident_clusters(g.cluster, block_threads, shared_bytes, &gpu.stream(launch))
             .map_err(|e| super::launch_failed(variant, e))?;
         groups.min(i64::from(clusters)) * i64::from(g.cluster)
     } else {
-        let resident = main.resident_per_sm_with(block_threads, shared_bytes);
+        let resident = sizing.resident_per_sm_with(block_threads, shared_bytes);
         groups.min(i64::from(resident) * i64::from(gpu.multiprocessors))
     };
     let grid = u32::try_from(grid).map_err(|_| StockReason::NoVariantForShape)?;

@@ -547,6 +547,17 @@ class _Handoffs:
         h = self.norm(x)
         return self.attn(h) + self.norm(x)
 
+    def inline_in_both_branches(self, x):
+        if self.flag:
+            return self.mlp(self.norm(x))
+        return self.mlp(self.norm(x * 2))
+
+    def inline_to_two_modules(self, x):
+        return self.mlp(self.norm(x)) + self.attn(self.norm(x))
+
+    def inline_by_keyword(self, x):
+        return self.mlp(input=self.norm(x))
+
     def norm_passed_on(self, x):
         h = self.norm(x)
         return self.attn(h, self.norm)
@@ -578,7 +589,8 @@ class _Handoffs:
     ("decorated", [("norm", "attn", 0)]), ("reused_after_reassignment", [("norm", "attn", 0)]),
     ("kept_as_residual", []), ("computed_with", []), ("to_two_modules", []), ("second_argument", []),
     ("norm_called_twice", []), ("norm_passed_on", []), ("reassigned_in_a_branch", []), ("in_a_closure", []),
-    ("norm_with_keywords", [])])
+    ("norm_with_keywords", []), ("inline_in_both_branches", [("norm", "mlp", 0)]), ("inline_to_two_modules", []),
+    ("inline_by_keyword", [("norm", "mlp", "input")])])
 def test_norm_handoffs_are_read_from_the_code_or_not_at_all(name, pairs):
     assert compositions.norm_handoffs(getattr(_Handoffs, name)) == pairs
 
@@ -613,13 +625,13 @@ def test_consumer_inputs_are_read_from_the_code(name, found):
      {"GPT2Attention": ("hidden_states", ("q_attn", "c_attn")), "GPT2MLP": ("hidden_states", ("c_fc",))}),
     ("llama", "LlamaDecoderLayer", (("input_layernorm", "self_attn", "hidden_states"), ("post_attention_layernorm", "mlp", 0)),
      {"LlamaAttention": ("hidden_states", ("q_proj", "k_proj", "v_proj")), "LlamaMLP": ("x", ("gate_proj", "up_proj"))}),
-    ("gpt_neox", "GPTNeoXLayer", (("input_layernorm", "attention", 0),),
-     {"GPTNeoXAttention": ("hidden_states", ("query_key_value",))}),
+    ("gpt_neox", "GPTNeoXLayer", (("input_layernorm", "attention", 0), ("post_attention_layernorm", "mlp", 0)),
+     {"GPTNeoXAttention": ("hidden_states", ("query_key_value",)), "GPTNeoXMLP": ("hidden_states", ("dense_h_to_4h",))}),
     ("vit", "ViTLayer", (("layernorm_before", "attention", 0), ("layernorm_after", "mlp", 0)),
      {"ViTAttention": ("hidden_states", ("q_proj", "k_proj", "v_proj"))})])
 def test_norm_handoffs_found_in_hf_layers(family, layer, pairs, consumers):
-    """The layers' norms and the modules taking their output (GPT-NeoX's post-attention norm is
-    called in two branches, parallel residual or not: not followed), and those modules' classes
+    """The layers' norms and the modules taking their output (GPT-NeoX's post-attention norm in
+    both branches of its residual choice), and those modules' classes
     passing their input only to their projections (GPT-2's attention to q_attn too, made only
     for cross-attention)."""
     m = module(f"models.{family}.modeling_{family}")
