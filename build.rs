@@ -99,6 +99,8 @@ mod catalog {
         what: String,
         /// A rewrite of Python code that calls no op of its own: it switches no entry.
         no_op: bool,
+        /// Off unless named: `all` leaves it off.
+        opt_in: bool,
     }
 
     /// A registry op key (`[[kernel_op]]`).
@@ -126,6 +128,18 @@ mod catalog {
         ("AutogradCUDA", "TF_KEY_AUTOGRAD_CUDA"),
         ("stub", "TF_KEY_STUB"),
     ];
+
+    /// A toggle's optional true/false `key` (false where absent).
+    fn flag(table: &toml::Table, key: &str) -> bool {
+        match table.get(key) {
+            None => false,
+            Some(toml::Value::Boolean(b)) => *b,
+            Some(other) => panic!(
+                "src/catalog.toml: toggle {:?}: `{key}` is true or false, not {other:?}",
+                table.get("name")
+            ),
+        }
+    }
 
     fn field(table: &toml::Table, key: &str, what: &str) -> String {
         match table.get(key) {
@@ -183,14 +197,8 @@ mod catalog {
             .map(|t| Toggle {
                 name: field(t, "name", "toggle"),
                 what: field(t, "what", "toggle"),
-                no_op: match t.get("no_op") {
-                    None => false,
-                    Some(toml::Value::Boolean(b)) => *b,
-                    Some(other) => panic!(
-                        "src/catalog.toml: toggle {:?}: `no_op` is true or false, not {other:?}",
-                        t.get("name")
-                    ),
-                },
+                no_op: flag(t, "no_op"),
+                opt_in: flag(t, "opt_in"),
             })
             .collect();
         let entries: Vec<Entry> = list(&doc, "entry")
@@ -415,6 +423,16 @@ mod catalog {
             "A rewrite that calls no op of its own (it switches no entry).",
             "no_op(self) -> bool",
             &no_ops,
+        );
+        let opt_ins: Vec<_> = toggles
+            .iter()
+            .map(|t| toggle_arm(t, t.opt_in.to_string()))
+            .collect();
+        match_fn(
+            &mut r,
+            "Off unless named in TORCHFUSE_OPS (`all` leaves it off).",
+            "opt_in(self) -> bool",
+            &opt_ins,
         );
         r += "}\n\n/// The op family that serves an entry (`ops::<family>`, the glue's `register_<family>`).\n";
         r += derive;

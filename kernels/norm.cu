@@ -715,7 +715,10 @@ extern "C" __global__ void TF_ROW_CTAS __launch_bounds__(TPR * RPB, TF_MIN_BLOCK
         const float g = __fmul_rn(d, w[j]);
         sums[0] += g;
         sums[1] += g * xhat;
-        acc_w[slot][j] += d * xhat;
+        // One rounding, written out: whether the compiler contracts the product into the sum
+        // may differ between compilations of this kernel (norm_cast's narrowed dy), and the
+        // dgamma sums must be the same bits in each.
+        acc_w[slot][j] = __fmaf_rn(d, xhat, acc_w[slot][j]);
 #if !TF_RMS
         acc_b[slot][j] += d;
 #endif

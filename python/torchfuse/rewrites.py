@@ -133,28 +133,14 @@ def _llama_norm(torch, original, dependencies=None, eps_attribute="variance_epsi
 
 
 def _rms_norm_forward(torch, original, form, dependencies=None):
-    """Llama's RMSNorm (LlamaRMSNorm and its copies) in one op (`_llama_norm`). Its output can
-    also be written in bf16 by torchfuse::norm_cast (`_NARROWERS`): the rewrite's RMSNorm of an
-    fp32 x and weight (torchfuse::hf_rms_norm, aten::rms_norm), then the cast, in one op."""
+    """Llama's RMSNorm (LlamaRMSNorm and its copies) in one op (`_llama_norm`)."""
     norm = _llama_norm(torch, original, dependencies)
-    op, tensor, plain = torch.ops.torchfuse.norm_cast.default, torch.Tensor, (torch.Tensor, torch.nn.Parameter)
-    fp32, bf16 = torch.float32, torch.bfloat16
-    unchanged = (dependencies or compositions.Dependencies(original)).unchanged
 
     @functools.wraps(original)
     def forward(self, hidden_states):
         out = norm(self, hidden_states)
         return original(self, hidden_states) if out is None else out
 
-    def narrow(module, x):
-        weight, eps = module.weight, module.variance_epsilon
-        if (type(weight) in plain and weight.dtype == fp32 and weight.dim() == 1
-                and weight.shape[0] == x.shape[-1] and weight.device == x.device
-                and x.shape[-1] >= _RMS_NORM_MIN_HIDDEN and type(eps) is float and unchanged()):
-            return op(x, weight, None, eps, True, bf16)
-        return None
-
-    _NARROWERS[forward] = narrow
     return forward
 
 
@@ -1236,6 +1222,7 @@ def _shared_cast_forward(torch, forward, input_name, sites):
 # A norm class's forward -> a function (module, x) -> the module's output for an fp32 x written
 # in bf16 by torchfuse::norm_cast, or None where the original must run: the norms
 # `_norm_cast_forward` may switch. nn.LayerNorm's is added when the first layer is rewritten.
+# (torchfuse::norm_cast serves RMSNorm too; HF's RMSNorm forms join once measured on the GPU.)
 _NARROWERS = {}
 
 # Classes whose forward passes its input only to its attributes' calls
@@ -1246,15 +1233,16 @@ _CONSUMERS = {}
 
 
 def _layer_norm_narrower(torch):
-    """nn.LayerNorm's `_NARROWERS` entry: F.layer_norm of an fp32 x over its last dim with fp32
-    (or no) weight and bias, then the cast, as torchfuse::norm_cast."""
+    """nn.LayerNorm's `_NARROWERS` entry: F.layer_norm of an fp32 x over its last dim with an
+    fp32 weight and bias (the form measured on the GPU: GPT-2's, GPT-NeoX's, ViT's), then the
+    cast, as torchfuse::norm_cast."""
     op, plain = torch.ops.torchfuse.norm_cast.default, (torch.Tensor, torch.nn.Parameter)
     fp32, bf16 = torch.float32, torch.bfloat16
     forward = torch.nn.LayerNorm.forward
     unchanged = compositions.Dependencies(forward).unchanged
 
     def plain_parameter(p, shape, device):
-        return p is None or (type(p) in plain and p.dtype == fp32 and p.shape == shape and p.device == device)
+        return type(p) in plain and p.dtype == fp32 and p.shape == shape and p.device == device
 
     def narrow(module, x):
         own, params = module.__dict__, module._parameters
@@ -1329,7 +1317,7 @@ def _norm_cast_forward(torch, forward, pairs):
 
     Per call: the norm is switched only for this forward's duration and its first call (an
     instance `forward` the norm's `__call__` finds first, popped again), in this thread, where
-    the norm is nn.LayerNorm or a served RMSNorm form (`_NARROWERS`), `sub`'s class passes its
+    the norm is one `_NARROWERS` has (nn.LayerNorm with a weight and a bias), `sub`'s class passes its
     input only to Linear layers (`_CONSUMERS`, its forward unchanged since) and takes the norm's
     output as that input (`how`); both modules unobserved (no hooks, not compiled in place), and
     outside traces, torch function and dispatch modes, global module hooks. At the norm's call,

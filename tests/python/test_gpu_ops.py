@@ -175,6 +175,25 @@ def gated_case(name):
                 forward=lambda gate, up, _: op(gate, up))
 
 
+def norm_cast_case():
+    """torchfuse::norm_cast: LayerNorm of fp32 rows written in bf16 (its backward from bf16)."""
+    def norm(x, w, b):
+        return torch.ops.torchfuse.norm_cast(x, w, b, 1e-5, False, BF16)
+
+    def make(rows=4096, width=1024):
+        f32 = torch.float32
+        return [randn(rows, width, dtype=f32, grad=True), randn(width, dtype=f32, grad=True),
+                randn(width, dtype=f32, grad=True), randn(rows, width)]
+
+    return Case(
+        "norm_cast", ("torchfuse::norm_cast", "torchfuse::norm_cast_backward"), make=make,
+        run=lambda x, w, b, dy: grads(norm(x, w, b), [x, w, b], [dy]),
+        big=lambda: make(BIG // 1024 + 1, 1024),
+        bad=[lambda: [randn(8, 64, dtype=torch.float32), randn(65, dtype=torch.float32),
+                      randn(64, dtype=torch.float32), randn(8, 64)]],  # the weight's size
+        forward=lambda x, w, b, _: norm(x, w, b))
+
+
 CASES = {
     "layer_norm": norm_case("layer_norm", ("native_layer_norm", "native_layer_norm_backward"),
                             lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b), bias=True),
@@ -241,6 +260,7 @@ CASES = {
         forward=lambda gate_up, _: torch.ops.torchfuse.silu_mul_packed(gate_up)),
     "rotary": rotary_case(interleaved=False),
     "rotary_interleaved": rotary_case(interleaved=True),
+    "norm_cast": norm_cast_case(),
     "kv_copy": kv_copy_case(BF16),
     "kv_copy_wide": kv_copy_case(torch.float32),
 }

@@ -1409,13 +1409,16 @@ print(json.dumps({"wrapped": wrapped, "same": same, "switched_left": switched}))
 
 
 def test_norm_cast_wraps_layers_handing_a_norms_output_to_one_module_where_its_toggle_is_on():
-    out, log = run(NORM_CAST)
+    """norm_cast is opt-in: `all` leaves it off; named, the layers are wrapped (and on CPU pass
+    the call on unchanged)."""
+    out, log = run(NORM_CAST, TORCHFUSE_OPS="all,norm_cast")
     assert out == {"wrapped": True, "same": True, "switched_left": []}, out
     assert ("rewrite norm_cast: transformers.models.gpt2.modeling_gpt2.GPT2Block.forward -> ln_1 -> attn, "
             "ln_2 -> mlp: the norm writes bf16") in log
-    off, log = run(NORM_CAST, TORCHFUSE_OPS="-norm_cast")
-    assert off == {"wrapped": False, "same": None, "switched_left": []}, off
-    assert "rewrite norm_cast off: transformers.models.gpt2.modeling_gpt2.GPT2Block.forward" in log
+    for ops in ({}, {"TORCHFUSE_OPS": "all"}):
+        off, log = run(NORM_CAST, **ops)
+        assert off == {"wrapped": False, "same": None, "switched_left": []}, off
+        assert "rewrite norm_cast off: transformers.models.gpt2.modeling_gpt2.GPT2Block.forward" in log
 
 
 def test_norm_cast_sites_are_plain_linears_or_conv1ds_or_absent():

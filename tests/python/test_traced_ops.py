@@ -34,6 +34,9 @@ SAMPLES = {
     "gelu_tanh_mul_backward": [(r(5, 64), x.detach(), r(5, 64))],
     "silu_mul_packed_backward": [(r(5, 32), x.detach())],
     "hf_rms_norm": [(x, w, 1e-6)],
+    "norm_cast": [(x, w, r(64), 1e-5, False, torch.bfloat16), (x, w, None, 1e-6, True, torch.bfloat16)],
+    "norm_cast_backward": [(r(5, 64).to(torch.bfloat16), x.detach(), r(5, 1), r(5, 1).abs(), w, r(64), False, 7),
+                           (r(5, 64).to(torch.bfloat16), x.detach(), None, r(5, 1).abs(), w, None, True, 3)],
     "kv_copy": [(q, k, torch.float32, torch.float32),
                 (q.detach().to(torch.bfloat16), k, torch.bfloat16, torch.float32)],
     "cross_entropy": [(logits, target, 1, -100, 0.0, torch.float32), (logits, target, 0, 3, 0.1, None)],
@@ -82,6 +85,11 @@ CASES = {
         call=lambda x, weight: ops.hf_rms_norm(x, weight, 1e-6).sum(),
         pair=(lambda t: ops.hf_rms_norm(t, w8, 1e-6),
               lambda t: w8 * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6))), shape=(5, 64), vmap=True),
+    "norm_cast": dict(
+        inputs=lambda n: [r(n, 64, grad=True), w], dims=[{0: N}, None],
+        call=lambda x, weight: ops.norm_cast(x, weight, None, 1e-5, False, torch.bfloat16).float().sum(),
+        pair=(lambda t: ops.norm_cast(t, w8, None, 1e-5, False, torch.bfloat16),
+              lambda t: F.layer_norm(t, (64,), w8, None, 1e-5).to(torch.bfloat16)), shape=(5, 64), vmap=True),
     "kv_copy": dict(
         inputs=lambda n: [r(2, 3, n, 8, grad=True), r(2, 1, n, 8, grad=True)], dims=[{2: N}, {2: N}],
         call=lambda key, value: sum(t.sum() for t in ops.kv_copy(key, value, torch.float32, torch.float32)),
@@ -112,7 +120,8 @@ def compute_ops():
 
 
 def run(code):
-    proc = check(run_python(SAMPLES + code, load_library=True))
+    # Every op registered, the opt-in ones too.
+    proc = check(run_python(SAMPLES + code, load_library=True, TORCHFUSE_OPS="all,norm_cast"))
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -209,7 +218,7 @@ for name, case in CASES.items():
 print(json.dumps(diffs))
 """)
     assert set(out) == {"gelu_tanh", "silu_mul", "silu_mul_packed", "gelu_tanh_mul", "hf_rms_norm", "rotary",
-                        "kv_copy", "cross_entropy"}, out
+                        "kv_copy", "cross_entropy", "norm_cast"}, out
     assert all(d < 1e-4 for d in out.values()), out
 
 

@@ -109,7 +109,7 @@ at::Tensor call_hf_rms_norm(const at::Tensor& input, const at::Tensor& weight, d
 at::Tensor norm_then_cast(const at::Tensor& input, const std::optional<at::Tensor>& weight,
                           const std::optional<at::Tensor>& bias, double eps, bool rms,
                           at::ScalarType dtype) {
-  if (!rms) return at::layer_norm(input, {input.size(-1)}, weight, bias, eps).to(dtype);
+  if (!rms) return at::layer_norm_symint(input, {input.sym_size(-1)}, weight, bias, eps).to(dtype);
   TORCH_CHECK(weight.has_value() && weight->defined() && !(bias.has_value() && bias->defined()),
               "torchfuse::norm_cast: HF's RMSNorm takes a weight and no bias");
   return call_hf_rms_norm(input, *weight, eps).to(dtype);
@@ -139,9 +139,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_cast_backward_stock(
     const std::optional<at::Tensor>& bias, bool rms, int64_t output_mask) {
   const at::Tensor dy = grad_out.to(input.scalar_type());
   auto bit = [&](int i) { return (output_mask >> i & 1) != 0; };
-  if (rms) {
+  if (rms && input.is_cuda()) {
     auto [dx, dw] =
         at::_fused_rms_norm_backward(dy, input, {input.size(-1)}, rstd, weight, {bit(0), bit(1)});
+    return {dx, dw, at::Tensor()};
+  }
+  if (rms) {
+    // Elsewhere (aten's fused backward is CUDA's only): dx = rstd (g - xhat mean(g xhat)),
+    // g = dy w; dweight = the sum of dy xhat over the rows.
+    const at::Tensor xhat = input * rstd;
+    const at::Tensor g = weight.has_value() && weight->defined() ? dy * *weight : dy;
+    const at::Tensor dx =
+        bit(0) ? rstd * (g - xhat * (g * xhat).mean(-1, /*keepdim=*/true)) : at::Tensor();
+    const at::Tensor dw =
+        bit(1) ? (dy * xhat).reshape({-1, input.size(-1)}).sum(0) : at::Tensor();
     return {dx, dw, at::Tensor()};
   }
   TORCH_CHECK(mean.has_value() && mean->defined(),
@@ -181,13 +192,15 @@ std::optional<at::Tensor> given(const at::Tensor& t) {
 
 class NormCastFunction : public torch::autograd::Function<NormCastFunction> {
  public:
-  // `y`, `mean` (LayerNorm) and `rstd` are the outputs of the forward Rust served; an absent
-  // weight or bias is an undefined tensor.
+  // `y`, `mean` (LayerNorm) and `rstd` are the outputs of the forward Rust served. An absent
+  // weight or bias comes as an empty tensor and `has_weight`/`has_bias` false: a Function's
+  // tensor arguments must be defined (apply reads each one's device).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
                             const at::Tensor& weight, const at::Tensor& bias,
                             const at::Tensor& y, const at::Tensor& mean, const at::Tensor& rstd,
-                            double eps, bool rms) {
-    ctx->save_for_backward({input, weight, bias, mean, rstd});
+                            double eps, bool rms, bool has_weight, bool has_bias) {
+    ctx->save_for_backward({input, has_weight ? weight : at::Tensor(),
+                            has_bias ? bias : at::Tensor(), mean, rstd});
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["rms"] = rms;
     // Not `y` itself: an input returned as it is would be a view (see CrossEntropyFunction).
@@ -198,7 +211,7 @@ class NormCastFunction : public torch::autograd::Function<NormCastFunction> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &input = saved[0], &weight = saved[1], &bias = saved[2];
     const bool rms = ctx->saved_data["rms"].toBool();
-    torch::autograd::variable_list out(8);
+    torch::autograd::variable_list out(10);
     if (!grads[0].defined()) return out;
     const std::array<bool, 3> wanted = {ctx->needs_input_grad(0),
                                         weight.defined() && ctx->needs_input_grad(1),
@@ -246,7 +259,9 @@ at::Tensor norm_cast_autograd(const at::Tensor& input, const std::optional<at::T
       at::GradMode::is_enabled() && (input.requires_grad() || (w.defined() && w.requires_grad()) ||
                                      (b.defined() && b.requires_grad()));
   if (!differentiable) return y;
-  return NormCastFunction::apply(input, w, b, y, mean, rstd, eps, rms);
+  const at::Tensor none = at::empty({0}, input.options());
+  return NormCastFunction::apply(input, w.defined() ? w : none, b.defined() ? b : none, y, mean,
+                                 rstd, eps, rms, w.defined(), b.defined());
 }
 
 // Below autograd (inference mode): the fused forward where Rust serves it.
