@@ -1131,9 +1131,17 @@ def _self_call(node, self_name):
     return None
 
 
-def _function_tree(function):
-    """The parsed source of `function` (an ast.FunctionDef), checked against its code (the same
-    names and locals: a source file changed since the import reads as None), or None."""
+def _instructions(code):
+    """A code object's instructions as what they do (opcode and argument, not where)."""
+    return [(i.opname, i.argrepr) for i in dis.get_instructions(code) if i.opname not in _SKIPPED_OPCODES]
+
+
+def _function_tree(function, exact=True):
+    """The parsed source of `function` (an ast.FunctionDef), checked against its code: the
+    source compiled again gives the same instructions (a source file changed since the import,
+    or code the compiler sees otherwise there, `super()`'s class cell, a nested function, reads
+    as None), or None. `exact=False`: the same names and locals only (for a reading that only
+    filters, as `_made_as_norms`)."""
     code = getattr(function, "__code__", None)
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
@@ -1142,18 +1150,24 @@ def _function_tree(function):
         return None
     node = tree.body[0] if tree.body else None
     inner = next((c for c in compiled.co_consts if getattr(c, "co_name", None) == code.co_name), None)
-    if (not isinstance(node, ast.FunctionDef) or inner is None or inner.co_names != code.co_names
-            or inner.co_varnames != code.co_varnames or inner.co_argcount != code.co_argcount):
+    if (not isinstance(node, ast.FunctionDef) or inner is None or inner.co_varnames != code.co_varnames
+            or inner.co_names != code.co_names or inner.co_argcount != code.co_argcount
+            or (exact and _instructions(inner) != _instructions(code))):
         return None
     return node
 
 
+# Nodes whose body may run more than once in one run of the statement holding them.
+_REPEATING = (ast.For, ast.AsyncFor, ast.While, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp,
+              ast.Lambda)
+
+
 def norm_handoffs(function):
     """Where a layer's forward hands a submodule's output, unchanged and to nothing else, to
-    another submodule: `h = self.<norm>(x)` followed by uses of `h` that are all the argument
-    (the first positional, or one keyword) of calls of one `self.<sub>(...)`, up to `h`'s next
-    assignment; or `self.<sub>(self.<norm>(x), ...)`, at every call of the norm. The first
-    module is mentioned only in those calls, each with one positional argument.
+    another submodule: `h = self.<norm>(x)` followed by one use of `h` (not in a loop), the
+    argument (the first positional, or one keyword) of a `self.<sub>(...)` call, up to `h`'s
+    next assignment; or `self.<sub>(self.<norm>(x), ...)`, at every call of the norm. The first
+    module is mentioned only in those calls, each with one positional argument; no `with` block.
     [(norm, sub, how)]: `how` is 0 (the first positional argument) or the keyword's name.
     Read from the source, checked against the code (`_function_tree`); anything it cannot
     follow (a closure over `h`, an assignment of it in a branch, a use in an expression) gives
@@ -1168,8 +1182,10 @@ def norm_handoffs(function):
     if tree is None:
         return []
     self_name = code.co_varnames[0]
-    if any(isinstance(n, ast.Name) and n.id == self_name and not isinstance(n.ctx, ast.Load)
-           for n in ast.walk(tree)):
+    # `self` reassigned; or a `with` block, under which a call may run with autocast switched
+    # off or changed (an alias of torch.autocast reads as any other name).
+    if any((isinstance(n, ast.Name) and n.id == self_name and not isinstance(n.ctx, ast.Load))
+           or isinstance(n, (ast.With, ast.AsyncWith)) for n in ast.walk(tree)):
         return []
 
     def position(call, node):
@@ -1201,6 +1217,15 @@ def norm_handoffs(function):
     def one_argument(call):
         return len(call.args) == 1 and not call.keywords and not isinstance(call.args[0], ast.Starred)
 
+    def repeated(node, statement):
+        """Whether `node` may run more than once in one run of `statement` (in a loop, a
+        comprehension, a lambda)."""
+        while node is not statement and node is not None:
+            node = parents.get(node)
+            if isinstance(node, _REPEATING):
+                return True
+        return False
+
     pairs = []
     for norm in dict.fromkeys(_self_call(c, self_name) for c in calls):
         own_calls = [c for c in calls if _self_call(c, self_name) == norm]
@@ -1220,20 +1245,22 @@ def norm_handoffs(function):
         name = statement.targets[0].id
         if name not in code.co_varnames or name in code.co_cellvars:
             continue
-        uses = set()
+        # Its one use: handed to a module more than once (twice, in a loop), the original casts
+        # it once a call and adds the casts' gradients in fp32.
+        uses = []
         for later in tree.body[tree.body.index(statement) + 1:]:
             names = [n for n in ast.walk(later) if isinstance(n, ast.Name) and n.id == name]
-            uses.update(handed_to(n) for n in names if isinstance(n.ctx, ast.Load))
+            uses += [None if repeated(n, later) else handed_to(n) for n in names if isinstance(n.ctx, ast.Load)]
             if any(not isinstance(n.ctx, ast.Load) for n in names):
                 # An assignment ends h's life only as a simple statement: in a branch or loop
                 # the old h may live on past it.
                 if not isinstance(later, ast.Assign):
-                    uses.add(None)
+                    uses.append(None)
                 break
             if isinstance(later, ast.Return):
                 break
-        if len(uses) == 1 and None not in uses:
-            pairs.append((norm, *uses.pop()))
+        if len(uses) == 1 and uses[0] is not None:
+            pairs.append((norm, *uses[0]))
     return list(dict.fromkeys(pairs))
 
 
@@ -1275,7 +1302,7 @@ def _made_as_norms(cls):
     (`self.ln_1 = nn.LayerNorm(...)`, `LlamaRMSNorm(...)`), or named so themselves: which of a
     layer's handoffs may start at a norm (a filter only; the modules' types decide at run time)."""
     init = cls.__dict__.get("__init__")
-    tree = _function_tree(init) if init is not None else None
+    tree = _function_tree(init, exact=False) if init is not None else None
     if tree is None:
         return set()
     names = set()

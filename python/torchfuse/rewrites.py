@@ -27,6 +27,7 @@ counted in torchfuse's stats, and `torch.ops.torchfuse.set_enabled(name, False)`
 PyTorch's own kernels.
 """
 import functools
+import inspect
 import sys
 import threading
 import types
@@ -1262,8 +1263,8 @@ def _sites_check(torch):
     """A function (module, its sites, device) -> how many of the sites are there, each a plain,
     unobserved Linear (`_plain_linear_check`) or HF Conv1D (the recognised `hf_conv1d` forward:
     addmm of x, which autocast casts) on that device; None where any site is something else.
-    A site that is no attribute at all counts as none: its call raises AttributeError whatever
-    its input's dtype (GPT-2's `q_attn`, made only for cross-attention)."""
+    A site that is no attribute at all (or a submodule slot set to None) counts as none: its call
+    raises whatever its input's dtype (GPT-2's `q_attn`, made only for cross-attention)."""
     plain_linear, plain = _plain_linear_check(torch), (torch.Tensor, torch.nn.Parameter)
     module_getattr = torch.nn.Module.__getattr__
     conv1d_forms = {}  # a class's forward -> it is the recognised Conv1D forward
@@ -1292,6 +1293,8 @@ def _sites_check(torch):
             if name in own or not submodule_only(cls, name):
                 return None
             child = children.get(name, children)  # children itself: no such submodule
+            if child is None:
+                continue  # a slot set to None: its call raises whatever the input's dtype
             if child is children:
                 if (name in own.get("_parameters", ()) or name in own.get("_buffers", ())
                         or cls.__getattr__ is not module_getattr):
@@ -1316,7 +1319,9 @@ def _norm_cast_forward(torch, forward, pairs):
     bf16 as under shared_cast (required where `sub` has more than one: its toggle must be on).
 
     Per call: the norm is switched only for this forward's duration and its first call (an
-    instance `forward` the norm's `__call__` finds first, popped again), in this thread, where
+    instance `forward` the norm's `__call__` finds first, popped again), made by this forward's
+    own code (the caller's frame past nn.Module's call: not a submodule holding the same norm)
+    under bf16 autocast still, in this thread, where
     the norm is one `_NARROWERS` has (nn.LayerNorm with a weight and a bias), `sub`'s class passes its
     input only to Linear layers (`_CONSUMERS`, its forward unchanged since) and takes the norm's
     output as that input (`how`); both modules unobserved (no hooks, not compiled in place), and
@@ -1330,7 +1335,16 @@ def _norm_cast_forward(torch, forward, pairs):
     autocast, autocast_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
     untraced, enabled = _untraced_call(torch), torch.ops.torchfuse.enabled.default
     function_mode, dispatch_modes = torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack
-    sites_present, get_ident = _sites_check(torch), threading.get_ident
+    sites_present, get_ident, frame = _sites_check(torch), threading.get_ident, sys._getframe
+    # The code that calls the norm (past any decorator), and nn.Module's call between the two.
+    layer_code = inspect.unwrap(forward).__code__
+    module_call = {torch.nn.Module._call_impl.__code__, torch.nn.Module._wrapped_call_impl.__code__}
+
+    def called_by_the_layer():
+        caller = frame(2)
+        while caller is not None and caller.f_code in module_call:
+            caller = caller.f_back
+        return caller is not None and caller.f_code is layer_code
 
     def plain_module(m):
         return _unobserved(torch, m) and m.__dict__.get("_compiled_call_impl") is None
@@ -1349,8 +1363,9 @@ def _norm_cast_forward(torch, forward, pairs):
 
         def switched(*args, **kwargs):
             if own.get("forward") is switched:
-                del own["forward"]  # the first call only
-            if get_ident() == owner and len(args) == 1 and not kwargs:
+                own.pop("forward", None)  # the first call only
+            if (get_ident() == owner and len(args) == 1 and not kwargs and called_by_the_layer()
+                    and autocast("cuda") and autocast_dtype("cuda") == bf16):
                 x = args[0]
                 if type(x) is tensor and x.dtype == fp32 and x.is_cuda and x.is_contiguous():
                     present = sites_present(sub, sites, x.device)
@@ -1372,7 +1387,9 @@ def _norm_cast_forward(torch, forward, pairs):
         for norm_name, sub_name, how in pairs:
             norm, sub = modules.get(norm_name), modules.get(sub_name)
             narrow = _NARROWERS.get(getattr(type(norm), "forward", None))
-            if narrow is None or "forward" in norm.__dict__ or not plain_module(norm):
+            # A norm held under two names is left alone.
+            if (narrow is None or "forward" in norm.__dict__ or not plain_module(norm)
+                    or sum(m is norm for m in modules.values()) != 1):
                 continue
             sites = consumer_sites(sub, how)
             if sites is not None:
@@ -1385,7 +1402,7 @@ def _norm_cast_forward(torch, forward, pairs):
         finally:
             for norm, mine in switched:
                 if norm.__dict__.get("forward") is mine:
-                    del norm.__dict__["forward"]
+                    norm.__dict__.pop("forward", None)
 
     return norm_cast
 

@@ -102,49 +102,23 @@ impl Family for Norm {
         } else {
             std::slice::from_raw_parts(call.normalized_shape, call.normalized_ndim)
         };
-        let (weight, bias) = (call.weight.given(), call.bias.given());
-        if !backward {
-            let fwd = forward(
-                launch,
-                &ForwardCall {
-                    kind,
-                    input,
-                    shape,
-                    normalized_shape,
-                    weight,
-                    bias,
-                    eps: (call.has_eps != 0).then_some(call.eps),
-                    narrow: None,
-                },
-            )?;
-            return Ok(Served::new(
-                fwd.kernel,
-                match kind {
-                    NormKind::Layer => [Some(fwd.y), fwd.mean, Some(fwd.rstd)],
-                    NormKind::Rms => [Some(fwd.y), Some(fwd.rstd), None],
-                },
-            ));
-        }
-        let grad_out = call.grad_out.given().ok_or(StockReason::InvalidInput)?;
-        let rstd = call.rstd.given().ok_or(StockReason::InvalidInput)?;
-        let mean = call.mean.given();
-        let bwd = self::backward(
+        let (kernel, [a, b, c]) = run(
+            kind,
+            backward,
             launch,
-            &BackwardCall {
-                kind,
-                grad_out,
-                input,
-                shape,
-                normalized_shape,
-                mean,
-                rstd,
-                weight,
-                bias,
-                output_mask: mask(call),
-                narrow: None,
-            },
+            call,
+            input,
+            shape,
+            normalized_shape,
+            (call.has_eps != 0).then_some(call.eps),
+            None,
         )?;
-        Ok(Served::new(bwd.kernel, [bwd.dx, bwd.dweight, bwd.dbias]))
+        // aten's RMSNorm forward returns (y, rstd).
+        let outputs = match (kind, backward) {
+            (NormKind::Rms, false) => [a, c, None],
+            _ => [a, b, c],
+        };
+        Ok(Served::new(kernel, outputs))
     }
 
     fn kernels(op: KernelOp) -> &'static [&'static str] {
@@ -218,12 +192,44 @@ unsafe fn norm_cast(
         return Err(StockReason::UnsupportedDtype);
     }
     let hidden = shape.last().ok_or(StockReason::InvalidInput)?;
+    // HF's RMSNorm has a weight and no bias (the composition raises otherwise).
+    if kind == NormKind::Rms && (call.weight.given().is_none() || call.bias.given().is_some()) {
+        return Err(StockReason::InvalidInput);
+    }
     if kind == NormKind::Rms && *hidden < HF_RMS_NORM_MIN_HIDDEN {
         return Err(StockReason::NoVariantForShape);
     }
-    let normalized_shape = std::slice::from_ref(hidden);
+    let (kernel, outputs) = run(
+        kind,
+        entry == Entry::NormCastBackward,
+        launch,
+        call,
+        input,
+        shape,
+        std::slice::from_ref(hidden),
+        Some(call.eps),
+        Some(NORM_CAST_Y),
+    )?;
+    Ok(Served::new(kernel, outputs))
+}
+
+/// One norm call through the kernels: the forward's y, mean (LayerNorm), rstd, or the
+/// backward's dx, dweight, dbias (each where `output_mask` asks), and the variant that ran.
+/// `narrow`: y's (dy's) dtype where it is not x's.
+#[allow(clippy::too_many_arguments)]
+unsafe fn run(
+    kind: NormKind,
+    backward: bool,
+    launch: Launch,
+    call: &TfNormCall,
+    input: &TfTensor,
+    shape: &[i64],
+    normalized_shape: &[i64],
+    eps: Option<f64>,
+    narrow: Option<Kind>,
+) -> Result<(&'static str, [Option<Tensor>; 3]), StockReason> {
     let (weight, bias) = (call.weight.given(), call.bias.given());
-    if entry == Entry::NormCast {
+    if !backward {
         let fwd = forward(
             launch,
             &ForwardCall {
@@ -233,34 +239,29 @@ unsafe fn norm_cast(
                 normalized_shape,
                 weight,
                 bias,
-                eps: Some(call.eps),
-                narrow: Some(NORM_CAST_Y),
+                eps,
+                narrow,
             },
         )?;
-        return Ok(Served::new(
-            fwd.kernel,
-            [Some(fwd.y), fwd.mean, Some(fwd.rstd)],
-        ));
+        return Ok((fwd.kernel, [Some(fwd.y), fwd.mean, Some(fwd.rstd)]));
     }
-    let grad_out = call.grad_out.given().ok_or(StockReason::InvalidInput)?;
-    let rstd = call.rstd.given().ok_or(StockReason::InvalidInput)?;
-    let bwd = backward(
+    let bwd = self::backward(
         launch,
         &BackwardCall {
             kind,
-            grad_out,
+            grad_out: call.grad_out.given().ok_or(StockReason::InvalidInput)?,
             input,
             shape,
             normalized_shape,
             mean: call.mean.given(),
-            rstd,
+            rstd: call.rstd.given().ok_or(StockReason::InvalidInput)?,
             weight,
             bias,
             output_mask: mask(call),
-            narrow: Some(NORM_CAST_Y),
+            narrow,
         },
     )?;
-    Ok(Served::new(bwd.kernel, [bwd.dx, bwd.dweight, bwd.dbias]))
+    Ok((bwd.kernel, [bwd.dx, bwd.dweight, bwd.dbias]))
 }
 
 fn is_backward(op: KernelOp) -> bool {

@@ -521,6 +521,21 @@ class _Handoffs:
         h = self.norm(x)
         return self.attn(h) + self.attn(h)
 
+    def in_a_loop(self, x):
+        h = self.norm(x)
+        for _ in range(2):
+            x = x + self.attn(h)
+        return x
+
+    def in_a_comprehension(self, x):
+        h = self.norm(x)
+        return sum([self.attn(h) for _ in range(2)])
+
+    def under_with(self, x):
+        h = self.norm(x)
+        with self.amp_off():
+            return self.attn(h)
+
     @_decorated
     def decorated(self, x):
         h = self.norm(x)
@@ -585,7 +600,8 @@ class _Handoffs:
 
 @pytest.mark.parametrize("name,pairs", [
     ("assigned", [("norm", "attn", 0)]), ("by_keyword", [("norm", "attn", "hidden_states")]),
-    ("inline", [("norm", "attn", 0), ("ln_2", "mlp", 0)]), ("twice_to_one", [("norm", "attn", 0)]),
+    ("inline", [("norm", "attn", 0), ("ln_2", "mlp", 0)]), ("twice_to_one", []), ("in_a_loop", []),
+    ("in_a_comprehension", []), ("under_with", []),
     ("decorated", [("norm", "attn", 0)]), ("reused_after_reassignment", [("norm", "attn", 0)]),
     ("kept_as_residual", []), ("computed_with", []), ("to_two_modules", []), ("second_argument", []),
     ("norm_called_twice", []), ("norm_passed_on", []), ("reassigned_in_a_branch", []), ("in_a_closure", []),

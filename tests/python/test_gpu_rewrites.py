@@ -963,9 +963,18 @@ loss0, grads0, casts0, _ = step(False)
 loss1, grads1, casts1, served = step(True)
 fp16 = [step(on, torch.float16)[2:] for on in (False, True)]
 watched = [step(on, mode=Watching())[2:] for on in (False, True)]
+# A norm held under a second name, and one with a hook, are left alone (the other norms not).
+blocks = model.transformer.h
+blocks[0].ln_alias = blocks[0].ln_1
+aliased = step(True)
+del blocks[0].ln_alias
+hook = blocks[1].ln_2.register_forward_hook(lambda *a: None)
+hooked = step(True)
+hook.remove()
 print("RESULT " + json.dumps({{
     "loss_equal": torch.equal(loss0, loss1), "grads_equal": [torch.equal(a, b) for a, b in zip(grads0, grads1)],
-    "casts": [casts0, casts1], "served": served, "layers": layers, "fp16": fp16, "watched": watched}}))
+    "casts": [casts0, casts1], "served": served, "layers": layers, "fp16": fp16, "watched": watched,
+    "aliased": [torch.equal(aliased[0], loss0), aliased[3]], "hooked": [torch.equal(hooked[0], loss0), hooked[3]]}}))
 """
 
 
@@ -975,7 +984,7 @@ def test_norm_cast_keeps_the_models_bits_with_two_casts_fewer_a_layer():
     norms write bf16 (served forward and backward; two casts fewer a layer in the graph), and
     the loss and every parameter's gradient equal those with norm_cast switched off, bit for
     bit. Under fp16 autocast, and under a dispatch mode (which must see stock's ops), nothing is
-    switched."""
+    switched; nor is a norm held under a second name or observed by a hook."""
     pytest.importorskip("transformers", reason="scripts/setup installs transformers")
     code = NORM_CAST.format(python=str(ROOT / "python"), tests=str(ROOT / "tests" / "python"), lib=str(LIB_DIR),
                             seed=fresh_seed())
@@ -990,6 +999,7 @@ def test_norm_cast_keeps_the_models_bits_with_two_casts_fewer_a_layer():
     assert out["loss_equal"] and all(out["grads_equal"]), out
     assert out["fp16"][0] == out["fp16"][1] and out["watched"][0] == out["watched"][1], out
     assert out["fp16"][1][1] == [0, 0] and out["watched"][1][1] == [0, 0], out
+    assert out["aliased"] == [True, [norms - 1, norms - 1]] and out["hooked"] == [True, [norms - 1, norms - 1]], out
     assert "rewrite norm_cast: transformers.models." in proc.stderr, proc.stderr[-3000:]
 
 

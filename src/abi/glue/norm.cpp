@@ -193,14 +193,14 @@ std::optional<at::Tensor> given(const at::Tensor& t) {
 class NormCastFunction : public torch::autograd::Function<NormCastFunction> {
  public:
   // `y`, `mean` (LayerNorm) and `rstd` are the outputs of the forward Rust served. An absent
-  // weight or bias comes as an empty tensor and `has_weight`/`has_bias` false: a Function's
-  // tensor arguments must be defined (apply reads each one's device).
+  // weight or bias (and RMSNorm's mean) comes as an empty tensor, `has_weight`/`has_bias`
+  // false: a Function's tensor arguments must be defined (apply reads each one's device).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
                             const at::Tensor& weight, const at::Tensor& bias,
                             const at::Tensor& y, const at::Tensor& mean, const at::Tensor& rstd,
                             double eps, bool rms, bool has_weight, bool has_bias) {
     ctx->save_for_backward({input, has_weight ? weight : at::Tensor(),
-                            has_bias ? bias : at::Tensor(), mean, rstd});
+                            has_bias ? bias : at::Tensor(), rms ? at::Tensor() : mean, rstd});
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["rms"] = rms;
     // Not `y` itself: an input returned as it is would be a view (see CrossEntropyFunction).
@@ -260,8 +260,9 @@ at::Tensor norm_cast_autograd(const at::Tensor& input, const std::optional<at::T
                                      (b.defined() && b.requires_grad()));
   if (!differentiable) return y;
   const at::Tensor none = at::empty({0}, input.options());
-  return NormCastFunction::apply(input, w.defined() ? w : none, b.defined() ? b : none, y, mean,
-                                 rstd, eps, rms, w.defined(), b.defined());
+  return NormCastFunction::apply(input, w.defined() ? w : none, b.defined() ? b : none, y,
+                                 mean.defined() ? mean : none, rstd, eps, rms, w.defined(),
+                                 b.defined());
 }
 
 // Below autograd (inference mode): the fused forward where Rust serves it.
