@@ -414,26 +414,28 @@ mod catalog {
             "what(self) -> &'static str",
             &whats,
         );
-        let no_ops: Vec<_> = toggles
-            .iter()
-            .map(|t| toggle_arm(t, t.no_op.to_string()))
-            .collect();
-        match_fn(
-            &mut r,
-            "A rewrite that calls no op of its own (it switches no entry).",
-            "no_op(self) -> bool",
-            &no_ops,
-        );
-        let opt_ins: Vec<_> = toggles
-            .iter()
-            .map(|t| toggle_arm(t, t.opt_in.to_string()))
-            .collect();
-        match_fn(
-            &mut r,
-            "Off unless named in TORCHFUSE_OPS (`all` leaves it off).",
-            "opt_in(self) -> bool",
-            &opt_ins,
-        );
+        // A generated `Toggle` method returning one of the catalog's flags: its doc, signature
+        // and the flag.
+        type Flag = (&'static str, &'static str, fn(&Toggle) -> bool);
+        let flags: [Flag; 2] = [
+            (
+                "A rewrite that calls no op of its own (it switches no entry).",
+                "no_op(self) -> bool",
+                |t| t.no_op,
+            ),
+            (
+                "Off unless named in TORCHFUSE_OPS (`all` leaves it off).",
+                "opt_in(self) -> bool",
+                |t| t.opt_in,
+            ),
+        ];
+        for (doc, signature, flag) in flags {
+            let arms: Vec<_> = toggles
+                .iter()
+                .map(|t| toggle_arm(t, flag(t).to_string()))
+                .collect();
+            match_fn(&mut r, doc, signature, &arms);
+        }
         r += "}\n\n/// The op family that serves an entry (`ops::<family>`, the glue's `register_<family>`).\n";
         r += derive;
         r += "pub enum OpFamily {\n";
