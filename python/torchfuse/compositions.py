@@ -1322,8 +1322,14 @@ def scan_norm_handoffs(module):
     {class: ((norm, sub, how), ...)}."""
     found = {}
     for value in _own_classes(module):
-        forward = value.__dict__.get("forward")
-        pairs = norm_handoffs(forward) if forward is not None else []
+        forward, init = value.__dict__.get("forward"), value.__dict__.get("__init__")
+        # The source is read only where `__init__`'s code names a norm at all (what
+        # `_made_as_norms` finds is among its names): a module's import reads a few classes'
+        # source, not every class's.
+        names = getattr(getattr(init, "__code__", None), "co_names", ())
+        if forward is None or not any("norm" in name.lower() for name in names):
+            continue
+        pairs = norm_handoffs(forward)
         norms = _made_as_norms(value) if pairs else set()
         pairs = tuple(pair for pair in pairs if pair[0] in norms)
         if pairs:

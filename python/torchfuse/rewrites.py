@@ -1154,6 +1154,13 @@ def _plain_linear_check(torch):
     return plain_linear
 
 
+@functools.lru_cache(maxsize=None)
+def _submodule_only(cls, name):
+    """Whether `self.<name>` on an instance of `cls` finds its submodule: no class attribute (a
+    property, a descriptor) of that name comes first."""
+    return not any(name in vars(c) for c in cls.__mro__)
+
+
 def _shared_cast(torch):
     """Under CUDA autocast every plain Linear casts its fp32 input to autocast's dtype
     (`input.to(dtype)`, autocast's cast): a module that passes one fp32 input to several of them
@@ -1179,12 +1186,6 @@ def _shared_cast(torch):
 
     dispatch_modes = torch._C._len_torch_dispatch_stack
 
-    @functools.lru_cache(maxsize=None)
-    def submodule_only(cls, name):
-        # `self.<name>` finds the submodule only where no class attribute (a property, a
-        # descriptor) of that name comes first.
-        return not any(name in vars(c) for c in cls.__mro__)
-
     def cast(module, x, sites):
         # bf16 only: its sums have fp32's range; fp16's could overflow where stock's fp32 sum
         # of the same gradients does not (loss scaling runs them near fp16's largest). Not
@@ -1196,7 +1197,7 @@ def _shared_cast(torch):
             return x
         own, cls = module.__dict__, type(module)
         children = own.get("_modules", {})
-        if (all(name not in own and submodule_only(cls, name) and plain_linear(children.get(name), x.device)
+        if (all(name not in own and _submodule_only(cls, name) and plain_linear(children.get(name), x.device)
                 for name in sites) and enabled("shared_cast")):
             return x.to(bf16)
         return x
@@ -1269,10 +1270,6 @@ def _sites_check(torch):
     module_getattr = torch.nn.Module.__getattr__
     conv1d_forms = {}  # a class's forward -> it is the recognised Conv1D forward
 
-    @functools.lru_cache(maxsize=None)
-    def submodule_only(cls, name):
-        return not any(name in vars(c) for c in cls.__mro__)
-
     def plain_conv1d(m, device):
         forward = type(m).forward
         known = conv1d_forms.get(forward)
@@ -1290,7 +1287,7 @@ def _sites_check(torch):
         children = own.get("_modules", {})
         present = 0
         for name in sites:
-            if name in own or not submodule_only(cls, name):
+            if name in own or not _submodule_only(cls, name):
                 return None
             child = children.get(name, children)  # children itself: no such submodule
             if child is None:
@@ -1388,8 +1385,7 @@ def _norm_cast_forward(torch, forward, pairs):
             norm, sub = modules.get(norm_name), modules.get(sub_name)
             narrow = _NARROWERS.get(getattr(type(norm), "forward", None))
             # A norm held under two names is left alone.
-            if (narrow is None or "forward" in norm.__dict__ or not plain_module(norm)
-                    or sum(m is norm for m in modules.values()) != 1):
+            if narrow is None or not plain_module(norm) or sum(m is norm for m in modules.values()) != 1:
                 continue
             sites = consumer_sites(sub, how)
             if sites is not None:

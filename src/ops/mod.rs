@@ -282,16 +282,25 @@ pub fn select(
     launch: Launch,
     request: impl FnOnce(u32) -> Request,
 ) -> Result<Selected, StockReason> {
-    select_narrowed(launch, request, None)
+    select_with(launch, request, None).map(|(selected, _)| selected)
 }
 
-/// `select`, the kernels compiled with their output in `narrow`'s dtype where it names one
-/// (`compile_options_narrowed`).
+/// `select`, and the same variant's kernels compiled with their output in `narrow`'s dtype
+/// (`compile_options_narrowed`): one selection, two modules.
 pub fn select_narrowed(
     launch: Launch,
     request: impl FnOnce(u32) -> Request,
+    narrow: DType,
+) -> Result<(Selected, Arc<Kernels>), StockReason> {
+    let (selected, narrowed) = select_with(launch, request, Some(narrow))?;
+    Ok((selected, narrowed.ok_or(StockReason::InternalError)?))
+}
+
+fn select_with(
+    launch: Launch,
+    request: impl FnOnce(u32) -> Request,
     narrow: Option<DType>,
-) -> Result<Selected, StockReason> {
+) -> Result<(Selected, Option<Arc<Kernels>>), StockReason> {
     let gpu = gpu::device(launch.device).map_err(|e| {
         tracing::debug!("cuda:{} unavailable to torchfuse: {e}", launch.device);
         StockReason::KernelUnavailable
@@ -316,27 +325,34 @@ pub fn select_narrowed(
     let index = registry.select(&req)?;
     let variant = registry.variant(index);
     let params = registry.params(index);
-    let kernels = gpu::modules::load(
-        (index, req.dtype, narrow, launch.device),
-        &gpu,
-        &crate::runtime::config::get().cache_dir,
-        || gpu::modules::ModuleSpec {
-            label: match narrow {
-                None => format!("{} ({})", variant.name, req.dtype.name()),
-                Some(y) => format!("{} ({} to {})", variant.name, req.dtype.name(), y.name()),
+    let load = |narrow: Option<DType>| {
+        gpu::modules::load(
+            (index, req.dtype, narrow, launch.device),
+            &gpu,
+            &crate::runtime::config::get().cache_dir,
+            || gpu::modules::ModuleSpec {
+                label: match narrow {
+                    None => format!("{} ({})", variant.name, req.dtype.name()),
+                    Some(y) => format!("{} ({} to {})", variant.name, req.dtype.name(), y.name()),
+                },
+                source: &variant.source,
+                options: compile_options_narrowed(params, req.dtype, narrow, &gpu.arch),
+                kernels: params.kernels(),
             },
-            source: &variant.source,
-            options: compile_options_narrowed(params, req.dtype, narrow, &gpu.arch),
-            kernels: params.kernels(),
+        )
+        .ok_or(StockReason::KernelUnavailable)
+    };
+    let kernels = load(None)?;
+    let narrowed = narrow.map(|y| load(Some(y))).transpose()?;
+    Ok((
+        Selected {
+            gpu,
+            variant,
+            kernels,
+            params,
         },
-    )
-    .ok_or(StockReason::KernelUnavailable)?;
-    Ok(Selected {
-        gpu,
-        variant,
-        kernels,
-        params,
-    })
+        narrowed,
+    ))
 }
 
 /// A failed launch of `variant`'s kernel: warned once, and stock serves the call.

@@ -529,19 +529,25 @@ fn plan(
     } else {
         FWD_KERNEL
     };
-    let Selected {
-        gpu,
-        variant,
+    // The grid is the un-narrowed kernel's (`sized_by`): the backward's dgamma/dbeta partial
+    // rows, one per CTA, and so the order of their sums, follow the grid, and a narrowed call
+    // must sum in the original's order (its register count, and so its occupancy, may differ).
+    // More CTAs than fit at once only run in waves.
+    let (
+        Selected {
+            gpu,
+            variant,
+            kernels: sized_by,
+            params,
+        },
         kernels,
-        params,
-    } = super::select_narrowed(launch, request, narrow)?;
-    // The grid is the un-narrowed kernel's: the backward's dgamma/dbeta partial rows, one per
-    // CTA, and so the order of their sums, follow the grid, and a narrowed call must sum in the
-    // original's order (its register count, and so its occupancy, may differ). More CTAs than
-    // fit at once only run in waves.
-    let sized_by = match narrow {
-        None => kernels.clone(),
-        Some(_) => super::select(launch, request)?.kernels,
+    ) = match narrow {
+        None => {
+            let selected = super::select(launch, request)?;
+            let kernels = selected.kernels.clone();
+            (selected, kernels)
+        }
+        Some(y) => super::select_narrowed(launch, request, y)?,
     };
     let p = Norm::params(params)?;
     let g = geometry(p);

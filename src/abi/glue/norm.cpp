@@ -106,13 +106,20 @@ at::Tensor call_hf_rms_norm(const at::Tensor& input, const at::Tensor& weight, d
 // bf16 (python/torchfuse/rewrites.py, `norm_cast`). Rust serves fp32 rows with a bf16 output
 // in one pass, and their backward from the bf16 gradient, through NormCastFunction (one
 // autograd node, no cast between); otherwise the norm and the cast run as the original's.
+//
+// norm_of: the norm alone, differentiable (the composition's, and the create_graph backward's).
+at::Tensor norm_of(const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                   const std::optional<at::Tensor>& bias, double eps, bool rms) {
+  if (!rms) return at::layer_norm_symint(input, {input.sym_size(-1)}, weight, bias, eps);
+  TORCH_CHECK(weight.has_value() && weight->defined() && !(bias.has_value() && bias->defined()),
+              "torchfuse::norm_cast: HF's RMSNorm takes a weight and no bias");
+  return call_hf_rms_norm(input, *weight, eps);
+}
+
 at::Tensor norm_then_cast(const at::Tensor& input, const std::optional<at::Tensor>& weight,
                           const std::optional<at::Tensor>& bias, double eps, bool rms,
                           at::ScalarType dtype) {
-  if (!rms) return at::layer_norm_symint(input, {input.sym_size(-1)}, weight, bias, eps).to(dtype);
-  TORCH_CHECK(weight.has_value() && weight->defined() && !(bias.has_value() && bias->defined()),
-              "torchfuse::norm_cast: HF's RMSNorm takes a weight and no bias");
-  return call_hf_rms_norm(input, *weight, eps).to(dtype);
+  return norm_of(input, weight, bias, eps, rms).to(dtype);
 }
 
 TfNormCall norm_cast_call(const at::Tensor& input, const std::optional<at::Tensor>& weight,
@@ -127,6 +134,20 @@ TfNormCall norm_cast_call(const at::Tensor& input, const std::optional<at::Tenso
   call.rms = rms;
   call.y_dtype = static_cast<int16_t>(y_dtype);
   return call;
+}
+
+// The forward Rust served (y, mean for LayerNorm, rstd), or all undefined where the norm and
+// the cast must run composed (a trace's fake tensors: the composition).
+std::array<at::Tensor, 3> norm_cast_served(const at::Tensor& input,
+                                           const std::optional<at::Tensor>& weight,
+                                           const std::optional<at::Tensor>& bias, double eps,
+                                           bool rms, at::ScalarType dtype) {
+  TfOutputs out{};
+  if (traced(input) ||
+      !fused_by_rust(TF_ENTRY_NORM_CAST, input,
+                     norm_cast_call(input, weight, bias, eps, rms, dtype), out))
+    return {};
+  return take_outputs(out);
 }
 
 // torchfuse::norm_cast_backward(grad_out, input, mean, rstd, weight, bias, rms, output_mask):
@@ -220,10 +241,8 @@ class NormCastFunction : public torch::autograd::Function<NormCastFunction> {
       // create_graph: the gradient must itself be differentiable, which the fused one is not.
       // The norm again from the saved inputs, and autograd's gradient of it at the gradient
       // widened as the original's cast widens it.
-      const double eps = ctx->saved_data["eps"].toDouble();
-      const at::Tensor y = rms ? call_hf_rms_norm(input, weight, eps)
-                               : at::layer_norm(input, {input.size(-1)}, given(weight),
-                                                given(bias), eps);
+      const at::Tensor y =
+          norm_of(input, given(weight), given(bias), ctx->saved_data["eps"].toDouble(), rms);
       torch::autograd::variable_list of;
       for (size_t i = 0; i < 3; ++i)
         if (wanted[i]) of.push_back(saved[i]);
@@ -248,13 +267,10 @@ at::Tensor norm_cast_autograd(const at::Tensor& input, const std::optional<at::T
                               const std::optional<at::Tensor>& bias, double eps, bool rms,
                               at::ScalarType dtype) {
   const at::Tensor w = weight.value_or(at::Tensor()), b = bias.value_or(at::Tensor());
-  if (!input.is_cuda() || traced(input) || composition_only({input, w, b}))
+  if (!input.is_cuda() || composition_only({input, w, b}))
     return norm_then_cast(input, weight, bias, eps, rms, dtype);
-  const TfNormCall call = norm_cast_call(input, weight, bias, eps, rms, dtype);
-  TfOutputs out{};
-  if (!fused_by_rust(TF_ENTRY_NORM_CAST, input, call, out))
-    return norm_then_cast(input, weight, bias, eps, rms, dtype);
-  auto [y, mean, rstd] = take_outputs(out);
+  auto [y, mean, rstd] = norm_cast_served(input, weight, bias, eps, rms, dtype);
+  if (!y.defined()) return norm_then_cast(input, weight, bias, eps, rms, dtype);
   const bool differentiable =
       at::GradMode::is_enabled() && (input.requires_grad() || (w.defined() && w.requires_grad()) ||
                                      (b.defined() && b.requires_grad()));
@@ -269,12 +285,8 @@ at::Tensor norm_cast_autograd(const at::Tensor& input, const std::optional<at::T
 at::Tensor norm_cast_cuda(const at::Tensor& input, const std::optional<at::Tensor>& weight,
                           const std::optional<at::Tensor>& bias, double eps, bool rms,
                           at::ScalarType dtype) {
-  if (traced(input)) return norm_then_cast(input, weight, bias, eps, rms, dtype);
-  const TfNormCall call = norm_cast_call(input, weight, bias, eps, rms, dtype);
-  TfOutputs out{};
-  if (!fused_by_rust(TF_ENTRY_NORM_CAST, input, call, out))
-    return norm_then_cast(input, weight, bias, eps, rms, dtype);
-  return std::move(take_outputs(out)[0]);
+  at::Tensor y = norm_cast_served(input, weight, bias, eps, rms, dtype)[0];
+  return y.defined() ? y : norm_then_cast(input, weight, bias, eps, rms, dtype);
 }
 
 }  // namespace
