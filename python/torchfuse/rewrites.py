@@ -142,7 +142,30 @@ def _rms_norm_forward(torch, original, form, dependencies=None):
         out = norm(self, hidden_states)
         return original(self, hidden_states) if out is None else out
 
+    _NARROWERS[forward] = _rms_norm_narrower(torch, original, dependencies)
     return forward
+
+
+def _rms_norm_narrower(torch, original, dependencies=None):
+    """The `_NARROWERS` entry of Llama's RMSNorm rewritten (`_rms_norm_forward`): for an fp32 x
+    and fp32 weight that forward returns torchfuse::hf_rms_norm's fp32 result, which the
+    consumers cast to bf16; torchfuse::norm_cast (rms) is that op and that cast in one. The op
+    is looked up at the first call: it is defined only where its toggle is registered, and only
+    norm_cast's rewrite calls a narrower."""
+    plain, fp32, bf16 = (torch.Tensor, torch.nn.Parameter), torch.float32, torch.bfloat16
+    untraced = _untraced_call(torch)
+    unchanged = (dependencies or compositions.Dependencies(original)).unchanged
+
+    def narrow(module, x):
+        own = module.__dict__
+        weight, eps = own["_parameters"].get("weight"), own.get("variance_epsilon")
+        if (type(weight) in plain and weight.dtype == fp32 and weight.shape == x.shape[-1:]
+                and weight.device == x.device and type(eps) is float and "weight" not in own
+                and untraced() and unchanged()):
+            return torch.ops.torchfuse.norm_cast.default(x, weight, None, eps, True, bf16)
+        return None
+
+    return narrow
 
 
 def _llama4_rms_norm_forward(torch, original, form, dependencies=None):
@@ -1223,8 +1246,8 @@ def _shared_cast_forward(torch, forward, input_name, sites):
 
 # A norm class's forward -> a function (module, x) -> the module's output for an fp32 x written
 # in bf16 by torchfuse::norm_cast, or None where the original must run: the norms
-# `_norm_cast_forward` may switch. nn.LayerNorm's is added when the first layer is rewritten.
-# (torchfuse::norm_cast serves RMSNorm too; HF's RMSNorm forms join once measured on the GPU.)
+# `_norm_cast_forward` may switch. nn.LayerNorm's is added when the first layer is rewritten,
+# Llama's RMSNorm's (`_rms_norm_forward`) when its rewrite is made.
 _NARROWERS = {}
 
 # Classes whose forward passes its input only to its attributes' calls
@@ -1318,13 +1341,13 @@ def _norm_cast_forward(torch, forward, pairs):
     Per call: the norm is switched only for this forward's duration and its first call (an
     instance `forward` the norm's `__call__` finds first, popped again), made by this forward's
     own code (the caller's frame past nn.Module's call: not a submodule holding the same norm)
-    under bf16 autocast still, in this thread, where
-    the norm is one `_NARROWERS` has (nn.LayerNorm with a weight and a bias), `sub`'s class passes its
+    under bf16 autocast still, in this thread, where the norm is one `_NARROWERS` has
+    (nn.LayerNorm with a weight and a bias; Llama's RMSNorm rewritten), `sub`'s class passes its
     input only to Linear layers (`_CONSUMERS`, its forward unchanged since) and takes the norm's
     output as that input (`how`); both modules unobserved (no hooks, not compiled in place), and
     outside traces, torch function and dispatch modes, global module hooks. At the norm's call,
-    x must be a plain, contiguous fp32 CUDA tensor and `sub`'s sites plain Linear/Conv1D layers on
-    its device (`_sites_check`); anything else runs the norm's own forward."""
+    x must be a plain, contiguous fp32 CUDA tensor and `sub`'s sites plain Linear/Conv1D layers
+    on its device (`_sites_check`); anything else runs the norm's own forward."""
     if torch.nn.LayerNorm.forward not in _NARROWERS:
         layer_norm_forward, narrow = _layer_norm_narrower(torch)
         _NARROWERS[layer_norm_forward] = narrow

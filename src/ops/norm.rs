@@ -167,9 +167,9 @@ const NORM_CAST_Y: Kind = Kind::BFloat16;
 /// `torchfuse::norm_cast[_backward]`: LayerNorm (`rms` 0) or RMSNorm over the last dim of an
 /// fp32 x, y written in bf16 (`y_dtype`), dy read in bf16; every other tensor as the norm's
 /// own (fp32 x, weight and bias, fp32 statistics). Served only where the norm's own override
-/// serves (its toggle, `layer_norm` or `rms_norm`, on), so the kernel is the one the original's
-/// norm runs and y is its output cast, bit for bit; otherwise the glue composes the norm and
-/// the cast.
+/// serves (its toggles on: `layer_norm`, or `hf_rms_norm` and `rms_norm`), so the kernel is the
+/// one the original's norm runs and y is its output cast, bit for bit; otherwise the glue
+/// composes the norm and the cast.
 unsafe fn norm_cast(
     entry: Entry,
     launch: Launch,
@@ -177,12 +177,14 @@ unsafe fn norm_cast(
     input: &TfTensor,
     shape: &[i64],
 ) -> Result<Served, StockReason> {
-    let (kind, own) = if call.rms != 0 {
-        (NormKind::Rms, Toggle::RmsNorm)
+    // HF's RMSNorm reaches the kernel through torchfuse::hf_rms_norm (its toggle) and then
+    // aten::rms_norm's override (rms_norm's): both must be on for the original to run it.
+    let (kind, own): (_, &[Toggle]) = if call.rms != 0 {
+        (NormKind::Rms, &[Toggle::HfRmsNorm, Toggle::RmsNorm])
     } else {
-        (NormKind::Layer, Toggle::LayerNorm)
+        (NormKind::Layer, &[Toggle::LayerNorm])
     };
-    if !(own.registered() && own.active()) {
+    if !own.iter().all(|t| t.registered() && t.active()) {
         return Err(StockReason::DisabledAtRuntime);
     }
     if input.kind() != Some(Kind::Float) {

@@ -881,7 +881,8 @@ OP_STATS = {"swiglu": "torchfuse::silu_mul", "hf_rms_norm": "_fused_rms_norm"}
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("model,op", [("gpt2", "gelu_tanh"), ("llama", "hf_rms_norm"), ("llama", "cross_entropy"),
-                                      ("llama", "swiglu"), ("llama", "rotary"), ("gpt2", "norm_cast")])
+                                      ("llama", "swiglu"), ("llama", "rotary"), ("gpt2", "norm_cast"),
+                                      ("llama", "norm_cast")])
 def test_unchanged_hf_model_trains_as_without_the_rewrite(model, op, compiled):
     pytest.importorskip("transformers", reason="scripts/setup installs transformers")
     if compiled and op in EAGER_ONLY:
@@ -927,7 +928,7 @@ import torchfuse
 torchfuse.enable({lib!r})
 torch.ops.torchfuse._serve_below_thresholds(True)
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import GPT2Config, GPT2LMHeadModel
+import transformers
 from gpu_util import casts_in_graph
 
 class Watching(TorchDispatchMode):
@@ -936,8 +937,17 @@ class Watching(TorchDispatchMode):
 
 torch.manual_seed({seed})
 layers = 2
-model = GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=256, n_head=4, vocab_size=512, n_positions=256,
-                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+if {model!r} == "gpt2":
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=layers, n_embd=256, n_head=4, vocab_size=512, n_positions=256, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0))
+    blocks, norm_names = model.transformer.h, ("ln_1", "ln_2")
+else:
+    # Hidden 1280: fp32 RMSNorm rows the registry serves (up to 1024 they are stock's).
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=1280, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=10,
+        num_key_value_heads=5, vocab_size=512, max_position_embeddings=256))
+    blocks, norm_names = model.model.layers, ("input_layernorm", "post_attention_layernorm")
 model = model.cuda()
 ids = torch.randint(0, 512, (4, 256), device="cuda")
 
@@ -964,11 +974,10 @@ loss1, grads1, casts1, served = step(True)
 fp16 = [step(on, torch.float16)[2:] for on in (False, True)]
 watched = [step(on, mode=Watching())[2:] for on in (False, True)]
 # A norm held under a second name, and one with a hook, are left alone (the other norms not).
-blocks = model.transformer.h
-blocks[0].ln_alias = blocks[0].ln_1
+blocks[0].norm_alias = getattr(blocks[0], norm_names[0])
 aliased = step(True)
-del blocks[0].ln_alias
-hook = blocks[1].ln_2.register_forward_hook(lambda *a: None)
+del blocks[0].norm_alias
+hook = getattr(blocks[1], norm_names[1]).register_forward_hook(lambda *a: None)
 hooked = step(True)
 hook.remove()
 print("RESULT " + json.dumps({{
@@ -978,16 +987,18 @@ print("RESULT " + json.dumps({{
 """
 
 
-def test_norm_cast_keeps_the_models_bits_with_two_casts_fewer_a_layer():
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_norm_cast_keeps_the_models_bits_with_two_casts_fewer_a_layer(model):
     """norm_cast (named: it is opt-in) on unchanged HF GPT-2 (nn.LayerNorm into Conv1D
-    projections) under bf16 autocast, with the kernels serving every shape: each layer's two
-    norms write bf16 (served forward and backward; two casts fewer a layer in the graph), and
-    the loss and every parameter's gradient equal those with norm_cast switched off, bit for
-    bit. Under fp16 autocast, and under a dispatch mode (which must see stock's ops), nothing is
-    switched; nor is a norm held under a second name or observed by a hook."""
+    projections) and Llama (its RMSNorm, rewritten, into q/k/v and gate/up under shared_cast)
+    under bf16 autocast, with the kernels serving every shape: each layer's two norms write bf16
+    (served forward and backward; two casts fewer a layer in the graph), and the loss and every
+    parameter's gradient equal those with norm_cast switched off, bit for bit. Under fp16
+    autocast, and under a dispatch mode (which must see stock's ops), nothing is switched; nor
+    is a norm held under a second name or observed by a hook."""
     pytest.importorskip("transformers", reason="scripts/setup installs transformers")
     code = NORM_CAST.format(python=str(ROOT / "python"), tests=str(ROOT / "tests" / "python"), lib=str(LIB_DIR),
-                            seed=fresh_seed())
+                            seed=fresh_seed(), model=model)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                           env=clean_env(TORCHFUSE_LOG="info", TORCHFUSE_OPS="all,norm_cast"))
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -1421,6 +1421,37 @@ def test_norm_cast_wraps_layers_handing_a_norms_output_to_one_module_where_its_t
         assert "rewrite norm_cast off: transformers.models.gpt2.modeling_gpt2.GPT2Block.forward" in log
 
 
+RMS_NARROWER = """
+import transformers.models.llama.modeling_llama as L
+from torchfuse import rewrites
+narrow = rewrites._NARROWERS.get(L.LlamaRMSNorm.forward)
+torch.manual_seed(0)
+norm = L.LlamaRMSNorm(48, eps=1e-5)
+with torch.no_grad():
+    norm.weight.copy_(torch.rand(48) + 0.5)
+x = torch.randn(3, 5, 48)
+out = narrow(norm, x)
+same = out.dtype == torch.bfloat16 and torch.equal(out, norm(x).to(torch.bfloat16))
+refused = []
+half = L.LlamaRMSNorm(48).to(torch.bfloat16)  # a weight not fp32: Llama's product is not fp32
+refused.append(narrow(half, x))
+norm.variance_epsilon = 1  # an eps not a float
+refused.append(narrow(norm, x))
+norm.variance_epsilon = 1e-5
+refused.append(narrow(norm, torch.randn(3, 47)))  # rows not the weight's width
+print(json.dumps({"same": same, "refused": [r is None for r in refused]}))
+"""
+
+
+def test_llamas_rms_norm_narrower_is_its_output_cast_and_refuses_other_norms():
+    """Llama's RMSNorm, rewritten, has a norm_cast narrower: for an fp32 x and weight it gives
+    the rewritten forward's output cast to bf16 (on CPU the op composes the two: bit for bit);
+    a weight of another dtype, an eps that is not a float, or rows of another width get None,
+    and the norm's own forward runs."""
+    out, _ = run(RMS_NARROWER, TORCHFUSE_OPS="all,norm_cast")
+    assert out == {"same": True, "refused": [True, True, True]}, out
+
+
 def test_norm_cast_sites_are_plain_linears_or_conv1ds_or_absent():
     """The check of a norm's consumer's sites (`_sites_check`): plain Linear and HF Conv1D layers
     on x's device are counted, an attribute the module does not have counts as none (its call
