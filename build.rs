@@ -99,8 +99,6 @@ mod catalog {
         what: String,
         /// A rewrite of Python code that calls no op of its own: it switches no entry.
         no_op: bool,
-        /// Off unless named: `all` leaves it off.
-        opt_in: bool,
     }
 
     /// A registry op key (`[[kernel_op]]`).
@@ -198,7 +196,6 @@ mod catalog {
                 name: field(t, "name", "toggle"),
                 what: field(t, "what", "toggle"),
                 no_op: flag(t, "no_op"),
-                opt_in: flag(t, "opt_in"),
             })
             .collect();
         let entries: Vec<Entry> = list(&doc, "entry")
@@ -414,28 +411,16 @@ mod catalog {
             "what(self) -> &'static str",
             &whats,
         );
-        // A generated `Toggle` method returning one of the catalog's flags: its doc, signature
-        // and the flag.
-        type Flag = (&'static str, &'static str, fn(&Toggle) -> bool);
-        let flags: [Flag; 2] = [
-            (
-                "A rewrite that calls no op of its own (it switches no entry).",
-                "no_op(self) -> bool",
-                |t| t.no_op,
-            ),
-            (
-                "Off unless named in TORCHFUSE_OPS (`all` leaves it off).",
-                "opt_in(self) -> bool",
-                |t| t.opt_in,
-            ),
-        ];
-        for (doc, signature, flag) in flags {
-            let arms: Vec<_> = toggles
-                .iter()
-                .map(|t| toggle_arm(t, flag(t).to_string()))
-                .collect();
-            match_fn(&mut r, doc, signature, &arms);
-        }
+        let arms: Vec<_> = toggles
+            .iter()
+            .map(|t| toggle_arm(t, t.no_op.to_string()))
+            .collect();
+        match_fn(
+            &mut r,
+            "A rewrite that calls no op of its own (it switches no entry).",
+            "no_op(self) -> bool",
+            &arms,
+        );
         r += "}\n\n/// The op family that serves an entry (`ops::<family>`, the glue's `register_<family>`).\n";
         r += derive;
         r += "pub enum OpFamily {\n";

@@ -147,12 +147,10 @@ fn valid_names() -> String {
 }
 
 /// `all`, `none`, a comma list (`layer_norm,adam`), or removals (`-sdpa`), applied left to
-/// right; a list that starts with a removal starts from `all`. `all` is every toggle but the
-/// opt-in ones (`Toggle::opt_in`), which are on only where named (`all,norm_cast`). Names in
-/// any case. A list with an unknown name is not used at all (a typo must not switch every other
+/// right; a list that starts with a removal starts from `all`. Names in any case. A list with an unknown name is not used at all (a typo must not switch every other
 /// op off): one warning names the unknown ones and the valid ones, and `all` holds, the default.
 fn parse_ops(value: Option<&str>, warnings: &mut Vec<String>) -> [bool; Toggle::ALL.len()] {
-    let all = Toggle::ALL.map(|t| !t.opt_in());
+    let all = [true; Toggle::ALL.len()];
     let Some(value) = value.map(str::trim).filter(|v| !v.is_empty()) else {
         return all;
     };
@@ -224,12 +222,10 @@ mod tests {
     }
 
     #[test]
-    fn defaults_enable_everything_but_the_opt_in_toggles_quietly() {
+    fn defaults_enable_everything_quietly() {
         let c = cfg(&[("HOME", "/home/u")]);
         assert!(c.active);
-        let opt_in = Toggle::ALL.iter().filter(|t| t.opt_in()).count();
-        assert!(opt_in < Toggle::ALL.len());
-        assert_eq!(enabled(&c).len(), Toggle::ALL.len() - opt_in);
+        assert_eq!(enabled(&c).len(), Toggle::ALL.len());
         assert_eq!(c.log_filter, "warn");
         assert_eq!(c.log_file, None);
         assert_eq!(c.cache_dir, PathBuf::from("/home/u/.cache/torchfuse"));
@@ -270,12 +266,10 @@ mod tests {
             enabled(&cfg(&[("TORCHFUSE_OPS", "layer_norm, adam")])),
             vec!["layer_norm", "adam"]
         );
-        // Removals: every toggle of the catalog but the removed ones (and the opt-in ones), in
-        // its order.
+        // Removals: every toggle of the catalog but the removed ones, in its order.
         let all_but = |removed: &[&str]| -> Vec<&'static str> {
             Toggle::ALL
                 .iter()
-                .filter(|t| !t.opt_in())
                 .map(|t| t.name())
                 .filter(|name| !removed.contains(name))
                 .collect()
@@ -303,39 +297,10 @@ mod tests {
     }
 
     #[test]
-    fn opt_in_toggles_are_on_only_where_named() {
-        let opt_in: Vec<&str> = Toggle::ALL
-            .iter()
-            .filter(|t| t.opt_in())
-            .map(|t| t.name())
-            .collect();
-        assert!(opt_in.contains(&"norm_cast"), "{opt_in:?}");
-        for value in ["", "all", "-sdpa", "all,-adam"] {
-            let on = enabled(&cfg(&[("TORCHFUSE_OPS", value)]));
-            assert!(!on.contains(&"norm_cast"), "{value:?}: {on:?}");
-        }
-        for value in ["all,norm_cast", "norm_cast", "-sdpa,norm_cast"] {
-            let on = enabled(&cfg(&[("TORCHFUSE_OPS", value)]));
-            assert!(on.contains(&"norm_cast"), "{value:?}: {on:?}");
-        }
-        assert_eq!(
-            enabled(&cfg(&[("TORCHFUSE_OPS", "all,norm_cast")])).len(),
-            Toggle::ALL.len()
-        );
-        assert!(
-            !enabled(&cfg(&[("TORCHFUSE_OPS", "all,norm_cast,-norm_cast")])).contains(&"norm_cast")
-        );
-    }
-
-    #[test]
     fn unknown_op_names_warn_with_the_valid_ones_and_keep_the_default() {
         for value in ["layer_norm,attention", "layernorm", "-sdpa,bogus"] {
             let c = cfg(&[("TORCHFUSE_OPS", value)]);
-            assert_eq!(
-                enabled(&c).len(),
-                Toggle::ALL.iter().filter(|t| !t.opt_in()).count(),
-                "{value}"
-            );
+            assert_eq!(enabled(&c).len(), Toggle::ALL.len(), "{value}");
             assert_eq!(c.warnings.len(), 1, "{value}");
             assert!(c.warnings[0].contains("rms_norm, embedding, adam, sdpa"));
             assert!(c.warnings[0].contains("using all"));

@@ -15,11 +15,10 @@ FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
 
 def load_torchfuse():
-    """The library in this process, every op registered (the opt-in ones too, where
-    TORCHFUSE_OPS does not say otherwise)."""
+    """The library in this process, every op registered (where TORCHFUSE_OPS does not say
+    otherwise)."""
     global _loaded
     if not _loaded:
-        os.environ.setdefault("TORCHFUSE_OPS", "all,norm_cast")
         torch.ops.load_library(str(MAIN_LIB))
         _loaded = True
 

@@ -887,10 +887,8 @@ def test_unchanged_hf_model_trains_as_without_the_rewrite(model, op, compiled):
     pytest.importorskip("transformers", reason="scripts/setup installs transformers")
     if compiled and op in EAGER_ONLY:
         pytest.skip("under torch.compile every rewrite runs the original code (the gelu/RMSNorm cases check it)")
-    # An opt-in toggle (norm_cast) is named to be on; `all` is without it.
-    opt_in = op == "norm_cast"
-    without, _, _ = train(model, compiled, "all" if opt_in else f"all,-{op}")
-    losses, stats, log = train(model, compiled, f"all,{op}" if opt_in else "all")
+    without, _, _ = train(model, compiled, f"all,-{op}")
+    losses, stats, log = train(model, compiled, "all")
     assert len(losses) == len(without) == 8
     for a, b in zip(losses, without):
         assert abs(a - b) <= 0.01 * b, (losses, without)
@@ -989,7 +987,7 @@ print("RESULT " + json.dumps({{
 
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_norm_cast_keeps_the_models_bits_with_two_casts_fewer_a_layer(model):
-    """norm_cast (named: it is opt-in) on unchanged HF GPT-2 (nn.LayerNorm into Conv1D
+    """norm_cast on unchanged HF GPT-2 (nn.LayerNorm into Conv1D
     projections) and Llama (its RMSNorm, rewritten, into q/k/v and gate/up under shared_cast)
     under bf16 autocast, with the kernels serving every shape: each layer's two norms write bf16
     (served forward and backward; two casts fewer a layer in the graph), and the loss and every
@@ -1000,7 +998,7 @@ def test_norm_cast_keeps_the_models_bits_with_two_casts_fewer_a_layer(model):
     code = NORM_CAST.format(python=str(ROOT / "python"), tests=str(ROOT / "tests" / "python"), lib=str(LIB_DIR),
                             seed=fresh_seed(), model=model)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env=clean_env(TORCHFUSE_LOG="info", TORCHFUSE_OPS="all,norm_cast"))
+                          env=clean_env(TORCHFUSE_LOG="info"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     import json
     out = json.loads(re.search(r"^RESULT (.*)$", proc.stdout, re.M).group(1))

@@ -1409,14 +1409,14 @@ print(json.dumps({"wrapped": wrapped, "same": same, "switched_left": switched}))
 
 
 def test_norm_cast_wraps_layers_handing_a_norms_output_to_one_module_where_its_toggle_is_on():
-    """norm_cast is opt-in: `all` leaves it off; named, the layers are wrapped (and on CPU pass
-    the call on unchanged)."""
-    out, log = run(NORM_CAST, TORCHFUSE_OPS="all,norm_cast")
+    """Under the default ops the layers are wrapped (and on CPU pass the call on unchanged);
+    with norm_cast left out they are not."""
+    out, log = run(NORM_CAST)
     assert out == {"wrapped": True, "same": True, "switched_left": []}, out
     assert ("rewrite norm_cast: transformers.models.gpt2.modeling_gpt2.GPT2Block.forward -> ln_1 -> attn, "
             "ln_2 -> mlp: the norm writes bf16") in log
-    for ops in ({}, {"TORCHFUSE_OPS": "all"}):
-        off, log = run(NORM_CAST, **ops)
+    for ops in ("-norm_cast", "all,-norm_cast"):
+        off, log = run(NORM_CAST, TORCHFUSE_OPS=ops)
         assert off == {"wrapped": False, "same": None, "switched_left": []}, off
         assert "rewrite norm_cast off: transformers.models.gpt2.modeling_gpt2.GPT2Block.forward" in log
 
@@ -1448,7 +1448,7 @@ def test_llamas_rms_norm_narrower_is_its_output_cast_and_refuses_other_norms():
     the rewritten forward's output cast to bf16 (on CPU the op composes the two: bit for bit);
     a weight of another dtype, an eps that is not a float, or rows of another width get None,
     and the norm's own forward runs."""
-    out, _ = run(RMS_NARROWER, TORCHFUSE_OPS="all,norm_cast")
+    out, _ = run(RMS_NARROWER)
     assert out == {"same": True, "refused": [True, True, True]}, out
 
 

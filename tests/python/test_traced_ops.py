@@ -120,8 +120,7 @@ def compute_ops():
 
 
 def run(code):
-    # Every op registered, the opt-in ones too.
-    proc = check(run_python(SAMPLES + code, load_library=True, TORCHFUSE_OPS="all,norm_cast"))
+    proc = check(run_python(SAMPLES + code, load_library=True))
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
