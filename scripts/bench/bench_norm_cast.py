@@ -1,9 +1,9 @@
 """torchfuse::norm_cast's RMSNorm (fp32 rows written in bf16; its backward reads the bf16
 gradient) against what it replaces: the norm, then autocast's cast to bf16 (in the backward, the
-cast back to fp32, then the norm's backward). For the row widths where the registry leaves the
-plain fp32 forward to stock (up to 1024: stock is as fast there), every candidate launch shape
-of the forward is timed narrowed, forced by name (bench_norm.py's sweep candidates); the
-registry's own choice is timed too. CUDA-graph replays over input sets larger than L2,
+cast back to fp32, then the norm's backward). Every candidate launch shape of the forward is
+timed narrowed, forced by name (bench_norm.py's sweep candidates), and the registry's own
+choice (where the plain fp32 forward is stock's, up to 1024 columns or below a variant's
+min_rows, a narrowed_only variant or none). CUDA-graph replays over input sets larger than L2,
 interleaved rounds, medians; copy bandwidth of this run beside them.
 
   python3 scripts/bench/bench_norm_cast.py --lib-dir DIR [--out DIR]
@@ -19,7 +19,7 @@ import torch
 from bench_common import capture_graph, replay_times, write_report
 from bench_norm import candidates, variant_name, write_sweep_registry
 
-SHAPES = [(4096, 896), (4096, 1024), (8192, 1024), (16384, 1024), (16384, 768), (4096, 2048)]
+SHAPES = [(4096, 896), (4096, 1024), (8192, 1024), (16384, 1024), (16384, 768), (4096, 2048), (8192, 2048)]
 EPS, BF16 = 1e-6, torch.bfloat16
 L2_BYTES = 64 << 20
 
@@ -86,7 +86,7 @@ def main():
     p.add_argument("--out")
     a = p.parse_args()
     extra = Path(tempfile.mkdtemp()) / "norm_cast_sweep.toml"
-    write_sweep_registry(extra, [(n, h) for n, h in SHAPES if h <= 1024])
+    write_sweep_registry(extra, SHAPES)
     os.environ["TORCHFUSE_REGISTRY_EXTRA"] = str(extra)
     torch.ops.load_library(str(Path(a.lib_dir) / "libtorchfuse.so"))
     from bench_common import copy_bandwidth
@@ -101,8 +101,7 @@ def main():
     for n, h in SHAPES:
         inputs = input_sets(n, h)
         fwd = [("norm then cast", norm_then_cast(h), ""), ("norm_cast", norm_cast, "")]
-        if h <= 1024:
-            fwd += [(variant_name("rms_fwd", c), norm_cast, variant_name("rms_fwd", c)) for c in candidates(h, "rms_fwd")]
+        fwd += [(variant_name("rms_fwd", c), norm_cast, variant_name("rms_fwd", c)) for c in candidates(h, "rms_fwd")]
         t, ran = timed(fwd, inputs)
         forced = {k: v for k, v in t.items() if k not in ("norm then cast", "norm_cast") and ran[k] != "stock"}
         best = min(forced, key=forced.get) if forced else "norm_cast"

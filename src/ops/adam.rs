@@ -380,6 +380,7 @@ fn step(launch: Launch, call: &AdamCall) -> Result<&'static str, StockReason> {
         rows: elements,
         sm,
         deterministic: false,
+        narrowed: false,
     })?;
     let p = Adam::params(params)?;
     // `prepare` keeps it in 32..=1024.

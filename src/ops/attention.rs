@@ -585,6 +585,7 @@ unsafe fn plan(launch: Launch, call: &TfAttentionCall) -> Result<Plan, StockReas
         rows: score_elements(*b, *h, *lq, *lk),
         sm,
         deterministic: call.deterministic != 0,
+        narrowed: false,
     })?;
     let shapes = *Attention::params(selected.params)?;
     Ok(Plan {

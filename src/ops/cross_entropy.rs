@@ -183,6 +183,7 @@ impl Family for CrossEntropy {
             rows,
             sm,
             deterministic: false,
+            narrowed: false,
         })?;
         if call.plan_only != 0 {
             // The kernels are loaded now, at trace time; the graph's calls launch them.

@@ -324,6 +324,7 @@ fn forward(launch: Launch, weight: &TfTensor, indices: &TfTensor) -> Result<Gath
         rows: tokens,
         sm,
         deterministic: false,
+        narrowed: false,
     })?;
 
     let mut shape = indices.sizes().to_vec();
@@ -509,6 +510,7 @@ fn backward(launch: Launch, call: &BackwardCall) -> Result<Gathered, StockReason
         rows: tokens,
         sm,
         deterministic: false,
+        narrowed: false,
     })?;
 
     let sort_cluster = Embedding::params(params)?.sort_cluster;

@@ -112,6 +112,7 @@ impl Family for Gelu {
             rows: n,
             sm,
             deterministic: false,
+            narrowed: false,
         })?;
         let p = Gelu::params(params)?;
         let out = empty(shape, if backward { x_kind } else { other_kind }, device)?;

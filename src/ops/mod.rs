@@ -321,7 +321,10 @@ fn select_with(
     let registry = REGISTRY
         .as_ref()
         .map_err(|_| StockReason::KernelUnavailable)?;
-    let req = request(gpu.sm);
+    let req = Request {
+        narrowed: narrow.is_some(),
+        ..request(gpu.sm)
+    };
     let index = registry.select(&req)?;
     let variant = registry.variant(index);
     let params = registry.params(index);
@@ -398,6 +401,7 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
             rows,
             sm,
             deterministic: false,
+            narrowed: false,
         }
     }
 
@@ -484,6 +488,65 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
     }
 
     #[test]
+    fn narrowed_only_variants_serve_narrowed_calls_only() {
+        let sample = r#"
+[[variant]]
+name = "narrowed"
+op = "rms_norm_fwd"
+source = "norm.cu"
+dtypes = ["f32"]
+sm = [90, 90]
+hidden = [1, 1024]
+min_rows = 4096
+narrowed_only = true
+params = { THREADS_PER_ROW = 128, ROWS_PER_BLOCK = 1, ELEMS_PER_THREAD = 8 }
+
+[[variant]]
+name = "wider"
+op = "rms_norm_fwd"
+source = "norm.cu"
+dtypes = ["f32"]
+sm = [90, 90]
+hidden = [1025, 2048]
+params = { THREADS_PER_ROW = 128, ROWS_PER_BLOCK = 1, ELEMS_PER_THREAD = 16 }
+"#;
+        let r = parse(&[("n.toml", sample)]).unwrap();
+        let name = |rows: i64, narrowed: bool| {
+            let q = Request {
+                op: KernelOp::RmsNormFwd,
+                narrowed,
+                ..req(DType::F32, 1024, rows, 90)
+            };
+            r.select(&q).map(|i| r.variant(i).name.clone())
+        };
+        assert_eq!(name(8192, true), Ok("narrowed".into()));
+        // A plain call has no variant at this width (the reason its stock calls are logged with).
+        assert_eq!(name(8192, false), Err(StockReason::NoVariantForShape));
+        assert_eq!(name(1024, true), Err(StockReason::NotFasterHere));
+        // Where a plain variant serves too, a narrowed call takes it, whatever the file's order.
+        let later = r#"
+[[variant]]
+name = "later"
+op = "rms_norm_fwd"
+source = "norm.cu"
+dtypes = ["f32"]
+sm = [90, 90]
+hidden = [1, 1024]
+params = { THREADS_PER_ROW = 128, ROWS_PER_BLOCK = 1, ELEMS_PER_THREAD = 8 }
+"#;
+        let r = parse(&[("n.toml", sample), ("later.toml", later)]).unwrap();
+        let q = Request {
+            op: KernelOp::RmsNormFwd,
+            narrowed: true,
+            ..req(DType::F32, 1024, 8192, 90)
+        };
+        assert_eq!(
+            r.select(&q).map(|i| r.variant(i).name.clone()),
+            Ok("later".into())
+        );
+    }
+
+    #[test]
     fn malformed_data_is_rejected() {
         let dup = format!("{SAMPLE}\n{}", SAMPLE.replace("small_sm90", "x"));
         assert!(parse(&[("d.toml", &dup)])
@@ -519,6 +582,7 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
                 rows,
                 sm,
                 deterministic,
+                narrowed: false,
             })
             .map(|i| r.variant(i).name.clone())
         };
@@ -551,6 +615,7 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
             rows,
             sm,
             deterministic: false,
+            narrowed: false,
         })
         .map(|i| r.variant(i).name.clone())
     }

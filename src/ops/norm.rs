@@ -525,6 +525,7 @@ fn plan(
         rows: l.rows,
         sm,
         deterministic: false,
+        narrowed: false,
     };
     let main_kernel = if is_backward(op) {
         BWD_KERNEL

@@ -123,6 +123,7 @@ mod tests {
             max_rows: i64::MAX,
             deterministic_all_rows: false,
             deterministic_only: false,
+            narrowed_only: false,
             priority: 0,
             params: params.iter().map(|(k, x)| (k.to_string(), *x)).collect(),
             sweep_only: false,

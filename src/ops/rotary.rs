@@ -417,6 +417,7 @@ impl Family for Rotary {
             rows: total,
             sm,
             deterministic: false,
+            narrowed: false,
         })?;
         let p = Rotary::params(params)?;
         let group = lanes_per_row(
@@ -547,6 +548,7 @@ fn kv_copy(launch: Launch, call: &TfRotaryCall) -> Result<Served, StockReason> {
         rows,
         sm,
         deterministic: false,
+        narrowed: false,
     })?;
     let p = Rotary::params(params)?;
     // Row-major, as `empty` makes it.

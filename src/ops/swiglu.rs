@@ -127,6 +127,7 @@ impl Family for Swiglu {
             rows: layout.n,
             sm,
             deterministic: false,
+            narrowed: false,
         })?;
         let p = Swiglu::params(params)?;
         let config = elementwise::launch_config(layout.n, p.threads, p.chunks)?;

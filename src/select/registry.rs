@@ -54,6 +54,11 @@ pub struct Variant<Op> {
     /// than stock's deterministic choice only (with `deterministic_all_rows`, at any size).
     #[serde(default)]
     pub deterministic_only: bool,
+    /// Served only to calls that write their output narrowed (norm_cast: the norm and the cast
+    /// to the next op's dtype in one pass; `Request::narrowed`): measured faster than stock's
+    /// norm followed by the cast, at widths where the plain kernel is not faster than stock.
+    #[serde(default)]
+    pub narrowed_only: bool,
     #[serde(default)]
     pub priority: i32,
     /// Compile-time parameters, passed to NVRTC as `-DTF_<NAME>=<value>`.
@@ -89,6 +94,9 @@ pub struct Request<Op> {
     pub sm: u32,
     /// The user requires deterministic algorithms (see `Variant::deterministic_all_rows`).
     pub deterministic: bool,
+    /// The kernel writes its output in a narrower dtype than its input (see
+    /// `Variant::narrowed_only`).
+    pub narrowed: bool,
 }
 
 #[derive(Debug)]
@@ -96,12 +104,13 @@ pub struct Registry<Op, P> {
     variants: Vec<Variant<Op>>,
     /// Each variant's typed params, by index.
     params: Vec<P>,
-    /// (op, dtype, hidden, sm) -> candidate variant indices, best first; rows are checked per
+    /// `CandidateKey` -> candidate variant indices, best first; rows are checked per
     /// call against the candidates' `min_rows`, so the hot path is one hash lookup.
     candidates: RwLock<HashMap<CandidateKey<Op>, Candidates>>,
 }
 
-type CandidateKey<Op> = (Op, DType, i64, u32);
+/// (op, dtype, hidden, sm, narrowed): a request's fields other than its rows and determinism.
+type CandidateKey<Op> = (Op, DType, i64, u32, bool);
 /// Variant indices best first, or why none can serve.
 type Candidates = Result<Vec<usize>, StockReason>;
 
@@ -182,15 +191,15 @@ impl<Op: OpKey, P> Registry<Op, P> {
         &self.params[index]
     }
 
-    fn find_candidates(
-        &self,
-        op: Op,
-        dtype: DType,
-        hidden: i64,
-        sm: u32,
-    ) -> Result<Vec<usize>, StockReason> {
+    /// The variants that may serve `req` at some row count (a plain call: not the narrowed_only
+    /// ones), best first, or why none can.
+    fn find_candidates(&self, req: &Request<Op>) -> Result<Vec<usize>, StockReason> {
+        let (dtype, hidden, sm) = (req.dtype, req.hidden, req.sm);
         let of_op: Vec<usize> = (0..self.variants.len())
-            .filter(|&i| self.variants[i].op == op && !self.variants[i].sweep_only)
+            .filter(|&i| {
+                let v = &self.variants[i];
+                v.op == req.op && !v.sweep_only && (req.narrowed || !v.narrowed_only)
+            })
             .collect();
         let with_dtype: Vec<usize> = of_op
             .into_iter()
@@ -215,7 +224,12 @@ impl<Op: OpKey, P> Registry<Op, P> {
         if fits.is_empty() {
             return Err(StockReason::NoVariantForShape);
         }
-        fits.sort_by_key(|&i| (std::cmp::Reverse(self.variants[i].priority), i));
+        // At one priority a plain variant goes before a narrowed_only one: a narrowed call takes
+        // the plain call's kernel where that serves (its output is then the plain one's, cast).
+        fits.sort_by_key(|&i| {
+            let v = &self.variants[i];
+            (std::cmp::Reverse(v.priority), v.narrowed_only, i)
+        });
         Ok(fits)
     }
 
@@ -243,7 +257,7 @@ impl<Op: OpKey, P> Registry<Op, P> {
         if let Some(forced) = self.forced(req) {
             return forced;
         }
-        let key = (req.op, req.dtype, req.hidden, req.sm);
+        let key = (req.op, req.dtype, req.hidden, req.sm, req.narrowed);
         let cached = self
             .candidates
             .read()
@@ -253,7 +267,7 @@ impl<Op: OpKey, P> Registry<Op, P> {
         let candidates = match cached {
             Some(c) => c,
             None => {
-                let c = self.find_candidates(req.op, req.dtype, req.hidden, req.sm);
+                let c = self.find_candidates(req);
                 self.candidates
                     .write()
                     .unwrap_or_else(|p| p.into_inner())

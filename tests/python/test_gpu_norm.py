@@ -20,12 +20,15 @@ REGISTRY = tomllib.loads((ROOT / "registry" / "norm.toml").read_text())["variant
 DTYPE_NAME = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
-def has_variant(kind, direction, dtype, hidden):
+def has_variant(kind, direction, dtype, hidden, narrowed=False):
+    """Whether the registry has a variant for these rows; `narrowed`: for norm_cast's call, which
+    the narrowed_only variants serve too."""
     op = f"{'layer_norm' if kind == 'layer' else 'rms_norm'}_{direction}"
     major, minor = torch.cuda.get_device_capability()
     sm = 10 * major + minor
     return any(v["op"] == op and DTYPE_NAME[dtype] in v["dtypes"] and v["hidden"][0] <= hidden <= v["hidden"][1]
-               and v["sm"][0] <= sm <= v["sm"][1] for v in REGISTRY)
+               and v["sm"][0] <= sm <= v["sm"][1] and (narrowed or not v.get("narrowed_only"))
+               for v in REGISTRY)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -296,10 +299,12 @@ def test_nan_and_inf_propagate_like_stock(kind, all_shapes):
 
 
 def below_threshold_case(kind):
-    """A shape just under some variant's measured min_rows (stock is faster there), if any."""
+    """A shape just under some variant's measured min_rows (stock is faster there), if any (the
+    narrowed_only variants serve norm_cast's calls, not these)."""
     op = f"{'layer_norm' if kind == 'layer' else 'rms_norm'}_fwd"
     for v in REGISTRY:
-        if v["op"] == op and v.get("min_rows", 1) > 1 and "f32" in v["dtypes"]:
+        if (v["op"] == op and v.get("min_rows", 1) > 1 and "f32" in v["dtypes"]
+                and not v.get("narrowed_only")):
             return torch.randn(v["min_rows"] - 1, v["hidden"][1], device="cuda"), (v["hidden"][1],)
     return None
 
@@ -445,7 +450,9 @@ def test_norm_cast_is_the_norm_then_the_cast_bit_for_bit(kind, affine, all_shape
     """torchfuse::norm_cast (the norm and autocast's cast in one op, dy read in bf16) gives the
     bits of the norm torchfuse serves followed by the cast: the bf16 output, and the input's,
     weight's and bias's gradients from the same bf16 gradient (rows whose width is a multiple of
-    the vector or not, 1-D to 3-D); the fused kernels serve it where the norm's own do."""
+    the vector or not, 1-D to 3-D); the fused kernels serve it where the norm's own do. Where
+    only a narrowed_only variant serves (the plain norm is stock's there), the values are the
+    contract's: the output within a bf16 rounding of stock's, the gradients within fp32's."""
     eps = 1e-5
     for shape in NORM_CAST_SHAPES:
         hidden = shape[-1]
@@ -460,13 +467,17 @@ def test_norm_cast_is_the_norm_then_the_cast_bit_for_bit(kind, affine, all_shape
                   fused_count("torchfuse::norm_cast_backward") - before[1]]
         want = norm_cast_grads(kind, x, w, b, eps, dy, cast=False)
         # The backward is norm_cast's where its forward was (otherwise the original's ops ran).
-        fwd = int(has_variant(kind, "fwd", torch.float32, hidden))
+        fwd = int(has_variant(kind, "fwd", torch.float32, hidden, narrowed=True))
         expect = [fwd, fwd * int(has_variant(kind, "bwd", torch.float32, hidden))]
         assert served == expect, (shape, served, expect)
+        bitwise = not fwd or has_variant(kind, "fwd", torch.float32, hidden)
         assert ours[0].dtype == torch.bfloat16 and ours[0].shape == x.shape and ours[0].is_contiguous()
         for i, (o, s) in enumerate(zip(ours, want)):
             assert o.dtype == s.dtype and o.shape == s.shape, (shape, i)
-            assert torch.equal(o, s), (kind, affine, shape, i, (o.float() - s.float()).abs().max().item())
+            if bitwise:
+                assert torch.equal(o, s), (kind, affine, shape, i, (o.float() - s.float()).abs().max().item())
+            else:
+                assert rel_err(o, s) <= FLOOR[o.dtype], (kind, affine, shape, i, rel_err(o, s))
 
 
 def test_norm_cast_where_the_norms_own_toggle_is_off_composes_the_original():
