@@ -148,10 +148,12 @@ def _rms_norm_forward(torch, original, form, dependencies=None):
 
 def _rms_norm_narrower(torch, original, dependencies=None):
     """The `_NARROWERS` entry of Llama's RMSNorm rewritten (`_rms_norm_forward`): for an fp32 x
-    and fp32 weight that forward returns torchfuse::hf_rms_norm's fp32 result, which the
-    consumers cast to bf16; torchfuse::norm_cast (rms) is that op and that cast in one. The op
-    is looked up at the first call: it is defined only where its toggle is registered, and only
-    norm_cast's rewrite calls a narrower."""
+    of row-major strides (the wrapper has checked it contiguous; a size-1 dim's stride may still
+    differ, where `_row_wise` gives the original its way) and an fp32 weight, that forward
+    returns torchfuse::hf_rms_norm's fp32 result, which the consumers cast to bf16;
+    torchfuse::norm_cast (rms) is that op and that cast in one. The op is looked up at each call:
+    it is defined only where its toggle is registered, and only norm_cast's rewrite calls a
+    narrower."""
     plain, fp32, bf16 = (torch.Tensor, torch.nn.Parameter), torch.float32, torch.bfloat16
     untraced = _untraced_call(torch)
     unchanged = (dependencies or compositions.Dependencies(original)).unchanged
@@ -161,11 +163,20 @@ def _rms_norm_narrower(torch, original, dependencies=None):
         weight, eps = own["_parameters"].get("weight"), own.get("variance_epsilon")
         if (type(weight) in plain and weight.dtype == fp32 and weight.shape == x.shape[-1:]
                 and weight.device == x.device and type(eps) is float and "weight" not in own
-                and untraced() and unchanged()):
+                and x.stride() == _row_major_strides(x.shape) and untraced() and unchanged()):
             return torch.ops.torchfuse.norm_cast.default(x, weight, None, eps, True, bf16)
         return None
 
     return narrow
+
+
+def _row_major_strides(shape):
+    """The strides of a freshly made tensor of this shape (a size-1 dim's too)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _llama4_rms_norm_forward(torch, original, form, dependencies=None):
@@ -1335,7 +1346,9 @@ def _norm_cast_forward(torch, forward, pairs):
     autocast, each Linear `sub` passes its input to casts it to bf16 first. The norm and the
     cast become one op (torchfuse::norm_cast), and in the backward the cast back and the norm's
     backward: the norm's output is never made in fp32. Values: bitwise the norm's output cast,
-    and the norm's gradient from the same bf16 gradient; the projections' input gradients add in
+    and the norm's gradient from the same bf16 gradient, where torchfuse's kernel serves the
+    plain norm too (within the contract where the plain norm is stock's and only a narrowed-only
+    kernel serves norm_cast, `registry/norm.toml`); the projections' input gradients add in
     bf16 as under shared_cast (required where `sub` has more than one: its toggle must be on).
 
     Per call: the norm is switched only for this forward's duration and its first call (an

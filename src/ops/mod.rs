@@ -523,7 +523,8 @@ params = { THREADS_PER_ROW = 128, ROWS_PER_BLOCK = 1, ELEMS_PER_THREAD = 16 }
         // A plain call has no variant at this width (the reason its stock calls are logged with).
         assert_eq!(name(8192, false), Err(StockReason::NoVariantForShape));
         assert_eq!(name(1024, true), Err(StockReason::NotFasterHere));
-        // Where a plain variant serves too, a narrowed call takes it, whatever the file's order.
+        // Where a plain variant serves too, a narrowed call takes it, whatever the file's order
+        // and the narrowed one's priority.
         let later = r#"
 [[variant]]
 name = "later"
@@ -534,7 +535,8 @@ sm = [90, 90]
 hidden = [1, 1024]
 params = { THREADS_PER_ROW = 128, ROWS_PER_BLOCK = 1, ELEMS_PER_THREAD = 8 }
 "#;
-        let r = parse(&[("n.toml", sample), ("later.toml", later)]).unwrap();
+        let first = sample.replace("narrowed_only = true", "narrowed_only = true\npriority = 1");
+        let r = parse(&[("n.toml", &first), ("later.toml", later)]).unwrap();
         let q = Request {
             op: KernelOp::RmsNormFwd,
             narrowed: true,

@@ -166,10 +166,11 @@ const NORM_CAST_Y: Kind = Kind::BFloat16;
 
 /// `torchfuse::norm_cast[_backward]`: LayerNorm (`rms` 0) or RMSNorm over the last dim of an
 /// fp32 x, y written in bf16 (`y_dtype`), dy read in bf16; every other tensor as the norm's
-/// own (fp32 x, weight and bias, fp32 statistics). Served only where the norm's own override
-/// serves (its toggles on: `layer_norm`, or `hf_rms_norm` and `rms_norm`), so the kernel is the
-/// one the original's norm runs and y is its output cast, bit for bit; otherwise the glue
-/// composes the norm and the cast.
+/// own (fp32 x, weight and bias, fp32 statistics). Served only where the norm's own toggles are
+/// on (`layer_norm`, or `hf_rms_norm` and `rms_norm`). Where the norm's own override serves the
+/// rows, the kernel is the one the original's norm runs and y is its output cast, bit for bit;
+/// where only a `narrowed_only` variant does (the plain norm is stock's there), y is within the
+/// contract of stock's norm cast. Otherwise the glue composes the norm and the cast.
 unsafe fn norm_cast(
     entry: Entry,
     launch: Launch,

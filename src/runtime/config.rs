@@ -147,8 +147,9 @@ fn valid_names() -> String {
 }
 
 /// `all`, `none`, a comma list (`layer_norm,adam`), or removals (`-sdpa`), applied left to
-/// right; a list that starts with a removal starts from `all`. Names in any case. A list with an unknown name is not used at all (a typo must not switch every other
-/// op off): one warning names the unknown ones and the valid ones, and `all` holds, the default.
+/// right; a list that starts with a removal starts from `all`. Names in any case. A list with an
+/// unknown name is not used at all (a typo must not switch every other op off): one warning
+/// names the unknown ones and the valid ones, and `all` holds, the default.
 fn parse_ops(value: Option<&str>, warnings: &mut Vec<String>) -> [bool; Toggle::ALL.len()] {
     let all = [true; Toggle::ALL.len()];
     let Some(value) = value.map(str::trim).filter(|v| !v.is_empty()) else {

@@ -224,23 +224,24 @@ impl<Op: OpKey, P> Registry<Op, P> {
         if fits.is_empty() {
             return Err(StockReason::NoVariantForShape);
         }
-        // At one priority a plain variant goes before a narrowed_only one: a narrowed call takes
-        // the plain call's kernel where that serves (its output is then the plain one's, cast).
+        // Every plain variant goes before the narrowed_only ones: a narrowed call takes the
+        // plain call's kernel where that serves (its output is then the plain one's, cast).
         fits.sort_by_key(|&i| {
             let v = &self.variants[i];
-            (std::cmp::Reverse(v.priority), v.narrowed_only, i)
+            (v.narrowed_only, std::cmp::Reverse(v.priority), i)
         });
         Ok(fits)
     }
 
-    /// The forced variant for `req` (benchmark hook), if one is forced for its op.
+    /// The forced variant for `req` (benchmark hook), if one is forced for its op (a
+    /// narrowed_only one only for a narrowed call: a plain call is then selected as usual).
     fn forced(&self, req: &Request<Op>) -> Option<Result<usize, StockReason>> {
         let forced = FORCED_VARIANT.read().unwrap_or_else(|p| p.into_inner());
         let name = forced.as_deref()?;
         let index = self
             .variants
             .iter()
-            .position(|v| v.name == name && v.op == req.op)?;
+            .position(|v| v.name == name && v.op == req.op && (req.narrowed || !v.narrowed_only))?;
         let v = &self.variants[index];
         let fits = v.dtypes.contains(&req.dtype)
             && (v.sm[0]..=v.sm[1]).contains(&req.sm)

@@ -489,7 +489,7 @@ def test_norm_cast_where_the_norms_own_toggle_is_off_composes_the_original():
     x = torch.randn(512, 1024, device="cuda")
     w, b = torch.randn(1024, device="cuda"), torch.randn(1024, device="cuda")
     dy = torch.randn(512, 1024, device="cuda").to(torch.bfloat16)
-    for kind, toggle in (("layer", "layer_norm"), ("rms", "rms_norm")):
+    for kind, toggle in (("layer", "layer_norm"), ("rms", "rms_norm"), ("rms", "hf_rms_norm")):
         bias = b if kind == "layer" else None
         before = fused_count("torchfuse::norm_cast")
         with enabled(toggle, False):

@@ -941,10 +941,12 @@ if {model!r} == "gpt2":
         embd_pdrop=0.0, attn_pdrop=0.0))
     blocks, norm_names = model.transformer.h, ("ln_1", "ln_2")
 else:
-    # Hidden 1280: fp32 RMSNorm rows the registry serves (up to 1024 they are stock's).
+    # Hidden 1280: fp32 RMSNorm rows torchfuse's plain norm serves; 1024: stock's plain norm,
+    # norm_cast's a narrowed-only variant.
+    hidden = {{"llama": 1280, "llama1024": 1024}}[{model!r}]
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=1280, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=10,
-        num_key_value_heads=5, vocab_size=512, max_position_embeddings=256))
+        hidden_size=hidden, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=hidden // 128,
+        num_key_value_heads=hidden // 256, vocab_size=512, max_position_embeddings=256))
     blocks, norm_names = model.model.layers, ("input_layernorm", "post_attention_layernorm")
 model = model.cuda()
 ids = torch.randint(0, 512, (4, 256), device="cuda")
@@ -978,22 +980,27 @@ del blocks[0].norm_alias
 hook = getattr(blocks[1], norm_names[1]).register_forward_hook(lambda *a: None)
 hooked = step(True)
 hook.remove()
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
 print("RESULT " + json.dumps({{
     "loss_equal": torch.equal(loss0, loss1), "grads_equal": [torch.equal(a, b) for a, b in zip(grads0, grads1)],
+    "loss_rel": rel(loss1, loss0), "grads_rel": max(rel(a, b) for a, b in zip(grads1, grads0)),
     "casts": [casts0, casts1], "served": served, "layers": layers, "fp16": fp16, "watched": watched,
     "aliased": [torch.equal(aliased[0], loss0), aliased[3]], "hooked": [torch.equal(hooked[0], loss0), hooked[3]]}}))
 """
 
 
-@pytest.mark.parametrize("model", ["gpt2", "llama"])
+@pytest.mark.parametrize("model", ["gpt2", "llama", "llama1024"])
 def test_norm_cast_keeps_the_models_bits_with_two_casts_fewer_a_layer(model):
     """norm_cast on unchanged HF GPT-2 (nn.LayerNorm into Conv1D
     projections) and Llama (its RMSNorm, rewritten, into q/k/v and gate/up under shared_cast)
     under bf16 autocast, with the kernels serving every shape: each layer's two norms write bf16
     (served forward and backward; two casts fewer a layer in the graph), and the loss and every
-    parameter's gradient equal those with norm_cast switched off, bit for bit. Under fp16
-    autocast, and under a dispatch mode (which must see stock's ops), nothing is switched; nor
-    is a norm held under a second name or observed by a hook."""
+    parameter's gradient equal those with norm_cast switched off, bit for bit (at Llama's hidden
+    1024, where the plain fp32 norm is stock's and norm_cast's kernel a narrowed-only variant:
+    within the contract). Under fp16 autocast, and under a dispatch mode (which must see stock's
+    ops), nothing is switched; nor is a norm held under a second name or observed by a hook."""
     pytest.importorskip("transformers", reason="scripts/setup installs transformers")
     code = NORM_CAST.format(python=str(ROOT / "python"), tests=str(ROOT / "tests" / "python"), lib=str(LIB_DIR),
                             seed=fresh_seed(), model=model)
@@ -1005,10 +1012,16 @@ def test_norm_cast_keeps_the_models_bits_with_two_casts_fewer_a_layer(model):
     norms = 2 * out["layers"]
     assert out["served"] == [norms, norms], out
     assert out["casts"][0] - out["casts"][1] == norms, out
-    assert out["loss_equal"] and all(out["grads_equal"]), out
+    if model == "llama1024":
+        assert out["loss_rel"] <= 1e-3 and out["grads_rel"] <= FLOOR[torch.bfloat16], out
+    else:
+        assert out["loss_equal"] and all(out["grads_equal"]), out
     assert out["fp16"][0] == out["fp16"][1] and out["watched"][0] == out["watched"][1], out
     assert out["fp16"][1][1] == [0, 0] and out["watched"][1][1] == [0, 0], out
-    assert out["aliased"] == [True, [norms - 1, norms - 1]] and out["hooked"] == [True, [norms - 1, norms - 1]], out
+    # The norm held twice, and the hooked one, are left alone (the loss is norm_cast-off's where
+    # the rest is bit for bit).
+    assert out["aliased"][1] == out["hooked"][1] == [norms - 1, norms - 1], out
+    assert model == "llama1024" or out["aliased"][0] and out["hooked"][0], out
     assert "rewrite norm_cast: transformers.models." in proc.stderr, proc.stderr[-3000:]
 
 

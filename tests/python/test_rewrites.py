@@ -1439,6 +1439,14 @@ norm.variance_epsilon = 1  # an eps not a float
 refused.append(narrow(norm, x))
 norm.variance_epsilon = 1e-5
 refused.append(narrow(norm, torch.randn(3, 47)))  # rows not the weight's width
+odd = torch.randn(3, 1, 48).as_strided((3, 1, 48), (48, 7, 1))  # contiguous, not row-major
+refused.append(narrow(norm, odd))
+plain_weight = L.LlamaRMSNorm(48)
+plain_weight.weight = None  # the parameter's slot emptied...
+plain_weight.__dict__["weight"] = torch.ones(48)  # ...and a plain tensor set on the instance
+refused.append(narrow(plain_weight, x))
+del norm.variance_epsilon  # no eps where the forward reads it
+refused.append(narrow(norm, x))
 print(json.dumps({"same": same, "refused": [r is None for r in refused]}))
 """
 
@@ -1446,10 +1454,11 @@ print(json.dumps({"same": same, "refused": [r is None for r in refused]}))
 def test_llamas_rms_norm_narrower_is_its_output_cast_and_refuses_other_norms():
     """Llama's RMSNorm, rewritten, has a norm_cast narrower: for an fp32 x and weight it gives
     the rewritten forward's output cast to bf16 (on CPU the op composes the two: bit for bit);
-    a weight of another dtype, an eps that is not a float, or rows of another width get None,
-    and the norm's own forward runs."""
+    a weight of another dtype, an eps that is not a float or none at all, rows of another width,
+    a contiguous x whose size-1 dim has another stride (the rewritten forward then runs HF's
+    composition), or a weight that is no parameter get None, and the norm's own forward runs."""
     out, _ = run(RMS_NARROWER)
-    assert out == {"same": True, "refused": [True, True, True]}, out
+    assert out == {"same": True, "refused": [True] * 6}, out
 
 
 def test_norm_cast_sites_are_plain_linears_or_conv1ds_or_absent():
