@@ -28,7 +28,11 @@ def free_port():
 
 
 def run_world(body, backend="gloo", **env):
-    code = WORLD_OF_ONE.format(lib=str(LIB_DIR), port=free_port(), backend=backend) + body
+    # The group destroyed before exit: left to the interpreter's teardown, gloo's threads can
+    # abort the process ("terminate called without an active exception"; seen once in CI under
+    # load, after the body's output).
+    code = (WORLD_OF_ONE.format(lib=str(LIB_DIR), port=free_port(), backend=backend) + body
+            + "\ndist.destroy_process_group()\n")
     proc = check(run_python(code, PYTHONPATH=PACKAGE_DIR, TORCHFUSE_LOG="debug", **env))
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
