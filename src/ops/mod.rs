@@ -443,33 +443,35 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
         );
     }
 
+    /// One `[[variant]]` of test data: its name, op, dtypes, hidden range, any further lines,
+    /// and params of 32 elements a thread, 32 threads a row for each 1024 of its widest row.
+    fn variant(name: &str, op: &str, dtypes: &str, hidden: [i64; 2], extra: &str) -> String {
+        let threads = 32 * ((hidden[1] + 1023) / 1024);
+        format!(
+            "[[variant]]\nname = \"{name}\"\nop = \"{op}\"\nsource = \"norm.cu\"\n\
+             dtypes = [{dtypes}]\nsm = [90, 90]\nhidden = [{}, {}]\n{extra}\
+             params = {{ THREADS_PER_ROW = {threads}, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }}\n\n",
+            hidden[0], hidden[1]
+        )
+    }
+
     #[test]
     fn deterministic_only_variants_serve_deterministic_calls_that_others_leave() {
-        let sample = r#"
-[[variant]]
-name = "routed"
-op = "layer_norm_fwd"
-source = "norm.cu"
-dtypes = ["bf16"]
-sm = [90, 90]
-hidden = [1, 1024]
-max_rows = 1000
-priority = 1
-params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
-
-[[variant]]
-name = "deterministic_large"
-op = "layer_norm_fwd"
-source = "norm.cu"
-dtypes = ["bf16"]
-sm = [90, 90]
-hidden = [1, 1024]
-priority = 1
-deterministic_all_rows = true
-deterministic_only = true
-params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
-"#;
-        let r = parse(&[("det.toml", sample)]).unwrap();
+        let bf16 = "\"bf16\"";
+        let sample = variant(
+            "routed",
+            "layer_norm_fwd",
+            bf16,
+            [1, 1024],
+            "max_rows = 1000\npriority = 1\n",
+        ) + &variant(
+            "deterministic_large",
+            "layer_norm_fwd",
+            bf16,
+            [1, 1024],
+            "priority = 1\ndeterministic_all_rows = true\ndeterministic_only = true\n",
+        );
+        let r = parse(&[("det.toml", &sample)]).unwrap();
         let name = |rows: i64, deterministic: bool| {
             let q = Request {
                 deterministic,
@@ -489,29 +491,14 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
 
     #[test]
     fn narrowed_only_variants_serve_narrowed_calls_only() {
-        let sample = r#"
-[[variant]]
-name = "narrowed"
-op = "rms_norm_fwd"
-source = "norm.cu"
-dtypes = ["f32"]
-sm = [90, 90]
-hidden = [1, 1024]
-min_rows = 4096
-narrowed_only = true
-params = { THREADS_PER_ROW = 128, ROWS_PER_BLOCK = 1, ELEMS_PER_THREAD = 8 }
-
-[[variant]]
-name = "wider"
-op = "rms_norm_fwd"
-source = "norm.cu"
-dtypes = ["f32"]
-sm = [90, 90]
-hidden = [1025, 2048]
-params = { THREADS_PER_ROW = 128, ROWS_PER_BLOCK = 1, ELEMS_PER_THREAD = 16 }
-"#;
-        let r = parse(&[("n.toml", sample)]).unwrap();
-        let name = |rows: i64, narrowed: bool| {
+        let (f32, rms) = ("\"f32\"", "rms_norm_fwd");
+        let narrowed = |priority: i64| {
+            let extra = format!("min_rows = 4096\nnarrowed_only = true\npriority = {priority}\n");
+            variant("narrowed", rms, f32, [1, 1024], &extra)
+        };
+        let wider = variant("wider", rms, f32, [1025, 2048], "");
+        let r = parse(&[("n.toml", &(narrowed(0) + &wider))]).unwrap();
+        let pick = |r: &Registry, rows: i64, narrowed: bool| {
             let q = Request {
                 op: KernelOp::RmsNormFwd,
                 narrowed,
@@ -519,33 +506,15 @@ params = { THREADS_PER_ROW = 128, ROWS_PER_BLOCK = 1, ELEMS_PER_THREAD = 16 }
             };
             r.select(&q).map(|i| r.variant(i).name.clone())
         };
-        assert_eq!(name(8192, true), Ok("narrowed".into()));
+        assert_eq!(pick(&r, 8192, true), Ok("narrowed".into()));
         // A plain call has no variant at this width (the reason its stock calls are logged with).
-        assert_eq!(name(8192, false), Err(StockReason::NoVariantForShape));
-        assert_eq!(name(1024, true), Err(StockReason::NotFasterHere));
+        assert_eq!(pick(&r, 8192, false), Err(StockReason::NoVariantForShape));
+        assert_eq!(pick(&r, 1024, true), Err(StockReason::NotFasterHere));
         // Where a plain variant serves too, a narrowed call takes it, whatever the file's order
         // and the narrowed one's priority.
-        let later = r#"
-[[variant]]
-name = "later"
-op = "rms_norm_fwd"
-source = "norm.cu"
-dtypes = ["f32"]
-sm = [90, 90]
-hidden = [1, 1024]
-params = { THREADS_PER_ROW = 128, ROWS_PER_BLOCK = 1, ELEMS_PER_THREAD = 8 }
-"#;
-        let first = sample.replace("narrowed_only = true", "narrowed_only = true\npriority = 1");
-        let r = parse(&[("n.toml", &first), ("later.toml", later)]).unwrap();
-        let q = Request {
-            op: KernelOp::RmsNormFwd,
-            narrowed: true,
-            ..req(DType::F32, 1024, 8192, 90)
-        };
-        assert_eq!(
-            r.select(&q).map(|i| r.variant(i).name.clone()),
-            Ok("later".into())
-        );
+        let later = variant("later", rms, f32, [1, 1024], "");
+        let r = parse(&[("b.toml", &(narrowed(1) + &later))]).unwrap();
+        assert_eq!(pick(&r, 8192, true), Ok("later".into()));
     }
 
     #[test]
