@@ -947,6 +947,86 @@ mod nvrtc_tests {
         std::fs::write(out, lines.join("\n") + "\n").expect("written");
     }
 
+    /// One compilation: a variant, its params, the dtype, the narrowed output's dtype (norm_cast),
+    /// the architecture.
+    type Job<'a> = (
+        &'a Variant,
+        &'a OpParams,
+        DType,
+        Option<DType>,
+        &'static str,
+    );
+
+    /// Every compilation the product can ask of NVRTC for these architectures ((sm, arch)):
+    /// each variant whose SM range holds the sm, in each of its dtypes, and an fp32 norm's
+    /// narrowed to bf16 as well (norm_cast's).
+    fn compile_jobs<'a>(registry: &'a Registry, archs: &[(u32, &'static str)]) -> Vec<Job<'a>> {
+        let narrowed = |v: &Variant, d: DType| {
+            (v.op.family() == OpFamily::Norm && d == DType::F32).then_some(DType::BF16)
+        };
+        let mut jobs = Vec::new();
+        for (i, v) in registry.variants().iter().enumerate() {
+            for &d in &v.dtypes {
+                for y in std::iter::once(None).chain(narrowed(v, d).map(Some)) {
+                    for &(sm, arch) in archs {
+                        if (v.sm[0]..=v.sm[1]).contains(&sm) {
+                            jobs.push((v, registry.params(i), d, y, arch));
+                        }
+                    }
+                }
+            }
+        }
+        jobs
+    }
+
+    /// `work` on every job, on as many threads as the machine has: how many ran.
+    fn in_parallel(jobs: &[Job], work: impl Fn(&Job) + Sync) -> usize {
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+        std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    scope.spawn(|| {
+                        let mut done = 0;
+                        while let Some(job) =
+                            jobs.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+                        {
+                            work(job);
+                            done += 1;
+                        }
+                        done
+                    })
+                })
+                .collect();
+            workers.into_iter().map(|w| w.join().expect("worker")).sum()
+        })
+    }
+
+    /// A tool, not a check: fills the kernel cache directory named by TORCHFUSE_PREWARM_CACHE
+    /// with every CUBIN the product can ask for on sm_90 (Hopper), the files the library itself
+    /// would write there (`gpu::cache::cubin`: the same key, the same NVRTC version where torch's
+    /// wheel is the GPU machine's). A GPU machine that starts bare then takes its kernels from
+    /// that directory (`TORCHFUSE_CACHE_DIR`) instead of compiling each on first use:
+    /// `TORCHFUSE_PREWARM_CACHE=.dev/cache cargo test --release prewarm -- --ignored`.
+    #[test]
+    #[ignore = "a tool: writes TORCHFUSE_PREWARM_CACHE"]
+    fn prewarm_kernel_cache_for_sm90() {
+        let Some(dir) = std::env::var_os("TORCHFUSE_PREWARM_CACHE") else {
+            panic!("set TORCHFUSE_PREWARM_CACHE to the cache directory to fill");
+        };
+        let dir = std::path::PathBuf::from(dir);
+        let _ = tch::Tensor::zeros([1], (tch::Kind::Float, tch::Device::Cpu));
+        nvrtc_ready().expect("NVRTC");
+        let registry = REGISTRY.as_ref().expect("registry");
+        let jobs = compile_jobs(registry, &[(90, "sm_90a")]);
+        let written = in_parallel(&jobs, |&(variant, params, dtype, narrow, arch)| {
+            let options = compile_options_narrowed(params, dtype, narrow, arch);
+            crate::gpu::cache::cubin(&variant.name, &variant.source, &options, arch, &dir)
+                .unwrap_or_else(|e| panic!("{} {}: {e}", variant.name, dtype.name()));
+        });
+        println!("{written} kernels in {dir:?}");
+    }
+
     /// A few spilled registers are cheap (L1); more is a copy the kernel should not make.
     const MAX_STACK_BYTES: u32 = 32;
     /// Norm backward variants that hold a wide row's elements in registers (64 and 32 a
@@ -1008,68 +1088,29 @@ mod nvrtc_tests {
             panic!("NVRTC unavailable: {e}");
         }
         let registry = REGISTRY.as_ref().expect("registry");
-        let narrowed = |v: &Variant, d: DType| {
-            (v.op.family() == OpFamily::Norm && d == DType::F32).then_some(DType::BF16)
-        };
-        let jobs: Vec<(&Variant, &OpParams, DType, Option<DType>, &str)> = registry
-            .variants()
-            .iter()
-            .enumerate()
-            .flat_map(|(i, v)| {
-                v.dtypes.iter().flat_map(move |&d| {
-                    std::iter::once(None)
-                        .chain(narrowed(v, d).map(Some))
-                        .map(move |y| (v, registry.params(i), d, y))
-                })
-            })
-            .flat_map(|(v, p, d, y)| {
-                [(80, "sm_80"), (90, "sm_90a")]
-                    .into_iter()
-                    .filter(|(sm, _)| (v.sm[0]..=v.sm[1]).contains(sm))
-                    .map(move |(_, arch)| (v, p, d, y, arch))
-            })
-            .collect();
-        let next = std::sync::atomic::AtomicUsize::new(0);
-        let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
-        let compiled: usize = std::thread::scope(|scope| {
-            let workers: Vec<_> = (0..threads)
-                .map(|_| {
-                    scope.spawn(|| {
-                        let mut done = 0;
-                        while let Some(&(variant, params, dtype, narrow, arch)) =
-                            jobs.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
-                        {
-                            let options =
-                                compile_options_narrowed(params, dtype, narrow, arch);
-                            let cubin =
-                                nvrtc_compile(&variant.source, &options).unwrap_or_else(|e| {
-                                    panic!("{} {} {arch}: {e}", variant.name, dtype.name())
-                                });
-                            assert_eq!(&cubin[..4], b"\x7fELF", "{} is not a CUBIN", variant.name);
-                            let stack = crate::gpu::cubin::max_stack_bytes(&cubin)
-                                .unwrap_or_else(|e| panic!("{} {arch}: {e}", variant.name));
-                            assert!(
-                                stack <= MAX_STACK_BYTES || SPILLING.contains(&variant.name.as_str()),
-                                "{} {} {arch}: a {stack}-byte stack frame (local memory on every \
-                                 use; an argument or array the compiler could not keep in registers)",
-                                variant.name,
-                                dtype.name()
-                            );
-                            for entry in params.kernels() {
-                                assert!(
-                                    cubin.windows(entry.len()).any(|w| w == entry.as_bytes()),
-                                    "{} {arch}: no kernel {entry}",
-                                    variant.name
-                                );
-                                check_kernel_args(variant, params, entry, &cubin);
-                            }
-                            done += 1;
-                        }
-                        done
-                    })
-                })
-                .collect();
-            workers.into_iter().map(|w| w.join().expect("worker")).sum()
+        let jobs = compile_jobs(registry, &[(80, "sm_80"), (90, "sm_90a")]);
+        let compiled: usize = in_parallel(&jobs, |&(variant, params, dtype, narrow, arch)| {
+            let options = compile_options_narrowed(params, dtype, narrow, arch);
+            let cubin = nvrtc_compile(&variant.source, &options)
+                .unwrap_or_else(|e| panic!("{} {} {arch}: {e}", variant.name, dtype.name()));
+            assert_eq!(&cubin[..4], b"\x7fELF", "{} is not a CUBIN", variant.name);
+            let stack = crate::gpu::cubin::max_stack_bytes(&cubin)
+                .unwrap_or_else(|e| panic!("{} {arch}: {e}", variant.name));
+            assert!(
+                stack <= MAX_STACK_BYTES || SPILLING.contains(&variant.name.as_str()),
+                "{} {} {arch}: a {stack}-byte stack frame (local memory on every \
+                 use; an argument or array the compiler could not keep in registers)",
+                variant.name,
+                dtype.name()
+            );
+            for entry in params.kernels() {
+                assert!(
+                    cubin.windows(entry.len()).any(|w| w == entry.as_bytes()),
+                    "{} {arch}: no kernel {entry}",
+                    variant.name
+                );
+                check_kernel_args(variant, params, entry, &cubin);
+            }
         });
         assert_eq!(compiled, jobs.len());
         assert!(compiled >= registry.variants().len());
