@@ -1112,13 +1112,14 @@ def consumer_input(function):
     if len(first) < 5 or any(i.is_jump_target for i in first):
         return None
     load_self, attribute, load_x, call, store = first
+    if store.opname not in ("STORE_FAST", "STORE_FAST_LOAD_FAST"):
+        return None  # (another instruction's argval may be anything: a constant's empty tuple)
     # 3.13 fuses the store with the next statement's first load (STORE_FAST_LOAD_FAST).
-    stored = store.argval[0] if isinstance(store.argval, tuple) else store.argval
+    stored = store.argval[0] if store.opname == "STORE_FAST_LOAD_FAST" else store.argval
     if (load_self.opname in _LOADS and load_self.argval == self_name
             and attribute.opname in ("LOAD_ATTR", "LOAD_METHOD") and isinstance(attribute.argval, str)
             and load_x.opname in _LOADS and load_x.argval == x_name
-            and call.opname == "CALL" and call.arg == 1
-            and store.opname in ("STORE_FAST", "STORE_FAST_LOAD_FAST") and stored == x_name):
+            and call.opname == "CALL" and call.arg == 1 and stored == x_name):
         return x_name, (attribute.argval,)
     return None
 

@@ -188,6 +188,27 @@ def test_dozens_of_models_share_llamas_rms_norm():
     assert total >= 30, total
 
 
+def test_every_modeling_module_is_read_without_an_error():
+    """Each scan the rewrite layer runs on a module's import reads every transformers modeling
+    module without raising: an error there loses that module's rewrites (the import hook warns
+    and leaves the module as it is). OmDet-Turbo's and Swin2SR's encoders once raised in
+    `consumer_input`."""
+    import transformers.models as models
+
+    scans = (compositions.scan, compositions.scan_shared_inputs, compositions.scan_consumers,
+             compositions.scan_norm_handoffs)
+    read = 0
+    for info in pkgutil.iter_modules(models.__path__):
+        try:
+            mod = importlib.import_module(f"transformers.models.{info.name}.modeling_{info.name}")
+        except Exception:  # models needing optional packages
+            continue
+        for scan in scans:
+            scan(mod)
+        read += 1
+    assert read >= 300, read
+
+
 def compiled_forward(source, **globals_):
     """`forward` compiled in a module that imports math and torch, as library modules do."""
     namespace = dict(globals_)
@@ -628,10 +649,15 @@ class _Consumers:
         x = self.fc1(x) * 2
         return x
 
+    def starts_with_constants(self, x, flag=False):  # Swin2SR's encoder: an empty tuple's load fifth
+        kept = ()
+        more = () if flag else None
+        return self.fc1(x) + x, kept, more
+
 
 @pytest.mark.parametrize("name,found", [
     ("first_projection", ("x", ("fc1",))), ("projections", ("x", ("q", "k"))), ("first_projection_kept", None),
-    ("first_computed", None)])
+    ("first_computed", None), ("starts_with_constants", None)])
 def test_consumer_inputs_are_read_from_the_code(name, found):
     assert compositions.consumer_input(getattr(_Consumers, name)) == found
 
