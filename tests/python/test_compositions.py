@@ -175,16 +175,19 @@ def test_gemmas_rms_norm_is_its_own_form_with_its_norm(model):
     assert compositions.form_of(other) is None
 
 
-def test_dozens_of_models_share_llamas_rms_norm():
+def modeling_modules():
+    """Every transformers `modeling_<family>` module that imports here."""
     import transformers.models as models
 
-    total = 0
     for info in pkgutil.iter_modules(models.__path__):
         try:
-            mod = importlib.import_module(f"transformers.models.{info.name}.modeling_{info.name}")
+            yield importlib.import_module(f"transformers.models.{info.name}.modeling_{info.name}")
         except Exception:  # models needing optional packages
             continue
-        total += sum(form == "hf_rms_norm" for form in compositions.scan(mod).values())
+
+
+def test_dozens_of_models_share_llamas_rms_norm():
+    total = sum(form == "hf_rms_norm" for mod in modeling_modules() for form in compositions.scan(mod).values())
     assert total >= 30, total
 
 
@@ -193,16 +196,10 @@ def test_every_modeling_module_is_read_without_an_error():
     module without raising: an error there loses that module's rewrites (the import hook warns
     and leaves the module as it is). OmDet-Turbo's and Swin2SR's encoders once raised in
     `consumer_input`."""
-    import transformers.models as models
-
     scans = (compositions.scan, compositions.scan_shared_inputs, compositions.scan_consumers,
              compositions.scan_norm_handoffs)
     read = 0
-    for info in pkgutil.iter_modules(models.__path__):
-        try:
-            mod = importlib.import_module(f"transformers.models.{info.name}.modeling_{info.name}")
-        except Exception:  # models needing optional packages
-            continue
+    for mod in modeling_modules():
         for scan in scans:
             scan(mod)
         read += 1
