@@ -9,3 +9,11 @@ TORCHFUSE_TRANSFORMERS_VERSION=5.17.0
 TORCHFUSE_ACCELERATE_VERSION=1.15.0
 TORCHFUSE_VENV="${TORCHFUSE_VENV:-$HOME/.cache/torchfuse/venv-torch$TORCHFUSE_TORCH_VERSION}"
 export TORCHFUSE_ROOT TORCHFUSE_VENV
+
+# libtorch's folder first on LD_LIBRARY_PATH (cargo's test binaries link it); the project's
+# Python environment must be active.
+export_torch_lib_path() {
+  local torch_lib
+  torch_lib="$(python -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')"
+  export LD_LIBRARY_PATH="$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+}

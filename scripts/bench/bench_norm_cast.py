@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from bench_common import capture_graph, replay_times, write_report
+from bench_common import capture_graph, copy_bandwidth, replay_times, write_report
 from bench_norm import candidates, variant_name, write_sweep_registry
 
 SHAPES = [(4096, 896), (4096, 1024), (8192, 1024), (16384, 1024), (16384, 768), (4096, 2048), (8192, 2048)]
@@ -52,19 +52,23 @@ def norm_cast_backward(x, w, dy, rstd):
     return torch.ops.torchfuse.norm_cast_backward(dy, x, None, rstd, w, None, True, 3)
 
 
-def kernels(op):
-    return dict(json.loads(torch.ops.torchfuse.stats())["ops"].get(op, {}).get("kernels", {}))
+def norm_cast_kernels():
+    """{kernel: calls} of norm_cast's forward and (named "bwd <kernel>") backward so far."""
+    ops = json.loads(torch.ops.torchfuse.stats())["ops"]
+    forward = ops.get("torchfuse::norm_cast", {}).get("kernels", {})
+    backward = ops.get("torchfuse::norm_cast_backward", {}).get("kernels", {})
+    return forward | {"bwd " + k: v for k, v in backward.items()}
 
 
 def timed(sides, inputs):
-    """{label: median µs per call} of each (label, fn, forced variant) side, and the kernel the
-    side's norm_cast call ran (None for a stock side)."""
+    """{label: median µs per call} of each (label, fn, forced variant) side, and the kernels the
+    side's norm_cast call ran ("stock" where none)."""
     graphs, ran = {}, {}
     for label, fn, forced in sides:
         torch.ops.torchfuse._force_variant(forced)
-        before = kernels("torchfuse::norm_cast") | {"bwd " + k: v for k, v in kernels("torchfuse::norm_cast_backward").items()}
+        before = norm_cast_kernels()
         fn(*inputs[0])
-        after = kernels("torchfuse::norm_cast") | {"bwd " + k: v for k, v in kernels("torchfuse::norm_cast_backward").items()}
+        after = norm_cast_kernels()
         ran[label] = ",".join(k for k in after if after[k] != before.get(k, 0)) or "stock"
         graphs[label] = capture_graph(fn, inputs)
     torch.ops.torchfuse._force_variant("")
@@ -89,7 +93,6 @@ def main():
     write_sweep_registry(extra, SHAPES)
     os.environ["TORCHFUSE_REGISTRY_EXTRA"] = str(extra)
     torch.ops.load_library(str(Path(a.lib_dir) / "libtorchfuse.so"))
-    from bench_common import copy_bandwidth
     bw = copy_bandwidth()
     rows = [f"# torchfuse::norm_cast (RMSNorm, fp32 x, bf16 y) vs the norm then the cast\n",
             f"{torch.cuda.get_device_name()}, copy bandwidth {bw:.2f} TB/s. Command: "

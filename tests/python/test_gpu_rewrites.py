@@ -927,7 +927,7 @@ torchfuse.enable({lib!r})
 torch.ops.torchfuse._serve_below_thresholds(True)
 from torch.utils._python_dispatch import TorchDispatchMode
 import transformers
-from gpu_util import casts_in_graph
+from gpu_util import casts_in_graph, rel_err
 
 class Watching(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -980,12 +980,9 @@ del blocks[0].norm_alias
 hook = getattr(blocks[1], norm_names[1]).register_forward_hook(lambda *a: None)
 hooked = step(True)
 hook.remove()
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
 print("RESULT " + json.dumps({{
     "loss_equal": torch.equal(loss0, loss1), "grads_equal": [torch.equal(a, b) for a, b in zip(grads0, grads1)],
-    "loss_rel": rel(loss1, loss0), "grads_rel": max(rel(a, b) for a, b in zip(grads1, grads0)),
+    "loss_rel": rel_err(loss1, loss0), "grads_rel": max(rel_err(a, b) for a, b in zip(grads1, grads0)),
     "casts": [casts0, casts1], "served": served, "layers": layers, "fp16": fp16, "watched": watched,
     "aliased": [torch.equal(aliased[0], loss0), aliased[3]], "hooked": [torch.equal(hooked[0], loss0), hooked[3]]}}))
 """
