@@ -279,9 +279,11 @@ def worker(a):
 
 
 def side_env(side, lib_dir):
-    """This process's environment without torchfuse's settings, and a side's own: for a side
+    """This process's environment without torchfuse's settings (its kernel cache's folder kept:
+    where the kernels are cached changes no result), and a side's own: for a side
     `torchfuse[...]` the library folder, and for `torchfuse:SPEC` TORCHFUSE_OPS=SPEC."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFUSE") and k != "LD_PRELOAD"}
+    env = {k: v for k, v in os.environ.items()
+           if (not k.startswith("TORCHFUSE") or k == "TORCHFUSE_CACHE_DIR") and k != "LD_PRELOAD"}
     if side.startswith("torchfuse"):
         env["TORCHFUSE_LIB_DIR"] = str(Path(lib_dir).resolve())
         if ":" in side:

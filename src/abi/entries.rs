@@ -6,11 +6,12 @@
 
 use super::tensor::into_raw;
 use super::types::{
-    TfAdamCall, TfAttentionCall, TfCrossEntropyCall, TfEmbeddingCall, TfGeluCall, TfLaunch,
-    TfNormCall, TfOutputs, TfRotaryCall, TfStatus, TfSwigluCall, TF_FUSED, TF_STOCK,
+    TfAdamCall, TfAttentionCall, TfColumnSumCall, TfCrossEntropyCall, TfEmbeddingCall, TfGeluCall,
+    TfLaunch, TfNormCall, TfOutputs, TfRotaryCall, TfStatus, TfSwigluCall, TF_FUSED, TF_STOCK,
 };
 use crate::ops::adam::Adam;
 use crate::ops::attention::Attention;
+use crate::ops::column_sum::ColumnSum;
 use crate::ops::cross_entropy::CrossEntropy;
 use crate::ops::embedding::Embedding;
 use crate::ops::gelu::Gelu;
@@ -170,6 +171,21 @@ pub unsafe extern "C" fn torchfuse_rs_gelu(
     status: *mut TfStatus,
 ) {
     answer::<Gelu>(entry, launch, call, out, status)
+}
+
+/// `aten::sum.dim_IntList`.
+///
+/// # Safety
+/// As `answer`.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_column_sum(
+    entry: u32,
+    launch: *const TfLaunch,
+    call: *const TfColumnSumCall,
+    out: *mut TfOutputs,
+    status: *mut TfStatus,
+) {
+    answer::<ColumnSum>(entry, launch, call, out, status)
 }
 
 /// `torchfuse::cross_entropy`'s forward and backward.

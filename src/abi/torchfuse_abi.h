@@ -149,6 +149,20 @@ typedef struct TfEmbeddingCall {
   uint8_t unused[7];
 } TfEmbeddingCall;
 
+// aten::sum.dim_IntList (input, dim, keepdim, dtype): Rust serves the sums over a contiguous
+// input's leading dims.
+typedef struct TfColumnSumCall {
+  TfTensor input;
+  const int64_t* dims;  // `dim`'s values as given (null and 0 where dim is None)
+  size_t ndims;
+  uint8_t has_dims;   // dim is not None
+  uint8_t keepdim;
+  uint8_t has_dtype;  // dtype is given: `out_dtype`
+  uint8_t unused;
+  int16_t out_dtype;  // c10::ScalarType
+  uint8_t unused2[2];
+} TfColumnSumCall;
+
 // _fused_adam_ / _fused_adamw_ (float or tensor lr).
 typedef struct TfAdamCall {
   // params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps; `like_first`
@@ -210,6 +224,10 @@ void torchfuse_rs_cross_entropy(uint32_t entry, const TfLaunch* launch,
 // torchfuse::silu_mul: out = y. Its backward: out = dgate, dup.
 void torchfuse_rs_swiglu(uint32_t entry, const TfLaunch* launch, const TfSwigluCall* call,
                          TfOutputs* out, TfStatus* status);
+
+// sum.dim_IntList: out = the sum.
+void torchfuse_rs_column_sum(uint32_t entry, const TfLaunch* launch, const TfColumnSumCall* call,
+                             TfOutputs* out, TfStatus* status);
 
 // torchfuse::rotary: out = q_embed, k_embed. Its backward: out = dq, dk.
 void torchfuse_rs_rotary(uint32_t entry, const TfLaunch* launch, const TfRotaryCall* call,

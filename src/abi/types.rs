@@ -171,6 +171,20 @@ pub struct TfGeluCall {
     pub unused: [u8; 6],
 }
 
+/// `TfColumnSumCall`.
+#[repr(C)]
+pub struct TfColumnSumCall {
+    pub input: TfTensor,
+    pub dims: *const i64,
+    pub ndims: usize,
+    pub has_dims: u8,
+    pub keepdim: u8,
+    pub has_dtype: u8,
+    pub unused: u8,
+    pub out_dtype: i16,
+    pub unused2: [u8; 2],
+}
+
 /// `TfCrossEntropyCall`.
 #[repr(C)]
 pub struct TfCrossEntropyCall {
@@ -380,6 +394,13 @@ mod tests {
             n(offset_of!(TfEmbeddingCall, num_weights)),
             n(offset_of!(TfEmbeddingCall, padding_idx)),
             n(offset_of!(TfEmbeddingCall, scale_grad_by_freq)),
+            n(size_of::<TfColumnSumCall>()),
+            n(offset_of!(TfColumnSumCall, dims)),
+            n(offset_of!(TfColumnSumCall, ndims)),
+            n(offset_of!(TfColumnSumCall, has_dims)),
+            n(offset_of!(TfColumnSumCall, keepdim)),
+            n(offset_of!(TfColumnSumCall, has_dtype)),
+            n(offset_of!(TfColumnSumCall, out_dtype)),
             n(size_of::<TfAdamCall>()),
             n(offset_of!(TfAdamCall, lens)),
             n(offset_of!(TfAdamCall, lr_tensor)),

@@ -19,6 +19,7 @@ pub const KERNEL_SOURCES: &[(&str, &str)] = &[
         "attention_fwd_sm90.cuh",
         include_str!("../../kernels/attention_fwd_sm90.cuh"),
     ),
+    ("column_sum.cu", include_str!("../../kernels/column_sum.cu")),
     ("common.cuh", include_str!("../../kernels/common.cuh")),
     (
         "cross_entropy.cu",

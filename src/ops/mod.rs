@@ -1,4 +1,5 @@
-//! The op families: one module each (norm, adam, embedding, attention, gelu, cross_entropy, swiglu, rotary), each implementing
+//! The op families: one module each (norm, adam, embedding, attention, gelu, cross_entropy, swiglu, rotary,
+//! column_sum), each implementing
 //! `Family`: the aten entries it serves and the boundary struct that describes their calls,
 //! how a call is logged, how it is served (checked, planned, launched: `Served`, or the
 //! reason stock runs it), and for the registry the kernels it launches (by name), the
@@ -8,6 +9,7 @@
 
 pub mod adam;
 pub mod attention;
+pub mod column_sum;
 pub mod cross_entropy;
 pub mod elementwise;
 pub mod embedding;
@@ -199,6 +201,7 @@ impl KernelOp {
             OpFamily::CrossEntropy => OpParams::prepare::<cross_entropy::CrossEntropy>(self, v),
             OpFamily::Swiglu => OpParams::prepare::<swiglu::Swiglu>(self, v),
             OpFamily::Rotary => OpParams::prepare::<rotary::Rotary>(self, v),
+            OpFamily::ColumnSum => OpParams::prepare::<column_sum::ColumnSum>(self, v),
         }
     }
 }

@@ -17,6 +17,10 @@ pub const REGISTRY_FILES: &[(&str, &str)] = &[
         include_str!("../../registry/attention.toml"),
     ),
     (
+        "column_sum.toml",
+        include_str!("../../registry/column_sum.toml"),
+    ),
+    (
         "cross_entropy.toml",
         include_str!("../../registry/cross_entropy.toml"),
     ),

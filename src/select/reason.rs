@@ -11,6 +11,7 @@ pub enum StockReason {
     NotFasterHere,
     EmptyInput,
     NothingRequested,
+    FormNotServed,
     ScaleGradByFreq,
     UserBackendChoice,
     AttentionFeature,
@@ -34,6 +35,7 @@ impl std::fmt::Display for StockReason {
             StockReason::NotFasterHere => "stock is faster at this shape",
             StockReason::EmptyInput => "empty input",
             StockReason::NothingRequested => "no output requested",
+            StockReason::FormNotServed => "a form of the op not served",
             StockReason::ScaleGradByFreq => "scale_grad_by_freq is not served",
             StockReason::UserBackendChoice => "SDPA backends restricted by the user",
             StockReason::AttentionFeature => {

@@ -262,6 +262,14 @@ CASES = {
     "rotary_interleaved": rotary_case(interleaved=True),
     "norm_cast": norm_cast_case(),
     "kv_copy": kv_copy_case(BF16),
+    "column_sum": Case(
+        "column_sum", ("sum.dim_IntList",),
+        # GPT-2's MLP bias gradient at B8 S1024 (no backward of its own: sum's is an expand).
+        make=lambda rows=8192, cols=3072: [randn(rows, cols)],
+        run=lambda x: [x.sum(0, keepdim=True)],
+        big=lambda: [randn(BIG // 768 + 1, 768)],
+        bad=[lambda: [randn(8, 64)]],
+        forward=lambda x: x.sum((0, 0))),  # a dim repeated
     "kv_copy_wide": kv_copy_case(torch.float32),
 }
 

@@ -12,7 +12,7 @@
 // Rust panic crosses back (the Rust entry points catch panics and answer TF_STOCK).
 //
 // One file per op family (norm, embedding, adam, attention, gelu, cross_entropy, swiglu,
-// rotary: the aten overrides and torchfuse's own ops of the family, as src/ops/ has one module
+// rotary, column_sum: the aten overrides and torchfuse's own ops of the family, as src/ops/ has one module
 // each), call.cpp (this header's functions) and registration.cpp (entries, control ops, the
 // ABI layout, the C entry points).
 #pragma once
@@ -81,6 +81,9 @@ inline RustAnswer<TfCrossEntropyCall> rust_answer(const TfCrossEntropyCall&) {
 }
 inline RustAnswer<TfSwigluCall> rust_answer(const TfSwigluCall&) { return torchfuse_rs_swiglu; }
 inline RustAnswer<TfRotaryCall> rust_answer(const TfRotaryCall&) { return torchfuse_rs_rotary; }
+inline RustAnswer<TfColumnSumCall> rust_answer(const TfColumnSumCall&) {
+  return torchfuse_rs_column_sum;
+}
 
 // Hands one call to its family's Rust entry point on `on`'s device and stream. True: fused,
 // the outputs are in `out`; false: stock must run it. Bad input Rust refused is raised here,
