@@ -8,7 +8,8 @@ namespace {
 at::Tensor sum_dim(const at::Tensor& self, at::OptionalIntArrayRef dim, bool keepdim,
                    std::optional<at::ScalarType> dtype) {
   const auto stock = [&] { return at::cuda::sum(self, dim, keepdim, dtype); };
-  if (!self.is_cuda()) return stock();
+  // Named tensors: stock's meta function names the result's dims.
+  if (!self.is_cuda() || self.has_names()) return stock();
   TfColumnSumCall call{};
   call.input = describe(self);
   if (dim.has_value()) {
