@@ -1,0 +1,172 @@
+"""Whole training steps of unchanged models with every side in one process, step by step: what
+ranks a change on a host-bound step, where one side's step moves by a third from process to
+process (docs/bench/train/issue40-norm-cast.md, "Eleventh session") and bench_models.py's
+one-process-per-side rounds cannot.
+
+One worker process per model, under scripts/torchfuse (torchfuse loaded, every op on), builds
+the model once (bench_models.build: configs, no downloads), then takes turns: each side runs
+`--turn` steps, the sides in turn, the order reversed every round (A B C, C B A, ...), for
+`--rounds` rounds after `--warmup` rounds. A side is
+  stock            torchfuse.disabled(): PyTorch's kernels and the original Python code, with
+                   its own AdamW built under it (PyTorch's foreach default);
+  torchfuse        every op on, the AdamW torchfuse makes fused (built once, shared by the
+                   torchfuse sides);
+  torchfuse:SPEC   torchfuse with SPEC's toggles switched at run time (`/` for `,`, as
+                   TORCHFUSE_OPS: `torchfuse:-norm_cast/-column_sum`).
+Every step is timed with CUDA events (the step as the GPU's stream sees it: a host-bound step's
+waits included) and on the host (the time to enqueue it). Reported per side: the median step,
+and the median over rounds of its ratio to stock's step of the same round (paired: the
+machine's state shared). The stock side still passes through torchfuse's dispatcher overrides
+and rewrite wrappers, each answering "switched off" (about a microsecond an override call on
+the host): its step is a little slower than a process without torchfuse, so its ratios are a
+little optimistic; bench_models.py's separate processes are the reference for stock itself.
+Losses are not compared here (the sides train one model in turn): bench_models.py does that.
+
+  python3 scripts/bench/bench_in_process.py --lib-dir .dev/cur --out $OUT \\
+      --models qwen2.5-0.5b,llama --sides stock,torchfuse,torchfuse:-norm_cast [--rounds 20]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+def switch_to(side, torchfuse, torch):
+    """Puts this process in `side`'s state (torchfuse off, on, or on with a toggle spec)."""
+    if side == "stock":
+        torchfuse.disable()
+        return
+    torchfuse.enable()
+    torch.ops.torchfuse.set_enabled("all", True)
+    spec = side.split(":", 1)[1] if ":" in side else ""
+    for item in filter(None, spec.split("/")):
+        on = not item.startswith("-")
+        torch.ops.torchfuse.set_enabled(item.lstrip("+-"), on)
+
+
+def worker(a):
+    sys.path.insert(0, str(ROOT / "python"))
+    sys.path.insert(0, str(HERE))
+    import torch
+
+    import torchfuse
+    if not torchfuse.enable():
+        raise SystemExit("torchfuse could not be loaded")
+    from bench_models import build, train_step
+
+    torch.manual_seed(0)
+    model, loss_of, per_step, what = build(a.worker, torch)
+    model = model.cuda().train()
+    sides = a.sides.split(",")
+    optimizers = {}
+    for group in {"stock" if s == "stock" else "torchfuse" for s in sides}:
+        switch_to(group, torchfuse, torch)
+        optimizers[group] = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    times = {s: [] for s in sides}  # per round: [(gpu ms, host ms), ...]
+    event = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+    for rnd in range(a.warmup + a.rounds):
+        order = sides if rnd % 2 == 0 else sides[::-1]
+        marks = []
+        for side in order:
+            switch_to(side, torchfuse, torch)
+            opt = optimizers["stock" if side == "stock" else "torchfuse"]
+            for _ in range(a.turn):
+                start, end = event(), event()
+                start.record()
+                t0 = time.perf_counter()
+                train_step(torch, model, loss_of, opt)
+                host = (time.perf_counter() - t0) * 1e3
+                end.record()
+                marks.append((side, start, end, host))
+        torch.cuda.synchronize()
+        if rnd >= a.warmup:
+            for side in sides:
+                times[side].append([(s.elapsed_time(e), h) for name, s, e, h in marks if name == side])
+    switch_to("torchfuse", torchfuse, torch)
+    print(json.dumps({"model": a.worker, "what": what, "per_step": per_step, "turn": a.turn,
+                      "times": times}))
+
+
+def summary(run, sides):
+    """Per side: the median step (GPU events, host enqueue) and the median over rounds of
+    stock's step / the side's step in that round."""
+    times = run["times"]
+    rows = {}
+    for side in sides:
+        gpu = [g for rnd in times[side] for g, _ in rnd]
+        host = [h for rnd in times[side] for _, h in rnd]
+        paired = None
+        if "stock" in times:
+            paired = statistics.median(
+                statistics.median(g for g, _ in s) / statistics.median(g for g, _ in o)
+                for s, o in zip(times["stock"], times[side]))
+        rows[side] = {"ms": statistics.median(gpu), "host_ms": statistics.median(host),
+                      "spread": (min(gpu), max(gpu)), "vs_stock": paired}
+    return rows
+
+
+def report(runs, sides, out, command):
+    lines = ["# Whole training steps, every side in one process (step by step)", "",
+             f"Command: `{command}`. Median step over CUDA events (and the host's time to enqueue "
+             "it); vs stock: the median over rounds of stock's step / the side's in the same round.",
+             "", "| model | side | ms/step | min-max | host ms | vs stock (paired) | tokens or samples/s |",
+             "|---|---|---|---|---|---|---|"]
+    for run in runs:
+        for side, r in summary(run, sides).items():
+            vs = f"{r['vs_stock']:.2f}x" if r["vs_stock"] else "–"
+            lines.append(f"| {run['what']} | {side} | {r['ms']:.2f} | {r['spread'][0]:.1f}-{r['spread'][1]:.1f} | "
+                         f"{r['host_ms']:.1f} | {vs} | {run['per_step'] / r['ms'] * 1e3:,.0f} |")
+    text = "\n".join(lines) + "\n"
+    (out / "bench_in_process.md").write_text(text)
+    print(text, flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--lib-dir", default=str(ROOT / ".dev"))
+    p.add_argument("--out", default="bench-out")
+    p.add_argument("--models", default="llama")
+    p.add_argument("--sides", default="stock,torchfuse")
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--turn", type=int, default=2, help="steps a side runs before the next side's turn")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        return worker(a)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sides = a.sides.split(",")
+    if any(s != "stock" and not s.startswith("torchfuse") for s in sides) or len(set(sides)) != len(sides):
+        raise SystemExit("sides: distinct, each `stock`, `torchfuse` or `torchfuse:SPEC`")
+    env = {k: v for k, v in os.environ.items()
+           if (not k.startswith("TORCHFUSE") or k == "TORCHFUSE_CACHE_DIR") and k != "LD_PRELOAD"}
+    env["TORCHFUSE_LIB_DIR"] = str(Path(a.lib_dir).resolve())
+    command = "python3 scripts/bench/bench_in_process.py " + " ".join(sys.argv[1:])
+    runs = []
+    for model in a.models.split(","):
+        cmd = [str(ROOT / "scripts" / "torchfuse"), sys.executable, __file__, "--worker", model,
+               "--sides", a.sides, "--rounds", str(a.rounds), "--warmup", str(a.warmup), "--turn", str(a.turn)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            print(f"{model}: failed\n{proc.stderr[-3000:]}", file=sys.stderr, flush=True)
+            continue
+        run = json.loads(proc.stdout.strip().splitlines()[-1])
+        runs.append(run)
+        with (out / "bench_in_process.jsonl").open("a") as f:
+            f.write(json.dumps(run) + "\n")
+        for side, r in summary(run, sides).items():
+            print(f"{model} {side}: {r['ms']:.2f} ms" + (f", {r['vs_stock']:.2f}x stock" if r["vs_stock"] else ""),
+                  flush=True)
+    report(runs, sides, out, command)
+
+
+if __name__ == "__main__":
+    main()
