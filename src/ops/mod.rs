@@ -908,6 +908,41 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
         );
     }
 
+    /// Column sums (bias gradients): the two measured variants by width, stock below their
+    /// `min_rows` and under 128 columns (registry/column_sum.toml).
+    #[test]
+    fn built_in_registry_routes_column_sums_by_width_and_rows() {
+        use KernelOp::ColumnSum;
+        for dtype in [DType::BF16, DType::F32, DType::F16] {
+            for sm in [80, 90] {
+                assert_eq!(
+                    pick(ColumnSum, dtype, 768, 32768, sm).as_deref(),
+                    Ok("colsum_w16_r512_u2")
+                );
+                assert_eq!(
+                    pick(ColumnSum, dtype, 1024, 12288, sm).as_deref(),
+                    Ok("colsum_w16_r512_u2")
+                );
+                assert_eq!(
+                    pick(ColumnSum, dtype, 3072, 8192, sm).as_deref(),
+                    Ok("colsum_w8_r512_u4")
+                );
+                assert_eq!(
+                    pick(ColumnSum, dtype, 768, 8192, sm),
+                    Err(StockReason::NotFasterHere)
+                );
+                assert_eq!(
+                    pick(ColumnSum, dtype, 2304, 4096, sm),
+                    Err(StockReason::NotFasterHere)
+                );
+                assert_eq!(
+                    pick(ColumnSum, dtype, 64, 65536, sm),
+                    Err(StockReason::NoVariantForShape)
+                );
+            }
+        }
+    }
+
     #[test]
     fn built_in_registry_parses() {
         let r = REGISTRY.as_ref().expect("built-in registry");
