@@ -52,15 +52,11 @@ def write_sweep_registry(path):
     path.write_text("\n".join(lines))
 
 
-def rel_err(out, ref):
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
-
-
 def main():
     extra = Path(tempfile.mkdtemp()) / "column_sum_sweep.toml"
     write_sweep_registry(extra)
     os.environ["TORCHFUSE_REGISTRY_EXTRA"] = str(extra)
-    from bench_common import graph_timings, kernel_bench_setup, run_timings, write_report
+    from bench_common import graph_timings, kernel_bench_setup, rel_err, run_timings, write_report
 
     args, bandwidth = kernel_bench_setup()
     rows = [f"# Column sums (sum over the leading dim) on {torch.cuda.get_device_name()} "

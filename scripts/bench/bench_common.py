@@ -1,7 +1,7 @@
 """What every benchmark here shares (docs/testing.md, "Benchmarks"): CUDA-event timing of calls over
 rotated input sets, interleaved A/B rounds with torchfuse toggled at run time, the same calls
-as CUDA-graph replays, and the two rooflines (copy bandwidth, bf16 matmul peak) measured in
-the running process."""
+as CUDA-graph replays, the two rooflines (copy bandwidth, bf16 matmul peak) measured in the
+running process, and the correctness contract's error measure."""
 import statistics
 
 import torch
@@ -18,6 +18,14 @@ def timed_loop(fn, inputs, reps):
         end.synchronize()
         samples.append(start.elapsed_time(end) * 1e3 / len(inputs))
     return samples
+
+
+def rel_err(out, ref):
+    """The contract's measure (docs/testing.md), as tests/python/gpu_util.py has it:
+    ||out - ref|| / ||ref|| in float64 (the absolute difference where ref is zero)."""
+    out, ref = out.double(), ref.double()
+    denom = ref.norm().item()
+    return (out - ref).norm().item() / denom if denom > 0 else (out - ref).norm().item()
 
 
 def copy_bandwidth():

@@ -27,12 +27,13 @@ Losses are not compared here (the sides train one model in turn): bench_models.p
 """
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench_models import build, side_env, train_step
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -53,13 +54,11 @@ def switch_to(side, torchfuse, torch):
 
 def worker(a):
     sys.path.insert(0, str(ROOT / "python"))
-    sys.path.insert(0, str(HERE))
     import torch
 
     import torchfuse
     if not torchfuse.enable():
         raise SystemExit("torchfuse could not be loaded")
-    from bench_models import build, train_step
 
     torch.manual_seed(0)
     model, loss_of, per_step, what = build(a.worker, torch)
@@ -146,9 +145,7 @@ def main():
     sides = a.sides.split(",")
     if any(s != "stock" and not s.startswith("torchfuse") for s in sides) or len(set(sides)) != len(sides):
         raise SystemExit("sides: distinct, each `stock`, `torchfuse` or `torchfuse:SPEC`")
-    env = {k: v for k, v in os.environ.items()
-           if (not k.startswith("TORCHFUSE") or k == "TORCHFUSE_CACHE_DIR") and k != "LD_PRELOAD"}
-    env["TORCHFUSE_LIB_DIR"] = str(Path(a.lib_dir).resolve())
+    env = side_env("torchfuse", a.lib_dir)  # every op on: the worker switches them
     command = "python3 scripts/bench/bench_in_process.py " + " ".join(sys.argv[1:])
     runs = []
     for model in a.models.split(","):

@@ -18,14 +18,10 @@ from pathlib import Path
 
 import torch
 
+from bench_common import rel_err
+
 # GPT-2 124M and BERT-base (B8 S1024 / B8 S512 rows, 768 wide), a Llama-style width.
 SHAPES = "8192x768,4096x768,4096x1024"
-
-
-def rel_err(out, ref):  # the contract's measure (docs/testing.md), as tests/python/gpu_util.py has it
-    out, ref = out.double(), ref.double()
-    denom = ref.norm().item()
-    return (out - ref).norm().item() / denom if denom > 0 else (out - ref).norm().item()
 
 
 def outputs(x, w, b, dy):

@@ -154,7 +154,9 @@ impl Family for ColumnSum {
         if splits > MAX_SPLITS {
             return Err(StockReason::NoVariantForShape);
         }
-        let tile = 32 * (16 / elem_bytes(kind));
+        // Elements of one 16-byte access: a lane's columns (kernels/column_sum.cu's TF_VEC).
+        let per_access = 16 / kind.elt_size_in_bytes() as i64;
+        let tile = 32 * per_access;
         let partial_config = LaunchConfig {
             grid_dim: (
                 gpu::grid_dim(cols, tile)?,
@@ -181,7 +183,7 @@ impl Family for ColumnSum {
         )?;
         let x = input.addr();
         // 16-byte accesses need the rows' starts aligned too: whole 16-byte groups a row.
-        let vectorized = i32::from(aligned16([x]) && cols % (16 / elem_bytes(kind)) == 0);
+        let vectorized = i32::from(aligned16([x]) && cols % per_access == 0);
         let partial_args = PartialArgs {
             x,
             partial: device_addr(&partial),
@@ -196,24 +198,18 @@ impl Family for ColumnSum {
             cols,
         };
         let stream = gpu.stream(launch);
-        for (name, config) in [
-            (PARTIAL_KERNEL, partial_config),
-            (FINISH_KERNEL, finish_config),
-        ] {
-            let kernel = kernels.get(name)?;
-            let mut builder = stream.launch_builder(&kernel.function);
-            if name == PARTIAL_KERNEL {
-                args::push(&mut builder, &partial_args);
-            } else {
-                args::push(&mut builder, &finish_args);
-            }
-            // SAFETY: each kernel's parameters are its struct's fields (the compile test
-            // checks); x holds rows x cols contiguous elements of the dtype the module was
-            // compiled for, `partial` splits x cols floats, `out` cols elements; all live
-            // until the stream is done with them (PyTorch's allocator orders reuse on it).
-            unsafe { builder.launch(config) }.map_err(|e| super::launch_failed(variant, e))?;
-        }
-        drop(partial);
+        let mut args = stream.launch_builder(&kernels.get(PARTIAL_KERNEL)?.function);
+        args::push(&mut args, &partial_args);
+        // SAFETY: column_sum_partial's parameters are PartialArgs's fields (the compile test
+        // checks); x holds rows x cols contiguous elements of the dtype the module was compiled
+        // for, `partial` splits x cols floats; both live until the stream is done with them
+        // (PyTorch's allocator orders reuse on it).
+        unsafe { args.launch(partial_config) }.map_err(|e| super::launch_failed(variant, e))?;
+        let mut args = stream.launch_builder(&kernels.get(FINISH_KERNEL)?.function);
+        args::push(&mut args, &finish_args);
+        // SAFETY: column_sum_finish's parameters are FinishArgs's fields; it reads `partial` as
+        // above and writes cols elements of `out`.
+        unsafe { args.launch(finish_config) }.map_err(|e| super::launch_failed(variant, e))?;
         Ok(Served::new(variant.name.as_str(), [Some(out), None, None]))
     }
 
@@ -246,15 +242,6 @@ impl Family for ColumnSum {
         )?;
         params::one_of(v, "UNROLL", p.unroll, &[1, 2, 4, 8])?;
         Ok(p)
-    }
-}
-
-/// Bytes an element of the dtypes served (f32, bf16, f16).
-fn elem_bytes(kind: Kind) -> i64 {
-    if kind == Kind::Float {
-        4
-    } else {
-        2
     }
 }
 

@@ -16,9 +16,10 @@ OP = "sum.dim_IntList"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def stock_sum(x, *args, **kwargs):
+def stock(fn, *args, **kwargs):
+    """fn's result with column_sum switched off: stock's."""
     with enabled("column_sum", False):
-        return x.sum(*args, **kwargs)
+        return fn(*args, **kwargs)
 
 
 def check_against_reference(x, dims, keepdim):
@@ -28,10 +29,10 @@ def check_against_reference(x, dims, keepdim):
     garbage_allocator(x.numel() * 4)
     out = x.sum(dims, keepdim=keepdim)
     assert fused_count(OP) == before + 1, f"{tuple(x.shape)} {dims} not served"
-    stock = stock_sum(x, dims, keepdim=keepdim)
-    assert (out.dtype, out.shape, out.stride()) == (stock.dtype, stock.shape, stock.stride())
+    theirs = stock(x.sum, dims, keepdim=keepdim)
+    assert (out.dtype, out.shape, out.stride()) == (theirs.dtype, theirs.shape, theirs.stride())
     ref = x.double().sum(dims, keepdim=keepdim)
-    err, stock_err = rel_err(out, ref), rel_err(stock, ref)
+    err, stock_err = rel_err(out, ref), rel_err(theirs, ref)
     assert err <= max(2 * stock_err, FLOOR[x.dtype]), (tuple(x.shape), x.dtype, err, stock_err)
     return out
 
@@ -70,10 +71,10 @@ def test_the_sum_is_deterministic_and_nan_inf_propagate():
     assert fused_count(OP) == before + 1
     assert all(torch.equal(first, x.sum(0)) for _ in range(5))
     x[17, 3], x[4000, 5], x[10, 9], x[11, 9] = float("nan"), float("inf"), float("inf"), -float("inf")
-    out, stock = x.sum(0), stock_sum(x, 0)
+    out, theirs = x.sum(0), stock(x.sum, 0)
     for c in (3, 5, 9):
-        assert out[c].isnan() == stock[c].isnan() and (out[c].isinf() == stock[c].isinf()), c
-    assert out[5] == stock[5] == float("inf")
+        assert out[c].isnan() == theirs[c].isnan() and (out[c].isinf() == theirs[c].isinf()), c
+    assert out[5] == theirs[5] == float("inf")
 
 
 def test_16_byte_and_one_by_one_loads_give_the_same_bits():
@@ -107,17 +108,12 @@ def test_other_forms_go_to_stock_unchanged():
         lambda t: t[:0].sum(0),                # empty
     ]
     for case in cases:
-        out, stock = case(x), stock_sum_of(case, x)
-        assert torch.equal(out, stock) and out.dtype == stock.dtype and out.stride() == stock.stride()
+        out, theirs = case(x), stock(case, x)
+        assert torch.equal(out, theirs) and out.dtype == theirs.dtype and out.stride() == theirs.stride()
     assert fused_count(OP) == before
     # Each reached torchfuse and went to stock with a reason (the full sum and the empty one may
     # be answered before the override: not counted on).
     assert sum(stock_reasons(OP).values()) >= reasons_before + len(cases) - 2
-
-
-def stock_sum_of(case, x):
-    with enabled("column_sum", False):
-        return case(x)
 
 
 def test_bad_dims_give_stocks_errors():
@@ -126,7 +122,7 @@ def test_bad_dims_give_stocks_errors():
         with pytest.raises((RuntimeError, IndexError)) as ours:
             x.sum(dims)
         with pytest.raises(type(ours.value)) as stocks:
-            stock_sum(x, dims)
+            stock(x.sum, dims)
         assert str(ours.value) == str(stocks.value)
 
 
