@@ -710,7 +710,7 @@ def test_kv_cache_first_append_is_the_originals_cat(layer):
     original = getattr(cls.update, "__wrapped__", cls.update)
     rewritten = rewrites.REWRITES[form].make(torch, original, form)
     new_layer = cls if layer == "DynamicLayer" else lambda: cls(sliding_window=16)
-    before = asked_count("torchfuse::kv_copy")
+    first_appends = 0
     g = torch.Generator(device="cuda").manual_seed(fresh_seed())
     qkv = torch.randn(2, 64, 3 * 4 * 32, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
     _, k, v = qkv.split(4 * 32, dim=2)
@@ -719,7 +719,9 @@ def test_kv_cache_first_append_is_the_originals_cat(layer):
     pairs = ((k, v), (k.float() * 1.5, v), (k.detach(), v), (k[:, :1], v[:, :1]))
     for key, value in pairs:
         ours, theirs = new_layer(), new_layer()
+        before = asked_count("torchfuse::kv_copy")
         got, want = rewritten(ours, key, value), original(theirs, key, value)
+        first_appends += asked_count("torchfuse::kv_copy") - before
         for a, b in zip(got + (ours.keys, ours.values), want + (theirs.keys, theirs.values)):
             assert (torch.equal(a, b) and a.dtype == b.dtype and a.stride() == b.stride()
                     and a.requires_grad == b.requires_grad)
@@ -734,7 +736,7 @@ def test_kv_cache_first_append_is_the_originals_cat(layer):
         for a, b in zip(*more):
             assert torch.equal(a, b) and a.shape[-2] == (2 * 64 if layer == "DynamicLayer" else 15 + 64)
     # One op call a first append, counted per tensor (K, V).
-    assert asked_count("torchfuse::kv_copy") == before + 2 * len(pairs)
+    assert first_appends == 2 * len(pairs)
     # fp16 K and V under bf16 autocast (CPU autocast's cat refuses a 16-bit type other than its
     # own; CUDA's leaves cat alone, torch 2.11): the rewrite gives what the original gives, its
     # error or its tensors.
@@ -754,6 +756,62 @@ def test_kv_cache_first_append_is_the_originals_cat(layer):
         assert asked_count("torchfuse::kv_copy") == asked + 2
         assert all(torch.equal(a, b) and a.dtype == b.dtype and a.stride() == b.stride()
                    for a, b in zip(*outcomes))
+
+
+def test_kv_copy_hands_gradients_back_token_by_token_where_its_inputs_lay_so():
+    """kv_copy's backward: where K or V lay in memory token by token (HF's per-head views of a
+    projection, transposed), the gradient it hands back is laid out so too, so that HF's view
+    costs the backward no copy; the values are cat's (stock's backward), one kernel call a
+    tensor; under create_graph, for a cast back, and for inputs in head order it hands back
+    what cat's backward hands back, as stock lays it out."""
+    load_torchfuse()
+    g = torch.Generator(device="cuda").manual_seed(fresh_seed())
+    qkv = torch.randn(2, 64, 3 * 4 * 32, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    grads = [torch.randn(2, 4, 64, 32, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2)]
+
+    def run(append, make_views, dtype=torch.bfloat16, create_graph=False):
+        """The gradients reaching K and V (hooks) and qkv's."""
+        key, value = make_views()
+        seen = {}
+        key.register_hook(lambda grad: seen.__setitem__("key", grad))
+        value.register_hook(lambda grad: seen.__setitem__("value", grad))
+        outs = append(key, value, dtype)
+        dqkv, = torch.autograd.grad(outs, qkv, [gr.to(dtype) for gr in grads], create_graph=create_graph)
+        return seen["key"], seen["value"], dqkv
+
+    def cat(key, value, dtype):
+        empty = torch.tensor([], device="cuda", dtype=dtype)
+        return torch.cat([empty, key], dim=-2), torch.cat([empty, value], dim=-2)
+
+    def ours(key, value, dtype):
+        return torch.ops.torchfuse.kv_copy(key, value, dtype, dtype)
+
+    def token_views():  # GPT-2's: slices of the packed projection, per head, transposed
+        _, k, v = qkv.split(4 * 32, dim=2)
+        return [t.view(2, 64, 4, 32).transpose(1, 2) for t in (k, v)]
+
+    def head_views():  # already head by head in memory
+        _, k, v = qkv.split(4 * 32, dim=2)
+        return [t.reshape(2, 4, 64, 32) for t in (k, v)]
+
+    asked = asked_count("torchfuse::kv_copy")
+    *got, dgot = run(ours, token_views)
+    assert asked_count("torchfuse::kv_copy") == asked + 4  # K and V forward, and back
+    *want, dwant = run(cat, token_views)
+    assert torch.equal(dgot, dwant)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b) and a.dtype == b.dtype
+        assert a.transpose(1, 2).is_contiguous() and not b.transpose(1, 2).is_contiguous()
+    # Stock's layout where no copy is saved or due: head-ordered inputs, a cast back to bf16 of
+    # an fp32 cache's gradient, a double backward's differentiable gradient.
+    for make_views, dtype, create_graph in ((head_views, torch.bfloat16, False),
+                                           (token_views, torch.float32, False),
+                                           (token_views, torch.bfloat16, True)):
+        *got, dgot = run(ours, make_views, dtype, create_graph)
+        *want, dwant = run(cat, make_views, dtype, create_graph)
+        assert torch.equal(dgot, dwant) and dgot.requires_grad == dwant.requires_grad
+        for a, b in zip(got, want):
+            assert torch.equal(a, b) and a.dtype == b.dtype and a.stride() == b.stride()
 
 
 def test_shared_cast_feeds_the_linears_one_cast_and_keeps_the_originals_values():

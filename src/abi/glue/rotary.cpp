@@ -313,9 +313,32 @@ std::tuple<at::Tensor, at::Tensor> call_kv_copy(const at::Tensor& key, const at:
   return op.call(key, value, key_dtype, value_dtype);
 }
 
+// Whether x, a [B, H, S, D] tensor, lies in memory token by token, [B, S, H, D] (HF's K and V:
+// a projection's output viewed per head and transposed), gaps allowed (GPT-2's slices of its
+// packed projection): what decides the layout of the gradient handed back to it.
+bool in_token_order(const at::Tensor& x) {
+  if (x.dim() != 4) return false;
+  const at::Tensor tokens = x.transpose(1, 2);
+  int64_t span = 1;  // the elements one step of the inner dims covers
+  for (int64_t d = 3; d >= 0; --d) {
+    if (tokens.size(d) == 1) continue;
+    if (tokens.stride(d) < span) return false;
+    span = tokens.stride(d) * tokens.size(d);
+  }
+  return true;
+}
+
 // cat's backward: each input's slice of the gradient (here the whole of it), in the input's
 // dtype where cat promoted it. Stock makes two cats: an output whose input needs no gradient is
 // not differentiable, and a gradient never given stays undefined (not zeros).
+// The cache is row-major, [B, H, S, D], so attention hands back gradients in that order; where
+// the input lay token by token (HF's K and V), the view and transpose HF's forward made then
+// copy that gradient in its backward (a reshape of a non-viewable tensor: PyTorch's strided
+// copy, GPT-2 b32's 76 us a tensor). Here the same values are copied once, token by token, by
+// kv_copy's row kernel (a fresh row-major copy of the gradient's [B, S, H, D] view, 2.2x
+// PyTorch's copy there), so that the reshape becomes a view. Not under create_graph (the copy
+// would not be differentiable; stock's identity is), nor for a traced gradient (the trace keeps
+// stock's ops), nor where a cast back is due.
 class KvCopyFunction : public torch::autograd::Function<KvCopyFunction> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
@@ -324,6 +347,8 @@ class KvCopyFunction : public torch::autograd::Function<KvCopyFunction> {
                                                 at::ScalarType value_dtype) {
     ctx->saved_data["key_dtype"] = static_cast<int64_t>(key.scalar_type());
     ctx->saved_data["value_dtype"] = static_cast<int64_t>(value.scalar_type());
+    ctx->saved_data["key_in_token_order"] = in_token_order(key);
+    ctx->saved_data["value_in_token_order"] = in_token_order(value);
     ctx->set_materialize_grads(false);
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [k, v] = call_kv_copy(key, value, key_dtype, value_dtype);
@@ -335,12 +360,17 @@ class KvCopyFunction : public torch::autograd::Function<KvCopyFunction> {
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto back = [&](const at::Tensor& g, const char* dtype) {
-      const auto to = static_cast<at::ScalarType>(ctx->saved_data[dtype].toInt());
-      return !g.defined() || g.scalar_type() == to ? g : g.to(to);
+    auto back = [&](const at::Tensor& g, const std::string& which) {
+      if (!g.defined()) return g;
+      const auto to = static_cast<at::ScalarType>(ctx->saved_data[which + "_dtype"].toInt());
+      if (g.scalar_type() != to) return g.to(to);
+      const bool token_order = ctx->saved_data[which + "_in_token_order"].toBool();
+      if (!token_order || at::GradMode::is_enabled() || !g.is_cuda() || traced(g) ||
+          in_token_order(g))
+        return g;
+      return kv_copy_one(g.transpose(1, 2), to).transpose(1, 2);
     };
-    return {back(grads[0], "key_dtype"), back(grads[1], "value_dtype"), at::Tensor(),
-            at::Tensor()};
+    return {back(grads[0], "key"), back(grads[1], "value"), at::Tensor(), at::Tensor()};
   }
 };
 
