@@ -99,6 +99,8 @@ mod catalog {
         what: String,
         /// A rewrite of Python code that calls no op of its own: it switches no entry.
         no_op: bool,
+        /// An aten override whose gradient autograd makes of other ops (no backward kernel).
+        forward_only: bool,
     }
 
     /// A registry op key (`[[kernel_op]]`).
@@ -196,6 +198,7 @@ mod catalog {
                 name: field(t, "name", "toggle"),
                 what: field(t, "what", "toggle"),
                 no_op: flag(t, "no_op"),
+                forward_only: flag(t, "forward_only"),
             })
             .collect();
         let entries: Vec<Entry> = list(&doc, "entry")
@@ -419,6 +422,16 @@ mod catalog {
             &mut r,
             "A rewrite that calls no op of its own (it switches no entry).",
             "no_op(self) -> bool",
+            &arms,
+        );
+        let arms: Vec<_> = toggles
+            .iter()
+            .map(|t| toggle_arm(t, t.forward_only.to_string()))
+            .collect();
+        match_fn(
+            &mut r,
+            "An aten override whose gradient autograd makes of other ops: no backward to override.",
+            "forward_only(self) -> bool",
             &arms,
         );
         r += "}\n\n/// The op family that serves an entry (`ops::<family>`, the glue's `register_<family>`).\n";

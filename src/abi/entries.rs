@@ -7,7 +7,8 @@
 use super::tensor::into_raw;
 use super::types::{
     TfAdamCall, TfAttentionCall, TfColumnSumCall, TfCrossEntropyCall, TfEmbeddingCall, TfGeluCall,
-    TfLaunch, TfNormCall, TfOutputs, TfRotaryCall, TfStatus, TfSwigluCall, TF_FUSED, TF_STOCK,
+    TfLaunch, TfMixedAddCall, TfNormCall, TfOutputs, TfRotaryCall, TfStatus, TfSwigluCall,
+    TF_FUSED, TF_STOCK,
 };
 use crate::ops::adam::Adam;
 use crate::ops::attention::Attention;
@@ -15,6 +16,7 @@ use crate::ops::column_sum::ColumnSum;
 use crate::ops::cross_entropy::CrossEntropy;
 use crate::ops::embedding::Embedding;
 use crate::ops::gelu::Gelu;
+use crate::ops::mixed_add::MixedAdd;
 use crate::ops::norm::Norm;
 use crate::ops::rotary::Rotary;
 use crate::ops::swiglu::Swiglu;
@@ -186,6 +188,21 @@ pub unsafe extern "C" fn torchfuse_rs_column_sum(
     status: *mut TfStatus,
 ) {
     answer::<ColumnSum>(entry, launch, call, out, status)
+}
+
+/// `aten::add.Tensor`.
+///
+/// # Safety
+/// As `answer`.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_mixed_add(
+    entry: u32,
+    launch: *const TfLaunch,
+    call: *const TfMixedAddCall,
+    out: *mut TfOutputs,
+    status: *mut TfStatus,
+) {
+    answer::<MixedAdd>(entry, launch, call, out, status)
 }
 
 /// `torchfuse::cross_entropy`'s forward and backward.

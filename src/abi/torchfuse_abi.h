@@ -163,6 +163,15 @@ typedef struct TfColumnSumCall {
   uint8_t unused2[2];
 } TfColumnSumCall;
 
+// aten::add.Tensor (self, other, alpha): Rust serves an fp32 tensor plus a 16-bit one of the
+// same shape, alpha 1 (the glue sends only calls of two dtypes).
+typedef struct TfMixedAddCall {
+  TfTensor self;
+  TfTensor other;
+  uint8_t alpha_is_one;  // alpha == 1 (a real number): the sum needs no multiply
+  uint8_t unused[7];
+} TfMixedAddCall;
+
 // _fused_adam_ / _fused_adamw_ (float or tensor lr).
 typedef struct TfAdamCall {
   // params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps; `like_first`
@@ -228,6 +237,10 @@ void torchfuse_rs_swiglu(uint32_t entry, const TfLaunch* launch, const TfSwigluC
 // sum.dim_IntList: out = the sum.
 void torchfuse_rs_column_sum(uint32_t entry, const TfLaunch* launch, const TfColumnSumCall* call,
                              TfOutputs* out, TfStatus* status);
+
+// add.Tensor: out = the sum.
+void torchfuse_rs_mixed_add(uint32_t entry, const TfLaunch* launch, const TfMixedAddCall* call,
+                            TfOutputs* out, TfStatus* status);
 
 // torchfuse::rotary: out = q_embed, k_embed. Its backward: out = dq, dk.
 void torchfuse_rs_rotary(uint32_t entry, const TfLaunch* launch, const TfRotaryCall* call,

@@ -185,6 +185,15 @@ pub struct TfColumnSumCall {
     pub unused2: [u8; 2],
 }
 
+/// `TfMixedAddCall`.
+#[repr(C)]
+pub struct TfMixedAddCall {
+    pub self_: TfTensor,
+    pub other: TfTensor,
+    pub alpha_is_one: u8,
+    pub unused: [u8; 7],
+}
+
 /// `TfCrossEntropyCall`.
 #[repr(C)]
 pub struct TfCrossEntropyCall {
@@ -401,6 +410,9 @@ mod tests {
             n(offset_of!(TfColumnSumCall, keepdim)),
             n(offset_of!(TfColumnSumCall, has_dtype)),
             n(offset_of!(TfColumnSumCall, out_dtype)),
+            n(size_of::<TfMixedAddCall>()),
+            n(offset_of!(TfMixedAddCall, other)),
+            n(offset_of!(TfMixedAddCall, alpha_is_one)),
             n(size_of::<TfAdamCall>()),
             n(offset_of!(TfAdamCall, lens)),
             n(offset_of!(TfAdamCall, lr_tensor)),

@@ -32,6 +32,7 @@ pub const KERNEL_SOURCES: &[(&str, &str)] = &[
     ("embedding.cu", include_str!("../../kernels/embedding.cu")),
     ("gelu.cu", include_str!("../../kernels/gelu.cu")),
     ("gelu_tanh.cuh", include_str!("../../kernels/gelu_tanh.cuh")),
+    ("mixed_add.cu", include_str!("../../kernels/mixed_add.cu")),
     ("norm.cu", include_str!("../../kernels/norm.cu")),
     ("rotary.cu", include_str!("../../kernels/rotary.cu")),
     ("swiglu.cu", include_str!("../../kernels/swiglu.cu")),

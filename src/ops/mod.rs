@@ -1,5 +1,5 @@
 //! The op families: one module each (norm, adam, embedding, attention, gelu, cross_entropy, swiglu, rotary,
-//! column_sum), each implementing
+//! column_sum, mixed_add), each implementing
 //! `Family`: the aten entries it serves and the boundary struct that describes their calls,
 //! how a call is logged, how it is served (checked, planned, launched: `Served`, or the
 //! reason stock runs it), and for the registry the kernels it launches (by name), the
@@ -14,6 +14,7 @@ pub mod cross_entropy;
 pub mod elementwise;
 pub mod embedding;
 pub mod gelu;
+pub mod mixed_add;
 pub mod norm;
 pub mod params;
 pub mod rotary;
@@ -202,6 +203,7 @@ impl KernelOp {
             OpFamily::Swiglu => OpParams::prepare::<swiglu::Swiglu>(self, v),
             OpFamily::Rotary => OpParams::prepare::<rotary::Rotary>(self, v),
             OpFamily::ColumnSum => OpParams::prepare::<column_sum::ColumnSum>(self, v),
+            OpFamily::MixedAdd => OpParams::prepare::<mixed_add::MixedAdd>(self, v),
         }
     }
 }

@@ -87,13 +87,14 @@ mod tests {
         let mut owned = 0;
         for t in Toggle::ALL {
             let n = t.entries().count();
-            // An aten op's override comes with its backward's (but sum's gradient is an expand
-            // of the incoming one: no kernel to override); a toggle of torchfuse's own ops
-            // may own one (hf_rms_norm routes to aten's; kv_copy's backward is its autograd's);
-            // only a rewrite that calls no op of its own (no_op: shared_cast) owns none.
-            let overrides_aten = t.entries().any(|e| {
-                !e.aten_name().starts_with("torchfuse::") && e.aten_name() != "sum.dim_IntList"
-            });
+            // An aten op's override comes with its backward's (unless autograd makes its
+            // gradient of other ops: forward_only, sum's and add's); a toggle of torchfuse's own
+            // ops may own one (hf_rms_norm routes to aten's; kv_copy's backward is its
+            // autograd's); only a rewrite that calls no op of its own (no_op: shared_cast) owns
+            // none.
+            let overrides_aten = !t.forward_only()
+                && t.entries()
+                    .any(|e| !e.aten_name().starts_with("torchfuse::"));
             let least = if overrides_aten { 2 } else { 1 };
             assert_eq!(n == 0, t.no_op(), "{} switches {n} entries", t.name());
             assert!(t.no_op() || n >= least, "{} has {n} entries", t.name());

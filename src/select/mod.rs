@@ -29,6 +29,10 @@ pub const REGISTRY_FILES: &[(&str, &str)] = &[
         include_str!("../../registry/embedding.toml"),
     ),
     ("gelu.toml", include_str!("../../registry/gelu.toml")),
+    (
+        "mixed_add.toml",
+        include_str!("../../registry/mixed_add.toml"),
+    ),
     ("norm.toml", include_str!("../../registry/norm.toml")),
     ("rotary.toml", include_str!("../../registry/rotary.toml")),
     ("swiglu.toml", include_str!("../../registry/swiglu.toml")),

@@ -271,6 +271,17 @@ CASES = {
         bad=[lambda: [randn(8, 64)]],
         forward=lambda x: x.sum((0, 0))),  # a dim repeated
     "kv_copy_wide": kv_copy_case(torch.float32),
+    "mixed_add": Case(
+        "mixed_add", ("add.Tensor",),
+        # GPT-2's residual add at B8 S1024: the fp32 stream plus a projection's bf16 output (no
+        # backward of its own: add's gradient is the incoming one, cast for the bf16 input).
+        make=lambda rows=8192, cols=768: [randn(rows, cols, dtype=torch.float32, grad=True),
+                                          randn(rows, cols, grad=True), randn(rows, cols, dtype=torch.float32)],
+        run=lambda stream, out, dy: grads(stream + out, [stream, out], [dy]),
+        big=lambda: [randn(BIG // 768 + 1, 768, dtype=torch.float32, grad=True),
+                     randn(BIG // 768 + 1, 768, grad=True), randn(BIG // 768 + 1, 768, dtype=torch.float32)],
+        bad=[lambda: [randn(8, 64, dtype=torch.float32), randn(8, 63), None]],  # shapes that do not broadcast
+        forward=lambda stream, out, _: stream + out),
 }
 
 

@@ -12,7 +12,7 @@
 // Rust panic crosses back (the Rust entry points catch panics and answer TF_STOCK).
 //
 // One file per op family (norm, embedding, adam, attention, gelu, cross_entropy, swiglu,
-// rotary, column_sum: the aten overrides and torchfuse's own ops of the family, as src/ops/ has one module
+// rotary, column_sum, mixed_add: the aten overrides and torchfuse's own ops of the family, as src/ops/ has one module
 // each), call.cpp (this header's functions) and registration.cpp (entries, control ops, the
 // ABI layout, the C entry points).
 #pragma once
@@ -83,6 +83,9 @@ inline RustAnswer<TfSwigluCall> rust_answer(const TfSwigluCall&) { return torchf
 inline RustAnswer<TfRotaryCall> rust_answer(const TfRotaryCall&) { return torchfuse_rs_rotary; }
 inline RustAnswer<TfColumnSumCall> rust_answer(const TfColumnSumCall&) {
   return torchfuse_rs_column_sum;
+}
+inline RustAnswer<TfMixedAddCall> rust_answer(const TfMixedAddCall&) {
+  return torchfuse_rs_mixed_add;
 }
 
 // Hands one call to its family's Rust entry point on `on`'s device and stream. True: fused,

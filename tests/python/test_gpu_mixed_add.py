@@ -1,0 +1,139 @@
+"""aten::add.Tensor of an fp32 tensor and a 16-bit one of the same shape (torchfuse's mixed_add:
+an fp32 residual stream plus a layer's bf16 output under autocast) against stock, docs/testing.md
+("Correctness"), over fresh random cases: the sum is one fp32 rounding of exact operands, so it
+must be stock's bit for bit; every other form of add goes to stock unchanged."""
+import random
+
+import pytest
+import torch
+
+from conftest import requires_cuda
+from gpu_util import asked_count, enabled, fresh_seed, fused_count, garbage_allocator, stock_reasons, torchfuse_below_thresholds
+
+pytestmark = [requires_cuda, pytest.mark.usefixtures("torchfuse_below_thresholds")]
+
+OP = "add.Tensor"
+HALVES = [torch.bfloat16, torch.float16]
+
+
+def stock(fn, *args, **kwargs):
+    """fn's result with mixed_add switched off: stock's."""
+    with enabled("mixed_add", False):
+        return fn(*args, **kwargs)
+
+
+def bits(t):
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
+
+
+def assert_stocks(out, theirs):
+    assert (out.dtype, out.shape, out.stride()) == (theirs.dtype, theirs.shape, theirs.stride())
+    assert torch.equal(bits(out), bits(theirs))
+
+
+def unaligned(x):
+    """x's values at a one-element storage offset: no 16-byte access."""
+    flat = torch.empty(x.numel() + 1, device="cuda", dtype=x.dtype)
+    flat[1:].copy_(x.flatten())
+    return flat[1:].view_as(x)
+
+
+def test_random_mixed_adds_are_stocks_bits_either_way_round():
+    rng = random.Random(fresh_seed())
+    gen = torch.Generator(device="cuda").manual_seed(rng.randrange(2**31))
+    for _ in range(60):
+        half = rng.choice(HALVES)
+        shape = rng.choice([(1,), (7,), (8,), (4097,), (3, 5, 7), (2, 1024, 768), (4, 300, 896),
+                            (rng.randrange(1, 3000), rng.randrange(1, 3000))])
+        scale = rng.choice([1e-3, 1.0, 300.0])
+        a = torch.randn(shape, generator=gen, device="cuda") * scale
+        b = (torch.randn(shape, generator=gen, device="cuda") * scale).to(half)
+        if rng.random() < 0.3:
+            a = unaligned(a)
+        if rng.random() < 0.3:
+            b = unaligned(b)
+        garbage_allocator(a.numel() * 4)
+        before = fused_count(OP)
+        out = a + b if rng.random() < 0.5 else b + a
+        assert fused_count(OP) == before + 1, (shape, half)
+        assert_stocks(out, stock(torch.add, a, b))
+
+
+def test_nan_inf_and_the_16_byte_and_one_by_one_paths_give_stocks_bits():
+    a = torch.randn(5000, 768, device="cuda")
+    b = torch.randn(5000, 768, device="cuda").to(torch.bfloat16)
+    a[17, 3], b[17, 4], a[40, 5], b[40, 5], a[41, 6], b[41, 6] = (
+        float("nan"), float("nan"), float("inf"), -float("inf"), float("inf"), float("inf"))
+    before = fused_count(OP)
+    out = a + b
+    assert_stocks(out, stock(torch.add, a, b))
+    assert torch.equal(bits(unaligned(a) + b), bits(out))
+    assert fused_count(OP) == before + 2
+
+
+def reasons_given():
+    """Calls of add.Tensor torchfuse sent to stock for a reason of their own (not the toggle's
+    being off, as for stock's side of a comparison)."""
+    return sum(n for reason, n in stock_reasons(OP).items() if reason != "disabled at run time")
+
+
+def test_other_forms_go_to_stock_unchanged():
+    a = torch.randn(64, 256, device="cuda")
+    b = torch.randn(64, 256, device="cuda").to(torch.bfloat16)
+    before = fused_count(OP)
+    reasons_before = reasons_given()
+    cases = [
+        lambda: a + b[0],                                   # broadcasting
+        lambda: torch.add(a, b, alpha=2),                   # alpha: stock's multiply-add
+        lambda: torch.add(a, b, alpha=0.5),
+        lambda: a.t() + b.t(),                              # not contiguous
+        lambda: b + b.half(),                               # bf16 + fp16 (fp32 out)
+        lambda: a.double() + b,                             # fp64
+        lambda: a[:0] + b[:0],                              # empty
+    ]
+    for case in cases:
+        out, theirs = case(), stock(case)
+        assert (out.dtype, out.shape, out.stride()) == (theirs.dtype, theirs.shape, theirs.stride())
+        assert torch.equal(out, theirs)
+    assert fused_count(OP) == before
+    assert reasons_given() == reasons_before + len(cases)
+    # Adds of one dtype, or with a CPU scalar, do not reach torchfuse at all.
+    asked = asked_count(OP)
+    for case in (lambda: a + a, lambda: b + b, lambda: b + 1, lambda: a + torch.tensor(2.0)):
+        case()
+    assert asked_count(OP) == asked
+
+
+def test_bad_shapes_give_stocks_error():
+    a = torch.randn(8, 64, device="cuda")
+    b = torch.randn(8, 63, device="cuda").to(torch.bfloat16)
+    with pytest.raises(RuntimeError) as ours:
+        a + b
+    with pytest.raises(RuntimeError) as stocks:
+        stock(torch.add, a, b)
+    assert str(ours.value) == str(stocks.value)
+
+
+def test_a_residual_block_under_autocast_trains_as_stocks():
+    """`residual + layer(x)` of an fp32 stream under bf16 autocast: the add is served, and the
+    output and every gradient are stock's bit for bit."""
+    torch.manual_seed(fresh_seed())
+    lin = torch.nn.Linear(512, 512, device="cuda")
+    x = torch.randn(4, 256, 512, device="cuda", requires_grad=True)
+    dy = torch.randn(4, 256, 512, device="cuda")
+
+    def step():
+        lin.zero_grad(set_to_none=True)
+        x.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = x + lin(x)
+        y.backward(dy)
+        return y.detach(), x.grad.clone(), lin.weight.grad.clone(), lin.bias.grad.clone()
+
+    before = fused_count(OP)
+    ours = step()
+    assert fused_count(OP) > before
+    with enabled("mixed_add", False):
+        theirs = step()
+    for o, t in zip(ours, theirs):
+        assert_stocks(o, t)
