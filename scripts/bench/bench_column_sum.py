@@ -9,21 +9,14 @@ against a float64 sum of the same input, torchfuse's and stock's.
 
 Usage: bench_column_sum.py --lib-dir DIR [--out DIR]  (writes DIR/bench_column_sum.md)
 """
-import os
-import tempfile
-from pathlib import Path
-
 import torch
 
-# Benchmark-only variants (names apart from registry/column_sum.toml's): name -> (WARPS,
-# ROWS_PER_SPLIT, UNROLL).
+from bench_common import graph_timings, kernel_bench_setup, rel_err, run_timings, sweep_variants, write_report
+
+# Benchmark-only variants (names apart from registry/column_sum.toml's) and their params.
 SWEEP = {
-    "sweep_colsum_w8_r128_u4": (8, 128, 4),
-    "sweep_colsum_w8_r256_u4": (8, 256, 4),
-    "sweep_colsum_w16_r256_u2": (16, 256, 2),
-    "sweep_colsum_w16_r1024_u4": (16, 1024, 4),
-    "sweep_colsum_w8_r1024_u8": (8, 1024, 8),
-    "sweep_colsum_w4_r256_u8": (4, 256, 8),
+    f"sweep_colsum_w{w}_r{r}_u{u}": dict(WARPS=w, ROWS_PER_SPLIT=r, UNROLL=u)
+    for w, r, u in [(8, 128, 4), (8, 256, 4), (16, 256, 2), (16, 1024, 4), (8, 1024, 8), (4, 256, 8)]
 }
 
 # (rows, cols, dtype): bias gradients of GPT-2 124M at B32 and B8 (S1024: c_attn, MLP in, the
@@ -43,21 +36,8 @@ CASES = [
 NAME = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
-def write_sweep_registry(path):
-    lines = []
-    for name, (warps, rows, unroll) in SWEEP.items():
-        lines += ["[[variant]]", f'name = "{name}"', 'op = "column_sum"', 'source = "column_sum.cu"',
-                  'dtypes = ["f32", "bf16", "f16"]', "sm = [80, 90]",
-                  f"params = {{ WARPS = {warps}, ROWS_PER_SPLIT = {rows}, UNROLL = {unroll} }}", ""]
-    path.write_text("\n".join(lines))
-
-
 def main():
-    extra = Path(tempfile.mkdtemp()) / "column_sum_sweep.toml"
-    write_sweep_registry(extra)
-    os.environ["TORCHFUSE_REGISTRY_EXTRA"] = str(extra)
-    from bench_common import graph_timings, kernel_bench_setup, rel_err, run_timings, write_report
-
+    sweep_variants("column_sum", "column_sum.cu", ["f32", "bf16", "f16"], SWEEP)
     args, bandwidth = kernel_bench_setup()
     rows = [f"# Column sums (sum over the leading dim) on {torch.cuda.get_device_name()} "
             f"(torch {torch.__version__})", "",

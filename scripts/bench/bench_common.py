@@ -1,8 +1,13 @@
 """What every benchmark here shares (docs/testing.md, "Benchmarks"): CUDA-event timing of calls over
 rotated input sets, interleaved A/B rounds with torchfuse toggled at run time, the same calls
 as CUDA-graph replays, the two rooflines (copy bandwidth, bf16 matmul peak) measured in the
-running process, and the correctness contract's error measure."""
+running process, the correctness contract's error measure, and benchmark-only registry
+variants."""
+import json
+import os
 import statistics
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -118,6 +123,20 @@ def matmul_peak():
     return 2 * n ** 3 / (us * 1e-6) / 1e12
 
 
+def sweep_variants(op, source, dtypes, variants):
+    """Benchmark-only variants of registry op `op` (name -> {PARAM: value}), to force by name
+    (torch.ops.torchfuse._force_variant): written to a registry file that TORCHFUSE_REGISTRY_EXTRA
+    names, read when torchfuse loads (call this before kernel_bench_setup)."""
+    lines = []
+    for name, params in variants.items():
+        values = ", ".join(f"{key} = {value}" for key, value in params.items())
+        lines += ["[[variant]]", f'name = "{name}"', f'op = "{op}"', f'source = "{source}"',
+                  f"dtypes = {json.dumps(dtypes)}", "sm = [80, 90]", f"params = {{ {values} }}", ""]
+    path = Path(tempfile.mkdtemp()) / f"{op}_sweep.toml"
+    path.write_text("\n".join(lines))
+    os.environ["TORCHFUSE_REGISTRY_EXTRA"] = str(path)
+
+
 def kernel_bench_setup():
     """The command line every per-op kernel bench takes (--lib-dir, --out), torchfuse loaded with
     the kernels serving every shape (the tables the registry's thresholds are read from), and the
@@ -136,8 +155,6 @@ def kernel_bench_setup():
 
 def write_report(rows, out_dir, name):
     """Prints the table's lines and writes them to OUT_DIR/name when --out was given."""
-    from pathlib import Path
-
     text = "\n".join(rows) + "\n"
     print(text)
     if out_dir:

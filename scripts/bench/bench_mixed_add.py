@@ -8,19 +8,13 @@ b read once, out written once). The last column: whether the outputs are stock's
 
 Usage: bench_mixed_add.py --lib-dir DIR [--out DIR]  (writes DIR/bench_mixed_add.md)
 """
-import os
-import tempfile
-from pathlib import Path
-
 import torch
 
-# Benchmark-only variants (names apart from registry/mixed_add.toml's): name -> (THREADS, CHUNKS).
-SWEEP = {
-    "sweep_mixed_add_t128_c4": (128, 4),
-    "sweep_mixed_add_t256_c4": (256, 4),
-    "sweep_mixed_add_t512_c4": (512, 4),
-    "sweep_mixed_add_t1024_c2": (1024, 2),
-}
+from bench_common import graph_timings, kernel_bench_setup, run_timings, sweep_variants, write_report
+
+# Benchmark-only variants (names apart from registry/mixed_add.toml's) and their params.
+SWEEP = {f"sweep_mixed_add_t{t}_c{c}": dict(THREADS=t, CHUNKS=c)
+         for t, c in [(128, 4), (256, 4), (512, 4), (1024, 2)]}
 
 # (rows, cols, 16-bit dtype): residual adds of GPT-2 124M at B32 and B8 (S1024, 768 wide),
 # Llama-style 1024 and Qwen2.5-0.5B 896 wide at B4 S1024, Mistral-style 2048 wide, a 4096-wide
@@ -34,21 +28,8 @@ CASES = [
 NAME = {torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
-def write_sweep_registry(path):
-    lines = []
-    for name, (threads, chunks) in SWEEP.items():
-        lines += ["[[variant]]", f'name = "{name}"', 'op = "mixed_add"', 'source = "mixed_add.cu"',
-                  'dtypes = ["bf16", "f16"]', "sm = [80, 90]",
-                  f"params = {{ THREADS = {threads}, CHUNKS = {chunks} }}", ""]
-    path.write_text("\n".join(lines))
-
-
 def main():
-    extra = Path(tempfile.mkdtemp()) / "mixed_add_sweep.toml"
-    write_sweep_registry(extra)
-    os.environ["TORCHFUSE_REGISTRY_EXTRA"] = str(extra)
-    from bench_common import graph_timings, kernel_bench_setup, run_timings, write_report
-
+    sweep_variants("mixed_add", "mixed_add.cu", ["bf16", "f16"], SWEEP)
     args, bandwidth = kernel_bench_setup()
     rows = [f"# Mixed-dtype adds (fp32 + 16-bit, one shape) on {torch.cuda.get_device_name()} "
             f"(torch {torch.__version__})", "",

@@ -1,9 +1,12 @@
 //! The layout elementwise families share (kernels/elementwise.cuh): each thread owns `chunks`
-//! chunks of [`CHUNK`] consecutive elements, `threads` threads per CTA.
+//! chunks of [`CHUNK`] consecutive elements, `threads` threads per CTA; their variants' params
+//! (gelu, swiglu, mixed_add).
 
+use super::{params, Variant};
 use crate::gpu;
 use crate::select::StockReason;
 use cudarc::driver::LaunchConfig;
+use serde::{Deserialize, Serialize};
 
 /// Elements per chunk: `TF_EW_CHUNK` in the kernels, passed by [`define`].
 pub const CHUNK: i64 = 8;
@@ -13,8 +16,28 @@ pub fn define() -> String {
     format!("-DTF_EW_CHUNK={CHUNK}")
 }
 
-/// The launch that covers `n` elements; a grid too large for CUDA goes to stock.
-pub fn launch_config(n: i64, threads: i64, chunks: i64) -> Result<LaunchConfig, StockReason> {
+/// An elementwise variant's compile-time params (its registry entry's `params`).
+#[derive(Clone, Copy, Debug, Deserialize, Serialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE", deny_unknown_fields)]
+pub struct Params {
+    /// Threads per CTA.
+    threads: i64,
+    /// Chunks of [`CHUNK`] elements per thread.
+    chunks: i64,
+}
+
+/// An elementwise variant's params, read and checked.
+pub fn prepare(v: &Variant) -> Result<Params, String> {
+    let p: Params = params::parse(v)?;
+    params::one_of(v, "THREADS", p.threads, &[128, 256, 512, 1024])?;
+    params::in_range(v, "CHUNKS", p.chunks, 1..=8)?;
+    Ok(p)
+}
+
+/// The launch of variant params `p` that covers `n` elements; a grid too large for CUDA goes to
+/// stock.
+pub fn launch_config(n: i64, p: &Params) -> Result<LaunchConfig, StockReason> {
+    let (threads, chunks) = (p.threads, p.chunks);
     let block = u32::try_from(threads).map_err(|_| StockReason::InternalError)?;
     Ok(LaunchConfig {
         grid_dim: (
@@ -33,9 +56,13 @@ mod tests {
 
     #[test]
     fn the_grid_covers_every_chunk_and_the_define_names_the_chunk() {
-        let c = launch_config(CHUNK * 256 * 4 + 1, 256, 4).expect("a small grid");
+        let p = Params {
+            threads: 256,
+            chunks: 4,
+        };
+        let c = launch_config(CHUNK * 256 * 4 + 1, &p).expect("a small grid");
         assert_eq!((c.grid_dim.0, c.block_dim.0), (2, 256));
-        assert_eq!(launch_config(0, 256, 4).map(|c| c.grid_dim.0), Ok(0));
+        assert_eq!(launch_config(0, &p).map(|c| c.grid_dim.0), Ok(0));
         assert_eq!(define(), "-DTF_EW_CHUNK=8");
     }
 }

@@ -2,7 +2,7 @@
 //! layer sends HF's tanh-GELU compositions to), through kernels/gelu.cu, or why stock
 //! (PyTorch's `gelu(approximate="tanh")`, in the glue) runs a call.
 
-use super::{elementwise, params};
+use super::elementwise;
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr, empty, kind_of_scalar_type};
 use crate::abi::types::{TfGeluCall, TfTensor};
@@ -10,7 +10,6 @@ use crate::gpu::args::{self, kernel_args, Field, KernelArgs};
 use crate::gpu::{self, Launch};
 use crate::runtime::{Entry, OpFamily};
 use crate::select::{dtype_of, StockReason};
-use serde::{Deserialize, Serialize};
 use tch::Kind;
 
 /// The kernels of kernels/gelu.cu, by name.
@@ -119,7 +118,7 @@ impl Family for Gelu {
         let (x_ptr, out_ptr) = (input.addr(), device_addr(&out));
         let dy_ptr = grad_out.map(TfTensor::addr);
         let vectorized = i32::from(aligned16([x_ptr, out_ptr, dy_ptr.unwrap_or(0)]));
-        let config = elementwise::launch_config(n, p.threads, p.chunks)?;
+        let config = elementwise::launch_config(n, p)?;
         let stream = gpu.stream(launch);
         let kernel = kernels.get(if backward { BWD_KERNEL } else { FWD_KERNEL })?;
         let mut args = stream.launch_builder(&kernel.function);
@@ -179,26 +178,13 @@ impl Family for Gelu {
         ]
     }
 
-    type Params = Params;
+    type Params = elementwise::Params;
 
-    fn prepare(v: &Variant) -> Result<Params, String> {
-        let p: Params = params::parse(v)?;
-        params::one_of(v, "THREADS", p.threads, &[128, 256, 512, 1024])?;
-        params::in_range(v, "CHUNKS", p.chunks, 1..=8)?;
-        Ok(p)
+    fn prepare(v: &Variant) -> Result<elementwise::Params, String> {
+        elementwise::prepare(v)
     }
 }
 
 fn is_backward(op: KernelOp) -> bool {
     matches!(op, KernelOp::GeluTanhBwd | KernelOp::GeluTanhBwdWide)
-}
-
-/// A gelu variant's compile-time params (`registry/gelu.toml`).
-#[derive(Clone, Copy, Debug, Deserialize, Serialize)]
-#[serde(rename_all = "SCREAMING_SNAKE_CASE", deny_unknown_fields)]
-pub struct Params {
-    /// Threads per CTA.
-    threads: i64,
-    /// Chunks of 8 elements per thread.
-    chunks: i64,
 }

@@ -2,7 +2,7 @@
 //! add of a layer's bf16 output to an fp32 residual stream under autocast, through
 //! kernels/mixed_add.cu (one vectorized pass), or why stock's add runs a call.
 
-use super::{elementwise, params};
+use super::elementwise;
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr, empty};
 use crate::abi::types::{TfMixedAddCall, TfTensor};
@@ -10,7 +10,6 @@ use crate::gpu::args::{self, kernel_args, Field, KernelArgs};
 use crate::gpu::{self, Launch};
 use crate::runtime::{Entry, OpFamily};
 use crate::select::{dtype_of, StockReason};
-use serde::{Deserialize, Serialize};
 use tch::Kind;
 
 /// The kernel of kernels/mixed_add.cu, by name.
@@ -86,8 +85,8 @@ impl Family for MixedAdd {
         if n == 0 {
             return Err(StockReason::EmptyInput);
         }
-        let half = b.kind().ok_or(StockReason::UnsupportedDtype)?;
-        let dtype = dtype_of(half).ok_or(StockReason::UnsupportedDtype)?;
+        let b_kind = if first { other_kind } else { self_kind };
+        let dtype = dtype_of(b_kind).ok_or(StockReason::UnsupportedDtype)?;
         let Selected {
             gpu,
             variant,
@@ -111,7 +110,7 @@ impl Family for MixedAdd {
             n,
             vectorized: i32::from(aligned16([a.addr(), b.addr(), device_addr(&out)])),
         };
-        let config = elementwise::launch_config(n, p.threads, p.chunks)?;
+        let config = elementwise::launch_config(n, p)?;
         let stream = gpu.stream(launch);
         let mut args = stream.launch_builder(&kernels.get(KERNEL)?.function);
         args::push(&mut args, &add_args);
@@ -134,24 +133,11 @@ impl Family for MixedAdd {
         vec![elementwise::define()]
     }
 
-    type Params = Params;
+    type Params = elementwise::Params;
 
-    fn prepare(v: &Variant) -> Result<Params, String> {
-        let p: Params = params::parse(v)?;
-        params::one_of(v, "THREADS", p.threads, &[128, 256, 512, 1024])?;
-        params::in_range(v, "CHUNKS", p.chunks, 1..=8)?;
-        Ok(p)
+    fn prepare(v: &Variant) -> Result<elementwise::Params, String> {
+        elementwise::prepare(v)
     }
-}
-
-/// A mixed_add variant's compile-time params (`registry/mixed_add.toml`).
-#[derive(Clone, Copy, Debug, Deserialize, Serialize)]
-#[serde(rename_all = "SCREAMING_SNAKE_CASE", deny_unknown_fields)]
-pub struct Params {
-    /// Threads per CTA.
-    threads: i64,
-    /// Chunks of 8 elements per thread.
-    chunks: i64,
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 //! `gelu_tanh_mul[_backward]`, GeGLU: Gemma's, a tanh-GELU gate), through kernels/swiglu.cu, or
 //! why stock (PyTorch's `act(gate) * up` and its autograd ops, in the glue) runs a call.
 
-use super::{elementwise, params};
+use super::elementwise;
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr, empty};
 use crate::abi::types::{TfSwigluCall, TfTensor};
@@ -12,7 +12,6 @@ use crate::gpu::args::{self, kernel_args, Field, KernelArgs};
 use crate::gpu::{self, Launch};
 use crate::runtime::{Entry, OpFamily};
 use crate::select::{dtype_of, StockReason};
-use serde::{Deserialize, Serialize};
 
 /// The kernels of kernels/swiglu.cu, by name: SwiGLU's, then GeGLU's (TF_GATE_GELU).
 const FWD_KERNEL: &str = "silu_mul_fwd";
@@ -130,7 +129,7 @@ impl Family for Swiglu {
             narrowed: false,
         })?;
         let p = Swiglu::params(params)?;
-        let config = elementwise::launch_config(layout.n, p.threads, p.chunks)?;
+        let config = elementwise::launch_config(layout.n, p)?;
         let stream = gpu.stream(launch);
         let up_offset = layout.up_offset * kind.elt_size_in_bytes() as u64;
         let gate_ptr = gate.addr();
@@ -224,13 +223,10 @@ impl Family for Swiglu {
         ]
     }
 
-    type Params = Params;
+    type Params = elementwise::Params;
 
-    fn prepare(v: &Variant) -> Result<Params, String> {
-        let p: Params = params::parse(v)?;
-        params::one_of(v, "THREADS", p.threads, &[128, 256, 512, 1024])?;
-        params::in_range(v, "CHUNKS", p.chunks, 1..=8)?;
-        Ok(p)
+    fn prepare(v: &Variant) -> Result<elementwise::Params, String> {
+        elementwise::prepare(v)
     }
 }
 
@@ -283,16 +279,6 @@ impl Layout {
     fn vectorizable(&self) -> bool {
         self.stride == self.width || self.width % 8 == 0
     }
-}
-
-/// A swiglu variant's compile-time params (`registry/swiglu.toml`).
-#[derive(Clone, Copy, Debug, Deserialize, Serialize)]
-#[serde(rename_all = "SCREAMING_SNAKE_CASE", deny_unknown_fields)]
-pub struct Params {
-    /// Threads per CTA.
-    threads: i64,
-    /// Chunks of 8 elements per thread.
-    chunks: i64,
 }
 
 #[cfg(test)]

@@ -59,6 +59,20 @@ def test_random_mixed_adds_are_stocks_bits_either_way_round():
         assert_stocks(out, stock(torch.add, a, b))
 
 
+def test_subnormals_size_one_dims_and_0_dim_pairs_give_stocks_bits():
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed())
+    a = torch.randn(300, 257, generator=gen, device="cuda") * 1e-39  # subnormal fp32 and bf16
+    b = (torch.randn(300, 257, generator=gen, device="cuda") * 1e-39).to(torch.bfloat16)
+    # A size-one dim of any stride (contiguous still), and two 0-dim CUDA tensors (fp32 out).
+    odd = (a.as_strided((300, 1, 257), (257, 7, 1)), b.as_strided((300, 1, 257), (257, 3, 1)))
+    zero_dim = (a[0, 0].clone(), b[0, 0].clone())
+    for x, y in ((a, b), odd, zero_dim):
+        before = fused_count(OP)
+        out = x + y
+        assert fused_count(OP) == before + 1, x.shape
+        assert_stocks(out, stock(torch.add, x, y))
+
+
 def test_nan_inf_and_the_16_byte_and_one_by_one_paths_give_stocks_bits():
     a = torch.randn(5000, 768, device="cuda")
     b = torch.randn(5000, 768, device="cuda").to(torch.bfloat16)
@@ -90,6 +104,7 @@ def test_other_forms_go_to_stock_unchanged():
         lambda: b + b.half(),                               # bf16 + fp16 (fp32 out)
         lambda: a.double() + b,                             # fp64
         lambda: a[:0] + b[:0],                              # empty
+        lambda: torch.tensor(2.0, device="cuda") + b,       # a 0-dim fp32 tensor: bf16 out
     ]
     for case in cases:
         out, theirs = case(), stock(case)
@@ -99,8 +114,9 @@ def test_other_forms_go_to_stock_unchanged():
     assert reasons_given() == reasons_before + len(cases)
     # Adds of one dtype, or with a CPU scalar, do not reach torchfuse at all.
     asked = asked_count(OP)
-    for case in (lambda: a + a, lambda: b + b, lambda: b + 1, lambda: a + torch.tensor(2.0)):
-        case()
+    for case in (lambda: a + a, lambda: b + b, lambda: b + 1, lambda: b + torch.tensor(2.0)):
+        out, theirs = case(), stock(case)
+        assert out.dtype == theirs.dtype and torch.equal(out, theirs)
     assert asked_count(OP) == asked
 
 

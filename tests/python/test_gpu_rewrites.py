@@ -759,11 +759,13 @@ def test_kv_cache_first_append_is_the_originals_cat(layer):
 
 
 def test_kv_copy_hands_gradients_back_token_by_token_where_its_inputs_lay_so():
-    """kv_copy's backward: where K or V lay in memory token by token (HF's per-head views of a
-    projection, transposed), the gradient it hands back is laid out so too, so that HF's view
+    """kv_copy's backward: where K or V is HF's per-head view of a projection, transposed (in
+    memory token by token), the gradient it hands back is laid out so too, so that the view
     costs the backward no copy; the values are cat's (stock's backward), one kernel call a
-    tensor; under create_graph, for a cast back, and for inputs in head order it hands back
-    what cat's backward hands back, as stock lays it out."""
+    tensor, and what reaches the projection is stock's (values and strides). Under
+    create_graph, for a cast back, for inputs in head order, and for a transpose of a tensor of
+    its own (whose backward would see the other layout) it hands back what cat's backward hands
+    back, as stock lays it out."""
     load_torchfuse()
     g = torch.Generator(device="cuda").manual_seed(fresh_seed())
     qkv = torch.randn(2, 64, 3 * 4 * 32, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
@@ -794,22 +796,29 @@ def test_kv_copy_hands_gradients_back_token_by_token_where_its_inputs_lay_so():
         _, k, v = qkv.split(4 * 32, dim=2)
         return [t.reshape(2, 4, 64, 32) for t in (k, v)]
 
-    asked = asked_count("torchfuse::kv_copy")
+    def own_views():  # token by token, but a transpose of a tensor of its own (a product)
+        _, k, v = qkv.split(4 * 32, dim=2)
+        return [(t.view(2, 64, 4, 32) * 1.5).transpose(1, 2) for t in (k, v)]
+
+    served = fused_count("torchfuse::kv_copy")
     *got, dgot = run(ours, token_views)
-    assert asked_count("torchfuse::kv_copy") == asked + 4  # K and V forward, and back
+    assert fused_count("torchfuse::kv_copy") == served + 4  # K and V forward, and back
     *want, dwant = run(cat, token_views)
-    assert torch.equal(dgot, dwant)
+    assert torch.equal(dgot, dwant) and dgot.stride() == dwant.stride()
     for a, b in zip(got, want):
         assert torch.equal(a, b) and a.dtype == b.dtype
         assert a.transpose(1, 2).is_contiguous() and not b.transpose(1, 2).is_contiguous()
-    # Stock's layout where no copy is saved or due: head-ordered inputs, a cast back to bf16 of
-    # an fp32 cache's gradient, a double backward's differentiable gradient.
+    # Stock's layout where no copy is saved or due: head-ordered inputs, a transpose of a
+    # tensor of its own, a cast back to bf16 of an fp32 cache's gradient, a double backward's
+    # differentiable gradient.
     for make_views, dtype, create_graph in ((head_views, torch.bfloat16, False),
+                                           (own_views, torch.bfloat16, False),
                                            (token_views, torch.float32, False),
                                            (token_views, torch.bfloat16, True)):
         *got, dgot = run(ours, make_views, dtype, create_graph)
         *want, dwant = run(cat, make_views, dtype, create_graph)
         assert torch.equal(dgot, dwant) and dgot.requires_grad == dwant.requires_grad
+        assert dgot.stride() == dwant.stride()
         for a, b in zip(got, want):
             assert torch.equal(a, b) and a.dtype == b.dtype and a.stride() == b.stride()
 

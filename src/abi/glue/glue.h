@@ -12,8 +12,8 @@
 // Rust panic crosses back (the Rust entry points catch panics and answer TF_STOCK).
 //
 // One file per op family (norm, embedding, adam, attention, gelu, cross_entropy, swiglu,
-// rotary, column_sum, mixed_add: the aten overrides and torchfuse's own ops of the family, as src/ops/ has one module
-// each), call.cpp (this header's functions) and registration.cpp (entries, control ops, the
+// rotary, column_sum, mixed_add: the aten overrides and torchfuse's own ops of the family, as
+// src/ops/ has one module each), call.cpp (this header's functions) and registration.cpp (entries, control ops, the
 // ABI layout, the C entry points).
 #pragma once
 

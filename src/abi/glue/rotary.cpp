@@ -315,7 +315,7 @@ std::tuple<at::Tensor, at::Tensor> call_kv_copy(const at::Tensor& key, const at:
 
 // Whether x, a [B, H, S, D] tensor, lies in memory token by token, [B, S, H, D] (HF's K and V:
 // a projection's output viewed per head and transposed), gaps allowed (GPT-2's slices of its
-// packed projection): what decides the layout of the gradient handed back to it.
+// packed projection).
 bool in_token_order(const at::Tensor& x) {
   if (x.dim() != 4) return false;
   const at::Tensor tokens = x.transpose(1, 2);
@@ -328,27 +328,44 @@ bool in_token_order(const at::Tensor& x) {
   return true;
 }
 
-// cat's backward: each input's slice of the gradient (here the whole of it), in the input's
-// dtype where cat promoted it. Stock makes two cats: an output whose input needs no gradient is
-// not differentiable, and a gradient never given stays undefined (not zeros).
-// The cache is row-major, [B, H, S, D], so attention hands back gradients in that order; where
-// the input lay token by token (HF's K and V), the view and transpose HF's forward made then
-// copy that gradient in its backward (a reshape of a non-viewable tensor: PyTorch's strided
-// copy, GPT-2 b32's 76 us a tensor). Here the same values are copied once, token by token, by
-// kv_copy's row kernel (a fresh row-major copy of the gradient's [B, S, H, D] view, 2.2x
-// PyTorch's copy there), so that the reshape becomes a view. Not under create_graph (the copy
-// would not be differentiable; stock's identity is), nor for a traced gradient (the trace keeps
-// stock's ops), nor where a cast back is due.
+// Whether x's gradient may be handed back token by token: x lies so, and is HF's per-head view
+// made by a transpose (or permute) of a view or reshape. That view's backward reshapes the
+// gradient to row-major whatever its layout (a copy of stock's, a view of ours), so no op after
+// it sees another layout than stock's. Where x is a transpose of a tensor of its own (a norm's
+// output, say), that tensor's backward would get the other layout: stock's is kept there.
+// Traced or symbolic tensors are not asked (reading a symbolic size would specialize it: an
+// export's dynamic dim; the trace keeps stock's ops anyway).
+bool undone_by_a_view(const at::Tensor& x) {
+  if (traced(x) || x.unsafeGetTensorImpl()->has_symbolic_sizes_strides() || !x.grad_fn() ||
+      !in_token_order(x))
+    return false;
+  const auto& node = x.grad_fn();
+  const std::string name = node->name();
+  if ((name != "TransposeBackward0" && name != "PermuteBackward0") || node->num_inputs() != 1 ||
+      node->next_edges().size() != 1)
+    return false;
+  const auto& next = node->next_edge(0).function;
+  if (!next) return false;
+  const std::string next_name = next->name();
+  return next_name == "ViewBackward0" || next_name == "UnsafeViewBackward0" ||
+         next_name == "ReshapeAliasBackward0";
+}
+
+// The saved data KvCopyFunction's forward leaves its backward, by input (`key`, `value`).
+std::string saved_dtype(const std::string& input) { return input + "_dtype"; }
+std::string saved_token_order(const std::string& input) { return input + "_in_token_order"; }
+
 class KvCopyFunction : public torch::autograd::Function<KvCopyFunction> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 const at::Tensor& key, const at::Tensor& value,
                                                 at::ScalarType key_dtype,
                                                 at::ScalarType value_dtype) {
-    ctx->saved_data["key_dtype"] = static_cast<int64_t>(key.scalar_type());
-    ctx->saved_data["value_dtype"] = static_cast<int64_t>(value.scalar_type());
-    ctx->saved_data["key_in_token_order"] = in_token_order(key);
-    ctx->saved_data["value_in_token_order"] = in_token_order(value);
+    for (const auto& [input, x] : {std::pair<std::string, const at::Tensor&>{"key", key},
+                                   std::pair<std::string, const at::Tensor&>{"value", value}}) {
+      ctx->saved_data[saved_dtype(input)] = static_cast<int64_t>(x.scalar_type());
+      ctx->saved_data[saved_token_order(input)] = undone_by_a_view(x);
+    }
     ctx->set_materialize_grads(false);
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [k, v] = call_kv_copy(key, value, key_dtype, value_dtype);
@@ -360,11 +377,11 @@ class KvCopyFunction : public torch::autograd::Function<KvCopyFunction> {
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto back = [&](const at::Tensor& g, const std::string& which) {
+    auto back = [&](const at::Tensor& g, const std::string& input) {
       if (!g.defined()) return g;
-      const auto to = static_cast<at::ScalarType>(ctx->saved_data[which + "_dtype"].toInt());
+      const auto to = static_cast<at::ScalarType>(ctx->saved_data[saved_dtype(input)].toInt());
       if (g.scalar_type() != to) return g.to(to);
-      const bool token_order = ctx->saved_data[which + "_in_token_order"].toBool();
+      const bool token_order = ctx->saved_data[saved_token_order(input)].toBool();
       if (!token_order || at::GradMode::is_enabled() || !g.is_cuda() || traced(g) ||
           in_token_order(g))
         return g;
