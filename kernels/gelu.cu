@@ -23,7 +23,7 @@
 #error "TF_GELU_FWD, TF_GELU_BWD and TF_WIDE must be defined"
 #endif
 #if !defined(TF_THREADS) || !defined(TF_CHUNKS)
-#error "every gelu variant param (src/ops/gelu.rs Params) must be defined"
+#error "every gelu variant param (src/ops/elementwise.rs Params) must be defined"
 #endif
 
 typedef tf_storage tf_x;

@@ -15,7 +15,7 @@
 #include "elementwise.cuh"
 
 #if !defined(TF_THREADS) || !defined(TF_CHUNKS)
-#error "every mixed_add variant param (src/ops/mixed_add.rs Params) must be defined"
+#error "every mixed_add variant param (src/ops/elementwise.rs Params) must be defined"
 #endif
 
 struct MixedAdd {

@@ -34,7 +34,7 @@
 #error "TF_SWIGLU_FWD, TF_SWIGLU_BWD and TF_GATE_GELU must be defined"
 #endif
 #if !defined(TF_THREADS) || !defined(TF_CHUNKS)
-#error "every swiglu variant param (src/ops/swiglu.rs Params) must be defined"
+#error "every swiglu variant param (src/ops/elementwise.rs Params) must be defined"
 #endif
 
 #if TF_GATE_GELU

@@ -69,10 +69,11 @@ impl Family for MixedAdd {
         if other.sizes() != shape || call.alpha_is_one == 0 {
             return Err(StockReason::FormNotServed);
         }
-        let (a, b): (&TfTensor, &TfTensor) = if first {
-            (self_, other)
+        // a: the fp32 tensor, b: the 16-bit one (the kernel's dtype).
+        let (a, b, b_kind) = if first {
+            (self_, other, other_kind)
         } else {
-            (other, self_)
+            (other, self_, self_kind)
         };
         let device = gpu::torch_device(launch)?;
         if a.device() != device || b.device() != device {
@@ -85,7 +86,6 @@ impl Family for MixedAdd {
         if n == 0 {
             return Err(StockReason::EmptyInput);
         }
-        let b_kind = if first { other_kind } else { self_kind };
         let dtype = dtype_of(b_kind).ok_or(StockReason::UnsupportedDtype)?;
         let Selected {
             gpu,

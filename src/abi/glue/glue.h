@@ -13,8 +13,8 @@
 //
 // One file per op family (norm, embedding, adam, attention, gelu, cross_entropy, swiglu,
 // rotary, column_sum, mixed_add: the aten overrides and torchfuse's own ops of the family, as
-// src/ops/ has one module each), call.cpp (this header's functions) and registration.cpp (entries, control ops, the
-// ABI layout, the C entry points).
+// src/ops/ has one module each), call.cpp (this header's functions) and registration.cpp
+// (entries, control ops, the ABI layout, the C entry points).
 #pragma once
 
 #include "../torchfuse_abi.h"

@@ -318,12 +318,11 @@ std::tuple<at::Tensor, at::Tensor> call_kv_copy(const at::Tensor& key, const at:
 // packed projection).
 bool in_token_order(const at::Tensor& x) {
   if (x.dim() != 4) return false;
-  const at::Tensor tokens = x.transpose(1, 2);
   int64_t span = 1;  // the elements one step of the inner dims covers
-  for (int64_t d = 3; d >= 0; --d) {
-    if (tokens.size(d) == 1) continue;
-    if (tokens.stride(d) < span) return false;
-    span = tokens.stride(d) * tokens.size(d);
+  for (const int64_t d : {3, 1, 2, 0}) {  // x's dims from the innermost in that order: D, H, S, B
+    if (x.size(d) == 1) continue;
+    if (x.stride(d) < span) return false;
+    span = x.stride(d) * x.size(d);
   }
   return true;
 }
