@@ -17,11 +17,18 @@ GPU work). cProfile slows Python down: read its shares, not its absolute times; 
 main thread only, so Python run on autograd's device thread (hooks, checkpointing's recompute,
 Python autograd Functions' backward) counts inside the backward engine's time.
 
+With --gaps the GPU's idle time inside the profiled steps is split (from the profiler's trace):
+gaps before work the host had queued in time (the GPU's own latency between kernels) against
+gaps the host closed late (the launch returned after the GPU had gone idle), the latter summed by
+the host op that launched the work ending each gap: which host work the GPU waits on. The
+profiler slows the host, so the late share is larger here than in an unprofiled step.
+
 With --fsdp2 the model is sharded as bench_distributed.py shards it, bf16 parameters in the
 step, no autocast: a world of one process, or of N under
 `torchrun --nproc_per_node=N profile_step.py --fsdp2` (rank 0 prints).
 """
 import argparse
+import bisect
 import os
 import re
 import time
@@ -147,6 +154,66 @@ def python_profile(step, steps, top, show=True, sync=None):
         print(f"{own * 1e3 / steps:12.3f} {calls / steps:10.0f}  {where}")
 
 
+def idle_gaps(events):
+    """The GPU's idle gaps between the device events of a chrome trace (`events`: its
+    traceEvents), each as (µs idle, the host launched the next work late: bool, the outermost host
+    op around that launch or None). The GPU is idle where no kernel, copy or memset runs (streams
+    merged); a gap counts as the host's where the runtime call that launched the work ending it
+    returned after the gap began (the work was not yet queued when the GPU went idle)."""
+    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+                     and "dur" in e), key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    ops = sorted((e for e in events if e.get("cat") == "cpu_op" and "dur" in e), key=lambda e: e["ts"])
+    starts = [e["ts"] for e in ops]
+
+    longest = max((e["dur"] for e in ops), default=0)
+
+    def outermost_op(tid, ts):
+        # The earliest-starting op of that thread still running at ts: ops nest, so it is the
+        # outermost. Scanned back from ts, no further than the longest op lasts.
+        best = None
+        for i in range(bisect.bisect_right(starts, ts) - 1, -1, -1):
+            e = ops[i]
+            if ts - e["ts"] > longest:
+                break
+            if e["tid"] == tid and e["ts"] + e["dur"] >= ts:
+                best = e
+        return best["name"] if best else None
+
+    gaps, busy_until = [], None
+    for e in device:
+        if busy_until is not None and e["ts"] > busy_until:
+            launch = launches.get(e.get("args", {}).get("correlation"))
+            late = launch is not None and launch["ts"] + launch.get("dur", 0) > busy_until
+            gaps.append((e["ts"] - busy_until, late, outermost_op(launch["tid"], launch["ts"]) if late else None))
+        busy_until = max(busy_until or 0, e["ts"] + e["dur"])
+    return gaps
+
+
+def print_gaps(prof, steps, top):
+    """Prints idle_gaps of a finished profile, per step."""
+    import json
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    gaps = idle_gaps(events)
+    early = [us for us, late, _ in gaps if not late]
+    late = [(us, op) for us, late, op in gaps if late]
+    print(f"GPU idle between its work: {sum(us for us, _, _ in gaps) / 1e3 / steps:.2f} ms/step in "
+          f"{len(gaps) / steps:.0f} gaps; work queued in time: {sum(early) / 1e3 / steps:.2f} ms/step "
+          f"({len(early) / steps:.0f} gaps, median {sorted(early)[len(early) // 2] if early else 0:.1f} us); "
+          f"the host launching late: {sum(us for us, _ in late) / 1e3 / steps:.2f} ms/step ({len(late) / steps:.0f} gaps)")
+    by_op = {}
+    for us, op in late:
+        total, count = by_op.get(op, (0.0, 0))
+        by_op[op] = (total + us, count + 1)
+    print(f"{'late ms/step':>12} {'gaps/step':>9}  outermost host op of the late launch")
+    for op, (us, count) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"{us / 1e3 / steps:12.3f} {count / steps:9.1f}  {op}")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="gpt2")
@@ -157,6 +224,7 @@ def main():
     p.add_argument("--compile", action="store_true", help="torch.compile the model's forward")
     p.add_argument("--shapes", action="store_true", help="also the host ops by input shape")
     p.add_argument("--python", action="store_true", help="the host's Python time instead (cProfile)")
+    p.add_argument("--gaps", action="store_true", help="also where the GPU idles (see above)")
     a = p.parse_args()
     torch.manual_seed(0)
     model, loss_of, _, what = build(a.model, torch)
@@ -223,6 +291,8 @@ def main():
             for kind, us in sorted(kinds.items(), key=lambda kv: -kv[1])))
         for key in ("self_cuda_time_total", "self_cpu_time_total"):
             print(prof.key_averages().table(sort_by=key, row_limit=a.top, max_name_column_width=60))
+        if a.gaps:
+            print_gaps(prof, a.steps, a.top)
         if a.shapes:
             print(prof.key_averages(group_by_input_shape=True).table(
                 sort_by="cuda_time_total", row_limit=3 * a.top, max_name_column_width=40, max_shapes_column_width=90))

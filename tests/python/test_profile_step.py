@@ -81,3 +81,36 @@ def test_profile_areas_name_where_the_code_lives():
     # The installed packages are found by default.
     import torch
     assert profile_step.area_of(torch.nn.modules.module.__file__, "_call_impl") == "torch's Python"
+
+
+def test_idle_gaps_split_the_gpus_own_latency_from_a_late_host():
+    """--gaps on a made-up trace: three kernels on two streams, one launched before the GPU went
+    idle (its gap is the GPU's own), one launched after (the host's, under the outermost op
+    running on the launching thread); overlapping work on two streams leaves no gap."""
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+    try:
+        import profile_step
+    finally:
+        sys.path.pop(0)
+
+    def kernel(ts, dur, corr, cat="kernel"):
+        return {"cat": cat, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    def launch(ts, corr, tid=1):
+        return {"cat": "cuda_runtime", "ts": ts, "dur": 2, "tid": tid, "args": {"correlation": corr}}
+
+    def op(name, ts, dur, tid=1):
+        return {"cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": tid}
+    events = [
+        op("aten::linear", 0, 12), op("aten::addmm", 1, 10),
+        op("autograd::engine::evaluate_function: MmBackward0", 40, 30, tid=2), op("aten::mm", 45, 20, tid=2),
+        op("aten::mm", 50, 1),  # another thread's op around the same time: not the launcher's
+        launch(2, 1), kernel(10, 20, 1),              # busy 10..30
+        launch(3, 2), kernel(12, 25, 2),              # another stream, overlapping: busy to 37
+        launch(5, 3), kernel(40, 5, 3, "gpu_memset"),  # queued at 5, ran at 40: 3 us of the GPU's own
+        launch(50, 4, tid=2), kernel(60, 5, 4),       # launched at 50, after the GPU went idle at 45
+        launch(64, 5), kernel(70, 1, 5),              # launch began before idle (65), returned after
+    ]
+    gaps = profile_step.idle_gaps(events)
+    assert gaps == [(3, False, None), (15, True, "autograd::engine::evaluate_function: MmBackward0"),
+                    (5, True, None)]
