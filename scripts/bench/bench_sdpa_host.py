@@ -27,24 +27,25 @@ BACKENDS = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBa
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
 
 
-def host_and_gpu_us(fn, rounds):
-    """Medians over rounds of (host µs, GPU µs) per call of fn: the calls are issued behind a GPU
-    sleep (so the host's issuing is timed alone) and run back to back after it (so the events
-    time the GPU's work alone)."""
-    host, gpu = [], []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(int(2e8))  # ~0.1 s of GPU clock: longer than the issuing below
-        begin.record()
-        t0 = time.perf_counter()
-        for _ in range(CALLS):
-            fn()
-        host.append((time.perf_counter() - t0) * 1e6 / CALLS)
-        end.record()
-        end.synchronize()
-        gpu.append(begin.elapsed_time(end) * 1e3 / CALLS)
-    return statistics.median(host), statistics.median(gpu)
+def host_and_gpu_us(fn):
+    """(host µs, GPU µs) per call of fn over CALLS calls: issued behind a GPU sleep (so the
+    host's issuing is timed alone), run back to back after it (so the events time the GPU's
+    work alone)."""
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int(2e8))  # ~0.1 s of GPU clock: longer than the issuing below
+    begin.record()
+    t0 = time.perf_counter()
+    for _ in range(CALLS):
+        fn()
+    host = (time.perf_counter() - t0) * 1e6 / CALLS
+    end.record()
+    end.synchronize()
+    return host, begin.elapsed_time(end) * 1e3 / CALLS
+
+
+def backend_context(backend):
+    return sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext()
 
 
 def main():
@@ -53,7 +54,8 @@ def main():
     a = p.parse_args()
     loaded = hasattr(torch.ops.torchfuse, "set_enabled")
     print(f"SDPA host and GPU µs per call, bf16, causal ({torch.cuda.get_device_name()}, "
-          f"{'through torchfuse' if loaded else 'stock'}); host: queued behind a GPU sleep")
+          f"{'through torchfuse' if loaded else 'stock'}); host: queued behind a GPU sleep; "
+          f"medians of {a.rounds} rounds, the backends' order rotated round by round")
     print("| layer | backend | fwd host | fwd GPU | fwd+bwd host | fwd+bwd GPU |")
     print("|---|---|---|---|---|---|")
     for name, (b, h, kvh, s, d) in SHAPES.items():
@@ -70,17 +72,23 @@ def main():
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
             torch.autograd.grad(out, (q, k, v), grad)
 
+        served = []
         for label, backend in BACKENDS.items():
-            with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
+            with backend_context(backend):
                 try:
                     for _ in range(3):
                         forward_backward()
+                    served.append(label)
                 except RuntimeError as e:  # this backend does not take the call
                     print(f"| {name} | {label} | – | – | – | – |  ({str(e).splitlines()[0][:80]})")
-                    continue
-                fwd = host_and_gpu_us(forward, a.rounds)
-                both = host_and_gpu_us(forward_backward, a.rounds)
-            print(f"| {name} | {label} | {fwd[0]:.1f} | {fwd[1]:.1f} | {both[0]:.1f} | {both[1]:.1f} |")
+        samples = {label: [] for label in served}
+        for r in range(a.rounds):
+            for label in served[r % len(served):] + served[:r % len(served)]:
+                with backend_context(BACKENDS[label]):
+                    samples[label].append(host_and_gpu_us(forward) + host_and_gpu_us(forward_backward))
+        for label in served:
+            cols = [statistics.median(col) for col in zip(*samples[label])]
+            print(f"| {name} | {label} | " + " | ".join(f"{c:.1f}" for c in cols) + " |")
 
 
 if __name__ == "__main__":
