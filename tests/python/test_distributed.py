@@ -55,6 +55,74 @@ print(json.dumps({k: o.param_groups[0]["fused"] for k, o in cases.items()}))
     assert "AdamW left as PyTorch built it: params not all on CUDA" in log
 
 
+def test_a_fused_step_over_dtensors_runs_on_their_local_shards_with_stocks_bits():
+    """torchfuse's _fused_adam (here allowed on CPU) hands the fused step the local shards where
+    DTensor's dispatch would only run it on them: the same bits as through DTensor, Adam and
+    AdamW, amsgrad included; a state laid out otherwise, a Partial param, a DTensor step count,
+    and the adam toggle off each keep DTensor's path."""
+    out, log = run_world("""
+import torch.optim.adam as adam
+from torch.distributed.tensor import Partial, Replicate
+from torchfuse import optim
+mesh = init_device_mesh("cpu", (1,))
+stock = adam._fused_adam.__wrapped__
+seen = []
+def spy(params, *args, **kwargs):
+    seen.append(type(params[0]).__name__)
+    return stock(params, *args, **kwargs)
+local = optim._fused_adam_on_local_shards(torch, spy, device_type="cpu")
+
+def run(kind, fused_adam, steps=3, amsgrad=False, edit=None):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])),
+              torch.nn.Parameter(distribute_tensor(torch.randn(5), mesh, [Replicate()]))]
+    opt = getattr(torch.optim, kind)(params, lr=0.1, weight_decay=0.1, amsgrad=amsgrad, fused=True)
+    adam._fused_adam = fused_adam
+    seen.clear()
+    for step in range(steps):
+        for p in params:
+            p.grad = distribute_tensor(torch.randn(p.shape), mesh, p.placements)
+        opt.step()
+        if edit and step == 0:
+            edit(opt, params)
+    return [p.to_local().clone() for p in params], list(seen)
+
+result = {}
+for kind in ("Adam", "AdamW"):
+    for amsgrad in (False, True):
+        want, _ = run(kind, stock, amsgrad=amsgrad)
+        got, paths = run(kind, local, amsgrad=amsgrad)
+        result[f"{kind} amsgrad={amsgrad}"] = [all(torch.equal(a, b) for a, b in zip(want, got)), paths]
+
+def replicated_state(opt, params):
+    state = opt.state[params[0]]
+    state["exp_avg"] = distribute_tensor(state["exp_avg"].full_tensor(), mesh, [Replicate()])
+def dtensor_step(opt, params):
+    opt.state[params[0]]["step"] = distribute_tensor(opt.state[params[0]]["step"], mesh, [Replicate()])
+result["state laid out otherwise"] = run("AdamW", local, edit=replicated_state)[1]
+result["DTensor step count"] = run("AdamW", local, edit=dtensor_step)[1]
+torch.ops.torchfuse.set_enabled("adam", False)
+result["toggle off"] = run("AdamW", local)[1]
+torch.ops.torchfuse.set_enabled("adam", True)
+partial = torch.nn.Parameter(DTensor.from_local(torch.randn(4), mesh, [Partial()]))
+partial.grad = DTensor.from_local(torch.randn(4), mesh, [Partial()])
+adam._fused_adam = local
+seen.clear()
+torch.optim.AdamW([partial], fused=True).step()
+result["partial"] = list(seen)
+print(json.dumps(result))
+""")
+    for case in ("Adam amsgrad=False", "Adam amsgrad=True", "AdamW amsgrad=False", "AdamW amsgrad=True"):
+        same_bits, paths = out[case]
+        assert same_bits and paths == ["Tensor"] * 3, (case, out[case])
+    # From the step after the edit on, DTensor's path (the first step still ran locally).
+    assert out["state laid out otherwise"] == ["Tensor", "DTensor", "DTensor"], out
+    assert out["DTensor step count"] == ["Tensor", "DTensor", "DTensor"], out
+    assert out["toggle off"] == ["DTensor"] * 3, out
+    assert out["partial"] == ["DTensor"], out
+    assert log.count("fused Adam/AdamW over DTensors: the step runs on each rank's local shards") == 1, log[-3000:]
+
+
 FSDP_STEPS = """
 torch.manual_seed(0)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -84,6 +152,8 @@ def test_fsdp2_dtensor_params_get_the_fused_step_torchfuse_serves():
     stock, _ = run_world(FSDP_STEPS.format(kwargs="{'fused': True}"), backend="nccl", TORCHFUSE_OPS="-adam")
     assert ours["dtensor"] and ours["fused"] is True, log[-3000:]
     assert "AdamW: fused step instead of the foreach default (4 DTensor params; torchfuse)" in log
+    # The step ran on the local shards (DTensor's dispatch skipped), still torchfuse's kernel.
+    assert "fused Adam/AdamW over DTensors: the step runs on each rank's local shards" in log
     # ShardedGradScaler agrees on skipped steps across ranks only when it unscales itself.
     assert ours["amp_scaling"] is False
     # Every step's local update ran torchfuse's kernel (one call a step, or one per group of
