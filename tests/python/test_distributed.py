@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import LIB_DIR, ROOT, check, requires_cuda, run_python
+from conftest import LIB_DIR, ROOT, check, clean_env, requires_cuda, run_python
 
 PACKAGE_DIR = ROOT / "python"
 
@@ -110,6 +110,18 @@ adam._fused_adam = local
 seen.clear()
 torch.optim.AdamW([partial], fused=True).step()
 result["partial"] = list(seen)
+
+def raised(fused_adam):  # a loss scale of two elements: PyTorch's error, through either path
+    p = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
+    p.grad = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+    opt = torch.optim.AdamW([p], fused=True)
+    opt.grad_scale = torch.ones(2)
+    adam._fused_adam = fused_adam
+    try:
+        opt.step()
+    except Exception as e:
+        return type(e).__name__ + ": " + str(e).splitlines()[0]
+result["two-element grad_scale"] = [raised(stock), raised(local)]
 print(json.dumps(result))
 """)
     for case in ("Adam amsgrad=False", "Adam amsgrad=True", "AdamW amsgrad=False", "AdamW amsgrad=True"):
@@ -120,7 +132,76 @@ print(json.dumps(result))
     assert out["DTensor step count"] == ["Tensor", "DTensor", "DTensor"], out
     assert out["toggle off"] == ["DTensor"] * 3, out
     assert out["partial"] == ["DTensor"], out
+    stocks, ours = out["two-element grad_scale"]
+    assert stocks and ours == stocks, out
     assert log.count("fused Adam/AdamW over DTensors: the step runs on each rank's local shards") == 1, log[-3000:]
+
+
+TWO_RANKS = """
+import json, os, sys, torch, torch.distributed as dist, torchfuse
+torchfuse.enable({lib!r})
+dist.init_process_group("gloo")
+import torch.optim.adam as adam
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torchfuse import optim
+mesh, other = init_device_mesh("cpu", (2,)), init_device_mesh("cpu", (2,), mesh_dim_names=("other",))
+stock = adam._fused_adam.__wrapped__
+seen = []
+def spy(params, *args, **kwargs):
+    seen.append(type(params[0]).__name__)
+    return stock(params, *args, **kwargs)
+local = optim._fused_adam_on_local_shards(torch, spy, device_type="cpu")
+
+def run(kind, fused_adam, layouts, amsgrad=False):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(distribute_tensor(torch.randn(shape), m, pl)) for shape, m, pl in layouts]
+    opt = getattr(torch.optim, kind)(params, lr=0.1, weight_decay=0.1, amsgrad=amsgrad, fused=True)
+    adam._fused_adam = fused_adam
+    seen.clear()
+    for step in range(3):
+        torch.manual_seed(100 + step)  # the same gradients on both ranks, then sharded
+        for p in params:
+            p.grad = distribute_tensor(torch.randn(p.shape), p.device_mesh, p.placements)
+        opt.step()
+    return [p.full_tensor() for p in params], list(seen)
+
+one_mesh = [((5, 3), mesh, [Shard(0)]), ((4, 5), mesh, [Shard(1)]), ((3,), mesh, [Replicate()]),
+            ((1,), mesh, [Shard(0)])]  # uneven rows; a shard empty on rank 1
+two_meshes = [((5, 3), mesh, [Shard(0)]), ((4,), other, [Shard(0)])]
+result = {{}}
+for name, layouts in (("one mesh", one_mesh), ("two meshes", two_meshes)):
+    for kind, amsgrad in (("Adam", True), ("AdamW", False)):
+        want, _ = run(kind, stock, layouts, amsgrad)
+        got, paths = run(kind, local, layouts, amsgrad)
+        same = torch.tensor(int(all(torch.equal(a, b) for a, b in zip(want, got))))
+        dist.all_reduce(same, op=dist.ReduceOp.MIN)
+        result[f"{{name}} {{kind}}"] = [bool(same), paths]
+if dist.get_rank() == 0:
+    print("RESULT " + json.dumps(result))
+dist.destroy_process_group()
+"""
+
+
+def test_on_two_ranks_the_local_shards_step_gives_dtensors_bits(tmp_path):
+    """Two CPU ranks over gloo, where a shard is not the whole tensor: uneven rows, a shard empty
+    on one rank, a column shard and a replicated param take the local path with DTensor's bits;
+    params on two meshes in one group keep DTensor's path (it steps only the first param's
+    mesh)."""
+    import subprocess
+    import sys
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS.format(lib=str(LIB_DIR)))
+    env = clean_env(PYTHONPATH=str(PACKAGE_DIR), TORCHFUSE_LOG="info")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", str(script)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    result = json.loads(line[len("RESULT "):])
+    for kind in ("Adam", "AdamW"):
+        assert result[f"one mesh {kind}"] == [True, ["Tensor"] * 3], result
+        assert result[f"two meshes {kind}"] == [True, ["DTensor"] * 3], result
 
 
 FSDP_STEPS = """
