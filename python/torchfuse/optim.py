@@ -136,7 +136,10 @@ def _fused_adam_on_local_shards(torch, original, device_type="cuda"):
             # as PyTorch checks them (a DTensor among them would take DTensor's dispatch anyway).
             scalars = list(state_steps) + [t for t in (grad_scale, found_inf, kwargs.get("lr"))
                                            if isinstance(t, torch.Tensor)]
+            # Grad mode off, as Optimizer.step runs it: there to_local() is the shard itself,
+            # and an in-place step on leaves that require grad keeps PyTorch's error otherwise.
             if (dtensor is not None and params and type(params[0]) is dtensor
+                    and not torch.is_grad_enabled()
                     and all(type(t) is torch.Tensor and t.numel() == 1 for t in scalars)):
                 local = _local_shards(dtensor, [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs],
                                       device_type)
