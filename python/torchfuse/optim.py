@@ -26,10 +26,11 @@ is timed). Where DTensor's dispatch would only run the op on each rank's shards 
 param, gradient and state a CUDA DTensor laid out as its param, Shard or Replicate, on one mesh
 that holds the rank; the step counts and scalars plain one-element tensors), the fused step
 gets those shards directly: the same kernel call on the same memory. Anything else goes
-through DTensor as before. The checks cost about 1 ms a step for 148 params on that host (a
-cache of the verified params and states could save most of it).
+through DTensor as before. The params and states found laid out alike are remembered (by weak
+reference), so that later steps check only their new gradients.
 """
 import sys
+import weakref
 
 from ._library import enabled_toggles, note
 
@@ -115,12 +116,41 @@ def _local_shards(dtensor, lists, device_type="cuda"):
     return [[t.to_local() for t in tensors] for tensors in lists]
 
 
+class _LocalShards:
+    """`_local_shards` with a memory of the params and states it last found laid out alike (by
+    weak reference: a discarded optimizer's tensors are freed), so that the next step with the
+    same tensors checks only its new gradients against their params' layouts."""
+
+    def __init__(self, device_type):
+        self.device_type = device_type
+        self.memo = None  # (weak references, (placements, shape) per param, mesh), set at once
+
+    def __call__(self, dtensor, lists):
+        params, grads = lists[0], lists[1]
+        kept = [t for tensors in [params] + [ts for ts in lists[2:] if ts] for t in tensors]
+        memo = self.memo
+        if (memo is not None and len(memo[0]) == len(kept) and len(grads) == len(params)
+                and all(ref() is t for ref, t in zip(memo[0], kept))):
+            _, layouts, mesh = memo
+            for g, (placements, shape) in zip(grads, layouts):
+                if (type(g) is not dtensor or (g.device_mesh is not mesh and g.device_mesh != mesh)
+                        or g.placements != placements or g.shape != shape):
+                    return None
+            return [[t.to_local() for t in tensors] for tensors in lists]
+        local = _local_shards(dtensor, lists, self.device_type)
+        if local is not None:
+            self.memo = ([weakref.ref(t) for t in kept], [(p.placements, p.shape) for p in params],
+                         params[0].device_mesh)
+        return local
+
+
 def _fused_adam_on_local_shards(torch, original, device_type="cuda"):
     """torch.optim.adam._fused_adam, run on the local shards of DTensor lists where
     `_local_shards` finds them and the `adam` toggle is on (see the module's docstring); as
     PyTorch runs it otherwise. Only the decision is guarded: an error of the step itself is
     stock's, raised once."""
     said = set()  # the log line and the warning, once each
+    local_shards = _LocalShards(device_type)
 
     def _fused_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, grad_scale,
                     found_inf, **kwargs):
@@ -141,8 +171,7 @@ def _fused_adam_on_local_shards(torch, original, device_type="cuda"):
             if (dtensor is not None and params and type(params[0]) is dtensor
                     and not torch.is_grad_enabled()
                     and all(type(t) is torch.Tensor and t.numel() == 1 for t in scalars)):
-                local = _local_shards(dtensor, [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs],
-                                      device_type)
+                local = local_shards(dtensor, [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs])
                 if local is not None and not torch.ops.torchfuse.enabled("adam"):
                     local = None
         except Exception as e:  # never break the user's job: PyTorch's own path

@@ -72,7 +72,7 @@ def spy(params, *args, **kwargs):
     return stock(params, *args, **kwargs)
 local = optim._fused_adam_on_local_shards(torch, spy, device_type="cpu")
 
-def run(kind, fused_adam, steps=3, amsgrad=False, edit=None):
+def run(kind, fused_adam, steps=3, amsgrad=False, edit=None, grad_placements=None):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])),
               torch.nn.Parameter(distribute_tensor(torch.randn(5), mesh, [Replicate()]))]
@@ -80,8 +80,9 @@ def run(kind, fused_adam, steps=3, amsgrad=False, edit=None):
     adam._fused_adam = fused_adam
     seen.clear()
     for step in range(steps):
-        for p in params:
-            p.grad = distribute_tensor(torch.randn(p.shape), mesh, p.placements)
+        for i, p in enumerate(params):
+            placements = grad_placements(step, i) if grad_placements else None
+            p.grad = distribute_tensor(torch.randn(p.shape), mesh, placements or p.placements)
         opt.step()
         if edit and step == 0:
             edit(opt, params)
@@ -101,6 +102,9 @@ def dtensor_step(opt, params):
     opt.state[params[0]]["step"] = distribute_tensor(opt.state[params[0]]["step"], mesh, [Replicate()])
 result["state laid out otherwise"] = run("AdamW", local, edit=replicated_state)[1]
 result["DTensor step count"] = run("AdamW", local, edit=dtensor_step)[1]
+# The same params and states from step to step (remembered), a gradient laid out otherwise.
+result["gradient laid out otherwise"] = run(
+    "AdamW", local, grad_placements=lambda step, i: [Replicate()] if step == 1 and i == 0 else None)[1]
 torch.ops.torchfuse.set_enabled("adam", False)
 result["toggle off"] = run("AdamW", local)[1]
 torch.ops.torchfuse.set_enabled("adam", True)
@@ -130,6 +134,7 @@ print(json.dumps(result))
     # From the step after the edit on, DTensor's path (the first step still ran locally).
     assert out["state laid out otherwise"] == ["Tensor", "DTensor", "DTensor"], out
     assert out["DTensor step count"] == ["Tensor", "DTensor", "DTensor"], out
+    assert out["gradient laid out otherwise"] == ["Tensor", "DTensor", "Tensor"], out
     assert out["toggle off"] == ["DTensor"] * 3, out
     assert out["partial"] == ["DTensor"], out
     stocks, ours = out["two-element grad_scale"]
