@@ -55,6 +55,17 @@ print(json.dumps({k: o.param_groups[0]["fused"] for k, o in cases.items()}))
     assert "AdamW left as PyTorch built it: params not all on CUDA" in log
 
 
+# torchfuse's fused step on local shards, here allowed on CPU, around a spy that records which
+# path each step took: "Tensor" (the local shards) or "DTensor" (DTensor's dispatch).
+SPIED_STEP = """stock = adam._fused_adam.__wrapped__
+seen = []
+def spy(params, *args, **kwargs):
+    seen.append(type(params[0]).__name__)
+    return stock(params, *args, **kwargs)
+local = optim._fused_adam_on_local_shards(torch, spy, device_type="cpu")
+"""
+
+
 def test_a_fused_step_over_dtensors_runs_on_their_local_shards_with_stocks_bits():
     """torchfuse's _fused_adam (here allowed on CPU) hands the fused step the local shards where
     DTensor's dispatch would only run it on them: the same bits as through DTensor, Adam and
@@ -65,13 +76,7 @@ import torch.optim.adam as adam
 from torch.distributed.tensor import Partial, Replicate
 from torchfuse import optim
 mesh = init_device_mesh("cpu", (1,))
-stock = adam._fused_adam.__wrapped__
-seen = []
-def spy(params, *args, **kwargs):
-    seen.append(type(params[0]).__name__)
-    return stock(params, *args, **kwargs)
-local = optim._fused_adam_on_local_shards(torch, spy, device_type="cpu")
-
+""" + SPIED_STEP + """
 def run(kind, fused_adam, steps=3, amsgrad=False, edit=None, grad_placements=None):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])),
@@ -151,13 +156,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torchfuse import optim
 mesh, other = init_device_mesh("cpu", (2,)), init_device_mesh("cpu", (2,), mesh_dim_names=("other",))
-stock = adam._fused_adam.__wrapped__
-seen = []
-def spy(params, *args, **kwargs):
-    seen.append(type(params[0]).__name__)
-    return stock(params, *args, **kwargs)
-local = optim._fused_adam_on_local_shards(torch, spy, device_type="cpu")
-
+{spied_step}
 def run(kind, fused_adam, layouts, amsgrad=False):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(distribute_tensor(torch.randn(shape), m, pl)) for shape, m, pl in layouts]
@@ -201,7 +200,7 @@ def test_on_two_ranks_the_local_shards_step_gives_dtensors_bits(tmp_path):
     import subprocess
     import sys
     script = tmp_path / "two_ranks.py"
-    script.write_text(TWO_RANKS.format(lib=str(LIB_DIR)))
+    script.write_text(TWO_RANKS.format(lib=str(LIB_DIR), spied_step=SPIED_STEP))
     env = clean_env(PYTHONPATH=str(PACKAGE_DIR), TORCHFUSE_LOG="info")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc_per_node", "2", str(script)], env=env, capture_output=True,
