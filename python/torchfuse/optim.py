@@ -86,6 +86,16 @@ def _make_fused(torch, optimizer, amp_scaling):
     optimizer._torchfuse_made_fused = True
 
 
+def _laid_out_as(dtensor, t, mesh, placements, shape):
+    """Whether t is exactly a DTensor on `mesh` with these placements and this (global) shape."""
+    return (type(t) is dtensor and (t.device_mesh is mesh or t.device_mesh == mesh)
+            and t.placements == placements and t.shape == shape)
+
+
+def _to_local(lists):
+    return [[t.to_local() for t in tensors] for tensors in lists]
+
+
 def _local_shards(dtensor, lists, device_type="cuda"):
     """Each rank's local shards of `lists` (params, then the lists that go with them, each
     empty or as long) where DTensor's own dispatch of a fused step would only run it on them:
@@ -109,11 +119,9 @@ def _local_shards(dtensor, lists, device_type="cuda"):
         if not all(pl.is_shard() or pl.is_replicate() for pl in placements):
             return None
         for tensors in others:
-            t = tensors[i]
-            if (type(t) is not dtensor or (t.device_mesh is not mesh and t.device_mesh != mesh)
-                    or t.placements != placements or t.shape != shape):
+            if not _laid_out_as(dtensor, tensors[i], mesh, placements, shape):
                 return None
-    return [[t.to_local() for t in tensors] for tensors in lists]
+    return _to_local(lists)
 
 
 class _LocalShards:
@@ -133,10 +141,9 @@ class _LocalShards:
                 and all(ref() is t for ref, t in zip(memo[0], kept))):
             _, layouts, mesh = memo
             for g, (placements, shape) in zip(grads, layouts):
-                if (type(g) is not dtensor or (g.device_mesh is not mesh and g.device_mesh != mesh)
-                        or g.placements != placements or g.shape != shape):
+                if not _laid_out_as(dtensor, g, mesh, placements, shape):
                     return None
-            return [[t.to_local() for t in tensors] for tensors in lists]
+            return _to_local(lists)
         local = _local_shards(dtensor, lists, self.device_type)
         if local is not None:
             self.memo = ([weakref.ref(t) for t in kept], [(p.placements, p.shape) for p in params],
@@ -154,30 +161,12 @@ def _fused_adam_on_local_shards(torch, original, device_type="cuda"):
 
     def _fused_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, grad_scale,
                     found_inf, **kwargs):
+        local = None
         # Dynamo wraps this function in torch.compiler.disable (as it does PyTorch's own), so a
         # compiled step calls it eagerly; should a trace reach it all the same, PyTorch's code.
-        if torch.compiler.is_compiling():
-            return original(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-                            grad_scale, found_inf, **kwargs)
-        local = None
-        try:
-            dtensor = _dtensor_type(torch)
-            # Step counts, the loss scale, found_inf and a tensor lr: plain one-element tensors,
-            # as PyTorch checks them (a DTensor among them would take DTensor's dispatch anyway).
-            scalars = list(state_steps) + [t for t in (grad_scale, found_inf, kwargs.get("lr"))
-                                           if isinstance(t, torch.Tensor)]
-            # Grad mode off, as Optimizer.step runs it: there to_local() is the shard itself,
-            # and an in-place step on leaves that require grad keeps PyTorch's error otherwise.
-            if (dtensor is not None and params and type(params[0]) is dtensor
-                    and not torch.is_grad_enabled()
-                    and all(type(t) is torch.Tensor and t.numel() == 1 for t in scalars)):
-                local = local_shards(dtensor, [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs])
-                if local is not None and not torch.ops.torchfuse.enabled("adam"):
-                    local = None
-        except Exception as e:  # never break the user's job: PyTorch's own path
-            if "warned" not in said:
-                said.add("warned")
-                print(f"torchfuse: fused step on local shards skipped ({e!r})", file=sys.stderr)
+        if not torch.compiler.is_compiling():
+            local = choose(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+                           grad_scale, found_inf, kwargs.get("lr"))
         if local is None:
             return original(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
                             grad_scale, found_inf, **kwargs)
@@ -186,6 +175,29 @@ def _fused_adam_on_local_shards(torch, original, device_type="cuda"):
             note(torch, f"fused Adam/AdamW over DTensors: the step runs on each rank's local shards "
                         f"({len(params)} params; DTensor's dispatch skipped, the same kernel call)")
         return original(*local, state_steps, grad_scale, found_inf, **kwargs)
+
+    def choose(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, grad_scale,
+               found_inf, lr):
+        """The local shards to step, or None for PyTorch's path."""
+        try:
+            dtensor = _dtensor_type(torch)
+            # Step counts, the loss scale, found_inf and a tensor lr: plain one-element tensors,
+            # as PyTorch checks them (a DTensor among them would take DTensor's dispatch anyway).
+            scalars = list(state_steps) + [t for t in (grad_scale, found_inf, lr)
+                                           if isinstance(t, torch.Tensor)]
+            # Grad mode off, as Optimizer.step runs it: there to_local() is the shard itself,
+            # and an in-place step on leaves that require grad keeps PyTorch's error otherwise.
+            if (dtensor is not None and params and type(params[0]) is dtensor
+                    and not torch.is_grad_enabled()
+                    and all(type(t) is torch.Tensor and t.numel() == 1 for t in scalars)):
+                local = local_shards(dtensor, [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs])
+                if local is not None and torch.ops.torchfuse.enabled("adam"):
+                    return local
+        except Exception as e:  # never break the user's job: PyTorch's own path
+            if "warned" not in said:
+                said.add("warned")
+                print(f"torchfuse: fused step on local shards skipped ({e!r})", file=sys.stderr)
+        return None
 
     _fused_adam.__wrapped__ = original
     return _fused_adam

@@ -166,7 +166,6 @@ def idle_gaps(events):
                 if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
     ops = sorted((e for e in events if e.get("cat") == "cpu_op" and "dur" in e), key=lambda e: e["ts"])
     starts = [e["ts"] for e in ops]
-
     longest = max((e["dur"] for e in ops), default=0)
 
     def outermost_op(tid, ts):
@@ -197,7 +196,8 @@ def print_gaps(prof, steps, top):
     import tempfile
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        with open(f.name) as trace:
+            events = json.load(trace)["traceEvents"]
     gaps = idle_gaps(events)
     early = [us for us, late, _ in gaps if not late]
     late = [(us, op) for us, late, op in gaps if late]
