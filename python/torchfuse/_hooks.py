@@ -11,6 +11,7 @@ from . import optim, rewrites
 # Module name -> the functions that patch it, in order.
 PATCHES = {
     "torch.optim.adam": [optim.patch_adam],
+    "torch.nn.modules.linear": [rewrites.patch_linear],
 }
 
 

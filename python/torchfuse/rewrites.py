@@ -792,7 +792,7 @@ def _conv1d_mlp_forward(torch, original, form, dependencies=None):
     op = torch.ops.torchfuse.gelu_tanh.default
     tensor, untraced = torch.Tensor, _untraced_call(torch)
     autocast, autocast_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
-    narrow, linear_forward = (torch.bfloat16, torch.float16), torch.nn.Linear.forward
+    narrow, linear_forwards = (torch.bfloat16, torch.float16), _linear_forwards(torch)
     plain = (torch.Tensor, torch.nn.Parameter)
     function_mode = torch._C._is_torch_function_mode_enabled
     casts_its_input = {}  # (c_proj type, its forward) -> its matmul runs under autocast's cast
@@ -806,7 +806,7 @@ def _conv1d_mlp_forward(torch, original, form, dependencies=None):
         key = (kind, kind.forward)
         known = casts_its_input.get(key)
         if known is None:
-            known = casts_its_input[key] = (kind.forward is linear_forward
+            known = casts_its_input[key] = (kind.forward in linear_forwards
                                             or compositions.form_of(kind.forward) == "hf_conv1d")
         bias = getattr(proj, "bias", None)
         return (known and _unobserved(torch, proj) and type(getattr(proj, "weight", None)) in plain
@@ -1163,6 +1163,78 @@ def _dynamic_sliding_window_layer_update(torch, original, form, dependencies=Non
     return _kv_update(torch, original, dependencies, appended)
 
 
+# torchfuse's rewrite of nn.Linear.forward (`patch_linear`) -> torch's own: the rewrites that
+# pass inputs to Linear submodules take either as "nn.Linear's own forward".
+_LINEAR_REWRITTEN = {}
+
+
+def _linear_forwards(torch):
+    """nn.Linear's forward as torch defines it, and the one the class has now (the same, or
+    torchfuse's linear rewrite of it)."""
+    current = torch.nn.Linear.forward
+    return _LINEAR_REWRITTEN.get(current, current), current
+
+
+def _linear_forward(torch, original):
+    """nn.Linear's forward under CUDA autocast with grad on: the input cast as autocast casts it
+    (its own op and node, so a double backward reaches it), then torchfuse::linear_cast: the
+    weight's and bias's casts and the GEMM in one autograd node whose kernels and gradients are
+    stock's, bit for bit (src/abi/glue/linear.cpp), where stock's autograd runs four or five
+    nodes more a Linear and the host dispatches as many ops more. Anything else runs torch's
+    forward: autocast off or not to a 16-bit dtype, grad off, a weight, bias or input that is
+    not a plain CUDA tensor of a dtype autocast casts (fp32, bf16, fp16), a class or instance
+    attribute shadowing the weight or bias (a subclass's property), a patched F.linear, traced
+    calls and torch function or dispatch modes. The op keeps stock's path for the rest (shapes
+    and layouts its node would not reproduce exactly, forward-mode AD, the toggle off)."""
+    op = torch.ops.torchfuse.linear_cast.default
+    tensor, plain, linear = torch.Tensor, (torch.Tensor, torch.nn.Parameter), torch.nn.Linear
+    autocast, autocast_dtype, grad_on = torch.is_autocast_enabled, torch.get_autocast_dtype, torch.is_grad_enabled
+    untraced, unchanged = _untraced_call(torch), compositions.Dependencies(original).unchanged
+    function_mode, dispatch_modes = torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack
+    narrow, eligible = (torch.bfloat16, torch.float16), (torch.float32, torch.bfloat16, torch.float16)
+
+    @functools.wraps(original)
+    def forward(self, input):
+        if type(input) is tensor and input.is_cuda and autocast("cuda") and grad_on():
+            params, dtype, cls = self._parameters, autocast_dtype("cuda"), type(self)
+            weight, bias = params.get("weight"), params.get("bias")
+            if (dtype in narrow and type(weight) in plain and weight.is_cuda and weight.dtype in eligible
+                    and (bias is None or (type(bias) in plain and bias.dtype in eligible))
+                    and input.dtype in eligible and "weight" not in self.__dict__ and "bias" not in self.__dict__
+                    and (cls is linear or (_submodule_only(cls, "weight") and _submodule_only(cls, "bias")))
+                    and untraced() and not function_mode() and not dispatch_modes() and unchanged()):
+                return op(input if input.dtype == dtype else input.to(dtype), weight, bias, dtype)
+        return original(self, input)
+
+    return forward
+
+
+def patch_linear(module):
+    """Rewrites nn.Linear.forward (`_linear_forward`) where it is torch's own code, calling
+    F.linear of the module's weight and bias. False where the library is not loaded yet."""
+    torch = sys.modules.get("torch")
+    enabled = enabled_toggles(torch) if torch is not None else {}
+    if not enabled:
+        return False
+    linear = module.Linear
+    original = linear.forward
+    code = getattr(original, "__code__", None)
+    if original in _LINEAR_REWRITTEN:  # rewritten already
+        return True
+    if (code is None or original.__module__ != module.__name__ or code.co_argcount != 2
+            or set(code.co_names) != {"F", "linear", "weight", "bias"}):
+        note(torch, f"rewrite linear: {module.__name__}.Linear.forward is not torch's own code; left alone")
+        return True
+    if not enabled.get("linear", False):
+        note(torch, f"rewrite linear off: {module.__name__}.Linear.forward left as it is", debug=True)
+        return True
+    linear.forward = _linear_forward(torch, original)
+    _LINEAR_REWRITTEN[linear.forward] = original
+    note(torch, f"rewrite linear: {module.__name__}.Linear.forward -> input cast, then " + _OPS
+                + "linear_cast (one autograd node) under CUDA autocast")
+    return True
+
+
 def _plain_linear_check(torch):
     """A function (module, device) -> whether the module is a plain nn.Linear on that device
     (weight fp32 or 16-bit, bias absent or a plain tensor) that nothing but its own forward
@@ -1214,9 +1286,9 @@ def _shared_cast(torch):
     plain_linear = _plain_linear_check(torch)
     # nn.Linear's own forward (F.linear of its weight and bias, which autocast casts), as torch
     # defines it: a patch of it, or of the F.linear it calls, means the Linears may do more.
-    linear_forward = linear.forward
-    torchs = linear_forward.__module__ == "torch.nn.modules.linear"
-    unpatched = compositions.Dependencies(linear_forward).unchanged
+    torchs_forward, linear_forward = _linear_forwards(torch)
+    torchs = torchs_forward.__module__ == "torch.nn.modules.linear"
+    unpatched = compositions.Dependencies(torchs_forward).unchanged
 
     dispatch_modes = torch._C._len_torch_dispatch_stack
 

@@ -7,7 +7,7 @@
 use super::tensor::into_raw;
 use super::types::{
     TfAdamCall, TfAttentionCall, TfColumnSumCall, TfCrossEntropyCall, TfEmbeddingCall, TfGeluCall,
-    TfLaunch, TfMixedAddCall, TfNormCall, TfOutputs, TfRotaryCall, TfStatus, TfSwigluCall,
+    TfLaunch, TfLinearCall, TfMixedAddCall, TfNormCall, TfOutputs, TfRotaryCall, TfStatus, TfSwigluCall,
     TF_FUSED, TF_STOCK,
 };
 use crate::ops::adam::Adam;
@@ -15,6 +15,7 @@ use crate::ops::attention::Attention;
 use crate::ops::column_sum::ColumnSum;
 use crate::ops::cross_entropy::CrossEntropy;
 use crate::ops::embedding::Embedding;
+use crate::ops::linear::Linear;
 use crate::ops::gelu::Gelu;
 use crate::ops::mixed_add::MixedAdd;
 use crate::ops::norm::Norm;
@@ -248,4 +249,19 @@ pub unsafe extern "C" fn torchfuse_rs_rotary(
     status: *mut TfStatus,
 ) {
     answer::<Rotary>(entry, launch, call, out, status)
+}
+
+/// `torchfuse::linear_cast`: TF_FUSED where its one autograd node runs (no outputs).
+///
+/// # Safety
+/// As `answer`.
+#[no_mangle]
+pub unsafe extern "C" fn torchfuse_rs_linear(
+    entry: u32,
+    launch: *const TfLaunch,
+    call: *const TfLinearCall,
+    out: *mut TfOutputs,
+    status: *mut TfStatus,
+) {
+    answer::<Linear>(entry, launch, call, out, status)
 }

@@ -172,6 +172,17 @@ typedef struct TfMixedAddCall {
   uint8_t unused[7];
 } TfMixedAddCall;
 
+// torchfuse::linear_cast (input, weight, bias, dtype): whether its one autograd node may run
+// (stock's kernels under it; no outputs come back), or stock's nodes must.
+typedef struct TfLinearCall {
+  TfTensor input;
+  TfTensor weight;
+  TfTensor bias;         // absent: none
+  int16_t dtype;         // the casts' c10::ScalarType (autocast's)
+  uint8_t weight_leaf;   // the weight is a leaf (its cast can be made again for a double backward)
+  uint8_t unused[5];
+} TfLinearCall;
+
 // _fused_adam_ / _fused_adamw_ (float or tensor lr).
 typedef struct TfAdamCall {
   // params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps; `like_first`
@@ -241,6 +252,10 @@ void torchfuse_rs_column_sum(uint32_t entry, const TfLaunch* launch, const TfCol
 // add.Tensor: out = the sum.
 void torchfuse_rs_mixed_add(uint32_t entry, const TfLaunch* launch, const TfMixedAddCall* call,
                             TfOutputs* out, TfStatus* status);
+
+// torchfuse::linear_cast: TF_FUSED: the glue builds its node (no outputs).
+void torchfuse_rs_linear(uint32_t entry, const TfLaunch* launch, const TfLinearCall* call,
+                         TfOutputs* out, TfStatus* status);
 
 // torchfuse::rotary: out = q_embed, k_embed. Its backward: out = dq, dk.
 void torchfuse_rs_rotary(uint32_t entry, const TfLaunch* launch, const TfRotaryCall* call,

@@ -194,6 +194,17 @@ pub struct TfMixedAddCall {
     pub unused: [u8; 7],
 }
 
+/// `TfLinearCall`.
+#[repr(C)]
+pub struct TfLinearCall {
+    pub input: TfTensor,
+    pub weight: TfTensor,
+    pub bias: TfTensor,
+    pub dtype: i16,
+    pub weight_leaf: u8,
+    pub unused: [u8; 5],
+}
+
 /// `TfCrossEntropyCall`.
 #[repr(C)]
 pub struct TfCrossEntropyCall {
@@ -413,6 +424,11 @@ mod tests {
             n(size_of::<TfMixedAddCall>()),
             n(offset_of!(TfMixedAddCall, other)),
             n(offset_of!(TfMixedAddCall, alpha_is_one)),
+            n(size_of::<TfLinearCall>()),
+            n(offset_of!(TfLinearCall, weight)),
+            n(offset_of!(TfLinearCall, bias)),
+            n(offset_of!(TfLinearCall, dtype)),
+            n(offset_of!(TfLinearCall, weight_leaf)),
             n(size_of::<TfAdamCall>()),
             n(offset_of!(TfAdamCall, lens)),
             n(offset_of!(TfAdamCall, lr_tensor)),

@@ -14,6 +14,7 @@ pub mod cross_entropy;
 pub mod elementwise;
 pub mod embedding;
 pub mod gelu;
+pub mod linear;
 pub mod mixed_add;
 pub mod norm;
 pub mod params;
@@ -204,6 +205,7 @@ impl KernelOp {
             OpFamily::Rotary => OpParams::prepare::<rotary::Rotary>(self, v),
             OpFamily::ColumnSum => OpParams::prepare::<column_sum::ColumnSum>(self, v),
             OpFamily::MixedAdd => OpParams::prepare::<mixed_add::MixedAdd>(self, v),
+            OpFamily::Linear => OpParams::prepare::<linear::Linear>(self, v),
         }
     }
 }

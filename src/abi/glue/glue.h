@@ -12,7 +12,7 @@
 // Rust panic crosses back (the Rust entry points catch panics and answer TF_STOCK).
 //
 // One file per op family (norm, embedding, adam, attention, gelu, cross_entropy, swiglu,
-// rotary, column_sum, mixed_add: the aten overrides and torchfuse's own ops of the family, as
+// rotary, column_sum, mixed_add, linear: the aten overrides and torchfuse's own ops of the family, as
 // src/ops/ has one module each), call.cpp (this header's functions) and registration.cpp
 // (entries, control ops, the ABI layout, the C entry points).
 #pragma once
@@ -87,6 +87,7 @@ inline RustAnswer<TfColumnSumCall> rust_answer(const TfColumnSumCall&) {
 inline RustAnswer<TfMixedAddCall> rust_answer(const TfMixedAddCall&) {
   return torchfuse_rs_mixed_add;
 }
+inline RustAnswer<TfLinearCall> rust_answer(const TfLinearCall&) { return torchfuse_rs_linear; }
 
 // Hands one call to its family's Rust entry point on `on`'s device and stream. True: fused,
 // the outputs are in `out`; false: stock must run it. Bad input Rust refused is raised here,

@@ -1,0 +1,126 @@
+//! `torchfuse::linear_cast`: nn.Linear under CUDA autocast as one autograd node (the glue's
+//! linear.cpp builds it around stock's kernels; nothing is launched here). This module decides
+//! where the node reproduces stock exactly, or says why stock's own nodes run a call.
+
+use super::{Family, KernelOp, Served, Variant};
+use crate::abi::tensor::{describe, kind_of_scalar_type};
+use crate::abi::types::{TfLinearCall, TfTensor};
+use crate::gpu::args::Field;
+use crate::gpu::Launch;
+use crate::runtime::{Entry, OpFamily};
+use crate::select::StockReason;
+use tch::Kind;
+
+/// What the stats call a served call: the node, stock's kernels under it.
+const NODE: &str = "linear_node";
+
+/// The dtypes autocast casts (and so the node's casts take): fp32 and the 16-bit ones.
+fn castable(kind: Kind) -> bool {
+    matches!(kind, Kind::Float | Kind::BFloat16 | Kind::Half)
+}
+
+/// Whether the node reproduces stock's Linear for these facts, or why not. The node computes
+/// what stock's formulas compute from the same tensors only for the forms whose stride tests
+/// it repeats: a contiguous input of two or more dims already in `dtype`, a contiguous 2-D
+/// weight, a 1-D bias or none. A weight cast to `dtype` must be a leaf: a double backward
+/// makes its cast again from it.
+pub fn node_serves(
+    input: &TfTensor,
+    weight: &TfTensor,
+    bias: Option<&TfTensor>,
+    dtype: Kind,
+    weight_leaf: bool,
+) -> Result<(), StockReason> {
+    if !matches!(dtype, Kind::BFloat16 | Kind::Half) {
+        return Err(StockReason::UnsupportedDtype);
+    }
+    let input_kind = input.kind().ok_or(StockReason::UnsupportedDtype)?;
+    let weight_kind = weight.kind().ok_or(StockReason::UnsupportedDtype)?;
+    if input_kind != dtype {
+        return Err(StockReason::MixedDtypes);
+    }
+    if !castable(weight_kind) || bias.is_some_and(|b| !b.kind().is_some_and(castable)) {
+        return Err(StockReason::UnsupportedDtype);
+    }
+    if input.device() != weight.device() || bias.is_some_and(|b| b.device() != weight.device()) {
+        return Err(StockReason::InvalidInput);
+    }
+    let (sizes, weight_sizes) = (input.sizes(), weight.sizes());
+    if sizes.len() < 2 || weight_sizes.len() != 2 {
+        return Err(StockReason::FormNotServed);
+    }
+    if weight_sizes[1] != sizes[sizes.len() - 1]
+        || bias.is_some_and(|b| b.sizes() != [weight_sizes[0]])
+    {
+        return Err(StockReason::InvalidInput);
+    }
+    if input.numel() == 0 || weight.numel() == 0 {
+        return Err(StockReason::EmptyInput);
+    }
+    if !input.is_contiguous() || !weight.is_contiguous() {
+        return Err(StockReason::NotContiguous);
+    }
+    if weight_kind != dtype && !weight_leaf {
+        return Err(StockReason::FormNotServed);
+    }
+    Ok(())
+}
+
+pub struct Linear;
+
+impl Family for Linear {
+    type Call = TfLinearCall;
+
+    const FAMILY: OpFamily = OpFamily::Linear;
+
+    unsafe fn unreadable(_entry: Entry, call: &TfLinearCall) -> Option<&TfTensor> {
+        // Nothing is launched: only the sizes and strides are read.
+        TfTensor::first_unreadable(&[&call.input, &call.weight, &call.bias], false)
+    }
+
+    unsafe fn describe(_entry: Entry, call: &TfLinearCall) -> Option<(&'static str, Vec<i64>)> {
+        let (kind, mut shape) = describe(call.input.given()?);
+        shape.push(*call.weight.given()?.sizes().first()?);
+        Some((kind, shape))
+    }
+
+    unsafe fn serve(
+        _entry: Entry,
+        _launch: Launch,
+        call: &TfLinearCall,
+        _shape: &[i64],
+    ) -> Result<Served, StockReason> {
+        let input = call.input.given().ok_or(StockReason::InvalidInput)?;
+        let weight = call.weight.given().ok_or(StockReason::InvalidInput)?;
+        let dtype = kind_of_scalar_type(call.dtype).ok_or(StockReason::UnsupportedDtype)?;
+        node_serves(
+            input,
+            weight,
+            call.bias.given(),
+            dtype,
+            call.weight_leaf != 0,
+        )?;
+        Ok(Served::new(NODE, [None, None, None]))
+    }
+
+    fn kernels(_op: KernelOp) -> &'static [&'static str] {
+        &[]
+    }
+
+    fn kernel_args(_kernel: &str) -> Option<&'static [Field]> {
+        None
+    }
+
+    fn defines(_op: KernelOp) -> Vec<String> {
+        Vec::new()
+    }
+
+    type Params = ();
+
+    fn prepare(v: &Variant) -> Result<(), String> {
+        Err(format!(
+            "{}: the linear family has no kernels of its own",
+            v.name
+        ))
+    }
+}
