@@ -40,6 +40,10 @@ SAMPLES = {
     "kv_copy": [(q, k, torch.float32, torch.float32),
                 (q.detach().to(torch.bfloat16), k, torch.bfloat16, torch.float32)],
     "cross_entropy": [(logits, target, 1, -100, 0.0, torch.float32), (logits, target, 0, 3, 0.1, None)],
+    "linear_cast": [(x.detach().to(torch.bfloat16).requires_grad_(), r(8, 64, grad=True), r(8, grad=True),
+                     torch.bfloat16),
+                    (r(2, 5, 64).to(torch.bfloat16).requires_grad_(), r(8, 64, grad=True), None, torch.bfloat16),
+                    (x, r(8, 64, grad=True), r(8, grad=True), torch.float16)],
     "cross_entropy_fwd": [(logits.detach(), target, 1, -100, 0.0, torch.float32),
                           (logits.detach(), target, 0, 3, 0.1, torch.float32)],
     "cross_entropy_bwd": [(torch.ones(()), logits.detach(), target, r(6), torch.tensor(6.0), 1, -100, 0.0),
@@ -48,7 +52,7 @@ SAMPLES = {
 F = torch.nn.functional
 def rotate_half(t):
     return torch.cat((-t[..., 4:], t[..., :4]), dim=-1)
-w8 = r(64)
+w8, w8x8, b8 = r(64), r(8, 8), r(8)
 # One record per op the rewrite layer calls (the forward ops; their backwards are reached
 # through autograd), the standard checks below run on every one: `inputs(n)`, a call's
 # arguments of length n in the dims `dims` names (torch.compile with dynamic sizes,
@@ -95,6 +99,12 @@ CASES = {
         call=lambda key, value: sum(t.sum() for t in ops.kv_copy(key, value, torch.float32, torch.float32)),
         pair=(lambda t: ops.kv_copy(t, t, torch.float32, torch.float32)[0],
               lambda t: torch.cat([torch.tensor([]), t], dim=-1)), shape=(5, 8), vmap=True),
+    "linear_cast": dict(
+        inputs=lambda n: [r(n, 64).to(torch.bfloat16).requires_grad_(), r(8, 64, grad=True)], dims=[{0: N}, None],
+        call=lambda x, weight: ops.linear_cast(x, weight, b8, torch.bfloat16).float().sum(),
+        pair=(lambda t: ops.linear_cast(t, w8x8, b8, torch.bfloat16),
+              lambda t: F.linear(t.to(torch.bfloat16), w8x8.to(torch.bfloat16), b8.to(torch.bfloat16))),
+        shape=(5, 8), vmap=True),
     "cross_entropy": dict(
         inputs=lambda n: [r(n, 10, grad=True), torch.randint(0, 10, (n,), generator=g)], dims=[{0: N}, {0: N}],
         call=lambda logits, target: ops.cross_entropy(logits, target),
@@ -217,7 +227,7 @@ for name, case in CASES.items():
 print(json.dumps(diffs))
 """)
     assert set(out) == {"gelu_tanh", "silu_mul", "silu_mul_packed", "gelu_tanh_mul", "hf_rms_norm", "rotary",
-                        "kv_copy", "cross_entropy", "norm_cast"}, out
+                        "kv_copy", "cross_entropy", "norm_cast", "linear_cast"}, out
     assert all(d < 1e-4 for d in out.values()), out
 
 

@@ -11,8 +11,8 @@
 //
 // Rust decides where the node runs (src/ops/linear.rs: where it is exact, an input already in
 // `dtype` among it: the caller casts the input with stock's op, so that cast keeps its own node
-// and a double backward reaches it) and counts the call; forward-mode AD and functorch
-// transforms take the composition through autograd (stock's nodes) before asking.
+// and a double backward reaches it) and counts the call; forward-mode AD, functorch transforms
+// and traces take the composition through autograd (stock's nodes) before asking.
 //
 // Autocast's weight cache: within an autocast region stock casts a leaf weight once however
 // often it is used. The node keeps that: a weight's cast is remembered (weakly) while something
@@ -75,9 +75,12 @@ at::Tensor param_cast(const at::Tensor& param, at::ScalarType dtype) {
 // The backward of the whole Linear. Edges: input, weight, bias.
 struct LinearCastBackward : public torch::autograd::Node {
   // The input (its 2-D view is made again here, as stock's addmm saved it), where the weight
-  // needs a gradient; the weight's cast where the input does, with the weight itself for a
-  // create_graph backward's cast (a leaf: nothing more is kept alive).
-  SavedVariable input, weight_cast, weight;
+  // needs a gradient; the weight's cast where the input does: what stock saves.
+  SavedVariable input, weight_cast;
+  // A cast weight itself (a leaf, alive anyway, so not a saved tensor that hooks would move or
+  // offload) and its version, for a create_graph backward's cast.
+  at::Tensor cast_leaf;
+  uint32_t cast_leaf_version = 0;
   std::vector<int64_t> input_sizes;
   at::ScalarType dtype = at::kFloat, weight_dtype = at::kFloat, bias_dtype = at::kFloat;
   int64_t in_features = 0, out_features = 0;
@@ -94,9 +97,12 @@ struct LinearCastBackward : public torch::autograd::Node {
     const at::Tensor grad_2d = grad.reshape({-1, out_features});
     if (should_compute_output(0)) {
       // create_graph: the weight's cast made again through autograd, so that the input's
-      // gradient depends on the weight as stock's does.
-      const at::Tensor w =
-          at::GradMode::is_enabled() ? weight.unpack().to(dtype) : weight_cast.unpack();
+      // gradient depends on the weight as stock's does. (A cast weight's two second-order
+      // terms then meet at the weight, each cast back, where stock's meet at its cast and are
+      // cast once: that gradient is one bf16 rounding nearer than stock's, not bit for bit.)
+      const at::Tensor w = at::GradMode::is_enabled() && cast_leaf.defined()
+                               ? leaf_cast_again()
+                               : weight_cast.unpack();
       const at::Tensor grad_input =
           input_column_major ? w.t().mm(grad_2d.t()).t() : grad_2d.mm(w);
       out[0] = grad_input.reshape(input_sizes);
@@ -119,7 +125,15 @@ struct LinearCastBackward : public torch::autograd::Node {
   void release_variables() override {
     input.reset_data();
     weight_cast.reset_data();
-    weight.reset_data();
+    cast_leaf.reset();
+  }
+
+  at::Tensor leaf_cast_again() const {
+    TORCH_CHECK(cast_leaf._version() == cast_leaf_version,
+                "one of the variables needed for gradient computation has been modified by an "
+                "inplace operation: the weight of a Linear (torchfuse::linear_cast) is at version ",
+                cast_leaf._version(), "; expected version ", cast_leaf_version, " instead.");
+    return cast_leaf.to(dtype);
   }
 
   std::string name() const override { return "torchfuse::LinearCastBackward"; }
@@ -128,7 +142,10 @@ struct LinearCastBackward : public torch::autograd::Node {
 at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weight,
                                 const std::optional<at::Tensor>& bias_opt, at::ScalarType dtype) {
   const at::Tensor bias = bias_opt.has_value() ? *bias_opt : at::Tensor();
-  if (composition_only({input, weight, bias}))
+  // Transforms, forward-mode AD, and tensors or modes a trace watches (fake tensors, make_fx,
+  // functionalization: they see stock's ops) take the composition.
+  if (composition_only({input, weight, bias}) || traced(input) || traced(weight) ||
+      (bias.defined() && traced(bias)))
     return linear_cast_stock(input, weight, bias_opt, dtype);
   // Rust decides (and counts) whether the node serves this call.
   TfLinearCall call{};
@@ -174,7 +191,10 @@ at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weigh
   if (node->should_compute_output(1)) node->input = SavedVariable(input, false);
   if (node->should_compute_output(0)) {
     node->weight_cast = SavedVariable(weight_cast, false);
-    node->weight = SavedVariable(weight, false);
+    if (weight.scalar_type() != dtype) {
+      node->cast_leaf = weight;
+      node->cast_leaf_version = weight._version();
+    }
   }
   torch::autograd::set_history(output, node);
   return output;

@@ -1,0 +1,186 @@
+"""torchfuse::linear_cast on CPU (its node runs on any device; the rewrite sends CUDA calls only):
+the one autograd node gives stock's outputs and gradients bit for bit (stock: autocast's casts,
+then F.linear, as nn.Linear runs under autocast), saves what stock saves, takes a reused
+weight's cast once, keeps a double backward and checkpointing exact, and leaves stock's nodes
+where it would not be exact. The GPU half (under autocast, models): test_gpu_linear.py."""
+import json
+
+from conftest import MAIN_LIB, ROOT, check, run_python
+
+PRELUDE = r"""
+import json, torch
+import torch.nn.functional as F
+op = torch.ops.torchfuse.linear_cast
+BF16 = torch.bfloat16
+g = torch.Generator().manual_seed(0)
+def r(*shape, dtype=torch.float32, grad=True):
+    return torch.randn(*shape, generator=g).to(dtype).requires_grad_(grad)
+def stock(x, w, b, dtype):
+    return F.linear(x.to(dtype), w.to(dtype), None if b is None else b.to(dtype))
+def outputs_and_grads(fn, x, w, b, dtype, dy):
+    leaves = [t for t in (x, w, b) if t is not None and t.requires_grad]
+    y = fn(x, w, b, dtype)
+    return [y, *torch.autograd.grad(y, leaves, dy)], y.grad_fn.name()
+def same(a, b):
+    return len(a) == len(b) and all(s.dtype == t.dtype and s.shape == t.shape and s.stride() == t.stride()
+                                    and torch.equal(s, t) for s, t in zip(a, b))
+"""
+
+
+def run(code):
+    proc = check(run_python(PRELUDE + code, load_library=True))
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_node_gives_stocks_outputs_and_gradients_bit_for_bit():
+    out = run(r"""
+results = {}
+for shape in [(4, 5, 16), (6, 16), (1, 16), (2, 3, 4, 16), (7, 1, 16)]:
+    for bias in (True, False):
+        for wdtype, dtype in ((torch.float32, BF16), (torch.float16, BF16), (BF16, BF16),
+                              (torch.float32, torch.float16)):
+            for frozen in (False, True):
+                x, w = r(*shape, dtype=dtype), r(12, 16, dtype=wdtype, grad=not frozen)
+                b = r(12, dtype=wdtype) if bias else None
+                dy = torch.randn(*shape[:-1], 12, generator=g).to(dtype)
+                ours, node = outputs_and_grads(op, x, w, b, dtype, dy)
+                theirs, _ = outputs_and_grads(stock, x, w, b, dtype, dy)
+                results[f"{shape} bias={bias} {wdtype}->{dtype} frozen={frozen}"] = (same(ours, theirs), node)
+print(json.dumps(results))
+""")
+    assert len(out) == 5 * 2 * 4 * 2
+    for case, (same, node) in out.items():
+        assert same, case
+        assert node == "torchfuse::LinearCastBackward", case
+
+
+def test_forms_the_node_would_not_reproduce_keep_stocks_nodes():
+    """An input not yet in the dtype, a non-contiguous input or weight, a 1-D input, a cast
+    non-leaf weight: stock's composition (its nodes), with its values."""
+    out = run(r"""
+w = r(12, 16)
+cases = {
+    "input to cast": (r(4, 16), w, BF16),
+    "transposed input": (r(16, 4, dtype=BF16).t(), w, BF16),
+    "transposed weight": (r(4, 16, dtype=BF16), r(16, 12).t(), BF16),
+    "1-D input": (r(16, dtype=BF16), w, BF16),
+    "non-leaf weight": (r(4, 16, dtype=BF16), w * 2, BF16),
+    "fp32 dtype": (r(4, 16), w, torch.float32),
+}
+results = {}
+for name, (x, weight, dtype) in cases.items():
+    dy = torch.randn(*x.shape[:-1], 12, generator=g).to(dtype)
+    ours, node = outputs_and_grads(op, x, weight, None, dtype, dy)
+    theirs, _ = outputs_and_grads(stock, x, weight, None, dtype, dy)
+    results[name] = (same(ours, theirs), node)
+print(json.dumps(results))
+""")
+    for case, (same, node) in out.items():
+        assert same, case
+        assert node != "torchfuse::LinearCastBackward", case
+
+
+def test_it_saves_what_stock_saves():
+    """The bytes a saved-tensor hook sees (what offloading would move): stock's, with and without
+    the weight's gradient (a frozen base layer saves no input)."""
+    out = run(r"""
+def saved(fn, x, w, b):
+    seen = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t.numel() * t.element_size()) or t,
+                                                  lambda t: t):
+        fn(x, w, b, BF16)
+    return sorted(seen)
+results = {}
+for frozen in (False, True):
+    for bias in (True, False):
+        x, w = r(4, 5, 16, dtype=BF16), r(12, 16, grad=not frozen)
+        b = r(12) if bias else None
+        results[f"frozen={frozen} bias={bias}"] = (saved(op, x, w, b), saved(stock, x, w, b))
+print(json.dumps(results))
+""")
+    for case, (ours, theirs) in out.items():
+        assert ours == theirs, case
+
+
+def test_a_reused_weight_is_cast_once_while_its_cast_lives_and_again_after_a_change():
+    """Autocast's weight cache: the second use of a weight takes the first use's cast (one copy,
+    as stock's cache gives), while it lives and the weight is unchanged."""
+    out = run(r"""
+def saved_weights(calls):
+    seen = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+        ys = [call() for call in calls]
+    return ys, [t for t in seen if t.shape == (12, 16)]
+x, w = r(4, 16, dtype=BF16), r(12, 16)
+ys, ws = saved_weights([lambda: op(x, w, None, BF16), lambda: op(x, w, None, BF16)])
+shared = ws[0].data_ptr() == ws[1].data_ptr()
+with torch.no_grad():
+    w.mul_(2)
+ys2, ws2 = saved_weights([lambda: op(x, w, None, BF16)])
+recast = ws2[0].data_ptr() != ws[0].data_ptr() and torch.equal(ws2[0], w.detach().to(BF16))
+dy = torch.randn(4, 12, generator=g).to(BF16)
+grads = torch.autograd.grad(ys[0] + ys[1], [x, w], dy)
+x2, w2 = x.detach().clone().requires_grad_(), w.detach().div(2).requires_grad_()
+want = torch.autograd.grad(stock(x2, w2, None, BF16) + stock(x2, w2, None, BF16), [x2, w2], dy)
+print(json.dumps({"shared": shared, "recast": recast, "same": same(list(grads), list(want))}))
+""")
+    assert out == {"shared": True, "recast": True, "same": True}
+
+
+def test_double_backward_and_checkpointing_give_stocks_gradients():
+    out = run(r"""
+results = {}
+for wdtype in (torch.float32, BF16):
+    x, w, b = r(4, 5, 16, dtype=BF16), r(12, 16, dtype=wdtype), r(12, dtype=wdtype)
+    def penalty(fn):  # a gradient penalty: the input gradient's norm, differentiated again
+        y = fn(x, w, b, BF16)
+        (gx,) = torch.autograd.grad(y.float().square().sum(), [x], create_graph=True)
+        return torch.autograd.grad(gx.float().square().sum(), [x, w, b])
+    ours, theirs = penalty(op), penalty(stock)
+    if wdtype == BF16:
+        results[f"double backward {wdtype}"] = same(list(ours), list(theirs))
+    else:
+        # A cast weight's two second-order terms (through the output and through the input's
+        # gradient) meet at the fp32 weight here, each cast back, where stock sums them in bf16
+        # first: the weight's gradient is one bf16 rounding nearer, within the contract.
+        rel = ((ours[1].double() - theirs[1].double()).norm() / theirs[1].double().norm()).item()
+        results[f"double backward {wdtype}"] = same([ours[0], ours[2]], [theirs[0], theirs[2]]) and rel < 8e-3
+from torch.utils.checkpoint import checkpoint
+x0, w0, b0 = r(4, 5, 16, dtype=BF16), r(16, 16), r(16)
+def layer_grads(fn, checkpointed, reentrant=False):
+    x, w, b = (t.detach().clone().requires_grad_() for t in (x0, w0, b0))
+    # The weight used twice: its cast taken once, dropped and made again by checkpoint.
+    layer = lambda t: fn(torch.tanh(fn(t, w, b, BF16)), w, b, BF16)
+    y = checkpoint(layer, x, use_reentrant=reentrant) if checkpointed else layer(x)
+    y.float().sum().backward()  # reentrant checkpointing takes backward(), not grad()
+    return [x.grad, w.grad, b.grad]
+for reentrant in (False, True):
+    results[f"checkpoint reentrant={reentrant}"] = same(layer_grads(op, True, reentrant),
+                                                        layer_grads(stock, False))
+print(json.dumps(results))
+""")
+    assert out and all(out.values()), out
+
+
+def test_linear_forward_is_rewritten_to_the_op_and_knows_torchs_own():
+    """The launcher's hooks rewrite nn.Linear.forward (its original kept as `__wrapped__`); the
+    rewrites that look at Linear submodules know either as nn.Linear's own; off the GPU it runs
+    torch's code."""
+    proc = check(run_python(f"""
+import json, sys
+sys.path.insert(0, {str(ROOT / "python")!r})
+import torch, torchfuse
+from torchfuse import rewrites
+original = torch.nn.Linear.forward
+torchfuse.enable()
+rewritten = torch.nn.Linear.forward
+m = torch.nn.Linear(16, 12)
+x = torch.randn(3, 16)
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    y = m(x)
+print(json.dumps({{"rewritten": rewritten is not original, "wrapped": rewritten.__wrapped__ is original,
+                   "forwards": rewrites._linear_forwards(torch) == (original, rewritten),
+                   "cpu": y.grad_fn.name()}}))
+""", TORCHFUSE_LIB_DIR=str(MAIN_LIB.parent)))
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"rewritten": True, "wrapped": True, "forwards": True, "cpu": "AddmmBackward0"}, out
