@@ -1286,9 +1286,9 @@ def _shared_cast(torch):
     plain_linear = _plain_linear_check(torch)
     # nn.Linear's own forward (F.linear of its weight and bias, which autocast casts), as torch
     # defines it: a patch of it, or of the F.linear it calls, means the Linears may do more.
-    torchs_forward, linear_forward = _linear_forwards(torch)
-    torchs = torchs_forward.__module__ == "torch.nn.modules.linear"
-    unpatched = compositions.Dependencies(torchs_forward).unchanged
+    linear_forwards = _linear_forwards(torch)  # torch's own, and the linear rewrite's of it
+    torchs = linear_forwards[0].__module__ == "torch.nn.modules.linear"
+    unpatched = compositions.Dependencies(linear_forwards[0]).unchanged
 
     dispatch_modes = torch._C._len_torch_dispatch_stack
 
@@ -1298,7 +1298,7 @@ def _shared_cast(torch):
         # under a dispatch mode either, which must see stock's ops (one cast per Linear).
         if not (type(x) is tensor and x.dtype == fp32 and x.is_cuda and autocast("cuda")
                 and autocast_dtype("cuda") == bf16 and untraced() and not function_mode()
-                and not dispatch_modes() and torchs and linear.forward is linear_forward
+                and not dispatch_modes() and torchs and linear.forward in linear_forwards
                 and unpatched() and not _global_module_hooks(torch)):
             return x
         own, cls = module.__dict__, type(module)

@@ -40,16 +40,24 @@ ROOT = HERE.parents[1]
 
 
 def switch_to(side, torchfuse, torch):
-    """Puts this process in `side`'s state (torchfuse off, on, or on with a toggle spec)."""
+    """Puts this process in `side`'s state (torchfuse off, on, or on with a toggle spec).
+    nn.Linear's forward is torch's own where the side has the linear rewrite off, as in a process
+    started with it off (its wrapper would otherwise still run, to call stock's nodes)."""
+    from torchfuse import rewrites
+    torchs, rewritten = rewrites._linear_forwards(torch)
+    rewritten = next((r for r, o in rewrites._LINEAR_REWRITTEN.items() if o is torchs), rewritten)
+    linear_on = side != "stock"
     if side == "stock":
         torchfuse.disable()
-        return
-    torchfuse.enable()
-    torch.ops.torchfuse.set_enabled("all", True)
-    spec = side.split(":", 1)[1] if ":" in side else ""
-    for item in filter(None, spec.split("/")):
-        on = not item.startswith("-")
-        torch.ops.torchfuse.set_enabled(item.lstrip("+-"), on)
+    else:
+        torchfuse.enable()
+        torch.ops.torchfuse.set_enabled("all", True)
+        spec = side.split(":", 1)[1] if ":" in side else ""
+        for item in filter(None, spec.split("/")):
+            on = not item.startswith("-")
+            torch.ops.torchfuse.set_enabled(item.lstrip("+-"), on)
+            linear_on = on if item.lstrip("+-") in ("linear", "all") else linear_on
+    torch.nn.Linear.forward = rewritten if linear_on else torchs
 
 
 def worker(a):

@@ -7,16 +7,16 @@
 use super::tensor::into_raw;
 use super::types::{
     TfAdamCall, TfAttentionCall, TfColumnSumCall, TfCrossEntropyCall, TfEmbeddingCall, TfGeluCall,
-    TfLaunch, TfLinearCall, TfMixedAddCall, TfNormCall, TfOutputs, TfRotaryCall, TfStatus, TfSwigluCall,
-    TF_FUSED, TF_STOCK,
+    TfLaunch, TfLinearCall, TfMixedAddCall, TfNormCall, TfOutputs, TfRotaryCall, TfStatus,
+    TfSwigluCall, TF_FUSED, TF_STOCK,
 };
 use crate::ops::adam::Adam;
 use crate::ops::attention::Attention;
 use crate::ops::column_sum::ColumnSum;
 use crate::ops::cross_entropy::CrossEntropy;
 use crate::ops::embedding::Embedding;
-use crate::ops::linear::Linear;
 use crate::ops::gelu::Gelu;
+use crate::ops::linear::Linear;
 use crate::ops::mixed_add::MixedAdd;
 use crate::ops::norm::Norm;
 use crate::ops::rotary::Rotary;

@@ -271,6 +271,16 @@ CASES = {
         bad=[lambda: [randn(8, 64)]],
         forward=lambda x: x.sum((0, 0))),  # a dim repeated
     "kv_copy_wide": kv_copy_case(torch.float32),
+    "linear": Case(
+        "linear", ("torchfuse::linear_cast",),
+        # A Linear under bf16 autocast: a bf16 input, its fp32 weight and bias cast in the node.
+        make=lambda rows=4096: [randn(rows, 1024, grad=True), randn(2048, 1024, dtype=torch.float32, grad=True),
+                                randn(2048, dtype=torch.float32, grad=True), randn(rows, 2048)],
+        run=lambda x, w, b, dy: grads(torch.ops.torchfuse.linear_cast(x, w, b, BF16), [x, w, b], [dy]),
+        big=lambda: [randn(BIG // 1024 + 1, 1024, grad=True), randn(8, 1024, dtype=torch.float32, grad=True),
+                     randn(8, dtype=torch.float32, grad=True), randn(BIG // 1024 + 1, 8)],
+        bad=[lambda: [randn(8, 64), randn(16, 63, dtype=torch.float32), None, None]],  # in-features differ
+        forward=lambda x, w, b, _: torch.ops.torchfuse.linear_cast(x, w, b, BF16)),
     "mixed_add": Case(
         "mixed_add", ("add.Tensor",),
         # GPT-2's residual add at B8 S1024: the fp32 stream plus a projection's bf16 output (no

@@ -38,6 +38,17 @@ at::Tensor linear_cast_stock(const at::Tensor& input, const at::Tensor& weight,
   return at::linear(input.to(dtype), weight.to(dtype), bias_cast);
 }
 
+// Stock's nodes for a call the node does not take. Under the autocast the call stands for (the
+// rewrite's case), nn.Linear's own call: autocast casts, its weight cache included.
+at::Tensor linear_cast_composition(const at::Tensor& input, const at::Tensor& weight,
+                                   const std::optional<at::Tensor>& bias, at::ScalarType dtype) {
+  const c10::DeviceType device = input.device().type();
+  if (at::autocast::is_autocast_available(device) && at::autocast::is_autocast_enabled(device) &&
+      at::autocast::get_autocast_dtype(device) == dtype && input.scalar_type() == dtype)
+    return at::linear(input, weight, bias);
+  return linear_cast_stock(input, weight, bias, dtype);
+}
+
 // A parameter's cast, remembered while it is alive and the parameter unchanged (autocast's
 // cache, for leaves requiring grad, where the cache is on).
 struct RememberedCast {
@@ -146,7 +157,7 @@ at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weigh
   // functionalization: they see stock's ops) take the composition.
   if (composition_only({input, weight, bias}) || traced(input) || traced(weight) ||
       (bias.defined() && traced(bias)))
-    return linear_cast_stock(input, weight, bias_opt, dtype);
+    return linear_cast_composition(input, weight, bias_opt, dtype);
   // Rust decides (and counts) whether the node serves this call.
   TfLinearCall call{};
   call.input = describe(input);
@@ -158,7 +169,7 @@ at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weigh
   const TfLaunch where{input.is_cuda() ? static_cast<int32_t>(input.get_device()) : -1, nullptr};
   TfOutputs unused{};
   if (!fused_by_rust(TF_ENTRY_LINEAR_CAST, where, call, unused))
-    return linear_cast_stock(input, weight, bias_opt, dtype);
+    return linear_cast_composition(input, weight, bias_opt, dtype);
   const bool needs_node = at::GradMode::is_enabled() &&
                           torch::autograd::compute_requires_grad(input, weight, bias);
   at::Tensor weight_cast, output;

@@ -1,0 +1,129 @@
+"""nn.Linear under CUDA autocast through torchfuse::linear_cast (the linear rewrite: one autograd
+node a Linear) against the same calls with the toggle off (stock's nodes: autocast's casts, its
+weight cache, F.linear): outputs and every gradient bit for bit over random Linears, unchanged
+HF models trained for a few steps with the same losses and gradients bit for bit, no more peak
+memory, and every Linear's call served. Each check runs in a fresh interpreter with the launcher's
+hooks installed (torchfuse.enable()), as a user's job gets them. The CPU half: test_linear.py."""
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import LIB_DIR, ROOT, clean_env, requires_cuda
+from gpu_util import fresh_seed
+
+pytestmark = requires_cuda
+
+PRELUDE = r"""
+import json, random, sys, torch
+sys.path.insert(0, {python!r})
+import torchfuse
+torchfuse.enable({lib!r})
+OP = "torchfuse::linear_cast"
+def served():
+    return json.loads(torch.ops.torchfuse.stats())["ops"].get(OP, {{}}).get("fused", 0)
+def same(a, b):
+    return all(x.dtype == y.dtype and x.shape == y.shape and x.stride() == y.stride() and torch.equal(x, y)
+               for x, y in zip(a, b)) and len(a) == len(b)
+rng = random.Random({seed})
+torch.manual_seed({seed})
+"""
+
+RANDOM_LINEARS = PRELUDE + r"""
+results = []
+for _ in range(40):
+    dtype = rng.choice([torch.bfloat16, torch.bfloat16, torch.float16])
+    lead = rng.choice([(rng.randrange(1, 600),), (rng.randrange(1, 5), rng.randrange(1, 300))])
+    fin, fout = rng.choice([8, 64, 768, 1000]), rng.choice([8, 96, 2304, 1001])
+    m = torch.nn.Linear(fin, fout, bias=rng.random() < 0.5).cuda()
+    m.weight.requires_grad_(rng.random() < 0.8)
+    x = torch.randn(*lead, fin, device="cuda", dtype=rng.choice([torch.float32, dtype])).requires_grad_()
+    leaves = [t for t in (x, *m.parameters()) if t.requires_grad]
+    outs = []
+    for on in (False, True):
+        torch.ops.torchfuse.set_enabled("linear", on)
+        before = served()
+        with torch.autocast("cuda", dtype=dtype):
+            y = m(x)
+        dy = torch.randn_like(y, generator=torch.Generator(device="cuda").manual_seed(1))
+        outs.append(([y, *torch.autograd.grad(y, leaves, dy)], served() - before))
+    results.append([same(outs[0][0], outs[1][0]), outs[0][1], outs[1][1], f"{{lead}} {{fin}}->{{fout}} {{dtype}}"])
+print("RESULT " + json.dumps(results))
+"""
+
+MODEL = PRELUDE + r"""
+import transformers
+name = {model!r}
+if name == "llama":
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                      max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(config)
+elif name == "qwen2":  # q/k/v biases
+    config = transformers.Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                      max_position_embeddings=256)
+    model = transformers.Qwen2ForCausalLM(config)
+else:  # gpt2: Conv1D projections, nn.Linear only as its LM head
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=256, n_head=4, vocab_size=512, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0))
+model = model.cuda()
+linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+start = {{k: v.detach().clone() for k, v in model.state_dict().items()}}
+batches = [torch.randint(0, 512, (4, 256), device="cuda") for _ in range(3)]
+
+def train(on):
+    torch.ops.torchfuse.set_enabled("linear", on)
+    model.load_state_dict(start)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    losses, calls = [], served()
+    torch.cuda.reset_peak_memory_stats()
+    for ids in batches:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return losses, grads, served() - calls, torch.cuda.max_memory_allocated()
+
+off, on = train(False), train(True)
+print("RESULT " + json.dumps({{
+    "losses": same(off[0], on[0]), "grads": same(off[1], on[1]), "served": [off[2], on[2]],
+    "linears": linears, "steps": len(batches), "peak": [off[3], on[3]]}}))
+"""
+
+
+def run(template, **fields):
+    code = template.format(python=str(ROOT / "python"), lib=str(LIB_DIR), seed=fresh_seed(), **fields)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env=clean_env(TORCHFUSE_LOG="info"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "rewrite linear: torch.nn.modules.linear.Linear.forward" in proc.stderr, proc.stderr[-3000:]
+    return json.loads(re.search(r"^RESULT (.*)$", proc.stdout, re.M).group(1))
+
+
+def test_random_linears_under_autocast_are_stocks_bits_and_served():
+    """Random Linears (2-D and 3-D inputs, fp32 or 16-bit, biased or not, frozen weights, bf16 and
+    fp16 autocast): with the node, the output and every gradient are stock's bit for bit, and
+    each call was served by the node (none with the toggle off)."""
+    for equal, off, on, case in run(RANDOM_LINEARS):
+        assert equal, case
+        assert (off, on) == (0, 1), case
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2", "gpt2"])
+def test_unchanged_hf_models_train_with_stocks_bits_and_no_more_memory(model):
+    """Tiny HF Llama, Qwen2 (q/k/v biases) and GPT-2 (its LM head) trained three steps under bf16
+    autocast with fused AdamW, every other rewrite on: the losses and the last step's gradients
+    equal the toggle-off run's bit for bit, every Linear's call was served, and the peak memory
+    is not above stock's."""
+    pytest.importorskip("transformers", reason="scripts/setup installs transformers")
+    out = run(MODEL, model=model)
+    assert out["losses"] and out["grads"], out
+    assert out["served"] == [0, out["linears"] * out["steps"]], out
+    assert out["peak"][1] <= out["peak"][0], out
