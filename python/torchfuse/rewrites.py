@@ -1195,14 +1195,15 @@ def _linear_forward(torch, original):
 
     @functools.wraps(original)
     def forward(self, input):
-        if type(input) is tensor and input.is_cuda and autocast("cuda") and grad_on():
+        # Traces first: torch.compile reads nothing more of this wrapper than that.
+        if untraced() and type(input) is tensor and input.is_cuda and autocast("cuda") and grad_on():
             params, dtype, cls = self._parameters, autocast_dtype("cuda"), type(self)
             weight, bias = params.get("weight"), params.get("bias")
             if (dtype in narrow and type(weight) in plain and weight.is_cuda and weight.dtype in eligible
                     and (bias is None or (type(bias) in plain and bias.dtype in eligible))
                     and input.dtype in eligible and "weight" not in self.__dict__ and "bias" not in self.__dict__
                     and (cls is linear or (_submodule_only(cls, "weight") and _submodule_only(cls, "bias")))
-                    and untraced() and not function_mode() and not dispatch_modes() and unchanged()):
+                    and not function_mode() and not dispatch_modes() and unchanged()):
                 return op(input if input.dtype == dtype else input.to(dtype), weight, bias, dtype)
         return original(self, input)
 

@@ -184,3 +184,24 @@ print(json.dumps({{"rewritten": rewritten is not original, "wrapped": rewritten.
 """, TORCHFUSE_LIB_DIR=str(MAIN_LIB.parent)))
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out == {"rewritten": True, "wrapped": True, "forwards": True, "cpu": "AddmmBackward0"}, out
+
+
+def test_torch_compile_traces_torchs_linear_through_the_rewrite_whole():
+    """Under torch.compile (fullgraph: a graph break would raise) the rewritten forward hands the
+    trace torch's own code, with stock's values and gradients."""
+    proc = check(run_python(f"""
+import json, sys
+sys.path.insert(0, {str(ROOT / "python")!r})
+import torch, torchfuse
+torchfuse.enable()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8, bias=False))
+x = torch.randn(4, 5, 16, requires_grad=True)
+compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+def run(m):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x)
+    return [y, *torch.autograd.grad(y.float().sum(), [x, *model.parameters()])]
+print(json.dumps({{"same": all(torch.equal(a, b) for a, b in zip(run(compiled), run(model)))}}))
+""", TORCHFUSE_LIB_DIR=str(MAIN_LIB.parent)))
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"same": True}
