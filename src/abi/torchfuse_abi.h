@@ -178,9 +178,8 @@ typedef struct TfLinearCall {
   TfTensor input;
   TfTensor weight;
   TfTensor bias;         // absent: none
-  int16_t dtype;         // the casts' c10::ScalarType (autocast's)
-  uint8_t weight_leaf;   // the weight is a leaf (its cast can be made again for a double backward)
-  uint8_t unused[5];
+  int16_t dtype;  // the casts' c10::ScalarType (autocast's)
+  uint8_t unused[6];
 } TfLinearCall;
 
 // _fused_adam_ / _fused_adamw_ (float or tensor lr).

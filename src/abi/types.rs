@@ -201,8 +201,7 @@ pub struct TfLinearCall {
     pub weight: TfTensor,
     pub bias: TfTensor,
     pub dtype: i16,
-    pub weight_leaf: u8,
-    pub unused: [u8; 5],
+    pub unused: [u8; 6],
 }
 
 /// `TfCrossEntropyCall`.
@@ -428,7 +427,6 @@ mod tests {
             n(offset_of!(TfLinearCall, weight)),
             n(offset_of!(TfLinearCall, bias)),
             n(offset_of!(TfLinearCall, dtype)),
-            n(offset_of!(TfLinearCall, weight_leaf)),
             n(size_of::<TfAdamCall>()),
             n(offset_of!(TfAdamCall, lens)),
             n(offset_of!(TfAdamCall, lr_tensor)),

@@ -1,6 +1,7 @@
-//! `torchfuse::linear_cast`: nn.Linear under CUDA autocast as one autograd node (the glue's
-//! linear.cpp builds it around stock's kernels; nothing is launched here). This module decides
-//! where the node reproduces stock exactly, or says why stock's own nodes run a call.
+//! `torchfuse::linear_cast`: nn.Linear's GEMM and reshapes under CUDA autocast as one autograd
+//! node (the glue's linear.cpp builds it around stock's casts and kernels; nothing is launched
+//! here). This module decides where the node reproduces stock exactly, or says why stock's own
+//! nodes run a call.
 
 use super::{Family, KernelOp, Served, Variant};
 use crate::abi::tensor::{describe, kind_of_scalar_type};
@@ -22,14 +23,12 @@ fn castable(kind: Kind) -> bool {
 /// Whether the node reproduces stock's Linear for these facts, or why not. The node computes
 /// what stock's formulas compute from the same tensors only for the forms whose stride tests
 /// it repeats: a contiguous input of two or more dims already in `dtype`, a contiguous 2-D
-/// weight, a 1-D bias or none. A weight cast to `dtype` must be a leaf: a double backward
-/// makes its cast again from it.
+/// weight, a 1-D bias or none, each of a dtype autocast casts.
 pub fn node_serves(
     input: &TfTensor,
     weight: &TfTensor,
     bias: Option<&TfTensor>,
     dtype: Kind,
-    weight_leaf: bool,
 ) -> Result<(), StockReason> {
     if !matches!(dtype, Kind::BFloat16 | Kind::Half) {
         return Err(StockReason::UnsupportedDtype);
@@ -59,9 +58,6 @@ pub fn node_serves(
     }
     if !input.is_contiguous() || !weight.is_contiguous() {
         return Err(StockReason::NotContiguous);
-    }
-    if weight_kind != dtype && !weight_leaf {
-        return Err(StockReason::FormNotServed);
     }
     Ok(())
 }
@@ -93,13 +89,7 @@ impl Family for Linear {
         let input = call.input.given().ok_or(StockReason::InvalidInput)?;
         let weight = call.weight.given().ok_or(StockReason::InvalidInput)?;
         let dtype = kind_of_scalar_type(call.dtype).ok_or(StockReason::UnsupportedDtype)?;
-        node_serves(
-            input,
-            weight,
-            call.bias.given(),
-            dtype,
-            call.weight_leaf != 0,
-        )?;
+        node_serves(input, weight, call.bias.given(), dtype)?;
         Ok(Served::new(NODE, [None, None, None]))
     }
 
