@@ -1175,36 +1175,52 @@ def _linear_forwards(torch):
     return _LINEAR_REWRITTEN.get(current, current), current
 
 
+@functools.lru_cache(maxsize=None)
+def _plain_linear_class(cls, linear, module_getattr):
+    """Whether `self.weight` and `self.bias` on an instance of `cls` (nn.Linear or a subclass)
+    are found as nn.Module finds them: no class attribute of those names (a property, a
+    descriptor) and no __getattr__ or __getattribute__ of the subclass's own."""
+    return cls is linear or (_submodule_only(cls, "weight") and _submodule_only(cls, "bias")
+                             and cls.__getattr__ is module_getattr
+                             and cls.__getattribute__ is object.__getattribute__)
+
+
 def _linear_forward(torch, original):
-    """nn.Linear's forward under CUDA autocast with grad on: the input cast as autocast casts it
-    (its own op and node, so a double backward reaches it), then torchfuse::linear_cast: the
-    weight's and bias's casts and the GEMM in one autograd node whose kernels and gradients are
-    stock's, bit for bit (src/abi/glue/linear.cpp), where stock's autograd runs four or five
-    nodes more a Linear and the host dispatches as many ops more. Anything else runs torch's
-    forward: autocast off or not to a 16-bit dtype, grad off, a weight, bias or input that is
-    not a plain CUDA tensor of a dtype autocast casts (fp32, bf16, fp16), a class or instance
-    attribute shadowing the weight or bias (a subclass's property), a patched F.linear, traced
-    calls and torch function or dispatch modes. The op keeps stock's path for the rest (shapes
-    and layouts its node would not reproduce exactly, forward-mode AD, the toggle off)."""
+    """nn.Linear's forward under CUDA autocast with grad on: torchfuse::linear_cast, whose casts
+    are autocast's own (its cache, its cast nodes) and whose GEMM and reshapes are one autograd
+    node, stock's kernels and gradients bit for bit (src/abi/glue/linear.cpp), where stock's
+    autograd runs four or five nodes more a Linear and the host dispatches as many ops more.
+    Anything else runs torch's forward: autocast off or not to a 16-bit dtype, grad off, a
+    weight, bias or input that is not a plain CUDA tensor of a dtype autocast casts (fp32, bf16,
+    fp16), a weight or bias that is not a parameter entry or that a subclass's attribute or
+    __getattr__ could replace, a patched F.linear, traces (torch.compile, torch.jit.trace,
+    torch.func) and torch function or dispatch modes. The op keeps stock's path for the rest
+    (shapes and layouts its node would not reproduce exactly, forward-mode AD, the toggle off).
+    The closure's `F` is the original's, so that torch.jit.script, which compiles the original's
+    source (`__wrapped__`) with this function's names, finds it."""
     op = torch.ops.torchfuse.linear_cast.default
     tensor, plain, linear = torch.Tensor, (torch.Tensor, torch.nn.Parameter), torch.nn.Linear
     autocast, autocast_dtype, grad_on = torch.is_autocast_enabled, torch.get_autocast_dtype, torch.is_grad_enabled
-    untraced, unchanged = _untraced_call(torch), compositions.Dependencies(original).unchanged
+    untraced, jit_tracing = _untraced_call(torch), torch._C._get_tracing_state
     function_mode, dispatch_modes = torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack
     narrow, eligible = (torch.bfloat16, torch.float16), (torch.float32, torch.bfloat16, torch.float16)
+    module_getattr = torch.nn.Module.__getattr__
+    F = original.__globals__["F"]
+    linear_function, missing = F.linear, object()
 
     @functools.wraps(original)
     def forward(self, input):
         # Traces first: torch.compile reads nothing more of this wrapper than that.
         if untraced() and type(input) is tensor and input.is_cuda and autocast("cuda") and grad_on():
-            params, dtype, cls = self._parameters, autocast_dtype("cuda"), type(self)
-            weight, bias = params.get("weight"), params.get("bias")
+            params, dtype = self._parameters, autocast_dtype("cuda")
+            weight, bias = params.get("weight"), params.get("bias", missing)
             if (dtype in narrow and type(weight) in plain and weight.is_cuda and weight.dtype in eligible
                     and (bias is None or (type(bias) in plain and bias.dtype in eligible))
                     and input.dtype in eligible and "weight" not in self.__dict__ and "bias" not in self.__dict__
-                    and (cls is linear or (_submodule_only(cls, "weight") and _submodule_only(cls, "bias")))
-                    and not function_mode() and not dispatch_modes() and unchanged()):
-                return op(input if input.dtype == dtype else input.to(dtype), weight, bias, dtype)
+                    and _plain_linear_class(type(self), linear, module_getattr)
+                    and F.linear is linear_function and not function_mode() and not dispatch_modes()
+                    and not jit_tracing()):
+                return op(input, weight, bias, dtype)
         return original(self, input)
 
     return forward

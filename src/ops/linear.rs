@@ -22,8 +22,8 @@ fn castable(kind: Kind) -> bool {
 
 /// Whether the node reproduces stock's Linear for these facts, or why not. The node computes
 /// what stock's formulas compute from the same tensors only for the forms whose stride tests
-/// it repeats: a contiguous input of two or more dims already in `dtype`, a contiguous 2-D
-/// weight, a 1-D bias or none, each of a dtype autocast casts.
+/// it repeats: a contiguous input of two or more dims, a contiguous 2-D weight, a 1-D bias or
+/// none, each of a dtype autocast casts (fp32 or 16-bit; their casts are stock's).
 pub fn node_serves(
     input: &TfTensor,
     weight: &TfTensor,
@@ -35,10 +35,10 @@ pub fn node_serves(
     }
     let input_kind = input.kind().ok_or(StockReason::UnsupportedDtype)?;
     let weight_kind = weight.kind().ok_or(StockReason::UnsupportedDtype)?;
-    if input_kind != dtype {
-        return Err(StockReason::MixedDtypes);
-    }
-    if !castable(weight_kind) || bias.is_some_and(|b| !b.kind().is_some_and(castable)) {
+    if !castable(input_kind)
+        || !castable(weight_kind)
+        || bias.is_some_and(|b| !b.kind().is_some_and(castable))
+    {
         return Err(StockReason::UnsupportedDtype);
     }
     if input.device() != weight.device() || bias.is_some_and(|b| b.device() != weight.device()) {

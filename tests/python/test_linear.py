@@ -41,7 +41,9 @@ for shape in [(4, 5, 16), (6, 16), (1, 16), (2, 3, 4, 16), (7, 1, 16)]:
         for wdtype, dtype in ((torch.float32, BF16), (torch.float16, BF16), (BF16, BF16),
                               (torch.float32, torch.float16)):
             for frozen in (False, True):
-                x, w = r(*shape, dtype=dtype), r(12, 16, dtype=wdtype, grad=not frozen)
+                # An fp32 input with fp16 weights: its cast is the op's too.
+                xdtype = torch.float32 if wdtype == torch.float16 else dtype
+                x, w = r(*shape, dtype=xdtype), r(12, 16, dtype=wdtype, grad=not frozen)
                 if frozen and bias:
                     w = w * 1.5  # a computed weight (a parametrization's), not a leaf
                 b = r(12, dtype=wdtype) if bias else None
@@ -57,13 +59,25 @@ print(json.dumps(results))
         assert node == "torchfuse::LinearCastBackward", case
 
 
+def test_a_one_row_input_of_odd_strides_keeps_stocks_gradient_layout():
+    """mm_mat1_backward's stride test on the input as given: a [1, K] input of strides (1, 1)
+    gets its gradient column-major, as from stock."""
+    out = run(r"""
+x, w = r(16, dtype=BF16).view(16, 1).t().detach().requires_grad_(), r(12, 16)
+dy = torch.randn(1, 12, generator=g).to(BF16)
+ours, node = outputs_and_grads(op, x, w, None, BF16, dy)
+theirs, _ = outputs_and_grads(stock, x, w, None, BF16, dy)
+print(json.dumps([same(ours, theirs), node, list(ours[1].stride())]))
+""")
+    assert out == [True, "torchfuse::LinearCastBackward", [1, 1]], out
+
+
 def test_forms_the_node_would_not_reproduce_keep_stocks_nodes():
-    """An input not yet in the dtype, a non-contiguous input or weight, a 1-D input, an fp32
-    dtype: stock's composition (its nodes), with its values."""
+    """A non-contiguous input or weight, a 1-D input, an fp32 dtype: stock's composition (its
+    nodes), with its values."""
     out = run(r"""
 w = r(12, 16)
 cases = {
-    "input to cast": (r(4, 16), w, BF16),
     "transposed input": (r(16, 4, dtype=BF16).t(), w, BF16),
     "transposed weight": (r(4, 16, dtype=BF16), r(16, 12).t(), BF16),
     "1-D input": (r(16, dtype=BF16), w, BF16),
@@ -104,30 +118,31 @@ print(json.dumps(results))
         assert ours == theirs, case
 
 
-def test_under_autocast_a_reused_weight_is_cast_once_by_autocasts_cache():
+def test_under_autocast_reused_weights_and_inputs_are_cast_once_by_autocasts_cache():
     """The casts are autocast's own under autocast: a weight used twice in a region is cast once
-    (both uses save the one cast, as stock's do), and cast again in the next region after an
-    in-place change; the gradients are stock's."""
+    (both uses save the one cast, as stock's do; their gradients meet there in bf16), so is an
+    fp32 leaf input that two Linears take, and a weight is cast again in the next region after
+    an in-place change; every gradient is stock's bit for bit."""
     out = run(r"""
-def saved_weights(fn, x, w):
+def two_uses(fn, x1, x2, w, v):
     seen = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
         with torch.autocast("cpu", dtype=BF16):
-            y = fn(x, w, None, BF16) + fn(x, w, None, BF16)
-    return y, [t for t in seen if t.shape == (12, 16) or t.shape == (16, 12)]
-x, w = r(4, 16, dtype=BF16), r(12, 16)
-y, ws = saved_weights(op, x, w)
-shared = len(ws) == 2 and ws[0].data_ptr() == ws[1].data_ptr()
+            y = fn(x1, w, None, BF16) + fn(x2, w, None, BF16) + fn(x1, v, None, BF16)
+    return y, [t for t in seen if t.shape in ((12, 16), (16, 12))]  # stock saves the cast transposed
+x1, x2, w, v = r(4, 16), r(4, 16, dtype=BF16), r(12, 16), r(12, 16)
 dy = torch.randn(4, 12, generator=g).to(BF16)
-grads = torch.autograd.grad(y, [x, w], dy)
-y_stock, ws_stock = saved_weights(lambda x, w, b, d: F.linear(x, w), x, w)
-want = torch.autograd.grad(y_stock, [x, w], dy)
+results = {}
+for name, fn in (("ours", op), ("stock", lambda x, w, b, d: F.linear(x, w))):
+    y, ws = two_uses(fn, x1, x2, w, v)
+    results[name] = (y, ws, torch.autograd.grad(y, [x1, x2, w, v], dy))
+(y, ws, grads), (y0, ws0, grads0) = results["ours"], results["stock"]
 with torch.no_grad():
     w.mul_(2)
-_, ws2 = saved_weights(op, x, w)
-recast = torch.equal(ws2[0], w.detach().to(BF16)) and not torch.equal(ws2[0], ws[0])
-print(json.dumps({"shared": shared, "stock_shared": ws_stock[0].data_ptr() == ws_stock[1].data_ptr(),
-                  "recast": recast, "same": same(list(grads), list(want)) and torch.equal(y, y_stock)}))
+_, ws2 = two_uses(op, x1, x2, w, v)
+print(json.dumps({"shared": ws[0].data_ptr() == ws[1].data_ptr(), "stock_shared": ws0[0].data_ptr() == ws0[1].data_ptr(),
+                  "recast": torch.equal(ws2[0], w.detach().to(BF16)) and not torch.equal(ws2[0], ws[0]),
+                  "same": same([y, *grads], [y0, *grads0])}))
 """)
     assert out == {"shared": True, "stock_shared": True, "recast": True, "same": True}
 
@@ -175,12 +190,15 @@ m = torch.nn.Linear(16, 12)
 x = torch.randn(3, 16)
 with torch.autocast("cpu", dtype=torch.bfloat16):
     y = m(x)
+scripted = torch.jit.script(m)  # compiles the original's source, its names resolved in the rewrite
 print(json.dumps({{"rewritten": rewritten is not original, "wrapped": rewritten.__wrapped__ is original,
+                   "scripted": torch.equal(scripted(x), m(x)),
                    "forwards": rewrites._linear_forwards(torch) == (original, rewritten),
                    "cpu": y.grad_fn.name()}}))
 """, TORCHFUSE_LIB_DIR=str(MAIN_LIB.parent)))
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out == {"rewritten": True, "wrapped": True, "forwards": True, "cpu": "AddmmBackward0"}, out
+    assert out == {"rewritten": True, "wrapped": True, "forwards": True, "cpu": "AddmmBackward0",
+                   "scripted": True}, out
 
 
 def test_torch_compile_traces_torchs_linear_through_the_rewrite_whole():

@@ -11,8 +11,7 @@
 //   the broadcast bias), so every gradient is stock's, bit for bit, a double backward's too;
 // - it saves what stock's GEMM saves: the input where the weight needs a gradient, the weight's
 //   cast where the input does.
-// Rust decides where the node runs (src/ops/linear.rs: where it is exact, an input already in
-// `dtype` among it: the caller casts the input with stock's op) and counts the call;
+// Rust decides where the node runs (src/ops/linear.rs: where it is exact) and counts the call;
 // forward-mode AD, functorch transforms and traces take the composition (stock's nodes) first.
 #include "glue.h"
 
@@ -42,17 +41,18 @@ bool autocast_in(c10::DeviceType device, at::ScalarType dtype) {
 // rewrite's case), nn.Linear's own call.
 at::Tensor linear_cast_composition(const at::Tensor& input, const at::Tensor& weight,
                                    const std::optional<at::Tensor>& bias, at::ScalarType dtype) {
-  if (autocast_in(input.device().type(), dtype) && input.scalar_type() == dtype)
-    return at::linear(input, weight, bias);
+  if (autocast_in(input.device().type(), dtype)) return at::linear(input, weight, bias);
   return linear_cast_stock(input, weight, bias, dtype);
 }
 
-// A weight's or bias's cast through autograd, as autocast's linear makes it.
+// A cast through autograd, as autocast's linear makes it (its cache takes fp32 leaves that
+// need a gradient: a weight, a bias, an input made a leaf).
 at::Tensor stock_cast(const at::Tensor& t, at::ScalarType dtype, bool autocast) {
   return autocast ? at::autocast::cached_cast(dtype, t, t.device().type()) : t.to(dtype);
 }
 
-// The backward of the Linear's GEMM and reshapes. Edges: input, the weight's cast, the bias's.
+// The backward of the Linear's GEMM and reshapes. Edges: the input's cast, the weight's, the
+// bias's (each the tensor itself where it needed none).
 struct LinearCastBackward : public torch::autograd::Node {
   // The input (its 2-D view is made again here, as stock's addmm saved it) where the weight
   // needs a gradient; the weight's cast where the input does.
@@ -69,16 +69,17 @@ struct LinearCastBackward : public torch::autograd::Node {
     const at::Tensor& grad = grads[0];
     if (!grad.defined()) return out;
     // The output's view (or matmul's _unsafe_view) back to the GEMM's [rows, out] gradient.
-    const at::Tensor grad_2d = grad.reshape({-1, out_features});
+    const at::Tensor grad_2d = as_2d(grad);
     if (should_compute_output(0)) {
       const at::Tensor w = weight_cast.unpack();
       const at::Tensor grad_input =
           input_column_major ? w.t().mm(grad_2d.t()).t() : grad_2d.mm(w);
-      out[0] = grad_input.reshape(input_sizes);
+      // A 2-D input's gradient as the GEMM made it (a reshape would restride size-one dims).
+      out[0] = input_sizes.size() == 2 ? grad_input : grad_input.reshape(input_sizes);
     }
     if (should_compute_output(1)) {
       // mm_mat2_backward for mat2 = w.t(), then TBackward0's transpose.
-      const at::Tensor input_2d = input.unpack().reshape({-1, in_features});
+      const at::Tensor input_2d = as_2d(input.unpack());
       const at::Tensor grad_weight_t = weight_t_column_major ? grad_2d.t().mm(input_2d).t()
                                                              : input_2d.t().mm(grad_2d);
       out[1] = grad_weight_t.t();
@@ -88,6 +89,12 @@ struct LinearCastBackward : public torch::autograd::Node {
       out[2] = at::sum_to(grad_2d, c10::IntArrayRef{out_features});
     }
     return out;
+  }
+
+  // The GEMM's view of the input: a 2-D input itself (addmm's or mm's operand, its strides as
+  // they are), another flattened as linear flattens it.
+  static at::Tensor as_2d(const at::Tensor& t) {
+    return t.dim() == 2 ? t : t.reshape({-1, t.size(-1)});
   }
 
   void release_variables() override {
@@ -118,6 +125,7 @@ at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weigh
   if (!fused_by_rust(TF_ENTRY_LINEAR_CAST, where, call, unused))
     return linear_cast_composition(input, weight, bias_opt, dtype);
   const bool autocast = autocast_in(input.device().type(), dtype);
+  const at::Tensor input_cast = stock_cast(input, dtype, autocast);
   const at::Tensor weight_cast = stock_cast(weight, dtype, autocast);
   const at::Tensor bias_cast = bias.defined() ? stock_cast(bias, dtype, autocast) : at::Tensor();
   at::Tensor output;
@@ -126,17 +134,17 @@ at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weigh
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     // Everything is in `dtype` now: autocast's own wrapper of linear would find nothing to do.
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    output = at::linear(input, weight_cast,
+    output = at::linear(input_cast, weight_cast,
                         bias_cast.defined() ? std::optional<at::Tensor>(bias_cast) : std::nullopt);
-    const at::Tensor input_2d = input.reshape({-1, input.size(-1)});
+    const at::Tensor input_2d = LinearCastBackward::as_2d(input_cast);
     input_column_major = input_2d.stride(0) == 1 && input_2d.stride(1) == input_2d.size(0);
   }
   if (!(at::GradMode::is_enabled() &&
-        torch::autograd::compute_requires_grad(input, weight_cast, bias_cast)))
+        torch::autograd::compute_requires_grad(input_cast, weight_cast, bias_cast)))
     return output;
   auto node = std::shared_ptr<LinearCastBackward>(new LinearCastBackward(),
                                                   torch::autograd::deleteNode);
-  node->set_next_edges(torch::autograd::collect_next_edges(input, weight_cast, bias_cast));
+  node->set_next_edges(torch::autograd::collect_next_edges(input_cast, weight_cast, bias_cast));
   node->input_sizes = input.sizes().vec();
   node->in_features = weight.size(1);
   node->out_features = weight.size(0);
@@ -144,7 +152,7 @@ at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weigh
   node->input_column_major = input_column_major;
   node->weight_t_column_major =
       weight_cast.stride(1) == 1 && weight_cast.stride(0) == weight_cast.size(1);
-  if (node->should_compute_output(1)) node->input = SavedVariable(input, false);
+  if (node->should_compute_output(1)) node->input = SavedVariable(input_cast, false);
   if (node->should_compute_output(0)) node->weight_cast = SavedVariable(weight_cast, false);
   torch::autograd::set_history(output, node);
   return output;
