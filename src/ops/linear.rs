@@ -114,3 +114,69 @@ impl Family for Linear {
         ))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::abi::tensor::described;
+    use tch::{Device, Tensor};
+
+    fn t(shape: &[i64], kind: Kind) -> Tensor {
+        Tensor::zeros(shape, (kind, Device::Cpu))
+    }
+
+    #[test]
+    fn the_node_serves_contiguous_castable_forms_and_says_why_not_otherwise() {
+        let (bf16, f32) = (Kind::BFloat16, Kind::Float);
+        // The facts point into the tensors' own size arrays: the tensors outlive them.
+        let (x3, w32, b32) = (t(&[4, 5, 16], f32), t(&[12, 16], f32), t(&[12], f32));
+        let (x, w, b) = (described(&x3), described(&w32), described(&b32));
+        assert_eq!(node_serves(&x, &w, Some(&b), bf16), Ok(()));
+        assert_eq!(node_serves(&x, &w, None, Kind::Half), Ok(()));
+        let served = |x: &Tensor, w: &Tensor, b: Option<&Tensor>, dtype| {
+            let b = b.map(described);
+            node_serves(&described(x), &described(w), b.as_ref(), dtype)
+        };
+        let (x, w) = (t(&[4, 16], bf16), t(&[12, 16], f32));
+        assert_eq!(
+            served(&x, &w, None, f32),
+            Err(StockReason::UnsupportedDtype)
+        );
+        let double = t(&[12, 16], Kind::Double);
+        assert_eq!(
+            served(&x, &double, None, bf16),
+            Err(StockReason::UnsupportedDtype)
+        );
+        let ints = t(&[12], Kind::Int64);
+        assert_eq!(
+            served(&x, &w, Some(&ints), bf16),
+            Err(StockReason::UnsupportedDtype)
+        );
+        assert_eq!(
+            served(&t(&[16], bf16), &w, None, bf16),
+            Err(StockReason::FormNotServed)
+        );
+        assert_eq!(
+            served(&t(&[4, 15], bf16), &w, None, bf16),
+            Err(StockReason::InvalidInput)
+        );
+        assert_eq!(
+            served(&x, &w, Some(&t(&[11], f32)), bf16),
+            Err(StockReason::InvalidInput)
+        );
+        assert_eq!(
+            served(&t(&[0, 16], bf16), &w, None, bf16),
+            Err(StockReason::EmptyInput)
+        );
+        let transposed = t(&[16, 4], bf16).transpose(0, 1);
+        assert_eq!(
+            served(&transposed, &w, None, bf16),
+            Err(StockReason::NotContiguous)
+        );
+        let w_t = t(&[16, 12], f32).transpose(0, 1);
+        assert_eq!(
+            served(&x, &w_t, None, bf16),
+            Err(StockReason::NotContiguous)
+        );
+    }
+}
