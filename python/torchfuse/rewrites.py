@@ -1189,7 +1189,8 @@ def _linear_forward(torch, original):
     """nn.Linear's forward under CUDA autocast with grad on: torchfuse::linear_cast, whose casts
     are autocast's own (its cache, its cast nodes) and whose GEMM and reshapes are one autograd
     node, stock's kernels and gradients bit for bit (src/abi/glue/linear.cpp), where stock's
-    autograd runs four or five nodes more a Linear and the host dispatches as many ops more.
+    autograd runs three or four nodes (transpose, reshapes, GEMM) and the host dispatches four
+    ops.
     Anything else runs torch's forward: autocast off or not to a 16-bit dtype, grad off, a
     weight, bias or input that is not a plain CUDA tensor of a dtype autocast casts (fp32, bf16,
     fp16), a weight or bias that is not a parameter entry or that a subclass's attribute or
@@ -1247,8 +1248,8 @@ def patch_linear(module):
         return True
     linear.forward = _linear_forward(torch, original)
     _LINEAR_REWRITTEN[linear.forward] = original
-    note(torch, f"rewrite linear: {module.__name__}.Linear.forward -> input cast, then " + _OPS
-                + "linear_cast (one autograd node) under CUDA autocast")
+    note(torch, f"rewrite linear: {module.__name__}.Linear.forward -> " + _OPS
+                + "linear_cast (autocast's casts, then one autograd node for the GEMM) under CUDA autocast")
     return True
 
 

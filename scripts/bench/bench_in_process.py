@@ -44,8 +44,8 @@ def switch_to(side, torchfuse, torch):
     nn.Linear's forward is torch's own where the side has the linear rewrite off, as in a process
     started with it off (its wrapper would otherwise still run, to call stock's nodes)."""
     from torchfuse import rewrites
-    torchs, rewritten = rewrites._linear_forwards(torch)
-    rewritten = next((r for r, o in rewrites._LINEAR_REWRITTEN.items() if o is torchs), rewritten)
+    torchs, _ = rewrites._linear_forwards(torch)
+    rewritten = next((r for r, o in rewrites._LINEAR_REWRITTEN.items() if o is torchs), torchs)
     linear_on = side != "stock"
     if side == "stock":
         torchfuse.disable()
