@@ -1186,14 +1186,15 @@ def _plain_linear_class(cls, linear, module_getattr):
 
 
 def _linear_forward(torch, original):
-    """nn.Linear's forward under CUDA autocast with grad on: torchfuse::linear_cast, whose casts
-    are autocast's own (its cache, its cast nodes) and whose GEMM and reshapes are one autograd
-    node, stock's kernels and gradients bit for bit (src/abi/glue/linear.cpp), where stock's
-    autograd runs three or four nodes (transpose, reshapes, GEMM) and the host dispatches four
-    ops.
-    Anything else runs torch's forward: autocast off or not to a 16-bit dtype, grad off, a
-    weight, bias or input that is not a plain CUDA tensor of a dtype autocast casts (fp32, bf16,
-    fp16), a weight or bias that is not a parameter entry or that a subclass's attribute or
+    """nn.Linear's forward with grad on: torchfuse::linear_cast, whose GEMM and reshapes are one
+    autograd node, stock's kernels and gradients bit for bit (src/abi/glue/linear.cpp), where
+    stock's autograd runs three or four nodes (transpose, reshapes, GEMM) and the host
+    dispatches four ops. Under CUDA autocast to a 16-bit dtype its casts are autocast's own (its
+    cache, its cast nodes); without autocast (a model in bf16, FSDP2's bf16 parameters, fp32)
+    the input, weight and bias share one dtype, as F.linear needs, and nothing is cast.
+    Anything else runs torch's forward: autocast not to a 16-bit dtype, grad off, a weight, bias
+    or input that is not a plain CUDA tensor of fp32, bf16 or fp16 (of one dtype without
+    autocast), a weight or bias that is not a parameter entry or that a subclass's attribute or
     __getattr__ could replace, a patched F.linear, traces (torch.compile, torch.jit.trace,
     torch.func) and torch function or dispatch modes. The op keeps stock's path for the rest
     (shapes and layouts its node would not reproduce exactly, forward-mode AD, the toggle off).
@@ -1209,19 +1210,32 @@ def _linear_forward(torch, original):
     F = original.__globals__["F"]
     linear_function, missing = F.linear, object()
 
+    def cast_to(input, weight, bias):
+        """The dtype the op computes in, or None: autocast's, or (without autocast) the one
+        dtype of the input, weight and bias."""
+        if autocast("cuda"):
+            dtype = autocast_dtype("cuda")
+            fits = (dtype in narrow and weight.dtype in eligible and input.dtype in eligible
+                    and (bias is None or bias.dtype in eligible))
+        else:
+            dtype = input.dtype
+            fits = dtype in eligible and weight.dtype == dtype and (bias is None or bias.dtype == dtype)
+        return dtype if fits else None
+
     @functools.wraps(original)
     def forward(self, input):
         # Traces first: torch.compile reads nothing more of this wrapper than that.
-        if untraced() and type(input) is tensor and input.is_cuda and autocast("cuda") and grad_on():
-            params, dtype = self._parameters, autocast_dtype("cuda")
+        if untraced() and type(input) is tensor and input.is_cuda and grad_on():
+            params = self._parameters
             weight, bias = params.get("weight"), params.get("bias", missing)
-            if (dtype in narrow and type(weight) in plain and weight.is_cuda and weight.dtype in eligible
-                    and (bias is None or (type(bias) in plain and bias.dtype in eligible))
-                    and input.dtype in eligible and "weight" not in self.__dict__ and "bias" not in self.__dict__
+            if (type(weight) in plain and weight.is_cuda and (bias is None or type(bias) in plain)
+                    and "weight" not in self.__dict__ and "bias" not in self.__dict__
                     and _plain_linear_class(type(self), linear, module_getattr)
                     and F.linear is linear_function and not function_mode() and not dispatch_modes()
                     and not jit_tracing()):
-                return op(input, weight, bias, dtype)
+                dtype = cast_to(input, weight, bias)
+                if dtype is not None:
+                    return op(input, weight, bias, dtype)
         return original(self, input)
 
     return forward
@@ -1249,7 +1263,7 @@ def patch_linear(module):
     linear.forward = _linear_forward(torch, original)
     _LINEAR_REWRITTEN[linear.forward] = original
     note(torch, f"rewrite linear: {module.__name__}.Linear.forward -> " + _OPS
-                + "linear_cast (autocast's casts, then one autograd node for the GEMM) under CUDA autocast")
+                + "linear_cast (one autograd node for the GEMM; under CUDA autocast after autocast's casts)")
     return True
 
 

@@ -1,6 +1,6 @@
-//! `torchfuse::linear_cast`: nn.Linear's GEMM and reshapes under CUDA autocast as one autograd
-//! node (the glue's linear.cpp builds it around stock's casts and kernels; nothing is launched
-//! here). This module decides where the node reproduces stock exactly, or says why stock's own
+//! `torchfuse::linear_cast`: nn.Linear's GEMM and reshapes as one autograd node, after
+//! autocast's casts where autocast runs (the glue's linear.cpp builds it around stock's casts and
+//! kernels; nothing is launched here). This module decides where the node reproduces stock exactly, or says why stock's own
 //! nodes run a call.
 
 use super::{Family, KernelOp, Served, Variant};
@@ -15,7 +15,8 @@ use tch::Kind;
 /// What the stats call a served call: the node, stock's kernels under it.
 const NODE: &str = "linear_node";
 
-/// The dtypes autocast casts (and so the node's casts take): fp32 and the 16-bit ones.
+/// The dtypes autocast casts (and so the node's casts take), and those the node computes in
+/// (the 16-bit ones under autocast, any of them without): fp32 and the 16-bit ones.
 fn castable(kind: Kind) -> bool {
     matches!(kind, Kind::Float | Kind::BFloat16 | Kind::Half)
 }
@@ -30,7 +31,7 @@ pub fn node_serves(
     bias: Option<&TfTensor>,
     dtype: Kind,
 ) -> Result<(), StockReason> {
-    if !matches!(dtype, Kind::BFloat16 | Kind::Half) {
+    if !castable(dtype) {
         return Err(StockReason::UnsupportedDtype);
     }
     let input_kind = input.kind().ok_or(StockReason::UnsupportedDtype)?;
@@ -138,8 +139,10 @@ mod tests {
             node_serves(&described(x), &described(w), b.as_ref(), dtype)
         };
         let (x, w) = (t(&[4, 16], bf16), t(&[12, 16], f32));
+        // Without autocast a Linear computes in its tensors' dtype, fp32 included.
+        assert_eq!(served(&w, &w, None, f32), Ok(()));
         assert_eq!(
-            served(&x, &w, None, f32),
+            served(&x, &w, None, Kind::Double),
             Err(StockReason::UnsupportedDtype)
         );
         let double = t(&[12, 16], Kind::Double);

@@ -1,8 +1,9 @@
-"""nn.Linear under CUDA autocast through torchfuse::linear_cast (the linear rewrite: one autograd
-node a Linear) against the same calls with the toggle off (stock's nodes: autocast's casts, its
-weight cache, F.linear): outputs and every gradient bit for bit over random Linears, unchanged
-HF models trained for a few steps with the same losses and gradients bit for bit, no more peak
-memory, and every Linear's call served. Each check runs in a fresh interpreter with the launcher's
+"""nn.Linear through torchfuse::linear_cast (the linear rewrite: one autograd node a Linear),
+under CUDA autocast and without it, against the same calls with the toggle off (stock's nodes:
+autocast's casts, its weight cache, F.linear): outputs and every gradient bit for bit over
+random Linears, stock's error for mixed dtypes without autocast, unchanged HF models trained for
+a few steps with the same losses and gradients bit for bit, no more peak memory, and every
+Linear's call served. Each check runs in a fresh interpreter with the launcher's
 hooks installed (torchfuse.enable()), as a user's job gets them. The CPU half: test_linear.py."""
 import json
 import re
@@ -33,23 +34,38 @@ torch.manual_seed({seed})
 
 RANDOM_LINEARS = PRELUDE + r"""
 results = []
-for _ in range(40):
-    dtype = rng.choice([torch.bfloat16, torch.bfloat16, torch.float16])
+for _ in range(60):
+    dtype = rng.choice([torch.bfloat16, torch.bfloat16, torch.float16, torch.float32])
+    # Without autocast (always for fp32) the module and input share a dtype, as a model in it runs.
+    autocast = dtype != torch.float32 and rng.random() < 0.7
     lead = rng.choice([(rng.randrange(1, 600),), (rng.randrange(1, 5), rng.randrange(1, 300))])
     fin, fout = rng.choice([8, 64, 768, 1000]), rng.choice([8, 96, 2304, 1001])
     m = torch.nn.Linear(fin, fout, bias=rng.random() < 0.5).cuda()
     m.weight.requires_grad_(rng.random() < 0.8)
-    x = torch.randn(*lead, fin, device="cuda", dtype=rng.choice([torch.float32, dtype])).requires_grad_()
+    if not autocast:
+        m.to(dtype)
+    xdtype = rng.choice([torch.float32, dtype]) if autocast else dtype
+    x = torch.randn(*lead, fin, device="cuda", dtype=xdtype).requires_grad_()
     leaves = [t for t in (x, *m.parameters()) if t.requires_grad]
     outs = []
     for on in (False, True):
         torch.ops.torchfuse.set_enabled("linear", on)
         before = served()
-        with torch.autocast("cuda", dtype=dtype):
+        with torch.autocast("cuda", dtype=dtype, enabled=autocast):
             y = m(x)
         dy = torch.randn_like(y, generator=torch.Generator(device="cuda").manual_seed(1))
         outs.append(([y, *torch.autograd.grad(y, leaves, dy)], served() - before))
-    results.append([same(outs[0][0], outs[1][0]), outs[0][1], outs[1][1], f"{{lead}} {{fin}}->{{fout}} {{dtype}}"])
+    results.append([same(outs[0][0], outs[1][0]), outs[0][1], outs[1][1],
+                    f"{{lead}} {{fin}}->{{fout}} {{dtype}} autocast={{autocast}}"])
+errors = []
+for on in (False, True):  # without autocast F.linear refuses mixed dtypes: stock's error either way
+    torch.ops.torchfuse.set_enabled("linear", on)
+    try:
+        torch.nn.Linear(8, 4).cuda().to(torch.bfloat16)(torch.randn(2, 8, device="cuda", requires_grad=True))
+        errors.append(None)
+    except RuntimeError as error:
+        errors.append(str(error))
+results.append([errors[0] is not None and errors[0] == errors[1], 0, 1, f"mixed dtypes: {{errors}}"])
 print("RESULT " + json.dumps(results))
 """
 
@@ -71,6 +87,9 @@ else:  # gpt2: Conv1D projections, nn.Linear only as its LM head
         n_layer=2, n_embd=256, n_head=4, vocab_size=512, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0,
         attn_pdrop=0.0))
 model = model.cuda()
+autocast = {autocast!r}
+if not autocast:  # the model in bf16, as a bf16 job (or FSDP2's bf16 parameters) trains it
+    model.to(torch.bfloat16)
 linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
 start = {{k: v.detach().clone() for k, v in model.state_dict().items()}}
 batches = [torch.randint(0, 512, (4, 256), device="cuda") for _ in range(3)]
@@ -83,7 +102,7 @@ def train(on):
     torch.cuda.reset_peak_memory_stats()
     held = torch.cuda.memory_allocated()  # the other run's results, kept: not this run's peak
     for ids in batches:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         grads = [p.grad.clone() for p in model.parameters()]
@@ -108,23 +127,27 @@ def run(template, **fields):
     return json.loads(re.search(r"^RESULT (.*)$", proc.stdout, re.M).group(1))
 
 
-def test_random_linears_under_autocast_are_stocks_bits_and_served():
-    """Random Linears (2-D and 3-D inputs, fp32 or 16-bit, biased or not, frozen weights, bf16 and
-    fp16 autocast): with the node, the output and every gradient are stock's bit for bit, and
-    each call was served by the node (none with the toggle off)."""
-    for equal, off, on, case in run(RANDOM_LINEARS):
+def test_random_linears_are_stocks_bits_and_served():
+    """Random Linears (2-D and 3-D inputs, fp32 or 16-bit, biased or not, frozen weights) under
+    bf16 and fp16 autocast, and without autocast in one dtype (bf16, fp16, fp32): with the node,
+    the output and every gradient are stock's bit for bit, and each call was served by the node
+    (none with the toggle off). Mixed dtypes without autocast get stock's error."""
+    results = run(RANDOM_LINEARS)
+    assert any("autocast=False" in case for *_, case in results)
+    for equal, off, on, case in results:
         assert equal, case
         assert (off, on) == (0, 1), case
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen2", "gpt2"])
-def test_unchanged_hf_models_train_with_stocks_bits_and_no_more_memory(model):
+@pytest.mark.parametrize("model,autocast", [("llama", True), ("qwen2", True), ("gpt2", True),
+                                            ("llama", False)])
+def test_unchanged_hf_models_train_with_stocks_bits_and_no_more_memory(model, autocast):
     """Tiny HF Llama, Qwen2 (q/k/v biases) and GPT-2 (its LM head) trained three steps under bf16
-    autocast with fused AdamW, every other rewrite on: the losses and the last step's gradients
-    equal the toggle-off run's bit for bit, every Linear's call was served, and the peak memory
-    is not above stock's."""
+    autocast with fused AdamW, and Llama in bf16 without autocast, every other rewrite on: the
+    losses and the last step's gradients equal the toggle-off run's bit for bit, every Linear's
+    call was served, and the peak memory is not above stock's."""
     pytest.importorskip("transformers", reason="scripts/setup installs transformers")
-    out = run(MODEL, model=model)
+    out = run(MODEL, model=model, autocast=autocast)
     assert out["losses"] and out["grads"], out
     assert out["served"] == [0, out["linears"] * out["steps"]], out
     assert out["peak"][1] <= out["peak"][0], out

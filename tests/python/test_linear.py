@@ -39,7 +39,7 @@ results = {}
 for shape in [(4, 5, 16), (6, 16), (1, 16), (2, 3, 4, 16), (7, 1, 16)]:
     for bias in (True, False):
         for wdtype, dtype in ((torch.float32, BF16), (torch.float16, BF16), (BF16, BF16),
-                              (torch.float32, torch.float16)):
+                              (torch.float32, torch.float16), (torch.float32, torch.float32)):
             for frozen in (False, True):
                 # An fp32 input with fp16 weights: its cast is the op's too.
                 xdtype = torch.float32 if wdtype == torch.float16 else dtype
@@ -53,7 +53,7 @@ for shape in [(4, 5, 16), (6, 16), (1, 16), (2, 3, 4, 16), (7, 1, 16)]:
                 results[f"{shape} bias={bias} {wdtype}->{dtype} frozen={frozen}"] = (same(ours, theirs), node)
 print(json.dumps(results))
 """)
-    assert len(out) == 5 * 2 * 4 * 2
+    assert len(out) == 5 * 2 * 5 * 2
     for case, (same, node) in out.items():
         assert same, case
         assert node == "torchfuse::LinearCastBackward", case
@@ -73,7 +73,7 @@ print(json.dumps([same(ours, theirs), node, list(ours[1].stride())]))
 
 
 def test_forms_the_node_would_not_reproduce_keep_stocks_nodes():
-    """A non-contiguous input or weight, a 1-D input, an fp32 dtype: stock's composition (its
+    """A non-contiguous input or weight, a 1-D input, an fp64 dtype: stock's composition (its
     nodes), with its values."""
     out = run(r"""
 w = r(12, 16)
@@ -81,7 +81,7 @@ cases = {
     "transposed input": (r(16, 4, dtype=BF16).t(), w, BF16),
     "transposed weight": (r(4, 16, dtype=BF16), r(16, 12).t(), BF16),
     "1-D input": (r(16, dtype=BF16), w, BF16),
-    "fp32 dtype": (r(4, 16), w, torch.float32),
+    "fp64 dtype": (r(4, 16, dtype=torch.float64), r(12, 16, dtype=torch.float64), torch.float64),
 }
 results = {}
 for name, (x, weight, dtype) in cases.items():
@@ -94,6 +94,33 @@ print(json.dumps(results))
     for case, (same, node) in out.items():
         assert same, case
         assert node != "torchfuse::LinearCastBackward", case
+
+
+def test_tensors_of_the_dtype_are_not_cast_and_another_autocast_casts_nothing():
+    """A Linear without autocast (a bf16 model, FSDP2's bf16 parameters, fp32): nothing is cast,
+    the node's edges are the leaves' own accumulators. Under an autocast of another dtype the op
+    still computes in its dtype, through the node and through stock's composition alike."""
+    out = run(r"""
+results = {}
+for dtype in (BF16, torch.float32):
+    x, w, b = r(4, 5, 16, dtype=dtype), r(12, 16, dtype=dtype), r(12, dtype=dtype)
+    y = op(x, w, b, dtype)
+    edges = [type(fn).__name__ if fn is not None else None for fn, _ in y.grad_fn.next_functions]
+    results[str(dtype)] = [y.grad_fn.name(), edges, y.dtype == dtype]
+x, w = r(4, 5, 16), r(12, 16)
+with torch.autocast("cpu", dtype=BF16):
+    node = op(x, w, None, torch.float32)
+    torch.ops.torchfuse.set_enabled("linear", False)
+    composition = op(x, w, None, torch.float32)
+    torch.ops.torchfuse.set_enabled("linear", True)
+results["other autocast"] = [node.dtype == composition.dtype == torch.float32, torch.equal(node, composition),
+                             node.grad_fn.name() != composition.grad_fn.name()]
+print(json.dumps(results))
+""")
+    accumulators = ["AccumulateGrad"] * 3
+    assert out == {"torch.bfloat16": ["torchfuse::LinearCastBackward", accumulators, True],
+                   "torch.float32": ["torchfuse::LinearCastBackward", accumulators, True],
+                   "other autocast": [True, True, True]}, out
 
 
 def test_it_saves_what_stock_saves():

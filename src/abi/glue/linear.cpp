@@ -1,8 +1,9 @@
-// torchfuse::linear_cast(input, weight, bias, dtype): F.linear of the input and of the weight
-// and bias cast to `dtype` (autocast's casts), its GEMM and reshapes as one autograd node. Under
-// CUDA autocast stock's Linear dispatches, besides the casts, a transpose, reshapes and the GEMM,
-// each an op through autograd and a node for the backward engine (TBackward0, ViewBackward0,
-// AddmmBackward0 or MmBackward0, ViewBackward0 or UnsafeViewBackward0). Here:
+// torchfuse::linear_cast(input, weight, bias, dtype): F.linear of the input, weight and bias cast
+// to `dtype` (autocast's casts; none where they are in `dtype`, a Linear without autocast), its
+// GEMM and reshapes as one autograd node. Stock's Linear dispatches, besides autocast's casts, a
+// transpose, reshapes and the GEMM, each an op through autograd and a node for the backward
+// engine (TBackward0, ViewBackward0, AddmmBackward0 or MmBackward0, ViewBackward0 or
+// UnsafeViewBackward0). Here:
 // - the casts are stock's own: autocast's cached_cast where autocast runs in `dtype` on the
 //   input's device (its weight cache, its ToCopyBackward0 nodes), `.to` otherwise;
 // - the forward is at::linear below autograd (the same kernels);
@@ -24,11 +25,15 @@ namespace {
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 
+// The op's meaning spelled out: F.linear in `dtype` of the three cast to it. An autocast of
+// another dtype does not cast them again (the node's GEMM runs below autocast too).
 at::Tensor linear_cast_stock(const at::Tensor& input, const at::Tensor& weight,
                              const std::optional<at::Tensor>& bias, at::ScalarType dtype) {
   std::optional<at::Tensor> bias_cast;
   if (bias.has_value() && bias->defined()) bias_cast = bias->to(dtype);
-  return at::linear(input.to(dtype), weight.to(dtype), bias_cast);
+  const at::Tensor input_cast = input.to(dtype), weight_cast = weight.to(dtype);
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  return at::linear(input_cast, weight_cast, bias_cast);
 }
 
 // Whether autocast runs in `dtype` on this device: then a cast is autocast's own (cached).
