@@ -134,8 +134,9 @@ _SOURCES = {
     hidden_states = self.dropout(hidden_states)
     return hidden_states
 """,
-    # transformers.pytorch_utils.Conv1D.forward (GPT-2's projections): a c_proj the MLP above
-    # may have. Under autocast its addmm casts its input to the autocast dtype.
+    # transformers.pytorch_utils.Conv1D.forward (GPT-2's projections; the linear rewrite's too):
+    # a c_proj the MLP above may have. Under autocast its addmm casts its input to the autocast
+    # dtype.
     "hf_conv1d": """def forward(self, x):
     size_out = x.size()[:-1] + (self.nf,)
     x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
@@ -837,7 +838,8 @@ COMPUTES = {"hf_dynamic_layer_update": "kv_cache", "hf_dynamic_sliding_window_la
             "gptj_rotary": "rotary", "helium_rotary": "rotary", "nemotron_partial_rotary": "rotary",
             "helium_rms_norm": "hf_rms_norm", "hf_rotary_pairs": "rotary", "hf_rotary_flipped": "rotary",
             "cohere_rotary_pairs_upcast": "rotary", "hf_rotary_pairs_upcast": "rotary",
-            "hf_ignore_causal_mask_sdpa": "sdpa", "hf_ignore_bidirectional_mask_sdpa": "sdpa"}
+            "hf_ignore_causal_mask_sdpa": "sdpa", "hf_ignore_bidirectional_mask_sdpa": "sdpa",
+            "hf_conv1d": "linear"}
 
 
 def _compiled(source):

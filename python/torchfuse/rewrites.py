@@ -49,7 +49,7 @@ def is_model_module(name):
 
 
 MODULES = ("transformers.activations", "transformers.loss.loss_utils", "transformers.masking_utils",
-           "transformers.integrations.moe", "transformers.cache_utils")
+           "transformers.integrations.moe", "transformers.cache_utils", "transformers.pytorch_utils")
 
 
 def wants(name):
@@ -806,8 +806,7 @@ def _conv1d_mlp_forward(torch, original, form, dependencies=None):
         key = (kind, kind.forward)
         known = casts_its_input.get(key)
         if known is None:
-            known = casts_its_input[key] = (kind.forward in linear_forwards
-                                            or compositions.form_of(kind.forward) == "hf_conv1d")
+            known = casts_its_input[key] = kind.forward in linear_forwards or _is_conv1d_forward(kind.forward)
         bias = getattr(proj, "bias", None)
         return (known and _unobserved(torch, proj) and type(getattr(proj, "weight", None)) in plain
                 and (bias is None or type(bias) in plain))
@@ -1175,10 +1174,71 @@ def _linear_forwards(torch):
     return _LINEAR_REWRITTEN.get(current, current), current
 
 
+def _linear_dtype(torch):
+    """A function (input, weight, bias) -> the dtype torchfuse::linear_cast computes a Linear's
+    (or Conv1D's) call in, or None: under CUDA autocast to a 16-bit dtype, autocast's, the
+    tensors of dtypes it casts; without autocast, the one dtype of the input, weight and bias
+    (F.linear and addmm refuse mixed ones: stock's code gives that error)."""
+    autocast, autocast_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+    narrow, eligible = (torch.bfloat16, torch.float16), (torch.float32, torch.bfloat16, torch.float16)
+
+    def cast_to(input, weight, bias):
+        if autocast("cuda"):
+            dtype = autocast_dtype("cuda")
+            fits = (dtype in narrow and weight.dtype in eligible and input.dtype in eligible
+                    and (bias is None or bias.dtype in eligible))
+        else:
+            dtype = input.dtype
+            fits = dtype in eligible and weight.dtype == dtype and (bias is None or bias.dtype == dtype)
+        return dtype if fits else None
+
+    return cast_to
+
+
+def _conv1d_forward(torch, original, form, dependencies=None):
+    """HF's Conv1D (GPT-2's projections, and any class whose forward is its code) through torchfuse::linear_cast with the weight as it is ([in, out]): the addmm and the
+    two views as one autograd node, stock's kernels and gradients bit for bit, under CUDA
+    autocast after autocast's casts (the input's 2-D view is never in its cache: a plain cast),
+    without autocast in the tensors' one dtype. Anything else runs the original: grad off, a
+    non-contiguous input or one of fewer than two dims, an `nf` that is not the weight's width,
+    a weight or bias that is not a plain parameter entry or that a subclass's attribute or
+    __getattr__ could replace, a changed `torch.addmm`, traces and torch function or dispatch
+    modes."""
+    op = torch.ops.torchfuse.linear_cast.default
+    tensor, plain = torch.Tensor, (torch.Tensor, torch.nn.Parameter)
+    grad_on, untraced, jit_tracing = torch.is_grad_enabled, _untraced_call(torch), torch._C._get_tracing_state
+    function_mode, dispatch_modes = torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack
+    module_getattr, cast_to = torch.nn.Module.__getattr__, _linear_dtype(torch)
+    unchanged = (dependencies or compositions.Dependencies(original)).unchanged
+
+    @functools.wraps(original)
+    def forward(self, x):
+        if (untraced() and type(x) is tensor and x.is_cuda and grad_on() and x.dim() >= 2
+                and x.is_contiguous()):
+            params, own = self._parameters, self.__dict__
+            weight, bias = params.get("weight"), params.get("bias")
+            if (type(weight) in plain and type(bias) in plain and weight.is_cuda and weight.dim() == 2
+                    and type(own.get("nf")) is int and own["nf"] == weight.shape[1]
+                    and "weight" not in own and "bias" not in own
+                    and _plain_linear_class(type(self), None, module_getattr)
+                    and not function_mode() and not dispatch_modes() and not jit_tracing() and unchanged()):
+                dtype = cast_to(x, weight, bias)
+                if dtype is not None:
+                    return op(x, weight, bias, dtype, True)
+        return original(self, x)
+
+    return forward
+
+
+def _is_conv1d_forward(forward):
+    """Whether a class's forward is HF Conv1D's code, or torchfuse's rewrite of it."""
+    return _REWRITTEN.get(forward, (None,))[0] == "hf_conv1d" or compositions.form_of(forward) == "hf_conv1d"
+
+
 @functools.lru_cache(maxsize=None)
 def _plain_linear_class(cls, linear, module_getattr):
-    """Whether `self.weight` and `self.bias` on an instance of `cls` (nn.Linear or a subclass)
-    are found as nn.Module finds them: no class attribute of those names (a property, a
+    """Whether `self.weight` and `self.bias` on an instance of `cls` (nn.Linear, HF Conv1D, or a
+    subclass) are found as nn.Module finds them: no class attribute of those names (a property, a
     descriptor) and no __getattr__ or __getattribute__ of the subclass's own."""
     return cls is linear or (_submodule_only(cls, "weight") and _submodule_only(cls, "bias")
                              and cls.__getattr__ is module_getattr
@@ -1202,25 +1262,11 @@ def _linear_forward(torch, original):
     source (`__wrapped__`) with this function's names, finds it."""
     op = torch.ops.torchfuse.linear_cast.default
     tensor, plain, linear = torch.Tensor, (torch.Tensor, torch.nn.Parameter), torch.nn.Linear
-    autocast, autocast_dtype, grad_on = torch.is_autocast_enabled, torch.get_autocast_dtype, torch.is_grad_enabled
-    untraced, jit_tracing = _untraced_call(torch), torch._C._get_tracing_state
+    grad_on, untraced, jit_tracing = torch.is_grad_enabled, _untraced_call(torch), torch._C._get_tracing_state
     function_mode, dispatch_modes = torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack
-    narrow, eligible = (torch.bfloat16, torch.float16), (torch.float32, torch.bfloat16, torch.float16)
-    module_getattr = torch.nn.Module.__getattr__
+    module_getattr, cast_to = torch.nn.Module.__getattr__, _linear_dtype(torch)
     F = original.__globals__["F"]
     linear_function, missing = F.linear, object()
-
-    def cast_to(input, weight, bias):
-        """The dtype the op computes in, or None: autocast's, or (without autocast) the one
-        dtype of the input, weight and bias."""
-        if autocast("cuda"):
-            dtype = autocast_dtype("cuda")
-            fits = (dtype in narrow and weight.dtype in eligible and input.dtype in eligible
-                    and (bias is None or bias.dtype in eligible))
-        else:
-            dtype = input.dtype
-            fits = dtype in eligible and weight.dtype == dtype and (bias is None or bias.dtype == dtype)
-        return dtype if fits else None
 
     @functools.wraps(original)
     def forward(self, input):
@@ -1412,7 +1458,7 @@ def _sites_check(torch):
         forward = type(m).forward
         known = conv1d_forms.get(forward)
         if known is None:
-            known = conv1d_forms[forward] = compositions.form_of(forward) == "hf_conv1d"
+            known = conv1d_forms[forward] = _is_conv1d_forward(forward)
         if not (known and _unobserved(torch, m)):
             return False
         params = m._parameters
@@ -1561,6 +1607,8 @@ REWRITES = {
     "new_gelu": Rewrite(functools.partial(_gelu_forward, widens=True), _OPS + "gelu_tanh"),
     "fast_gelu": Rewrite(_gelu_forward, _OPS + "gelu_tanh"),
     "hf_conv1d_mlp": Rewrite(_conv1d_mlp_forward, _OPS + "gelu_tanh"),
+    "hf_conv1d": Rewrite(_conv1d_forward, _OPS + "linear_cast of the [in, out] weight (one autograd node; "
+                                          "under CUDA autocast after autocast's casts)"),
     "hf_rms_norm": Rewrite(_rms_norm_forward, _OPS + "hf_rms_norm; a 16-bit x with an fp32 weight: "
                                               "aten::rms_norm without the weight, then the weight"),
     "gemma_rms_norm": Rewrite(_gemma_rms_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm)"),

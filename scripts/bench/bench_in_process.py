@@ -41,11 +41,15 @@ ROOT = HERE.parents[1]
 
 def switch_to(side, torchfuse, torch):
     """Puts this process in `side`'s state (torchfuse off, on, or on with a toggle spec).
-    nn.Linear's forward is torch's own where the side has the linear rewrite off, as in a process
-    started with it off (its wrapper would otherwise still run, to call stock's nodes)."""
+    nn.Linear's and HF Conv1D's forwards are their own code where the side has the linear
+    rewrite off, as in a process started with it off (their wrappers would otherwise still run,
+    to call stock's nodes)."""
     from torchfuse import rewrites
     torchs, _ = rewrites._linear_forwards(torch)
     rewritten = next((r for r, o in rewrites._LINEAR_REWRITTEN.items() if o is torchs), torchs)
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    conv1d_forwards = [f for f in rewrites._REWRITTEN if conv1d is not None and rewrites._REWRITTEN[f][0] == "hf_conv1d"
+                       and f.__wrapped__ is getattr(conv1d.forward, "__wrapped__", conv1d.forward)]
     linear_on = side != "stock"
     if side == "stock":
         torchfuse.disable()
@@ -58,6 +62,8 @@ def switch_to(side, torchfuse, torch):
             torch.ops.torchfuse.set_enabled(item.lstrip("+-"), on)
             linear_on = on if item.lstrip("+-") in ("linear", "all") else linear_on
     torch.nn.Linear.forward = rewritten if linear_on else torchs
+    if conv1d_forwards:
+        conv1d.forward = conv1d_forwards[0] if linear_on else conv1d_forwards[0].__wrapped__
 
 
 def worker(a):

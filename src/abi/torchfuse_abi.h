@@ -172,14 +172,15 @@ typedef struct TfMixedAddCall {
   uint8_t unused[7];
 } TfMixedAddCall;
 
-// torchfuse::linear_cast (input, weight, bias, dtype): whether its one autograd node may run
-// (stock's kernels under it; no outputs come back), or stock's nodes must.
+// torchfuse::linear_cast (input, weight, bias, dtype, weight_in_out): whether its one autograd
+// node may run (stock's kernels under it; no outputs come back), or stock's nodes must.
 typedef struct TfLinearCall {
   TfTensor input;
   TfTensor weight;
-  TfTensor bias;         // absent: none
-  int16_t dtype;  // the casts' c10::ScalarType (autocast's)
-  uint8_t unused[6];
+  TfTensor bias;          // absent: none
+  int16_t dtype;          // the casts' c10::ScalarType (autocast's)
+  uint8_t weight_in_out;  // the weight is [in, out] (HF Conv1D's), not nn.Linear's [out, in]
+  uint8_t unused[5];
 } TfLinearCall;
 
 // _fused_adam_ / _fused_adamw_ (float or tensor lr).

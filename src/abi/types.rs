@@ -201,7 +201,8 @@ pub struct TfLinearCall {
     pub weight: TfTensor,
     pub bias: TfTensor,
     pub dtype: i16,
-    pub unused: [u8; 6],
+    pub weight_in_out: u8,
+    pub unused: [u8; 5],
 }
 
 /// `TfCrossEntropyCall`.
@@ -427,6 +428,7 @@ mod tests {
             n(offset_of!(TfLinearCall, weight)),
             n(offset_of!(TfLinearCall, bias)),
             n(offset_of!(TfLinearCall, dtype)),
+            n(offset_of!(TfLinearCall, weight_in_out)),
             n(size_of::<TfAdamCall>()),
             n(offset_of!(TfAdamCall, lens)),
             n(offset_of!(TfAdamCall, lr_tensor)),

@@ -21,15 +21,17 @@ fn castable(kind: Kind) -> bool {
     matches!(kind, Kind::Float | Kind::BFloat16 | Kind::Half)
 }
 
-/// Whether the node reproduces stock's Linear for these facts, or why not. The node computes
-/// what stock's formulas compute from the same tensors only for the forms whose stride tests
-/// it repeats: a contiguous input of two or more dims, a contiguous 2-D weight, a 1-D bias or
-/// none, each of a dtype autocast casts (fp32 or 16-bit; their casts are stock's).
+/// Whether the node reproduces stock's Linear (or, `weight_in_out`, HF's Conv1D: the weight
+/// [in, out], always a bias) for these facts, or why not. The node computes what stock's
+/// formulas compute from the same tensors only for the forms whose stride tests it repeats: a
+/// contiguous input of two or more dims, a contiguous 2-D weight, a 1-D bias (or, for a
+/// Linear, none), each of a dtype autocast casts (fp32 or 16-bit; their casts are stock's).
 pub fn node_serves(
     input: &TfTensor,
     weight: &TfTensor,
     bias: Option<&TfTensor>,
     dtype: Kind,
+    weight_in_out: bool,
 ) -> Result<(), StockReason> {
     if !castable(dtype) {
         return Err(StockReason::UnsupportedDtype);
@@ -46,12 +48,15 @@ pub fn node_serves(
         return Err(StockReason::InvalidInput);
     }
     let (sizes, weight_sizes) = (input.sizes(), weight.sizes());
-    if sizes.len() < 2 || weight_sizes.len() != 2 {
+    if sizes.len() < 2 || weight_sizes.len() != 2 || (weight_in_out && bias.is_none()) {
         return Err(StockReason::FormNotServed);
     }
-    if weight_sizes[1] != sizes[sizes.len() - 1]
-        || bias.is_some_and(|b| b.sizes() != [weight_sizes[0]])
-    {
+    let (out_features, in_features) = if weight_in_out {
+        (weight_sizes[1], weight_sizes[0])
+    } else {
+        (weight_sizes[0], weight_sizes[1])
+    };
+    if in_features != sizes[sizes.len() - 1] || bias.is_some_and(|b| b.sizes() != [out_features]) {
         return Err(StockReason::InvalidInput);
     }
     if input.numel() == 0 || weight.numel() == 0 {
@@ -77,7 +82,13 @@ impl Family for Linear {
 
     unsafe fn describe(_entry: Entry, call: &TfLinearCall) -> Option<(&'static str, Vec<i64>)> {
         let (kind, mut shape) = describe(call.input.given()?);
-        shape.push(*call.weight.given()?.sizes().first()?);
+        let weight_sizes = call.weight.given()?.sizes();
+        let out_features = if call.weight_in_out != 0 {
+            weight_sizes.get(1)
+        } else {
+            weight_sizes.first()
+        };
+        shape.push(*out_features?);
         Some((kind, shape))
     }
 
@@ -90,7 +101,13 @@ impl Family for Linear {
         let input = call.input.given().ok_or(StockReason::InvalidInput)?;
         let weight = call.weight.given().ok_or(StockReason::InvalidInput)?;
         let dtype = kind_of_scalar_type(call.dtype).ok_or(StockReason::UnsupportedDtype)?;
-        node_serves(input, weight, call.bias.given(), dtype)?;
+        node_serves(
+            input,
+            weight,
+            call.bias.given(),
+            dtype,
+            call.weight_in_out != 0,
+        )?;
         Ok(Served::new(NODE, [None, None, None]))
     }
 
@@ -132,11 +149,11 @@ mod tests {
         // The facts point into the tensors' own size arrays: the tensors outlive them.
         let (x3, w32, b32) = (t(&[4, 5, 16], f32), t(&[12, 16], f32), t(&[12], f32));
         let (x, w, b) = (described(&x3), described(&w32), described(&b32));
-        assert_eq!(node_serves(&x, &w, Some(&b), bf16), Ok(()));
-        assert_eq!(node_serves(&x, &w, None, Kind::Half), Ok(()));
+        assert_eq!(node_serves(&x, &w, Some(&b), bf16, false), Ok(()));
+        assert_eq!(node_serves(&x, &w, None, Kind::Half, false), Ok(()));
         let served = |x: &Tensor, w: &Tensor, b: Option<&Tensor>, dtype| {
             let b = b.map(described);
-            node_serves(&described(x), &described(w), b.as_ref(), dtype)
+            node_serves(&described(x), &described(w), b.as_ref(), dtype, false)
         };
         let (x, w) = (t(&[4, 16], bf16), t(&[12, 16], f32));
         // Without autocast a Linear computes in its tensors' dtype, fp32 included.
@@ -180,6 +197,22 @@ mod tests {
         assert_eq!(
             served(&x, &w_t, None, bf16),
             Err(StockReason::NotContiguous)
+        );
+        // HF Conv1D's weight, [in, out], and its bias: served; without a bias, stock's code.
+        let conv1d = |x: &Tensor, w: &Tensor, b: Option<&Tensor>| {
+            let b = b.map(described);
+            node_serves(&described(x), &described(w), b.as_ref(), bf16, true)
+        };
+        let (x, w_in_out) = (t(&[4, 5, 16], bf16), t(&[16, 12], f32));
+        assert_eq!(conv1d(&x, &w_in_out, Some(&t(&[12], f32))), Ok(()));
+        assert_eq!(conv1d(&x, &w_in_out, None), Err(StockReason::FormNotServed));
+        assert_eq!(
+            conv1d(&x, &w_in_out, Some(&t(&[16], f32))),
+            Err(StockReason::InvalidInput)
+        );
+        assert_eq!(
+            conv1d(&t(&[4, 12], bf16), &w_in_out, Some(&t(&[12], f32))),
+            Err(StockReason::InvalidInput)
         );
     }
 }

@@ -59,7 +59,7 @@ def test_conv1d_recognised_despite_its_modules_future_annotations():
 
     assert Conv1D.forward.__code__.co_flags & __import__("__future__").annotations.compiler_flag
     assert compositions.form_of(Conv1D.forward) == "hf_conv1d"
-    assert "hf_conv1d" not in compositions.COMPUTES  # recognised for the MLP, not rewritten itself
+    assert compositions.COMPUTES["hf_conv1d"] == "linear"  # the linear rewrite's, and the MLP's c_proj
 
     class Scaled(Conv1D):
         def forward(self, x):

@@ -69,6 +69,34 @@ results.append([errors[0] is not None and errors[0] == errors[1], 0, 1, f"mixed 
 print("RESULT " + json.dumps(results))
 """
 
+RANDOM_CONV1D = PRELUDE + r"""
+from transformers.pytorch_utils import Conv1D
+original = Conv1D.forward.__wrapped__  # HF's own code
+results = []
+for _ in range(30):
+    dtype = rng.choice([torch.bfloat16, torch.float16, torch.float32])
+    autocast = dtype != torch.float32 and rng.random() < 0.7
+    lead = rng.choice([(rng.randrange(1, 600),), (rng.randrange(1, 5), rng.randrange(1, 300))])
+    nx, nf = rng.choice([8, 64, 768, 1000]), rng.choice([8, 96, 2304, 1001])
+    m = Conv1D(nf, nx).cuda()
+    m.weight.requires_grad_(rng.random() < 0.8)
+    if not autocast:
+        m.to(dtype)
+    xdtype = rng.choice([torch.float32, dtype]) if autocast else dtype
+    x = torch.randn(*lead, nx, device="cuda", dtype=xdtype).requires_grad_()
+    leaves = [t for t in (x, *m.parameters()) if t.requires_grad]
+    outs = []
+    for forward in (original, type(m).forward):
+        before = served()
+        with torch.autocast("cuda", dtype=dtype, enabled=autocast):
+            y = forward(m, x)
+        dy = torch.randn_like(y, generator=torch.Generator(device="cuda").manual_seed(1))
+        outs.append(([y, *torch.autograd.grad(y, leaves, dy)], served() - before))
+    results.append([same(outs[0][0], outs[1][0]), outs[0][1], outs[1][1],
+                    f"{{lead}} {{nx}}->{{nf}} {{dtype}} autocast={{autocast}}"])
+print("RESULT " + json.dumps(results))
+"""
+
 MODEL = PRELUDE + r"""
 import transformers
 name = {model!r}
@@ -82,7 +110,7 @@ elif name == "qwen2":  # q/k/v biases
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
                                       max_position_embeddings=256)
     model = transformers.Qwen2ForCausalLM(config)
-else:  # gpt2: Conv1D projections, nn.Linear only as its LM head
+else:  # gpt2: HF Conv1D projections, nn.Linear only as its LM head
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=2, n_embd=256, n_head=4, vocab_size=512, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0,
         attn_pdrop=0.0))
@@ -90,7 +118,7 @@ model = model.cuda()
 autocast = {autocast!r}
 if not autocast:  # the model in bf16, as a bf16 job (or FSDP2's bf16 parameters) trains it
     model.to(torch.bfloat16)
-linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+linears = sum(isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D" for m in model.modules())
 start = {{k: v.detach().clone() for k, v in model.state_dict().items()}}
 batches = [torch.randint(0, 512, (4, 256), device="cuda") for _ in range(3)]
 
@@ -139,13 +167,25 @@ def test_random_linears_are_stocks_bits_and_served():
         assert (off, on) == (0, 1), case
 
 
+def test_random_hf_conv1ds_are_their_codes_bits_and_served():
+    """Random HF Conv1Ds (GPT-2's projections) under bf16 and fp16 autocast and without autocast:
+    through the rewritten forward the output and every gradient are Conv1D's own code's bit for
+    bit, and each call was served by the node."""
+    pytest.importorskip("transformers", reason="scripts/setup installs transformers")
+    results = run(RANDOM_CONV1D)
+    for equal, off, on, case in results:
+        assert equal, case
+        assert (off, on) == (0, 1), case
+
+
 @pytest.mark.parametrize("model,autocast", [("llama", True), ("qwen2", True), ("gpt2", True),
-                                            ("llama", False)])
+                                            ("llama", False), ("gpt2", False)])
 def test_unchanged_hf_models_train_with_stocks_bits_and_no_more_memory(model, autocast):
-    """Tiny HF Llama, Qwen2 (q/k/v biases) and GPT-2 (its LM head) trained three steps under bf16
-    autocast with fused AdamW, and Llama in bf16 without autocast, every other rewrite on: the
-    losses and the last step's gradients equal the toggle-off run's bit for bit, every Linear's
-    call was served, and the peak memory is not above stock's."""
+    """Tiny HF Llama, Qwen2 (q/k/v biases) and GPT-2 (Conv1D projections, a Linear LM head)
+    trained three steps under bf16 autocast with fused AdamW, and Llama and GPT-2 in bf16 without
+    autocast, every other rewrite on: the losses and the last step's gradients equal the
+    toggle-off run's bit for bit, every Linear's and Conv1D's call was served, and the peak
+    memory is not above stock's."""
     pytest.importorskip("transformers", reason="scripts/setup installs transformers")
     out = run(MODEL, model=model, autocast=autocast)
     assert out["losses"] and out["grads"], out

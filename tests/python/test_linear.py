@@ -123,6 +123,88 @@ print(json.dumps(results))
                    "other autocast": [True, True, True]}, out
 
 
+CONV1D = r"""
+def conv1d(x, w, b, dtype, autocast):
+    # HF Conv1D's forward (transformers.pytorch_utils), as it runs under CPU autocast or in dtype.
+    with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+        size_out = x.size()[:-1] + (w.shape[1],)
+        return torch.addmm(b, x.view(-1, x.size(-1)), w).view(size_out)
+def through_op(x, w, b, dtype, autocast):
+    with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+        return op(x, w, b, dtype, True)
+"""
+
+
+def test_hf_conv1d_through_the_node_gives_its_outputs_and_gradients_bit_for_bit():
+    """HF Conv1D's forward (addmm of the bias, the input's 2-D view and the [in, out] weight,
+    viewed back) as the op's `weight_in_out` form: its node gives Conv1D's outputs and every
+    gradient bit for bit, under autocast (its casts: the input's a plain one, as Conv1D casts a
+    view autocast never caches; a leaf input two calls take is cast twice, as by Conv1D) and
+    without (fp32, bf16), and saves what Conv1D's nodes save."""
+    out = run(CONV1D + r"""
+results = {}
+for shape in [(4, 5, 16), (6, 16), (1, 16), (2, 3, 4, 16)]:
+    for wdtype, dtype, autocast in ((torch.float32, BF16, True), (BF16, BF16, False),
+                                    (torch.float32, torch.float32, False)):
+        for frozen in (False, True):
+            xdtype = torch.float32 if autocast else dtype
+            x, w, b = r(*shape, dtype=xdtype), r(16, 12, dtype=wdtype, grad=not frozen), r(12, dtype=wdtype)
+            dy = torch.randn(*shape[:-1], 12, generator=g).to(dtype)
+            leaves = [t for t in (x, w, b) if t.requires_grad]
+            y_op = through_op(x, w, b, dtype, autocast)
+            ours = [y_op, *torch.autograd.grad(y_op, leaves, dy)]
+            y = conv1d(x, w, b, dtype, autocast)
+            theirs = [y, *torch.autograd.grad(y, leaves, dy)]
+            results[f"{shape} {wdtype}->{dtype} autocast={autocast} frozen={frozen}"] = (
+                same(ours, theirs), y_op.grad_fn.name())
+x, w, b = r(3, 16), r(16, 12), r(12)  # a leaf input two calls take, under autocast
+grads = []
+for fn in (through_op, conv1d):
+    y = fn(x, w, b, BF16, True) + fn(x, w, b, BF16, True)
+    grads.append(list(torch.autograd.grad(y.float().sum(), [x, w, b])))
+results["leaf input twice"] = (same(*grads), "-")
+def saved(fn, x, w, b):
+    seen = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t.numel() * t.element_size()) or t,
+                                                  lambda t: t):
+        fn(x, w, b, BF16, True)
+    return sorted(seen)
+results["saved"] = (saved(through_op, r(4, 5, 16), r(16, 12), r(12)) == saved(conv1d, r(4, 5, 16), r(16, 12), r(12)), "-")
+print(json.dumps(results))
+""")
+    assert len(out) == 4 * 3 * 2 + 2
+    for case, (same, node) in out.items():
+        assert same, case
+        assert node in ("torchfuse::LinearCastBackward", "-"), case
+
+
+def test_hf_conv1d_forms_the_node_would_not_reproduce_keep_its_code():
+    """Without a bias, a 1-D or non-contiguous input: Conv1D's own code (stock's nodes), its
+    values, and its error for a view it cannot take."""
+    out = run(CONV1D + r"""
+results = {}
+w, b = r(16, 12), r(12)
+x1 = r(16, dtype=BF16)
+y = through_op(x1, w, b, BF16, True)
+results["1-D input"] = [torch.equal(y, conv1d(x1, w, b, BF16, True)), y.grad_fn.name()]
+x = r(4, 16)
+y = op(x, w, None, torch.float32, True)
+results["no bias"] = [torch.equal(y, F.linear(x, w.t())), y.grad_fn.name()]
+errors = []
+for fn in (lambda x: op(x, w, b, torch.float32, True), lambda x: conv1d(x, w, b, torch.float32, False)):
+    try:
+        fn(r(2, 16, 4).transpose(1, 2))
+        errors.append("no error")
+    except RuntimeError as error:
+        errors.append(str(error))
+results["strided"] = [errors[0] == errors[1] and "view" in errors[0]]
+print(json.dumps(results))
+""")
+    assert out["1-D input"][0] and out["1-D input"][1] != "torchfuse::LinearCastBackward", out
+    assert out["no bias"][0] and out["no bias"][1] != "torchfuse::LinearCastBackward", out
+    assert out["strided"] == [True], out
+
+
 def test_it_saves_what_stock_saves():
     """The bytes a saved-tensor hook sees (what offloading would move): stock's, with and without
     the weight's gradient (a frozen base layer saves no input)."""
@@ -226,6 +308,39 @@ print(json.dumps({{"rewritten": rewritten is not original, "wrapped": rewritten.
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out == {"rewritten": True, "wrapped": True, "forwards": True, "cpu": "AddmmBackward0",
                    "scripted": True}, out
+
+
+def test_hf_conv1d_forward_is_rewritten_and_still_known_as_conv1d():
+    """The hooks rewrite transformers.pytorch_utils.Conv1D.forward (its original kept as
+    `__wrapped__`); the rewrites that look at Conv1D submodules (norm_cast's sites, the GPT-2
+    MLP's c_proj) know either as Conv1D's; off the GPU, and under torch.compile (fullgraph), it
+    runs Conv1D's code."""
+    proc = check(run_python(f"""
+import json, sys
+sys.path.insert(0, {str(ROOT / "python")!r})
+import torch, torchfuse
+torchfuse.enable()
+from torchfuse import rewrites
+from transformers.pytorch_utils import Conv1D
+torch.manual_seed(0)
+m, x = Conv1D(12, 16), torch.randn(2, 3, 16, requires_grad=True)
+def run(module):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = module(x)
+    return [y, *torch.autograd.grad(y.float().sum(), [x, *m.parameters()])], y.grad_fn.name()
+eager, node = run(m)
+compiled, _ = run(torch.compile(m, fullgraph=True, backend="aot_eager"))
+holder = torch.nn.Module()
+holder.proj = m
+print(json.dumps({{"wrapped": Conv1D.forward.__wrapped__.__code__.co_name == "forward"
+                              and Conv1D.forward is not Conv1D.forward.__wrapped__,
+                   "known": [rewrites._is_conv1d_forward(f) for f in (Conv1D.forward, Conv1D.forward.__wrapped__)],
+                   "sites": rewrites._sites_check(torch)(holder, ("proj",), torch.device("cpu")),
+                   "cpu": node, "compiled": all(torch.equal(a, b) for a, b in zip(eager, compiled))}}))
+""", TORCHFUSE_LIB_DIR=str(MAIN_LIB.parent), TORCHFUSE_LOG="info"))
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "rewrite linear: transformers.pytorch_utils.Conv1D.forward (hf_conv1d)" in proc.stderr, proc.stderr[-2000:]
+    assert out == {"wrapped": True, "known": [True, True], "sites": 1, "cpu": "ViewBackward0", "compiled": True}, out
 
 
 def test_torch_compile_traces_torchs_linear_through_the_rewrite_whole():

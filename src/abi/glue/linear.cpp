@@ -12,6 +12,9 @@
 //   the broadcast bias), so every gradient is stock's, bit for bit, a double backward's too;
 // - it saves what stock's GEMM saves: the input where the weight needs a gradient, the weight's
 //   cast where the input does.
+// With `weight_in_out` the weight is [in, out] and the call is HF's Conv1D (GPT-2's projections):
+// addmm of the bias, the input's 2-D view and the weight as it is, viewed back (its code's
+// kernels), one node for stock's ViewBackward0, AddmmBackward0 and ViewBackward0.
 // Rust decides where the node runs (src/ops/linear.rs: where it is exact) and counts the call;
 // forward-mode AD, functorch transforms and traces take the composition (stock's nodes) first.
 #include "glue.h"
@@ -25,15 +28,36 @@ namespace {
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 
-// The op's meaning spelled out: F.linear in `dtype` of the three cast to it. An autocast of
-// another dtype does not cast them again (the node's GEMM runs below autocast too).
+// The GEMM's view of the input: HF Conv1D's `x.view(-1, x.size(-1))`; for a Linear, a 2-D
+// input itself (addmm's or mm's operand, its strides as they are), another flattened as linear
+// flattens it.
+at::Tensor input_2d(const at::Tensor& t, bool weight_in_out) {
+  if (weight_in_out) return t.view({-1, t.size(-1)});
+  return t.dim() == 2 ? t : t.reshape({-1, t.size(-1)});
+}
+
+// F.linear, or (`weight_in_out`) HF Conv1D's forward where there is a bias (its code: addmm of
+// the bias, the input's 2-D view and the weight, viewed to the input's leading dims and `out`).
+at::Tensor linear_of(const at::Tensor& input, const at::Tensor& weight,
+                     const std::optional<at::Tensor>& bias, bool weight_in_out) {
+  if (!weight_in_out) return at::linear(input, weight, bias);
+  if (!bias.has_value() || !bias->defined()) return at::linear(input, weight.t(), std::nullopt);
+  std::vector<int64_t> size_out = input.sizes().vec();
+  TORCH_CHECK(!size_out.empty(), "linear_cast: a 0-dim input has no features");
+  size_out.back() = weight.size(1);
+  return at::addmm(*bias, input_2d(input, true), weight).view(size_out);
+}
+
+// The op's meaning spelled out: the linear of the three cast to `dtype`. An autocast of another
+// dtype does not cast them again (the node's GEMM runs below autocast too).
 at::Tensor linear_cast_stock(const at::Tensor& input, const at::Tensor& weight,
-                             const std::optional<at::Tensor>& bias, at::ScalarType dtype) {
+                             const std::optional<at::Tensor>& bias, at::ScalarType dtype,
+                             bool weight_in_out) {
   std::optional<at::Tensor> bias_cast;
   if (bias.has_value() && bias->defined()) bias_cast = bias->to(dtype);
   const at::Tensor input_cast = input.to(dtype), weight_cast = weight.to(dtype);
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  return at::linear(input_cast, weight_cast, bias_cast);
+  return linear_of(input_cast, weight_cast, bias_cast, weight_in_out);
 }
 
 // Whether autocast runs in `dtype` on this device: then a cast is autocast's own (cached).
@@ -43,11 +67,13 @@ bool autocast_in(c10::DeviceType device, at::ScalarType dtype) {
 }
 
 // Stock's nodes for a call the node does not take. Under the autocast the call stands for (the
-// rewrite's case), nn.Linear's own call.
+// rewrite's case), the module's own code, autocast's casts included.
 at::Tensor linear_cast_composition(const at::Tensor& input, const at::Tensor& weight,
-                                   const std::optional<at::Tensor>& bias, at::ScalarType dtype) {
-  if (autocast_in(input.device().type(), dtype)) return at::linear(input, weight, bias);
-  return linear_cast_stock(input, weight, bias, dtype);
+                                   const std::optional<at::Tensor>& bias, at::ScalarType dtype,
+                                   bool weight_in_out) {
+  if (autocast_in(input.device().type(), dtype))
+    return linear_of(input, weight, bias, weight_in_out);
+  return linear_cast_stock(input, weight, bias, dtype, weight_in_out);
 }
 
 // A cast through autograd, as autocast's linear makes it (its cache takes fp32 leaves that
@@ -56,50 +82,51 @@ at::Tensor stock_cast(const at::Tensor& t, at::ScalarType dtype, bool autocast) 
   return autocast ? at::autocast::cached_cast(dtype, t, t.device().type()) : t.to(dtype);
 }
 
-// The backward of the Linear's GEMM and reshapes. Edges: the input's cast, the weight's, the
-// bias's (each the tensor itself where it needed none).
+// The backward of the GEMM and reshapes. Edges: the input's cast, the weight's, the bias's (each
+// the tensor itself where it needed none).
 struct LinearCastBackward : public torch::autograd::Node {
   // The input (its 2-D view is made again here, as stock's addmm saved it) where the weight
   // needs a gradient; the weight's cast where the input does.
   SavedVariable input, weight_cast;
   std::vector<int64_t> input_sizes;
-  int64_t in_features = 0, out_features = 0;
+  int64_t out_features = 0;
   bool has_bias = false;
+  // The weight is [in, out], the GEMM's second operand as it is (HF Conv1D); else nn.Linear's
+  // [out, in], whose transpose the GEMM takes.
+  bool weight_in_out = false;
   // Stock's stride tests (mm_mat1_backward on the input's 2-D view, mm_mat2_backward on the
-  // weight cast's transpose), read in the forward.
-  bool input_column_major = false, weight_t_column_major = true;
+  // GEMM's second operand), read in the forward.
+  bool input_column_major = false, mat2_column_major = true;
 
   variable_list apply(variable_list&& grads) override {
     variable_list out(3);
     const at::Tensor& grad = grads[0];
     if (!grad.defined()) return out;
     // The output's view (or matmul's _unsafe_view) back to the GEMM's [rows, out] gradient.
-    const at::Tensor grad_2d = as_2d(grad);
+    const at::Tensor grad_2d = grad.dim() == 2 ? grad : grad.reshape({-1, out_features});
     if (should_compute_output(0)) {
+      // mm_mat1_backward, mat2 the weight's cast (Conv1D) or its transpose (Linear).
       const at::Tensor w = weight_cast.unpack();
       const at::Tensor grad_input =
-          input_column_major ? w.t().mm(grad_2d.t()).t() : grad_2d.mm(w);
-      // A 2-D input's gradient as the GEMM made it (a reshape would restride size-one dims).
-      out[0] = input_sizes.size() == 2 ? grad_input : grad_input.reshape(input_sizes);
+          weight_in_out ? (input_column_major ? w.mm(grad_2d.t()).t() : grad_2d.mm(w.t()))
+                        : (input_column_major ? w.t().mm(grad_2d.t()).t() : grad_2d.mm(w));
+      // A 2-D input's gradient as the GEMM made it (a reshape would restride size-one dims);
+      // Conv1D's view's gradient is ViewBackward0's reshape.
+      out[0] = input_sizes.size() == 2 && !weight_in_out ? grad_input
+                                                         : grad_input.reshape(input_sizes);
     }
     if (should_compute_output(1)) {
-      // mm_mat2_backward for mat2 = w.t(), then TBackward0's transpose.
-      const at::Tensor input_2d = as_2d(input.unpack());
-      const at::Tensor grad_weight_t = weight_t_column_major ? grad_2d.t().mm(input_2d).t()
-                                                             : input_2d.t().mm(grad_2d);
-      out[1] = grad_weight_t.t();
+      // mm_mat2_backward; for a Linear then TBackward0's transpose.
+      const at::Tensor mat1 = input_2d(input.unpack(), weight_in_out);
+      const at::Tensor grad_mat2 =
+          mat2_column_major ? grad_2d.t().mm(mat1).t() : mat1.t().mm(grad_2d);
+      out[1] = weight_in_out ? grad_mat2 : grad_mat2.t();
     }
     if (has_bias && should_compute_output(2)) {
       // addmm's gradient of its broadcast bias, reduced by the engine (InputMetadata::reduce_grad).
       out[2] = at::sum_to(grad_2d, c10::IntArrayRef{out_features});
     }
     return out;
-  }
-
-  // The GEMM's view of the input: a 2-D input itself (addmm's or mm's operand, its strides as
-  // they are), another flattened as linear flattens it.
-  static at::Tensor as_2d(const at::Tensor& t) {
-    return t.dim() == 2 ? t : t.reshape({-1, t.size(-1)});
   }
 
   void release_variables() override {
@@ -111,26 +138,29 @@ struct LinearCastBackward : public torch::autograd::Node {
 };
 
 at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weight,
-                                const std::optional<at::Tensor>& bias_opt, at::ScalarType dtype) {
+                                const std::optional<at::Tensor>& bias_opt, at::ScalarType dtype,
+                                bool weight_in_out) {
   const at::Tensor bias = bias_opt.has_value() ? *bias_opt : at::Tensor();
   // Transforms, forward-mode AD, and tensors or modes a trace watches (fake tensors, make_fx,
   // functionalization: they see stock's ops) take the composition.
   if (composition_only({input, weight, bias}) || traced(input) || traced(weight) ||
       (bias.defined() && traced(bias)))
-    return linear_cast_composition(input, weight, bias_opt, dtype);
+    return linear_cast_composition(input, weight, bias_opt, dtype, weight_in_out);
   // Rust decides (and counts) whether the node serves this call.
   TfLinearCall call{};
   call.input = describe(input);
   call.weight = describe(weight);
   call.bias = describe(bias_opt);
   call.dtype = static_cast<int16_t>(dtype);
+  call.weight_in_out = weight_in_out ? 1 : 0;
   // Nothing is launched: no stream, no device guard.
   const TfLaunch where{input.is_cuda() ? static_cast<int32_t>(input.get_device()) : -1, nullptr};
   TfOutputs unused{};
   if (!fused_by_rust(TF_ENTRY_LINEAR_CAST, where, call, unused))
-    return linear_cast_composition(input, weight, bias_opt, dtype);
+    return linear_cast_composition(input, weight, bias_opt, dtype, weight_in_out);
   const bool autocast = autocast_in(input.device().type(), dtype);
-  const at::Tensor input_cast = stock_cast(input, dtype, autocast);
+  // Conv1D's addmm casts the input's 2-D view, which autocast's cache never holds: a plain cast.
+  const at::Tensor input_cast = stock_cast(input, dtype, autocast && !weight_in_out);
   const at::Tensor weight_cast = stock_cast(weight, dtype, autocast);
   const at::Tensor bias_cast = bias.defined() ? stock_cast(bias, dtype, autocast) : at::Tensor();
   at::Tensor output;
@@ -139,10 +169,11 @@ at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weigh
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     // Everything is in `dtype` now: autocast's own wrapper of linear would find nothing to do.
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    output = at::linear(input_cast, weight_cast,
-                        bias_cast.defined() ? std::optional<at::Tensor>(bias_cast) : std::nullopt);
-    const at::Tensor input_2d = LinearCastBackward::as_2d(input_cast);
-    input_column_major = input_2d.stride(0) == 1 && input_2d.stride(1) == input_2d.size(0);
+    output = linear_of(input_cast, weight_cast,
+                       bias_cast.defined() ? std::optional<at::Tensor>(bias_cast) : std::nullopt,
+                       weight_in_out);
+    const at::Tensor mat1 = input_2d(input_cast, weight_in_out);
+    input_column_major = mat1.stride(0) == 1 && mat1.stride(1) == mat1.size(0);
   }
   if (!(at::GradMode::is_enabled() &&
         torch::autograd::compute_requires_grad(input_cast, weight_cast, bias_cast)))
@@ -151,12 +182,14 @@ at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weigh
                                                   torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(input_cast, weight_cast, bias_cast));
   node->input_sizes = input.sizes().vec();
-  node->in_features = weight.size(1);
-  node->out_features = weight.size(0);
+  node->out_features = weight.size(weight_in_out ? 1 : 0);
   node->has_bias = bias.defined();
+  node->weight_in_out = weight_in_out;
   node->input_column_major = input_column_major;
-  node->weight_t_column_major =
-      weight_cast.stride(1) == 1 && weight_cast.stride(0) == weight_cast.size(1);
+  // The GEMM's second operand: the weight's cast (Conv1D), or its transpose (Linear).
+  node->mat2_column_major =
+      weight_in_out ? weight_cast.stride(0) == 1 && weight_cast.stride(1) == weight_cast.size(0)
+                    : weight_cast.stride(1) == 1 && weight_cast.stride(0) == weight_cast.size(1);
   if (node->should_compute_output(1)) node->input = SavedVariable(input_cast, false);
   if (node->should_compute_output(0)) node->weight_cast = SavedVariable(weight_cast, false);
   torch::autograd::set_history(output, node);

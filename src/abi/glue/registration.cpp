@@ -150,7 +150,7 @@ const std::vector<int64_t>& abi_layout() {
       sizeof(TfMixedAddCall), TF_FIELD(TfMixedAddCall, other),
       TF_FIELD(TfMixedAddCall, alpha_is_one),
       sizeof(TfLinearCall), TF_FIELD(TfLinearCall, weight), TF_FIELD(TfLinearCall, bias),
-      TF_FIELD(TfLinearCall, dtype),
+      TF_FIELD(TfLinearCall, dtype), TF_FIELD(TfLinearCall, weight_in_out),
       sizeof(TfAdamCall), TF_FIELD(TfAdamCall, lens), TF_FIELD(TfAdamCall, lr_tensor),
       TF_FIELD(TfAdamCall, grad_scale), TF_FIELD(TfAdamCall, found_inf),
       TF_FIELD(TfAdamCall, lr), TF_FIELD(TfAdamCall, beta1), TF_FIELD(TfAdamCall, beta2),
