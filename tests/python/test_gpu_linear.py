@@ -30,33 +30,42 @@ def same(a, b):
                for x, y in zip(a, b)) and len(a) == len(b)
 rng = random.Random({seed})
 torch.manual_seed({seed})
-"""
-
-RANDOM_LINEARS = PRELUDE + r"""
-results = []
-for _ in range(60):
-    dtype = rng.choice([torch.bfloat16, torch.bfloat16, torch.float16, torch.float32])
-    # Without autocast (always for fp32) the module and input share a dtype, as a model in it runs.
+def random_case(make, dtypes):
+    # A module of random sizes (make(in, out)) and an input: under bf16/fp16 autocast (an fp32 or
+    # 16-bit input), or without autocast (always for fp32) the module and input in one dtype, as
+    # a model in that dtype runs. -> (module, input, the leaves, dtype, autocast, a description)
+    dtype = rng.choice(dtypes)
     autocast = dtype != torch.float32 and rng.random() < 0.7
     lead = rng.choice([(rng.randrange(1, 600),), (rng.randrange(1, 5), rng.randrange(1, 300))])
     fin, fout = rng.choice([8, 64, 768, 1000]), rng.choice([8, 96, 2304, 1001])
-    m = torch.nn.Linear(fin, fout, bias=rng.random() < 0.5).cuda()
+    m = make(fin, fout).cuda()
     m.weight.requires_grad_(rng.random() < 0.8)
     if not autocast:
         m.to(dtype)
     xdtype = rng.choice([torch.float32, dtype]) if autocast else dtype
     x = torch.randn(*lead, fin, device="cuda", dtype=xdtype).requires_grad_()
     leaves = [t for t in (x, *m.parameters()) if t.requires_grad]
+    return m, x, leaves, dtype, autocast, f"{{lead}} {{fin}}->{{fout}} {{dtype}} autocast={{autocast}}"
+def outputs_and_grads(call, x, leaves, dtype, autocast):
+    # call()'s output and gradients, and how many calls the node served meanwhile.
+    before = served()
+    with torch.autocast("cuda", dtype=dtype, enabled=autocast):
+        y = call()
+    dy = torch.randn_like(y, generator=torch.Generator(device="cuda").manual_seed(1))
+    return [y, *torch.autograd.grad(y, leaves, dy)], served() - before
+"""
+
+RANDOM_LINEARS = PRELUDE + r"""
+results = []
+for _ in range(60):
+    m, x, leaves, dtype, autocast, case = random_case(
+        lambda fin, fout: torch.nn.Linear(fin, fout, bias=rng.random() < 0.5),
+        [torch.bfloat16, torch.bfloat16, torch.float16, torch.float32])
     outs = []
     for on in (False, True):
         torch.ops.torchfuse.set_enabled("linear", on)
-        before = served()
-        with torch.autocast("cuda", dtype=dtype, enabled=autocast):
-            y = m(x)
-        dy = torch.randn_like(y, generator=torch.Generator(device="cuda").manual_seed(1))
-        outs.append(([y, *torch.autograd.grad(y, leaves, dy)], served() - before))
-    results.append([same(outs[0][0], outs[1][0]), outs[0][1], outs[1][1],
-                    f"{{lead}} {{fin}}->{{fout}} {{dtype}} autocast={{autocast}}"])
+        outs.append(outputs_and_grads(lambda: m(x), x, leaves, dtype, autocast))
+    results.append([same(outs[0][0], outs[1][0]), outs[0][1], outs[1][1], case])
 errors = []
 for on in (False, True):  # without autocast F.linear refuses mixed dtypes: stock's error either way
     torch.ops.torchfuse.set_enabled("linear", on)
@@ -74,26 +83,11 @@ from transformers.pytorch_utils import Conv1D
 original = Conv1D.forward.__wrapped__  # HF's own code
 results = []
 for _ in range(30):
-    dtype = rng.choice([torch.bfloat16, torch.float16, torch.float32])
-    autocast = dtype != torch.float32 and rng.random() < 0.7
-    lead = rng.choice([(rng.randrange(1, 600),), (rng.randrange(1, 5), rng.randrange(1, 300))])
-    nx, nf = rng.choice([8, 64, 768, 1000]), rng.choice([8, 96, 2304, 1001])
-    m = Conv1D(nf, nx).cuda()
-    m.weight.requires_grad_(rng.random() < 0.8)
-    if not autocast:
-        m.to(dtype)
-    xdtype = rng.choice([torch.float32, dtype]) if autocast else dtype
-    x = torch.randn(*lead, nx, device="cuda", dtype=xdtype).requires_grad_()
-    leaves = [t for t in (x, *m.parameters()) if t.requires_grad]
-    outs = []
-    for forward in (original, type(m).forward):
-        before = served()
-        with torch.autocast("cuda", dtype=dtype, enabled=autocast):
-            y = forward(m, x)
-        dy = torch.randn_like(y, generator=torch.Generator(device="cuda").manual_seed(1))
-        outs.append(([y, *torch.autograd.grad(y, leaves, dy)], served() - before))
-    results.append([same(outs[0][0], outs[1][0]), outs[0][1], outs[1][1],
-                    f"{{lead}} {{nx}}->{{nf}} {{dtype}} autocast={{autocast}}"])
+    m, x, leaves, dtype, autocast, case = random_case(lambda nx, nf: Conv1D(nf, nx),
+                                                      [torch.bfloat16, torch.float16, torch.float32])
+    outs = [outputs_and_grads(lambda: forward(m, x), x, leaves, dtype, autocast)
+            for forward in (original, type(m).forward)]
+    results.append([same(outs[0][0], outs[1][0]), outs[0][1], outs[1][1], case])
 print("RESULT " + json.dumps(results))
 """
 
