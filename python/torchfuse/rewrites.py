@@ -1203,17 +1203,19 @@ def _conv1d_forward(torch, original, form, dependencies=None):
     non-contiguous input or one of fewer than two dims, an `nf` that is not the weight's width,
     a weight or bias that is not a plain parameter entry or that a subclass's attribute or
     __getattr__ could replace, a changed `torch.addmm`, traces and torch function or dispatch
-    modes."""
+    modes. torch.jit.script compiles the original."""
     op = torch.ops.torchfuse.linear_cast.default
     tensor, plain = torch.Tensor, (torch.Tensor, torch.nn.Parameter)
-    grad_on, untraced, jit_tracing = torch.is_grad_enabled, _untraced_call(torch), torch._C._get_tracing_state
+    untraced, jit_tracing = _untraced_call(torch), torch._C._get_tracing_state
     function_mode, dispatch_modes = torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack
     module_getattr, cast_to = torch.nn.Module.__getattr__, _linear_dtype(torch)
     unchanged = (dependencies or compositions.Dependencies(original)).unchanged
 
     @functools.wraps(original)
     def forward(self, x):
-        if (untraced() and type(x) is tensor and x.is_cuda and grad_on() and x.dim() >= 2
+        # `torch` read here: torch.jit.script compiles the original's source (`__wrapped__`) with
+        # this function's names, and the original's code names torch.
+        if (untraced() and type(x) is tensor and x.is_cuda and torch.is_grad_enabled() and x.dim() >= 2
                 and x.is_contiguous()):
             params, own = self._parameters, self.__dict__
             weight, bias = params.get("weight"), params.get("bias")

@@ -65,7 +65,21 @@ pub fn node_serves(
     if !input.is_contiguous() || !weight.is_contiguous() {
         return Err(StockReason::NotContiguous);
     }
+    if !weight_in_out && bias.is_none() && !folds_to_mm(input) {
+        return Err(StockReason::FormNotServed);
+    }
     Ok(())
+}
+
+/// Whether F.linear without a bias runs an input of more than two dims as one mm (the node's
+/// GEMM): matmul folds its leading dims where they are a view of one dim, each leading stride
+/// the next one's span (`is_contiguous` passes other strides on size-one dims); otherwise, for
+/// a weight needing no gradient, it runs bmm. A 2-D input is always an mm; with a bias linear
+/// flattens any contiguous input itself.
+fn folds_to_mm(input: &TfTensor) -> bool {
+    let (sizes, strides) = (input.sizes(), input.strides());
+    let leading = sizes.len().saturating_sub(2);
+    (0..leading).all(|i| strides[i] == strides[i + 1] * sizes[i + 1])
 }
 
 pub struct Linear;
@@ -198,6 +212,15 @@ mod tests {
             served(&x, &w_t, None, bf16),
             Err(StockReason::NotContiguous)
         );
+        // Contiguous, but a size-one dim's stride is not its span: without a bias matmul runs bmm
+        // there (for a frozen weight); with one, linear flattens it.
+        let odd = t(&[2, 3, 1, 16], bf16).transpose(1, 2);
+        assert_eq!(
+            served(&odd, &w, None, bf16),
+            Err(StockReason::FormNotServed)
+        );
+        assert_eq!(served(&odd, &w, Some(&t(&[12], f32)), bf16), Ok(()));
+        assert_eq!(served(&t(&[2, 1, 3, 16], bf16), &w, None, bf16), Ok(()));
         // HF Conv1D's weight, [in, out], and its bias: served; without a bias, stock's code.
         let conv1d = |x: &Tensor, w: &Tensor, b: Option<&Tensor>| {
             let b = b.map(described);

@@ -73,8 +73,8 @@ print(json.dumps([same(ours, theirs), node, list(ours[1].stride())]))
 
 
 def test_forms_the_node_would_not_reproduce_keep_stocks_nodes():
-    """A non-contiguous input or weight, a 1-D input, an fp64 dtype: stock's composition (its
-    nodes), with its values."""
+    """A non-contiguous input or weight, a 1-D input, an fp64 dtype, an unbiased call matmul would
+    not fold into one mm: stock's composition (its nodes), with its values."""
     out = run(r"""
 w = r(12, 16)
 cases = {
@@ -82,6 +82,8 @@ cases = {
     "transposed weight": (r(4, 16, dtype=BF16), r(16, 12).t(), BF16),
     "1-D input": (r(16, dtype=BF16), w, BF16),
     "fp64 dtype": (r(4, 16, dtype=torch.float64), r(12, 16, dtype=torch.float64), torch.float64),
+    # Contiguous, a size-one dim's stride not its span, no bias, a frozen weight: matmul's bmm.
+    "no bias, odd strides": (r(2, 3, 1, 16, dtype=BF16).transpose(1, 2), r(12, 16, grad=False), BF16),
 }
 results = {}
 for name, (x, weight, dtype) in cases.items():
@@ -170,9 +172,19 @@ def saved(fn, x, w, b):
         fn(x, w, b, BF16, True)
     return sorted(seen)
 results["saved"] = (saved(through_op, r(4, 5, 16), r(16, 12), r(12)) == saved(conv1d, r(4, 5, 16), r(16, 12), r(12)), "-")
+# A saved-tensor hook unpacking other strides (an offloading hook's copy): the weight's gradient
+# is still Conv1D's.
+restrided = (lambda t: t.transpose(0, 1).contiguous().transpose(0, 1) if t.dim() == 3 else t, lambda t: t)
+x, w, b = r(4, 5, 16), r(16, 12), r(12)
+grads = []
+for fn in (through_op, conv1d):
+    with torch.autograd.graph.saved_tensors_hooks(*restrided):
+        y = fn(x, w, b, torch.float32, False)
+    grads.append(list(torch.autograd.grad(y.sum(), [x, w, b])))
+results["restrided saved input"] = (same(*grads), "-")
 print(json.dumps(results))
 """)
-    assert len(out) == 4 * 3 * 2 + 2
+    assert len(out) == 4 * 3 * 2 + 3
     for case, (same, node) in out.items():
         assert same, case
         assert node in ("torchfuse::LinearCastBackward", "-"), case
@@ -314,7 +326,7 @@ def test_hf_conv1d_forward_is_rewritten_and_still_known_as_conv1d():
     """The hooks rewrite transformers.pytorch_utils.Conv1D.forward (its original kept as
     `__wrapped__`); the rewrites that look at Conv1D submodules (norm_cast's sites, the GPT-2
     MLP's c_proj) know either as Conv1D's; off the GPU, and under torch.compile (fullgraph), it
-    runs Conv1D's code."""
+    runs Conv1D's code; torch.jit.script compiles Conv1D's code."""
     proc = check(run_python(f"""
 import json, sys
 sys.path.insert(0, {str(ROOT / "python")!r})
@@ -330,17 +342,20 @@ def run(module):
     return [y, *torch.autograd.grad(y.float().sum(), [x, *m.parameters()])], y.grad_fn.name()
 eager, node = run(m)
 compiled, _ = run(torch.compile(m, fullgraph=True, backend="aot_eager"))
+scripted = torch.jit.script(m)  # compiles Conv1D's source, its names resolved in the rewrite
 holder = torch.nn.Module()
 holder.proj = m
 print(json.dumps({{"wrapped": Conv1D.forward.__wrapped__.__code__.co_name == "forward"
                               and Conv1D.forward is not Conv1D.forward.__wrapped__,
                    "known": [rewrites._is_conv1d_forward(f) for f in (Conv1D.forward, Conv1D.forward.__wrapped__)],
                    "sites": rewrites._sites_check(torch)(holder, ("proj",), torch.device("cpu")),
-                   "cpu": node, "compiled": all(torch.equal(a, b) for a, b in zip(eager, compiled))}}))
+                   "cpu": node, "compiled": all(torch.equal(a, b) for a, b in zip(eager, compiled)),
+                   "scripted": torch.equal(scripted(x), m(x))}}))
 """, TORCHFUSE_LIB_DIR=str(MAIN_LIB.parent), TORCHFUSE_LOG="info"))
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "rewrite linear: transformers.pytorch_utils.Conv1D.forward (hf_conv1d)" in proc.stderr, proc.stderr[-2000:]
-    assert out == {"wrapped": True, "known": [True, True], "sites": 1, "cpu": "ViewBackward0", "compiled": True}, out
+    assert out == {"wrapped": True, "known": [True, True], "sites": 1, "cpu": "ViewBackward0", "compiled": True,
+                   "scripted": True}, out
 
 
 def test_torch_compile_traces_torchs_linear_through_the_rewrite_whole():

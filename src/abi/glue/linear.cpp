@@ -116,8 +116,11 @@ struct LinearCastBackward : public torch::autograd::Node {
                                                          : grad_input.reshape(input_sizes);
     }
     if (should_compute_output(1)) {
-      // mm_mat2_backward; for a Linear then TBackward0's transpose.
-      const at::Tensor mat1 = input_2d(input.unpack(), weight_in_out);
+      // mm_mat2_backward; for a Linear then TBackward0's transpose. The saved input's 2-D form
+      // as the forward made it; a reshape, as a saved-tensor hook may unpack other strides.
+      const at::Tensor saved = input.unpack();
+      const at::Tensor mat1 =
+          weight_in_out ? saved.reshape({-1, saved.size(-1)}) : input_2d(saved, false);
       const at::Tensor grad_mat2 =
           mat2_column_major ? grad_2d.t().mm(mat1).t() : mat1.t().mm(grad_2d);
       out[1] = weight_in_out ? grad_mat2 : grad_mat2.t();
