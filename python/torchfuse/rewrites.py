@@ -1196,10 +1196,11 @@ def _linear_dtype(torch):
 
 
 def _conv1d_forward(torch, original, form, dependencies=None):
-    """HF's Conv1D (GPT-2's projections, and any class whose forward is its code) through torchfuse::linear_cast with the weight as it is ([in, out]): the addmm and the
-    two views as one autograd node, stock's kernels and gradients bit for bit, under CUDA
-    autocast after autocast's casts (the input's 2-D view is never in its cache: a plain cast),
-    without autocast in the tensors' one dtype. Anything else runs the original: grad off, a
+    """HF's Conv1D (GPT-2's projections, and any class whose forward is its code) through
+    torchfuse::linear_cast with the weight as it is ([in, out]): the addmm and the two views as
+    one autograd node, stock's kernels and gradients bit for bit, under CUDA autocast after
+    autocast's casts (the input's 2-D view is never in its cache: a plain cast), without
+    autocast in the tensors' one dtype. Anything else runs the original: grad off, a
     non-contiguous input or one of fewer than two dims, an `nf` that is not the weight's width,
     a weight or bias that is not a plain parameter entry or that a subclass's attribute or
     __getattr__ could replace, a changed `torch.addmm`, traces and torch function or dispatch

@@ -48,8 +48,9 @@ def switch_to(side, torchfuse, torch):
     torchs, _ = rewrites._linear_forwards(torch)
     rewritten = next((r for r, o in rewrites._LINEAR_REWRITTEN.items() if o is torchs), torchs)
     conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
-    conv1d_forwards = [f for f in rewrites._REWRITTEN if conv1d is not None and rewrites._REWRITTEN[f][0] == "hf_conv1d"
-                       and f.__wrapped__ is getattr(conv1d.forward, "__wrapped__", conv1d.forward)]
+    conv1d_own = getattr(conv1d.forward, "__wrapped__", conv1d.forward) if conv1d is not None else None
+    conv1d_rewritten = next((f for f, (form, _) in rewrites._REWRITTEN.items()
+                             if form == "hf_conv1d" and f.__wrapped__ is conv1d_own), None)
     linear_on = side != "stock"
     if side == "stock":
         torchfuse.disable()
@@ -62,8 +63,8 @@ def switch_to(side, torchfuse, torch):
             torch.ops.torchfuse.set_enabled(item.lstrip("+-"), on)
             linear_on = on if item.lstrip("+-") in ("linear", "all") else linear_on
     torch.nn.Linear.forward = rewritten if linear_on else torchs
-    if conv1d_forwards:
-        conv1d.forward = conv1d_forwards[0] if linear_on else conv1d_forwards[0].__wrapped__
+    if conv1d_rewritten is not None:
+        conv1d.forward = conv1d_rewritten if linear_on else conv1d_own
 
 
 def worker(a):

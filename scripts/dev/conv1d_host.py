@@ -2,9 +2,9 @@
 ops and three autograd nodes) against torchfuse::linear_cast's Conv1D form (one op, one node),
 on CPU with tiny fp32 tensors so that dispatch and autograd, not kernels, set the time: without
 autocast (as under FSDP2's bf16 parameters), and in a CPU bf16 autocast region a call (both
-sides then cast the input, weight and bias alike). The rewrite's Python guard is timed on its own (on CPU
-the rewritten forward stops at `x.is_cuda`): the same checks, in the same order. Rounds
-interleaved; medians of per-call microseconds.
+sides then cast the input, weight and bias alike). The rewrite's Python guard is timed on its
+own (on CPU the rewritten forward stops at `x.is_cuda`): the same checks, in the same order.
+Rounds interleaved; medians of per-call microseconds.
 
     TORCHFUSE_LIB_DIR=target/release python3 scripts/dev/conv1d_host.py
 """

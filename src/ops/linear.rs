@@ -1,7 +1,7 @@
-//! `torchfuse::linear_cast`: nn.Linear's GEMM and reshapes as one autograd node, after
-//! autocast's casts where autocast runs (the glue's linear.cpp builds it around stock's casts and
-//! kernels; nothing is launched here). This module decides where the node reproduces stock exactly, or says why stock's own
-//! nodes run a call.
+//! `torchfuse::linear_cast`: nn.Linear's (or HF Conv1D's) GEMM and reshapes as one autograd
+//! node, after autocast's casts where autocast runs (the glue's linear.cpp builds it around
+//! stock's casts and kernels; nothing is launched here). This module decides where the node
+//! reproduces stock exactly, or says why stock's own nodes run a call.
 
 use super::{Family, KernelOp, Served, Variant};
 use crate::abi::tensor::{describe, kind_of_scalar_type};

@@ -171,7 +171,8 @@ def saved(fn, x, w, b):
                                                   lambda t: t):
         fn(x, w, b, BF16, True)
     return sorted(seen)
-results["saved"] = (saved(through_op, r(4, 5, 16), r(16, 12), r(12)) == saved(conv1d, r(4, 5, 16), r(16, 12), r(12)), "-")
+tensors = r(4, 5, 16), r(16, 12), r(12)
+results["saved"] = (saved(through_op, *tensors) == saved(conv1d, *tensors), "-")
 # A saved-tensor hook unpacking other strides (an offloading hook's copy): the weight's gradient
 # is still Conv1D's.
 restrided = (lambda t: t.transpose(0, 1).contiguous().transpose(0, 1) if t.dim() == 3 else t, lambda t: t)
