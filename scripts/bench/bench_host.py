@@ -67,6 +67,34 @@ def cases():
                                            beta2=0.999, weight_decay=0.01, eps=1e-8,
                                            amsgrad=False, maximize=False)
 
+    def norm_cast(grad):
+        def make():
+            x = torch.randn(8, 64, **cuda, requires_grad=grad)
+            w, b = (torch.randn(64, **cuda, requires_grad=grad) for _ in range(2))
+            op, g = torch.ops.torchfuse.norm_cast.default, torch.randn(8, 64, **cuda).bfloat16()
+            if grad:
+                return lambda: op(x, w, b, 1e-5, False, torch.bfloat16).backward(g)
+            return lambda: op(x, w, b, 1e-5, False, torch.bfloat16)
+        return make
+
+    def norm_then_cast(grad):  # norm_cast's composition: what the rewrite replaces
+        def make():
+            x = torch.randn(8, 64, **cuda, requires_grad=grad)
+            w, b = (torch.randn(64, **cuda, requires_grad=grad) for _ in range(2))
+            g = torch.randn(8, 64, **cuda).bfloat16()
+            if grad:
+                return lambda: F.layer_norm(x, (64,), w, b).to(torch.bfloat16).backward(g)
+            return lambda: F.layer_norm(x, (64,), w, b).to(torch.bfloat16)
+        return make
+
+    def linear_cast():
+        x, w, b = torch.randn(8, 64, **cuda), torch.randn(32, 64, **cuda), torch.randn(32, **cuda)
+        return lambda: torch.ops.torchfuse.linear_cast.default(x, w, b, torch.bfloat16)
+
+    def kv_copy():
+        k, v = (torch.randn(1, 2, 16, 64, **cuda).bfloat16() for _ in range(2))
+        return lambda: torch.ops.torchfuse.kv_copy.default(k, v, torch.bfloat16, torch.bfloat16)
+
     def own(op, *shapes, dtype=torch.bfloat16, extra=()):
         def make():
             args = [torch.randn(s, **cuda).to(dtype) for s in shapes]
@@ -86,6 +114,12 @@ def cases():
     yield "torchfuse::silu_mul bf16 8x64", "swiglu", True, own("silu_mul", (8, 64), (8, 64))
     yield "torchfuse::rotary bf16 1x2x16x64", "rotary", True, own(
         "rotary", (1, 2, 16, 64), (1, 2, 16, 64), (1, 16, 64), (1, 16, 64), extra=(1,))
+    yield "layer_norm f32 8x64, then to bf16", "layer_norm", False, norm_then_cast(False)
+    yield "layer_norm, then to bf16, fwd+bwd (autograd)", "layer_norm", False, norm_then_cast(True)
+    yield "torchfuse::norm_cast f32 8x64 to bf16", "norm_cast", True, norm_cast(False)
+    yield "torchfuse::norm_cast fwd+bwd (autograd)", "norm_cast", True, norm_cast(True)
+    yield "torchfuse::linear_cast f32 8x64 by 32x64 to bf16", "linear", True, linear_cast
+    yield "torchfuse::kv_copy bf16 1x2x16x64", "kv_cache", True, kv_copy
 
 
 def host_us(fn):
@@ -102,7 +136,10 @@ def host_us(fn):
 
 
 def worker(lib_dir):
-    """{case: µs} and, with a library, {case + ' (off)': µs}."""
+    """{case: µs} and, with a library, {case + ' (off)': µs} and {case + ' (below)': µs}: the
+    registry's thresholds kept, so a tiny call goes to stock after the selection (where its
+    variant has a minimum size): served minus below is the launch and the outputs, below minus
+    off the selection."""
     if lib_dir:
         torch.ops.load_library(str(Path(lib_dir) / "libtorchfuse.so"))
         torch.ops.torchfuse._serve_below_thresholds(True)
@@ -119,6 +156,10 @@ def worker(lib_dir):
             fn()
             result[name + " (off)"] = host_us(fn)
             torch.ops.torchfuse.set_enabled(toggle, True)
+            torch.ops.torchfuse._serve_below_thresholds(False)
+            fn()
+            result[name + " (below)"] = host_us(fn)
+            torch.ops.torchfuse._serve_below_thresholds(True)
     return result
 
 
@@ -150,12 +191,15 @@ def main():
             f"`python3 scripts/bench/bench_host.py --libs {a.libs} --rounds {a.rounds}`: median over "
             f"{a.rounds} interleaved rounds (a process per side and round) of the least of "
             f"{TIMINGS} timings of {CALLS} calls. 'off': the op switched off at run time "
-            "(the call goes to stock through torchfuse).", "",
-            "| call | stock | " + " | ".join(f"{l} | {l} off" for l in libs) + " |",
-            "|---|---|" + "---|---|" * len(libs)]
+            "(the call goes to stock through torchfuse); 'below': the registry's size thresholds "
+            "kept (a tiny call goes to stock after the kernel selection, where its variant has "
+            "a minimum size).", "",
+            "| call | stock | " + " | ".join(f"{l} | {l} off | {l} below" for l in libs) + " |",
+            "|---|---|" + "---|---|---|" * len(libs)]
     for name, *_ in cases():
         rows.append(f"| {name} | {median('stock', name)} | "
-                    + " | ".join(f"{median(l, name)} | {median(l, name + ' (off)')}" for l in libs) + " |")
+                    + " | ".join(f"{median(l, name)} | {median(l, name + ' (off)')} | "
+                                 f"{median(l, name + ' (below)')}" for l in libs) + " |")
     write_report(rows, a.out, "bench_host.md")
 
 
