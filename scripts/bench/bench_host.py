@@ -67,24 +67,19 @@ def cases():
                                            beta2=0.999, weight_decay=0.01, eps=1e-8,
                                            amsgrad=False, maximize=False)
 
-    def norm_cast(grad):
-        def make():
-            x = torch.randn(8, 64, **cuda, requires_grad=grad)
-            w, b = (torch.randn(64, **cuda, requires_grad=grad) for _ in range(2))
-            op, g = torch.ops.torchfuse.norm_cast.default, torch.randn(8, 64, **cuda).bfloat16()
-            if grad:
-                return lambda: op(x, w, b, 1e-5, False, torch.bfloat16).backward(g)
-            return lambda: op(x, w, b, 1e-5, False, torch.bfloat16)
-        return make
-
-    def norm_then_cast(grad):  # norm_cast's composition: what the rewrite replaces
+    def norm_to_bf16(composed, grad):
+        """LayerNorm of fp32 8x64 rows, its output in bf16: torchfuse::norm_cast, or (composed)
+        the composition the rewrite replaces; with grad, forward and backward."""
         def make():
             x = torch.randn(8, 64, **cuda, requires_grad=grad)
             w, b = (torch.randn(64, **cuda, requires_grad=grad) for _ in range(2))
             g = torch.randn(8, 64, **cuda).bfloat16()
-            if grad:
-                return lambda: F.layer_norm(x, (64,), w, b).to(torch.bfloat16).backward(g)
-            return lambda: F.layer_norm(x, (64,), w, b).to(torch.bfloat16)
+            if composed:
+                fn = lambda: F.layer_norm(x, (64,), w, b).to(torch.bfloat16)  # noqa: E731
+            else:
+                op = torch.ops.torchfuse.norm_cast.default
+                fn = lambda: op(x, w, b, 1e-5, False, torch.bfloat16)  # noqa: E731
+            return (lambda: fn().backward(g)) if grad else fn
         return make
 
     def linear_cast():
@@ -114,10 +109,10 @@ def cases():
     yield "torchfuse::silu_mul bf16 8x64", "swiglu", True, own("silu_mul", (8, 64), (8, 64))
     yield "torchfuse::rotary bf16 1x2x16x64", "rotary", True, own(
         "rotary", (1, 2, 16, 64), (1, 2, 16, 64), (1, 16, 64), (1, 16, 64), extra=(1,))
-    yield "layer_norm f32 8x64, then to bf16", "layer_norm", False, norm_then_cast(False)
-    yield "layer_norm, then to bf16, fwd+bwd (autograd)", "layer_norm", False, norm_then_cast(True)
-    yield "torchfuse::norm_cast f32 8x64 to bf16", "norm_cast", True, norm_cast(False)
-    yield "torchfuse::norm_cast fwd+bwd (autograd)", "norm_cast", True, norm_cast(True)
+    yield "layer_norm f32 8x64, then to bf16", "layer_norm", False, norm_to_bf16(True, False)
+    yield "layer_norm, then to bf16, fwd+bwd (autograd)", "layer_norm", False, norm_to_bf16(True, True)
+    yield "torchfuse::norm_cast f32 8x64 to bf16", "norm_cast", True, norm_to_bf16(False, False)
+    yield "torchfuse::norm_cast fwd+bwd (autograd)", "norm_cast", True, norm_to_bf16(False, True)
     yield "torchfuse::linear_cast f32 8x64 by 32x64 to bf16", "linear", True, linear_cast
     yield "torchfuse::kv_copy bf16 1x2x16x64", "kv_cache", True, kv_copy
 
