@@ -8,8 +8,22 @@ import sys
 
 from . import optim, rewrites
 
+# Modules whose patches could not act yet (returned False), by name.
+_pending = {}
+
+
+def _retry_pending(torch_module):
+    """torch's own import is over: the patches of modules it imported on its way run again.
+    `import torch` imports torch.nn before it makes `torch.ops`, so a patch that asks the
+    library (preloaded by the launcher) finds it only from here on."""
+    for module in list(_pending.values()):
+        _apply(module)
+    return True
+
+
 # Module name -> the functions that patch it, in order.
 PATCHES = {
+    "torch": [_retry_pending],
     "torch.optim.adam": [optim.patch_adam],
     "torch.nn.modules.linear": [rewrites.patch_linear],
 }
@@ -32,12 +46,15 @@ def _apply(module):
     (the rewrites need the library, which `enable()` may load later): it runs again at the next
     `install()`."""
     done = module.__dict__.setdefault("_torchfuse_patched", set())
+    _pending.pop(module.__name__, None)
     for patch in patches_for(module.__name__):
         name = f"{patch.__module__}.{patch.__name__}"
         if name in done:
             continue
         try:
-            if patch(module) is not False:
+            if patch(module) is False:
+                _pending[module.__name__] = module
+            else:
                 done.add(name)
         except Exception as e:  # never break the user's job
             done.add(name)

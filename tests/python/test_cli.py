@@ -26,11 +26,14 @@ def test_without_a_command_it_prints_usage():
 
 
 def test_it_runs_a_command_with_torchfuse_loaded_and_hooked():
+    """The hooks act on modules `import torch` imports itself: the optimizer's, and nn.Linear's,
+    whose patch asks the preloaded library, reachable only once torch's import is over."""
     proc = torchfuse(sys.executable, "-c", "import json, os, torch, torchfuse\n"
                      "print(json.dumps([torchfuse.loaded(), hasattr(torch.optim.Adam.__init__, '__wrapped__'),"
+                     " hasattr(torch.nn.Linear.forward, '__wrapped__'),"
                      " 'libtorchfuse_preload.so' in os.environ['LD_PRELOAD']]))")
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [True, True, True]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [True, True, True, True]
 
 
 def test_a_missing_command_is_an_error_not_a_traceback():
