@@ -180,7 +180,8 @@ typedef struct TfLinearCall {
   TfTensor bias;          // absent: none
   int16_t dtype;          // the casts' c10::ScalarType (autocast's)
   uint8_t weight_in_out;  // the weight is [in, out] (HF Conv1D's), not nn.Linear's [out, in]
-  uint8_t unused[5];
+  uint8_t casts_in_node;  // the glue casts the weight (and bias) inside the node (`weight_cast`)
+  uint8_t unused[4];
 } TfLinearCall;
 
 // _fused_adam_ / _fused_adamw_ (float or tensor lr).

@@ -202,7 +202,8 @@ pub struct TfLinearCall {
     pub bias: TfTensor,
     pub dtype: i16,
     pub weight_in_out: u8,
-    pub unused: [u8; 5],
+    pub casts_in_node: u8,
+    pub unused: [u8; 4],
 }
 
 /// `TfCrossEntropyCall`.

@@ -12,8 +12,10 @@ use crate::runtime::{Entry, OpFamily};
 use crate::select::StockReason;
 use tch::Kind;
 
-/// What the stats call a served call: the node, stock's kernels under it.
+/// What the stats call a served call: the node, stock's kernels under it; and the node that
+/// also casts the weight and bias itself (the `weight_cast` toggle, decided by the glue).
 const NODE: &str = "linear_node";
+const NODE_WITH_CASTS: &str = "linear_node+weight_cast";
 
 /// The dtypes autocast casts (and so the node's casts take), and those the node computes in
 /// (the 16-bit ones under autocast, any of them without): fp32 and the 16-bit ones.
@@ -122,7 +124,12 @@ impl Family for Linear {
             dtype,
             call.weight_in_out != 0,
         )?;
-        Ok(Served::new(NODE, [None, None, None]))
+        let name = if call.casts_in_node != 0 {
+            NODE_WITH_CASTS
+        } else {
+            NODE
+        };
+        Ok(Served::new(name, [None, None, None]))
     }
 
     fn kernels(_op: KernelOp) -> &'static [&'static str] {

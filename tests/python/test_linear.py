@@ -240,11 +240,15 @@ print(json.dumps(results))
         assert ours == theirs, case
 
 
-def test_under_autocast_reused_weights_and_inputs_are_cast_once_by_autocasts_cache():
-    """The casts are autocast's own under autocast: a weight used twice in a region is cast once
-    (both uses save the one cast, as stock's do; their gradients meet there in bf16), so is an
-    fp32 leaf input that two Linears take, and a weight is cast again in the next region after
-    an in-place change; every gradient is stock's bit for bit."""
+def test_under_autocast_reused_weights_and_inputs_are_cast_once_as_autocasts_cache_does():
+    """A weight used twice in an autocast region is cast once (both uses save the one cast, as
+    stock's do), so is an fp32 leaf input that two Linears take, and a weight is cast again in
+    the next region after an in-place change. With `weight_cast` off the casts are autocast's own
+    and every gradient is stock's bit for bit; with it on (the node casts the weight itself,
+    sharing its cast through the region as autocast's cache does) every output and gradient is
+    stock's but the reused weight's, whose two uses' gradients are cast back to fp32 before they
+    add (stock adds them in bf16, then casts): that one is the fp32 sum of the two, closer to the
+    exact sum than stock's."""
     out = run(r"""
 def two_uses(fn, x1, x2, w, v):
     seen = []
@@ -254,19 +258,88 @@ def two_uses(fn, x1, x2, w, v):
     return y, [t for t in seen if t.shape in ((12, 16), (16, 12))]  # stock saves the cast transposed
 x1, x2, w, v = r(4, 16), r(4, 16, dtype=BF16), r(12, 16), r(12, 16)
 dy = torch.randn(4, 12, generator=g).to(BF16)
-results = {}
-for name, fn in (("ours", op), ("stock", lambda x, w, b, d: F.linear(x, w))):
-    y, ws = two_uses(fn, x1, x2, w, v)
-    results[name] = (y, ws, torch.autograd.grad(y, [x1, x2, w, v], dy))
-(y, ws, grads), (y0, ws0, grads0) = results["ours"], results["stock"]
-with torch.no_grad():
-    w.mul_(2)
-_, ws2 = two_uses(op, x1, x2, w, v)
-print(json.dumps({"shared": ws[0].data_ptr() == ws[1].data_ptr(), "stock_shared": ws0[0].data_ptr() == ws0[1].data_ptr(),
-                  "recast": torch.equal(ws2[0], w.detach().to(BF16)) and not torch.equal(ws2[0], ws[0]),
-                  "same": same([y, *grads], [y0, *grads0])}))
+def exact_w_grad():  # the two uses' weight gradients, each cast to fp32 before the sum
+    per_use = [(dy.t().mm(x.to(BF16))).float() for x in (x1, x2)]
+    return per_use[0] + per_use[1]
+out = {}
+for on in (False, True):
+    torch.ops.torchfuse.set_enabled("weight_cast", on)
+    results = {}
+    for name, fn in (("ours", op), ("stock", lambda x, w, b, d: F.linear(x, w))):
+        y, ws = two_uses(fn, x1, x2, w, v)
+        results[name] = (y, ws, torch.autograd.grad(y, [x1, x2, w, v], dy))
+    (y, ws, grads), (y0, ws0, grads0) = results["ours"], results["stock"]
+    with torch.no_grad():
+        w.mul_(2)
+    _, ws2 = two_uses(op, x1, x2, w, v)
+    with torch.no_grad():
+        w.div_(2)
+    not_w = [0, 1, 3]
+    out[f"weight_cast={on}"] = {
+        "shared": ws[0].data_ptr() == ws[1].data_ptr(), "stock_shared": ws0[0].data_ptr() == ws0[1].data_ptr(),
+        "recast": torch.equal(ws2[0], (2 * w).detach().to(BF16)) and not torch.equal(ws2[0], ws[0]),
+        "same": same([y, *(grads[i] for i in not_w)], [y0, *(grads0[i] for i in not_w)]),
+        "w": "stock's" if same([grads[2]], [grads0[2]]) else
+             "fp32 sum" if torch.equal(grads[2], exact_w_grad()) else "other",
+        # The edges of x2's Linear with w (x2 a bf16 leaf): the weight's cast node or the weight.
+        "nodes": sorted({type(f).__name__ for f, _ in y.grad_fn.next_functions[0][0].next_functions[1][0]
+                         .next_functions if f})}
+print(json.dumps(out))
 """)
-    assert out == {"shared": True, "stock_shared": True, "recast": True, "same": True}
+    assert out["weight_cast=False"] == {"shared": True, "stock_shared": True, "recast": True, "same": True,
+                                        "w": "stock's", "nodes": ["AccumulateGrad", "ToCopyBackward0"]}, out
+    assert out["weight_cast=True"] == {"shared": True, "stock_shared": True, "recast": True, "same": True,
+                                       "w": "fp32 sum", "nodes": ["AccumulateGrad"]}, out
+
+
+def test_the_node_casting_the_weight_itself_gives_stocks_bits_where_each_weight_has_one_use():
+    """`weight_cast` on (the default): under autocast the node casts an fp32 weight and bias
+    itself and its edges go to the parameters (no ToCopyBackward0 between); for weights with one
+    use in the region every output and gradient is stock's bit for bit, frozen weights, a computed
+    (non-leaf) weight, 16-bit weights (nothing to cast) and Conv1D's form included; a region with
+    autocast's cache switched off casts at every use, as stock does."""
+    out = run(CONV1D + r"""
+results = {}
+def under_autocast(fn, cache=True):
+    def call(x, w, b, dtype):
+        with torch.autocast("cpu", dtype=dtype, cache_enabled=cache):
+            return fn(x, w, b, dtype)
+    return call
+for shape in [(4, 5, 16), (6, 16)]:
+    for bias in (True, False):
+        for kind in ("fp32", "frozen", "computed", "bf16"):
+            wdtype = BF16 if kind == "bf16" else torch.float32
+            x, w = r(*shape, dtype=BF16), r(12, 16, dtype=wdtype, grad=kind != "frozen")
+            if kind == "computed":
+                w = w * 1.5
+            b = r(12, dtype=wdtype) if bias else None
+            dy = torch.randn(*shape[:-1], 12, generator=g).to(BF16)
+            ours, node = outputs_and_grads(under_autocast(op), x, w, b, BF16, dy)
+            theirs, _ = outputs_and_grads(under_autocast(stock), x, w, b, BF16, dy)
+            y = under_autocast(op)(x, w, b, BF16)
+            edges = sorted({type(f).__name__ for f, _ in y.grad_fn.next_functions if f is not None})
+            results[f"{shape} bias={bias} {kind}"] = [same(ours, theirs), node, "ToCopyBackward0" in edges]
+x, w, b = r(4, 5, 16), r(16, 12), r(12)
+dy = torch.randn(4, 5, 12, generator=g).to(BF16)
+ours = [through_op(x, w, b, BF16, True)]
+ours += torch.autograd.grad(ours[0], [x, w, b], dy)
+theirs = [conv1d(x, w, b, BF16, True)]
+theirs += torch.autograd.grad(theirs[0], [x, w, b], dy)
+results["conv1d"] = [same(ours, theirs), "-", False]
+x, w = r(4, 16, dtype=BF16), r(12, 16)
+seen = []
+with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+    with torch.autocast("cpu", dtype=BF16, cache_enabled=False):
+        y = op(x, w, None, BF16) + op(x, w, None, BF16)
+casts = [t for t in seen if t.shape == (12, 16)]
+results["cache off"] = [len(casts) == 2 and casts[0].data_ptr() != casts[1].data_ptr(), "-", False]
+print(json.dumps(results))
+""")
+    assert len(out) == 2 * 2 * 4 + 2
+    for case, (same, node, cast_node) in out.items():
+        assert same, case
+        assert node in ("torchfuse::LinearCastBackward", "-"), case
+        assert not cast_node, case
 
 
 def test_double_backward_and_checkpointing_give_stocks_gradients():
@@ -274,23 +347,41 @@ def test_double_backward_and_checkpointing_give_stocks_gradients():
 results = {}
 for wdtype in (torch.float32, BF16):
     x, w, b = r(4, 5, 16, dtype=BF16), r(12, 16, dtype=wdtype), r(12, dtype=wdtype)
-    def penalty(fn):  # a gradient penalty: the input gradient's norm, differentiated again
-        y = fn(x, w, b, BF16)
+    def penalty(fn, autocast):  # a gradient penalty: the input gradient's norm, differentiated again
+        with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+            y = fn(x, w, b, BF16)
         (gx,) = torch.autograd.grad(y.float().square().sum(), [x], create_graph=True)
         return torch.autograd.grad(gx.float().square().sum(), [x, w, b])
-    results[f"double backward {wdtype}"] = same(list(penalty(op)), list(penalty(stock)))
+    results[f"double backward {wdtype}"] = same(list(penalty(op, False)), list(penalty(stock, False)))
+    # Under autocast the node casts an fp32 weight itself (weight_cast): the double backward
+    # reaches the weight through the cast's gradient as stock's does; the cast is used twice
+    # there (the forward's GEMM, the first backward's), and its two gradients add in fp32 (stock:
+    # in bf16, then cast), so the weight's gradient is within the contract, the others stock's.
+    (gx, gw, gb), (sx, sw, sb) = penalty(op, True), penalty(stock, True)
+    results[f"double backward {wdtype} autocast"] = same([gx, gb], [sx, sb]) and (
+        torch.equal(gw, sw) if wdtype == BF16 else
+        gw.dtype == sw.dtype and ((gw - sw).norm() / sw.norm()).item() < 8e-3)
 from torch.utils.checkpoint import checkpoint
 x0, w0, b0 = r(4, 5, 16, dtype=BF16), r(16, 16), r(16)
-def layer_grads(fn, checkpointed, reentrant=False):
-    x, w, b = (t.detach().clone().requires_grad_() for t in (x0, w0, b0))
-    # The weight used twice: its cast taken once, dropped and made again by checkpoint.
-    layer = lambda t: fn(torch.tanh(fn(t, w, b, BF16)), w, b, BF16)
+w1, b1 = r(16, 16), r(16)
+def layer_grads(fn, checkpointed, reentrant=False, twice=True):
+    x, w, b, v, c = (t.detach().clone().requires_grad_() for t in (x0, w0, b0, w1, b1))
+    # The weight used twice (its cast taken once, dropped and made again by checkpoint), or once.
+    def layer(t):
+        with torch.autocast("cpu", dtype=BF16):
+            return fn(torch.tanh(fn(t, w, b, BF16)), w if twice else v, b if twice else c, BF16)
     y = checkpoint(layer, x, use_reentrant=reentrant) if checkpointed else layer(x)
     y.float().sum().backward()  # reentrant checkpointing takes backward(), not grad()
-    return [x.grad, w.grad, b.grad]
+    return [x.grad, w.grad, b.grad] + ([] if twice else [v.grad, c.grad])
+autocast_stock = lambda x, w, b, dtype: F.linear(x, w, b)
 for reentrant in (False, True):
-    results[f"checkpoint reentrant={reentrant}"] = same(layer_grads(op, True, reentrant),
-                                                        layer_grads(stock, False))
+    # Once each: stock's bits with the node's own casts; twice: with autocast's (weight_cast off).
+    results[f"checkpoint reentrant={reentrant}, weights once"] = same(
+        layer_grads(op, True, reentrant, twice=False), layer_grads(autocast_stock, False, twice=False))
+    torch.ops.torchfuse.set_enabled("weight_cast", False)
+    results[f"checkpoint reentrant={reentrant}, a weight twice"] = same(
+        layer_grads(op, True, reentrant), layer_grads(autocast_stock, False))
+    torch.ops.torchfuse.set_enabled("weight_cast", True)
 print(json.dumps(results))
 """)
     assert out and all(out.values()), out

@@ -17,10 +17,25 @@
 // kernels), one node for stock's ViewBackward0, AddmmBackward0 and ViewBackward0.
 // Rust decides where the node runs (src/ops/linear.rs: where it is exact) and counts the call;
 // forward-mode AD, functorch transforms and traces take the composition (stock's nodes) first.
+//
+// With the `weight_cast` toggle on, under autocast the node also casts an fp32 weight and bias
+// itself (below autograd: the same `_to_copy` kernel autocast runs) and keeps its edges to the
+// parameters; its backward casts their gradients back as ToCopyBackward0 would (`.to` of the
+// parameter's dtype). The host is spared a dispatched cast and a ToCopyBackward0 node for each.
+// Autocast's cache shares a leaf's cast between its users until the outermost autocast exits;
+// `CastMemo` below keeps the same sharing for the node's casts. What differs from stock: a
+// weight several Linears take in one region has each user's gradient cast back before the
+// engine adds them (an fp32 sum where stock adds the 16-bit gradients, then casts once), within
+// the correctness contract; with one user, every value is stock's bit for bit. A double backward
+// gets the cast's node back (`CastBackward`) on the saved cast, so its gradients reach the
+// parameter as stock's do.
 #include "glue.h"
 
+#include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
+
+#include <unordered_map>
 
 namespace torchfuse_glue {
 namespace {
@@ -82,8 +97,102 @@ at::Tensor stock_cast(const at::Tensor& t, at::ScalarType dtype, bool autocast) 
   return autocast ? at::autocast::cached_cast(dtype, t, t.device().type()) : t.to(dtype);
 }
 
+// The casts the node made in the current autocast region, as autocast's cache would share them
+// (one a device, a thread: the cache is thread-local). The region is read from the cache itself:
+// a one-element fp32 leaf's cached cast is the same tensor until the cache is cleared (the
+// outermost autocast's exit, torch.clear_autocast_cache()); with the cache off every call gets
+// a new one, and nothing is shared, as in stock. Entries hold weak references: a cast lives only
+// as long as a node saves it, never longer than stock's.
+struct CastMemo {
+  using Weak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+  struct Cast {
+    Weak source, cast;
+    at::ScalarType dtype;
+  };
+  at::Tensor probe, probe_cast;
+  std::unordered_map<const c10::TensorImpl*, Cast> casts;
+};
+
+// This thread's memo for `device`, its region brought up to date. Never freed: a thread-local
+// tensor's destructor could run after CUDA's teardown at exit.
+CastMemo& cast_memo(const at::Device& device, at::ScalarType dtype) {
+  thread_local std::unordered_map<int64_t, CastMemo*> memos;
+  CastMemo*& memo = memos[device.index()];
+  if (memo == nullptr) {
+    memo = new CastMemo();
+    memo->probe = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device));
+    memo->probe.set_requires_grad(true);
+  }
+  const at::Tensor cast = at::autocast::cached_cast(dtype, memo->probe, device.type());
+  if (!memo->probe_cast.defined() ||
+      cast.unsafeGetTensorImpl() != memo->probe_cast.unsafeGetTensorImpl()) {
+    memo->casts.clear();  // a new region (the old probe cast is held, so no new one shares its address)
+    memo->probe_cast = cast;
+  }
+  return *memo;
+}
+
+// `t` cast to `dtype` inside the node: no autograd history (the node keeps the edge to `t`),
+// shared through `memo` where autocast's cache would share it (an fp32 leaf that needs a
+// gradient, not a view).
+at::Tensor node_cast(CastMemo& memo, const at::Tensor& t, at::ScalarType dtype) {
+  const bool shared = t.is_leaf() && t.requires_grad() && !t.is_view() && t.scalar_type() == at::kFloat;
+  if (shared) {
+    const auto found = memo.casts.find(t.unsafeGetTensorImpl());
+    if (found != memo.casts.end() && found->second.dtype == dtype &&
+        found->second.source.lock().get() == t.unsafeGetTensorImpl()) {
+      auto cast = found->second.cast.lock();
+      if (cast) return at::Tensor(std::move(cast));
+    }
+  }
+  at::Tensor cast;
+  {
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    cast = t.to(dtype);
+  }
+  if (shared)
+    memo.casts.insert_or_assign(
+        t.unsafeGetTensorImpl(),
+        CastMemo::Cast{CastMemo::Weak(t.getIntrusivePtr()), CastMemo::Weak(cast.getIntrusivePtr()),
+                       dtype});
+  return cast;
+}
+
+// Whether the `weight_cast` toggle is on (asked of Rust, which owns the toggles).
+bool weight_cast_enabled() {
+  static constexpr char kName[] = "weight_cast";
+  TfStatus status;
+  status.code = TF_STOCK;
+  status.message[0] = '\0';
+  torchfuse_rs_enabled(kName, sizeof(kName) - 1, &status);
+  return status.code == TF_FUSED;
+}
+
+// ToCopyBackward0 for a cast the node made: the gradient back to the source's dtype. Only a
+// double backward makes one (on the saved cast), so that the gradient's own graph reaches the
+// parameter as through stock's cast.
+struct CastBackward : public torch::autograd::Node {
+  at::ScalarType source_dtype = at::kFloat;
+  variable_list apply(variable_list&& grads) override {
+    return {grads[0].defined() ? grads[0].to(source_dtype) : at::Tensor()};
+  }
+  std::string name() const override { return "torchfuse::CastBackward"; }
+};
+
+// `cast` (saved without history) as the output of a cast node whose edge is `edge`.
+at::Tensor with_cast_history(const at::Tensor& cast, const torch::autograd::Edge& edge,
+                             at::ScalarType source_dtype) {
+  auto node = std::shared_ptr<CastBackward>(new CastBackward(), torch::autograd::deleteNode);
+  node->set_next_edges({edge});
+  node->source_dtype = source_dtype;
+  at::Tensor out = cast.detach();
+  torch::autograd::set_history(out, node);
+  return out;
+}
+
 // The backward of the GEMM and reshapes. Edges: the input's cast, the weight's, the bias's (each
-// the tensor itself where it needed none).
+// the tensor itself where it needed none, or where the node cast it).
 struct LinearCastBackward : public torch::autograd::Node {
   // The input (its 2-D view is made again here, as stock's addmm saved it) where the weight
   // needs a gradient; the weight's cast where the input does.
@@ -97,6 +206,10 @@ struct LinearCastBackward : public torch::autograd::Node {
   // Stock's stride tests (mm_mat1_backward on the input's 2-D view, mm_mat2_backward on the
   // GEMM's second operand), read in the forward.
   bool input_column_major = false, mat2_column_major = true;
+  // The node cast the weight and bias itself (`weight_cast`): their gradients go back to these
+  // dtypes here, as their ToCopyBackward0 nodes would take them.
+  bool casts_in_node = false;
+  at::ScalarType weight_dtype = at::kFloat, bias_dtype = at::kFloat;
 
   variable_list apply(variable_list&& grads) override {
     variable_list out(3);
@@ -105,8 +218,11 @@ struct LinearCastBackward : public torch::autograd::Node {
     // The output's view (or matmul's _unsafe_view) back to the GEMM's [rows, out] gradient.
     const at::Tensor grad_2d = grad.dim() == 2 ? grad : grad.reshape({-1, out_features});
     if (should_compute_output(0)) {
-      // mm_mat1_backward, mat2 the weight's cast (Conv1D) or its transpose (Linear).
-      const at::Tensor w = weight_cast.unpack();
+      // mm_mat1_backward, mat2 the weight's cast (Conv1D) or its transpose (Linear). In a double
+      // backward a cast the node made gets its cast node back, as stock's has one.
+      at::Tensor w = weight_cast.unpack();
+      if (casts_in_node && at::GradMode::is_enabled() && next_edge(1).is_valid())
+        w = with_cast_history(w, next_edge(1), weight_dtype);
       const at::Tensor grad_input =
           weight_in_out ? (input_column_major ? w.mm(grad_2d.t()).t() : grad_2d.mm(w.t()))
                         : (input_column_major ? w.t().mm(grad_2d.t()).t() : grad_2d.mm(w));
@@ -124,10 +240,12 @@ struct LinearCastBackward : public torch::autograd::Node {
       const at::Tensor grad_mat2 =
           mat2_column_major ? grad_2d.t().mm(mat1).t() : mat1.t().mm(grad_2d);
       out[1] = weight_in_out ? grad_mat2 : grad_mat2.t();
+      if (casts_in_node) out[1] = out[1].to(weight_dtype);
     }
     if (has_bias && should_compute_output(2)) {
       // addmm's gradient of its broadcast bias, reduced by the engine (InputMetadata::reduce_grad).
       out[2] = at::sum_to(grad_2d, c10::IntArrayRef{out_features});
+      if (casts_in_node) out[2] = out[2].to(bias_dtype);
     }
     return out;
   }
@@ -156,16 +274,34 @@ at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weigh
   call.bias = describe(bias_opt);
   call.dtype = static_cast<int16_t>(dtype);
   call.weight_in_out = weight_in_out ? 1 : 0;
+  const bool autocast = autocast_in(input.device().type(), dtype);
+  // The node casts the weight (and a bias) itself where autocast would cast them, both fp32
+  // (the dtype of its memo's probe), on the input's device, with grad on (no node otherwise).
+  const bool casts_in_node =
+      autocast && at::GradMode::is_enabled() && weight.scalar_type() == at::kFloat &&
+      weight.device() == input.device() &&
+      (!bias.defined() || (bias.scalar_type() == at::kFloat && bias.device() == input.device())) &&
+      dtype != at::kFloat && weight_cast_enabled();
+  call.casts_in_node = casts_in_node ? 1 : 0;
   // Nothing is launched: no stream, no device guard.
   const TfLaunch where{input.is_cuda() ? static_cast<int32_t>(input.get_device()) : -1, nullptr};
   TfOutputs unused{};
   if (!fused_by_rust(TF_ENTRY_LINEAR_CAST, where, call, unused))
     return linear_cast_composition(input, weight, bias_opt, dtype, weight_in_out);
-  const bool autocast = autocast_in(input.device().type(), dtype);
   // Conv1D's addmm casts the input's 2-D view, which autocast's cache never holds: a plain cast.
   const at::Tensor input_cast = stock_cast(input, dtype, autocast && !weight_in_out);
-  const at::Tensor weight_cast = stock_cast(weight, dtype, autocast);
-  const at::Tensor bias_cast = bias.defined() ? stock_cast(bias, dtype, autocast) : at::Tensor();
+  at::Tensor weight_cast, bias_cast;
+  if (casts_in_node) {
+    CastMemo& memo = cast_memo(input.device(), dtype);
+    weight_cast = node_cast(memo, weight, dtype);
+    if (bias.defined()) bias_cast = node_cast(memo, bias, dtype);
+  } else {
+    weight_cast = stock_cast(weight, dtype, autocast);
+    if (bias.defined()) bias_cast = stock_cast(bias, dtype, autocast);
+  }
+  // The tensors the node's edges go to: the parameters themselves where it cast them.
+  const at::Tensor& weight_edge = casts_in_node ? weight : weight_cast;
+  const at::Tensor& bias_edge = casts_in_node ? bias : bias_cast;
   at::Tensor output;
   bool input_column_major = false;
   {
@@ -179,11 +315,14 @@ at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weigh
     input_column_major = mat1.stride(0) == 1 && mat1.stride(1) == mat1.size(0);
   }
   if (!(at::GradMode::is_enabled() &&
-        torch::autograd::compute_requires_grad(input_cast, weight_cast, bias_cast)))
+        torch::autograd::compute_requires_grad(input_cast, weight_edge, bias_edge)))
     return output;
   auto node = std::shared_ptr<LinearCastBackward>(new LinearCastBackward(),
                                                   torch::autograd::deleteNode);
-  node->set_next_edges(torch::autograd::collect_next_edges(input_cast, weight_cast, bias_cast));
+  node->set_next_edges(torch::autograd::collect_next_edges(input_cast, weight_edge, bias_edge));
+  node->casts_in_node = casts_in_node;
+  node->weight_dtype = weight.scalar_type();
+  if (bias.defined()) node->bias_dtype = bias.scalar_type();
   node->input_sizes = input.sizes().vec();
   node->out_features = weight.size(weight_in_out ? 1 : 0);
   node->has_bias = bias.defined();
