@@ -333,9 +333,21 @@ with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lam
         y = op(x, w, None, BF16) + op(x, w, None, BF16)
 casts = [t for t in seen if t.shape == (12, 16)]
 results["cache off"] = [len(casts) == 2 and casts[0].data_ptr() != casts[1].data_ptr(), "-", False]
+# The casts dispatched for ten regions of one call, with the cache on and off: the node's own
+# (below autograd, no node) as many as stock's, and with the cache on the region's probe (a
+# one-element CPU cast, one a region); none without the cache, which shares nothing.
+def casts_dispatched(fn, cache):
+    with torch.profiler.profile() as prof:
+        for _ in range(10):
+            with torch.autocast("cpu", dtype=BF16, cache_enabled=cache):
+                fn(x, w, None, BF16)
+    return sum(e.name == "aten::_to_copy" for e in prof.events())
+for cache in (True, False):
+    ours, theirs = casts_dispatched(op, cache), casts_dispatched(lambda x, w, b, d: F.linear(x, w), cache)
+    results[f"casts dispatched, cache={cache}"] = [ours == theirs + (10 if cache else 0), "-", False]
 print(json.dumps(results))
 """)
-    assert len(out) == 2 * 2 * 4 + 2
+    assert len(out) == 2 * 2 * 4 + 4
     for case, (same, node, cast_node) in out.items():
         assert same, case
         assert node in ("torchfuse::LinearCastBackward", "-"), case

@@ -23,12 +23,13 @@
 // parameters; its backward casts their gradients back as ToCopyBackward0 would (`.to` of the
 // parameter's dtype). The host is spared a dispatched cast and a ToCopyBackward0 node for each.
 // Autocast's cache shares a leaf's cast between its users until the outermost autocast exits;
-// `CastMemo` below keeps the same sharing for the node's casts. What differs from stock: a
-// weight several Linears take in one region has each user's gradient cast back before the
-// engine adds them (an fp32 sum where stock adds the 16-bit gradients, then casts once), within
-// the correctness contract; with one user, every value is stock's bit for bit. A double backward
-// gets the cast's node back (`CastBackward`) on the saved cast, so its gradients reach the
-// parameter as stock's do.
+// `CastMemo` below keeps the same sharing for the node's casts (within a thread). What differs
+// from stock: a weight several Linears take in one region has each user's gradient cast back
+// before the engine adds them (an fp32 sum where stock adds the 16-bit gradients, then casts
+// once), within the correctness contract; with one user, every value is stock's bit for bit. A
+// double backward gets the cast's node back (`CastBackward`) on the saved cast, so its
+// gradients reach the parameter; the cast has two users there (the forward's GEMM and the first
+// backward's), so the weight's second-order gradient is such an fp32 sum too.
 #include "glue.h"
 
 #include <c10/util/intrusive_ptr.h>
@@ -97,12 +98,12 @@ at::Tensor stock_cast(const at::Tensor& t, at::ScalarType dtype, bool autocast) 
   return autocast ? at::autocast::cached_cast(dtype, t, t.device().type()) : t.to(dtype);
 }
 
-// The casts the node made in the current autocast region, as autocast's cache would share them
-// (one a device, a thread: the cache is thread-local). The region is read from the cache itself:
-// a one-element fp32 leaf's cached cast is the same tensor until the cache is cleared (the
-// outermost autocast's exit, torch.clear_autocast_cache()); with the cache off every call gets
-// a new one, and nothing is shared, as in stock. Entries hold weak references: a cast lives only
-// as long as a node saves it, never longer than stock's.
+// The casts the node made in the current autocast region, as autocast's cache would share them,
+// one memo a thread (its entries are keyed by the source, on any device). The region is read
+// from autocast's cache itself, which is process-wide and cleared whole (the outermost
+// autocast's exit, torch.clear_autocast_cache()): a one-element fp32 CPU leaf's cached cast (to
+// CPU autocast's 16-bit dtype) stays the same tensor until then. Entries hold weak references: a
+// cast lives only as long as a node saves it, never longer than stock's.
 struct CastMemo {
   using Weak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
   struct Cast {
@@ -113,33 +114,37 @@ struct CastMemo {
   std::unordered_map<const c10::TensorImpl*, Cast> casts;
 };
 
-// This thread's memo for `device`, its region brought up to date. Never freed: a thread-local
-// tensor's destructor could run after CUDA's teardown at exit.
-CastMemo& cast_memo(const at::Device& device, at::ScalarType dtype) {
-  thread_local std::unordered_map<int64_t, CastMemo*> memos;
-  CastMemo*& memo = memos[device.index()];
-  if (memo == nullptr) {
-    memo = new CastMemo();
-    memo->probe = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device));
-    memo->probe.set_requires_grad(true);
+// This thread's memo, its region brought up to date; null where nothing may be shared: with
+// autocast's cache off (stock casts at every use then), or where the probe cannot be cached
+// (CPU autocast's dtype not 16-bit: the probe's "cast" would be the probe itself forever).
+CastMemo* cast_memo() {
+  if (!at::autocast::is_autocast_cache_enabled()) return nullptr;
+  const at::ScalarType probe_dtype = at::autocast::get_autocast_dtype(at::kCPU);
+  if (probe_dtype != at::kBFloat16 && probe_dtype != at::kHalf) return nullptr;
+  thread_local CastMemo memo;
+  if (!memo.probe.defined()) {
+    at::Tensor probe = at::zeros({1}, at::TensorOptions().dtype(at::kFloat));
+    probe.set_requires_grad(true);
+    memo.probe = std::move(probe);  // only once made: a failure leaves none, tried again next call
   }
-  const at::Tensor cast = at::autocast::cached_cast(dtype, memo->probe, device.type());
-  if (!memo->probe_cast.defined() ||
-      cast.unsafeGetTensorImpl() != memo->probe_cast.unsafeGetTensorImpl()) {
-    memo->casts.clear();  // a new region (the old probe cast is held, so no new one shares its address)
-    memo->probe_cast = cast;
+  const at::Tensor cast = at::autocast::cached_cast(probe_dtype, memo.probe, at::kCPU);
+  if (!memo.probe_cast.defined() ||
+      cast.unsafeGetTensorImpl() != memo.probe_cast.unsafeGetTensorImpl()) {
+    memo.casts.clear();  // a new region (the old probe cast is held: no new one takes its address)
+    memo.probe_cast = cast;
   }
-  return *memo;
+  return &memo;
 }
 
 // `t` cast to `dtype` inside the node: no autograd history (the node keeps the edge to `t`),
 // shared through `memo` where autocast's cache would share it (an fp32 leaf that needs a
 // gradient, not a view).
-at::Tensor node_cast(CastMemo& memo, const at::Tensor& t, at::ScalarType dtype) {
-  const bool shared = t.is_leaf() && t.requires_grad() && !t.is_view() && t.scalar_type() == at::kFloat;
+at::Tensor node_cast(CastMemo* memo, const at::Tensor& t, at::ScalarType dtype) {
+  const bool shared = memo != nullptr && t.is_leaf() && t.requires_grad() && !t.is_view() &&
+                      t.scalar_type() == at::kFloat;
   if (shared) {
-    const auto found = memo.casts.find(t.unsafeGetTensorImpl());
-    if (found != memo.casts.end() && found->second.dtype == dtype &&
+    const auto found = memo->casts.find(t.unsafeGetTensorImpl());
+    if (found != memo->casts.end() && found->second.dtype == dtype &&
         found->second.source.lock().get() == t.unsafeGetTensorImpl()) {
       auto cast = found->second.cast.lock();
       if (cast) return at::Tensor(std::move(cast));
@@ -152,7 +157,7 @@ at::Tensor node_cast(CastMemo& memo, const at::Tensor& t, at::ScalarType dtype) 
     cast = t.to(dtype);
   }
   if (shared)
-    memo.casts.insert_or_assign(
+    memo->casts.insert_or_assign(
         t.unsafeGetTensorImpl(),
         CastMemo::Cast{CastMemo::Weak(t.getIntrusivePtr()), CastMemo::Weak(cast.getIntrusivePtr()),
                        dtype});
@@ -292,7 +297,7 @@ at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weigh
   const at::Tensor input_cast = stock_cast(input, dtype, autocast && !weight_in_out);
   at::Tensor weight_cast, bias_cast;
   if (casts_in_node) {
-    CastMemo& memo = cast_memo(input.device(), dtype);
+    CastMemo* memo = cast_memo();
     weight_cast = node_cast(memo, weight, dtype);
     if (bias.defined()) bias_cast = node_cast(memo, bias, dtype);
   } else {
