@@ -62,8 +62,15 @@ def _apply(module):
 
 
 class _PatchingLoader(importlib.abc.Loader):
+    """The module's own loader, which then applies the module's patches. Everything else a
+    loader answers (`get_data`, `get_resource_reader`, `get_source`, ...: pkgutil,
+    importlib.resources and linecache ask the module's loader) is the wrapped loader's."""
+
     def __init__(self, loader):
         self._loader = loader
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
 
     def create_module(self, spec):
         return self._loader.create_module(spec)

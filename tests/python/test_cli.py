@@ -36,6 +36,20 @@ def test_it_runs_a_command_with_torchfuse_loaded_and_hooked():
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [True, True, True, True]
 
 
+def test_patched_modules_keep_their_loaders_answers():
+    """The hooks wrap the loader of each module they patch (torch itself among them): pkgutil,
+    importlib.resources and inspect get from it what the module's own loader gives."""
+    code = ("import json, pkgutil, importlib.resources, inspect, torch\n"
+            "import torch.nn.modules.linear as L\n"
+            "print(json.dumps([pkgutil.get_data('torch', 'version.py').decode(),"
+            " importlib.resources.files('torch').joinpath('version.py').read_text(),"
+            " torch.__loader__.get_filename('torch'), inspect.getsource(L.Linear.__init__)]))")
+    proc = torchfuse(sys.executable, "-c", code)
+    assert proc.returncode == 0, proc.stderr
+    stock = check(run_python(code))
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == json.loads(stock.stdout.strip().splitlines()[-1])
+
+
 def test_a_missing_command_is_an_error_not_a_traceback():
     proc = torchfuse("no-such-command-here")
     assert proc.returncode == 127, proc.stderr
