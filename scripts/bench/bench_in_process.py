@@ -108,35 +108,48 @@ def worker(a):
                       "times": times}))
 
 
+def per_round(times, a, b):
+    """Round by round, side a's median step / side b's (b faster where above 1)."""
+    return [statistics.median(g for g, _ in x) / statistics.median(g for g, _ in y)
+            for x, y in zip(times[a], times[b])]
+
+
 def summary(run, sides):
-    """Per side: the median step (GPU events, host enqueue) and the median over rounds of
-    stock's step / the side's step in that round."""
+    """Per side: the median step (GPU events, host enqueue), the median over rounds of stock's
+    step / the side's step in that round, and for a `torchfuse:SPEC` side beside `torchfuse`, its
+    step / torchfuse's round by round (what SPEC's toggles are worth: above 1 where torchfuse
+    is faster) with the rounds torchfuse was faster in."""
     times = run["times"]
     rows = {}
     for side in sides:
         gpu = [g for rnd in times[side] for g, _ in rnd]
         host = [h for rnd in times[side] for _, h in rnd]
-        paired = None
-        if "stock" in times:
-            paired = statistics.median(
-                statistics.median(g for g, _ in s) / statistics.median(g for g, _ in o)
-                for s, o in zip(times["stock"], times[side]))
+        paired = statistics.median(per_round(times, "stock", side)) if "stock" in times else None
+        against = None
+        if side.startswith("torchfuse:") and "torchfuse" in times:
+            ratios = per_round(times, side, "torchfuse")
+            against = (statistics.median(ratios), sum(r > 1 for r in ratios), len(ratios))
         rows[side] = {"ms": statistics.median(gpu), "host_ms": statistics.median(host),
-                      "spread": (min(gpu), max(gpu)), "vs_stock": paired}
+                      "spread": (min(gpu), max(gpu)), "vs_stock": paired, "vs_torchfuse": against}
     return rows
 
 
 def report(runs, sides, out, command):
     lines = ["# Whole training steps, every side in one process (step by step)", "",
              f"Command: `{command}`. Median step over CUDA events (and the host's time to enqueue "
-             "it); vs stock: the median over rounds of stock's step / the side's in the same round.",
-             "", "| model | side | ms/step | min-max | host ms | vs stock (paired) | tokens or samples/s |",
-             "|---|---|---|---|---|---|---|"]
+             "it); vs stock: the median over rounds of stock's step / the side's in the same round; "
+             "torchfuse vs the side: for a `torchfuse:SPEC` side, the median over rounds of its step / "
+             "torchfuse's in the same round, and the rounds torchfuse was faster in.",
+             "", "| model | side | ms/step | min-max | host ms | vs stock (paired) | torchfuse vs the side (paired) "
+             "| tokens or samples/s |",
+             "|---|---|---|---|---|---|---|---|"]
     for run in runs:
         for side, r in summary(run, sides).items():
             vs = f"{r['vs_stock']:.2f}x" if r["vs_stock"] else "–"
+            against = r["vs_torchfuse"]
+            tf = f"{against[0]:.3f}x, faster in {against[1]} of {against[2]}" if against else "–"
             lines.append(f"| {run['what']} | {side} | {r['ms']:.2f} | {r['spread'][0]:.1f}-{r['spread'][1]:.1f} | "
-                         f"{r['host_ms']:.1f} | {vs} | {run['per_step'] / r['ms'] * 1e3:,.0f} |")
+                         f"{r['host_ms']:.1f} | {vs} | {tf} | {run['per_step'] / r['ms'] * 1e3:,.0f} |")
     text = "\n".join(lines) + "\n"
     (out / "bench_in_process.md").write_text(text)
     print(text, flush=True)
