@@ -70,6 +70,8 @@ class _PatchingLoader(importlib.abc.Loader):
         self._loader = loader
 
     def __getattr__(self, name):
+        if name == "_loader":  # not set yet (a copy made without __init__): no recursion
+            raise AttributeError(name)
         return getattr(self._loader, name)
 
     def create_module(self, spec):
