@@ -174,23 +174,20 @@ bool weight_cast_enabled() {
   return status.code == TF_FUSED;
 }
 
-// ToCopyBackward0 for a cast the node made: the gradient back to the source's dtype. Only a
+// ToCopyBackward0 for a cast the node made: the gradient back to the parameter's fp32. Only a
 // double backward makes one (on the saved cast), so that the gradient's own graph reaches the
 // parameter as through stock's cast.
 struct CastBackward : public torch::autograd::Node {
-  at::ScalarType source_dtype = at::kFloat;
   variable_list apply(variable_list&& grads) override {
-    return {grads[0].defined() ? grads[0].to(source_dtype) : at::Tensor()};
+    return {grads[0].defined() ? grads[0].to(at::kFloat) : at::Tensor()};
   }
   std::string name() const override { return "torchfuse::CastBackward"; }
 };
 
 // `cast` (saved without history) as the output of a cast node whose edge is `edge`.
-at::Tensor with_cast_history(const at::Tensor& cast, const torch::autograd::Edge& edge,
-                             at::ScalarType source_dtype) {
+at::Tensor with_cast_history(const at::Tensor& cast, const torch::autograd::Edge& edge) {
   auto node = std::shared_ptr<CastBackward>(new CastBackward(), torch::autograd::deleteNode);
   node->set_next_edges({edge});
-  node->source_dtype = source_dtype;
   at::Tensor out = cast.detach();
   torch::autograd::set_history(out, node);
   return out;
@@ -211,10 +208,9 @@ struct LinearCastBackward : public torch::autograd::Node {
   // Stock's stride tests (mm_mat1_backward on the input's 2-D view, mm_mat2_backward on the
   // GEMM's second operand), read in the forward.
   bool input_column_major = false, mat2_column_major = true;
-  // The node cast the weight and bias itself (`weight_cast`): their gradients go back to these
-  // dtypes here, as their ToCopyBackward0 nodes would take them.
+  // The node cast the (fp32) weight and bias itself (`weight_cast`): their gradients go back to
+  // fp32 here, as their ToCopyBackward0 nodes would take them.
   bool casts_in_node = false;
-  at::ScalarType weight_dtype = at::kFloat, bias_dtype = at::kFloat;
 
   variable_list apply(variable_list&& grads) override {
     variable_list out(3);
@@ -227,7 +223,7 @@ struct LinearCastBackward : public torch::autograd::Node {
       // backward a cast the node made gets its cast node back, as stock's has one.
       at::Tensor w = weight_cast.unpack();
       if (casts_in_node && at::GradMode::is_enabled() && next_edge(1).is_valid())
-        w = with_cast_history(w, next_edge(1), weight_dtype);
+        w = with_cast_history(w, next_edge(1));
       const at::Tensor grad_input =
           weight_in_out ? (input_column_major ? w.mm(grad_2d.t()).t() : grad_2d.mm(w.t()))
                         : (input_column_major ? w.t().mm(grad_2d.t()).t() : grad_2d.mm(w));
@@ -245,12 +241,12 @@ struct LinearCastBackward : public torch::autograd::Node {
       const at::Tensor grad_mat2 =
           mat2_column_major ? grad_2d.t().mm(mat1).t() : mat1.t().mm(grad_2d);
       out[1] = weight_in_out ? grad_mat2 : grad_mat2.t();
-      if (casts_in_node) out[1] = out[1].to(weight_dtype);
+      if (casts_in_node) out[1] = out[1].to(at::kFloat);
     }
     if (has_bias && should_compute_output(2)) {
       // addmm's gradient of its broadcast bias, reduced by the engine (InputMetadata::reduce_grad).
       out[2] = at::sum_to(grad_2d, c10::IntArrayRef{out_features});
-      if (casts_in_node) out[2] = out[2].to(bias_dtype);
+      if (casts_in_node) out[2] = out[2].to(at::kFloat);
     }
     return out;
   }
@@ -280,8 +276,9 @@ at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weigh
   call.dtype = static_cast<int16_t>(dtype);
   call.weight_in_out = weight_in_out ? 1 : 0;
   const bool autocast = autocast_in(input.device().type(), dtype);
-  // The node casts the weight (and a bias) itself where autocast would cast them, both fp32
-  // (the dtype of its memo's probe), on the input's device, with grad on (no node otherwise).
+  // The node casts the weight (and a bias) itself where autocast would cast them: both fp32 (the
+  // parameters autocast's cache holds; 16-bit ones under another dtype keep stock's cast), on the
+  // input's device, with grad on (no node otherwise).
   const bool casts_in_node =
       autocast && at::GradMode::is_enabled() && weight.scalar_type() == at::kFloat &&
       weight.device() == input.device() &&
@@ -326,8 +323,6 @@ at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weigh
                                                   torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(input_cast, weight_edge, bias_edge));
   node->casts_in_node = casts_in_node;
-  node->weight_dtype = weight.scalar_type();
-  if (bias.defined()) node->bias_dtype = bias.scalar_type();
   node->input_sizes = input.sizes().vec();
   node->out_features = weight.size(weight_in_out ? 1 : 0);
   node->has_bias = bias.defined();
