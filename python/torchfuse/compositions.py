@@ -24,8 +24,43 @@ import textwrap
 
 # The reference forms, each written exactly as the library writes it (transformers 5.17), in a
 # module that imports `math` and `torch` as the library's modules do: the compiler emits
-# different bytecode for attribute calls on an imported name. Compiled, never run.
-_PRELUDE = "import math\nimport torch\n\n\n"
+# different bytecode for attribute calls on an imported name (the attention forms' modules import
+# ALL_ATTENTION_FUNCTIONS). Compiled, never run.
+_PRELUDE = "import math\nimport torch\nfrom transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS\n\n\n"
+# The body of HF's attention forward (Llama's and its copies), its one varying line (what else
+# the attention interface is passed) left to fill.
+_ATTENTION_BODY = """    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+
+    query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+    cos, sin = position_embeddings
+    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+    if past_key_values is not None:
+        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, eager_attention_forward
+    )
+
+    attn_output, attn_weights = attention_interface(
+        self,
+        query_states,
+        key_states,
+        value_states,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+{extra}        **kwargs,
+    )
+
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    attn_output = self.o_proj(attn_output)
+    return attn_output, attn_weights
+"""
 _SOURCES = {
     # transformers.activations.NewGELUActivation.forward (GPT-2's "gelu_new").
     "new_gelu": """def forward(self, input):
@@ -114,6 +149,41 @@ _SOURCES = {
 
     return self.down_proj(up_states)
 """,
+    # transformers.models.llama.modeling_llama.LlamaAttention.forward and its copies (Gemma,
+    # Granite, GLM, Ernie 4.5, Qwen2-MoE, ...): q, k and v projected and split into heads, the
+    # rotary, the cache, the attention interface, the heads merged and projected. The globals it
+    # calls (apply_rotary_pos_emb, ALL_ATTENTION_FUNCTIONS, eager_attention_forward) are called
+    # by the rewrite as the original calls them, whatever they are (`_CALLED_AS_THEY_ARE`).
+    "hf_attention": """def forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    past_key_values: Cache | None = None,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple[torch.Tensor, torch.Tensor]:
+""" + _ATTENTION_BODY.format(extra=""),
+    # The same with the layer's sliding window passed to the attention (Qwen2's and its copies).
+    "hf_attention_sliding_window": """def forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    past_key_values: Cache | None = None,
+    **kwargs: Unpack[FlashAttentionKwargs],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+""" + _ATTENTION_BODY.format(extra="        sliding_window=self.sliding_window,  # main diff with Llama\n"),
+    # The same with the config's sliding window, where it has one (Mistral's and its copies).
+    "hf_attention_config_sliding_window": """def forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    past_key_values: Cache | None = None,
+    **kwargs: Unpack[FlashAttentionKwargs],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+""" + _ATTENTION_BODY.format(
+        extra='        sliding_window=getattr(self.config, "sliding_window", None),  # main diff with Llama\n'),
     # transformers.activations.SiLUActivation.forward (ACT2FN["silu"]): an act_fn the gated
     # MLP may have.
     "hf_silu": """def forward(self, input):
@@ -839,7 +909,8 @@ COMPUTES = {"hf_dynamic_layer_update": "kv_cache", "hf_dynamic_sliding_window_la
             "helium_rms_norm": "hf_rms_norm", "hf_rotary_pairs": "rotary", "hf_rotary_flipped": "rotary",
             "cohere_rotary_pairs_upcast": "rotary", "hf_rotary_pairs_upcast": "rotary",
             "hf_ignore_causal_mask_sdpa": "sdpa", "hf_ignore_bidirectional_mask_sdpa": "sdpa",
-            "hf_conv1d": "linear"}
+            "hf_conv1d": "linear", "hf_attention": "head_views", "hf_attention_sliding_window": "head_views",
+            "hf_attention_config_sliding_window": "head_views"}
 
 
 def _compiled(source):
@@ -850,7 +921,8 @@ def _compiled(source):
 
 FORMS = {name: _compiled(source) for name, source in _SOURCES.items()}
 # The defaults a class form's forward has (most have none).
-_FORM_DEFAULTS = {"mamba_rms_norm_gated": (None,)}
+_FORM_DEFAULTS = {"mamba_rms_norm_gated": (None,), "hf_attention": (None, None, None),
+                  "hf_attention_sliding_window": (None,), "hf_attention_config_sliding_window": (None,)}
 FUNCTION_FORMS = {name: (_compiled(source), defaults)
                   for name, (source, defaults) in _FUNCTION_SOURCES.items()}
 METHOD_FORMS = {name: (method, _compiled(source)) for name, (method, source) in _METHOD_SOURCES.items()}
@@ -896,11 +968,22 @@ _HELPER_FORMS = {"hf_rotary_pairs": {"rotate_half": "cohere_rotate_pairs"},
                  "cohere_rotary_pairs_upcast": {"rotate_half": "cohere_rotate_pairs"}}
 
 
+# The globals a form's rewrite calls as its original does, looked up in the module at each call,
+# whatever they hold: nothing is assumed of them.
+_CALLED_AS_THEY_ARE = dict.fromkeys(
+    ("hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window"),
+    ("apply_rotary_pos_emb", "ALL_ATTENTION_FUNCTIONS", "eager_attention_forward"))
+
+
 def _global_is_expected(function, name, form=None):
     """The global `name` the function loads is what the reference's module would hold: the
-    module `math`, `torch` or `torch.nn`, HF's ACT2FN, or the known form of the function of
-    that name (for `form`'s code: `_HELPER_FORMS`)."""
+    module `math`, `torch` or `torch.nn`, HF's ACT2FN, the known form of the function of that
+    name (for `form`'s code: `_HELPER_FORMS`), or one the rewrite of `form` calls as it is."""
     torch = sys.modules.get("torch")
+    if name in _CALLED_AS_THEY_ARE.get(form, ()):
+        return name in function.__globals__
+    if name == "getattr":  # the builtin, not shadowed in the module
+        return name not in function.__globals__
     value = function.__globals__.get(name)
     if name in ("math", "torch", "nn"):
         expected = {"math": math, "torch": torch, "nn": getattr(torch, "nn", None)}[name]

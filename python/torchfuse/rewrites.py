@@ -1316,6 +1316,138 @@ def patch_linear(module):
     return True
 
 
+# The tests' switch (set before the rewrite is made) to run `_head_views_forward` on CPU tensors
+# too, without CPU autocast (whose casts `_linear_dtype` does not read): CI has no GPU.
+_HEAD_VIEWS_ON_CPU = False
+
+# The attention forms' keyword arguments to the attention interface besides Llama's, each as its
+# original writes it.
+_ATTENTION_EXTRA = {
+    "hf_attention": lambda self: {},
+    "hf_attention_sliding_window": lambda self: {"sliding_window": self.sliding_window},
+    "hf_attention_config_sliding_window": lambda self: {"sliding_window": getattr(self.config, "sliding_window",
+                                                                                  None)},
+}
+
+
+def _head_views_forward(torch, original, form, dependencies=None):
+    """HF's attention forward (Llama's and its copies) with q, k and v each projected and split
+    into heads by one autograd node (torchfuse::linear_cast with `out_head_dim`: the Linear's
+    node returns `view(*lead, -1, head_dim).transpose(1, 2)` of its output), and the attention's
+    output merged and projected by one (`merge_input_heads`: `reshape(*lead, -1).contiguous()`
+    and o_proj), where stock runs a ViewBackward0 and a TransposeBackward0 for each projection
+    and a ViewBackward0 before o_proj: seven dispatched ops and seven autograd nodes fewer a
+    layer. The tensors the rotary, the cache and the attention see are stock's (sizes, strides,
+    values) and every gradient is stock's, bit for bit. The rest of the forward runs as the
+    original writes it: the module's `apply_rotary_pos_emb`, its cache's `update`, the attention
+    interface `ALL_ATTENTION_FUNCTIONS` gives, each looked up at the call as the original does.
+
+    Served where nn.Linear's rewrite would serve each projection's call (`_linear_forward`):
+    grad on, hidden_states a plain 3-D CUDA tensor, q/k/v_proj plain, unobserved nn.Linear
+    submodules on its device (`_plain_linear_check`) whose widths are whole heads, nn.Linear's
+    forward torch's own (or the linear rewrite of it) calling an unpatched F.linear, autocast to
+    a 16-bit dtype or none; outside traces, torch function and dispatch modes and global module
+    hooks, with the `head_views` toggle on. o_proj takes the merged heads where it is such a
+    Linear then and the attention's output is a contiguous [*lead, heads, head_dim] tensor; else
+    the original's reshape, contiguous and o_proj call. Anything else runs the original."""
+    op, enabled = torch.ops.torchfuse.linear_cast.default, torch.ops.torchfuse.enabled.default
+    tensor, grad_on, untraced = torch.Tensor, torch.is_grad_enabled, _untraced_call(torch)
+    jit_tracing = torch._C._get_tracing_state
+    function_mode, dispatch_modes = torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack
+    plain_linear, cast_to = _plain_linear_check(torch), _linear_dtype(torch)
+    functional, linear = torch.nn.functional, torch.nn.Linear
+    linear_function, linear_forwards = functional.linear, _linear_forwards(torch)
+    unpatched = compositions.Dependencies(linear_forwards[0]).unchanged
+    torchs = linear_forwards[0].__module__ == "torch.nn.modules.linear"
+    extra, names, missing = _ATTENTION_EXTRA[form], original.__globals__, object()
+    cpu_too = _HEAD_VIEWS_ON_CPU
+
+    def projection(module, cls, own, children, name, x):
+        """(weight, bias, dtype) of the plain Linear `name` for input x, or None."""
+        if name in own or not _submodule_only(cls, name):
+            return None
+        m = children.get(name)
+        if not plain_linear(m, x.device) or m.__dict__.get("_compiled_call_impl") is not None:
+            return None
+        params = m._parameters
+        weight, bias = params["weight"], params.get("bias")
+        dtype = cast_to(x, weight, bias)
+        return None if dtype is None else (weight, bias, dtype)
+
+    def projections(self, x):
+        """q, k and v's (weight, bias, dtype) and the head size, or None: the original runs."""
+        if not (type(x) is tensor and (x.is_cuda or cpu_too) and x.dim() == 3 and grad_on() and torchs
+                and linear.forward in linear_forwards and functional.linear is linear_function
+                and not function_mode() and not dispatch_modes() and not jit_tracing()
+                and not _global_module_hooks(torch) and unpatched()):
+            return None
+        own, cls = self.__dict__, type(self)
+        head_dim, children = own.get("head_dim"), own.get("_modules", {})
+        if type(head_dim) is not int or head_dim <= 0:
+            return None
+        found = []
+        for name in ("q_proj", "k_proj", "v_proj"):
+            p = projection(self, cls, own, children, name, x)
+            if p is None or p[0].shape[0] % head_dim != 0:
+                return None
+            found.append(p)
+        return (*found, head_dim) if enabled("head_views") else None
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, position_embeddings=missing, attention_mask=missing, past_key_values=None,
+                **kwargs):
+        # Traces first: torch.compile reads nothing more of this wrapper than that.
+        served = None
+        if untraced() and position_embeddings is not missing and attention_mask is not missing:
+            served = projections(self, hidden_states)
+        if served is None:
+            # The arguments as given: the original's own defaults (or its error) for the others.
+            if position_embeddings is not missing:
+                kwargs["position_embeddings"] = position_embeddings
+            if attention_mask is not missing:
+                kwargs["attention_mask"] = attention_mask
+            return original(self, hidden_states, past_key_values=past_key_values, **kwargs)
+        (qw, qb, qt), (kw, kb, kt), (vw, vb, vt), head_dim = served
+        input_shape = hidden_states.shape[:-1]
+
+        query_states = op(hidden_states, qw, qb, qt, False, head_dim)
+        key_states = op(hidden_states, kw, kb, kt, False, head_dim)
+        value_states = op(hidden_states, vw, vb, vt, False, head_dim)
+
+        cos, sin = position_embeddings
+        query_states, key_states = names["apply_rotary_pos_emb"](query_states, key_states, cos, sin)
+
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+        attention_interface = names["ALL_ATTENTION_FUNCTIONS"].get_interface(
+            self.config._attn_implementation, names["eager_attention_forward"]
+        )
+
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **extra(self),
+            **kwargs,
+        )
+
+        if (type(attn_output) is tensor and attn_output.dim() == 4 and attn_output.shape[:2] == input_shape
+                and attn_output.is_contiguous()):
+            o = projection(self, type(self), self.__dict__, self.__dict__.get("_modules", {}), "o_proj", attn_output)
+            if o is not None:
+                return op(attn_output, o[0], o[1], o[2], False, 0, True), attn_weights
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        attn_output = self.o_proj(attn_output)
+        return attn_output, attn_weights
+
+    return forward
+
+
 def _plain_linear_check(torch):
     """A function (module, device) -> whether the module is a plain nn.Linear on that device
     (weight fp32 or 16-bit, bias absent or a plain tensor) that nothing but its own forward
@@ -1612,6 +1744,9 @@ REWRITES = {
     "hf_conv1d_mlp": Rewrite(_conv1d_mlp_forward, _OPS + "gelu_tanh"),
     "hf_conv1d": Rewrite(_conv1d_forward, _OPS + "linear_cast of the [in, out] weight (one autograd node; "
                                           "under CUDA autocast after autocast's casts)"),
+    **dict.fromkeys(("hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window"),
+                    Rewrite(_head_views_forward, _OPS + "linear_cast of q, k and v split into heads, and of the "
+                                                 "merged heads for o_proj (one autograd node each)")),
     "hf_rms_norm": Rewrite(_rms_norm_forward, _OPS + "hf_rms_norm; a 16-bit x with an fp32 weight: "
                                               "aten::rms_norm without the weight, then the weight"),
     "gemma_rms_norm": Rewrite(_gemma_rms_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm)"),
@@ -1708,7 +1843,8 @@ def patch_module(module):
     for cls, form in found.items():
         op = compositions.COMPUTES[form]
         where = f"{module.__name__}.{cls.__qualname__}.forward"
-        if not enabled.get(op, False):
+        # The head views are the linear node's: nothing to take without it.
+        if not enabled.get(op, False) or (op == "head_views" and not enabled.get("linear", False)):
             note(torch, f"rewrite {op} off: {where} ({form}) left as it is", debug=True)
             continue
         original = cls.forward

@@ -104,6 +104,11 @@ elif name == "qwen2":  # q/k/v biases
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
                                       max_position_embeddings=256)
     model = transformers.Qwen2ForCausalLM(config)
+elif name == "mistral":  # the config's sliding window, shorter than the sequence
+    config = transformers.MistralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                        max_position_embeddings=256, sliding_window=128)
+    model = transformers.MistralForCausalLM(config)
 else:  # gpt2: HF Conv1D projections, nn.Linear only as its LM head
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=2, n_embd=256, n_head=4, vocab_size=512, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -116,27 +121,37 @@ linears = sum(isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D" for
 start = {{k: v.detach().clone() for k, v in model.state_dict().items()}}
 batches = [torch.randint(0, 512, (4, 256), device="cuda") for _ in range(3)]
 
+def nodes(fn):  # the autograd graph's nodes from the loss
+    seen, pending = set(), [fn]
+    while pending:
+        f = pending.pop()
+        if f is not None and f not in seen:
+            seen.add(f)
+            pending.extend(n for n, _ in f.next_functions)
+    return len(seen)
+
 def train(on):
-    torch.ops.torchfuse.set_enabled("linear", on)
+    torch.ops.torchfuse.set_enabled({toggle!r}, on)
     model.load_state_dict(start)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    losses, calls = [], served()
+    losses, calls, graph = [], served(), 0
     torch.cuda.reset_peak_memory_stats()
     held = torch.cuda.memory_allocated()  # the other run's results, kept: not this run's peak
     for ids in batches:
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = model(input_ids=ids, labels=ids).loss
+        graph = nodes(loss.grad_fn)
         loss.backward()
         grads = [p.grad.clone() for p in model.parameters()]
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
-    return losses, grads, served() - calls, torch.cuda.max_memory_allocated() - held
+    return losses, grads, served() - calls, torch.cuda.max_memory_allocated() - held, graph
 
 off, on = train(False), train(True)
 print("RESULT " + json.dumps({{
     "losses": same(off[0], on[0]), "grads": same(off[1], on[1]), "served": [off[2], on[2]],
-    "linears": linears, "steps": len(batches), "peak": [off[3], on[3]]}}))
+    "linears": linears, "steps": len(batches), "peak": [off[3], on[3]], "nodes": [off[4], on[4]]}}))
 """
 
 
@@ -181,7 +196,25 @@ def test_unchanged_hf_models_train_with_stocks_bits_and_no_more_memory(model, au
     toggle-off run's bit for bit, every Linear's and Conv1D's call was served, and the peak
     memory is not above stock's."""
     pytest.importorskip("transformers", reason="scripts/setup installs transformers")
-    out = run(MODEL, model=model, autocast=autocast)
+    out = run(MODEL, model=model, autocast=autocast, toggle="linear")
     assert out["losses"] and out["grads"], out
     assert out["served"] == [0, out["linears"] * out["steps"]], out
+    assert out["peak"][1] <= out["peak"][0], out
+
+
+@pytest.mark.parametrize("model,autocast", [("llama", True), ("qwen2", True), ("mistral", True),
+                                            ("llama", False)])
+def test_hf_attention_with_head_views_trains_with_stocks_bits_and_fewer_nodes(model, autocast):
+    """Tiny HF Llama, Qwen2 (its layer's sliding window, q/k/v biases) and Mistral (the config's
+    window) trained three steps under bf16 autocast, and Llama in bf16 without it, with the
+    attention's head views in the linear node (`head_views`) and without: the losses and the
+    last step's gradients bit for bit, every Linear's call served either way, seven autograd
+    nodes fewer a layer (the q/k/v views and transposes, the view before o_proj) and the peak
+    memory not above."""
+    pytest.importorskip("transformers", reason="scripts/setup installs transformers")
+    out = run(MODEL, model=model, autocast=autocast, toggle="head_views")
+    assert out["losses"] and out["grads"], out
+    served = out["linears"] * out["steps"]
+    assert out["served"] == [served, served], out
+    assert out["nodes"][0] - out["nodes"][1] == 7 * 2, out
     assert out["peak"][1] <= out["peak"][0], out

@@ -15,6 +15,13 @@
 // With `weight_in_out` the weight is [in, out] and the call is HF's Conv1D (GPT-2's projections):
 // addmm of the bias, the input's 2-D view and the weight as it is, viewed back (its code's
 // kernels), one node for stock's ViewBackward0, AddmmBackward0 and ViewBackward0.
+// The attention's head views (the `head_views` rewrite) may come into the node too:
+// - `out_head_dim` > 0: the output is returned as HF's `y.view(*lead, -1, head_dim).transpose(1,
+//   2)` (q, k, v split into heads), where stock runs a ViewBackward0 and a TransposeBackward0;
+// - `merge_input_heads`: the input [*lead, heads, head_dim] is taken as HF's `x.reshape(*lead,
+//   -1).contiguous()` (the attention's output before o_proj), where stock runs a ViewBackward0.
+// The backward makes the same calls on the gradient as those nodes (transpose, reshape), so the
+// gradients are stock's bit for bit.
 // Rust decides where the node runs (src/ops/linear.rs: where it is exact) and counts the call;
 // forward-mode AD, functorch transforms and traces take the composition (stock's nodes) first.
 //
@@ -64,9 +71,24 @@ at::Tensor linear_of(const at::Tensor& input, const at::Tensor& weight,
   return at::addmm(*bias, input_2d(input, true), weight).view(size_out);
 }
 
-// The op's meaning spelled out: the linear of the three cast to `dtype`. An autocast of another
-// dtype does not cast them again (the node's GEMM runs below autocast too).
-at::Tensor linear_cast_stock(const at::Tensor& input, const at::Tensor& weight,
+// HF's heads merged before o_proj: `x.reshape(*x.shape[:-2], -1).contiguous()`.
+at::Tensor merged_heads(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 2, "linear_cast: merge_input_heads needs an input of two or more dims");
+  return x.flatten(-2).contiguous();
+}
+
+// HF's split into heads: `y.view(*y.shape[:-1], -1, head_dim).transpose(1, 2)`.
+at::Tensor split_heads(const at::Tensor& y, int64_t head_dim) {
+  std::vector<int64_t> sizes = y.sizes().vec();
+  TORCH_CHECK(!sizes.empty(), "linear_cast: a 0-dim output has no heads");
+  sizes.back() = -1;
+  sizes.push_back(head_dim);
+  return y.view(sizes).transpose(1, 2);
+}
+
+// The linear of the three cast to `dtype`. An autocast of another dtype does not cast them again
+// (the node's GEMM runs below autocast too).
+at::Tensor linear_cast_plain(const at::Tensor& input, const at::Tensor& weight,
                              const std::optional<at::Tensor>& bias, at::ScalarType dtype,
                              bool weight_in_out) {
   std::optional<at::Tensor> bias_cast;
@@ -74,6 +96,16 @@ at::Tensor linear_cast_stock(const at::Tensor& input, const at::Tensor& weight,
   const at::Tensor input_cast = input.to(dtype), weight_cast = weight.to(dtype);
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   return linear_of(input_cast, weight_cast, bias_cast, weight_in_out);
+}
+
+// The op's meaning spelled out: the heads merged, the linear, the heads split.
+at::Tensor linear_cast_stock(const at::Tensor& input, const at::Tensor& weight,
+                             const std::optional<at::Tensor>& bias, at::ScalarType dtype,
+                             bool weight_in_out, int64_t out_head_dim, bool merge_input_heads) {
+  TORCH_CHECK(out_head_dim >= 0, "linear_cast: out_head_dim must not be negative");
+  const at::Tensor y = linear_cast_plain(merge_input_heads ? merged_heads(input) : input, weight,
+                                         bias, dtype, weight_in_out);
+  return out_head_dim > 0 ? split_heads(y, out_head_dim) : y;
 }
 
 // Whether autocast runs in `dtype` on this device: then a cast is autocast's own (cached).
@@ -86,10 +118,14 @@ bool autocast_in(c10::DeviceType device, at::ScalarType dtype) {
 // rewrite's case), the module's own code, autocast's casts included.
 at::Tensor linear_cast_composition(const at::Tensor& input, const at::Tensor& weight,
                                    const std::optional<at::Tensor>& bias, at::ScalarType dtype,
-                                   bool weight_in_out) {
-  if (autocast_in(input.device().type(), dtype))
-    return linear_of(input, weight, bias, weight_in_out);
-  return linear_cast_stock(input, weight, bias, dtype, weight_in_out);
+                                   bool weight_in_out, int64_t out_head_dim,
+                                   bool merge_input_heads) {
+  TORCH_CHECK(out_head_dim >= 0, "linear_cast: out_head_dim must not be negative");
+  const at::Tensor x = merge_input_heads ? merged_heads(input) : input;
+  const at::Tensor y = autocast_in(input.device().type(), dtype)
+                           ? linear_of(x, weight, bias, weight_in_out)
+                           : linear_cast_plain(x, weight, bias, dtype, weight_in_out);
+  return out_head_dim > 0 ? split_heads(y, out_head_dim) : y;
 }
 
 // A cast through autograd, as autocast's linear makes it (its cache takes fp32 leaves that
@@ -200,7 +236,10 @@ struct LinearCastBackward : public torch::autograd::Node {
   // needs a gradient; the weight's cast where the input does.
   SavedVariable input, weight_cast;
   std::vector<int64_t> input_sizes;
-  int64_t out_features = 0;
+  int64_t in_features = 0, out_features = 0;
+  // The output's head split (`out_head_dim`): the GEMM's output sizes, which the gradient of
+  // the [*lead, heads, head_dim] view transposed back is reshaped to; empty without one.
+  std::vector<int64_t> output_sizes;
   bool has_bias = false;
   // The weight is [in, out], the GEMM's second operand as it is (HF Conv1D); else nn.Linear's
   // [out, in], whose transpose the GEMM takes.
@@ -214,8 +253,11 @@ struct LinearCastBackward : public torch::autograd::Node {
 
   variable_list apply(variable_list&& grads) override {
     variable_list out(3);
-    const at::Tensor& grad = grads[0];
-    if (!grad.defined()) return out;
+    if (!grads[0].defined()) return out;
+    // A head split's TransposeBackward0 and ViewBackward0.
+    const at::Tensor grad = output_sizes.empty()
+                                ? grads[0]
+                                : grads[0].transpose(1, 2).reshape(output_sizes);
     // The output's view (or matmul's _unsafe_view) back to the GEMM's [rows, out] gradient.
     const at::Tensor grad_2d = grad.dim() == 2 ? grad : grad.reshape({-1, out_features});
     if (should_compute_output(0)) {
@@ -228,16 +270,18 @@ struct LinearCastBackward : public torch::autograd::Node {
           weight_in_out ? (input_column_major ? w.mm(grad_2d.t()).t() : grad_2d.mm(w.t()))
                         : (input_column_major ? w.t().mm(grad_2d.t()).t() : grad_2d.mm(w));
       // A 2-D input's gradient as the GEMM made it (a reshape would restride size-one dims);
-      // Conv1D's view's gradient is ViewBackward0's reshape.
+      // Conv1D's view's gradient is ViewBackward0's reshape, as a merge of heads's is.
       out[0] = input_sizes.size() == 2 && !weight_in_out ? grad_input
                                                          : grad_input.reshape(input_sizes);
     }
     if (should_compute_output(1)) {
       // mm_mat2_backward; for a Linear then TBackward0's transpose. The saved input's 2-D form
       // as the forward made it; a reshape, as a saved-tensor hook may unpack other strides.
+      // A merge of heads saved the input unmerged: its rows are in_features wide.
       const at::Tensor saved = input.unpack();
-      const at::Tensor mat1 =
-          weight_in_out ? saved.reshape({-1, saved.size(-1)}) : input_2d(saved, false);
+      const at::Tensor mat1 = weight_in_out    ? saved.reshape({-1, saved.size(-1)})
+                              : saved.dim() == 2 ? saved
+                                                 : saved.reshape({-1, in_features});
       const at::Tensor grad_mat2 =
           mat2_column_major ? grad_2d.t().mm(mat1).t() : mat1.t().mm(grad_2d);
       out[1] = weight_in_out ? grad_mat2 : grad_mat2.t();
@@ -261,16 +305,35 @@ struct LinearCastBackward : public torch::autograd::Node {
 
 at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weight,
                                 const std::optional<at::Tensor>& bias_opt, at::ScalarType dtype,
-                                bool weight_in_out) {
+                                bool weight_in_out, int64_t out_head_dim, bool merge_input_heads) {
   const at::Tensor bias = bias_opt.has_value() ? *bias_opt : at::Tensor();
+  const auto composition = [&] {
+    return linear_cast_composition(input, weight, bias_opt, dtype, weight_in_out, out_head_dim,
+                                   merge_input_heads);
+  };
   // Transforms, forward-mode AD, and tensors or modes a trace watches (fake tensors, make_fx,
-  // functionalization: they see stock's ops) take the composition.
+  // functionalization: they see stock's ops) take the composition. So do the head views the
+  // node would not make as views: an input to merge that is not contiguous (HF's reshape and
+  // contiguous copy it), an output whose width is not a whole number of heads (its view fails).
+  const int64_t out_features = weight.dim() == 2 ? weight.size(weight_in_out ? 1 : 0) : 0;
   if (composition_only({input, weight, bias}) || traced(input) || traced(weight) ||
-      (bias.defined() && traced(bias)))
-    return linear_cast_composition(input, weight, bias_opt, dtype, weight_in_out);
+      (bias.defined() && traced(bias)) || out_head_dim < 0 ||
+      (out_head_dim > 0 && (out_features == 0 || out_features % out_head_dim != 0)) ||
+      (merge_input_heads && (input.dim() < 3 || !input.is_contiguous())))
+    return composition();
+  // The GEMM's input: the heads merged as a view of the contiguous input.
+  const auto merged = [](const at::Tensor& t) {
+    std::vector<int64_t> sizes = t.sizes().vec();
+    const int64_t head_dim = sizes.back();
+    sizes.pop_back();
+    sizes.back() *= head_dim;
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return t.view(sizes);
+  };
+  const at::Tensor gemm_input = merge_input_heads ? merged(input) : input;
   // Rust decides (and counts) whether the node serves this call.
   TfLinearCall call{};
-  call.input = describe(input);
+  call.input = describe(gemm_input);
   call.weight = describe(weight);
   call.bias = describe(bias_opt);
   call.dtype = static_cast<int16_t>(dtype);
@@ -288,8 +351,7 @@ at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weigh
   // Nothing is launched: no stream, no device guard.
   const TfLaunch where{input.is_cuda() ? static_cast<int32_t>(input.get_device()) : -1, nullptr};
   TfOutputs unused{};
-  if (!fused_by_rust(TF_ENTRY_LINEAR_CAST, where, call, unused))
-    return linear_cast_composition(input, weight, bias_opt, dtype, weight_in_out);
+  if (!fused_by_rust(TF_ENTRY_LINEAR_CAST, where, call, unused)) return composition();
   // Conv1D's addmm casts the input's 2-D view, which autocast's cache never holds: a plain cast.
   const at::Tensor input_cast = stock_cast(input, dtype, autocast && !weight_in_out);
   at::Tensor weight_cast, bias_cast;
@@ -304,16 +366,19 @@ at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weigh
   // The tensors the node's edges go to: the parameters themselves where it cast them.
   const at::Tensor& weight_edge = casts_in_node ? weight : weight_cast;
   const at::Tensor& bias_edge = casts_in_node ? bias : bias_cast;
-  at::Tensor output;
+  // The input's cast is merged the same way (the edge and the saved input stay unmerged).
+  const at::Tensor gemm_input_cast = merge_input_heads ? merged(input_cast) : input_cast;
+  at::Tensor output, gemm_output;
   bool input_column_major = false;
   {
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     // Everything is in `dtype` now: autocast's own wrapper of linear would find nothing to do.
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    output = linear_of(input_cast, weight_cast,
-                       bias_cast.defined() ? std::optional<at::Tensor>(bias_cast) : std::nullopt,
-                       weight_in_out);
-    const at::Tensor mat1 = input_2d(input_cast, weight_in_out);
+    gemm_output = linear_of(
+        gemm_input_cast, weight_cast,
+        bias_cast.defined() ? std::optional<at::Tensor>(bias_cast) : std::nullopt, weight_in_out);
+    output = out_head_dim > 0 ? split_heads(gemm_output, out_head_dim) : gemm_output;
+    const at::Tensor mat1 = input_2d(gemm_input_cast, weight_in_out);
     input_column_major = mat1.stride(0) == 1 && mat1.stride(1) == mat1.size(0);
   }
   if (!(at::GradMode::is_enabled() &&
@@ -324,7 +389,9 @@ at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weigh
   node->set_next_edges(torch::autograd::collect_next_edges(input_cast, weight_edge, bias_edge));
   node->casts_in_node = casts_in_node;
   node->input_sizes = input.sizes().vec();
-  node->out_features = weight.size(weight_in_out ? 1 : 0);
+  node->in_features = weight.size(weight_in_out ? 0 : 1);
+  node->out_features = out_features;
+  if (out_head_dim > 0) node->output_sizes = gemm_output.sizes().vec();
   node->has_bias = bias.defined();
   node->weight_in_out = weight_in_out;
   node->input_column_major = input_column_major;

@@ -1,0 +1,217 @@
+"""The attention's head views in the linear node (the `head_views` toggle), on CPU (the node runs
+on any device; the rewrite serves CUDA calls, and here CPU ones through the tests' switch):
+torchfuse::linear_cast's `out_head_dim` and `merge_input_heads` give stock's tensors (sizes,
+strides, values) and gradients bit for bit with one autograd node, stock's nodes where the node
+would not make the views, stock's errors; HF's attention forms are recognised by their code; an
+unchanged HF model's attention rewritten gives the original's losses and gradients bit for bit
+with fewer autograd nodes. The GPU half: test_gpu_linear.py."""
+import json
+
+import pytest
+
+from conftest import MAIN_LIB, ROOT, check, run_python
+
+OP_PRELUDE = r"""
+import json, torch
+import torch.nn.functional as F
+op = torch.ops.torchfuse.linear_cast
+BF16 = torch.bfloat16
+g = torch.Generator().manual_seed(0)
+def r(*shape, dtype=torch.float32, grad=True):
+    return torch.randn(*shape, generator=g).to(dtype).requires_grad_(grad)
+def same(a, b):
+    return len(a) == len(b) and all(s.dtype == t.dtype and s.shape == t.shape and s.stride() == t.stride()
+                                    and torch.equal(s, t) for s, t in zip(a, b))
+def outputs_and_grads(fn, leaves, dy):
+    y = fn()
+    return [y, *torch.autograd.grad(y, leaves, dy)], y.grad_fn.name()
+"""
+
+
+def run_op(code):
+    proc = check(run_python(OP_PRELUDE + code, load_library=True))
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_split_heads_are_stocks_view_and_transpose_bit_for_bit_in_one_node():
+    """`out_head_dim`: the output is HF's `y.view(*lead, -1, head_dim).transpose(1, 2)` (its
+    sizes and strides), and the gradients of the input, weight and bias equal those through
+    stock's view and transpose, for an incoming gradient of any layout (contiguous, or as an
+    attention's backward gives it)."""
+    out = run_op(r"""
+results = {}
+for lead, heads, head_dim in [((2, 5), 4, 8), ((1, 7), 2, 16), ((3, 1), 3, 4), ((6,), 2, 8)]:
+    for bias in (True, False):
+        for wdtype, dtype in ((torch.float32, torch.float32), (BF16, BF16)):
+            for layout in ("contiguous", "as its view"):
+                x = r(*lead, 16, dtype=dtype)
+                w, b = r(heads * head_dim, 16, dtype=wdtype), (r(heads * head_dim, dtype=wdtype) if bias else None)
+                leaves = [t for t in (x, w, b) if t is not None]
+                def stock():
+                    return F.linear(x, w, b).view(*lead, -1, head_dim).transpose(1, 2)
+                shape = stock().shape
+                dy = torch.randn(*shape, generator=g).to(dtype)
+                if layout != "contiguous":  # [B, S, H, D] memory seen as [B, H, S, D]
+                    dy = dy.transpose(1, 2).contiguous().transpose(1, 2) if len(lead) > 1 else dy.mT.contiguous().mT
+                ours, node = outputs_and_grads(lambda: op(x, w, b, dtype, False, head_dim), leaves, dy)
+                theirs, _ = outputs_and_grads(stock, leaves, dy)
+                results[f"{lead} {heads}x{head_dim} bias={bias} {dtype} {layout}"] = [same(ours, theirs), node]
+print(json.dumps(results))
+""")
+    assert len(out) == 4 * 2 * 2 * 2
+    for case, (equal, node) in out.items():
+        assert equal, case
+        assert node == "torchfuse::LinearCastBackward", case
+
+
+def test_merged_heads_are_stocks_reshape_bit_for_bit_in_one_node():
+    """`merge_input_heads`: the input [*lead, heads, head_dim] is taken as HF's
+    `x.reshape(*lead, -1).contiguous()` before o_proj; output and gradients equal stock's."""
+    out = run_op(r"""
+results = {}
+for lead, heads, head_dim in [((2, 5), 4, 8), ((1, 7), 2, 16), ((3,), 2, 8)]:
+    for bias in (True, False):
+        for dtype in (torch.float32, BF16):
+            x = r(*lead, heads, head_dim, dtype=dtype)
+            w, b = r(12, heads * head_dim, dtype=dtype), (r(12, dtype=dtype) if bias else None)
+            leaves = [t for t in (x, w, b) if t is not None]
+            dy = torch.randn(*lead, 12, generator=g).to(dtype)
+            ours, node = outputs_and_grads(lambda: op(x, w, b, dtype, False, 0, True), leaves, dy)
+            theirs, _ = outputs_and_grads(lambda: F.linear(x.reshape(*lead, -1).contiguous(), w, b), leaves, dy)
+            results[f"{lead} {heads}x{head_dim} bias={bias} {dtype}"] = [same(ours, theirs), node]
+print(json.dumps(results))
+""")
+    assert len(out) == 3 * 2 * 2
+    for case, (equal, node) in out.items():
+        assert equal, case
+        assert node == "torchfuse::LinearCastBackward", case
+
+
+def test_views_the_node_would_not_make_keep_stocks_nodes_and_errors():
+    """A non-contiguous input to merge (HF's reshape and contiguous copy it) runs stock's
+    composition with its values; a width that is not whole heads, and a negative head size, get
+    an error, as stock's view gives one."""
+    out = run_op(r"""
+x = r(2, 4, 5, 8).transpose(1, 2)  # [B, S, H, D] of a [B, H, S, D] tensor: not contiguous
+w = r(12, 32)
+dy = torch.randn(2, 5, 12, generator=g)
+ours, node = outputs_and_grads(lambda: op(x, w, None, torch.float32, False, 0, True), [x, w], dy)
+theirs, _ = outputs_and_grads(lambda: F.linear(x.reshape(2, 5, -1).contiguous(), w), [x, w], dy)
+errors = {}
+for name, call, stock in [
+        ("not whole heads", lambda: op(r(2, 3, 16), r(12, 16), None, torch.float32, False, 5),
+         lambda: F.linear(r(2, 3, 16), r(12, 16)).view(2, 3, -1, 5)),
+        ("negative", lambda: op(r(2, 3, 16), r(12, 16), None, torch.float32, False, -1), None)]:
+    try:
+        call()
+        errors[name] = None
+    except RuntimeError as error:
+        errors[name] = str(error)
+    if stock is not None:
+        try:
+            stock()
+        except RuntimeError as error:
+            errors[name] = [errors[name], str(error)]
+print(json.dumps({"same": same(ours, theirs), "node": node, "errors": errors}))
+""")
+    assert out["same"] and out["node"] != "torchfuse::LinearCastBackward", out
+    ours, stock = out["errors"]["not whole heads"]
+    assert ours == stock, out
+    assert out["errors"]["negative"] is not None and "out_head_dim" in out["errors"]["negative"], out
+
+
+def test_hf_attention_forms_are_recognised_by_their_code():
+    """Llama's attention forward and its copies, Qwen2's (the layer's sliding window) and
+    Mistral's (the config's) are recognised; a changed forward is not."""
+    pytest.importorskip("transformers", reason="scripts/setup installs transformers")
+    proc = check(run_python(f"""
+import json, sys, textwrap, inspect
+sys.path.insert(0, {str(ROOT / "python")!r})
+from torchfuse import compositions
+from transformers.models.llama import modeling_llama as L
+from transformers.models.qwen2 import modeling_qwen2 as Q
+from transformers.models.mistral import modeling_mistral as M
+from transformers.models.gemma import modeling_gemma as G
+changed = {{}}
+exec(compile(textwrap.dedent(inspect.getsource(L.LlamaAttention.forward)).replace("transpose(1, 2)", "transpose(2, 1)"),
+             L.__file__, "exec"), vars(L), changed)
+print(json.dumps([compositions.form_of(c.forward) for c in (L.LlamaAttention, G.GemmaAttention, Q.Qwen2Attention,
+                                                            M.MistralAttention)]
+                 + [compositions.form_of(changed["forward"])]))
+"""))
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [
+        "hf_attention", "hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window", None]
+
+
+MODEL = r"""
+import json, sys, torch
+sys.path.insert(0, {python!r})
+import torchfuse
+from torchfuse import rewrites
+rewrites._HEAD_VIEWS_ON_CPU = True
+torchfuse.enable({lib!r})
+import transformers
+torch.manual_seed(0)
+sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+name = {model!r}
+config = {{"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+           "mistral": transformers.MistralConfig}}[name](**sizes)
+if name == "llama":
+    config.attention_bias = True
+model = getattr(transformers, type(config).__name__.replace("Config", "ForCausalLM"))(config).to({dtype})
+ids = torch.randint(0, 128, (2, 16))
+
+def nodes(fn):
+    seen, pending, names = set(), [fn], []
+    while pending:
+        f = pending.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        names.append(f.name())
+        pending.extend(n for n, _ in f.next_functions)
+    return names
+
+def run(on):
+    torch.ops.torchfuse.set_enabled("head_views", on)
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    graph = nodes(loss.grad_fn)
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters()], graph
+
+off, on = run(False), run(True)
+count = lambda graph, kind: sum(n == kind for n in graph)
+attention = type(model.model.layers[0].self_attn)
+print(json.dumps({{
+    "loss": torch.equal(off[0], on[0]),
+    "grads": all(torch.equal(a, b) for a, b in zip(off[1], on[1])),
+    "views": [count(off[2], "ViewBackward0"), count(on[2], "ViewBackward0")],
+    "transposes": [count(off[2], "TransposeBackward0"), count(on[2], "TransposeBackward0")],
+    "linear_nodes": [count(off[2], "torchfuse::LinearCastBackward"), count(on[2], "torchfuse::LinearCastBackward")],
+    "rewritten": attention.forward is not getattr(attention.forward, "__wrapped__", None)
+                 and hasattr(attention.forward, "__wrapped__")}}))
+"""
+
+
+@pytest.mark.parametrize("model,dtype", [("llama", "torch.float32"), ("qwen2", "torch.bfloat16"),
+                                         ("mistral", "torch.float32")])
+def test_unchanged_hf_attention_gives_the_originals_bits_with_fewer_nodes(model, dtype):
+    """Tiny HF Llama (with q/k/v/o biases), Qwen2 (its sliding-window form) and Mistral (the
+    config's) trained one step without autocast: the loss and every gradient with the attention
+    rewritten equal the original forward's (the toggle off) bit for bit; its graph has the four
+    projections as the node's and three TransposeBackward0 and four or more ViewBackward0 nodes
+    fewer in each of the two layers."""
+    pytest.importorskip("transformers", reason="scripts/setup installs transformers")
+    proc = check(run_python(MODEL.format(python=str(ROOT / "python"), lib=str(MAIN_LIB.parent), model=model,
+                                         dtype=dtype), TORCHFUSE_LOG="info"))
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "rewrite head_views:" in proc.stderr, proc.stderr[-3000:]
+    assert out["loss"] and out["grads"] and out["rewritten"], out
+    # On CPU the other Linears keep stock's nodes (nn.Linear's rewrite serves CUDA calls): the
+    # projections' own views go too (F.linear's of a 3-D input), besides the head views.
+    layers = 2
+    assert out["linear_nodes"] == [0, 4 * layers], out
+    assert out["transposes"][0] - out["transposes"][1] == 3 * layers, out
+    assert out["views"][0] - out["views"][1] >= 4 * layers, out
