@@ -173,6 +173,21 @@ _SOURCES = {
     **kwargs: Unpack[FlashAttentionKwargs],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
 """ + _ATTENTION_BODY.format(extra="        sliding_window=self.sliding_window,  # main diff with Llama\n"),
+    # The same with q and k normed per head between the view and the transpose, and the layer's
+    # sliding window (Qwen3's and its copies: Qwen3-MoE, Dots1, Mellum, ...).
+    "qwen3_attention": """def forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    past_key_values: Cache | None = None,
+    **kwargs: Unpack[FlashAttentionKwargs],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+""" + _ATTENTION_BODY.format(extra="        sliding_window=self.sliding_window,  # diff with Llama\n").replace(
+        "query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
+        "query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)").replace(
+        "key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
+        "key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)"),
     # The same with the config's sliding window, where it has one (Mistral's and its copies).
     "hf_attention_config_sliding_window": """def forward(
     self,
@@ -910,7 +925,7 @@ COMPUTES = {"hf_dynamic_layer_update": "kv_cache", "hf_dynamic_sliding_window_la
             "cohere_rotary_pairs_upcast": "rotary", "hf_rotary_pairs_upcast": "rotary",
             "hf_ignore_causal_mask_sdpa": "sdpa", "hf_ignore_bidirectional_mask_sdpa": "sdpa",
             "hf_conv1d": "linear", "hf_attention": "head_views", "hf_attention_sliding_window": "head_views",
-            "hf_attention_config_sliding_window": "head_views"}
+            "hf_attention_config_sliding_window": "head_views", "qwen3_attention": "head_views"}
 
 
 def _compiled(source):
@@ -922,7 +937,8 @@ def _compiled(source):
 FORMS = {name: _compiled(source) for name, source in _SOURCES.items()}
 # The defaults a class form's forward has (most have none).
 _FORM_DEFAULTS = {"mamba_rms_norm_gated": (None,), "hf_attention": (None, None, None),
-                  "hf_attention_sliding_window": (None,), "hf_attention_config_sliding_window": (None,)}
+                  "hf_attention_sliding_window": (None,), "hf_attention_config_sliding_window": (None,),
+                  "qwen3_attention": (None,)}
 FUNCTION_FORMS = {name: (_compiled(source), defaults)
                   for name, (source, defaults) in _FUNCTION_SOURCES.items()}
 METHOD_FORMS = {name: (method, _compiled(source)) for name, (method, source) in _METHOD_SOURCES.items()}
@@ -971,7 +987,7 @@ _HELPER_FORMS = {"hf_rotary_pairs": {"rotate_half": "cohere_rotate_pairs"},
 # The globals a form's rewrite calls as its original does, looked up in the module at each call,
 # whatever they hold: nothing is assumed of them.
 _CALLED_AS_THEY_ARE = dict.fromkeys(
-    ("hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window"),
+    ("hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window", "qwen3_attention"),
     ("apply_rotary_pos_emb", "ALL_ATTENTION_FUNCTIONS", "eager_attention_forward"))
 
 
@@ -1073,9 +1089,20 @@ class Dependencies:
         return self
 
 
+# Forms whose rewrite binds the arguments by the reference's names (its own signature): their
+# parameter names must be the reference's too (bytecode reads arguments by position).
+_NAMED_PARAMETERS = frozenset(_CALLED_AS_THEY_ARE)
+
+
+def _parameter_names(code):
+    count = code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & 0x04) + bool(code.co_flags & 0x08)
+    return code.co_varnames[:count]
+
+
 def _matches(function, form, reference, defaults):
     code = getattr(function, "__code__", None)
     return (code is not None and _same_code(code, reference)
+            and (form not in _NAMED_PARAMETERS or _parameter_names(code) == _parameter_names(reference))
             and getattr(function, "__defaults__", None) == defaults
             and not getattr(function, "__kwdefaults__", None)
             and not getattr(function, "__closure__", None)

@@ -1327,7 +1327,12 @@ _ATTENTION_EXTRA = {
     "hf_attention_sliding_window": lambda self: {"sliding_window": self.sliding_window},
     "hf_attention_config_sliding_window": lambda self: {"sliding_window": getattr(self.config, "sliding_window",
                                                                                   None)},
+    "qwen3_attention": lambda self: {"sliding_window": self.sliding_window},
 }
+# The forms whose q and k are normed per head (`self.q_norm`, `self.k_norm`) between the view and
+# the transpose: there the node returns the view, and the norm and the transpose are the
+# original's.
+_ATTENTION_NORMED_QK = frozenset({"qwen3_attention"})
 
 
 def _head_views_forward(torch, original, form, dependencies=None):
@@ -1337,9 +1342,12 @@ def _head_views_forward(torch, original, form, dependencies=None):
     output merged and projected by one (`merge_input_heads`: `reshape(*lead, -1).contiguous()`
     and o_proj), where stock runs a ViewBackward0 and a TransposeBackward0 for each projection
     and a ViewBackward0 before o_proj: seven dispatched ops and seven autograd nodes fewer a
-    layer. The tensors the rotary, the cache and the attention see are stock's (sizes, strides,
-    values) and every gradient is stock's, bit for bit. The rest of the forward runs as the
-    original writes it: the module's `apply_rotary_pos_emb`, its cache's `update`, the attention
+    layer (five where q and k are normed per head between the view and the transpose, Qwen3's
+    form: the node returns the view, the norms and transposes are the original's). The tensors the rotary, the cache and the attention see are stock's (sizes, strides,
+    values) and every gradient is stock's, bit for bit; they are not autograd views of the
+    projection's output, which nothing else sees (`_base` is None, and an in-place `detach_()`
+    of one is not refused as a view's is). The rest of the forward runs as the original writes
+    it: the module's `apply_rotary_pos_emb`, its cache's `update`, the attention
     interface `ALL_ATTENTION_FUNCTIONS` gives, each looked up at the call as the original does.
 
     Served where nn.Linear's rewrite would serve each projection's call (`_linear_forward`):
@@ -1360,6 +1368,8 @@ def _head_views_forward(torch, original, form, dependencies=None):
     unpatched = compositions.Dependencies(linear_forwards[0]).unchanged
     torchs = linear_forwards[0].__module__ == "torch.nn.modules.linear"
     extra, names, missing = _ATTENTION_EXTRA[form], original.__globals__, object()
+    normed = form in _ATTENTION_NORMED_QK
+    module_getattr, cpu_autocast = torch.nn.Module.__getattr__, torch.is_autocast_enabled
     cpu_too = _HEAD_VIEWS_ON_CPU
 
     def projection(module, cls, own, children, name, x):
@@ -1371,19 +1381,24 @@ def _head_views_forward(torch, original, form, dependencies=None):
             return None
         params = m._parameters
         weight, bias = params["weight"], params.get("bias")
+        if weight.dim() != 2:  # F.linear takes a 1-D weight: its output has no head dim
+            return None
         dtype = cast_to(x, weight, bias)
         return None if dtype is None else (weight, bias, dtype)
 
     def projections(self, x):
         """q, k and v's (weight, bias, dtype) and the head size, or None: the original runs."""
-        if not (type(x) is tensor and (x.is_cuda or cpu_too) and x.dim() == 3 and grad_on() and torchs
+        if not (type(x) is tensor and (x.is_cuda or (cpu_too and not cpu_autocast("cpu"))) and x.dim() == 3
+                and grad_on() and torchs
                 and linear.forward in linear_forwards and functional.linear is linear_function
                 and not function_mode() and not dispatch_modes() and not jit_tracing()
                 and not _global_module_hooks(torch) and unpatched()):
             return None
         own, cls = self.__dict__, type(self)
         head_dim, children = own.get("head_dim"), own.get("_modules", {})
-        if type(head_dim) is not int or head_dim <= 0:
+        # `self.head_dim` and the projections found where nn.Module finds them (no class
+        # attribute or __getattr__ of the class's own in between).
+        if type(head_dim) is not int or head_dim <= 0 or not _plain_attention_class(cls, module_getattr):
             return None
         found = []
         for name in ("q_proj", "k_proj", "v_proj"):
@@ -1410,8 +1425,12 @@ def _head_views_forward(torch, original, form, dependencies=None):
         (qw, qb, qt), (kw, kb, kt), (vw, vb, vt), head_dim = served
         input_shape = hidden_states.shape[:-1]
 
-        query_states = op(hidden_states, qw, qb, qt, False, head_dim)
-        key_states = op(hidden_states, kw, kb, kt, False, head_dim)
+        if normed:
+            query_states = self.q_norm(op(hidden_states, qw, qb, qt, False, head_dim, False, False)).transpose(1, 2)
+            key_states = self.k_norm(op(hidden_states, kw, kb, kt, False, head_dim, False, False)).transpose(1, 2)
+        else:
+            query_states = op(hidden_states, qw, qb, qt, False, head_dim)
+            key_states = op(hidden_states, kw, kb, kt, False, head_dim)
         value_states = op(hidden_states, vw, vb, vt, False, head_dim)
 
         cos, sin = position_embeddings
@@ -1446,6 +1465,15 @@ def _head_views_forward(torch, original, form, dependencies=None):
         return attn_output, attn_weights
 
     return forward
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_attention_class(cls, module_getattr):
+    """Whether an attention class's `self.head_dim` and projections are its instance's entries
+    as nn.Module finds them: no class attribute of those names, no __getattr__ or
+    __getattribute__ of its own."""
+    return (cls.__getattr__ is module_getattr and cls.__getattribute__ is object.__getattribute__
+            and all(_submodule_only(cls, name) for name in ("head_dim", "q_proj", "k_proj", "v_proj", "o_proj")))
 
 
 def _plain_linear_check(torch):
@@ -1744,7 +1772,8 @@ REWRITES = {
     "hf_conv1d_mlp": Rewrite(_conv1d_mlp_forward, _OPS + "gelu_tanh"),
     "hf_conv1d": Rewrite(_conv1d_forward, _OPS + "linear_cast of the [in, out] weight (one autograd node; "
                                           "under CUDA autocast after autocast's casts)"),
-    **dict.fromkeys(("hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window"),
+    **dict.fromkeys(("hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window",
+                     "qwen3_attention"),
                     Rewrite(_head_views_forward, _OPS + "linear_cast of q, k and v split into heads, and of the "
                                                  "merged heads for o_proj (one autograd node each)")),
     "hf_rms_norm": Rewrite(_rms_norm_forward, _OPS + "hf_rms_norm; a 16-bit x with an fp32 weight: "

@@ -104,6 +104,11 @@ elif name == "qwen2":  # q/k/v biases
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
                                       max_position_embeddings=256)
     model = transformers.Qwen2ForCausalLM(config)
+elif name == "qwen3":  # q and k normed per head between the view and the transpose
+    config = transformers.Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                      max_position_embeddings=256, head_dim=64)
+    model = transformers.Qwen3ForCausalLM(config)
 elif name == "mistral":  # the config's sliding window, shorter than the sequence
     config = transformers.MistralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
@@ -203,18 +208,18 @@ def test_unchanged_hf_models_train_with_stocks_bits_and_no_more_memory(model, au
 
 
 @pytest.mark.parametrize("model,autocast", [("llama", True), ("qwen2", True), ("mistral", True),
-                                            ("llama", False)])
+                                            ("qwen3", True), ("llama", False)])
 def test_hf_attention_with_head_views_trains_with_stocks_bits_and_fewer_nodes(model, autocast):
-    """Tiny HF Llama, Qwen2 (its layer's sliding window, q/k/v biases) and Mistral (the config's
-    window) trained three steps under bf16 autocast, and Llama in bf16 without it, with the
+    """Tiny HF Llama, Qwen2 (its layer's sliding window, q/k/v biases), Mistral (the config's
+    window) and Qwen3 (q and k normed per head) trained three steps under bf16 autocast, and Llama in bf16 without it, with the
     attention's head views in the linear node (`head_views`) and without: the losses and the
     last step's gradients bit for bit, every Linear's call served either way, seven autograd
-    nodes fewer a layer (the q/k/v views and transposes, the view before o_proj) and the peak
-    memory not above."""
+    nodes fewer a layer (the q/k/v views and transposes, the view before o_proj; five for Qwen3,
+    whose q and k keep their transposes) and the peak memory not above."""
     pytest.importorskip("transformers", reason="scripts/setup installs transformers")
     out = run(MODEL, model=model, autocast=autocast, toggle="head_views")
     assert out["losses"] and out["grads"], out
     served = out["linears"] * out["steps"]
     assert out["served"] == [served, served], out
-    assert out["nodes"][0] - out["nodes"][1] == 7 * 2, out
+    assert out["nodes"][0] - out["nodes"][1] == (5 if model == "qwen3" else 7) * 2, out
     assert out["peak"][1] <= out["peak"][0], out

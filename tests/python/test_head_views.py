@@ -34,8 +34,8 @@ def run_op(code):
 
 
 def test_split_heads_are_stocks_view_and_transpose_bit_for_bit_in_one_node():
-    """`out_head_dim`: the output is HF's `y.view(*lead, -1, head_dim).transpose(1, 2)` (its
-    sizes and strides), and the gradients of the input, weight and bias equal those through
+    """`out_head_dim`: the output is HF's `y.view(*lead, -1, head_dim).transpose(1, 2)`, or with
+    `transpose_heads` false the view alone (its sizes and strides), and the gradients of the input, weight and bias equal those through
     stock's view and transpose, for an incoming gradient of any layout (contiguous, or as an
     attention's backward gives it)."""
     out = run_op(r"""
@@ -43,22 +43,25 @@ results = {}
 for lead, heads, head_dim in [((2, 5), 4, 8), ((1, 7), 2, 16), ((3, 1), 3, 4), ((6,), 2, 8)]:
     for bias in (True, False):
         for wdtype, dtype in ((torch.float32, torch.float32), (BF16, BF16)):
-            for layout in ("contiguous", "as its view"):
+            for layout, transposed in (("contiguous", True), ("as its view", True), ("contiguous", False)):
                 x = r(*lead, 16, dtype=dtype)
                 w, b = r(heads * head_dim, 16, dtype=wdtype), (r(heads * head_dim, dtype=wdtype) if bias else None)
                 leaves = [t for t in (x, w, b) if t is not None]
                 def stock():
-                    return F.linear(x, w, b).view(*lead, -1, head_dim).transpose(1, 2)
+                    heads = F.linear(x, w, b).view(*lead, -1, head_dim)
+                    return heads.transpose(1, 2) if transposed else heads
                 shape = stock().shape
                 dy = torch.randn(*shape, generator=g).to(dtype)
                 if layout != "contiguous":  # [B, S, H, D] memory seen as [B, H, S, D]
                     dy = dy.transpose(1, 2).contiguous().transpose(1, 2) if len(lead) > 1 else dy.mT.contiguous().mT
-                ours, node = outputs_and_grads(lambda: op(x, w, b, dtype, False, head_dim), leaves, dy)
+                ours, node = outputs_and_grads(lambda: op(x, w, b, dtype, False, head_dim, False, transposed),
+                                               leaves, dy)
                 theirs, _ = outputs_and_grads(stock, leaves, dy)
-                results[f"{lead} {heads}x{head_dim} bias={bias} {dtype} {layout}"] = [same(ours, theirs), node]
+                results[f"{lead} {heads}x{head_dim} bias={bias} {dtype} {layout} transposed={transposed}"] = [
+                    same(ours, theirs), node]
 print(json.dumps(results))
 """)
-    assert len(out) == 4 * 2 * 2 * 2
+    assert len(out) == 4 * 2 * 2 * 3
     for case, (equal, node) in out.items():
         assert equal, case
         assert node == "torchfuse::LinearCastBackward", case
@@ -121,8 +124,9 @@ print(json.dumps({"same": same(ours, theirs), "node": node, "errors": errors}))
 
 
 def test_hf_attention_forms_are_recognised_by_their_code():
-    """Llama's attention forward and its copies, Qwen2's (the layer's sliding window) and
-    Mistral's (the config's) are recognised; a changed forward is not."""
+    """Llama's attention forward and its copies, Qwen2's (the layer's sliding window), Mistral's
+    (the config's) and Qwen3's (q and k normed per head) are recognised; a changed forward is
+    not."""
     pytest.importorskip("transformers", reason="scripts/setup installs transformers")
     proc = check(run_python(f"""
 import json, sys, textwrap, inspect
@@ -132,15 +136,17 @@ from transformers.models.llama import modeling_llama as L
 from transformers.models.qwen2 import modeling_qwen2 as Q
 from transformers.models.mistral import modeling_mistral as M
 from transformers.models.gemma import modeling_gemma as G
+from transformers.models.qwen3 import modeling_qwen3 as Q3
 changed = {{}}
 exec(compile(textwrap.dedent(inspect.getsource(L.LlamaAttention.forward)).replace("transpose(1, 2)", "transpose(2, 1)"),
              L.__file__, "exec"), vars(L), changed)
 print(json.dumps([compositions.form_of(c.forward) for c in (L.LlamaAttention, G.GemmaAttention, Q.Qwen2Attention,
-                                                            M.MistralAttention)]
+                                                            M.MistralAttention, Q3.Qwen3Attention)]
                  + [compositions.form_of(changed["forward"])]))
 """))
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [
-        "hf_attention", "hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window", None]
+        "hf_attention", "hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window",
+        "qwen3_attention", None]
 
 
 MODEL = r"""
@@ -156,7 +162,7 @@ sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
 name = {model!r}
 config = {{"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-           "mistral": transformers.MistralConfig}}[name](**sizes)
+           "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config}}[name](**sizes)
 if name == "llama":
     config.attention_bias = True
 model = getattr(transformers, type(config).__name__.replace("Config", "ForCausalLM"))(config).to({dtype})
@@ -196,13 +202,14 @@ print(json.dumps({{
 
 
 @pytest.mark.parametrize("model,dtype", [("llama", "torch.float32"), ("qwen2", "torch.bfloat16"),
-                                         ("mistral", "torch.float32")])
+                                         ("mistral", "torch.float32"), ("qwen3", "torch.float32")])
 def test_unchanged_hf_attention_gives_the_originals_bits_with_fewer_nodes(model, dtype):
-    """Tiny HF Llama (with q/k/v/o biases), Qwen2 (its sliding-window form) and Mistral (the
-    config's) trained one step without autocast: the loss and every gradient with the attention
-    rewritten equal the original forward's (the toggle off) bit for bit; its graph has the four
-    projections as the node's and three TransposeBackward0 and four or more ViewBackward0 nodes
-    fewer in each of the two layers."""
+    """Tiny HF Llama (with q/k/v/o biases), Qwen2 (its sliding-window form), Mistral (the
+    config's) and Qwen3 (q and k normed per head) trained one step without autocast: the loss
+    and every gradient with the attention rewritten equal the original forward's (the toggle
+    off) bit for bit; its graph has the four projections as the node's and three
+    TransposeBackward0 (one for Qwen3: its q and k keep theirs) and four or more ViewBackward0
+    nodes fewer in each of the two layers."""
     pytest.importorskip("transformers", reason="scripts/setup installs transformers")
     proc = check(run_python(MODEL.format(python=str(ROOT / "python"), lib=str(MAIN_LIB.parent), model=model,
                                          dtype=dtype), TORCHFUSE_LOG="info"))
@@ -213,5 +220,88 @@ def test_unchanged_hf_attention_gives_the_originals_bits_with_fewer_nodes(model,
     # projections' own views go too (F.linear's of a 3-D input), besides the head views.
     layers = 2
     assert out["linear_nodes"] == [0, 4 * layers], out
-    assert out["transposes"][0] - out["transposes"][1] == 3 * layers, out
+    assert out["transposes"][0] - out["transposes"][1] == (1 if model == "qwen3" else 3) * layers, out
     assert out["views"][0] - out["views"][1] >= 4 * layers, out
+
+
+FALLBACKS = r"""
+import json, sys, textwrap, inspect, torch
+sys.path.insert(0, {python!r})
+import torchfuse
+from torchfuse import rewrites, compositions
+rewrites._HEAD_VIEWS_ON_CPU = True
+torchfuse.enable({lib!r})
+import transformers
+from transformers.models.llama import modeling_llama as L
+from transformers.models.qwen2 import modeling_qwen2 as Q
+torch.manual_seed(0)
+config = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
+config._attn_implementation = "sdpa"
+x = torch.randn(2, 5, 32, requires_grad=True)
+position = L.LlamaRotaryEmbedding(config)(x, torch.arange(5)[None])
+
+def both(attention, *args, **kwargs):
+    # The output (or error) and the graph's view nodes of the original forward (HF's code, called
+    # directly) and of the module's call (the rewrite).
+    out = []
+    for call in (lambda: inspect.unwrap(type(attention).forward)(attention, *args, **kwargs),
+                 lambda: attention(*args, **kwargs)):
+        try:
+            y = call()[0]
+            graph, pending, seen = 0, [y.grad_fn], set()
+            while pending:
+                f = pending.pop()
+                if f is not None and f not in seen:
+                    seen.add(f)
+                    graph += f.name() in ("ViewBackward0", "TransposeBackward0")
+                    pending.extend(n for n, _ in f.next_functions)
+            out.append((y, graph))
+        except Exception as error:
+            out.append((type(error).__name__ + ": " + str(error), None))
+    (a, ga), (b, gb) = out
+    equal = torch.equal(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else a == b
+    return [bool(equal), ga == gb]
+
+class Redirected(L.LlamaAttention):  # its own __getattr__ answers q_proj with another Linear
+    def __getattr__(self, name):
+        if name == "q_proj":
+            return super().__getattr__("alt_q")
+        return super().__getattr__(name)
+
+results = {{}}
+plain = L.LlamaAttention(config, 0)
+results["served"] = both(plain, x, position, None)
+redirected = Redirected(config, 0)
+redirected.alt_q = torch.nn.Linear(32, 32, bias=False)
+results["own __getattr__"] = both(redirected, x, position, None)
+hooked = L.LlamaAttention(config, 0)
+hooked.q_proj.register_forward_hook(lambda m, i, o: o * 2)
+results["hooked q_proj"] = both(hooked, x, position, None)
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    results["cpu autocast"] = both(plain, x, position, None)
+qwen = Q.Qwen2Attention(transformers.Qwen2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2), 0)
+results["missing argument"] = both(qwen, x, position)
+with torch.no_grad():
+    results["grad off"] = both(plain, x, position, None)
+# A copy whose cache argument is named otherwise: the same bytecode, other names, not the form.
+source = textwrap.dedent(inspect.getsource(L.LlamaAttention.forward)).replace("past_key_values", "past_key_value")
+renamed = {{}}
+exec(compile(source, L.__file__, "exec"), vars(L), renamed)
+results["renamed parameter form"] = compositions.form_of(renamed["forward"])
+print(json.dumps(results))
+"""
+
+
+def test_what_the_rewrite_cannot_see_through_runs_the_original():
+    """The original forward's output or error, and its view nodes, where an
+    attention class's own __getattr__ could answer its projections, a projection is hooked, CPU
+    autocast runs (the tests' switch), an argument is missing, grad is off: the original ran.
+    A copy whose parameters are named otherwise is not the form (the rewrite binds by name).
+    Where served, the output is the same with the view nodes gone."""
+    pytest.importorskip("transformers", reason="scripts/setup installs transformers")
+    proc = check(run_python(FALLBACKS.format(python=str(ROOT / "python"), lib=str(MAIN_LIB.parent))))
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out.pop("renamed parameter form") is None, out
+    assert out.pop("served") == [True, False], out
+    for case, (equal, same_graph) in out.items():
+        assert equal and same_graph, (case, out)

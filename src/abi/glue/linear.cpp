@@ -18,6 +18,7 @@
 // The attention's head views (the `head_views` rewrite) may come into the node too:
 // - `out_head_dim` > 0: the output is returned as HF's `y.view(*lead, -1, head_dim).transpose(1,
 //   2)` (q, k, v split into heads), where stock runs a ViewBackward0 and a TransposeBackward0;
+//   with `transpose_heads` false as the view alone (Qwen3's q and k, normed before the transpose);
 // - `merge_input_heads`: the input [*lead, heads, head_dim] is taken as HF's `x.reshape(*lead,
 //   -1).contiguous()` (the attention's output before o_proj), where stock runs a ViewBackward0.
 // The backward makes the same calls on the gradient as those nodes (transpose, reshape), so the
@@ -77,13 +78,15 @@ at::Tensor merged_heads(const at::Tensor& x) {
   return x.flatten(-2).contiguous();
 }
 
-// HF's split into heads: `y.view(*y.shape[:-1], -1, head_dim).transpose(1, 2)`.
-at::Tensor split_heads(const at::Tensor& y, int64_t head_dim) {
+// HF's split into heads: `y.view(*y.shape[:-1], -1, head_dim).transpose(1, 2)`, or the view
+// alone.
+at::Tensor split_heads(const at::Tensor& y, int64_t head_dim, bool transpose) {
   std::vector<int64_t> sizes = y.sizes().vec();
   TORCH_CHECK(!sizes.empty(), "linear_cast: a 0-dim output has no heads");
   sizes.back() = -1;
   sizes.push_back(head_dim);
-  return y.view(sizes).transpose(1, 2);
+  const at::Tensor heads = y.view(sizes);
+  return transpose ? heads.transpose(1, 2) : heads;
 }
 
 // The linear of the three cast to `dtype`. An autocast of another dtype does not cast them again
@@ -101,11 +104,12 @@ at::Tensor linear_cast_plain(const at::Tensor& input, const at::Tensor& weight,
 // The op's meaning spelled out: the heads merged, the linear, the heads split.
 at::Tensor linear_cast_stock(const at::Tensor& input, const at::Tensor& weight,
                              const std::optional<at::Tensor>& bias, at::ScalarType dtype,
-                             bool weight_in_out, int64_t out_head_dim, bool merge_input_heads) {
+                             bool weight_in_out, int64_t out_head_dim, bool merge_input_heads,
+                             bool transpose_heads) {
   TORCH_CHECK(out_head_dim >= 0, "linear_cast: out_head_dim must not be negative");
   const at::Tensor y = linear_cast_plain(merge_input_heads ? merged_heads(input) : input, weight,
                                          bias, dtype, weight_in_out);
-  return out_head_dim > 0 ? split_heads(y, out_head_dim) : y;
+  return out_head_dim > 0 ? split_heads(y, out_head_dim, transpose_heads) : y;
 }
 
 // Whether autocast runs in `dtype` on this device: then a cast is autocast's own (cached).
@@ -119,13 +123,13 @@ bool autocast_in(c10::DeviceType device, at::ScalarType dtype) {
 at::Tensor linear_cast_composition(const at::Tensor& input, const at::Tensor& weight,
                                    const std::optional<at::Tensor>& bias, at::ScalarType dtype,
                                    bool weight_in_out, int64_t out_head_dim,
-                                   bool merge_input_heads) {
+                                   bool merge_input_heads, bool transpose_heads) {
   TORCH_CHECK(out_head_dim >= 0, "linear_cast: out_head_dim must not be negative");
   const at::Tensor x = merge_input_heads ? merged_heads(input) : input;
   const at::Tensor y = autocast_in(input.device().type(), dtype)
                            ? linear_of(x, weight, bias, weight_in_out)
                            : linear_cast_plain(x, weight, bias, dtype, weight_in_out);
-  return out_head_dim > 0 ? split_heads(y, out_head_dim) : y;
+  return out_head_dim > 0 ? split_heads(y, out_head_dim, transpose_heads) : y;
 }
 
 // A cast through autograd, as autocast's linear makes it (its cache takes fp32 leaves that
@@ -238,8 +242,10 @@ struct LinearCastBackward : public torch::autograd::Node {
   std::vector<int64_t> input_sizes;
   int64_t in_features = 0, out_features = 0;
   // The output's head split (`out_head_dim`): the GEMM's output sizes, which the gradient of
-  // the [*lead, heads, head_dim] view transposed back is reshaped to; empty without one.
+  // the [*lead, heads, head_dim] view (transposed back where it was transposed) is reshaped to;
+  // empty without one.
   std::vector<int64_t> output_sizes;
+  bool heads_transposed = true;
   bool has_bias = false;
   // The weight is [in, out], the GEMM's second operand as it is (HF Conv1D); else nn.Linear's
   // [out, in], whose transpose the GEMM takes.
@@ -255,9 +261,10 @@ struct LinearCastBackward : public torch::autograd::Node {
     variable_list out(3);
     if (!grads[0].defined()) return out;
     // A head split's TransposeBackward0 and ViewBackward0.
-    const at::Tensor grad = output_sizes.empty()
-                                ? grads[0]
-                                : grads[0].transpose(1, 2).reshape(output_sizes);
+    const at::Tensor grad =
+        output_sizes.empty()
+            ? grads[0]
+            : (heads_transposed ? grads[0].transpose(1, 2) : grads[0]).reshape(output_sizes);
     // The output's view (or matmul's _unsafe_view) back to the GEMM's [rows, out] gradient.
     const at::Tensor grad_2d = grad.dim() == 2 ? grad : grad.reshape({-1, out_features});
     if (should_compute_output(0)) {
@@ -305,11 +312,12 @@ struct LinearCastBackward : public torch::autograd::Node {
 
 at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weight,
                                 const std::optional<at::Tensor>& bias_opt, at::ScalarType dtype,
-                                bool weight_in_out, int64_t out_head_dim, bool merge_input_heads) {
+                                bool weight_in_out, int64_t out_head_dim, bool merge_input_heads,
+                                bool transpose_heads) {
   const at::Tensor bias = bias_opt.has_value() ? *bias_opt : at::Tensor();
   const auto composition = [&] {
     return linear_cast_composition(input, weight, bias_opt, dtype, weight_in_out, out_head_dim,
-                                   merge_input_heads);
+                                   merge_input_heads, transpose_heads);
   };
   // Transforms, forward-mode AD, and tensors or modes a trace watches (fake tensors, make_fx,
   // functionalization: they see stock's ops) take the composition. So do the head views the
@@ -352,8 +360,10 @@ at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weigh
   const TfLaunch where{input.is_cuda() ? static_cast<int32_t>(input.get_device()) : -1, nullptr};
   TfOutputs unused{};
   if (!fused_by_rust(TF_ENTRY_LINEAR_CAST, where, call, unused)) return composition();
-  // Conv1D's addmm casts the input's 2-D view, which autocast's cache never holds: a plain cast.
-  const at::Tensor input_cast = stock_cast(input, dtype, autocast && !weight_in_out);
+  // Conv1D's addmm casts the input's 2-D view, and o_proj the heads' merged view, which
+  // autocast's cache never holds: a plain cast.
+  const at::Tensor input_cast =
+      stock_cast(input, dtype, autocast && !weight_in_out && !merge_input_heads);
   at::Tensor weight_cast, bias_cast;
   if (casts_in_node) {
     CastMemo* memo = cast_memo();
@@ -377,7 +387,8 @@ at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weigh
     gemm_output = linear_of(
         gemm_input_cast, weight_cast,
         bias_cast.defined() ? std::optional<at::Tensor>(bias_cast) : std::nullopt, weight_in_out);
-    output = out_head_dim > 0 ? split_heads(gemm_output, out_head_dim) : gemm_output;
+    output =
+        out_head_dim > 0 ? split_heads(gemm_output, out_head_dim, transpose_heads) : gemm_output;
     const at::Tensor mat1 = input_2d(gemm_input_cast, weight_in_out);
     input_column_major = mat1.stride(0) == 1 && mat1.stride(1) == mat1.size(0);
   }
@@ -392,6 +403,7 @@ at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weigh
   node->in_features = weight.size(weight_in_out ? 0 : 1);
   node->out_features = out_features;
   if (out_head_dim > 0) node->output_sizes = gemm_output.sizes().vec();
+  node->heads_transposed = transpose_heads;
   node->has_bias = bias.defined();
   node->weight_in_out = weight_in_out;
   node->input_column_major = input_column_major;
