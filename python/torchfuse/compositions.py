@@ -188,6 +188,22 @@ _SOURCES = {
         "query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)").replace(
         "key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
         "key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)"),
+    # The same with q and k normed per head after the transpose, the dropout written the other
+    # way round, and the layer's sliding window (Gemma 3's and its copies).
+    "gemma3_attention": """def forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings: torch.Tensor = None,
+    attention_mask: torch.Tensor | None = None,
+    past_key_values: Cache | None = None,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor] | None]:
+""" + _ATTENTION_BODY.format(extra="        sliding_window=self.sliding_window,\n").replace(
+        "\n    cos, sin = position_embeddings",
+        "\n    query_states = self.q_norm(query_states)\n    key_states = self.k_norm(key_states)\n\n"
+        "    cos, sin = position_embeddings").replace(
+        "dropout=0.0 if not self.training else self.attention_dropout",
+        "dropout=self.attention_dropout if self.training else 0.0"),
     # The same with the config's sliding window, where it has one (Mistral's and its copies).
     "hf_attention_config_sliding_window": """def forward(
     self,
@@ -925,7 +941,8 @@ COMPUTES = {"hf_dynamic_layer_update": "kv_cache", "hf_dynamic_sliding_window_la
             "cohere_rotary_pairs_upcast": "rotary", "hf_rotary_pairs_upcast": "rotary",
             "hf_ignore_causal_mask_sdpa": "sdpa", "hf_ignore_bidirectional_mask_sdpa": "sdpa",
             "hf_conv1d": "linear", "hf_attention": "head_views", "hf_attention_sliding_window": "head_views",
-            "hf_attention_config_sliding_window": "head_views", "qwen3_attention": "head_views"}
+            "hf_attention_config_sliding_window": "head_views", "qwen3_attention": "head_views",
+            "gemma3_attention": "head_views"}
 
 
 def _compiled(source):
@@ -938,7 +955,7 @@ FORMS = {name: _compiled(source) for name, source in _SOURCES.items()}
 # The defaults a class form's forward has (most have none).
 _FORM_DEFAULTS = {"mamba_rms_norm_gated": (None,), "hf_attention": (None, None, None),
                   "hf_attention_sliding_window": (None,), "hf_attention_config_sliding_window": (None,),
-                  "qwen3_attention": (None,)}
+                  "qwen3_attention": (None,), "gemma3_attention": (None, None, None)}
 FUNCTION_FORMS = {name: (_compiled(source), defaults)
                   for name, (source, defaults) in _FUNCTION_SOURCES.items()}
 METHOD_FORMS = {name: (method, _compiled(source)) for name, (method, source) in _METHOD_SOURCES.items()}
@@ -987,7 +1004,8 @@ _HELPER_FORMS = {"hf_rotary_pairs": {"rotate_half": "cohere_rotate_pairs"},
 # The globals a form's rewrite calls as its original does, looked up in the module at each call,
 # whatever they hold: nothing is assumed of them.
 _CALLED_AS_THEY_ARE = dict.fromkeys(
-    ("hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window", "qwen3_attention"),
+    ("hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window", "qwen3_attention",
+     "gemma3_attention"),
     ("apply_rotary_pos_emb", "ALL_ATTENTION_FUNCTIONS", "eager_attention_forward"))
 
 

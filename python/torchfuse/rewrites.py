@@ -1328,11 +1328,15 @@ _ATTENTION_EXTRA = {
     "hf_attention_config_sliding_window": lambda self: {"sliding_window": getattr(self.config, "sliding_window",
                                                                                   None)},
     "qwen3_attention": lambda self: {"sliding_window": self.sliding_window},
+    "gemma3_attention": lambda self: {"sliding_window": self.sliding_window},
 }
 # The forms whose q and k are normed per head (`self.q_norm`, `self.k_norm`) between the view and
 # the transpose: there the node returns the view, and the norm and the transpose are the
 # original's.
 _ATTENTION_NORMED_QK = frozenset({"qwen3_attention"})
+# The forms whose q and k are normed per head after the transpose (the original's norms, on the
+# node's views).
+_ATTENTION_NORMED_AFTER = frozenset({"gemma3_attention"})
 
 
 def _head_views_forward(torch, original, form, dependencies=None):
@@ -1368,7 +1372,7 @@ def _head_views_forward(torch, original, form, dependencies=None):
     unpatched = compositions.Dependencies(linear_forwards[0]).unchanged
     torchs = linear_forwards[0].__module__ == "torch.nn.modules.linear"
     extra, names, missing = _ATTENTION_EXTRA[form], original.__globals__, object()
-    normed = form in _ATTENTION_NORMED_QK
+    normed, normed_after = form in _ATTENTION_NORMED_QK, form in _ATTENTION_NORMED_AFTER
     module_getattr, cpu_autocast = torch.nn.Module.__getattr__, torch.is_autocast_enabled
     cpu_too = _HEAD_VIEWS_ON_CPU
 
@@ -1432,6 +1436,9 @@ def _head_views_forward(torch, original, form, dependencies=None):
             query_states = op(hidden_states, qw, qb, qt, False, head_dim)
             key_states = op(hidden_states, kw, kb, kt, False, head_dim)
         value_states = op(hidden_states, vw, vb, vt, False, head_dim)
+        if normed_after:
+            query_states = self.q_norm(query_states)
+            key_states = self.k_norm(key_states)
 
         cos, sin = position_embeddings
         query_states, key_states = names["apply_rotary_pos_emb"](query_states, key_states, cos, sin)
@@ -1773,7 +1780,7 @@ REWRITES = {
     "hf_conv1d": Rewrite(_conv1d_forward, _OPS + "linear_cast of the [in, out] weight (one autograd node; "
                                           "under CUDA autocast after autocast's casts)"),
     **dict.fromkeys(("hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window",
-                     "qwen3_attention"),
+                     "qwen3_attention", "gemma3_attention"),
                     Rewrite(_head_views_forward, _OPS + "linear_cast of q, k and v split into heads, and of the "
                                                  "merged heads for o_proj (one autograd node each)")),
     "hf_rms_norm": Rewrite(_rms_norm_forward, _OPS + "hf_rms_norm; a 16-bit x with an fp32 weight: "

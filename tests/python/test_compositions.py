@@ -257,13 +257,14 @@ def test_recognition_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ("['cohere_layer_norm', 'deepseek_v4_clamped_gated_mlp', 'falcon_h1_gated_mlp', "
-                                  "'fast_gelu', 'fp32_rms_norm_weightless', 'gemma3n_gated_mlp', 'gemma4_norm', "
-                                  "'gemma4_rms_norm', 'gemma_norm', 'gemma_rms_norm', 'glm5_clamped_gated_mlp', "
-                                  "'gpt_oss_rms_norm', 'helium_rms_norm', 'hf_attention', 'hf_attention_config_sliding_window', "
-                                  "'hf_attention_sliding_window', 'hf_conv1d', 'hf_conv1d_mlp', "
-                                  "'hf_gated_mlp', 'hf_gated_mlp_inline', 'hf_gelu_tanh', 'hf_packed_gated_mlp', "
-                                  "'hf_rms_norm', 'hf_silu', 'llama4_gated_mlp', 'llama4_rms_norm', "
-                                  "'mamba_rms_norm_gated', 'moshi_rms_norm', 'new_gelu', 'qwen3_attention', 'qwen3_next_rms_norm_gated', "
+                                  "'fast_gelu', 'fp32_rms_norm_weightless', 'gemma3_attention', "
+                                  "'gemma3n_gated_mlp', 'gemma4_norm', 'gemma4_rms_norm', 'gemma_norm', "
+                                  "'gemma_rms_norm', 'glm5_clamped_gated_mlp', 'gpt_oss_rms_norm', "
+                                  "'helium_rms_norm', 'hf_attention', 'hf_attention_config_sliding_window', "
+                                  "'hf_attention_sliding_window', 'hf_conv1d', 'hf_conv1d_mlp', 'hf_gated_mlp', "
+                                  "'hf_gated_mlp_inline', 'hf_gelu_tanh', 'hf_packed_gated_mlp', 'hf_rms_norm', "
+                                  "'hf_silu', 'llama4_gated_mlp', 'llama4_rms_norm', 'mamba_rms_norm_gated', "
+                                  "'moshi_rms_norm', 'new_gelu', 'qwen3_attention', 'qwen3_next_rms_norm_gated', "
                                   "'recurrent_gemma_gated_mlp', 'seed_oss_gated_mlp', 't5_rms_norm', "
                                   "'t5gemma_gated_mlp', 'unweighted_rms_norm']")
 
