@@ -204,6 +204,20 @@ _SOURCES = {
         "    cos, sin = position_embeddings").replace(
         "dropout=0.0 if not self.training else self.attention_dropout",
         "dropout=self.attention_dropout if self.training else 0.0"),
+    # The same with the dropout written the other way round, the layer's sliding window and its
+    # logit softcapping (Gemma 2's and its copies).
+    "gemma2_attention": """def forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    past_key_values: Cache | None = None,
+    **kwargs: Unpack[FlashAttentionKwargs],
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor] | None]:
+""" + _ATTENTION_BODY.format(
+        extra="        sliding_window=self.sliding_window,\n        softcap=self.attn_logit_softcapping,\n").replace(
+        "dropout=0.0 if not self.training else self.attention_dropout",
+        "dropout=self.attention_dropout if self.training else 0.0"),
     # The same with the config's sliding window, where it has one (Mistral's and its copies).
     "hf_attention_config_sliding_window": """def forward(
     self,
@@ -942,7 +956,7 @@ COMPUTES = {"hf_dynamic_layer_update": "kv_cache", "hf_dynamic_sliding_window_la
             "hf_ignore_causal_mask_sdpa": "sdpa", "hf_ignore_bidirectional_mask_sdpa": "sdpa",
             "hf_conv1d": "linear", "hf_attention": "head_views", "hf_attention_sliding_window": "head_views",
             "hf_attention_config_sliding_window": "head_views", "qwen3_attention": "head_views",
-            "gemma3_attention": "head_views"}
+            "gemma3_attention": "head_views", "gemma2_attention": "head_views"}
 
 
 def _compiled(source):
@@ -955,7 +969,8 @@ FORMS = {name: _compiled(source) for name, source in _SOURCES.items()}
 # The defaults a class form's forward has (most have none).
 _FORM_DEFAULTS = {"mamba_rms_norm_gated": (None,), "hf_attention": (None, None, None),
                   "hf_attention_sliding_window": (None,), "hf_attention_config_sliding_window": (None,),
-                  "qwen3_attention": (None,), "gemma3_attention": (None, None, None)}
+                  "qwen3_attention": (None,), "gemma3_attention": (None, None, None),
+                  "gemma2_attention": (None, None, None)}
 FUNCTION_FORMS = {name: (_compiled(source), defaults)
                   for name, (source, defaults) in _FUNCTION_SOURCES.items()}
 METHOD_FORMS = {name: (method, _compiled(source)) for name, (method, source) in _METHOD_SOURCES.items()}
@@ -1005,7 +1020,7 @@ _HELPER_FORMS = {"hf_rotary_pairs": {"rotate_half": "cohere_rotate_pairs"},
 # whatever they hold: nothing is assumed of them.
 _CALLED_AS_THEY_ARE = dict.fromkeys(
     ("hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window", "qwen3_attention",
-     "gemma3_attention"),
+     "gemma3_attention", "gemma2_attention"),
     ("apply_rotary_pos_emb", "ALL_ATTENTION_FUNCTIONS", "eager_attention_forward"))
 
 

@@ -1329,6 +1329,7 @@ _ATTENTION_EXTRA = {
                                                                                   None)},
     "qwen3_attention": lambda self: {"sliding_window": self.sliding_window},
     "gemma3_attention": lambda self: {"sliding_window": self.sliding_window},
+    "gemma2_attention": lambda self: {"sliding_window": self.sliding_window, "softcap": self.attn_logit_softcapping},
 }
 # The forms whose q and k are normed per head (`self.q_norm`, `self.k_norm`) between the view and
 # the transpose: there the node returns the view, and the norm and the transpose are the
@@ -1780,7 +1781,7 @@ REWRITES = {
     "hf_conv1d": Rewrite(_conv1d_forward, _OPS + "linear_cast of the [in, out] weight (one autograd node; "
                                           "under CUDA autocast after autocast's casts)"),
     **dict.fromkeys(("hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window",
-                     "qwen3_attention", "gemma3_attention"),
+                     "qwen3_attention", "gemma3_attention", "gemma2_attention"),
                     Rewrite(_head_views_forward, _OPS + "linear_cast of q, k and v split into heads, and of the "
                                                  "merged heads for o_proj (one autograd node each)")),
     "hf_rms_norm": Rewrite(_rms_norm_forward, _OPS + "hf_rms_norm; a 16-bit x with an fp32 weight: "

@@ -257,7 +257,7 @@ def test_recognition_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ("['cohere_layer_norm', 'deepseek_v4_clamped_gated_mlp', 'falcon_h1_gated_mlp', "
-                                  "'fast_gelu', 'fp32_rms_norm_weightless', 'gemma3_attention', "
+                                  "'fast_gelu', 'fp32_rms_norm_weightless', 'gemma2_attention', 'gemma3_attention', "
                                   "'gemma3n_gated_mlp', 'gemma4_norm', 'gemma4_rms_norm', 'gemma_norm', "
                                   "'gemma_rms_norm', 'glm5_clamped_gated_mlp', 'gpt_oss_rms_norm', "
                                   "'helium_rms_norm', 'hf_attention', 'hf_attention_config_sliding_window', "

@@ -125,8 +125,8 @@ print(json.dumps({"same": same(ours, theirs), "node": node, "errors": errors}))
 
 def test_hf_attention_forms_are_recognised_by_their_code():
     """Llama's attention forward and its copies, Qwen2's (the layer's sliding window), Mistral's
-    (the config's), Qwen3's (q and k normed per head) and Gemma 3's (normed after the transpose)
-    are recognised; a changed forward is not."""
+    (the config's), Qwen3's (q and k normed per head), Gemma 3's (normed after the transpose)
+    and Gemma 2's (logit softcapping) are recognised; a changed forward is not."""
     pytest.importorskip("transformers", reason="scripts/setup installs transformers")
     proc = check(run_python(f"""
 import json, sys, textwrap, inspect
@@ -138,17 +138,18 @@ from transformers.models.mistral import modeling_mistral as M
 from transformers.models.gemma import modeling_gemma as G
 from transformers.models.qwen3 import modeling_qwen3 as Q3
 from transformers.models.gemma3 import modeling_gemma3 as G3
+from transformers.models.gemma2 import modeling_gemma2 as G2
 changed = {{}}
 exec(compile(textwrap.dedent(inspect.getsource(L.LlamaAttention.forward)).replace("transpose(1, 2)", "transpose(2, 1)"),
              L.__file__, "exec"), vars(L), changed)
 print(json.dumps([compositions.form_of(c.forward) for c in (L.LlamaAttention, G.GemmaAttention, Q.Qwen2Attention,
                                                             M.MistralAttention, Q3.Qwen3Attention,
-                                                            G3.Gemma3Attention)]
+                                                            G3.Gemma3Attention, G2.Gemma2Attention)]
                  + [compositions.form_of(changed["forward"])]))
 """))
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [
         "hf_attention", "hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window",
-        "qwen3_attention", "gemma3_attention", None]
+        "qwen3_attention", "gemma3_attention", "gemma2_attention", None]
 
 
 MODEL = r"""
@@ -165,10 +166,10 @@ sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 name = {model!r}
 config = {{"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
            "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
-           "gemma3": transformers.Gemma3TextConfig}}[name](**sizes)
+           "gemma3": transformers.Gemma3TextConfig, "gemma2": transformers.Gemma2Config}}[name](**sizes)
 if name == "llama":
     config.attention_bias = True
-if name == "gemma3":  # a sliding layer and a full one
+if name in ("gemma3", "gemma2"):  # a sliding layer and a full one
     config.head_dim, config.sliding_window = 16, 8
     config.layer_types = ["sliding_attention", "full_attention"]
 model = getattr(transformers, type(config).__name__.replace("TextConfig", "Config").replace("Config", "ForCausalLM"))(
@@ -210,11 +211,11 @@ print(json.dumps({{
 
 @pytest.mark.parametrize("model,dtype", [("llama", "torch.float32"), ("qwen2", "torch.bfloat16"),
                                          ("mistral", "torch.float32"), ("qwen3", "torch.float32"),
-                                         ("gemma3", "torch.float32")])
+                                         ("gemma3", "torch.float32"), ("gemma2", "torch.float32")])
 def test_unchanged_hf_attention_gives_the_originals_bits_with_fewer_nodes(model, dtype):
     """Tiny HF Llama (with q/k/v/o biases), Qwen2 (its sliding-window form), Mistral (the
-    config's), Qwen3 (q and k normed per head) and Gemma 3 (normed after the transpose, its
-    sliding and full layers) trained one step without autocast: the loss
+    config's), Qwen3 (q and k normed per head), Gemma 3 (normed after the transpose) and Gemma 2
+    (logit softcapping), these two with a sliding and a full layer, trained one step without autocast: the loss
     and every gradient with the attention rewritten equal the original forward's (the toggle
     off) bit for bit; its graph has the four projections as the node's and three
     TransposeBackward0 (one for Qwen3: its q and k keep theirs) and four or more ViewBackward0
