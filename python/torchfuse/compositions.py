@@ -61,6 +61,25 @@ _ATTENTION_BODY = """    input_shape = hidden_states.shape[:-1]
     attn_output = self.o_proj(attn_output)
     return attn_output, attn_weights
 """
+# HF's attention forwards' signature. The library's annotations and defaults are left out: the
+# code object compared holds neither (the defaults are compared apart, `_FORM_DEFAULTS`).
+_ATTENTION_SIGNATURE = ("def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values,"
+                        " **kwargs):\n")
+# Gemma's forms write the attention's dropout the other way round.
+_DROPOUT_FLIPPED = ("dropout=0.0 if not self.training else self.attention_dropout",
+                    "dropout=self.attention_dropout if self.training else 0.0")
+
+
+def _attention_source(extra="", replacements=()):
+    """An attention form's source: Llama's, with `extra` passed to the attention interface too
+    and the (old, new) text replacements made."""
+    source = _ATTENTION_SIGNATURE + _ATTENTION_BODY.format(extra=f"        {extra}\n" if extra else "")
+    for old, new in replacements:
+        assert old in source, old
+        source = source.replace(old, new)
+    return source
+
+
 _SOURCES = {
     # transformers.activations.NewGELUActivation.forward (GPT-2's "gelu_new").
     "new_gelu": """def forward(self, input):
@@ -154,81 +173,30 @@ _SOURCES = {
     # rotary, the cache, the attention interface, the heads merged and projected. The globals it
     # calls (apply_rotary_pos_emb, ALL_ATTENTION_FUNCTIONS, eager_attention_forward) are called
     # by the rewrite as the original calls them, whatever they are (`_CALLED_AS_THEY_ARE`).
-    "hf_attention": """def forward(
-    self,
-    hidden_states: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-    attention_mask: torch.Tensor | None = None,
-    past_key_values: Cache | None = None,
-    **kwargs: Unpack[TransformersKwargs],
-) -> tuple[torch.Tensor, torch.Tensor]:
-""" + _ATTENTION_BODY.format(extra=""),
+    "hf_attention": _attention_source(),
     # The same with the layer's sliding window passed to the attention (Qwen2's and its copies).
-    "hf_attention_sliding_window": """def forward(
-    self,
-    hidden_states: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor],
-    attention_mask: torch.Tensor | None,
-    past_key_values: Cache | None = None,
-    **kwargs: Unpack[FlashAttentionKwargs],
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-""" + _ATTENTION_BODY.format(extra="        sliding_window=self.sliding_window,  # main diff with Llama\n"),
+    "hf_attention_sliding_window": _attention_source("sliding_window=self.sliding_window,"),
     # The same with q and k normed per head between the view and the transpose, and the layer's
     # sliding window (Qwen3's and its copies: Qwen3-MoE, Dots1, Mellum, ...).
-    "qwen3_attention": """def forward(
-    self,
-    hidden_states: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor],
-    attention_mask: torch.Tensor | None,
-    past_key_values: Cache | None = None,
-    **kwargs: Unpack[FlashAttentionKwargs],
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-""" + _ATTENTION_BODY.format(extra="        sliding_window=self.sliding_window,  # diff with Llama\n").replace(
-        "query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
-        "query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)").replace(
-        "key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
-        "key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)"),
+    "qwen3_attention": _attention_source("sliding_window=self.sliding_window,", (
+        ("query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
+         "query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)"),
+        ("key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
+         "key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)"))),
     # The same with q and k normed per head after the transpose, the dropout written the other
     # way round, and the layer's sliding window (Gemma 3's and its copies).
-    "gemma3_attention": """def forward(
-    self,
-    hidden_states: torch.Tensor,
-    position_embeddings: torch.Tensor = None,
-    attention_mask: torch.Tensor | None = None,
-    past_key_values: Cache | None = None,
-    **kwargs: Unpack[TransformersKwargs],
-) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor] | None]:
-""" + _ATTENTION_BODY.format(extra="        sliding_window=self.sliding_window,\n").replace(
-        "\n    cos, sin = position_embeddings",
-        "\n    query_states = self.q_norm(query_states)\n    key_states = self.k_norm(key_states)\n\n"
-        "    cos, sin = position_embeddings").replace(
-        "dropout=0.0 if not self.training else self.attention_dropout",
-        "dropout=self.attention_dropout if self.training else 0.0"),
+    "gemma3_attention": _attention_source("sliding_window=self.sliding_window,", (
+        ("\n    cos, sin = position_embeddings",
+         "\n    query_states = self.q_norm(query_states)\n    key_states = self.k_norm(key_states)\n\n"
+         "    cos, sin = position_embeddings"),
+        _DROPOUT_FLIPPED)),
     # The same with the dropout written the other way round, the layer's sliding window and its
     # logit softcapping (Gemma 2's and its copies).
-    "gemma2_attention": """def forward(
-    self,
-    hidden_states: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-    attention_mask: torch.Tensor | None = None,
-    past_key_values: Cache | None = None,
-    **kwargs: Unpack[FlashAttentionKwargs],
-) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor] | None]:
-""" + _ATTENTION_BODY.format(
-        extra="        sliding_window=self.sliding_window,\n        softcap=self.attn_logit_softcapping,\n").replace(
-        "dropout=0.0 if not self.training else self.attention_dropout",
-        "dropout=self.attention_dropout if self.training else 0.0"),
+    "gemma2_attention": _attention_source("sliding_window=self.sliding_window, softcap=self.attn_logit_softcapping,",
+                                          (_DROPOUT_FLIPPED,)),
     # The same with the config's sliding window, where it has one (Mistral's and its copies).
-    "hf_attention_config_sliding_window": """def forward(
-    self,
-    hidden_states: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor],
-    attention_mask: torch.Tensor | None,
-    past_key_values: Cache | None = None,
-    **kwargs: Unpack[FlashAttentionKwargs],
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-""" + _ATTENTION_BODY.format(
-        extra='        sliding_window=getattr(self.config, "sliding_window", None),  # main diff with Llama\n'),
+    "hf_attention_config_sliding_window": _attention_source(
+        'sliding_window=getattr(self.config, "sliding_window", None),'),
     # transformers.activations.SiLUActivation.forward (ACT2FN["silu"]): an act_fn the gated
     # MLP may have.
     "hf_silu": """def forward(self, input):
