@@ -69,6 +69,21 @@ _ATTENTION_SIGNATURE = ("def forward(self, hidden_states, position_embeddings, a
 _DROPOUT_FLIPPED = ("dropout=0.0 if not self.training else self.attention_dropout",
                     "dropout=self.attention_dropout if self.training else 0.0")
 
+# OLMo 2's projections: q and k normed whole before the heads are split.
+_OLMO2_PROJECTIONS = ((
+    """    query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+""",
+    """    query_states = self.q_norm(self.q_proj(hidden_states))
+    key_states = self.k_norm(self.k_proj(hidden_states))
+    value_states = self.v_proj(hidden_states)
+
+    query_states = query_states.view(hidden_shape).transpose(1, 2)
+    key_states = key_states.view(hidden_shape).transpose(1, 2)
+    value_states = value_states.view(hidden_shape).transpose(1, 2)
+"""),)
+
 
 def _attention_source(extra="", replacements=()):
     """An attention form's source: Llama's, with `extra` passed to the attention interface too
@@ -194,6 +209,10 @@ _SOURCES = {
     # logit softcapping (Gemma 2's and its copies).
     "gemma2_attention": _attention_source("sliding_window=self.sliding_window, softcap=self.attn_logit_softcapping,",
                                           (_DROPOUT_FLIPPED,)),
+    # The same with q and k normed whole (over all heads) before the view, written apart from
+    # the views (OLMo 2's and FlexOLMo's), and with the layer's sliding window (OLMo 3's).
+    "olmo2_attention": _attention_source(replacements=_OLMO2_PROJECTIONS),
+    "olmo3_attention": _attention_source("sliding_window=self.sliding_window,", _OLMO2_PROJECTIONS),
     # The same with the config's sliding window, where it has one (Mistral's and its copies).
     "hf_attention_config_sliding_window": _attention_source(
         'sliding_window=getattr(self.config, "sliding_window", None),'),
@@ -924,7 +943,8 @@ COMPUTES = {"hf_dynamic_layer_update": "kv_cache", "hf_dynamic_sliding_window_la
             "hf_ignore_causal_mask_sdpa": "sdpa", "hf_ignore_bidirectional_mask_sdpa": "sdpa",
             "hf_conv1d": "linear", "hf_attention": "head_views", "hf_attention_sliding_window": "head_views",
             "hf_attention_config_sliding_window": "head_views", "qwen3_attention": "head_views",
-            "gemma3_attention": "head_views", "gemma2_attention": "head_views"}
+            "gemma3_attention": "head_views", "gemma2_attention": "head_views", "olmo2_attention": "head_views",
+            "olmo3_attention": "head_views"}
 
 
 def _compiled(source):
@@ -938,7 +958,7 @@ FORMS = {name: _compiled(source) for name, source in _SOURCES.items()}
 _FORM_DEFAULTS = {"mamba_rms_norm_gated": (None,), "hf_attention": (None, None, None),
                   "hf_attention_sliding_window": (None,), "hf_attention_config_sliding_window": (None,),
                   "qwen3_attention": (None,), "gemma3_attention": (None, None, None),
-                  "gemma2_attention": (None, None, None)}
+                  "gemma2_attention": (None, None, None), "olmo2_attention": (None,), "olmo3_attention": (None,)}
 FUNCTION_FORMS = {name: (_compiled(source), defaults)
                   for name, (source, defaults) in _FUNCTION_SOURCES.items()}
 METHOD_FORMS = {name: (method, _compiled(source)) for name, (method, source) in _METHOD_SOURCES.items()}
@@ -988,7 +1008,7 @@ _HELPER_FORMS = {"hf_rotary_pairs": {"rotate_half": "cohere_rotate_pairs"},
 # whatever they hold: nothing is assumed of them.
 _CALLED_AS_THEY_ARE = dict.fromkeys(
     ("hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window", "qwen3_attention",
-     "gemma3_attention", "gemma2_attention"),
+     "gemma3_attention", "gemma2_attention", "olmo2_attention", "olmo3_attention"),
     ("apply_rotary_pos_emb", "ALL_ATTENTION_FUNCTIONS", "eager_attention_forward"))
 
 

@@ -1330,6 +1330,8 @@ _ATTENTION_EXTRA = {
     "qwen3_attention": lambda self: {"sliding_window": self.sliding_window},
     "gemma3_attention": lambda self: {"sliding_window": self.sliding_window},
     "gemma2_attention": lambda self: {"sliding_window": self.sliding_window, "softcap": self.attn_logit_softcapping},
+    "olmo2_attention": lambda self: {},
+    "olmo3_attention": lambda self: {"sliding_window": self.sliding_window},
 }
 # The forms whose q and k are normed per head (`self.q_norm`, `self.k_norm`) between the view and
 # the transpose: there the node returns the view, and the norm and the transpose are the
@@ -1338,6 +1340,9 @@ _ATTENTION_NORMED_QK = frozenset({"qwen3_attention"})
 # The forms whose q and k are normed per head after the transpose (the original's norms, on the
 # node's views).
 _ATTENTION_NORMED_AFTER = frozenset({"gemma3_attention"})
+# The forms whose q and k are normed whole (over all heads) before the view: there the node
+# returns them unsplit, and the norms, views and transposes are the original's.
+_ATTENTION_NORMED_WHOLE = frozenset({"olmo2_attention", "olmo3_attention"})
 
 
 def _head_views_forward(torch, original, form, dependencies=None):
@@ -1348,7 +1353,8 @@ def _head_views_forward(torch, original, form, dependencies=None):
     and o_proj), where stock runs a ViewBackward0 and a TransposeBackward0 for each projection
     and a ViewBackward0 before o_proj: seven dispatched ops and seven autograd nodes fewer a
     layer (five where q and k are normed per head between the view and the transpose, Qwen3's
-    form: the node returns the view, the norms and transposes are the original's). The tensors the rotary, the cache and the attention see are stock's (sizes, strides,
+    form: the node returns the view, the norms and transposes are the original's; three where
+    they are normed whole before the view, OLMo 2's: the node returns them unsplit). The tensors the rotary, the cache and the attention see are stock's (sizes, strides,
     values) and every gradient is stock's, bit for bit; they are not autograd views of the
     projection's output, which nothing else sees (`_base` is None, and an in-place `detach_()`
     of one is not refused as a view's is). The rest of the forward runs as the original writes
@@ -1374,6 +1380,7 @@ def _head_views_forward(torch, original, form, dependencies=None):
     torchs = linear_forwards[0].__module__ == "torch.nn.modules.linear"
     extra, names, missing = _ATTENTION_EXTRA[form], original.__globals__, object()
     normed, normed_after = form in _ATTENTION_NORMED_QK, form in _ATTENTION_NORMED_AFTER
+    normed_whole = form in _ATTENTION_NORMED_WHOLE
     module_getattr, cpu_autocast = torch.nn.Module.__getattr__, torch.is_autocast_enabled
     cpu_too = _HEAD_VIEWS_ON_CPU
 
@@ -1430,13 +1437,21 @@ def _head_views_forward(torch, original, form, dependencies=None):
         (qw, qb, qt), (kw, kb, kt), (vw, vb, vt), head_dim = served
         input_shape = hidden_states.shape[:-1]
 
-        if normed:
+        if normed_whole:
+            query_states = self.q_norm(op(hidden_states, qw, qb, qt))
+            key_states = self.k_norm(op(hidden_states, kw, kb, kt))
+            value_states = op(hidden_states, vw, vb, vt, False, head_dim)
+            hidden_shape = (*input_shape, -1, head_dim)
+            query_states = query_states.view(hidden_shape).transpose(1, 2)
+            key_states = key_states.view(hidden_shape).transpose(1, 2)
+        elif normed:
             query_states = self.q_norm(op(hidden_states, qw, qb, qt, False, head_dim, False, False)).transpose(1, 2)
             key_states = self.k_norm(op(hidden_states, kw, kb, kt, False, head_dim, False, False)).transpose(1, 2)
+            value_states = op(hidden_states, vw, vb, vt, False, head_dim)
         else:
             query_states = op(hidden_states, qw, qb, qt, False, head_dim)
             key_states = op(hidden_states, kw, kb, kt, False, head_dim)
-        value_states = op(hidden_states, vw, vb, vt, False, head_dim)
+            value_states = op(hidden_states, vw, vb, vt, False, head_dim)
         if normed_after:
             query_states = self.q_norm(query_states)
             key_states = self.k_norm(key_states)
@@ -1781,7 +1796,8 @@ REWRITES = {
     "hf_conv1d": Rewrite(_conv1d_forward, _OPS + "linear_cast of the [in, out] weight (one autograd node; "
                                           "under CUDA autocast after autocast's casts)"),
     **dict.fromkeys(("hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window",
-                     "qwen3_attention", "gemma3_attention", "gemma2_attention"),
+                     "qwen3_attention", "gemma3_attention", "gemma2_attention", "olmo2_attention",
+                     "olmo3_attention"),
                     Rewrite(_head_views_forward, _OPS + "linear_cast of q, k and v split into heads, and of the "
                                                  "merged heads for o_proj (one autograd node each)")),
     "hf_rms_norm": Rewrite(_rms_norm_forward, _OPS + "hf_rms_norm; a 16-bit x with an fp32 weight: "
