@@ -1352,14 +1352,15 @@ def _head_views_forward(torch, original, form, dependencies=None):
     output merged and projected by one (`merge_input_heads`: `reshape(*lead, -1).contiguous()`
     and o_proj), where stock runs a ViewBackward0 and a TransposeBackward0 for each projection
     and a ViewBackward0 before o_proj: seven dispatched ops and seven autograd nodes fewer a
-    layer (five where q and k are normed per head between the view and the transpose, Qwen3's
-    form: the node returns the view, the norms and transposes are the original's; three where
-    they are normed whole before the view, OLMo 2's: the node returns them unsplit). The tensors the rotary, the cache and the attention see are stock's (sizes, strides,
-    values) and every gradient is stock's, bit for bit; they are not autograd views of the
-    projection's output, which nothing else sees (`_base` is None, and an in-place `detach_()`
-    of one is not refused as a view's is). The rest of the forward runs as the original writes
-    it: the module's `apply_rotary_pos_emb`, its cache's `update`, the attention
-    interface `ALL_ATTENTION_FUNCTIONS` gives, each looked up at the call as the original does.
+    layer (five where q and k are normed per head between the view and the transpose, Qwen3's form: the
+    node returns the view, the norms and transposes are the original's; three where they are normed
+    whole before the view, OLMo 2's: the node returns them unsplit). The tensors the rotary, the
+    cache and the attention see are stock's (sizes, strides, values) and every gradient is stock's,
+    bit for bit; they are not autograd views of the projection's output, which nothing else sees
+    (`_base` is None, and an in-place `detach_()` of one is not refused as a view's is). The rest of
+    the forward runs as the original writes it: the module's `apply_rotary_pos_emb`, its cache's
+    `update`, the attention interface `ALL_ATTENTION_FUNCTIONS` gives, each looked up at the call as
+    the original does.
 
     Served where nn.Linear's rewrite would serve each projection's call (`_linear_forward`):
     grad on, hidden_states a plain 3-D CUDA tensor, q/k/v_proj plain, unobserved nn.Linear

@@ -229,13 +229,13 @@ def test_unchanged_hf_models_train_with_stocks_bits_and_no_more_memory(model, au
                                             ("olmo2", True), ("llama", False)])
 def test_hf_attention_with_head_views_trains_with_stocks_bits_and_fewer_nodes(model, autocast):
     """Tiny HF Llama, Qwen2 (its layer's sliding window, q/k/v biases), Mistral (the config's
-    window), Qwen3 (q and k normed per head), Gemma 3 (normed after the transpose) and Gemma 2
-    (logit softcapping) and OLMo 2 (q and k normed whole) trained three steps under bf16 autocast, and Llama in bf16 without it, with the
-    attention's head views in the linear node (`head_views`) and without: the losses and the
-    last step's gradients bit for bit, every Linear's call served either way, seven autograd
-    nodes fewer a layer (the q/k/v views and transposes, the view before o_proj; five for Qwen3,
-    whose q and k keep their transposes, three for OLMo 2, whose q and k keep their views too)
-    and the peak memory not above."""
+    window), Qwen3 (q and k normed per head), Gemma 3 (normed after the transpose) and Gemma 2 (logit
+    softcapping) and OLMo 2 (q and k normed whole) trained three steps under bf16 autocast, and
+    Llama in bf16 without it, with the attention's head views in the linear node (`head_views`) and
+    without: the losses and the last step's gradients bit for bit, every Linear's call served either
+    way, seven autograd nodes fewer a layer (the q/k/v views and transposes, the view before o_proj;
+    five for Qwen3, whose q and k keep their transposes, three for OLMo 2, whose q and k keep their
+    views too) and the peak memory not above."""
     pytest.importorskip("transformers", reason="scripts/setup installs transformers")
     out = run(MODEL, model=model, autocast=autocast, toggle="head_views")
     assert out["losses"] and out["grads"], out

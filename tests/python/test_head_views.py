@@ -35,9 +35,9 @@ def run_op(code):
 
 def test_split_heads_are_stocks_view_and_transpose_bit_for_bit_in_one_node():
     """`out_head_dim`: the output is HF's `y.view(*lead, -1, head_dim).transpose(1, 2)`, or with
-    `transpose_heads` false the view alone (its sizes and strides), and the gradients of the input, weight and bias equal those through
-    stock's view and transpose, for an incoming gradient of any layout (contiguous, or as an
-    attention's backward gives it)."""
+    `transpose_heads` false the view alone (its sizes and strides), and the gradients of the input,
+    weight and bias equal those through stock's view and transpose, for an incoming gradient of any
+    layout (contiguous, or as an attention's backward gives it)."""
     out = run_op(r"""
 results = {}
 for lead, heads, head_dim in [((2, 5), 4, 8), ((1, 7), 2, 16), ((3, 1), 3, 4), ((6,), 2, 8)]:
@@ -322,3 +322,20 @@ def test_what_the_rewrite_cannot_see_through_runs_the_original():
     assert out.pop("served") == [True, False], out
     for case, (equal, same_graph) in out.items():
         assert equal and same_graph, (case, out)
+
+
+def test_each_attention_forms_keywords_are_those_its_rewrite_passes():
+    """The tables the rewrite reads agree with the forms: every head_views form has its extra
+    keywords (`_ATTENTION_EXTRA`), and those are the keywords its reference passes the attention
+    interface besides dropout and scaling (read from the reference's code)."""
+    import sys
+    import types
+    sys.path.insert(0, str(ROOT / "python"))
+    from torchfuse import compositions, rewrites
+    forms = {form for form, op in compositions.COMPUTES.items() if op == "head_views"}
+    assert set(rewrites._ATTENTION_EXTRA) == forms
+    attention = types.SimpleNamespace(sliding_window=1, attn_logit_softcapping=2.0,
+                                      config=types.SimpleNamespace(sliding_window=3))
+    for form in forms:
+        keywords = [c for c in compositions.FORMS[form].co_consts if isinstance(c, tuple) and "dropout" in c]
+        assert keywords == [("dropout", "scaling", *rewrites._ATTENTION_EXTRA[form](attention))], form
