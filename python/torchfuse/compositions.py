@@ -1130,10 +1130,18 @@ def _matches(function, form, reference, defaults):
             and all(_global_is_expected(function, g, form) for g in _globals_loaded(code)))
 
 
+# Other defaults a class form's forward may have where its rewrite passes on only the arguments
+# given (the attention forms': the original's own defaults serve the others): Nemotron's
+# attention requires its position embeddings.
+_FORM_OTHER_DEFAULTS = {"hf_attention": (None, None)}
+
+
 def form_of(function):
     """The name of the known `forward` form `function` is, or None."""
     return next((name for name, reference in FORMS.items()
-                 if _matches(function, name, reference, _FORM_DEFAULTS.get(name))), None)
+                 if _matches(function, name, reference, _FORM_DEFAULTS.get(name))
+                 or (name in _FORM_OTHER_DEFAULTS
+                     and _matches(function, name, reference, _FORM_OTHER_DEFAULTS[name]))), None)
 
 
 def function_form_of(function):

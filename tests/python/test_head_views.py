@@ -126,8 +126,8 @@ print(json.dumps({"same": same(ours, theirs), "node": node, "errors": errors}))
 def test_hf_attention_forms_are_recognised_by_their_code():
     """Llama's attention forward and its copies, Qwen2's (the layer's sliding window), Mistral's
     (the config's), Qwen3's (q and k normed per head), Gemma 3's (normed after the transpose)
-    Gemma 2's (logit softcapping) and OLMo 2's and 3's (q and k normed whole) are recognised; a
-    changed forward is not."""
+    Gemma 2's (logit softcapping), OLMo 2's and 3's (q and k normed whole) and Nemotron's (Llama's
+    code, its position embeddings required) are recognised; a changed forward is not."""
     pytest.importorskip("transformers", reason="scripts/setup installs transformers")
     proc = check(run_python(f"""
 import json, sys, textwrap, inspect
@@ -142,18 +142,21 @@ from transformers.models.gemma3 import modeling_gemma3 as G3
 from transformers.models.gemma2 import modeling_gemma2 as G2
 from transformers.models.olmo2 import modeling_olmo2 as O2
 from transformers.models.olmo3 import modeling_olmo3 as O3
+from transformers.models.nemotron import modeling_nemotron as N
 changed = {{}}
 exec(compile(textwrap.dedent(inspect.getsource(L.LlamaAttention.forward)).replace("transpose(1, 2)", "transpose(2, 1)"),
              L.__file__, "exec"), vars(L), changed)
 print(json.dumps([compositions.form_of(c.forward) for c in (L.LlamaAttention, G.GemmaAttention, Q.Qwen2Attention,
                                                             M.MistralAttention, Q3.Qwen3Attention,
                                                             G3.Gemma3Attention, G2.Gemma2Attention,
-                                                            O2.Olmo2Attention, O3.Olmo3Attention)]
+                                                            O2.Olmo2Attention, O3.Olmo3Attention,
+                                                            N.NemotronAttention)]
                  + [compositions.form_of(changed["forward"])]))
 """))
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [
         "hf_attention", "hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window",
-        "qwen3_attention", "gemma3_attention", "gemma2_attention", "olmo2_attention", "olmo3_attention", None]
+        "qwen3_attention", "gemma3_attention", "gemma2_attention", "olmo2_attention", "olmo3_attention",
+        "hf_attention", None]
 
 
 MODEL = r"""
@@ -171,7 +174,8 @@ name = {model!r}
 config = {{"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
            "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
            "gemma3": transformers.Gemma3TextConfig, "gemma2": transformers.Gemma2Config,
-           "olmo2": transformers.Olmo2Config, "olmo3": transformers.Olmo3Config}}[name](**sizes)
+           "olmo2": transformers.Olmo2Config, "olmo3": transformers.Olmo3Config,
+           "nemotron": transformers.NemotronConfig}}[name](**sizes)
 if name == "llama":
     config.attention_bias = True
 if name in ("gemma3", "gemma2", "olmo3"):  # a sliding layer and a full one
@@ -217,12 +221,13 @@ print(json.dumps({{
 @pytest.mark.parametrize("model,dtype", [("llama", "torch.float32"), ("qwen2", "torch.bfloat16"),
                                          ("mistral", "torch.float32"), ("qwen3", "torch.float32"),
                                          ("gemma3", "torch.float32"), ("gemma2", "torch.float32"),
-                                         ("olmo2", "torch.bfloat16"), ("olmo3", "torch.float32")])
+                                         ("olmo2", "torch.bfloat16"), ("olmo3", "torch.float32"),
+                                         ("nemotron", "torch.float32")])
 def test_unchanged_hf_attention_gives_the_originals_bits_with_fewer_nodes(model, dtype):
     """Tiny HF Llama (with q/k/v/o biases), Qwen2 (its sliding-window form), Mistral (the
     config's), Qwen3 (q and k normed per head), Gemma 3 (normed after the transpose) and Gemma 2
-    (logit softcapping), OLMo 2 and 3 (q and k normed whole), Gemma 2, 3 and OLMo 3 with a
-    sliding and a full layer, trained one step without autocast: the loss
+    (logit softcapping), OLMo 2 and 3 (q and k normed whole), Nemotron (its partial rotary),
+    Gemma 2, 3 and OLMo 3 with a sliding and a full layer, trained one step without autocast: the loss
     and every gradient with the attention rewritten equal the original forward's (the toggle
     off) bit for bit; its graph has the four projections as the node's and three
     TransposeBackward0 (one where q and k keep theirs: Qwen3, OLMo) and four or more
