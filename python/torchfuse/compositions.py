@@ -213,6 +213,44 @@ _SOURCES = {
     # the views (OLMo 2's and FlexOLMo's), and with the layer's sliding window (OLMo 3's).
     "olmo2_attention": _attention_source(replacements=_OLMO2_PROJECTIONS),
     "olmo3_attention": _attention_source("sliding_window=self.sliding_window,", _OLMO2_PROJECTIONS),
+    # transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXAttention.forward (Pythia's) and its
+    # copies: one projection for q, k and v, split into heads of all three and chunked.
+    "gpt_neox_attention": """def forward(self, hidden_states, attention_mask, layer_past, position_embeddings, **kwargs):
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, 3 * self.head_size)
+
+    qkv = self.query_key_value(hidden_states).view(hidden_shape).transpose(1, 2)
+    query_states, key_states, value_states = qkv.chunk(3, dim=-1)
+
+    cos, sin = position_embeddings
+    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+    # Cache QKV values
+    if layer_past is not None:
+        key_states, value_states = layer_past.update(key_states, value_states, self.layer_idx)
+
+    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, eager_attention_forward
+    )
+
+    # Compute attention
+    attn_output, attn_weights = attention_interface(
+        self,
+        query_states,
+        key_states,
+        value_states,
+        attention_mask,
+        scaling=self.scaling,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        **kwargs,
+    )
+
+    # Reshape outputs and final projection
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    attn_output = self.dense(attn_output)
+
+    return attn_output, attn_weights
+""",
     # The same with the config's sliding window, where it has one (Mistral's and its copies).
     "hf_attention_config_sliding_window": _attention_source(
         'sliding_window=getattr(self.config, "sliding_window", None),'),
@@ -944,7 +982,7 @@ COMPUTES = {"hf_dynamic_layer_update": "kv_cache", "hf_dynamic_sliding_window_la
             "hf_conv1d": "linear", "hf_attention": "head_views", "hf_attention_sliding_window": "head_views",
             "hf_attention_config_sliding_window": "head_views", "qwen3_attention": "head_views",
             "gemma3_attention": "head_views", "gemma2_attention": "head_views", "olmo2_attention": "head_views",
-            "olmo3_attention": "head_views"}
+            "olmo3_attention": "head_views", "gpt_neox_attention": "head_views"}
 
 
 def _compiled(source):
@@ -958,7 +996,8 @@ FORMS = {name: _compiled(source) for name, source in _SOURCES.items()}
 _FORM_DEFAULTS = {"mamba_rms_norm_gated": (None,), "hf_attention": (None, None, None),
                   "hf_attention_sliding_window": (None,), "hf_attention_config_sliding_window": (None,),
                   "qwen3_attention": (None,), "gemma3_attention": (None, None, None),
-                  "gemma2_attention": (None, None, None), "olmo2_attention": (None,), "olmo3_attention": (None,)}
+                  "gemma2_attention": (None, None, None), "olmo2_attention": (None,), "olmo3_attention": (None,),
+                  "gpt_neox_attention": (None, None)}
 FUNCTION_FORMS = {name: (_compiled(source), defaults)
                   for name, (source, defaults) in _FUNCTION_SOURCES.items()}
 METHOD_FORMS = {name: (method, _compiled(source)) for name, (method, source) in _METHOD_SOURCES.items()}
@@ -1008,7 +1047,7 @@ _HELPER_FORMS = {"hf_rotary_pairs": {"rotate_half": "cohere_rotate_pairs"},
 # whatever they hold: nothing is assumed of them.
 _CALLED_AS_THEY_ARE = dict.fromkeys(
     ("hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window", "qwen3_attention",
-     "gemma3_attention", "gemma2_attention", "olmo2_attention", "olmo3_attention"),
+     "gemma3_attention", "gemma2_attention", "olmo2_attention", "olmo3_attention", "gpt_neox_attention"),
     ("apply_rotary_pos_emb", "ALL_ATTENTION_FUNCTIONS", "eager_attention_forward"))
 
 

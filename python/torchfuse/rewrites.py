@@ -1371,51 +1371,27 @@ def _head_views_forward(torch, original, form, dependencies=None):
     Linear then and the attention's output is a contiguous [*lead, heads, head_dim] tensor; else
     the original's reshape, contiguous and o_proj call. Anything else runs the original."""
     op, enabled = torch.ops.torchfuse.linear_cast.default, torch.ops.torchfuse.enabled.default
-    tensor, grad_on, untraced = torch.Tensor, torch.is_grad_enabled, _untraced_call(torch)
-    jit_tracing = torch._C._get_tracing_state
-    function_mode, dispatch_modes = torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack
-    plain_linear, cast_to = _plain_linear_check(torch), _linear_dtype(torch)
-    functional, linear = torch.nn.functional, torch.nn.Linear
-    linear_function, linear_forwards = functional.linear, _linear_forwards(torch)
-    unpatched = compositions.Dependencies(linear_forwards[0]).unchanged
-    torchs = linear_forwards[0].__module__ == "torch.nn.modules.linear"
+    untraced = _untraced_call(torch)
+    call_served, projection, merged = _attention_projections(torch)
     extra, names, missing = _ATTENTION_EXTRA[form], original.__globals__, object()
     normed, normed_after = form in _ATTENTION_NORMED_QK, form in _ATTENTION_NORMED_AFTER
     normed_whole = form in _ATTENTION_NORMED_WHOLE
-    module_getattr, cpu_autocast = torch.nn.Module.__getattr__, torch.is_autocast_enabled
-    cpu_too = _HEAD_VIEWS_ON_CPU
-
-    def projection(module, cls, own, children, name, x):
-        """(weight, bias, dtype) of the plain Linear `name` for input x, or None."""
-        if name in own or not _submodule_only(cls, name):
-            return None
-        m = children.get(name)
-        if not plain_linear(m, x.device) or m.__dict__.get("_compiled_call_impl") is not None:
-            return None
-        params = m._parameters
-        weight, bias = params["weight"], params.get("bias")
-        if weight.dim() != 2:  # F.linear takes a 1-D weight: its output has no head dim
-            return None
-        dtype = cast_to(x, weight, bias)
-        return None if dtype is None else (weight, bias, dtype)
+    module_getattr = torch.nn.Module.__getattr__
+    attributes = ("head_dim", "q_proj", "k_proj", "v_proj", "o_proj")
 
     def projections(self, x):
         """q, k and v's (weight, bias, dtype) and the head size, or None: the original runs."""
-        if not (type(x) is tensor and (x.is_cuda or (cpu_too and not cpu_autocast("cpu"))) and x.dim() == 3
-                and grad_on() and torchs
-                and linear.forward in linear_forwards and functional.linear is linear_function
-                and not function_mode() and not dispatch_modes() and not jit_tracing()
-                and not _global_module_hooks(torch) and unpatched()):
+        if not call_served(x):
             return None
         own, cls = self.__dict__, type(self)
         head_dim, children = own.get("head_dim"), own.get("_modules", {})
         # `self.head_dim` and the projections found where nn.Module finds them (no class
         # attribute or __getattr__ of the class's own in between).
-        if type(head_dim) is not int or head_dim <= 0 or not _plain_attention_class(cls, module_getattr):
+        if type(head_dim) is not int or head_dim <= 0 or not _plain_attention_class(cls, module_getattr, attributes):
             return None
         found = []
         for name in ("q_proj", "k_proj", "v_proj"):
-            p = projection(self, cls, own, children, name, x)
+            p = projection(cls, own, children, name, x)
             if p is None or p[0].shape[0] % head_dim != 0:
                 return None
             found.append(p)
@@ -1479,11 +1455,9 @@ def _head_views_forward(torch, original, form, dependencies=None):
             **kwargs,
         )
 
-        if (type(attn_output) is tensor and attn_output.dim() == 4 and attn_output.shape[:2] == input_shape
-                and attn_output.is_contiguous()):
-            o = projection(self, type(self), self.__dict__, self.__dict__.get("_modules", {}), "o_proj", attn_output)
-            if o is not None:
-                return op(attn_output, o[0], o[1], o[2], False, 0, True), attn_weights
+        out = merged(self, "o_proj", attn_output, input_shape)
+        if out is not None:
+            return out, attn_weights
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights
@@ -1491,13 +1465,143 @@ def _head_views_forward(torch, original, form, dependencies=None):
     return forward
 
 
+def _neox_head_views_forward(torch, original, form, dependencies=None):
+    """GPT-NeoX's attention forward (Pythia's) with its one q/k/v projection split into heads
+    of all three by the Linear's node (`out_head_dim` 3 * head_size: stock's view and
+    transpose), then chunked as the original chunks it, and `dense` taking the merged heads in
+    its node: three dispatched ops and autograd nodes fewer a layer, the same tensors and
+    gradients bit for bit. Served as `_head_views_forward` serves, the projections being
+    query_key_value and dense; anything else runs the original."""
+    op, enabled = torch.ops.torchfuse.linear_cast.default, torch.ops.torchfuse.enabled.default
+    untraced = _untraced_call(torch)
+    call_served, projection, merged = _attention_projections(torch)
+    names, missing, module_getattr = original.__globals__, object(), torch.nn.Module.__getattr__
+    attributes = ("head_size", "query_key_value", "dense")
+
+    def projections(self, x):
+        """query_key_value's (weight, bias, dtype) and its head split's size, or None."""
+        if not call_served(x):
+            return None
+        own, cls = self.__dict__, type(self)
+        head_size, children = own.get("head_size"), own.get("_modules", {})
+        if type(head_size) is not int or head_size <= 0 or not _plain_attention_class(cls, module_getattr, attributes):
+            return None
+        p = projection(cls, own, children, "query_key_value", x)
+        if p is None or p[0].shape[0] % (3 * head_size) != 0:
+            return None
+        return (p, 3 * head_size) if enabled("head_views") else None
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, attention_mask=missing, layer_past=None, position_embeddings=missing, **kwargs):
+        # Traces first: torch.compile reads nothing more of this wrapper than that.
+        served = None
+        if untraced() and attention_mask is not missing and position_embeddings is not missing:
+            served = projections(self, hidden_states)
+        if served is None:
+            # The arguments as given: the original's own defaults (or its error) for the others.
+            if attention_mask is not missing:
+                kwargs["attention_mask"] = attention_mask
+            if position_embeddings is not missing:
+                kwargs["position_embeddings"] = position_embeddings
+            return original(self, hidden_states, layer_past=layer_past, **kwargs)
+        (weight, bias, dtype), heads_size = served
+        input_shape = hidden_states.shape[:-1]
+
+        qkv = op(hidden_states, weight, bias, dtype, False, heads_size)
+        query_states, key_states, value_states = qkv.chunk(3, dim=-1)
+
+        cos, sin = position_embeddings
+        query_states, key_states = names["apply_rotary_pos_emb"](query_states, key_states, cos, sin)
+
+        if layer_past is not None:
+            key_states, value_states = layer_past.update(key_states, value_states, self.layer_idx)
+
+        attention_interface = names["ALL_ATTENTION_FUNCTIONS"].get_interface(
+            self.config._attn_implementation, names["eager_attention_forward"]
+        )
+
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            scaling=self.scaling,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            **kwargs,
+        )
+
+        out = merged(self, "dense", attn_output, input_shape)
+        if out is not None:
+            return out, attn_weights
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        attn_output = self.dense(attn_output)
+        return attn_output, attn_weights
+
+    return forward
+
+
 @functools.lru_cache(maxsize=None)
-def _plain_attention_class(cls, module_getattr):
-    """Whether an attention class's `self.head_dim` and projections are its instance's entries
-    as nn.Module finds them: no class attribute of those names, no __getattr__ or
-    __getattribute__ of its own."""
+def _plain_attention_class(cls, module_getattr, names):
+    """Whether an attention class's attributes `names` (its head size and projections) are its
+    instance's entries as nn.Module finds them: no class attribute of those names, no
+    __getattr__ or __getattribute__ of its own."""
     return (cls.__getattr__ is module_getattr and cls.__getattribute__ is object.__getattribute__
-            and all(_submodule_only(cls, name) for name in ("head_dim", "q_proj", "k_proj", "v_proj", "o_proj")))
+            and all(_submodule_only(cls, name) for name in names))
+
+
+def _attention_projections(torch):
+    """The checks the head_views rewrites make, and their o_proj call: (served(x): whether a call
+    with input x may be served at all, projection(cls, own, children, name, x): the plain Linear
+    `name`'s (weight, bias, dtype) for input x, or None, merged(module, name, attn_output,
+    input_shape): below). Served where nn.Linear's rewrite would serve a call
+    (`_linear_forward`): grad on, x a plain 3-D CUDA tensor (a CPU one too with the tests'
+    switch, without CPU autocast), nn.Linear's forward torch's own (or the linear rewrite of it)
+    calling an unpatched F.linear, outside traces, torch function and dispatch modes and global
+    module hooks; a projection is a plain, unobserved nn.Linear submodule on x's device
+    (`_plain_linear_check`), not compiled in place, with a 2-D weight, of a dtype
+    `_linear_dtype` serves."""
+    op = torch.ops.torchfuse.linear_cast.default
+    tensor, grad_on, jit_tracing = torch.Tensor, torch.is_grad_enabled, torch._C._get_tracing_state
+    function_mode, dispatch_modes = torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack
+    plain_linear, cast_to = _plain_linear_check(torch), _linear_dtype(torch)
+    functional, linear = torch.nn.functional, torch.nn.Linear
+    linear_function, linear_forwards = functional.linear, _linear_forwards(torch)
+    unpatched = compositions.Dependencies(linear_forwards[0]).unchanged
+    torchs = linear_forwards[0].__module__ == "torch.nn.modules.linear"
+    cpu_too, cpu_autocast = _HEAD_VIEWS_ON_CPU, torch.is_autocast_enabled
+
+    def served(x):
+        return (type(x) is tensor and (x.is_cuda or (cpu_too and not cpu_autocast("cpu"))) and x.dim() == 3
+                and grad_on() and torchs
+                and linear.forward in linear_forwards and functional.linear is linear_function
+                and not function_mode() and not dispatch_modes() and not jit_tracing()
+                and not _global_module_hooks(torch) and unpatched())
+
+    def projection(cls, own, children, name, x):
+        if name in own or not _submodule_only(cls, name):
+            return None
+        m = children.get(name)
+        if not plain_linear(m, x.device) or m.__dict__.get("_compiled_call_impl") is not None:
+            return None
+        params = m._parameters
+        weight, bias = params["weight"], params.get("bias")
+        if weight.dim() != 2:  # F.linear takes a 1-D weight: its output has no head dim
+            return None
+        dtype = cast_to(x, weight, bias)
+        return None if dtype is None else (weight, bias, dtype)
+
+    def merged(module, name, attn_output, input_shape):
+        """The attention's output [*input_shape, heads, head_dim], contiguous, merged and
+        projected by the plain Linear `name` in its node (`merge_input_heads`), or None."""
+        if not (type(attn_output) is tensor and attn_output.dim() == 4 and attn_output.shape[:2] == input_shape
+                and attn_output.is_contiguous()):
+            return None
+        own = module.__dict__
+        p = projection(type(module), own, own.get("_modules", {}), name, attn_output)
+        return None if p is None else op(attn_output, p[0], p[1], p[2], False, 0, True)
+
+    return served, projection, merged
 
 
 def _plain_linear_check(torch):
@@ -1801,6 +1905,8 @@ REWRITES = {
                      "olmo3_attention"),
                     Rewrite(_head_views_forward, _OPS + "linear_cast of q, k and v split into heads, and of the "
                                                  "merged heads for o_proj (one autograd node each)")),
+    "gpt_neox_attention": Rewrite(_neox_head_views_forward, _OPS + "linear_cast of q, k and v split into heads "
+                                                         "together, and of the merged heads for dense"),
     "hf_rms_norm": Rewrite(_rms_norm_forward, _OPS + "hf_rms_norm; a 16-bit x with an fp32 weight: "
                                               "aten::rms_norm without the weight, then the weight"),
     "gemma_rms_norm": Rewrite(_gemma_rms_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm)"),

@@ -259,7 +259,7 @@ def test_recognition_imports_no_torch():
     assert out.stdout.strip() == ("['cohere_layer_norm', 'deepseek_v4_clamped_gated_mlp', 'falcon_h1_gated_mlp', "
                                   "'fast_gelu', 'fp32_rms_norm_weightless', 'gemma2_attention', 'gemma3_attention', "
                                   "'gemma3n_gated_mlp', 'gemma4_norm', 'gemma4_rms_norm', 'gemma_norm', "
-                                  "'gemma_rms_norm', 'glm5_clamped_gated_mlp', 'gpt_oss_rms_norm', "
+                                  "'gemma_rms_norm', 'glm5_clamped_gated_mlp', 'gpt_neox_attention', 'gpt_oss_rms_norm', "
                                   "'helium_rms_norm', 'hf_attention', 'hf_attention_config_sliding_window', "
                                   "'hf_attention_sliding_window', 'hf_conv1d', 'hf_conv1d_mlp', 'hf_gated_mlp', "
                                   "'hf_gated_mlp_inline', 'hf_gelu_tanh', 'hf_packed_gated_mlp', 'hf_rms_norm', "

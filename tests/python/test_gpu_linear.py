@@ -126,6 +126,10 @@ elif name == "olmo2":  # q and k normed whole before the view
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
                                       max_position_embeddings=256)
     model = transformers.Olmo2ForCausalLM(config)
+elif name == "gpt_neox":  # one q/k/v projection split into heads, then chunked
+    config = transformers.GPTNeoXConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                        num_attention_heads=4, vocab_size=512, max_position_embeddings=256)
+    model = transformers.GPTNeoXForCausalLM(config)
 elif name == "mistral":  # the config's sliding window, shorter than the sequence
     config = transformers.MistralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
@@ -226,7 +230,7 @@ def test_unchanged_hf_models_train_with_stocks_bits_and_no_more_memory(model, au
 
 @pytest.mark.parametrize("model,autocast", [("llama", True), ("qwen2", True), ("mistral", True),
                                             ("qwen3", True), ("gemma3", True), ("gemma2", True),
-                                            ("olmo2", True), ("llama", False)])
+                                            ("olmo2", True), ("gpt_neox", True), ("llama", False)])
 def test_hf_attention_with_head_views_trains_with_stocks_bits_and_fewer_nodes(model, autocast):
     """Tiny HF Llama, Qwen2 (its layer's sliding window, q/k/v biases), Mistral (the config's
     window), Qwen3 (q and k normed per head), Gemma 3 (normed after the transpose) and Gemma 2 (logit
@@ -235,11 +239,11 @@ def test_hf_attention_with_head_views_trains_with_stocks_bits_and_fewer_nodes(mo
     without: the losses and the last step's gradients bit for bit, every Linear's call served either
     way, seven autograd nodes fewer a layer (the q/k/v views and transposes, the view before o_proj;
     five for Qwen3, whose q and k keep their transposes, three for OLMo 2, whose q and k keep their
-    views too) and the peak memory not above."""
+    views too, and for GPT-NeoX's one projection and dense) and the peak memory not above."""
     pytest.importorskip("transformers", reason="scripts/setup installs transformers")
     out = run(MODEL, model=model, autocast=autocast, toggle="head_views")
     assert out["losses"] and out["grads"], out
     served = out["linears"] * out["steps"]
     assert out["served"] == [served, served], out
-    assert out["nodes"][0] - out["nodes"][1] == {"qwen3": 5, "olmo2": 3}.get(model, 7) * 2, out
+    assert out["nodes"][0] - out["nodes"][1] == {"qwen3": 5, "olmo2": 3, "gpt_neox": 3}.get(model, 7) * 2, out
     assert out["peak"][1] <= out["peak"][0], out

@@ -127,7 +127,8 @@ def test_hf_attention_forms_are_recognised_by_their_code():
     """Llama's attention forward and its copies, Qwen2's (the layer's sliding window), Mistral's
     (the config's), Qwen3's (q and k normed per head), Gemma 3's (normed after the transpose)
     Gemma 2's (logit softcapping), OLMo 2's and 3's (q and k normed whole) and Nemotron's (Llama's
-    code, its position embeddings required) are recognised; a changed forward is not."""
+    code, its position embeddings required) and GPT-NeoX's (one q/k/v projection) are recognised;
+    a changed forward is not."""
     pytest.importorskip("transformers", reason="scripts/setup installs transformers")
     proc = check(run_python(f"""
 import json, sys, textwrap, inspect
@@ -143,6 +144,7 @@ from transformers.models.gemma2 import modeling_gemma2 as G2
 from transformers.models.olmo2 import modeling_olmo2 as O2
 from transformers.models.olmo3 import modeling_olmo3 as O3
 from transformers.models.nemotron import modeling_nemotron as N
+from transformers.models.gpt_neox import modeling_gpt_neox as X
 changed = {{}}
 exec(compile(textwrap.dedent(inspect.getsource(L.LlamaAttention.forward)).replace("transpose(1, 2)", "transpose(2, 1)"),
              L.__file__, "exec"), vars(L), changed)
@@ -150,13 +152,13 @@ print(json.dumps([compositions.form_of(c.forward) for c in (L.LlamaAttention, G.
                                                             M.MistralAttention, Q3.Qwen3Attention,
                                                             G3.Gemma3Attention, G2.Gemma2Attention,
                                                             O2.Olmo2Attention, O3.Olmo3Attention,
-                                                            N.NemotronAttention)]
+                                                            N.NemotronAttention, X.GPTNeoXAttention)]
                  + [compositions.form_of(changed["forward"])]))
 """))
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [
         "hf_attention", "hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window",
         "qwen3_attention", "gemma3_attention", "gemma2_attention", "olmo2_attention", "olmo3_attention",
-        "hf_attention", None]
+        "hf_attention", "gpt_neox_attention", None]
 
 
 MODEL = r"""
@@ -175,7 +177,7 @@ config = {{"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
            "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
            "gemma3": transformers.Gemma3TextConfig, "gemma2": transformers.Gemma2Config,
            "olmo2": transformers.Olmo2Config, "olmo3": transformers.Olmo3Config,
-           "nemotron": transformers.NemotronConfig}}[name](**sizes)
+           "nemotron": transformers.NemotronConfig, "gpt_neox": transformers.GPTNeoXConfig}}[name](**sizes)
 if name == "llama":
     config.attention_bias = True
 if name in ("gemma3", "gemma2", "olmo3"):  # a sliding layer and a full one
@@ -206,7 +208,7 @@ def run(on):
 
 off, on = run(False), run(True)
 count = lambda graph, kind: sum(n == kind for n in graph)
-attention = type(model.model.layers[0].self_attn)
+attention = type(model.gpt_neox.layers[0].attention if name == "gpt_neox" else model.model.layers[0].self_attn)
 print(json.dumps({{
     "loss": torch.equal(off[0], on[0]),
     "grads": all(torch.equal(a, b) for a, b in zip(off[1], on[1])),
@@ -222,11 +224,12 @@ print(json.dumps({{
                                          ("mistral", "torch.float32"), ("qwen3", "torch.float32"),
                                          ("gemma3", "torch.float32"), ("gemma2", "torch.float32"),
                                          ("olmo2", "torch.bfloat16"), ("olmo3", "torch.float32"),
-                                         ("nemotron", "torch.float32")])
+                                         ("nemotron", "torch.float32"), ("gpt_neox", "torch.float32")])
 def test_unchanged_hf_attention_gives_the_originals_bits_with_fewer_nodes(model, dtype):
     """Tiny HF Llama (with q/k/v/o biases), Qwen2 (its sliding-window form), Mistral (the
     config's), Qwen3 (q and k normed per head), Gemma 3 (normed after the transpose) and Gemma 2
     (logit softcapping), OLMo 2 and 3 (q and k normed whole), Nemotron (its partial rotary),
+    GPT-NeoX (one q/k/v projection split into heads, then chunked: two projections a layer),
     Gemma 2, 3 and OLMo 3 with a sliding and a full layer, trained one step without autocast: the loss
     and every gradient with the attention rewritten equal the original forward's (the toggle
     off) bit for bit; its graph has the four projections as the node's and three
@@ -241,9 +244,11 @@ def test_unchanged_hf_attention_gives_the_originals_bits_with_fewer_nodes(model,
     # On CPU the other Linears keep stock's nodes (nn.Linear's rewrite serves CUDA calls): the
     # projections' own views go too (F.linear's of a 3-D input), besides the head views.
     layers = 2
-    assert out["linear_nodes"] == [0, 4 * layers], out
-    assert out["transposes"][0] - out["transposes"][1] == (1 if model in ("qwen3", "olmo2", "olmo3") else 3) * layers, out
-    assert out["views"][0] - out["views"][1] >= 4 * layers, out
+    projections = 2 if model == "gpt_neox" else 4
+    assert out["linear_nodes"] == [0, projections * layers], out
+    assert out["transposes"][0] - out["transposes"][1] == (1 if model in ("qwen3", "olmo2", "olmo3", "gpt_neox")
+                                                           else 3) * layers, out
+    assert out["views"][0] - out["views"][1] >= projections * layers, out
 
 
 FALLBACKS = r"""
@@ -337,8 +342,11 @@ def test_each_attention_forms_keywords_are_those_its_rewrite_passes():
     import types
     sys.path.insert(0, str(ROOT / "python"))
     from torchfuse import compositions, rewrites
-    forms = {form for form, op in compositions.COMPUTES.items() if op == "head_views"}
+    forms = {form for form, op in compositions.COMPUTES.items() if op == "head_views"} - {"gpt_neox_attention"}
     assert set(rewrites._ATTENTION_EXTRA) == forms
+    # GPT-NeoX's rewrite passes scaling first, as its code does.
+    neox = compositions.FORMS["gpt_neox_attention"].co_consts
+    assert [c for c in neox if isinstance(c, tuple) and "dropout" in c] == [("scaling", "dropout")]
     attention = types.SimpleNamespace(sliding_window=1, attn_logit_softcapping=2.0,
                                       config=types.SimpleNamespace(sliding_window=3))
     for form in forms:
