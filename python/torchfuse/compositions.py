@@ -956,6 +956,11 @@ _METHOD_SOURCES = {
 '''),
 }
 
+# HF's attention forms (the `head_views` rewrites').
+ATTENTION_FORMS = ("hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window",
+                   "qwen3_attention", "gemma3_attention", "gemma2_attention", "olmo2_attention", "olmo3_attention",
+                   "gpt_neox_attention")
+
 # Form name -> the composition it computes.
 COMPUTES = {"hf_dynamic_layer_update": "kv_cache", "hf_dynamic_sliding_window_layer_update": "kv_cache",
             "new_gelu": "gelu_tanh", "fast_gelu": "gelu_tanh", "hf_conv1d_mlp": "gelu_tanh",
@@ -979,10 +984,7 @@ COMPUTES = {"hf_dynamic_layer_update": "kv_cache", "hf_dynamic_sliding_window_la
             "helium_rms_norm": "hf_rms_norm", "hf_rotary_pairs": "rotary", "hf_rotary_flipped": "rotary",
             "cohere_rotary_pairs_upcast": "rotary", "hf_rotary_pairs_upcast": "rotary",
             "hf_ignore_causal_mask_sdpa": "sdpa", "hf_ignore_bidirectional_mask_sdpa": "sdpa",
-            "hf_conv1d": "linear", "hf_attention": "head_views", "hf_attention_sliding_window": "head_views",
-            "hf_attention_config_sliding_window": "head_views", "qwen3_attention": "head_views",
-            "gemma3_attention": "head_views", "gemma2_attention": "head_views", "olmo2_attention": "head_views",
-            "olmo3_attention": "head_views", "gpt_neox_attention": "head_views"}
+            "hf_conv1d": "linear", **dict.fromkeys(ATTENTION_FORMS, "head_views")}
 
 
 def _compiled(source):
@@ -1046,9 +1048,7 @@ _HELPER_FORMS = {"hf_rotary_pairs": {"rotate_half": "cohere_rotate_pairs"},
 # The globals a form's rewrite calls as its original does, looked up in the module at each call,
 # whatever they hold: nothing is assumed of them.
 _CALLED_AS_THEY_ARE = dict.fromkeys(
-    ("hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window", "qwen3_attention",
-     "gemma3_attention", "gemma2_attention", "olmo2_attention", "olmo3_attention", "gpt_neox_attention"),
-    ("apply_rotary_pos_emb", "ALL_ATTENTION_FUNCTIONS", "eager_attention_forward"))
+    ATTENTION_FORMS, ("apply_rotary_pos_emb", "ALL_ATTENTION_FUNCTIONS", "eager_attention_forward"))
 
 
 def _global_is_expected(function, name, form=None):

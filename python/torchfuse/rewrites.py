@@ -1320,18 +1320,32 @@ def patch_linear(module):
 # too, without CPU autocast (whose casts `_linear_dtype` does not read): CI has no GPU.
 _HEAD_VIEWS_ON_CPU = False
 
-# The attention forms' keyword arguments to the attention interface besides Llama's, each as its
-# original writes it.
-_ATTENTION_EXTRA = {
-    "hf_attention": lambda self: {},
-    "hf_attention_sliding_window": lambda self: {"sliding_window": self.sliding_window},
-    "hf_attention_config_sliding_window": lambda self: {"sliding_window": getattr(self.config, "sliding_window",
-                                                                                  None)},
-    "qwen3_attention": lambda self: {"sliding_window": self.sliding_window},
-    "gemma3_attention": lambda self: {"sliding_window": self.sliding_window},
-    "gemma2_attention": lambda self: {"sliding_window": self.sliding_window, "softcap": self.attn_logit_softcapping},
-    "olmo2_attention": lambda self: {},
-    "olmo3_attention": lambda self: {"sliding_window": self.sliding_window},
+def _dropout(self):
+    """The attention's dropout as HF's attention forwards pass it (Gemma's write the condition
+    the other way round: the same reads, the same value)."""
+    return 0.0 if not self.training else self.attention_dropout
+
+
+# The keyword arguments each attention form passes its attention interface, in its order and
+# read as its original reads them.
+_ATTENTION_KEYWORDS = {
+    "hf_attention": lambda self: {"dropout": _dropout(self), "scaling": self.scaling},
+    "hf_attention_sliding_window": lambda self: {"dropout": _dropout(self), "scaling": self.scaling,
+                                                 "sliding_window": self.sliding_window},
+    "hf_attention_config_sliding_window": lambda self: {
+        "dropout": _dropout(self), "scaling": self.scaling,
+        "sliding_window": getattr(self.config, "sliding_window", None)},
+    "qwen3_attention": lambda self: {"dropout": _dropout(self), "scaling": self.scaling,
+                                     "sliding_window": self.sliding_window},
+    "gemma3_attention": lambda self: {"dropout": _dropout(self), "scaling": self.scaling,
+                                      "sliding_window": self.sliding_window},
+    "gemma2_attention": lambda self: {"dropout": _dropout(self), "scaling": self.scaling,
+                                      "sliding_window": self.sliding_window,
+                                      "softcap": self.attn_logit_softcapping},
+    "olmo2_attention": lambda self: {"dropout": _dropout(self), "scaling": self.scaling},
+    "olmo3_attention": lambda self: {"dropout": _dropout(self), "scaling": self.scaling,
+                                     "sliding_window": self.sliding_window},
+    "gpt_neox_attention": lambda self: {"scaling": self.scaling, "dropout": _dropout(self)},
 }
 # The forms whose q and k are normed per head (`self.q_norm`, `self.k_norm`) between the view and
 # the transpose: there the node returns the view, and the norm and the transpose are the
@@ -1372,30 +1386,25 @@ def _head_views_forward(torch, original, form, dependencies=None):
     the original's reshape, contiguous and o_proj call. Anything else runs the original."""
     op, enabled = torch.ops.torchfuse.linear_cast.default, torch.ops.torchfuse.enabled.default
     untraced = _untraced_call(torch)
-    call_served, projection, merged = _attention_projections(torch)
-    extra, names, missing = _ATTENTION_EXTRA[form], original.__globals__, object()
+    heads, projection, attend = _attention_parts(torch, original)
+    keywords, missing = _ATTENTION_KEYWORDS[form], object()
     normed, normed_after = form in _ATTENTION_NORMED_QK, form in _ATTENTION_NORMED_AFTER
     normed_whole = form in _ATTENTION_NORMED_WHOLE
-    module_getattr = torch.nn.Module.__getattr__
     attributes = ("head_dim", "q_proj", "k_proj", "v_proj", "o_proj")
 
     def projections(self, x):
         """q, k and v's (weight, bias, dtype) and the head size, or None: the original runs."""
-        if not call_served(x):
+        found = heads(self, x, attributes)
+        if found is None:
             return None
-        own, cls = self.__dict__, type(self)
-        head_dim, children = own.get("head_dim"), own.get("_modules", {})
-        # `self.head_dim` and the projections found where nn.Module finds them (no class
-        # attribute or __getattr__ of the class's own in between).
-        if type(head_dim) is not int or head_dim <= 0 or not _plain_attention_class(cls, module_getattr, attributes):
-            return None
-        found = []
+        cls, own, children, head_dim = found
+        projected = []
         for name in ("q_proj", "k_proj", "v_proj"):
             p = projection(cls, own, children, name, x)
             if p is None or p[0].shape[0] % head_dim != 0:
                 return None
-            found.append(p)
-        return (*found, head_dim) if enabled("head_views") else None
+            projected.append(p)
+        return (*projected, head_dim) if enabled("head_views") else None
 
     @functools.wraps(original)
     def forward(self, hidden_states, position_embeddings=missing, attention_mask=missing, past_key_values=None,
@@ -1405,20 +1414,16 @@ def _head_views_forward(torch, original, form, dependencies=None):
         if untraced() and position_embeddings is not missing and attention_mask is not missing:
             served = projections(self, hidden_states)
         if served is None:
-            # The arguments as given: the original's own defaults (or its error) for the others.
-            if position_embeddings is not missing:
-                kwargs["position_embeddings"] = position_embeddings
-            if attention_mask is not missing:
-                kwargs["attention_mask"] = attention_mask
-            return original(self, hidden_states, past_key_values=past_key_values, **kwargs)
+            return original(self, hidden_states, past_key_values=past_key_values,
+                            **_passed_on(kwargs, missing, position_embeddings=position_embeddings,
+                                         attention_mask=attention_mask))
         (qw, qb, qt), (kw, kb, kt), (vw, vb, vt), head_dim = served
-        input_shape = hidden_states.shape[:-1]
 
         if normed_whole:
             query_states = self.q_norm(op(hidden_states, qw, qb, qt))
             key_states = self.k_norm(op(hidden_states, kw, kb, kt))
             value_states = op(hidden_states, vw, vb, vt, False, head_dim)
-            hidden_shape = (*input_shape, -1, head_dim)
+            hidden_shape = (*hidden_states.shape[:-1], -1, head_dim)
             query_states = query_states.view(hidden_shape).transpose(1, 2)
             key_states = key_states.view(hidden_shape).transpose(1, 2)
         elif normed:
@@ -1432,35 +1437,8 @@ def _head_views_forward(torch, original, form, dependencies=None):
         if normed_after:
             query_states = self.q_norm(query_states)
             key_states = self.k_norm(key_states)
-
-        cos, sin = position_embeddings
-        query_states, key_states = names["apply_rotary_pos_emb"](query_states, key_states, cos, sin)
-
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-
-        attention_interface = names["ALL_ATTENTION_FUNCTIONS"].get_interface(
-            self.config._attn_implementation, names["eager_attention_forward"]
-        )
-
-        attn_output, attn_weights = attention_interface(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            **extra(self),
-            **kwargs,
-        )
-
-        out = merged(self, "o_proj", attn_output, input_shape)
-        if out is not None:
-            return out, attn_weights
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        attn_output = self.o_proj(attn_output)
-        return attn_output, attn_weights
+        return attend(self, hidden_states, query_states, key_states, value_states, position_embeddings,
+                      past_key_values, attention_mask, keywords, kwargs, "o_proj")
 
     return forward
 
@@ -1474,18 +1452,16 @@ def _neox_head_views_forward(torch, original, form, dependencies=None):
     query_key_value and dense; anything else runs the original."""
     op, enabled = torch.ops.torchfuse.linear_cast.default, torch.ops.torchfuse.enabled.default
     untraced = _untraced_call(torch)
-    call_served, projection, merged = _attention_projections(torch)
-    names, missing, module_getattr = original.__globals__, object(), torch.nn.Module.__getattr__
+    heads, projection, attend = _attention_parts(torch, original)
+    keywords, missing = _ATTENTION_KEYWORDS[form], object()
     attributes = ("head_size", "query_key_value", "dense")
 
     def projections(self, x):
         """query_key_value's (weight, bias, dtype) and its head split's size, or None."""
-        if not call_served(x):
+        found = heads(self, x, attributes)
+        if found is None:
             return None
-        own, cls = self.__dict__, type(self)
-        head_size, children = own.get("head_size"), own.get("_modules", {})
-        if type(head_size) is not int or head_size <= 0 or not _plain_attention_class(cls, module_getattr, attributes):
-            return None
+        cls, own, children, head_size = found
         p = projection(cls, own, children, "query_key_value", x)
         if p is None or p[0].shape[0] % (3 * head_size) != 0:
             return None
@@ -1498,47 +1474,23 @@ def _neox_head_views_forward(torch, original, form, dependencies=None):
         if untraced() and attention_mask is not missing and position_embeddings is not missing:
             served = projections(self, hidden_states)
         if served is None:
-            # The arguments as given: the original's own defaults (or its error) for the others.
-            if attention_mask is not missing:
-                kwargs["attention_mask"] = attention_mask
-            if position_embeddings is not missing:
-                kwargs["position_embeddings"] = position_embeddings
-            return original(self, hidden_states, layer_past=layer_past, **kwargs)
+            return original(self, hidden_states, layer_past=layer_past,
+                            **_passed_on(kwargs, missing, attention_mask=attention_mask,
+                                         position_embeddings=position_embeddings))
         (weight, bias, dtype), heads_size = served
-        input_shape = hidden_states.shape[:-1]
-
         qkv = op(hidden_states, weight, bias, dtype, False, heads_size)
         query_states, key_states, value_states = qkv.chunk(3, dim=-1)
-
-        cos, sin = position_embeddings
-        query_states, key_states = names["apply_rotary_pos_emb"](query_states, key_states, cos, sin)
-
-        if layer_past is not None:
-            key_states, value_states = layer_past.update(key_states, value_states, self.layer_idx)
-
-        attention_interface = names["ALL_ATTENTION_FUNCTIONS"].get_interface(
-            self.config._attn_implementation, names["eager_attention_forward"]
-        )
-
-        attn_output, attn_weights = attention_interface(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask,
-            scaling=self.scaling,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            **kwargs,
-        )
-
-        out = merged(self, "dense", attn_output, input_shape)
-        if out is not None:
-            return out, attn_weights
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        attn_output = self.dense(attn_output)
-        return attn_output, attn_weights
+        return attend(self, hidden_states, query_states, key_states, value_states, position_embeddings,
+                      layer_past, attention_mask, keywords, kwargs, "dense")
 
     return forward
+
+
+def _passed_on(kwargs, missing, **arguments):
+    """`kwargs` with the `arguments` that were given (not `missing`): a call of the original
+    with the arguments as given, its own defaults (or its error) for the others."""
+    kwargs.update((name, value) for name, value in arguments.items() if value is not missing)
+    return kwargs
 
 
 @functools.lru_cache(maxsize=None)
@@ -1550,11 +1502,10 @@ def _plain_attention_class(cls, module_getattr, names):
             and all(_submodule_only(cls, name) for name in names))
 
 
-def _attention_projections(torch):
-    """The checks the head_views rewrites make, and their o_proj call: (served(x): whether a call
-    with input x may be served at all, projection(cls, own, children, name, x): the plain Linear
-    `name`'s (weight, bias, dtype) for input x, or None, merged(module, name, attn_output,
-    input_shape): below). Served where nn.Linear's rewrite would serve a call
+def _attention_parts(torch, original):
+    """What the head_views rewrites of `original` share: (heads(module, x, attributes): below,
+    projection(cls, own, children, name, x): the plain Linear `name`'s (weight, bias, dtype) for
+    input x, or None, attend(...): the rest of the forward, below). Served where nn.Linear's rewrite would serve a call
     (`_linear_forward`): grad on, x a plain 3-D CUDA tensor (a CPU one too with the tests'
     switch, without CPU autocast), nn.Linear's forward torch's own (or the linear rewrite of it)
     calling an unpatched F.linear, outside traces, torch function and dispatch modes and global
@@ -1570,6 +1521,20 @@ def _attention_projections(torch):
     unpatched = compositions.Dependencies(linear_forwards[0]).unchanged
     torchs = linear_forwards[0].__module__ == "torch.nn.modules.linear"
     cpu_too, cpu_autocast = _HEAD_VIEWS_ON_CPU, torch.is_autocast_enabled
+    module_getattr, names = torch.nn.Module.__getattr__, original.__globals__
+
+    def heads(module, x, attributes):
+        """(its class, its __dict__, its submodules, its head size) where a call of the attention
+        `module` with input x may be served at all: its head size (`attributes[0]`, a positive
+        int) and projections found where nn.Module finds them (no class attribute or __getattr__
+        of the class's own in between); else None."""
+        if not served(x):
+            return None
+        own, cls = module.__dict__, type(module)
+        size = own.get(attributes[0])
+        if type(size) is not int or size <= 0 or not _plain_attention_class(cls, module_getattr, attributes):
+            return None
+        return cls, own, own.get("_modules", {}), size
 
     def served(x):
         return (type(x) is tensor and (x.is_cuda or (cpu_too and not cpu_autocast("cpu"))) and x.dim() == 3
@@ -1591,17 +1556,37 @@ def _attention_projections(torch):
         dtype = cast_to(x, weight, bias)
         return None if dtype is None else (weight, bias, dtype)
 
-    def merged(module, name, attn_output, input_shape):
-        """The attention's output [*input_shape, heads, head_dim], contiguous, merged and
-        projected by the plain Linear `name` in its node (`merge_input_heads`), or None."""
-        if not (type(attn_output) is tensor and attn_output.dim() == 4 and attn_output.shape[:2] == input_shape
-                and attn_output.is_contiguous()):
-            return None
-        own = module.__dict__
-        p = projection(type(module), own, own.get("_modules", {}), name, attn_output)
-        return None if p is None else op(attn_output, p[0], p[1], p[2], False, 0, True)
+    def attend(module, hidden_states, query_states, key_states, value_states, position_embeddings, cache,
+               attention_mask, keywords, kwargs, out_name):
+        """The forward from the rotary on, as the attention forms write it: the module's
+        `apply_rotary_pos_emb`, the cache's update, the attention interface with `keywords(module)`
+        and kwargs, and the output projection `out_name`: in its node with the heads merged
+        (`merge_input_heads`) where the attention's output is a contiguous [*lead, heads,
+        head_dim] tensor and `out_name` a plain Linear then, else the original's reshape,
+        contiguous and call."""
+        input_shape = hidden_states.shape[:-1]
+        cos, sin = position_embeddings
+        query_states, key_states = names["apply_rotary_pos_emb"](query_states, key_states, cos, sin)
 
-    return served, projection, merged
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, module.layer_idx)
+
+        attention_interface = names["ALL_ATTENTION_FUNCTIONS"].get_interface(
+            module.config._attn_implementation, names["eager_attention_forward"]
+        )
+        attn_output, attn_weights = attention_interface(
+            module, query_states, key_states, value_states, attention_mask, **keywords(module), **kwargs)
+
+        if (type(attn_output) is tensor and attn_output.dim() == 4 and attn_output.shape[:2] == input_shape
+                and attn_output.is_contiguous()):
+            own = module.__dict__
+            p = projection(type(module), own, own.get("_modules", {}), out_name, attn_output)
+            if p is not None:
+                return op(attn_output, p[0], p[1], p[2], False, 0, True), attn_weights
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return getattr(module, out_name)(attn_output), attn_weights
+
+    return heads, projection, attend
 
 
 def _plain_linear_check(torch):
@@ -1900,9 +1885,7 @@ REWRITES = {
     "hf_conv1d_mlp": Rewrite(_conv1d_mlp_forward, _OPS + "gelu_tanh"),
     "hf_conv1d": Rewrite(_conv1d_forward, _OPS + "linear_cast of the [in, out] weight (one autograd node; "
                                           "under CUDA autocast after autocast's casts)"),
-    **dict.fromkeys(("hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window",
-                     "qwen3_attention", "gemma3_attention", "gemma2_attention", "olmo2_attention",
-                     "olmo3_attention"),
+    **dict.fromkeys((form for form in compositions.ATTENTION_FORMS if form != "gpt_neox_attention"),
                     Rewrite(_head_views_forward, _OPS + "linear_cast of q, k and v split into heads, and of the "
                                                  "merged heads for o_proj (one autograd node each)")),
     "gpt_neox_attention": Rewrite(_neox_head_views_forward, _OPS + "linear_cast of q, k and v split into heads "

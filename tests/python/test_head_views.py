@@ -335,20 +335,17 @@ def test_what_the_rewrite_cannot_see_through_runs_the_original():
 
 
 def test_each_attention_forms_keywords_are_those_its_rewrite_passes():
-    """The tables the rewrite reads agree with the forms: every head_views form has its extra
-    keywords (`_ATTENTION_EXTRA`), and those are the keywords its reference passes the attention
-    interface besides dropout and scaling (read from the reference's code)."""
+    """The table the rewrites read agrees with the forms: every head_views form has its keywords
+    (`_ATTENTION_KEYWORDS`), and those are the keywords, in order, its reference passes the
+    attention interface (read from the reference's code)."""
     import sys
     import types
     sys.path.insert(0, str(ROOT / "python"))
     from torchfuse import compositions, rewrites
-    forms = {form for form, op in compositions.COMPUTES.items() if op == "head_views"} - {"gpt_neox_attention"}
-    assert set(rewrites._ATTENTION_EXTRA) == forms
-    # GPT-NeoX's rewrite passes scaling first, as its code does.
-    neox = compositions.FORMS["gpt_neox_attention"].co_consts
-    assert [c for c in neox if isinstance(c, tuple) and "dropout" in c] == [("scaling", "dropout")]
-    attention = types.SimpleNamespace(sliding_window=1, attn_logit_softcapping=2.0,
-                                      config=types.SimpleNamespace(sliding_window=3))
+    forms = {form for form, op in compositions.COMPUTES.items() if op == "head_views"}
+    assert set(rewrites._ATTENTION_KEYWORDS) == forms
+    attention = types.SimpleNamespace(training=True, attention_dropout=0.1, scaling=0.125, sliding_window=1,
+                                      attn_logit_softcapping=2.0, config=types.SimpleNamespace(sliding_window=3))
     for form in forms:
         keywords = [c for c in compositions.FORMS[form].co_consts if isinstance(c, tuple) and "dropout" in c]
-        assert keywords == [("dropout", "scaling", *rewrites._ATTENTION_EXTRA[form](attention))], form
+        assert keywords == [tuple(rewrites._ATTENTION_KEYWORDS[form](attention))], form
