@@ -1505,13 +1505,13 @@ def _plain_attention_class(cls, module_getattr, names):
 def _attention_parts(torch, original):
     """What the head_views rewrites of `original` share: (heads(module, x, attributes): below,
     projection(cls, own, children, name, x): the plain Linear `name`'s (weight, bias, dtype) for
-    input x, or None, attend(...): the rest of the forward, below). Served where nn.Linear's rewrite would serve a call
-    (`_linear_forward`): grad on, x a plain 3-D CUDA tensor (a CPU one too with the tests'
-    switch, without CPU autocast), nn.Linear's forward torch's own (or the linear rewrite of it)
-    calling an unpatched F.linear, outside traces, torch function and dispatch modes and global
-    module hooks; a projection is a plain, unobserved nn.Linear submodule on x's device
-    (`_plain_linear_check`), not compiled in place, with a 2-D weight, of a dtype
-    `_linear_dtype` serves."""
+    input x, or None, attend(...): the rest of the forward, below). Served where nn.Linear's rewrite
+    would serve a call (`_linear_forward`): grad on, x a plain 3-D CUDA tensor (a CPU one too with
+    the tests' switch, without CPU autocast), nn.Linear's forward torch's own (or the linear rewrite
+    of it) calling an unpatched F.linear, outside traces, torch function and dispatch modes and
+    global module hooks; a projection is a plain, unobserved nn.Linear submodule on x's device
+    (`_plain_linear_check`), not compiled in place, with a 2-D weight, of a dtype `_linear_dtype`
+    serves."""
     op = torch.ops.torchfuse.linear_cast.default
     tensor, grad_on, jit_tracing = torch.Tensor, torch.is_grad_enabled, torch._C._get_tracing_state
     function_mode, dispatch_modes = torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack
