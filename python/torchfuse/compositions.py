@@ -251,6 +251,86 @@ _SOURCES = {
 
     return attn_output, attn_weights
 """,
+    # transformers.models.gpt2.modeling_gpt2.GPT2Attention.forward: one Conv1D projection for q,
+    # k and v, split three ways, each split into heads (cross-attention's q from a projection of
+    # its own), the cache, the attention interface (or eager's upcast and reordered attention),
+    # the heads merged and projected, the residual's dropout.
+    "gpt2_attention": """def forward(self, hidden_states, past_key_values, attention_mask, encoder_hidden_states,
+            encoder_attention_mask, output_attentions, **kwargs):
+    is_cross_attention = encoder_hidden_states is not None
+    if past_key_values is not None:
+        if isinstance(past_key_values, EncoderDecoderCache):
+            is_updated = past_key_values.is_updated.get(self.layer_idx)
+            if is_cross_attention:
+                # after the first generated id, we can subsequently re-use all key/value_layer from cache
+                curr_past_key_values = past_key_values.cross_attention_cache
+            else:
+                curr_past_key_values = past_key_values.self_attention_cache
+        else:
+            curr_past_key_values = past_key_values
+
+    if is_cross_attention:
+        if not hasattr(self, "q_attn"):
+            raise ValueError(
+                "If class is used as cross attention, the weights `q_attn` have to be defined. "
+                "Please make sure to instantiate class with `GPT2Attention(..., is_cross_attention=True)`."
+            )
+        query_states = self.q_attn(hidden_states)
+        attention_mask = encoder_attention_mask
+
+        # Try to get key/value states from cache if possible
+        if past_key_values is not None and is_updated:
+            key_states = curr_past_key_values.layers[self.layer_idx].keys
+            value_states = curr_past_key_values.layers[self.layer_idx].values
+        else:
+            key_states, value_states = self.c_attn(encoder_hidden_states).split(self.split_size, dim=2)
+            shape_kv = (*key_states.shape[:-1], -1, self.head_dim)
+            key_states = key_states.view(shape_kv).transpose(1, 2)
+            value_states = value_states.view(shape_kv).transpose(1, 2)
+    else:
+        query_states, key_states, value_states = self.c_attn(hidden_states).split(self.split_size, dim=2)
+        shape_kv = (*key_states.shape[:-1], -1, self.head_dim)
+        key_states = key_states.view(shape_kv).transpose(1, 2)
+        value_states = value_states.view(shape_kv).transpose(1, 2)
+
+    shape_q = (*query_states.shape[:-1], -1, self.head_dim)
+    query_states = query_states.view(shape_q).transpose(1, 2)
+
+    if (past_key_values is not None and not is_cross_attention) or (
+        past_key_values is not None and is_cross_attention and not is_updated
+    ):
+        key_states, value_states = curr_past_key_values.update(key_states, value_states, self.layer_idx)
+        # set flag that curr layer for cross-attn is already updated so we can re-use in subsequent calls
+        if is_cross_attention:
+            past_key_values.is_updated[self.layer_idx] = True
+
+    using_eager = self.config._attn_implementation == "eager"
+    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, eager_attention_forward
+    )
+
+    if using_eager and self.reorder_and_upcast_attn:
+        attn_output, attn_weights = self._upcast_and_reordered_attn(
+            query_states, key_states, value_states, attention_mask
+        )
+    else:
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=self.attn_dropout.p if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
+
+    attn_output = attn_output.reshape(*attn_output.shape[:-2], -1).contiguous()
+    attn_output = self.c_proj(attn_output)
+    attn_output = self.resid_dropout(attn_output)
+
+    return attn_output, attn_weights
+""",
     # The same with the config's sliding window, where it has one (Mistral's and its copies).
     "hf_attention_config_sliding_window": _attention_source(
         'sliding_window=getattr(self.config, "sliding_window", None),'),
@@ -959,7 +1039,7 @@ _METHOD_SOURCES = {
 # HF's attention forms (the `head_views` rewrites').
 ATTENTION_FORMS = ("hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window",
                    "qwen3_attention", "gemma3_attention", "gemma2_attention", "olmo2_attention", "olmo3_attention",
-                   "gpt_neox_attention")
+                   "gpt_neox_attention", "gpt2_attention")
 
 # Form name -> the composition it computes.
 COMPUTES = {"hf_dynamic_layer_update": "kv_cache", "hf_dynamic_sliding_window_layer_update": "kv_cache",
@@ -999,7 +1079,7 @@ _FORM_DEFAULTS = {"mamba_rms_norm_gated": (None,), "hf_attention": (None, None, 
                   "hf_attention_sliding_window": (None,), "hf_attention_config_sliding_window": (None,),
                   "qwen3_attention": (None,), "gemma3_attention": (None, None, None),
                   "gemma2_attention": (None, None, None), "olmo2_attention": (None,), "olmo3_attention": (None,),
-                  "gpt_neox_attention": (None, None)}
+                  "gpt_neox_attention": (None, None), "gpt2_attention": (None, None, None, None, False)}
 FUNCTION_FORMS = {name: (_compiled(source), defaults)
                   for name, (source, defaults) in _FUNCTION_SOURCES.items()}
 METHOD_FORMS = {name: (method, _compiled(source)) for name, (method, source) in _METHOD_SOURCES.items()}
@@ -1047,8 +1127,11 @@ _HELPER_FORMS = {"hf_rotary_pairs": {"rotate_half": "cohere_rotate_pairs"},
 
 # The globals a form's rewrite calls as its original does, looked up in the module at each call,
 # whatever they hold: nothing is assumed of them.
-_CALLED_AS_THEY_ARE = dict.fromkeys(
-    ATTENTION_FORMS, ("apply_rotary_pos_emb", "ALL_ATTENTION_FUNCTIONS", "eager_attention_forward"))
+_CALLED_AS_THEY_ARE = {
+    **dict.fromkeys(ATTENTION_FORMS, ("apply_rotary_pos_emb", "ALL_ATTENTION_FUNCTIONS", "eager_attention_forward")),
+    "gpt2_attention": ("EncoderDecoderCache", "ALL_ATTENTION_FUNCTIONS", "eager_attention_forward")}
+# The builtins a form's code calls (found as builtins: not shadowed in its module).
+_BUILTINS = ("getattr", "hasattr", "isinstance", "ValueError")
 
 
 def _global_is_expected(function, name, form=None):
@@ -1058,7 +1141,7 @@ def _global_is_expected(function, name, form=None):
     torch = sys.modules.get("torch")
     if name in _CALLED_AS_THEY_ARE.get(form, ()):
         return name in function.__globals__
-    if name == "getattr":  # the builtin, not shadowed in the module
+    if name in _BUILTINS:  # the builtin, not shadowed in the module
         return name not in function.__globals__
     value = function.__globals__.get(name)
     if name in ("math", "torch", "nn"):

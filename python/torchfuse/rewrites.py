@@ -1346,6 +1346,8 @@ _ATTENTION_KEYWORDS = {
     "olmo3_attention": lambda self: {"dropout": _dropout(self), "scaling": self.scaling,
                                      "sliding_window": self.sliding_window},
     "gpt_neox_attention": lambda self: {"scaling": self.scaling, "dropout": _dropout(self)},
+    "gpt2_attention": lambda self: {"dropout": self.attn_dropout.p if self.training else 0.0,
+                                    "scaling": self.scaling},
 }
 # The forms whose q and k are normed per head (`self.q_norm`, `self.k_norm`) between the view and
 # the transpose: there the node returns the view, and the norm and the transpose are the
@@ -1484,6 +1486,136 @@ def _neox_head_views_forward(torch, original, form, dependencies=None):
                       layer_past, attention_mask, keywords, kwargs, "dense")
 
     return forward
+
+
+def _gpt2_head_views_forward(torch, original, form, dependencies=None):
+    """GPT-2's attention forward with c_attn's output split into q, k and v heads by its node
+    (torchfuse::linear_cast_split: stock's split, views and transposes, as views of the one GEMM
+    output) and c_proj taking the merged heads in its node (`merge_input_heads`): eight
+    dispatched ops and autograd nodes fewer a layer (the split, three views and transposes, the
+    view before c_proj; one node for the split's three outputs), the tensors the cache and the
+    attention see stock's (sizes, strides, values) and every gradient stock's bit for bit (the
+    node's backward makes the split's, views' and transposes' calls). The cache, the attention
+    interface (or eager's upcast and reordered attention), c_proj's call where it is not merged
+    and the residual's dropout run as the original writes them. Served for self-attention (no
+    encoder_hidden_states) with grad on, hidden_states a plain contiguous 3-D CUDA tensor (a CPU
+    one with the tests' switch), c_attn and c_proj plain HF Conv1Ds (`_plain_conv1d_check`),
+    c_attn three `split_size`s wide, `split_size` whole heads, outside traces, torch function
+    and dispatch modes and global module hooks, with the `head_views` toggle on; anything else
+    runs the original."""
+    split_op, op = torch.ops.torchfuse.linear_cast_split.default, torch.ops.torchfuse.linear_cast.default
+    enabled, untraced = torch.ops.torchfuse.enabled.default, _untraced_call(torch)
+    tensor, grad_on, jit_tracing = torch.Tensor, torch.is_grad_enabled, torch._C._get_tracing_state
+    function_mode, dispatch_modes = torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack
+    plain_conv1d, cast_to = _plain_conv1d_check(torch), _linear_dtype(torch)
+    cpu_too, cpu_autocast = _HEAD_VIEWS_ON_CPU, torch.is_autocast_enabled
+    module_getattr, names, keywords = torch.nn.Module.__getattr__, original.__globals__, _ATTENTION_KEYWORDS[form]
+    attributes = ("head_dim", "split_size", "c_attn", "c_proj")
+
+    def conv1d(module, name, x):
+        """The plain Conv1D submodule `name`'s (weight, bias, dtype) for input x, or None."""
+        own, cls = module.__dict__, type(module)
+        if name in own or not _submodule_only(cls, name):
+            return None
+        m = own.get("_modules", {}).get(name)
+        if not plain_conv1d(m, x.device) or m.__dict__.get("_compiled_call_impl") is not None:
+            return None
+        params = m._parameters
+        weight, bias = params["weight"], params["bias"]
+        dtype = cast_to(x, weight, bias)
+        return None if dtype is None else (weight, bias, dtype)
+
+    def projection(self, x):
+        """c_attn's (weight, bias, dtype), the split's size and the head size, or None."""
+        if not (type(x) is tensor and (x.is_cuda or (cpu_too and not cpu_autocast("cpu"))) and x.dim() == 3
+                and x.is_contiguous() and grad_on() and not function_mode() and not dispatch_modes()
+                and not jit_tracing() and not _global_module_hooks(torch)):
+            return None
+        own = self.__dict__
+        head_dim, split_size = own.get("head_dim"), own.get("split_size")
+        if (type(head_dim) is not int or type(split_size) is not int or head_dim <= 0 or split_size <= 0
+                or split_size % head_dim != 0 or not _plain_attention_class(type(self), module_getattr, attributes)):
+            return None
+        p = conv1d(self, "c_attn", x)
+        if p is None or p[0].shape[1] != 3 * split_size:
+            return None
+        return (p, split_size, head_dim) if enabled("head_views") else None
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, past_key_values=None, attention_mask=None, encoder_hidden_states=None,
+                encoder_attention_mask=None, output_attentions=False, **kwargs):
+        # Traces first: torch.compile reads nothing more of this wrapper than that.
+        served = projection(self, hidden_states) if untraced() and encoder_hidden_states is None else None
+        if served is None:
+            return original(self, hidden_states, past_key_values, attention_mask, encoder_hidden_states,
+                            encoder_attention_mask, output_attentions, **kwargs)
+        if past_key_values is not None:
+            if isinstance(past_key_values, names["EncoderDecoderCache"]):
+                past_key_values.is_updated.get(self.layer_idx)  # read as the original reads it
+                cache = past_key_values.self_attention_cache
+            else:
+                cache = past_key_values
+        (weight, bias, dtype), split_size, head_dim = served
+        query_states, key_states, value_states = split_op(hidden_states, weight, bias, dtype, True, split_size,
+                                                          head_dim)
+
+        if past_key_values is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+
+        using_eager = self.config._attn_implementation == "eager"
+        attention_interface = names["ALL_ATTENTION_FUNCTIONS"].get_interface(
+            self.config._attn_implementation, names["eager_attention_forward"]
+        )
+        if using_eager and self.reorder_and_upcast_attn:
+            attn_output, attn_weights = self._upcast_and_reordered_attn(
+                query_states, key_states, value_states, attention_mask
+            )
+        else:
+            attn_output, attn_weights = attention_interface(
+                self, query_states, key_states, value_states, attention_mask, **keywords(self), **kwargs)
+
+        p = (conv1d(self, "c_proj", attn_output)
+             if type(attn_output) is tensor and attn_output.dim() == 4 and attn_output.is_contiguous() else None)
+        if p is not None:
+            attn_output = op(attn_output, p[0], p[1], p[2], True, 0, True)
+        else:
+            attn_output = attn_output.reshape(*attn_output.shape[:-2], -1).contiguous()
+            attn_output = self.c_proj(attn_output)
+        attn_output = self.resid_dropout(attn_output)
+
+        return attn_output, attn_weights
+
+    return forward
+
+
+def _plain_conv1d_check(torch):
+    """A function (module, device) -> whether the module is a plain HF Conv1D on that device:
+    its class's forward the recognised `hf_conv1d` code (or torchfuse's rewrite of it) with what
+    that code calls (torch.addmm) unchanged, nothing but its forward observing its calls
+    (`_unobserved`), its weight a plain 2-D tensor `nf` wide and its bias a plain tensor, neither
+    an instance entry nor found through a class attribute or a __getattr__ of the class's own."""
+    plain, module_getattr = (torch.Tensor, torch.nn.Parameter), torch.nn.Module.__getattr__
+    conv1d_forms = {}  # a class's forward -> its original's `unchanged`, or None: not Conv1D's
+
+    def plain_conv1d(m, device):
+        forward = type(m).forward
+        if forward not in conv1d_forms:
+            rewritten = _REWRITTEN.get(forward)
+            conv1d_forms[forward] = (
+                rewritten[1].unchanged if rewritten is not None and rewritten[0] == "hf_conv1d"
+                else compositions.Dependencies(forward).unchanged if compositions.form_of(forward) == "hf_conv1d"
+                else None)
+        unchanged = conv1d_forms[forward]
+        if unchanged is None or not _unobserved(torch, m) or not unchanged():
+            return False
+        params, own = m._parameters, m.__dict__
+        weight, bias = params.get("weight"), params.get("bias")
+        return (type(weight) in plain and type(bias) in plain and weight.device == device and weight.dim() == 2
+                and type(own.get("nf")) is int and own["nf"] == weight.shape[1]
+                and "weight" not in own and "bias" not in own
+                and _plain_linear_class(type(m), None, module_getattr))
+
+    return plain_conv1d
 
 
 def _passed_on(kwargs, missing, **arguments):
@@ -1885,11 +2017,14 @@ REWRITES = {
     "hf_conv1d_mlp": Rewrite(_conv1d_mlp_forward, _OPS + "gelu_tanh"),
     "hf_conv1d": Rewrite(_conv1d_forward, _OPS + "linear_cast of the [in, out] weight (one autograd node; "
                                           "under CUDA autocast after autocast's casts)"),
-    **dict.fromkeys((form for form in compositions.ATTENTION_FORMS if form != "gpt_neox_attention"),
+    **dict.fromkeys((form for form in compositions.ATTENTION_FORMS
+                     if form not in ("gpt_neox_attention", "gpt2_attention")),
                     Rewrite(_head_views_forward, _OPS + "linear_cast of q, k and v split into heads, and of the "
                                                  "merged heads for o_proj (one autograd node each)")),
     "gpt_neox_attention": Rewrite(_neox_head_views_forward, _OPS + "linear_cast of q, k and v split into heads "
                                                          "together, and of the merged heads for dense"),
+    "gpt2_attention": Rewrite(_gpt2_head_views_forward, _OPS + "linear_cast_split of c_attn into q, k and v "
+                                                     "heads, and linear_cast of the merged heads for c_proj"),
     "hf_rms_norm": Rewrite(_rms_norm_forward, _OPS + "hf_rms_norm; a 16-bit x with an fp32 weight: "
                                               "aten::rms_norm without the weight, then the weight"),
     "gemma_rms_norm": Rewrite(_gemma_rms_norm_forward, "aten::rms_norm in fp32 (torchfuse's _fused_rms_norm)"),

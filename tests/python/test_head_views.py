@@ -90,6 +90,64 @@ print(json.dumps(results))
         assert node == "torchfuse::LinearCastBackward", case
 
 
+def test_split_into_heads_is_gpt2s_split_views_and_transposes_bit_for_bit_in_one_node():
+    """torchfuse::linear_cast_split: the output split as GPT-2's attention splits c_attn's
+    (`split(split_size, dim=2)`, each chunk viewed and transposed into heads), of a Conv1D's
+    [in, out] weight or a Linear's: three outputs of stock's sizes, strides, storage offsets and
+    values, one node; the gradients of the input, weight and bias equal those through stock's
+    split, views and transposes for incoming gradients of any layout, with a chunk that has none
+    (its columns zero), and in a double backward (create_graph: stock's calls on the gradients)."""
+    out = run_op(r"""
+split_op = torch.ops.torchfuse.linear_cast_split
+results = {}
+def info(ts):
+    return [(t.shape, t.stride(), t.storage_offset()) for t in ts]
+for (batch, seq), heads, head_dim in [((2, 5), 4, 8), ((1, 7), 2, 16), ((3, 1), 3, 4)]:
+    width = heads * head_dim
+    for conv1d in (True, False):
+        for dtype in (torch.float32, BF16):
+            for used in ((0, 1, 2), (0, 2), (1,)):
+                for layout in ("contiguous", "token order"):
+                    x = r(batch, seq, 16, dtype=dtype)
+                    w = r(16, 3 * width, dtype=dtype) if conv1d else r(3 * width, 16, dtype=dtype)
+                    b = r(3 * width, dtype=dtype)
+                    def stock():
+                        y = torch.addmm(b, x.view(-1, 16), w).view(batch, seq, -1) if conv1d else F.linear(x, w, b)
+                        return [c.view(batch, seq, -1, head_dim).transpose(1, 2) for c in y.split(width, dim=2)]
+                    def grads_of(outputs, create_graph=False):
+                        dys = []
+                        for i in used:
+                            dy = torch.randn(batch, heads, seq, head_dim, generator=g).to(dtype)
+                            if layout == "token order":  # [B, S, H, D] memory seen as [B, H, S, D]
+                                dy = dy.transpose(1, 2).contiguous().transpose(1, 2)
+                            dys.append(dy)
+                        return torch.autograd.grad([outputs[i] for i in used], [x, w, b], dys,
+                                                   create_graph=create_graph)
+                    state = g.get_state()
+                    ours = split_op(x, w, b, dtype, conv1d, width, head_dim)
+                    ours_grads = grads_of(ours)
+                    g.set_state(state)
+                    theirs = stock()
+                    theirs_grads = grads_of(theirs)
+                    node = {t.grad_fn.name() for t in ours}
+                    # The double backward: the first gradients' sum differentiated again.
+                    def second_order(fn):
+                        g.set_state(state)
+                        return torch.autograd.grad(sum(t.float().sum() for t in grads_of(fn(), True)), [x, w, b],
+                                                   allow_unused=True)
+                    second = [second_order(lambda: split_op(x, w, b, dtype, conv1d, width, head_dim)),
+                              second_order(stock)]
+                    results[f"{batch}x{seq} {heads}x{head_dim} conv1d={conv1d} {dtype} {used} {layout}"] = [
+                        same(ours, theirs) and info(ours) == info(theirs), same(ours_grads, theirs_grads),
+                        all((s is None and t is None) or torch.equal(s, t) for s, t in zip(*second)), sorted(node)]
+print(json.dumps(results))
+""")
+    assert len(out) == 3 * 2 * 2 * 3 * 2
+    for case, (outputs, grads, double, node) in out.items():
+        assert outputs and grads and double, case
+        assert node == ["torchfuse::LinearCastBackward"], case
+
+
 def test_views_the_node_would_not_make_keep_stocks_nodes_and_errors():
     """A non-contiguous input to merge (HF's reshape and contiguous copy it) runs stock's
     composition with its values; a width that is not whole heads, and a negative head size, get
@@ -127,8 +185,8 @@ def test_hf_attention_forms_are_recognised_by_their_code():
     """Llama's attention forward and its copies, Qwen2's (the layer's sliding window), Mistral's
     (the config's), Qwen3's (q and k normed per head), Gemma 3's (normed after the transpose)
     Gemma 2's (logit softcapping), OLMo 2's and 3's (q and k normed whole) and Nemotron's (Llama's
-    code, its position embeddings required) and GPT-NeoX's (one q/k/v projection) are recognised;
-    a changed forward is not."""
+    code, its position embeddings required), GPT-NeoX's (one q/k/v projection) and GPT-2's (one
+    Conv1D split three ways) are recognised; a changed forward is not."""
     pytest.importorskip("transformers", reason="scripts/setup installs transformers")
     proc = check(run_python(f"""
 import json, sys, textwrap, inspect
@@ -145,6 +203,7 @@ from transformers.models.olmo2 import modeling_olmo2 as O2
 from transformers.models.olmo3 import modeling_olmo3 as O3
 from transformers.models.nemotron import modeling_nemotron as N
 from transformers.models.gpt_neox import modeling_gpt_neox as X
+from transformers.models.gpt2 import modeling_gpt2 as GPT2
 changed = {{}}
 exec(compile(textwrap.dedent(inspect.getsource(L.LlamaAttention.forward)).replace("transpose(1, 2)", "transpose(2, 1)"),
              L.__file__, "exec"), vars(L), changed)
@@ -152,13 +211,14 @@ print(json.dumps([compositions.form_of(c.forward) for c in (L.LlamaAttention, G.
                                                             M.MistralAttention, Q3.Qwen3Attention,
                                                             G3.Gemma3Attention, G2.Gemma2Attention,
                                                             O2.Olmo2Attention, O3.Olmo3Attention,
-                                                            N.NemotronAttention, X.GPTNeoXAttention)]
+                                                            N.NemotronAttention, X.GPTNeoXAttention,
+                                                            GPT2.GPT2Attention)]
                  + [compositions.form_of(changed["forward"])]))
 """))
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [
         "hf_attention", "hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window",
         "qwen3_attention", "gemma3_attention", "gemma2_attention", "olmo2_attention", "olmo3_attention",
-        "hf_attention", "gpt_neox_attention", None]
+        "hf_attention", "gpt_neox_attention", "gpt2_attention", None]
 
 
 MODEL = r"""
@@ -177,13 +237,17 @@ config = {{"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
            "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
            "gemma3": transformers.Gemma3TextConfig, "gemma2": transformers.Gemma2Config,
            "olmo2": transformers.Olmo2Config, "olmo3": transformers.Olmo3Config,
-           "nemotron": transformers.NemotronConfig, "gpt_neox": transformers.GPTNeoXConfig}}[name](**sizes)
+           "nemotron": transformers.NemotronConfig, "gpt_neox": transformers.GPTNeoXConfig,
+           "gpt2": transformers.GPT2Config}}[name](**sizes)
+if name == "gpt2":  # no dropout: the two runs draw no masks
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
 if name == "llama":
     config.attention_bias = True
 if name in ("gemma3", "gemma2", "olmo3"):  # a sliding layer and a full one
     config.head_dim, config.sliding_window = 16, 8
     config.layer_types = ["sliding_attention", "full_attention"]
-model = getattr(transformers, type(config).__name__.replace("TextConfig", "Config").replace("Config", "ForCausalLM"))(
+model = (transformers.GPT2LMHeadModel if name == "gpt2" else getattr(
+    transformers, type(config).__name__.replace("TextConfig", "Config").replace("Config", "ForCausalLM")))(
     config).to({dtype})
 ids = torch.randint(0, 128, (2, 16))
 
@@ -208,13 +272,15 @@ def run(on):
 
 off, on = run(False), run(True)
 count = lambda graph, kind: sum(n == kind for n in graph)
-attention = type(model.gpt_neox.layers[0].attention if name == "gpt_neox" else model.model.layers[0].self_attn)
+attention = type({{"gpt_neox": lambda: model.gpt_neox.layers[0].attention, "gpt2": lambda: model.transformer.h[0].attn}}.get(
+    name, lambda: model.model.layers[0].self_attn)())
 print(json.dumps({{
     "loss": torch.equal(off[0], on[0]),
     "grads": all(torch.equal(a, b) for a, b in zip(off[1], on[1])),
     "views": [count(off[2], "ViewBackward0"), count(on[2], "ViewBackward0")],
     "transposes": [count(off[2], "TransposeBackward0"), count(on[2], "TransposeBackward0")],
     "linear_nodes": [count(off[2], "torchfuse::LinearCastBackward"), count(on[2], "torchfuse::LinearCastBackward")],
+    "splits": [count(off[2], "SplitBackward0"), count(on[2], "SplitBackward0")],
     "rewritten": attention.forward is not getattr(attention.forward, "__wrapped__", None)
                  and hasattr(attention.forward, "__wrapped__")}}))
 """
@@ -224,12 +290,14 @@ print(json.dumps({{
                                          ("mistral", "torch.float32"), ("qwen3", "torch.float32"),
                                          ("gemma3", "torch.float32"), ("gemma2", "torch.float32"),
                                          ("olmo2", "torch.bfloat16"), ("olmo3", "torch.float32"),
-                                         ("nemotron", "torch.float32"), ("gpt_neox", "torch.float32")])
+                                         ("nemotron", "torch.float32"), ("gpt_neox", "torch.float32"),
+                                         ("gpt2", "torch.float32"), ("gpt2", "torch.bfloat16")])
 def test_unchanged_hf_attention_gives_the_originals_bits_with_fewer_nodes(model, dtype):
     """Tiny HF Llama (with q/k/v/o biases), Qwen2 (its sliding-window form), Mistral (the
     config's), Qwen3 (q and k normed per head), Gemma 3 (normed after the transpose) and Gemma 2
     (logit softcapping), OLMo 2 and 3 (q and k normed whole), Nemotron (its partial rotary),
     GPT-NeoX (one q/k/v projection split into heads, then chunked: two projections a layer),
+    GPT-2 (c_attn split three ways into heads: two projections a layer, its SplitBackward0 gone),
     Gemma 2, 3 and OLMo 3 with a sliding and a full layer, trained one step without autocast: the loss
     and every gradient with the attention rewritten equal the original forward's (the toggle
     off) bit for bit; its graph has the four projections as the node's and three
@@ -244,11 +312,13 @@ def test_unchanged_hf_attention_gives_the_originals_bits_with_fewer_nodes(model,
     # On CPU the other Linears keep stock's nodes (nn.Linear's rewrite serves CUDA calls): the
     # projections' own views go too (F.linear's of a 3-D input), besides the head views.
     layers = 2
-    projections = 2 if model == "gpt_neox" else 4
+    projections = 2 if model in ("gpt_neox", "gpt2") else 4
     assert out["linear_nodes"] == [0, projections * layers], out
     assert out["transposes"][0] - out["transposes"][1] == (1 if model in ("qwen3", "olmo2", "olmo3", "gpt_neox")
                                                            else 3) * layers, out
     assert out["views"][0] - out["views"][1] >= projections * layers, out
+    if model == "gpt2":
+        assert out["splits"] == [layers, 0], out
 
 
 FALLBACKS = r"""
@@ -310,6 +380,21 @@ qwen = Q.Qwen2Attention(transformers.Qwen2Config(hidden_size=32, num_attention_h
 results["missing argument"] = both(qwen, x, position)
 with torch.no_grad():
     results["grad off"] = both(plain, x, position, None)
+# GPT-2's: served for self-attention (eager's upcast and reordered attention too); its
+# cross-attention and a hooked c_attn run the original.
+from transformers.models.gpt2 import modeling_gpt2 as GPT2
+def gpt2_attention(implementation, **options):
+    g2config = transformers.GPT2Config(n_embd=32, n_head=4, attn_pdrop=0.0, resid_pdrop=0.0, **options)
+    g2config._attn_implementation = implementation
+    return GPT2.GPT2Attention(g2config, layer_idx=0, is_cross_attention=options.get("add_cross_attention", False))
+results["gpt2 served"] = both(gpt2_attention("sdpa"), x)
+results["gpt2 eager upcast"] = both(gpt2_attention("eager", reorder_and_upcast_attn=True), x)
+results["gpt2 cross-attention"] = both(gpt2_attention("sdpa", add_cross_attention=True), x,
+                                       encoder_hidden_states=torch.randn(2, 3, 32))
+hooked_gpt2 = gpt2_attention("sdpa")
+hooked_gpt2.c_attn.register_forward_pre_hook(lambda m, i: (i[0] * 2,))
+results["gpt2 hooked c_attn"] = both(hooked_gpt2, x)
+results["gpt2 non-contiguous input"] = both(gpt2_attention("sdpa"), x.transpose(0, 1).contiguous().transpose(0, 1))
 # A copy whose cache argument is named otherwise: the same bytecode, other names, not the form.
 source = textwrap.dedent(inspect.getsource(L.LlamaAttention.forward)).replace("past_key_values", "past_key_value")
 renamed = {{}}
@@ -322,14 +407,18 @@ print(json.dumps(results))
 def test_what_the_rewrite_cannot_see_through_runs_the_original():
     """The original forward's output or error, and its view nodes, where an
     attention class's own __getattr__ could answer its projections, a projection is hooked, CPU
-    autocast runs (the tests' switch), an argument is missing, grad is off: the original ran.
-    A copy whose parameters are named otherwise is not the form (the rewrite binds by name).
-    Where served, the output is the same with the view nodes gone."""
+    autocast runs (the tests' switch), an argument is missing, grad is off, and for GPT-2's
+    attention where it is cross-attention, c_attn is hooked or the input is not contiguous: the
+    original ran. A copy whose parameters are named otherwise is not the form (the rewrite binds
+    by name). Where served (GPT-2's eager upcast and reordered attention too), the output is the
+    same with the view nodes gone."""
     pytest.importorskip("transformers", reason="scripts/setup installs transformers")
     proc = check(run_python(FALLBACKS.format(python=str(ROOT / "python"), lib=str(MAIN_LIB.parent))))
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out.pop("renamed parameter form") is None, out
     assert out.pop("served") == [True, False], out
+    assert out.pop("gpt2 served") == [True, False], out
+    assert out.pop("gpt2 eager upcast") == [True, False], out
     for case, (equal, same_graph) in out.items():
         assert equal and same_graph, (case, out)
 
@@ -345,7 +434,8 @@ def test_each_attention_forms_keywords_are_those_its_rewrite_passes():
     forms = {form for form, op in compositions.COMPUTES.items() if op == "head_views"}
     assert set(rewrites._ATTENTION_KEYWORDS) == forms
     attention = types.SimpleNamespace(training=True, attention_dropout=0.1, scaling=0.125, sliding_window=1,
-                                      attn_logit_softcapping=2.0, config=types.SimpleNamespace(sliding_window=3))
+                                      attn_logit_softcapping=2.0, config=types.SimpleNamespace(sliding_window=3),
+                                      attn_dropout=types.SimpleNamespace(p=0.2))
     for form in forms:
         keywords = [c for c in compositions.FORMS[form].co_consts if isinstance(c, tuple) and "dropout" in c]
         assert keywords == [tuple(rewrites._ATTENTION_KEYWORDS[form](attention))], form

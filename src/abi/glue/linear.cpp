@@ -23,6 +23,14 @@
 //   -1).contiguous()` (the attention's output before o_proj), where stock runs a ViewBackward0.
 // The backward makes the same calls on the gradient as those nodes (transpose, reshape), so the
 // gradients are stock's bit for bit.
+// torchfuse::linear_cast_split(..., split_size, head_dim) returns the output split as GPT-2's
+// attention splits c_attn's: `y.split(split_size, -1)`, each chunk viewed and transposed into
+// heads (q, k, v), where stock runs a SplitBackward0 and a ViewBackward0 and TransposeBackward0
+// for each. Its backward makes those nodes' calls: each chunk's gradient transposed back and
+// reshaped (a copy where the attention's gradient is not in token order), then one cat (a chunk
+// without a gradient zeros). Copying each chunk's gradient once into its columns instead was
+// measured slower (H200, GPT-2's q, k and v at B8: 94 against 69 us): the strided copies are
+// not vectorized.
 // Rust decides where the node runs (src/ops/linear.rs: where it is exact) and counts the call;
 // forward-mode AD, functorch transforms and traces take the composition (stock's nodes) first.
 //
@@ -44,6 +52,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
 
+#include <algorithm>
 #include <unordered_map>
 
 namespace torchfuse_glue {
@@ -89,6 +98,15 @@ at::Tensor split_heads(const at::Tensor& y, int64_t head_dim, bool transpose) {
   return transpose ? heads.transpose(1, 2) : heads;
 }
 
+// GPT-2's split of c_attn's output into q, k and v heads: `y.split(split_size, -1)`, each chunk
+// `view(*lead, -1, head_dim).transpose(1, 2)`.
+std::vector<at::Tensor> split_into_heads(const at::Tensor& y, int64_t split_size, int64_t head_dim) {
+  std::vector<at::Tensor> out;
+  for (const at::Tensor& chunk : y.split(split_size, -1))
+    out.push_back(split_heads(chunk, head_dim, true));
+  return out;
+}
+
 // The linear of the three cast to `dtype`. An autocast of another dtype does not cast them again
 // (the node's GEMM runs below autocast too).
 at::Tensor linear_cast_plain(const at::Tensor& input, const at::Tensor& weight,
@@ -112,24 +130,47 @@ at::Tensor linear_cast_stock(const at::Tensor& input, const at::Tensor& weight,
   return out_head_dim > 0 ? split_heads(y, out_head_dim, transpose_heads) : y;
 }
 
+std::vector<at::Tensor> linear_cast_split_stock(const at::Tensor& input, const at::Tensor& weight,
+                                               const std::optional<at::Tensor>& bias,
+                                               at::ScalarType dtype, bool weight_in_out,
+                                               int64_t split_size, int64_t head_dim) {
+  TORCH_CHECK(split_size > 0 && head_dim > 0,
+              "linear_cast_split: split_size and head_dim must be positive");
+  return split_into_heads(linear_cast_plain(input, weight, bias, dtype, weight_in_out), split_size,
+                          head_dim);
+}
+
 // Whether autocast runs in `dtype` on this device: then a cast is autocast's own (cached).
 bool autocast_in(c10::DeviceType device, at::ScalarType dtype) {
   return at::autocast::is_autocast_available(device) && at::autocast::is_autocast_enabled(device) &&
          at::autocast::get_autocast_dtype(device) == dtype;
 }
 
+// How the node gives its output: whole, split into heads (`head_dim` > 0: `split_heads`), or
+// split into chunks of `split_size` columns first, each split into heads and transposed
+// (`split_into_heads`).
+struct OutputHeads {
+  int64_t head_dim = 0;
+  bool transpose = true;
+  int64_t split_size = 0;
+
+  std::vector<at::Tensor> of(const at::Tensor& y) const {
+    if (split_size > 0) return split_into_heads(y, split_size, head_dim);
+    return {head_dim > 0 ? split_heads(y, head_dim, transpose) : y};
+  }
+};
+
 // Stock's nodes for a call the node does not take. Under the autocast the call stands for (the
 // rewrite's case), the module's own code, autocast's casts included.
-at::Tensor linear_cast_composition(const at::Tensor& input, const at::Tensor& weight,
-                                   const std::optional<at::Tensor>& bias, at::ScalarType dtype,
-                                   bool weight_in_out, int64_t out_head_dim,
-                                   bool merge_input_heads, bool transpose_heads) {
-  TORCH_CHECK(out_head_dim >= 0, "linear_cast: out_head_dim must not be negative");
+std::vector<at::Tensor> linear_cast_composition(const at::Tensor& input, const at::Tensor& weight,
+                                                const std::optional<at::Tensor>& bias,
+                                                at::ScalarType dtype, bool weight_in_out,
+                                                const OutputHeads& heads, bool merge_input_heads) {
   const at::Tensor x = merge_input_heads ? merged_heads(input) : input;
   const at::Tensor y = autocast_in(input.device().type(), dtype)
                            ? linear_of(x, weight, bias, weight_in_out)
                            : linear_cast_plain(x, weight, bias, dtype, weight_in_out);
-  return out_head_dim > 0 ? split_heads(y, out_head_dim, transpose_heads) : y;
+  return heads.of(y);
 }
 
 // A cast through autograd, as autocast's linear makes it (its cache takes fp32 leaves that
@@ -246,6 +287,9 @@ struct LinearCastBackward : public torch::autograd::Node {
   // empty without one.
   std::vector<int64_t> output_sizes;
   bool heads_transposed = true;
+  // The output split into chunks of this many columns first (`linear_cast_split`), one output
+  // each; 0 without.
+  int64_t split_size = 0;
   bool has_bias = false;
   // The weight is [in, out], the GEMM's second operand as it is (HF Conv1D); else nn.Linear's
   // [out, in], whose transpose the GEMM takes.
@@ -257,14 +301,34 @@ struct LinearCastBackward : public torch::autograd::Node {
   // fp32 here, as their ToCopyBackward0 nodes would take them.
   bool casts_in_node = false;
 
+  // The GEMM output's gradient from the split chunks' (undefined where none has one): stock's
+  // TransposeBackward0 and ViewBackward0 of each, then SplitBackward0's cat with zeros for a
+  // chunk without one.
+  at::Tensor split_gradient(const variable_list& grads) const {
+    const auto first = std::find_if(grads.begin(), grads.end(),
+                                    [](const at::Tensor& g) { return g.defined(); });
+    if (first == grads.end()) return at::Tensor();
+    std::vector<int64_t> chunk_sizes = output_sizes;
+    const int64_t width = output_sizes.back();
+    std::vector<at::Tensor> chunks;
+    for (size_t i = 0; i < grads.size(); ++i) {
+      chunk_sizes.back() = std::min(split_size, width - static_cast<int64_t>(i) * split_size);
+      chunks.push_back(grads[i].defined() ? grads[i].transpose(1, 2).reshape(chunk_sizes)
+                                          : at::zeros(chunk_sizes, first->options()));
+    }
+    return at::cat(chunks, -1);
+  }
+
   variable_list apply(variable_list&& grads) override {
     variable_list out(3);
-    if (!grads[0].defined()) return out;
-    // A head split's TransposeBackward0 and ViewBackward0.
+    // A head split's TransposeBackward0 and ViewBackward0 (a split's SplitBackward0 too).
     const at::Tensor grad =
-        output_sizes.empty()
-            ? grads[0]
-            : (heads_transposed ? grads[0].transpose(1, 2) : grads[0]).reshape(output_sizes);
+        split_size > 0         ? split_gradient(grads)
+        : !grads[0].defined()  ? at::Tensor()
+        : output_sizes.empty() ? grads[0]
+                               : (heads_transposed ? grads[0].transpose(1, 2) : grads[0])
+                                     .reshape(output_sizes);
+    if (!grad.defined()) return out;
     // The output's view (or matmul's _unsafe_view) back to the GEMM's [rows, out] gradient.
     const at::Tensor grad_2d = grad.dim() == 2 ? grad : grad.reshape({-1, out_features});
     if (should_compute_output(0)) {
@@ -286,9 +350,8 @@ struct LinearCastBackward : public torch::autograd::Node {
       // as the forward made it; a reshape, as a saved-tensor hook may unpack other strides.
       // A merge of heads saved the input unmerged: its rows are in_features wide.
       const at::Tensor saved = input.unpack();
-      const at::Tensor mat1 = weight_in_out    ? saved.reshape({-1, saved.size(-1)})
-                              : saved.dim() == 2 ? saved
-                                                 : saved.reshape({-1, in_features});
+      const at::Tensor mat1 = saved.dim() == 2 && !weight_in_out ? saved
+                                                                 : saved.reshape({-1, in_features});
       const at::Tensor grad_mat2 =
           mat2_column_major ? grad_2d.t().mm(mat1).t() : mat1.t().mm(grad_2d);
       out[1] = weight_in_out ? grad_mat2 : grad_mat2.t();
@@ -310,23 +373,33 @@ struct LinearCastBackward : public torch::autograd::Node {
   std::string name() const override { return "torchfuse::LinearCastBackward"; }
 };
 
-at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weight,
-                                const std::optional<at::Tensor>& bias_opt, at::ScalarType dtype,
-                                bool weight_in_out, int64_t out_head_dim, bool merge_input_heads,
-                                bool transpose_heads) {
+// The node's forward: its outputs as `heads` gives them.
+std::vector<at::Tensor> linear_node(const at::Tensor& input, const at::Tensor& weight,
+                                    const std::optional<at::Tensor>& bias_opt,
+                                    at::ScalarType dtype, bool weight_in_out,
+                                    const OutputHeads& heads, bool merge_input_heads) {
   const at::Tensor bias = bias_opt.has_value() ? *bias_opt : at::Tensor();
   const auto composition = [&] {
-    return linear_cast_composition(input, weight, bias_opt, dtype, weight_in_out, out_head_dim,
-                                   merge_input_heads, transpose_heads);
+    return linear_cast_composition(input, weight, bias_opt, dtype, weight_in_out, heads,
+                                   merge_input_heads);
   };
   // Transforms, forward-mode AD, and tensors or modes a trace watches (fake tensors, make_fx,
   // functionalization: they see stock's ops) take the composition. So do the head views the
   // node would not make as views: an input to merge that is not contiguous (HF's reshape and
-  // contiguous copy it), an output whose width is not a whole number of heads (its view fails).
+  // contiguous copy it), an output (or a split's chunk) whose width is not a whole number of
+  // heads (its view fails), a split of an output that is not 3-D (its transpose would not be
+  // the heads').
   const int64_t out_features = weight.dim() == 2 ? weight.size(weight_in_out ? 1 : 0) : 0;
+  const int64_t head_dim = heads.head_dim;
+  const bool heads_whole =
+      head_dim == 0 ||
+      (out_features > 0 &&
+       (heads.split_size > 0 ? heads.split_size % head_dim == 0 &&
+                                   out_features % heads.split_size % head_dim == 0 &&
+                                   input.dim() == 3
+                             : out_features % head_dim == 0));
   if (composition_only({input, weight, bias}) || traced(input) || traced(weight) ||
-      (bias.defined() && traced(bias)) || out_head_dim < 0 ||
-      (out_head_dim > 0 && (out_features == 0 || out_features % out_head_dim != 0)) ||
+      (bias.defined() && traced(bias)) || !heads_whole ||
       (merge_input_heads && (input.dim() < 3 || !input.is_contiguous())))
     return composition();
   // The GEMM's input: the heads merged as a view of the contiguous input.
@@ -378,7 +451,8 @@ at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weigh
   const at::Tensor& bias_edge = casts_in_node ? bias : bias_cast;
   // The input's cast is merged the same way (the edge and the saved input stay unmerged).
   const at::Tensor gemm_input_cast = merge_input_heads ? merged(input_cast) : input_cast;
-  at::Tensor output, gemm_output;
+  std::vector<at::Tensor> outputs;
+  at::Tensor gemm_output;
   bool input_column_major = false;
   {
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -387,14 +461,13 @@ at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weigh
     gemm_output = linear_of(
         gemm_input_cast, weight_cast,
         bias_cast.defined() ? std::optional<at::Tensor>(bias_cast) : std::nullopt, weight_in_out);
-    output =
-        out_head_dim > 0 ? split_heads(gemm_output, out_head_dim, transpose_heads) : gemm_output;
+    outputs = heads.of(gemm_output);
     const at::Tensor mat1 = input_2d(gemm_input_cast, weight_in_out);
     input_column_major = mat1.stride(0) == 1 && mat1.stride(1) == mat1.size(0);
   }
   if (!(at::GradMode::is_enabled() &&
         torch::autograd::compute_requires_grad(input_cast, weight_edge, bias_edge)))
-    return output;
+    return outputs;
   auto node = std::shared_ptr<LinearCastBackward>(new LinearCastBackward(),
                                                   torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(input_cast, weight_edge, bias_edge));
@@ -402,8 +475,9 @@ at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weigh
   node->input_sizes = input.sizes().vec();
   node->in_features = weight.size(weight_in_out ? 0 : 1);
   node->out_features = out_features;
-  if (out_head_dim > 0) node->output_sizes = gemm_output.sizes().vec();
-  node->heads_transposed = transpose_heads;
+  if (head_dim > 0) node->output_sizes = gemm_output.sizes().vec();
+  node->heads_transposed = heads.transpose;
+  node->split_size = heads.split_size;
   node->has_bias = bias.defined();
   node->weight_in_out = weight_in_out;
   node->input_column_major = input_column_major;
@@ -413,8 +487,27 @@ at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weigh
                     : weight_cast.stride(1) == 1 && weight_cast.stride(0) == weight_cast.size(1);
   if (node->should_compute_output(1)) node->input = SavedVariable(input_cast, false);
   if (node->should_compute_output(0)) node->weight_cast = SavedVariable(weight_cast, false);
-  torch::autograd::set_history(output, node);
-  return output;
+  torch::autograd::set_history(outputs, node);
+  return outputs;
+}
+
+at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weight,
+                                const std::optional<at::Tensor>& bias, at::ScalarType dtype,
+                                bool weight_in_out, int64_t out_head_dim, bool merge_input_heads,
+                                bool transpose_heads) {
+  TORCH_CHECK(out_head_dim >= 0, "linear_cast: out_head_dim must not be negative");
+  return linear_node(input, weight, bias, dtype, weight_in_out,
+                     OutputHeads{out_head_dim, transpose_heads, 0}, merge_input_heads)[0];
+}
+
+std::vector<at::Tensor> linear_cast_split_autograd(const at::Tensor& input, const at::Tensor& weight,
+                                                   const std::optional<at::Tensor>& bias,
+                                                   at::ScalarType dtype, bool weight_in_out,
+                                                   int64_t split_size, int64_t head_dim) {
+  TORCH_CHECK(split_size > 0 && head_dim > 0,
+              "linear_cast_split: split_size and head_dim must be positive");
+  return linear_node(input, weight, bias, dtype, weight_in_out,
+                     OutputHeads{head_dim, true, split_size}, false);
 }
 
 }  // namespace
@@ -424,8 +517,11 @@ bool register_linear(uint32_t entry, const char* /*name*/, torch::Library* /*ate
   switch (entry) {
     case TF_ENTRY_LINEAR_CAST:
       torchfuse_impl(DispatchKey::CompositeExplicitAutograd)
-          .impl("linear_cast", TORCH_FN(linear_cast_stock));
-      torchfuse_impl(DispatchKey::Autograd).impl("linear_cast", TORCH_FN(linear_cast_autograd));
+          .impl("linear_cast", TORCH_FN(linear_cast_stock))
+          .impl("linear_cast_split", TORCH_FN(linear_cast_split_stock));
+      torchfuse_impl(DispatchKey::Autograd)
+          .impl("linear_cast", TORCH_FN(linear_cast_autograd))
+          .impl("linear_cast_split", TORCH_FN(linear_cast_split_autograd));
       return true;
     default: return false;
   }
