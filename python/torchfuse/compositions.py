@@ -331,6 +331,23 @@ _SOURCES = {
 
     return attn_output, attn_weights
 """,
+    # The same with q, k and v sliced from one packed projection, and the config's sliding window
+    # (Phi-3's and its copies).
+    "phi3_attention": _attention_source('sliding_window=getattr(self.config, "sliding_window", None),', ((
+        """    query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+""",
+        """    qkv = self.qkv_proj(hidden_states)
+    query_pos = self.config.num_attention_heads * self.head_dim
+    query_states = qkv[..., :query_pos]
+    key_states = qkv[..., query_pos : query_pos + self.num_key_value_heads * self.head_dim]
+    value_states = qkv[..., query_pos + self.num_key_value_heads * self.head_dim :]
+
+    query_states = query_states.view(hidden_shape).transpose(1, 2)
+    key_states = key_states.view(hidden_shape).transpose(1, 2)
+    value_states = value_states.view(hidden_shape).transpose(1, 2)
+"""),)),
     # The same with the config's sliding window, where it has one (Mistral's and its copies).
     "hf_attention_config_sliding_window": _attention_source(
         'sliding_window=getattr(self.config, "sliding_window", None),'),
@@ -1039,7 +1056,7 @@ _METHOD_SOURCES = {
 # HF's attention forms (the `head_views` rewrites').
 ATTENTION_FORMS = ("hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window",
                    "qwen3_attention", "gemma3_attention", "gemma2_attention", "olmo2_attention", "olmo3_attention",
-                   "gpt_neox_attention", "gpt2_attention")
+                   "phi3_attention", "gpt_neox_attention", "gpt2_attention")
 
 # Form name -> the composition it computes.
 COMPUTES = {"hf_dynamic_layer_update": "kv_cache", "hf_dynamic_sliding_window_layer_update": "kv_cache",
@@ -1079,7 +1096,8 @@ _FORM_DEFAULTS = {"mamba_rms_norm_gated": (None,), "hf_attention": (None, None, 
                   "hf_attention_sliding_window": (None,), "hf_attention_config_sliding_window": (None,),
                   "qwen3_attention": (None,), "gemma3_attention": (None, None, None),
                   "gemma2_attention": (None, None, None), "olmo2_attention": (None,), "olmo3_attention": (None,),
-                  "gpt_neox_attention": (None, None), "gpt2_attention": (None, None, None, None, False)}
+                  "phi3_attention": (None,), "gpt_neox_attention": (None, None),
+                  "gpt2_attention": (None, None, None, None, False)}
 FUNCTION_FORMS = {name: (_compiled(source), defaults)
                   for name, (source, defaults) in _FUNCTION_SOURCES.items()}
 METHOD_FORMS = {name: (method, _compiled(source)) for name, (method, source) in _METHOD_SOURCES.items()}

@@ -1346,6 +1346,8 @@ _ATTENTION_KEYWORDS = {
     "olmo3_attention": lambda self: {"dropout": _dropout(self), "scaling": self.scaling,
                                      "sliding_window": self.sliding_window},
     "gpt_neox_attention": lambda self: {"scaling": self.scaling, "dropout": _dropout(self)},
+    "phi3_attention": lambda self: {"dropout": _dropout(self), "scaling": self.scaling,
+                                    "sliding_window": getattr(self.config, "sliding_window", None)},
     "gpt2_attention": lambda self: {"dropout": self.attn_dropout.p if self.training else 0.0,
                                     "scaling": self.scaling},
 }
@@ -1359,6 +1361,9 @@ _ATTENTION_NORMED_AFTER = frozenset({"gemma3_attention"})
 # The forms whose q and k are normed whole (over all heads) before the view: there the node
 # returns them unsplit, and the norms, views and transposes are the original's.
 _ATTENTION_NORMED_WHOLE = frozenset({"olmo2_attention", "olmo3_attention"})
+# The forms whose q, k and v are sliced from one packed projection (`qkv_proj`): there one node
+# returns the three split into heads (torchfuse::linear_cast_split).
+_ATTENTION_PACKED = frozenset({"phi3_attention"})
 
 
 def _head_views_forward(torch, original, form, dependencies=None):
@@ -1370,7 +1375,10 @@ def _head_views_forward(torch, original, form, dependencies=None):
     and a ViewBackward0 before o_proj: seven dispatched ops and seven autograd nodes fewer a
     layer (five where q and k are normed per head between the view and the transpose, Qwen3's form: the
     node returns the view, the norms and transposes are the original's; three where they are normed
-    whole before the view, OLMo 2's: the node returns them unsplit). The tensors the rotary, the
+    whole before the view, OLMo 2's: the node returns them unsplit; ten where they are sliced from one
+    packed projection, Phi-3's: one node, torchfuse::linear_cast_split, returns the three split into
+    heads, and its backward cats their gradients where stock's slices' nodes each make a full-size
+    zero gradient that the engine sums). The tensors the rotary, the
     cache and the attention see are stock's (sizes, strides, values) and every gradient is stock's,
     bit for bit; they are not autograd views of the projection's output, which nothing else sees
     (`_base` is None, and an in-place `detach_()` of one is not refused as a view's is). The rest of
@@ -1387,25 +1395,36 @@ def _head_views_forward(torch, original, form, dependencies=None):
     Linear then and the attention's output is a contiguous [*lead, heads, head_dim] tensor; else
     the original's reshape, contiguous and o_proj call. Anything else runs the original."""
     op, enabled = torch.ops.torchfuse.linear_cast.default, torch.ops.torchfuse.enabled.default
+    split_op = torch.ops.torchfuse.linear_cast_split.default
     untraced = _untraced_call(torch)
     heads, projection, attend = _attention_parts(torch, original)
     keywords, missing = _ATTENTION_KEYWORDS[form], object()
     normed, normed_after = form in _ATTENTION_NORMED_QK, form in _ATTENTION_NORMED_AFTER
-    normed_whole = form in _ATTENTION_NORMED_WHOLE
-    attributes = ("head_dim", "q_proj", "k_proj", "v_proj", "o_proj")
+    normed_whole, packed = form in _ATTENTION_NORMED_WHOLE, form in _ATTENTION_PACKED
+    names = ("qkv_proj",) if packed else ("q_proj", "k_proj", "v_proj")
+    attributes = ("head_dim", *names, "o_proj")
 
     def projections(self, x):
-        """q, k and v's (weight, bias, dtype) and the head size, or None: the original runs."""
+        """q, k and v's (weight, bias, dtype) (one packed projection's and its split's widths,
+        as the original slices it) and the head size, or None: the original runs."""
         found = heads(self, x, attributes)
         if found is None:
             return None
         cls, own, children, head_dim = found
         projected = []
-        for name in ("q_proj", "k_proj", "v_proj"):
+        for name in names:
             p = projection(cls, own, children, name, x)
             if p is None or p[0].shape[0] % head_dim != 0:
                 return None
             projected.append(p)
+        if packed:
+            query_heads, kv_heads = self.config.num_attention_heads, self.num_key_value_heads
+            if type(query_heads) is not int or type(kv_heads) is not int or query_heads <= 0 or kv_heads <= 0:
+                return None
+            widths = [query_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+            if projected[0][0].shape[0] != sum(widths):
+                return None
+            projected.append(widths)
         return (*projected, head_dim) if enabled("head_views") else None
 
     @functools.wraps(original)
@@ -1419,6 +1438,12 @@ def _head_views_forward(torch, original, form, dependencies=None):
             return original(self, hidden_states, past_key_values=past_key_values,
                             **_passed_on(kwargs, missing, position_embeddings=position_embeddings,
                                          attention_mask=attention_mask))
+        if packed:
+            (weight, bias, dtype), widths, head_dim = served
+            query_states, key_states, value_states = split_op(hidden_states, weight, bias, dtype, False, widths,
+                                                              head_dim)
+            return attend(self, hidden_states, query_states, key_states, value_states, position_embeddings,
+                          past_key_values, attention_mask, keywords, kwargs, "o_proj")
         (qw, qb, qt), (kw, kb, kt), (vw, vb, vt), head_dim = served
 
         if normed_whole:
@@ -1556,8 +1581,8 @@ def _gpt2_head_views_forward(torch, original, form, dependencies=None):
             else:
                 cache = past_key_values
         (weight, bias, dtype), split_size, head_dim = served
-        query_states, key_states, value_states = split_op(hidden_states, weight, bias, dtype, True, split_size,
-                                                          head_dim)
+        query_states, key_states, value_states = split_op(hidden_states, weight, bias, dtype, True,
+                                                          [split_size] * 3, head_dim)
 
         if past_key_values is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)

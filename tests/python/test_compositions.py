@@ -265,7 +265,8 @@ def test_recognition_imports_no_torch():
                                   "'hf_attention_sliding_window', 'hf_conv1d', 'hf_conv1d_mlp', 'hf_gated_mlp', "
                                   "'hf_gated_mlp_inline', 'hf_gelu_tanh', 'hf_packed_gated_mlp', 'hf_rms_norm', "
                                   "'hf_silu', 'llama4_gated_mlp', 'llama4_rms_norm', 'mamba_rms_norm_gated', "
-                                  "'moshi_rms_norm', 'new_gelu', 'olmo2_attention', 'olmo3_attention', 'qwen3_attention', 'qwen3_next_rms_norm_gated', "
+                                  "'moshi_rms_norm', 'new_gelu', 'olmo2_attention', 'olmo3_attention', 'phi3_attention', "
+                                  "'qwen3_attention', 'qwen3_next_rms_norm_gated', "
                                   "'recurrent_gemma_gated_mlp', 'seed_oss_gated_mlp', 't5_rms_norm', "
                                   "'t5gemma_gated_mlp', 'unweighted_rms_norm']")
 

@@ -137,6 +137,11 @@ elif name == "nemotron":  # Llama's form, its position embeddings required
                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
                                          max_position_embeddings=256)
     model = transformers.NemotronForCausalLM(config)
+elif name == "phi3":  # q, k and v sliced from one projection
+    config = transformers.Phi3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                     max_position_embeddings=256, pad_token_id=0)
+    model = transformers.Phi3ForCausalLM(config)
 elif name == "gpt_neox":  # one q/k/v projection split into heads, then chunked
     config = transformers.GPTNeoXConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                         num_attention_heads=4, vocab_size=512, max_position_embeddings=256)
@@ -242,22 +247,23 @@ def test_unchanged_hf_models_train_with_stocks_bits_and_no_more_memory(model, au
 @pytest.mark.parametrize("model,autocast", [("llama", True), ("qwen2", True), ("mistral", True),
                                             ("qwen3", True), ("gemma3", True), ("gemma2", True),
                                             ("olmo2", True), ("olmo3", True), ("nemotron", True),
-                                            ("gpt_neox", True), ("gpt2", True), ("llama", False)])
+                                            ("gpt_neox", True), ("gpt2", True), ("phi3", True),
+                                            ("llama", False)])
 def test_hf_attention_with_head_views_trains_with_stocks_bits_and_fewer_nodes(model, autocast):
     """Tiny HF Llama, Qwen2 (its layer's sliding window, q/k/v biases), Mistral (the config's
     window), Qwen3 (q and k normed per head), Gemma 3 (normed after the transpose), Gemma 2 (logit
     softcapping), OLMo 2 and 3 (q and k normed whole), Nemotron (Llama's form), GPT-NeoX (one
-    q/k/v projection) and GPT-2 (c_attn split three ways) trained three steps under bf16 autocast,
-    and Llama in bf16 without it, with the attention's head views in the linear node (`head_views`) and
+    q/k/v projection), GPT-2 (c_attn split three ways) and Phi-3 (q, k and v sliced from one
+    projection) trained three steps under bf16 autocast, and Llama in bf16 without it, with the attention's head views in the linear node (`head_views`) and
     without: the losses and the last step's gradients bit for bit, every Linear's call served either
     way, seven autograd nodes fewer a layer (the q/k/v views and transposes, the view before o_proj;
     five for Qwen3, whose q and k keep their transposes, three for OLMo 2 and 3, whose q and k keep
     their views too, and for GPT-NeoX's one projection and dense; eight for GPT-2, whose split
-    goes too) and the peak memory not above."""
+    goes too; ten for Phi-3, whose three slices go) and the peak memory not above."""
     pytest.importorskip("transformers", reason="scripts/setup installs transformers")
     out = run(MODEL, model=model, autocast=autocast, toggle="head_views")
     assert out["losses"] and out["grads"], out
     served = out["linears"] * out["steps"]
     assert out["served"] == [served, served], out
-    assert out["nodes"][0] - out["nodes"][1] == {"qwen3": 5, "olmo2": 3, "olmo3": 3, "gpt_neox": 3, "gpt2": 8}.get(model, 7) * 2, out
+    assert out["nodes"][0] - out["nodes"][1] == {"qwen3": 5, "olmo2": 3, "olmo3": 3, "gpt_neox": 3, "gpt2": 8, "phi3": 10}.get(model, 7) * 2, out
     assert out["peak"][1] <= out["peak"][0], out

@@ -90,41 +90,47 @@ print(json.dumps(results))
         assert node == "torchfuse::LinearCastBackward", case
 
 
-def test_split_into_heads_is_gpt2s_split_views_and_transposes_bit_for_bit_in_one_node():
-    """torchfuse::linear_cast_split: the output split as GPT-2's attention splits c_attn's
-    (`split(split_size, dim=2)`, each chunk viewed and transposed into heads), of a Conv1D's
-    [in, out] weight or a Linear's: three outputs of stock's sizes, strides, storage offsets and
-    values, one node; the gradients of the input, weight and bias equal those through stock's
-    split, views and transposes for incoming gradients of any layout, with a chunk that has none
+def test_split_into_heads_is_stocks_split_or_slices_views_and_transposes_bit_for_bit_in_one_node():
+    """torchfuse::linear_cast_split: the output split into q, k and v heads as GPT-2's attention
+    splits c_attn's (a Conv1D's [in, out] weight, `split(split_size, dim=2)`) and as Phi-3's
+    slices its qkv_proj's (a Linear's, k and v fewer heads than q), each chunk viewed and
+    transposed into heads: three outputs of stock's sizes, strides, storage offsets and values,
+    one node; the gradients of the input, weight and bias equal those through stock's split or
+    slices, views and transposes for incoming gradients of any layout, with a chunk that has none
     (its columns zero), and in a double backward (create_graph: stock's calls on the gradients)."""
     out = run_op(r"""
 split_op = torch.ops.torchfuse.linear_cast_split
 results = {}
 def info(ts):
     return [(t.shape, t.stride(), t.storage_offset()) for t in ts]
-for (batch, seq), heads, head_dim in [((2, 5), 4, 8), ((1, 7), 2, 16), ((3, 1), 3, 4)]:
-    width = heads * head_dim
-    for conv1d in (True, False):
+for (batch, seq), heads, kv_heads, head_dim in [((2, 5), 4, 4, 8), ((1, 7), 2, 1, 16), ((3, 1), 3, 3, 4)]:
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    q, kv = sizes[0], sizes[1]
+    for conv1d in ((True, False) if heads == kv_heads else (False,)):
         for dtype in (torch.float32, BF16):
             for used in ((0, 1, 2), (0, 2), (1,)):
                 for layout in ("contiguous", "token order"):
                     x = r(batch, seq, 16, dtype=dtype)
-                    w = r(16, 3 * width, dtype=dtype) if conv1d else r(3 * width, 16, dtype=dtype)
-                    b = r(3 * width, dtype=dtype)
+                    w = r(16, sum(sizes), dtype=dtype) if conv1d else r(sum(sizes), 16, dtype=dtype)
+                    b = r(sum(sizes), dtype=dtype)
                     def stock():
-                        y = torch.addmm(b, x.view(-1, 16), w).view(batch, seq, -1) if conv1d else F.linear(x, w, b)
-                        return [c.view(batch, seq, -1, head_dim).transpose(1, 2) for c in y.split(width, dim=2)]
+                        if conv1d:  # GPT-2's
+                            chunks = torch.addmm(b, x.view(-1, 16), w).view(batch, seq, -1).split(q, dim=2)
+                        else:  # Phi-3's
+                            qkv = F.linear(x, w, b)
+                            chunks = qkv[..., :q], qkv[..., q:q + kv], qkv[..., q + kv:]
+                        return [c.view(batch, seq, -1, head_dim).transpose(1, 2) for c in chunks]
                     def grads_of(outputs, create_graph=False):
                         dys = []
                         for i in used:
-                            dy = torch.randn(batch, heads, seq, head_dim, generator=g).to(dtype)
+                            dy = torch.randn(batch, sizes[i] // head_dim, seq, head_dim, generator=g).to(dtype)
                             if layout == "token order":  # [B, S, H, D] memory seen as [B, H, S, D]
                                 dy = dy.transpose(1, 2).contiguous().transpose(1, 2)
                             dys.append(dy)
                         return torch.autograd.grad([outputs[i] for i in used], [x, w, b], dys,
                                                    create_graph=create_graph)
                     state = g.get_state()
-                    ours = split_op(x, w, b, dtype, conv1d, width, head_dim)
+                    ours = split_op(x, w, b, dtype, conv1d, sizes, head_dim)
                     ours_grads = grads_of(ours)
                     g.set_state(state)
                     theirs = stock()
@@ -135,14 +141,24 @@ for (batch, seq), heads, head_dim in [((2, 5), 4, 8), ((1, 7), 2, 16), ((3, 1), 
                         g.set_state(state)
                         return torch.autograd.grad(sum(t.float().sum() for t in grads_of(fn(), True)), [x, w, b],
                                                    allow_unused=True)
-                    second = [second_order(lambda: split_op(x, w, b, dtype, conv1d, width, head_dim)),
+                    second = [second_order(lambda: split_op(x, w, b, dtype, conv1d, sizes, head_dim)),
                               second_order(stock)]
-                    results[f"{batch}x{seq} {heads}x{head_dim} conv1d={conv1d} {dtype} {used} {layout}"] = [
+                    results[f"{batch}x{seq} {heads}/{kv_heads}x{head_dim} conv1d={conv1d} {dtype} {used} {layout}"] = [
                         same(ours, theirs) and info(ours) == info(theirs), same(ours_grads, theirs_grads),
                         all((s is None and t is None) or torch.equal(s, t) for s, t in zip(*second)), sorted(node)]
+errors = []
+for sizes in ([8, 8, 8], [8, 8, 4]):  # widths that are not the output's, or not whole heads
+    try:
+        split_op(r(2, 3, 16), r(16, 20), None, torch.float32, True, sizes, 8)
+        errors.append(None)
+    except RuntimeError as error:
+        errors.append(str(error))
+results["errors"] = errors
 print(json.dumps(results))
 """)
-    assert len(out) == 3 * 2 * 2 * 3 * 2
+    errors = out.pop("errors")
+    assert all(error is not None for error in errors), errors
+    assert len(out) == (2 + 1 + 2) * 2 * 3 * 2
     for case, (outputs, grads, double, node) in out.items():
         assert outputs and grads and double, case
         assert node == ["torchfuse::LinearCastBackward"], case
@@ -185,8 +201,9 @@ def test_hf_attention_forms_are_recognised_by_their_code():
     """Llama's attention forward and its copies, Qwen2's (the layer's sliding window), Mistral's
     (the config's), Qwen3's (q and k normed per head), Gemma 3's (normed after the transpose)
     Gemma 2's (logit softcapping), OLMo 2's and 3's (q and k normed whole) and Nemotron's (Llama's
-    code, its position embeddings required), GPT-NeoX's (one q/k/v projection) and GPT-2's (one
-    Conv1D split three ways) are recognised; a changed forward is not."""
+    code, its position embeddings required), GPT-NeoX's (one q/k/v projection), GPT-2's (one
+    Conv1D split three ways) and Phi-3's (one projection sliced) are recognised; a changed forward
+    is not."""
     pytest.importorskip("transformers", reason="scripts/setup installs transformers")
     proc = check(run_python(f"""
 import json, sys, textwrap, inspect
@@ -204,6 +221,7 @@ from transformers.models.olmo3 import modeling_olmo3 as O3
 from transformers.models.nemotron import modeling_nemotron as N
 from transformers.models.gpt_neox import modeling_gpt_neox as X
 from transformers.models.gpt2 import modeling_gpt2 as GPT2
+from transformers.models.phi3 import modeling_phi3 as P3
 changed = {{}}
 exec(compile(textwrap.dedent(inspect.getsource(L.LlamaAttention.forward)).replace("transpose(1, 2)", "transpose(2, 1)"),
              L.__file__, "exec"), vars(L), changed)
@@ -212,13 +230,13 @@ print(json.dumps([compositions.form_of(c.forward) for c in (L.LlamaAttention, G.
                                                             G3.Gemma3Attention, G2.Gemma2Attention,
                                                             O2.Olmo2Attention, O3.Olmo3Attention,
                                                             N.NemotronAttention, X.GPTNeoXAttention,
-                                                            GPT2.GPT2Attention)]
+                                                            GPT2.GPT2Attention, P3.Phi3Attention)]
                  + [compositions.form_of(changed["forward"])]))
 """))
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [
         "hf_attention", "hf_attention", "hf_attention_sliding_window", "hf_attention_config_sliding_window",
         "qwen3_attention", "gemma3_attention", "gemma2_attention", "olmo2_attention", "olmo3_attention",
-        "hf_attention", "gpt_neox_attention", "gpt2_attention", None]
+        "hf_attention", "gpt_neox_attention", "gpt2_attention", "phi3_attention", None]
 
 
 MODEL = r"""
@@ -238,7 +256,9 @@ config = {{"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
            "gemma3": transformers.Gemma3TextConfig, "gemma2": transformers.Gemma2Config,
            "olmo2": transformers.Olmo2Config, "olmo3": transformers.Olmo3Config,
            "nemotron": transformers.NemotronConfig, "gpt_neox": transformers.GPTNeoXConfig,
-           "gpt2": transformers.GPT2Config}}[name](**sizes)
+           "gpt2": transformers.GPT2Config, "phi3": transformers.Phi3Config}}[name](**sizes)
+if name == "phi3":  # its default pad token is past this vocabulary
+    config.pad_token_id = 0
 if name == "gpt2":  # no dropout: the two runs draw no masks
     config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
 if name == "llama":
@@ -281,6 +301,7 @@ print(json.dumps({{
     "transposes": [count(off[2], "TransposeBackward0"), count(on[2], "TransposeBackward0")],
     "linear_nodes": [count(off[2], "torchfuse::LinearCastBackward"), count(on[2], "torchfuse::LinearCastBackward")],
     "splits": [count(off[2], "SplitBackward0"), count(on[2], "SplitBackward0")],
+    "slices": [count(off[2], "SliceBackward0"), count(on[2], "SliceBackward0")],
     "rewritten": attention.forward is not getattr(attention.forward, "__wrapped__", None)
                  and hasattr(attention.forward, "__wrapped__")}}))
 """
@@ -291,13 +312,15 @@ print(json.dumps({{
                                          ("gemma3", "torch.float32"), ("gemma2", "torch.float32"),
                                          ("olmo2", "torch.bfloat16"), ("olmo3", "torch.float32"),
                                          ("nemotron", "torch.float32"), ("gpt_neox", "torch.float32"),
-                                         ("gpt2", "torch.float32"), ("gpt2", "torch.bfloat16")])
+                                         ("gpt2", "torch.float32"), ("gpt2", "torch.bfloat16"),
+                                         ("phi3", "torch.float32"), ("phi3", "torch.bfloat16")])
 def test_unchanged_hf_attention_gives_the_originals_bits_with_fewer_nodes(model, dtype):
     """Tiny HF Llama (with q/k/v/o biases), Qwen2 (its sliding-window form), Mistral (the
     config's), Qwen3 (q and k normed per head), Gemma 3 (normed after the transpose) and Gemma 2
     (logit softcapping), OLMo 2 and 3 (q and k normed whole), Nemotron (its partial rotary),
     GPT-NeoX (one q/k/v projection split into heads, then chunked: two projections a layer),
     GPT-2 (c_attn split three ways into heads: two projections a layer, its SplitBackward0 gone),
+    Phi-3 (q, k and v sliced from qkv_proj: two projections a layer, its three SliceBackward0 gone),
     Gemma 2, 3 and OLMo 3 with a sliding and a full layer, trained one step without autocast: the loss
     and every gradient with the attention rewritten equal the original forward's (the toggle
     off) bit for bit; its graph has the four projections as the node's and three
@@ -312,13 +335,15 @@ def test_unchanged_hf_attention_gives_the_originals_bits_with_fewer_nodes(model,
     # On CPU the other Linears keep stock's nodes (nn.Linear's rewrite serves CUDA calls): the
     # projections' own views go too (F.linear's of a 3-D input), besides the head views.
     layers = 2
-    projections = 2 if model in ("gpt_neox", "gpt2") else 4
+    projections = 2 if model in ("gpt_neox", "gpt2", "phi3") else 4
     assert out["linear_nodes"] == [0, projections * layers], out
     assert out["transposes"][0] - out["transposes"][1] == (1 if model in ("qwen3", "olmo2", "olmo3", "gpt_neox")
                                                            else 3) * layers, out
     assert out["views"][0] - out["views"][1] >= projections * layers, out
     if model == "gpt2":
         assert out["splits"] == [layers, 0], out
+    if model == "phi3":
+        assert out["slices"][0] - out["slices"][1] == 3 * layers, out
 
 
 FALLBACKS = r"""
@@ -395,6 +420,14 @@ hooked_gpt2 = gpt2_attention("sdpa")
 hooked_gpt2.c_attn.register_forward_pre_hook(lambda m, i: (i[0] * 2,))
 results["gpt2 hooked c_attn"] = both(hooked_gpt2, x)
 results["gpt2 non-contiguous input"] = both(gpt2_attention("sdpa"), x.transpose(0, 1).contiguous().transpose(0, 1))
+# Phi-3's: served where qkv_proj is as wide as the slices the original takes; else the original.
+from transformers.models.phi3 import modeling_phi3 as P3
+p3config = transformers.Phi3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+p3config._attn_implementation = "sdpa"
+results["phi3 served"] = both(P3.Phi3Attention(p3config, 0), x, position, None)
+uneven = P3.Phi3Attention(p3config, 0)
+uneven.num_key_value_heads = 1
+results["phi3 slices not the projection's width"] = both(uneven, x, position, None)
 # A copy whose cache argument is named otherwise: the same bytecode, other names, not the form.
 source = textwrap.dedent(inspect.getsource(L.LlamaAttention.forward)).replace("past_key_values", "past_key_value")
 renamed = {{}}
@@ -408,8 +441,8 @@ def test_what_the_rewrite_cannot_see_through_runs_the_original():
     """The original forward's output or error, and its view nodes, where an
     attention class's own __getattr__ could answer its projections, a projection is hooked, CPU
     autocast runs (the tests' switch), an argument is missing, grad is off, and for GPT-2's
-    attention where it is cross-attention, c_attn is hooked or the input is not contiguous: the
-    original ran. A copy whose parameters are named otherwise is not the form (the rewrite binds
+    attention where it is cross-attention, c_attn is hooked or the input is not contiguous, and
+    for Phi-3's where qkv_proj is not as wide as its slices: the original ran. A copy whose parameters are named otherwise is not the form (the rewrite binds
     by name). Where served (GPT-2's eager upcast and reordered attention too), the output is the
     same with the view nodes gone."""
     pytest.importorskip("transformers", reason="scripts/setup installs transformers")
@@ -419,6 +452,7 @@ def test_what_the_rewrite_cannot_see_through_runs_the_original():
     assert out.pop("served") == [True, False], out
     assert out.pop("gpt2 served") == [True, False], out
     assert out.pop("gpt2 eager upcast") == [True, False], out
+    assert out.pop("phi3 served") == [True, False], out
     for case, (equal, same_graph) in out.items():
         assert equal and same_graph, (case, out)
 

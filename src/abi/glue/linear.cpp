@@ -23,10 +23,11 @@
 //   -1).contiguous()` (the attention's output before o_proj), where stock runs a ViewBackward0.
 // The backward makes the same calls on the gradient as those nodes (transpose, reshape), so the
 // gradients are stock's bit for bit.
-// torchfuse::linear_cast_split(..., split_size, head_dim) returns the output split as GPT-2's
-// attention splits c_attn's: `y.split(split_size, -1)`, each chunk viewed and transposed into
-// heads (q, k, v), where stock runs a SplitBackward0 and a ViewBackward0 and TransposeBackward0
-// for each. Its backward makes those nodes' calls: each chunk's gradient transposed back and
+// torchfuse::linear_cast_split(..., split_sizes, head_dim) returns the output split into chunks
+// of those widths, each viewed and transposed into heads (q, k, v): GPT-2's attention splits
+// c_attn's output so (`split(split_size, dim=2)`: a SplitBackward0, then a ViewBackward0 and a
+// TransposeBackward0 for each), Phi-3's slices its qkv_proj's (a SliceBackward0 for each, whose
+// full-size zero gradients the engine sums). Its backward makes those nodes' calls: each chunk's gradient transposed back and
 // reshaped (a copy where the attention's gradient is not in token order), then one cat (a chunk
 // without a gradient zeros). Copying each chunk's gradient once into its columns instead was
 // measured slower (H200, GPT-2's q, k and v at B8: 94 against 69 us): the strided copies are
@@ -53,6 +54,7 @@
 #include <torch/csrc/autograd/saved_variable.h>
 
 #include <algorithm>
+#include <numeric>
 #include <unordered_map>
 
 namespace torchfuse_glue {
@@ -98,11 +100,13 @@ at::Tensor split_heads(const at::Tensor& y, int64_t head_dim, bool transpose) {
   return transpose ? heads.transpose(1, 2) : heads;
 }
 
-// GPT-2's split of c_attn's output into q, k and v heads: `y.split(split_size, -1)`, each chunk
-// `view(*lead, -1, head_dim).transpose(1, 2)`.
-std::vector<at::Tensor> split_into_heads(const at::Tensor& y, int64_t split_size, int64_t head_dim) {
+// A packed projection's output split into q, k and v heads: `y.split_with_sizes(split_sizes,
+// -1)` (the views GPT-2's split and Phi-3's slices make), each chunk `view(*lead, -1,
+// head_dim).transpose(1, 2)`.
+std::vector<at::Tensor> split_into_heads(const at::Tensor& y, at::IntArrayRef split_sizes,
+                                         int64_t head_dim) {
   std::vector<at::Tensor> out;
-  for (const at::Tensor& chunk : y.split(split_size, -1))
+  for (const at::Tensor& chunk : y.split_with_sizes(split_sizes, -1))
     out.push_back(split_heads(chunk, head_dim, true));
   return out;
 }
@@ -133,10 +137,10 @@ at::Tensor linear_cast_stock(const at::Tensor& input, const at::Tensor& weight,
 std::vector<at::Tensor> linear_cast_split_stock(const at::Tensor& input, const at::Tensor& weight,
                                                const std::optional<at::Tensor>& bias,
                                                at::ScalarType dtype, bool weight_in_out,
-                                               int64_t split_size, int64_t head_dim) {
-  TORCH_CHECK(split_size > 0 && head_dim > 0,
-              "linear_cast_split: split_size and head_dim must be positive");
-  return split_into_heads(linear_cast_plain(input, weight, bias, dtype, weight_in_out), split_size,
+                                               at::IntArrayRef split_sizes, int64_t head_dim) {
+  TORCH_CHECK(!split_sizes.empty() && head_dim > 0,
+              "linear_cast_split: split_sizes must not be empty and head_dim must be positive");
+  return split_into_heads(linear_cast_plain(input, weight, bias, dtype, weight_in_out), split_sizes,
                           head_dim);
 }
 
@@ -147,15 +151,15 @@ bool autocast_in(c10::DeviceType device, at::ScalarType dtype) {
 }
 
 // How the node gives its output: whole, split into heads (`head_dim` > 0: `split_heads`), or
-// split into chunks of `split_size` columns first, each split into heads and transposed
+// split into chunks of `split_sizes` columns first, each split into heads and transposed
 // (`split_into_heads`).
 struct OutputHeads {
   int64_t head_dim = 0;
   bool transpose = true;
-  int64_t split_size = 0;
+  std::vector<int64_t> split_sizes;
 
   std::vector<at::Tensor> of(const at::Tensor& y) const {
-    if (split_size > 0) return split_into_heads(y, split_size, head_dim);
+    if (!split_sizes.empty()) return split_into_heads(y, split_sizes, head_dim);
     return {head_dim > 0 ? split_heads(y, head_dim, transpose) : y};
   }
 };
@@ -287,9 +291,9 @@ struct LinearCastBackward : public torch::autograd::Node {
   // empty without one.
   std::vector<int64_t> output_sizes;
   bool heads_transposed = true;
-  // The output split into chunks of this many columns first (`linear_cast_split`), one output
-  // each; 0 without.
-  int64_t split_size = 0;
+  // The output split into chunks of these widths first (`linear_cast_split`), one output each;
+  // empty without.
+  std::vector<int64_t> split_sizes;
   bool has_bias = false;
   // The weight is [in, out], the GEMM's second operand as it is (HF Conv1D); else nn.Linear's
   // [out, in], whose transpose the GEMM takes.
@@ -309,10 +313,9 @@ struct LinearCastBackward : public torch::autograd::Node {
                                     [](const at::Tensor& g) { return g.defined(); });
     if (first == grads.end()) return at::Tensor();
     std::vector<int64_t> chunk_sizes = output_sizes;
-    const int64_t width = output_sizes.back();
     std::vector<at::Tensor> chunks;
     for (size_t i = 0; i < grads.size(); ++i) {
-      chunk_sizes.back() = std::min(split_size, width - static_cast<int64_t>(i) * split_size);
+      chunk_sizes.back() = split_sizes[i];
       chunks.push_back(grads[i].defined() ? grads[i].transpose(1, 2).reshape(chunk_sizes)
                                           : at::zeros(chunk_sizes, first->options()));
     }
@@ -323,7 +326,7 @@ struct LinearCastBackward : public torch::autograd::Node {
     variable_list out(3);
     // A head split's TransposeBackward0 and ViewBackward0 (a split's SplitBackward0 too).
     const at::Tensor grad =
-        split_size > 0         ? split_gradient(grads)
+        !split_sizes.empty()   ? split_gradient(grads)
         : !grads[0].defined()  ? at::Tensor()
         : output_sizes.empty() ? grads[0]
                                : (heads_transposed ? grads[0].transpose(1, 2) : grads[0])
@@ -387,17 +390,19 @@ std::vector<at::Tensor> linear_node(const at::Tensor& input, const at::Tensor& w
   // functionalization: they see stock's ops) take the composition. So do the head views the
   // node would not make as views: an input to merge that is not contiguous (HF's reshape and
   // contiguous copy it), an output (or a split's chunk) whose width is not a whole number of
-  // heads (its view fails), a split of an output that is not 3-D (its transpose would not be
-  // the heads').
+  // heads (its view fails), a split whose widths are not the output's (split_with_sizes'
+  // error) or of an output that is not 3-D (its transpose would not be the heads').
   const int64_t out_features = weight.dim() == 2 ? weight.size(weight_in_out ? 1 : 0) : 0;
   const int64_t head_dim = heads.head_dim;
+  const auto whole_heads = [&](int64_t width) { return width > 0 && width % head_dim == 0; };
   const bool heads_whole =
       head_dim == 0 ||
-      (out_features > 0 &&
-       (heads.split_size > 0 ? heads.split_size % head_dim == 0 &&
-                                   out_features % heads.split_size % head_dim == 0 &&
-                                   input.dim() == 3
-                             : out_features % head_dim == 0));
+      (heads.split_sizes.empty()
+           ? whole_heads(out_features)
+           : input.dim() == 3 &&
+                 std::all_of(heads.split_sizes.begin(), heads.split_sizes.end(), whole_heads) &&
+                 std::accumulate(heads.split_sizes.begin(), heads.split_sizes.end(), int64_t{0}) ==
+                     out_features);
   if (composition_only({input, weight, bias}) || traced(input) || traced(weight) ||
       (bias.defined() && traced(bias)) || !heads_whole ||
       (merge_input_heads && (input.dim() < 3 || !input.is_contiguous())))
@@ -477,7 +482,7 @@ std::vector<at::Tensor> linear_node(const at::Tensor& input, const at::Tensor& w
   node->out_features = out_features;
   if (head_dim > 0) node->output_sizes = gemm_output.sizes().vec();
   node->heads_transposed = heads.transpose;
-  node->split_size = heads.split_size;
+  node->split_sizes = heads.split_sizes;
   node->has_bias = bias.defined();
   node->weight_in_out = weight_in_out;
   node->input_column_major = input_column_major;
@@ -497,17 +502,18 @@ at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weigh
                                 bool transpose_heads) {
   TORCH_CHECK(out_head_dim >= 0, "linear_cast: out_head_dim must not be negative");
   return linear_node(input, weight, bias, dtype, weight_in_out,
-                     OutputHeads{out_head_dim, transpose_heads, 0}, merge_input_heads)[0];
+                     OutputHeads{out_head_dim, transpose_heads, {}}, merge_input_heads)[0];
 }
 
 std::vector<at::Tensor> linear_cast_split_autograd(const at::Tensor& input, const at::Tensor& weight,
                                                    const std::optional<at::Tensor>& bias,
                                                    at::ScalarType dtype, bool weight_in_out,
-                                                   int64_t split_size, int64_t head_dim) {
-  TORCH_CHECK(split_size > 0 && head_dim > 0,
-              "linear_cast_split: split_size and head_dim must be positive");
+                                                   at::IntArrayRef split_sizes,
+                                                   int64_t head_dim) {
+  TORCH_CHECK(!split_sizes.empty() && head_dim > 0,
+              "linear_cast_split: split_sizes must not be empty and head_dim must be positive");
   return linear_node(input, weight, bias, dtype, weight_in_out,
-                     OutputHeads{head_dim, true, split_size}, false);
+                     OutputHeads{head_dim, true, split_sizes.vec()}, false);
 }
 
 }  // namespace
