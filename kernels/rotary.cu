@@ -19,8 +19,9 @@
 // pairs (chunks have an even number of elements), taken j = lane's chunk, + group chunks, ...
 // over the whole row; element by element, lane l takes the pair p = l, l + 32, .... Rotate-half: chunked (`group` > 0, where every row
 // and both halves start 16-byte aligned: head dims that are multiples of 16): `group` lanes own
-// a row (a power of two, the chunks of a half or fewer: 4 for head dim 64, 8 for 128), 32 /
-// group rows a warp, and each lane takes the pairs of TF_EW_CHUNK consecutive elements at
+// a row (a power of two, the chunks of a half or fewer: 4 for head dim 64, 8 for 128; of the
+// whole row where part of it passes through, so that a partial rotary's row is not one lane's),
+// 32 / group rows a warp, and each lane takes the pairs of TF_EW_CHUNK consecutive elements at
 // (j, j+h), j = lane's chunk, + group chunks, ..., with 16-byte loads and stores. Otherwise a
 // warp owns a row, element by element: lane l takes j = l, l + 32, .... Either way a row's index
 // is taken apart once (in 32 bits where the rows fit), not per element, and the grid strides

@@ -147,7 +147,11 @@ fn row_launch(rows: i64, group: i32, threads: i64) -> Result<LaunchConfig, Stock
 /// Lanes a row for the kernel's chunked path (a power of two: the chunks of a half, or the
 /// largest power of two that divides them, at most a warp), or 0 for element by element: chunks
 /// need a half of whole chunks (and a head dim `d` of whole chunks, where the rest of the row
-/// passes through) and every row of every operand 16-byte aligned.
+/// passes through) and every row of every operand 16-byte aligned. Where the rest of the row
+/// passes through (partial rotary), the lanes are those of the whole row's chunks instead: the
+/// rotated half's chunks alone would leave a row to one lane (Pythia's 8-element half), whose
+/// strided accesses ran at a quarter of the copy roofline; the lanes past the half's chunks
+/// take pass-through chunks only.
 fn lanes_per_row(half: i64, d: i64, ops: &[&RopeOperand], addrs: &[u64]) -> i32 {
     let chunk = elementwise::CHUNK;
     // A dim of one element never steps: its stride does not matter.
@@ -163,7 +167,11 @@ fn lanes_per_row(half: i64, d: i64, ops: &[&RopeOperand], addrs: &[u64]) -> i32 
     if half % chunk != 0 || d % chunk != 0 || !rows_aligned || !aligned16(addrs.iter().copied()) {
         return 0;
     }
-    let chunks = half / chunk;
+    let chunks = if d > 2 * half {
+        d / chunk
+    } else {
+        half / chunk
+    };
     (chunks & -chunks).min(32) as i32
 }
 
@@ -638,8 +646,10 @@ mod tests {
         assert_eq!(lanes_per_row(48, 96, &[&aligned], &tensors), 2);
         assert_eq!(lanes_per_row(256, 512, &[&aligned], &tensors), 32);
         // Partial rotary: Pythia's 16 of 64 features rotate (a half of one chunk), the rest
-        // pass through by chunks too; a head dim of no whole chunks takes the element path.
-        assert_eq!(lanes_per_row(8, 64, &[&aligned], &tensors), 1);
+        // pass through by chunks too, the row's 8 chunks a lane each; a head dim of no whole
+        // chunks takes the element path.
+        assert_eq!(lanes_per_row(8, 64, &[&aligned], &tensors), 8);
+        assert_eq!(lanes_per_row(32, 128, &[&aligned], &tensors), 16);
         assert_eq!(lanes_per_row(8, 60, &[&aligned], &tensors), 0);
         // A half not of whole chunks, a row stride off the chunk, a misaligned pointer.
         assert_eq!(lanes_per_row(36, 72, &[&aligned], &tensors), 0);

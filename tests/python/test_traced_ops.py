@@ -45,6 +45,9 @@ SAMPLES = {
                     (r(2, 5, 64).to(torch.bfloat16).requires_grad_(), r(8, 64, grad=True), None, torch.bfloat16),
                     (x, r(8, 64, grad=True), r(8, grad=True), torch.float16),
                     (r(2, 5, 64).requires_grad_(), r(64, 8, grad=True), r(8, grad=True), torch.float32, True)],
+    "linear_cast_split": [(r(2, 5, 64).to(torch.bfloat16).requires_grad_(), r(64, 24, grad=True), r(24, grad=True),
+                           torch.bfloat16, True, [8, 8, 8], 4),
+                          (r(2, 5, 64).requires_grad_(), r(16, 64, grad=True), None, torch.float32, False, [8, 4, 4], 4)],
     "cross_entropy_fwd": [(logits.detach(), target, 1, -100, 0.0, torch.float32),
                           (logits.detach(), target, 0, 3, 0.1, torch.float32)],
     "cross_entropy_bwd": [(torch.ones(()), logits.detach(), target, r(6), torch.tensor(6.0), 1, -100, 0.0),
@@ -53,7 +56,7 @@ SAMPLES = {
 F = torch.nn.functional
 def rotate_half(t):
     return torch.cat((-t[..., 4:], t[..., :4]), dim=-1)
-w8, w8x8, b8 = r(64), r(8, 8), r(8)
+w8, w8x8, b8, w24x8, b24 = r(64), r(8, 8), r(8), r(24, 8), r(24)
 # One record per op the rewrite layer calls (the forward ops; their backwards are reached
 # through autograd), the standard checks below run on every one: `inputs(n)`, a call's
 # arguments of length n in the dims `dims` names (torch.compile with dynamic sizes,
@@ -106,6 +109,14 @@ CASES = {
         pair=(lambda t: ops.linear_cast(t, w8x8, b8, torch.bfloat16),
               lambda t: F.linear(t.to(torch.bfloat16), w8x8.to(torch.bfloat16), b8.to(torch.bfloat16))),
         shape=(5, 8), vmap=True),
+    "linear_cast_split": dict(
+        inputs=lambda n: [r(2, n, 64, grad=True), r(24, 64, grad=True)], dims=[{1: N}, None],
+        call=lambda x, weight: sum(t.sum() for t in ops.linear_cast_split(x, weight, None, torch.float32, False,
+                                                                           [8, 8, 8], 4)),
+        pair=(lambda t: torch.stack(ops.linear_cast_split(t, w24x8, b24, torch.float32, False, [8, 8, 8], 4)),
+              lambda t: torch.stack([c.view(*c.shape[:-1], -1, 4).transpose(1, 2)
+                                     for c in F.linear(t, w24x8, b24).split(8, dim=-1)])),
+        shape=(2, 5, 8), vmap=True),
     "cross_entropy": dict(
         inputs=lambda n: [r(n, 10, grad=True), torch.randint(0, 10, (n,), generator=g)], dims=[{0: N}, {0: N}],
         call=lambda logits, target: ops.cross_entropy(logits, target),
@@ -228,7 +239,7 @@ for name, case in CASES.items():
 print(json.dumps(diffs))
 """)
     assert set(out) == {"gelu_tanh", "silu_mul", "silu_mul_packed", "gelu_tanh_mul", "hf_rms_norm", "rotary",
-                        "kv_copy", "cross_entropy", "norm_cast", "linear_cast"}, out
+                        "kv_copy", "cross_entropy", "norm_cast", "linear_cast", "linear_cast_split"}, out
     assert all(d < 1e-4 for d in out.values()), out
 
 

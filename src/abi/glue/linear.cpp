@@ -67,8 +67,8 @@ using torch::autograd::variable_list;
 // input itself (addmm's or mm's operand, its strides as they are), another flattened as linear
 // flattens it.
 at::Tensor input_2d(const at::Tensor& t, bool weight_in_out) {
-  if (weight_in_out) return t.view({-1, t.size(-1)});
-  return t.dim() == 2 ? t : t.reshape({-1, t.size(-1)});
+  if (weight_in_out) return t.view_symint({-1, t.sym_size(-1)});
+  return t.dim() == 2 ? t : t.reshape_symint({-1, t.sym_size(-1)});
 }
 
 // F.linear, or (`weight_in_out`) HF Conv1D's forward where there is a bias (its code: addmm of
@@ -77,10 +77,10 @@ at::Tensor linear_of(const at::Tensor& input, const at::Tensor& weight,
                      const std::optional<at::Tensor>& bias, bool weight_in_out) {
   if (!weight_in_out) return at::linear(input, weight, bias);
   if (!bias.has_value() || !bias->defined()) return at::linear(input, weight.t(), std::nullopt);
-  std::vector<int64_t> size_out = input.sizes().vec();
+  std::vector<c10::SymInt> size_out = input.sym_sizes().vec();
   TORCH_CHECK(!size_out.empty(), "linear_cast: a 0-dim input has no features");
-  size_out.back() = weight.size(1);
-  return at::addmm(*bias, input_2d(input, true), weight).view(size_out);
+  size_out.back() = weight.sym_size(1);
+  return at::addmm(*bias, input_2d(input, true), weight).view_symint(size_out);
 }
 
 // HF's heads merged before o_proj: `x.reshape(*x.shape[:-2], -1).contiguous()`.
@@ -92,11 +92,11 @@ at::Tensor merged_heads(const at::Tensor& x) {
 // HF's split into heads: `y.view(*y.shape[:-1], -1, head_dim).transpose(1, 2)`, or the view
 // alone.
 at::Tensor split_heads(const at::Tensor& y, int64_t head_dim, bool transpose) {
-  std::vector<int64_t> sizes = y.sizes().vec();
+  std::vector<c10::SymInt> sizes = y.sym_sizes().vec();
   TORCH_CHECK(!sizes.empty(), "linear_cast: a 0-dim output has no heads");
   sizes.back() = -1;
-  sizes.push_back(head_dim);
-  const at::Tensor heads = y.view(sizes);
+  sizes.emplace_back(head_dim);
+  const at::Tensor heads = y.view_symint(sizes);
   return transpose ? heads.transpose(1, 2) : heads;
 }
 
