@@ -1091,8 +1091,11 @@ def _compiled(source):
 
 
 FORMS = {name: _compiled(source) for name, source in _SOURCES.items()}
-# The defaults a class form's forward has (most have none).
-_FORM_DEFAULTS = {"mamba_rms_norm_gated": (None,), "hf_attention": (None, None, None),
+# The defaults a class form's forward has (most have none). A set holds the defaults a form may
+# have where its rewrite passes on only the arguments given (the attention forms': the
+# original's own defaults serve the others): Nemotron's attention requires its position
+# embeddings.
+_FORM_DEFAULTS = {"mamba_rms_norm_gated": (None,), "hf_attention": {(None, None, None), (None, None)},
                   "hf_attention_sliding_window": (None,), "hf_attention_config_sliding_window": (None,),
                   "qwen3_attention": (None,), "gemma3_attention": (None, None, None),
                   "gemma2_attention": (None, None, None), "olmo2_attention": (None,), "olmo3_attention": (None,),
@@ -1270,18 +1273,13 @@ def _matches(function, form, reference, defaults):
             and all(_global_is_expected(function, g, form) for g in _globals_loaded(code)))
 
 
-# Other defaults a class form's forward may have where its rewrite passes on only the arguments
-# given (the attention forms': the original's own defaults serve the others): Nemotron's
-# attention requires its position embeddings.
-_FORM_OTHER_DEFAULTS = {"hf_attention": (None, None)}
-
-
 def form_of(function):
     """The name of the known `forward` form `function` is, or None."""
+    def accepted(name):
+        defaults = _FORM_DEFAULTS.get(name)
+        return defaults if isinstance(defaults, set) else (defaults,)
     return next((name for name, reference in FORMS.items()
-                 if _matches(function, name, reference, _FORM_DEFAULTS.get(name))
-                 or (name in _FORM_OTHER_DEFAULTS
-                     and _matches(function, name, reference, _FORM_OTHER_DEFAULTS[name]))), None)
+                 if any(_matches(function, name, reference, defaults) for defaults in accepted(name))), None)
 
 
 def function_form_of(function):

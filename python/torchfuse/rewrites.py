@@ -798,15 +798,15 @@ def _conv1d_mlp_forward(torch, original, form, dependencies=None):
     casts_its_input = {}  # (c_proj type, its forward) -> its matmul runs under autocast's cast
 
     def widening_gelu(act):
-        form, dependencies = _REWRITTEN.get(type(act).forward, (None, None))
+        form, dependencies = _REWRITTEN.get(_class_forward(act), (None, None))
         return form == "new_gelu" and _unobserved(torch, act) and dependencies.unchanged()
 
     def plain_projection(proj):
-        kind = type(proj)
-        key = (kind, kind.forward)
+        kind, forward = type(proj), _class_forward(proj)
+        key = (kind, forward)
         known = casts_its_input.get(key)
         if known is None:
-            known = casts_its_input[key] = kind.forward in linear_forwards or _is_conv1d_forward(kind.forward)
+            known = casts_its_input[key] = forward in linear_forwards or _is_conv1d_forward(forward)
         bias = getattr(proj, "bias", None)
         return (known and _unobserved(torch, proj) and type(getattr(proj, "weight", None)) in plain
                 and (bias is None or type(bias) in plain))
@@ -1233,6 +1233,12 @@ def _conv1d_forward(torch, original, form, dependencies=None):
     return forward
 
 
+def _class_forward(module):
+    """The forward a module's class defines, or None: a scripted module's class (or None in a
+    submodule's slot) has none to read."""
+    return getattr(type(module), "forward", None)
+
+
 def _is_conv1d_forward(forward):
     """Whether a class's forward is HF Conv1D's code, or torchfuse's rewrite of it."""
     return _REWRITTEN.get(forward, (None,))[0] == "hf_conv1d" or compositions.form_of(forward) == "hf_conv1d"
@@ -1441,7 +1447,7 @@ def _head_views_forward(torch, original, form, dependencies=None):
         if packed:
             (weight, bias, dtype), widths, head_dim = served
             query_states, key_states, value_states = split_op(hidden_states, weight, bias, dtype, False, widths,
-                                                              head_dim)
+                                                              head_dim, True)
             return attend(self, hidden_states, query_states, key_states, value_states, position_embeddings,
                           past_key_values, attention_mask, keywords, kwargs, "o_proj")
         (qw, qb, qt), (kw, kb, kt), (vw, vb, vt), head_dim = served
@@ -1552,7 +1558,7 @@ def _gpt2_head_views_forward(torch, original, form, dependencies=None):
 
     def projection(self, x):
         """c_attn's (weight, bias, dtype), the split's size and the head size, or None."""
-        if not (type(x) is tensor and (x.is_cuda or (cpu_too and not cpu_autocast("cpu"))) and x.dim() == 3
+        if not (enabled("head_views") and type(x) is tensor and (x.is_cuda or (cpu_too and not cpu_autocast("cpu"))) and x.dim() == 3
                 and x.is_contiguous() and grad_on() and not function_mode() and not dispatch_modes()
                 and not jit_tracing() and not _global_module_hooks(torch)):
             return None
@@ -1564,7 +1570,7 @@ def _gpt2_head_views_forward(torch, original, form, dependencies=None):
         p = conv1d(self, "c_attn", x)
         if p is None or p[0].shape[1] != 3 * split_size:
             return None
-        return (p, split_size, head_dim) if enabled("head_views") else None
+        return p, split_size, head_dim
 
     @functools.wraps(original)
     def forward(self, hidden_states, past_key_values=None, attention_mask=None, encoder_hidden_states=None,
@@ -1623,7 +1629,7 @@ def _plain_conv1d_check(torch):
     conv1d_forms = {}  # a class's forward -> its original's `unchanged`, or None: not Conv1D's
 
     def plain_conv1d(m, device):
-        forward = type(m).forward
+        forward = _class_forward(m)
         if forward not in conv1d_forms:
             rewritten = _REWRITTEN.get(forward)
             conv1d_forms[forward] = (
@@ -1888,7 +1894,7 @@ def _sites_check(torch):
     conv1d_forms = {}  # a class's forward -> it is the recognised Conv1D forward
 
     def plain_conv1d(m, device):
-        forward = type(m).forward
+        forward = _class_forward(m)
         known = conv1d_forms.get(forward)
         if known is None:
             known = conv1d_forms[forward] = _is_conv1d_forward(forward)

@@ -19,9 +19,11 @@ BF16 = torch.bfloat16
 g = torch.Generator().manual_seed(0)
 def r(*shape, dtype=torch.float32, grad=True):
     return torch.randn(*shape, generator=g).to(dtype).requires_grad_(grad)
+def bits(t):  # the tensor's bits: -0.0 is not +0.0 here
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]) if t.is_floating_point() else t
 def same(a, b):
     return len(a) == len(b) and all(s.dtype == t.dtype and s.shape == t.shape and s.stride() == t.stride()
-                                    and torch.equal(s, t) for s, t in zip(a, b))
+                                    and torch.equal(bits(s), bits(t)) for s, t in zip(a, b))
 def outputs_and_grads(fn, leaves, dy):
     y = fn()
     return [y, *torch.autograd.grad(y, leaves, dy)], y.grad_fn.name()
@@ -95,15 +97,18 @@ def test_split_into_heads_is_stocks_split_or_slices_views_and_transposes_bit_for
     splits c_attn's (a Conv1D's [in, out] weight, `split(split_size, dim=2)`) and as Phi-3's
     slices its qkv_proj's (a Linear's, k and v fewer heads than q), each chunk viewed and
     transposed into heads: three outputs of stock's sizes, strides, storage offsets and values,
-    one node; the gradients of the input, weight and bias equal those through stock's split or
-    slices, views and transposes for incoming gradients of any layout, with a chunk that has none
-    (its columns zero), and in a double backward (create_graph: stock's calls on the gradients)."""
+    one node; the gradients of the input, weight and bias have the bits of those through stock's
+    split or slices, views and transposes (the sign of a zero too: the engine's sum of the slices'
+    zero-padded gradients makes -0.0 +0.0) for incoming gradients of any layout, with a chunk that
+    has none (its columns zero), and in a double backward (create_graph: stock's calls on the
+    gradients)."""
     out = run_op(r"""
 split_op = torch.ops.torchfuse.linear_cast_split
 results = {}
 def info(ts):
     return [(t.shape, t.stride(), t.storage_offset()) for t in ts]
-for (batch, seq), heads, kv_heads, head_dim in [((2, 5), 4, 4, 8), ((1, 7), 2, 1, 16), ((3, 1), 3, 3, 4)]:
+for (batch, seq), heads, kv_heads, head_dim in [((2, 5), 4, 4, 8), ((1, 7), 2, 1, 16), ((3, 1), 3, 3, 4),
+                                                ((1, 1), 2, 1, 8)]:
     sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
     q, kv = sizes[0], sizes[1]
     for conv1d in ((True, False) if heads == kv_heads else (False,)):
@@ -124,13 +129,16 @@ for (batch, seq), heads, kv_heads, head_dim in [((2, 5), 4, 4, 8), ((1, 7), 2, 1
                         dys = []
                         for i in used:
                             dy = torch.randn(batch, sizes[i] // head_dim, seq, head_dim, generator=g).to(dtype)
+                            # -0.0 in a third of the places: slices' gradients are summed with
+                            # zeros (+0.0), a split's cat keeps them
+                            dy = torch.where(torch.rand(dy.shape, generator=g) < 0.33, -0.0, dy).to(dtype)
                             if layout == "token order":  # [B, S, H, D] memory seen as [B, H, S, D]
                                 dy = dy.transpose(1, 2).contiguous().transpose(1, 2)
                             dys.append(dy)
                         return torch.autograd.grad([outputs[i] for i in used], [x, w, b], dys,
                                                    create_graph=create_graph)
                     state = g.get_state()
-                    ours = split_op(x, w, b, dtype, conv1d, sizes, head_dim)
+                    ours = split_op(x, w, b, dtype, conv1d, sizes, head_dim, not conv1d)
                     ours_grads = grads_of(ours)
                     g.set_state(state)
                     theirs = stock()
@@ -141,11 +149,12 @@ for (batch, seq), heads, kv_heads, head_dim in [((2, 5), 4, 4, 8), ((1, 7), 2, 1
                         g.set_state(state)
                         return torch.autograd.grad(sum(t.float().sum() for t in grads_of(fn(), True)), [x, w, b],
                                                    allow_unused=True)
-                    second = [second_order(lambda: split_op(x, w, b, dtype, conv1d, sizes, head_dim)),
+                    second = [second_order(lambda: split_op(x, w, b, dtype, conv1d, sizes, head_dim, not conv1d)),
                               second_order(stock)]
                     results[f"{batch}x{seq} {heads}/{kv_heads}x{head_dim} conv1d={conv1d} {dtype} {used} {layout}"] = [
                         same(ours, theirs) and info(ours) == info(theirs), same(ours_grads, theirs_grads),
-                        all((s is None and t is None) or torch.equal(s, t) for s, t in zip(*second)), sorted(node)]
+                        all((s is None and t is None) or torch.equal(bits(s), bits(t)) for s, t in zip(*second)),
+                        sorted(node)]
 errors = []
 for sizes in ([8, 8, 8], [8, 8, 4]):  # widths that are not the output's, or not whole heads
     try:
@@ -158,7 +167,7 @@ print(json.dumps(results))
 """)
     errors = out.pop("errors")
     assert all(error is not None for error in errors), errors
-    assert len(out) == (2 + 1 + 2) * 2 * 3 * 2
+    assert len(out) == (2 + 1 + 2 + 1) * 2 * 3 * 2
     for case, (outputs, grads, double, node) in out.items():
         assert outputs and grads and double, case
         assert node == ["torchfuse::LinearCastBackward"], case
@@ -420,6 +429,9 @@ hooked_gpt2 = gpt2_attention("sdpa")
 hooked_gpt2.c_attn.register_forward_pre_hook(lambda m, i: (i[0] * 2,))
 results["gpt2 hooked c_attn"] = both(hooked_gpt2, x)
 results["gpt2 non-contiguous input"] = both(gpt2_attention("sdpa"), x.transpose(0, 1).contiguous().transpose(0, 1))
+scripted = gpt2_attention("sdpa")
+scripted.c_attn = torch.jit.script(scripted.c_attn)  # its class has no forward to read
+results["gpt2 scripted c_attn"] = both(scripted, x)
 # Phi-3's: served where qkv_proj is as wide as the slices the original takes; else the original.
 from transformers.models.phi3 import modeling_phi3 as P3
 p3config = transformers.Phi3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
@@ -441,7 +453,8 @@ def test_what_the_rewrite_cannot_see_through_runs_the_original():
     """The original forward's output or error, and its view nodes, where an
     attention class's own __getattr__ could answer its projections, a projection is hooked, CPU
     autocast runs (the tests' switch), an argument is missing, grad is off, and for GPT-2's
-    attention where it is cross-attention, c_attn is hooked or the input is not contiguous, and
+    attention where it is cross-attention, c_attn is hooked or scripted or the input is not
+    contiguous, and
     for Phi-3's where qkv_proj is not as wide as its slices: the original ran. A copy whose parameters are named otherwise is not the form (the rewrite binds
     by name). Where served (GPT-2's eager upcast and reordered attention too), the output is the
     same with the view nodes gone."""

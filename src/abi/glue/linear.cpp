@@ -23,15 +23,17 @@
 //   -1).contiguous()` (the attention's output before o_proj), where stock runs a ViewBackward0.
 // The backward makes the same calls on the gradient as those nodes (transpose, reshape), so the
 // gradients are stock's bit for bit.
-// torchfuse::linear_cast_split(..., split_sizes, head_dim) returns the output split into chunks
-// of those widths, each viewed and transposed into heads (q, k, v): GPT-2's attention splits
-// c_attn's output so (`split(split_size, dim=2)`: a SplitBackward0, then a ViewBackward0 and a
-// TransposeBackward0 for each), Phi-3's slices its qkv_proj's (a SliceBackward0 for each, whose
-// full-size zero gradients the engine sums). Its backward makes those nodes' calls: each chunk's gradient transposed back and
-// reshaped (a copy where the attention's gradient is not in token order), then one cat (a chunk
-// without a gradient zeros). Copying each chunk's gradient once into its columns instead was
-// measured slower (H200, GPT-2's q, k and v at B8: 94 against 69 us): the strided copies are
-// not vectorized.
+// torchfuse::linear_cast_split(..., split_sizes, head_dim, sliced) returns the output split into
+// chunks of those widths, each viewed and transposed into heads (q, k, v):
+// - GPT-2's attention splits c_attn's output so (`split(split_size, dim=2)`): stock runs a
+//   SplitBackward0, then a ViewBackward0 and a TransposeBackward0 for each chunk;
+// - Phi-3's slices its qkv_proj's (`sliced`): a SliceBackward0 for each, whose zero-padded
+//   full-size gradients the engine sums.
+// Its backward makes those nodes' calls: each chunk's gradient transposed back and reshaped (a
+// copy where the attention's gradient is not in token order), then one cat (a chunk without a
+// gradient zeros), plus the sum's +0.0 for slices. Copying each chunk's gradient once into its
+// columns instead was measured slower (H200, GPT-2's q, k and v at B8: 94 against 69 us): the
+// strided copies are not vectorized.
 // Rust decides where the node runs (src/ops/linear.rs: where it is exact) and counts the call;
 // forward-mode AD, functorch transforms and traces take the composition (stock's nodes) first.
 //
@@ -101,13 +103,22 @@ at::Tensor split_heads(const at::Tensor& y, int64_t head_dim, bool transpose) {
 }
 
 // A packed projection's output split into q, k and v heads: `y.split_with_sizes(split_sizes,
-// -1)` (the views GPT-2's split and Phi-3's slices make), each chunk `view(*lead, -1,
-// head_dim).transpose(1, 2)`.
+// -1)` (GPT-2's split), or with `sliced` the same views as slices (Phi-3's
+// `qkv[..., start:end]`), each chunk `view(*lead, -1, head_dim).transpose(1, 2)`.
 std::vector<at::Tensor> split_into_heads(const at::Tensor& y, at::IntArrayRef split_sizes,
-                                         int64_t head_dim) {
+                                         int64_t head_dim, bool sliced) {
+  std::vector<at::Tensor> chunks;
+  if (sliced) {
+    int64_t start = 0;
+    for (const int64_t size : split_sizes) {
+      chunks.push_back(y.narrow(-1, start, size));
+      start += size;
+    }
+  } else {
+    chunks = y.split_with_sizes(split_sizes, -1);
+  }
   std::vector<at::Tensor> out;
-  for (const at::Tensor& chunk : y.split_with_sizes(split_sizes, -1))
-    out.push_back(split_heads(chunk, head_dim, true));
+  for (const at::Tensor& chunk : chunks) out.push_back(split_heads(chunk, head_dim, true));
   return out;
 }
 
@@ -123,25 +134,57 @@ at::Tensor linear_cast_plain(const at::Tensor& input, const at::Tensor& weight,
   return linear_of(input_cast, weight_cast, bias_cast, weight_in_out);
 }
 
-// The op's meaning spelled out: the heads merged, the linear, the heads split.
+// How the node gives its output: whole, split into heads (`head_dim` > 0: `split_heads`), or
+// split (or sliced) into chunks of `split_sizes` columns first, each split into heads and
+// transposed (`split_into_heads`).
+struct OutputHeads {
+  int64_t head_dim = 0;
+  bool transpose = true;
+  std::vector<int64_t> split_sizes;
+  bool sliced = false;
+
+  std::vector<at::Tensor> of(const at::Tensor& y) const {
+    if (!split_sizes.empty()) return split_into_heads(y, split_sizes, head_dim, sliced);
+    return {head_dim > 0 ? split_heads(y, head_dim, transpose) : y};
+  }
+};
+
+// The heads of linear_cast's arguments, and of linear_cast_split's.
+OutputHeads heads_of(int64_t out_head_dim, bool transpose_heads) {
+  TORCH_CHECK(out_head_dim >= 0, "linear_cast: out_head_dim must not be negative");
+  return OutputHeads{out_head_dim, transpose_heads, {}};
+}
+
+OutputHeads split_heads_of(at::IntArrayRef split_sizes, int64_t head_dim, bool sliced) {
+  TORCH_CHECK(!split_sizes.empty() && head_dim > 0,
+              "linear_cast_split: split_sizes must not be empty and head_dim must be positive");
+  return OutputHeads{head_dim, true, split_sizes.vec(), sliced};
+}
+
+// The op's meaning spelled out: the heads merged, the linear, the output as `heads` gives it.
+std::vector<at::Tensor> spelled_out(const at::Tensor& input, const at::Tensor& weight,
+                                    const std::optional<at::Tensor>& bias, at::ScalarType dtype,
+                                    bool weight_in_out, const OutputHeads& heads,
+                                    bool merge_input_heads) {
+  return heads.of(linear_cast_plain(merge_input_heads ? merged_heads(input) : input, weight, bias,
+                                    dtype, weight_in_out));
+}
+
 at::Tensor linear_cast_stock(const at::Tensor& input, const at::Tensor& weight,
                              const std::optional<at::Tensor>& bias, at::ScalarType dtype,
                              bool weight_in_out, int64_t out_head_dim, bool merge_input_heads,
                              bool transpose_heads) {
-  TORCH_CHECK(out_head_dim >= 0, "linear_cast: out_head_dim must not be negative");
-  const at::Tensor y = linear_cast_plain(merge_input_heads ? merged_heads(input) : input, weight,
-                                         bias, dtype, weight_in_out);
-  return out_head_dim > 0 ? split_heads(y, out_head_dim, transpose_heads) : y;
+  return spelled_out(input, weight, bias, dtype, weight_in_out,
+                     heads_of(out_head_dim, transpose_heads), merge_input_heads)[0];
 }
 
 std::vector<at::Tensor> linear_cast_split_stock(const at::Tensor& input, const at::Tensor& weight,
                                                const std::optional<at::Tensor>& bias,
                                                at::ScalarType dtype, bool weight_in_out,
-                                               at::IntArrayRef split_sizes, int64_t head_dim) {
-  TORCH_CHECK(!split_sizes.empty() && head_dim > 0,
-              "linear_cast_split: split_sizes must not be empty and head_dim must be positive");
-  return split_into_heads(linear_cast_plain(input, weight, bias, dtype, weight_in_out), split_sizes,
-                          head_dim);
+                                               at::IntArrayRef split_sizes, int64_t head_dim,
+                                               bool sliced) {
+  return spelled_out(input, weight, bias, dtype, weight_in_out,
+                     split_heads_of(split_sizes, head_dim, sliced), false);
 }
 
 // Whether autocast runs in `dtype` on this device: then a cast is autocast's own (cached).
@@ -149,20 +192,6 @@ bool autocast_in(c10::DeviceType device, at::ScalarType dtype) {
   return at::autocast::is_autocast_available(device) && at::autocast::is_autocast_enabled(device) &&
          at::autocast::get_autocast_dtype(device) == dtype;
 }
-
-// How the node gives its output: whole, split into heads (`head_dim` > 0: `split_heads`), or
-// split into chunks of `split_sizes` columns first, each split into heads and transposed
-// (`split_into_heads`).
-struct OutputHeads {
-  int64_t head_dim = 0;
-  bool transpose = true;
-  std::vector<int64_t> split_sizes;
-
-  std::vector<at::Tensor> of(const at::Tensor& y) const {
-    if (!split_sizes.empty()) return split_into_heads(y, split_sizes, head_dim);
-    return {head_dim > 0 ? split_heads(y, head_dim, transpose) : y};
-  }
-};
 
 // Stock's nodes for a call the node does not take. Under the autocast the call stands for (the
 // rewrite's case), the module's own code, autocast's casts included.
@@ -292,8 +321,10 @@ struct LinearCastBackward : public torch::autograd::Node {
   std::vector<int64_t> output_sizes;
   bool heads_transposed = true;
   // The output split into chunks of these widths first (`linear_cast_split`), one output each;
-  // empty without.
+  // empty without. `sliced`: the chunks stand for slices (Phi-3's), whose zero-padded gradients
+  // the engine sums.
   std::vector<int64_t> split_sizes;
+  bool sliced = false;
   bool has_bias = false;
   // The weight is [in, out], the GEMM's second operand as it is (HF Conv1D); else nn.Linear's
   // [out, in], whose transpose the GEMM takes.
@@ -307,7 +338,9 @@ struct LinearCastBackward : public torch::autograd::Node {
 
   // The GEMM output's gradient from the split chunks' (undefined where none has one): stock's
   // TransposeBackward0 and ViewBackward0 of each, then SplitBackward0's cat with zeros for a
-  // chunk without one.
+  // chunk without one. Slices' gradients reach stock's GEMM as the engine's sum of their
+  // zero-padded gradients: where two or more have one, every element gains +0.0 (a -0.0 becomes
+  // +0.0, every other value stays). The cat then gains +0.0 too, one pass, for the same bits.
   at::Tensor split_gradient(const variable_list& grads) const {
     const auto first = std::find_if(grads.begin(), grads.end(),
                                     [](const at::Tensor& g) { return g.defined(); });
@@ -319,7 +352,11 @@ struct LinearCastBackward : public torch::autograd::Node {
       chunks.push_back(grads[i].defined() ? grads[i].transpose(1, 2).reshape(chunk_sizes)
                                           : at::zeros(chunk_sizes, first->options()));
     }
-    return at::cat(chunks, -1);
+    at::Tensor grad = at::cat(chunks, -1);
+    const auto given = std::count_if(grads.begin(), grads.end(),
+                                     [](const at::Tensor& g) { return g.defined(); });
+    if (!sliced || given < 2) return grad;  // one slice's gradient is summed with nothing
+    return at::GradMode::is_enabled() ? at::add(grad, 0) : grad.add_(0);
   }
 
   variable_list apply(variable_list&& grads) override {
@@ -483,6 +520,7 @@ std::vector<at::Tensor> linear_node(const at::Tensor& input, const at::Tensor& w
   if (head_dim > 0) node->output_sizes = gemm_output.sizes().vec();
   node->heads_transposed = heads.transpose;
   node->split_sizes = heads.split_sizes;
+  node->sliced = heads.sliced;
   node->has_bias = bias.defined();
   node->weight_in_out = weight_in_out;
   node->input_column_major = input_column_major;
@@ -500,20 +538,17 @@ at::Tensor linear_cast_autograd(const at::Tensor& input, const at::Tensor& weigh
                                 const std::optional<at::Tensor>& bias, at::ScalarType dtype,
                                 bool weight_in_out, int64_t out_head_dim, bool merge_input_heads,
                                 bool transpose_heads) {
-  TORCH_CHECK(out_head_dim >= 0, "linear_cast: out_head_dim must not be negative");
   return linear_node(input, weight, bias, dtype, weight_in_out,
-                     OutputHeads{out_head_dim, transpose_heads, {}}, merge_input_heads)[0];
+                     heads_of(out_head_dim, transpose_heads), merge_input_heads)[0];
 }
 
 std::vector<at::Tensor> linear_cast_split_autograd(const at::Tensor& input, const at::Tensor& weight,
                                                    const std::optional<at::Tensor>& bias,
                                                    at::ScalarType dtype, bool weight_in_out,
                                                    at::IntArrayRef split_sizes,
-                                                   int64_t head_dim) {
-  TORCH_CHECK(!split_sizes.empty() && head_dim > 0,
-              "linear_cast_split: split_sizes must not be empty and head_dim must be positive");
+                                                   int64_t head_dim, bool sliced) {
   return linear_node(input, weight, bias, dtype, weight_in_out,
-                     OutputHeads{head_dim, true, split_sizes.vec()}, false);
+                     split_heads_of(split_sizes, head_dim, sliced), false);
 }
 
 }  // namespace
