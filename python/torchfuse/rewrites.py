@@ -1536,38 +1536,22 @@ def _gpt2_head_views_forward(torch, original, form, dependencies=None):
     runs the original."""
     split_op, op = torch.ops.torchfuse.linear_cast_split.default, torch.ops.torchfuse.linear_cast.default
     enabled, untraced = torch.ops.torchfuse.enabled.default, _untraced_call(torch)
-    tensor, grad_on, jit_tracing = torch.Tensor, torch.is_grad_enabled, torch._C._get_tracing_state
-    function_mode, dispatch_modes = torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack
-    plain_conv1d, cast_to = _plain_conv1d_check(torch), _linear_dtype(torch)
-    cpu_too, cpu_autocast = _HEAD_VIEWS_ON_CPU, torch.is_autocast_enabled
-    module_getattr, names, keywords = torch.nn.Module.__getattr__, original.__globals__, _ATTENTION_KEYWORDS[form]
+    heads, conv1d, _ = _attention_parts(torch, original, conv1d=True)
+    names, keywords = original.__globals__, _ATTENTION_KEYWORDS[form]
     attributes = ("head_dim", "split_size", "c_attn", "c_proj")
-
-    def conv1d(module, name, x):
-        """The plain Conv1D submodule `name`'s (weight, bias, dtype) for input x, or None."""
-        own, cls = module.__dict__, type(module)
-        if name in own or not _submodule_only(cls, name):
-            return None
-        m = own.get("_modules", {}).get(name)
-        if not plain_conv1d(m, x.device) or m.__dict__.get("_compiled_call_impl") is not None:
-            return None
-        params = m._parameters
-        weight, bias = params["weight"], params["bias"]
-        dtype = cast_to(x, weight, bias)
-        return None if dtype is None else (weight, bias, dtype)
 
     def projection(self, x):
         """c_attn's (weight, bias, dtype), the split's size and the head size, or None."""
-        if not (enabled("head_views") and type(x) is tensor and (x.is_cuda or (cpu_too and not cpu_autocast("cpu"))) and x.dim() == 3
-                and x.is_contiguous() and grad_on() and not function_mode() and not dispatch_modes()
-                and not jit_tracing() and not _global_module_hooks(torch)):
+        if not enabled("head_views"):
             return None
-        own = self.__dict__
-        head_dim, split_size = own.get("head_dim"), own.get("split_size")
-        if (type(head_dim) is not int or type(split_size) is not int or head_dim <= 0 or split_size <= 0
-                or split_size % head_dim != 0 or not _plain_attention_class(type(self), module_getattr, attributes)):
+        found = heads(self, x, attributes)
+        if found is None or not x.is_contiguous():
             return None
-        p = conv1d(self, "c_attn", x)
+        cls, own, children, head_dim = found
+        split_size = own.get("split_size")
+        if type(split_size) is not int or split_size <= 0 or split_size % head_dim != 0:
+            return None
+        p = conv1d(cls, own, children, "c_attn", x)
         if p is None or p[0].shape[1] != 3 * split_size:
             return None
         return p, split_size, head_dim
@@ -1605,8 +1589,10 @@ def _gpt2_head_views_forward(torch, original, form, dependencies=None):
             attn_output, attn_weights = attention_interface(
                 self, query_states, key_states, value_states, attention_mask, **keywords(self), **kwargs)
 
-        p = (conv1d(self, "c_proj", attn_output)
-             if type(attn_output) is tensor and attn_output.dim() == 4 and attn_output.is_contiguous() else None)
+        own = self.__dict__
+        p = (conv1d(type(self), own, own.get("_modules", {}), "c_proj", attn_output)
+             if type(attn_output) is torch.Tensor and attn_output.dim() == 4 and attn_output.is_contiguous()
+             else None)
         if p is not None:
             attn_output = op(attn_output, p[0], p[1], p[2], True, 0, True)
         else:
@@ -1665,7 +1651,7 @@ def _plain_attention_class(cls, module_getattr, names):
             and all(_submodule_only(cls, name) for name in names))
 
 
-def _attention_parts(torch, original):
+def _attention_parts(torch, original, conv1d=False):
     """What the head_views rewrites of `original` share: (heads(module, x, attributes): below,
     projection(cls, own, children, name, x): the plain Linear `name`'s (weight, bias, dtype) for
     input x, or None, attend(...): the rest of the forward, below). Served where nn.Linear's rewrite
@@ -1674,11 +1660,13 @@ def _attention_parts(torch, original):
     of it) calling an unpatched F.linear, outside traces, torch function and dispatch modes and
     global module hooks; a projection is a plain, unobserved nn.Linear submodule on x's device
     (`_plain_linear_check`), not compiled in place, with a 2-D weight, of a dtype `_linear_dtype`
-    serves."""
+    serves. With `conv1d` the projections are HF Conv1Ds instead (`_plain_conv1d_check`), and
+    nn.Linear's forward and F.linear are not asked about."""
     op = torch.ops.torchfuse.linear_cast.default
     tensor, grad_on, jit_tracing = torch.Tensor, torch.is_grad_enabled, torch._C._get_tracing_state
     function_mode, dispatch_modes = torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack
-    plain_linear, cast_to = _plain_linear_check(torch), _linear_dtype(torch)
+    plain_module = _plain_conv1d_check(torch) if conv1d else _plain_linear_check(torch)
+    cast_to = _linear_dtype(torch)
     functional, linear = torch.nn.functional, torch.nn.Linear
     linear_function, linear_forwards = functional.linear, _linear_forwards(torch)
     unpatched = compositions.Dependencies(linear_forwards[0]).unchanged
@@ -1701,16 +1689,16 @@ def _attention_parts(torch, original):
 
     def served(x):
         return (type(x) is tensor and (x.is_cuda or (cpu_too and not cpu_autocast("cpu"))) and x.dim() == 3
-                and grad_on() and torchs
-                and linear.forward in linear_forwards and functional.linear is linear_function
-                and not function_mode() and not dispatch_modes() and not jit_tracing()
-                and not _global_module_hooks(torch) and unpatched())
+                and grad_on() and not function_mode() and not dispatch_modes() and not jit_tracing()
+                and not _global_module_hooks(torch)
+                and (conv1d or (torchs and linear.forward in linear_forwards
+                                and functional.linear is linear_function and unpatched())))
 
     def projection(cls, own, children, name, x):
         if name in own or not _submodule_only(cls, name):
             return None
         m = children.get(name)
-        if not plain_linear(m, x.device) or m.__dict__.get("_compiled_call_impl") is not None:
+        if not plain_module(m, x.device) or m.__dict__.get("_compiled_call_impl") is not None:
             return None
         params = m._parameters
         weight, bias = params["weight"], params.get("bias")
