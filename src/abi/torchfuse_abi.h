@@ -126,11 +126,13 @@ typedef struct TfSwigluCall {
 } TfSwigluCall;
 
 // torchfuse::rotary (q, k, cos, sin, unsqueeze_dim, interleaved, passthrough) and
-// rotary_backward (grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype, interleaved, passthrough).
+// rotary_backward (grad_q, grad_k, cos, sin, unsqueeze_dim, x_dtype, interleaved, passthrough);
+// kv_copy's rows copy (x in q, the copy's dtype in x_dtype).
 typedef struct TfRotaryCall {
   TfTensor q, k;            // forward only
   TfTensor cos, sin;
   TfTensor grad_q, grad_k;  // backward only
+  TfTensor out;  // kv_copy: the view of x's sizes to write (absent: a new row-major tensor)
   int64_t unsqueeze_dim;
   int16_t x_dtype;  // backward: q's and k's c10::ScalarType, the gradients' dtype
   uint8_t interleaved;  // 1: pairs (2p, 2p+1) rotate (rotate_every_two); 0: rotate_half's (j, j+d/2)

@@ -239,6 +239,8 @@ pub struct TfRotaryCall {
     pub sin: TfTensor,
     pub grad_q: TfTensor,
     pub grad_k: TfTensor,
+    /// kv_copy: the view of x's sizes to write (absent: a new row-major tensor).
+    pub out: TfTensor,
     pub unsqueeze_dim: i64,
     pub x_dtype: i16,
     /// 1: pairs (2p, 2p+1) rotate (rotate_every_two); 0: rotate_half's (j, j + d/2).
@@ -406,6 +408,7 @@ mod tests {
             n(offset_of!(TfRotaryCall, sin)),
             n(offset_of!(TfRotaryCall, grad_q)),
             n(offset_of!(TfRotaryCall, grad_k)),
+            n(offset_of!(TfRotaryCall, out)),
             n(offset_of!(TfRotaryCall, unsqueeze_dim)),
             n(offset_of!(TfRotaryCall, x_dtype)),
             n(offset_of!(TfRotaryCall, interleaved)),

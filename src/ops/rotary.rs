@@ -519,9 +519,13 @@ fn is_kv_copy(op: KernelOp) -> bool {
 }
 
 /// torchfuse::kv_copy of one tensor (`call.q`; the glue makes one call per tensor) into a new
-/// row-major tensor of `call.x_dtype`: its own dtype, or fp32 of a 16-bit x (wide).
+/// row-major tensor of `call.x_dtype`: its own dtype, or fp32 of a 16-bit x (wide). With
+/// `call.out` given, into that view instead (x's sizes and the copy's dtype, no two elements
+/// sharing memory): the linear node's gradient of the attention's heads written into the
+/// columns its GEMM reads (`src/abi/glue/linear.cpp`), a copy as `copy_` makes it.
 fn kv_copy(launch: Launch, call: &TfRotaryCall) -> Result<Served, StockReason> {
     let x = call.q.given().ok_or(StockReason::InvalidInput)?;
+    let into = call.out.given();
     let x_kind = x.kind().ok_or(StockReason::UnsupportedDtype)?;
     let out_kind = kind_of_scalar_type(call.x_dtype).ok_or(StockReason::UnsupportedDtype)?;
     let wide = out_kind != x_kind;
@@ -533,6 +537,14 @@ fn kv_copy(launch: Launch, call: &TfRotaryCall) -> Result<Served, StockReason> {
     let size = x.sizes();
     if size.len() != 4 || x.device() != device {
         return Err(StockReason::InvalidInput);
+    }
+    if let Some(o) = into {
+        if o.sizes() != size || o.kind() != Some(out_kind) || o.device() != device {
+            return Err(StockReason::InvalidInput);
+        }
+        if overlapping(o.sizes(), o.strides()) {
+            return Err(StockReason::NotContiguous);
+        }
     }
     let in_s = strides(x.strides()).ok_or(StockReason::NotContiguous)?;
     let (n1, n2, d) = (size[1], size[2], size[3]);
@@ -559,15 +571,18 @@ fn kv_copy(launch: Launch, call: &TfRotaryCall) -> Result<Served, StockReason> {
         narrowed: false,
     })?;
     let p = Rotary::params(params)?;
-    // Row-major, as `empty` makes it.
-    let out_s = RopeStrides {
-        s0: n1 * n2 * d,
-        s1: n2 * d,
-        s2: d,
+    // The given view's strides, or row-major, as `empty` makes it.
+    let out_s = match into {
+        Some(o) => strides(o.strides()).ok_or(StockReason::NotContiguous)?,
+        None => RopeStrides {
+            s0: n1 * n2 * d,
+            s1: n2 * d,
+            s2: d,
+        },
     };
     let mut op = RopeOperand {
         input: x.addr(),
-        output: 0,
+        output: into.map_or(0, |o| o.addr()),
         n1,
         n2,
         rows,
@@ -577,17 +592,23 @@ fn kv_copy(launch: Launch, call: &TfRotaryCall) -> Result<Served, StockReason> {
     };
     // The chunked path covers the whole row (d in place of rotary's half); rows it cannot take
     // (a head dim of no whole number of 16-byte chunks, an unaligned view) were not measured
-    // against the glue's copy, which keeps them. Asked before the output exists, its address
+    // against the glue's copy, which keeps them. Asked before a new output exists, its address
     // standing as 0: PyTorch's allocator starts every block 16-byte aligned (512 on CUDA).
     let group = lanes_per_row(d, d, &[&op], &[op.input, op.output]);
     if group == 0 {
         return Err(StockReason::NoVariantForShape);
     }
-    let out = empty(size, out_kind, device)?;
-    op.output = device_addr(&out);
-    if !aligned16([op.output]) {
-        return Err(StockReason::NoVariantForShape);
-    }
+    let out = match into {
+        Some(_) => None,
+        None => {
+            let out = empty(size, out_kind, device)?;
+            op.output = device_addr(&out);
+            if !aligned16([op.output]) {
+                return Err(StockReason::NoVariantForShape);
+            }
+            Some(out)
+        }
+    };
     let config = row_launch(rows, group, p.threads)?;
     let kv_args = KvCopyArgs {
         x: op,
@@ -599,11 +620,12 @@ fn kv_copy(launch: Launch, call: &TfRotaryCall) -> Result<Served, StockReason> {
     let mut args = stream.launch_builder(&kernel.function);
     args::push(&mut args, &kv_args);
     // SAFETY: kv_copy's parameters are KvCopyArgs's fields (the compile test checks); group > 0,
-    // so every row starts 16-byte aligned in x and the output; every offset is within
-    // its tensor (x's sizes and strides, the output row-major of the same sizes); the dtypes are
-    // the module's; both live until the stream is done with them.
+    // so every row starts 16-byte aligned in x and the output; every offset is within its
+    // tensor (x's sizes and strides; the output of the same sizes, row-major or the given
+    // view's strides, whose elements do not overlap); the dtypes are the module's; both live
+    // until the stream is done with them (a given view is the caller's, held across the call).
     unsafe { args.launch(config) }.map_err(|e| super::launch_failed(variant, e))?;
-    Ok(Served::new(variant.name.as_str(), [Some(out), None, None]))
+    Ok(Served::new(variant.name.as_str(), [out, None, None]))
 }
 
 /// A rotary variant's compile-time params (`registry/rotary.toml`).

@@ -12,8 +12,9 @@ import sys
 
 import pytest
 
-from conftest import LIB_DIR, ROOT, clean_env, requires_cuda
+from conftest import LIB_DIR, ROOT, check, clean_env, requires_cuda, run_python
 from gpu_util import fresh_seed
+from test_head_views import HEAD_CASES, OP_PRELUDE, SPLIT_CASES
 
 pytestmark = requires_cuda
 
@@ -23,8 +24,8 @@ sys.path.insert(0, {python!r})
 import torchfuse
 torchfuse.enable({lib!r})
 OP = "torchfuse::linear_cast"
-def served():
-    return json.loads(torch.ops.torchfuse.stats())["ops"].get(OP, {{}}).get("fused", 0)
+def served(op=OP):
+    return json.loads(torch.ops.torchfuse.stats())["ops"].get(op, {{}}).get("fused", 0)
 def same(a, b):
     return all(x.dtype == y.dtype and x.shape == y.shape and x.stride() == y.stride() and torch.equal(x, y)
                for x, y in zip(a, b)) and len(a) == len(b)
@@ -176,7 +177,7 @@ def train(on):
     torch.ops.torchfuse.set_enabled({toggle!r}, on)
     model.load_state_dict(start)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    losses, calls, graph = [], served(), 0
+    losses, calls, copies, graph = [], served(), served("torchfuse::kv_copy"), 0
     torch.cuda.reset_peak_memory_stats()
     held = torch.cuda.memory_allocated()  # the other run's results, kept: not this run's peak
     for ids in batches:
@@ -188,12 +189,14 @@ def train(on):
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
-    return losses, grads, served() - calls, torch.cuda.max_memory_allocated() - held, graph
+    return (losses, grads, served() - calls, torch.cuda.max_memory_allocated() - held, graph,
+            served("torchfuse::kv_copy") - copies)
 
 off, on = train(False), train(True)
 print("RESULT " + json.dumps({{
     "losses": same(off[0], on[0]), "grads": same(off[1], on[1]), "served": [off[2], on[2]],
-    "linears": linears, "steps": len(batches), "peak": [off[3], on[3]], "nodes": [off[4], on[4]]}}))
+    "linears": linears, "steps": len(batches), "peak": [off[3], on[3]], "nodes": [off[4], on[4]],
+    "rows_copies": [off[5], on[5]], "layers": model.config.num_hidden_layers}}))
 """
 
 
@@ -259,7 +262,9 @@ def test_hf_attention_with_head_views_trains_with_stocks_bits_and_fewer_nodes(mo
     way, seven autograd nodes fewer a layer (the q/k/v views and transposes, the view before o_proj;
     five for Qwen3, whose q and k keep their transposes, three for OLMo 2 and 3, whose q and k keep
     their views too, and for GPT-NeoX's one projection and dense; eight for GPT-2, whose split
-    goes too; ten for Phi-3, whose three slices go) and the peak memory not above."""
+    goes too; ten for Phi-3, whose three slices go) and the peak memory not above. The
+    backward's gradient of GPT-2's and Phi-3's three chunks is written straight into the
+    projection's gradient by kv_copy's rows kernel: three of its calls a layer a step more."""
     pytest.importorskip("transformers", reason="scripts/setup installs transformers")
     out = run(MODEL, model=model, autocast=autocast, toggle="head_views")
     assert out["losses"] and out["grads"], out
@@ -267,3 +272,33 @@ def test_hf_attention_with_head_views_trains_with_stocks_bits_and_fewer_nodes(mo
     assert out["served"] == [served, served], out
     assert out["nodes"][0] - out["nodes"][1] == {"qwen3": 5, "olmo2": 3, "olmo3": 3, "gpt_neox": 3, "gpt2": 8, "phi3": 10}.get(model, 7) * 2, out
     assert out["peak"][1] <= out["peak"][0], out
+
+
+def kv_copies_and_results(cases):
+    """The CPU op cases of test_head_views.py run on CUDA: their results, and how many calls
+    kv_copy's rows kernel served meanwhile."""
+    code = ('DEVICE = "cuda"\n' + OP_PRELUDE + cases + """
+stats = json.loads(torch.ops.torchfuse.stats())["ops"].get("torchfuse::kv_copy", {})
+print(json.dumps([stats.get("fused", 0), results]))""")
+    proc = check(run_python(code, load_library=True))
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_head_gradients_written_by_the_rows_kernel_are_stocks_bits():
+    """On CUDA the node's backward writes the heads' gradient into the GEMM's by kv_copy's rows
+    kernel, where stock reshapes (a copy where the heads are not token-major) and, for a split,
+    cats: test_head_views.py's cases (every layout of the incoming gradients, a chunk without one,
+    double backward, -0.0) give stock's bits. The kernel served every split whose three chunks
+    have gradients of whole 16-byte rows (three calls each; double backward keeps stock's calls),
+    and the single head views whose gradient is not token-major."""
+    copies, out = kv_copies_and_results(SPLIT_CASES)
+    assert all(error is not None for error in out.pop("errors"))
+    for case, (outputs, grads, double, node) in out.items():
+        assert outputs and grads and double, case
+    whole_rows = [case for case in out if "(0, 1, 2)" in case
+                  and int(re.search(r"x(\d+) conv1d", case).group(1)) % 8 == 0]
+    assert whole_rows and copies == 3 * len(whole_rows), (copies, whole_rows)
+    copies, out = kv_copies_and_results(HEAD_CASES)
+    for case, (equal, node) in out.items():
+        assert equal, case
+    assert copies > 0

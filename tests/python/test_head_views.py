@@ -16,9 +16,10 @@ import json, torch
 import torch.nn.functional as F
 op = torch.ops.torchfuse.linear_cast
 BF16 = torch.bfloat16
+DEVICE = globals().get("DEVICE", "cpu")  # test_gpu_linear.py runs some of these cases on CUDA
 g = torch.Generator().manual_seed(0)
 def r(*shape, dtype=torch.float32, grad=True):
-    return torch.randn(*shape, generator=g).to(dtype).requires_grad_(grad)
+    return torch.randn(*shape, generator=g).to(dtype).to(DEVICE).requires_grad_(grad)
 def bits(t):  # the tensor's bits: -0.0 is not +0.0 here
     return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]) if t.is_floating_point() else t
 def same(a, b):
@@ -35,12 +36,7 @@ def run_op(code):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_split_heads_are_stocks_view_and_transpose_bit_for_bit_in_one_node():
-    """`out_head_dim`: the output is HF's `y.view(*lead, -1, head_dim).transpose(1, 2)`, or with
-    `transpose_heads` false the view alone (its sizes and strides), and the gradients of the input,
-    weight and bias equal those through stock's view and transpose, for an incoming gradient of any
-    layout (contiguous, or as an attention's backward gives it)."""
-    out = run_op(r"""
+HEAD_CASES = r"""
 results = {}
 for lead, heads, head_dim in [((2, 5), 4, 8), ((1, 7), 2, 16), ((3, 1), 3, 4), ((6,), 2, 8)]:
     for bias in (True, False):
@@ -53,7 +49,7 @@ for lead, heads, head_dim in [((2, 5), 4, 8), ((1, 7), 2, 16), ((3, 1), 3, 4), (
                     heads = F.linear(x, w, b).view(*lead, -1, head_dim)
                     return heads.transpose(1, 2) if transposed else heads
                 shape = stock().shape
-                dy = torch.randn(*shape, generator=g).to(dtype)
+                dy = torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
                 if layout != "contiguous":  # [B, S, H, D] memory seen as [B, H, S, D]
                     dy = dy.transpose(1, 2).contiguous().transpose(1, 2) if len(lead) > 1 else dy.mT.contiguous().mT
                 ours, node = outputs_and_grads(lambda: op(x, w, b, dtype, False, head_dim, False, transposed),
@@ -61,8 +57,15 @@ for lead, heads, head_dim in [((2, 5), 4, 8), ((1, 7), 2, 16), ((3, 1), 3, 4), (
                 theirs, _ = outputs_and_grads(stock, leaves, dy)
                 results[f"{lead} {heads}x{head_dim} bias={bias} {dtype} {layout} transposed={transposed}"] = [
                     same(ours, theirs), node]
-print(json.dumps(results))
-""")
+"""
+
+
+def test_split_heads_are_stocks_view_and_transpose_bit_for_bit_in_one_node():
+    """`out_head_dim`: the output is HF's `y.view(*lead, -1, head_dim).transpose(1, 2)`, or with
+    `transpose_heads` false the view alone (its sizes and strides), and the gradients of the input,
+    weight and bias equal those through stock's view and transpose, for an incoming gradient of any
+    layout (contiguous, or as an attention's backward gives it)."""
+    out = run_op(HEAD_CASES + 'print(json.dumps(results))')
     assert len(out) == 4 * 2 * 2 * 3
     for case, (equal, node) in out.items():
         assert equal, case
@@ -92,17 +95,7 @@ print(json.dumps(results))
         assert node == "torchfuse::LinearCastBackward", case
 
 
-def test_split_into_heads_is_stocks_split_or_slices_views_and_transposes_bit_for_bit_in_one_node():
-    """torchfuse::linear_cast_split: the output split into q, k and v heads as GPT-2's attention
-    splits c_attn's (a Conv1D's [in, out] weight, `split(split_size, dim=2)`) and as Phi-3's
-    slices its qkv_proj's (a Linear's, k and v fewer heads than q), each chunk viewed and
-    transposed into heads: three outputs of stock's sizes, strides, storage offsets and values,
-    one node; the gradients of the input, weight and bias have the bits of those through stock's
-    split or slices, views and transposes (the sign of a zero too: the engine's sum of the slices'
-    zero-padded gradients makes -0.0 +0.0) for incoming gradients of any layout, with a chunk that
-    has none (its columns zero), and in a double backward (create_graph: stock's calls on the
-    gradients)."""
-    out = run_op(r"""
+SPLIT_CASES = r"""
 split_op = torch.ops.torchfuse.linear_cast_split
 results = {}
 def info(ts):
@@ -131,7 +124,7 @@ for (batch, seq), heads, kv_heads, head_dim in [((2, 5), 4, 4, 8), ((1, 7), 2, 1
                             dy = torch.randn(batch, sizes[i] // head_dim, seq, head_dim, generator=g).to(dtype)
                             # -0.0 in a third of the places: slices' gradients are summed with
                             # zeros (+0.0), a split's cat keeps them
-                            dy = torch.where(torch.rand(dy.shape, generator=g) < 0.33, -0.0, dy).to(dtype)
+                            dy = torch.where(torch.rand(dy.shape, generator=g) < 0.33, -0.0, dy).to(dtype).to(DEVICE)
                             if layout == "token order":  # [B, S, H, D] memory seen as [B, H, S, D]
                                 dy = dy.transpose(1, 2).contiguous().transpose(1, 2)
                             dys.append(dy)
@@ -163,8 +156,20 @@ for sizes in ([8, 8, 8], [8, 8, 4]):  # widths that are not the output's, or not
     except RuntimeError as error:
         errors.append(str(error))
 results["errors"] = errors
-print(json.dumps(results))
-""")
+"""
+
+
+def test_split_into_heads_is_stocks_split_or_slices_views_and_transposes_bit_for_bit_in_one_node():
+    """torchfuse::linear_cast_split: the output split into q, k and v heads as GPT-2's attention
+    splits c_attn's (a Conv1D's [in, out] weight, `split(split_size, dim=2)`) and as Phi-3's
+    slices its qkv_proj's (a Linear's, k and v fewer heads than q), each chunk viewed and
+    transposed into heads: three outputs of stock's sizes, strides, storage offsets and values,
+    one node; the gradients of the input, weight and bias have the bits of those through stock's
+    split or slices, views and transposes (the sign of a zero too: the engine's sum of the slices'
+    zero-padded gradients makes -0.0 +0.0) for incoming gradients of any layout, with a chunk that
+    has none (its columns zero), and in a double backward (create_graph: stock's calls on the
+    gradients)."""
+    out = run_op(SPLIT_CASES + 'print(json.dumps(results))')
     errors = out.pop("errors")
     assert all(error is not None for error in errors), errors
     assert len(out) == (2 + 1 + 2 + 1) * 2 * 3 * 2

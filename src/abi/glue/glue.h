@@ -156,6 +156,11 @@ bool traced(const at::Tensor& t);
 // Functions raise under them), or a tensor carries a forward-mode AD tangent (they have no jvp).
 bool composition_only(std::initializer_list<at::Tensor> tensors);
 
+// `out.copy_(x)` for x a 4-D view with a contiguous last dim and `out` a view of its sizes whose
+// elements do not overlap: kv_copy's rows kernel where Rust serves it (its toggle, `kv_cache`,
+// on), else copy_ itself. Not differentiable: for backward passes below autograd.
+void copy_rows_into(const at::Tensor& x, const at::Tensor& out);
+
 // torchfuse's own op `name` as a typed handle, for the autograd Functions to call below
 // autograd; the signature is the caller's own (`own_op<decltype(call_x)>`), kept in a static:
 // one lookup.

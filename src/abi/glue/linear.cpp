@@ -51,6 +51,7 @@
 // backward's), so the weight's second-order gradient is such an fp32 sum too.
 #include "glue.h"
 
+#include <ATen/TensorUtils.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
@@ -345,18 +346,71 @@ struct LinearCastBackward : public torch::autograd::Node {
     const auto first = std::find_if(grads.begin(), grads.end(),
                                     [](const at::Tensor& g) { return g.defined(); });
     if (first == grads.end()) return at::Tensor();
-    std::vector<int64_t> chunk_sizes = output_sizes;
-    std::vector<at::Tensor> chunks;
-    for (size_t i = 0; i < grads.size(); ++i) {
-      chunk_sizes.back() = split_sizes[i];
-      chunks.push_back(grads[i].defined() ? grads[i].transpose(1, 2).reshape(chunk_sizes)
-                                          : at::zeros(chunk_sizes, first->options()));
+    at::Tensor grad = chunks_written(grads);
+    if (!grad.defined()) {
+      std::vector<int64_t> chunk_sizes = output_sizes;
+      std::vector<at::Tensor> chunks;
+      for (size_t i = 0; i < grads.size(); ++i) {
+        chunk_sizes.back() = split_sizes[i];
+        chunks.push_back(grads[i].defined() ? grads[i].transpose(1, 2).reshape(chunk_sizes)
+                                            : at::zeros(chunk_sizes, first->options()));
+      }
+      grad = at::cat(chunks, -1);
     }
-    at::Tensor grad = at::cat(chunks, -1);
     const auto given = std::count_if(grads.begin(), grads.end(),
                                      [](const at::Tensor& g) { return g.defined(); });
     if (!sliced || given < 2) return grad;  // one slice's gradient is summed with nothing
     return at::GradMode::is_enabled() ? at::add(grad, 0) : grad.add_(0);
+  }
+
+  // The cat's output made directly: each chunk's gradient, [*lead, heads, tokens, head_dim] as
+  // the attention hands it back, copied once into the columns it takes of a new contiguous
+  // tensor (kv_copy's rows kernel). Stock transposes each chunk back, reshapes it (a strided
+  // copy wherever the chunk is not laid out token-major) and cats the three: the same values
+  // in the cat's layout, at one pass over each chunk instead of up to two. Undefined (stock's
+  // calls then) in a double backward (the graph is stock's differentiable ops'), for a chunk
+  // without a gradient, and for gradients that are not CUDA tensors of one dtype and device
+  // with the chunks' sizes.
+  at::Tensor chunks_written(const variable_list& grads) const {
+    if (at::GradMode::is_enabled() || output_sizes.size() != 3) return at::Tensor();
+    const at::Tensor& g0 = grads[0];
+    for (const auto& g : grads)
+      if (!g.defined() || !g.is_cuda() || traced(g) || g.dim() != 4 ||
+          g.scalar_type() != g0.scalar_type() || g.device() != g0.device())
+        return at::Tensor();
+    const int64_t batch = output_sizes[0], tokens = output_sizes[1];
+    for (size_t i = 0; i < grads.size(); ++i) {
+      const auto& g = grads[i];
+      if (g.size(0) != batch || g.size(2) != tokens || g.size(1) * g.size(3) != split_sizes[i])
+        return at::Tensor();
+    }
+    std::vector<int64_t> sizes = output_sizes;
+    sizes.back() = std::accumulate(split_sizes.begin(), split_sizes.end(), int64_t{0});
+    at::Tensor grad = at::empty(sizes, g0.options());
+    int64_t column = 0;
+    for (size_t i = 0; i < grads.size(); ++i) {
+      const auto& g = grads[i];
+      const at::Tensor columns = grad.narrow(-1, column, split_sizes[i])
+                                     .view({batch, tokens, g.size(1), g.size(3)})
+                                     .transpose(1, 2);
+      copy_rows_into(g, columns);
+      column += split_sizes[i];
+    }
+    return grad;
+  }
+
+  // The output's gradient as the heads' TransposeBackward0 and ViewBackward0 make it: the
+  // reshape's view where the heads' layout allows one, else its contiguous copy, made by
+  // kv_copy's rows kernel below autograd (a double backward keeps stock's reshape).
+  at::Tensor heads_gradient(const at::Tensor& g) const {
+    const at::Tensor heads = heads_transposed ? g.transpose(1, 2) : g;
+    if (!at::GradMode::is_enabled() && heads.is_cuda() && !traced(heads) && heads.dim() == 4 &&
+        !at::detail::computeStride(heads.sizes(), heads.strides(), output_sizes).has_value()) {
+      at::Tensor copy = at::empty(heads.sizes(), heads.options());
+      copy_rows_into(heads, copy);
+      return copy.view(output_sizes);
+    }
+    return heads.reshape(output_sizes);
   }
 
   variable_list apply(variable_list&& grads) override {
@@ -366,8 +420,7 @@ struct LinearCastBackward : public torch::autograd::Node {
         !split_sizes.empty()   ? split_gradient(grads)
         : !grads[0].defined()  ? at::Tensor()
         : output_sizes.empty() ? grads[0]
-                               : (heads_transposed ? grads[0].transpose(1, 2) : grads[0])
-                                     .reshape(output_sizes);
+                               : heads_gradient(grads[0]);
     if (!grad.defined()) return out;
     // The output's view (or matmul's _unsafe_view) back to the GEMM's [rows, out] gradient.
     const at::Tensor grad_2d = grad.dim() == 2 ? grad : grad.reshape({-1, out_features});

@@ -139,7 +139,7 @@ const std::vector<int64_t>& abi_layout() {
       sizeof(TfSwigluCall), TF_FIELD(TfSwigluCall, up), TF_FIELD(TfSwigluCall, grad_out),
       sizeof(TfRotaryCall), TF_FIELD(TfRotaryCall, k), TF_FIELD(TfRotaryCall, cos),
       TF_FIELD(TfRotaryCall, sin), TF_FIELD(TfRotaryCall, grad_q), TF_FIELD(TfRotaryCall, grad_k),
-      TF_FIELD(TfRotaryCall, unsqueeze_dim), TF_FIELD(TfRotaryCall, x_dtype),
+      TF_FIELD(TfRotaryCall, out), TF_FIELD(TfRotaryCall, unsqueeze_dim), TF_FIELD(TfRotaryCall, x_dtype),
       TF_FIELD(TfRotaryCall, interleaved),
       sizeof(TfEmbeddingCall), TF_FIELD(TfEmbeddingCall, grad),
       TF_FIELD(TfEmbeddingCall, indices), TF_FIELD(TfEmbeddingCall, num_weights),

@@ -400,6 +400,15 @@ std::tuple<at::Tensor, at::Tensor> kv_copy_autograd(const at::Tensor& key, const
 
 }  // namespace
 
+void copy_rows_into(const at::Tensor& x, const at::Tensor& out) {
+  TfRotaryCall call{};
+  call.q = describe(x);
+  call.out = describe(out);
+  call.x_dtype = static_cast<int16_t>(out.scalar_type());
+  TfOutputs written{};
+  if (!fused_by_rust(TF_ENTRY_KV_COPY, x, call, written)) out.copy_(x);
+}
+
 bool register_rotary(uint32_t entry, const char* /*name*/, torch::Library* /*aten*/) {
   using c10::DispatchKey;
   switch (entry) {
