@@ -6,6 +6,12 @@
 //
 // in one pass: a and b read once, out written once, with 16-byte accesses.
 //
+// mixed_copy: copy_ of a 16-bit tensor into an fp32 one of the same layout (autocast's casts
+// back in the backward: a weight's gradient to its fp32 parameter's dtype, ToCopyBackward0 of
+// an fp32 q or k the attention took in bf16). PyTorch's copy of two dtypes is unvectorized too;
+// here out = float(b), exact (a shift of the bits, NaN payloads too), b read once, out written
+// once.
+//
 // Layout: elementwise.cuh's (chunks of 8 elements, 16-byte accesses where every pointer is
 // aligned) over the tensors' common row-major order (the glue passes contiguous tensors of one
 // shape). No reductions: results do not depend on the launch shape.
@@ -32,6 +38,24 @@ struct MixedAdd {
     tf_store_elems<W>(out + i, x);
   }
 };
+
+struct MixedCopy {
+  const tf_storage* __restrict__ b;
+  float* __restrict__ out;
+  template <int W>
+  __device__ __forceinline__ void apply(tf_i64 i) const {
+    float y[W];
+    tf_load_elems<W>(b + i, y);
+    tf_store_elems<W>(out + i, y);
+  }
+};
+
+// out = b over n elements: out fp32, b TF_DTYPE.
+extern "C" __global__ void __launch_bounds__(TF_THREADS)
+    mixed_copy(const tf_storage* __restrict__ b, float* __restrict__ out, tf_i64 n,
+               int vectorized) {
+  tf_for_each_element<TF_THREADS, TF_CHUNKS>(MixedCopy{b, out}, n, vectorized);
+}
 
 // out = a + b over n elements: a and out fp32, b TF_DTYPE.
 extern "C" __global__ void __launch_bounds__(TF_THREADS)

@@ -1,6 +1,8 @@
 //! `aten::add.Tensor` of an fp32 tensor and a 16-bit one of the same shape, alpha 1: the residual
 //! add of a layer's bf16 output to an fp32 residual stream under autocast, through
-//! kernels/mixed_add.cu (one vectorized pass), or why stock's add runs a call.
+//! kernels/mixed_add.cu (one vectorized pass), or why stock's add runs a call; and `aten::copy_`
+//! of a 16-bit tensor into an fp32 one of the same layout (autocast's casts back in the
+//! backward), the same way.
 
 use super::elementwise;
 use super::{Family, KernelOp, Request, Selected, Served, Variant};
@@ -12,13 +14,24 @@ use crate::runtime::{Entry, OpFamily};
 use crate::select::{dtype_of, StockReason};
 use tch::Kind;
 
-/// The kernel of kernels/mixed_add.cu, by name.
+/// The kernels of kernels/mixed_add.cu, by name.
 const KERNEL: &str = "mixed_add";
+const COPY_KERNEL: &str = "mixed_copy";
 
 kernel_args! {
     /// mixed_add's arguments (kernels/mixed_add.cu): n contiguous elements.
     struct MixedAddArgs {
         a: u64,
+        b: u64,
+        out: u64,
+        n: i64,
+        vectorized: i32,
+    }
+}
+
+kernel_args! {
+    /// mixed_copy's arguments (kernels/mixed_add.cu): n elements of one dense layout.
+    struct MixedCopyArgs {
         b: u64,
         out: u64,
         n: i64,
@@ -53,13 +66,16 @@ impl Family for MixedAdd {
         Some(describe(call.self_.given()?))
     }
 
-    /// self + other, fp32.
+    /// self + other, fp32; for copy_, other written into self (no outputs).
     unsafe fn serve(
-        _entry: Entry,
+        entry: Entry,
         launch: Launch,
         call: &TfMixedAddCall,
         shape: &[i64],
     ) -> Result<Served, StockReason> {
+        if entry == Entry::MixedCopy {
+            return mixed_copy(launch, call);
+        }
         let self_ = call.self_.given().ok_or(StockReason::InvalidInput)?;
         let other = call.other.given().ok_or(StockReason::InvalidInput)?;
         let self_kind = self_.kind().ok_or(StockReason::UnsupportedDtype)?;
@@ -121,12 +137,20 @@ impl Family for MixedAdd {
         Ok(Served::new(variant.name.as_str(), [Some(out), None, None]))
     }
 
-    fn kernels(_op: KernelOp) -> &'static [&'static str] {
-        &[KERNEL]
+    fn kernels(op: KernelOp) -> &'static [&'static str] {
+        if op == KernelOp::MixedCopy {
+            &[COPY_KERNEL]
+        } else {
+            &[KERNEL]
+        }
     }
 
     fn kernel_args(kernel: &str) -> Option<&'static [Field]> {
-        (kernel == KERNEL).then_some(MixedAddArgs::FIELDS)
+        match kernel {
+            KERNEL => Some(MixedAddArgs::FIELDS),
+            COPY_KERNEL => Some(MixedCopyArgs::FIELDS),
+            _ => None,
+        }
     }
 
     fn defines(_op: KernelOp) -> Vec<String> {
@@ -138,6 +162,64 @@ impl Family for MixedAdd {
     fn prepare(v: &Variant) -> Result<elementwise::Params, String> {
         elementwise::prepare(v)
     }
+}
+
+/// copy_ of `call.other` (bf16/fp16) into `call.self_` (fp32): the glue sends only CUDA tensors
+/// of one device, sizes and strides, self dense and not sharing memory with other, so that both
+/// are the same permutation of n consecutive elements.
+fn mixed_copy(launch: Launch, call: &TfMixedAddCall) -> Result<Served, StockReason> {
+    let out = call.self_.given().ok_or(StockReason::InvalidInput)?;
+    let src = call.other.given().ok_or(StockReason::InvalidInput)?;
+    let src_kind = src.kind().ok_or(StockReason::UnsupportedDtype)?;
+    if fp32_first(out.kind().ok_or(StockReason::UnsupportedDtype)?, src_kind) != Some(true) {
+        return Err(StockReason::MixedDtypes);
+    }
+    let device = gpu::torch_device(launch)?;
+    if out.device() != device || src.device() != device {
+        return Err(StockReason::InvalidInput);
+    }
+    if out.sizes() != src.sizes() || out.strides() != src.strides() {
+        return Err(StockReason::FormNotServed);
+    }
+    if out.dense == 0 || src.dense == 0 {
+        return Err(StockReason::NotContiguous);
+    }
+    let n = out.numel();
+    if n == 0 {
+        return Err(StockReason::EmptyInput);
+    }
+    let dtype = dtype_of(src_kind).ok_or(StockReason::UnsupportedDtype)?;
+    let Selected {
+        gpu,
+        variant,
+        kernels,
+        params,
+    } = super::select(launch, |sm| Request {
+        op: KernelOp::MixedCopy,
+        dtype,
+        hidden: 1,
+        rows: n,
+        sm,
+        deterministic: false,
+        narrowed: false,
+    })?;
+    let p = MixedAdd::params(params)?;
+    let copy_args = MixedCopyArgs {
+        b: src.addr(),
+        out: out.addr(),
+        n,
+        vectorized: i32::from(aligned16([src.addr(), out.addr()])),
+    };
+    let config = elementwise::launch_config(n, p)?;
+    let stream = gpu.stream(launch);
+    let mut args = stream.launch_builder(&kernels.get(COPY_KERNEL)?.function);
+    args::push(&mut args, &copy_args);
+    // SAFETY: mixed_copy's parameters are MixedCopyArgs's fields (the compile test checks); src
+    // and out are dense with the same sizes and strides, so each spans n consecutive elements
+    // from its data pointer (the module's dtype, fp32), in separate storages; both live until the
+    // stream is done with them (the caller's, held across the call).
+    unsafe { args.launch(config) }.map_err(|e| super::launch_failed(variant, e))?;
+    Ok(Served::new(variant.name.as_str(), [None, None, None]))
 }
 
 #[cfg(test)]

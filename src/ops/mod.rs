@@ -892,6 +892,16 @@ params = { THREADS_PER_ROW = 32, ROWS_PER_BLOCK = 4, ELEMS_PER_THREAD = 32 }
                 8192 * 3072,
                 "gelu_fwd_wide",
             ),
+            // Widening copies (registry/mixed_add.toml): every size, bias-sized ones too.
+            (MixedCopy, DType::BF16, 1, 768, "mixed_copy_t256_c2"),
+            (MixedCopy, DType::F16, 1, 3072 * 768, "mixed_copy_t256_c4"),
+            (
+                MixedCopy,
+                DType::BF16,
+                1,
+                151_936 * 896,
+                "mixed_copy_t512_c2",
+            ),
         ];
         for (op, dtype, hidden, rows, prefix) in served {
             for sm in [80, 90] {

@@ -1,7 +1,9 @@
 """aten::add.Tensor of an fp32 tensor and a 16-bit one of the same shape (torchfuse's mixed_add:
 an fp32 residual stream plus a layer's bf16 output under autocast) against stock, docs/testing.md
 ("Correctness"), over fresh random cases: the sum is one fp32 rounding of exact operands, so it
-must be stock's bit for bit; every other form of add goes to stock unchanged."""
+must be stock's bit for bit; every other form of add goes to stock unchanged. The same for
+aten::copy_ of a 16-bit tensor into an fp32 one of one layout (autocast's casts back in the
+backward): an exact widening, stock's bits; every other copy is stock's."""
 import random
 
 import pytest
@@ -13,6 +15,7 @@ from gpu_util import asked_count, enabled, fresh_seed, fused_count, garbage_allo
 pytestmark = [requires_cuda, pytest.mark.usefixtures("torchfuse_below_thresholds")]
 
 OP = "add.Tensor"
+COPY = "copy_"
 HALVES = [torch.bfloat16, torch.float16]
 
 
@@ -151,5 +154,115 @@ def test_a_residual_block_under_autocast_trains_as_stocks():
     assert fused_count(OP) > before
     with enabled("mixed_add", False):
         theirs = step()
+    for o, t in zip(ours, theirs):
+        assert_stocks(o, t)
+
+
+def dense_layout(rng, shape, gen):
+    """A 16-bit-sized random tensor's fp32 values in a dense layout: contiguous, or a permutation
+    of it (a weight gradient's transpose, a [B, H, S, D] view of [B, S, H, D] memory)."""
+    x = torch.randn(shape, generator=gen, device="cuda") * rng.choice([1e-3, 1.0, 300.0])
+    if x.dim() >= 2 and rng.random() < 0.5:
+        order = list(range(x.dim()))
+        rng.shuffle(order)
+        x = x.permute(order).contiguous().permute([order.index(i) for i in range(x.dim())])
+    return x
+
+
+def test_random_widening_copies_are_stocks_bits():
+    """copy_ of bf16/fp16 into fp32 of the same dense layout (contiguous or permuted, aligned or
+    not), directly and through `.float()`/`.to()` (autocast's casts back): served, stock's bits
+    and layout."""
+    rng = random.Random(fresh_seed())
+    gen = torch.Generator(device="cuda").manual_seed(rng.randrange(2**31))
+    for _ in range(60):
+        half = rng.choice(HALVES)
+        shape = rng.choice([(1,), (7,), (8,), (4097,), (3, 5, 7), (768, 2304), (2, 4, 300, 64),
+                            (rng.randrange(1, 3000), rng.randrange(1, 3000))])
+        src = dense_layout(rng, shape, gen).to(half)  # .to keeps the dense layout
+        if src.is_contiguous() and rng.random() < 0.3:
+            src = unaligned(src)
+        garbage_allocator(src.numel() * 4)
+        before = fused_count(COPY)
+        if rng.random() < 0.5:
+            out = torch.empty_like(src, dtype=torch.float32)
+            out.copy_(src)
+        else:
+            out = src.float() if rng.random() < 0.5 else src.to(torch.float32)
+        assert fused_count(COPY) == before + 1, (shape, half, src.stride())
+        assert_stocks(out, stock(lambda: src.to(torch.float32)))
+
+
+def test_widening_keeps_nan_payloads_infinities_subnormals_and_signed_zeros():
+    for half in HALVES:
+        bits16 = torch.arange(-(2**15), 2**15, dtype=torch.int32, device="cuda").to(torch.int16)
+        src = bits16.view(half)  # every 16-bit pattern: NaNs with payloads, infs, subnormals, -0.0
+        before = fused_count(COPY)
+        out = src.float()
+        assert fused_count(COPY) == before + 1
+        assert_stocks(out, stock(lambda: src.float()))
+
+
+def test_other_copies_go_to_stock_unchanged():
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed())
+    src = torch.randn(64, 256, generator=gen, device="cuda").to(torch.bfloat16)
+    src32 = torch.randn(64, 256, generator=gen, device="cuda")
+    before, asked = fused_count(COPY), asked_count(COPY)
+    storage = torch.empty(64 * 256, device="cuda")
+    cases = [
+        lambda: torch.empty(64, 256, device="cuda").copy_(src.t().contiguous().t()),  # other strides
+        lambda: torch.empty(64, 512, device="cuda")[:, ::2].copy_(src),               # not dense
+        lambda: torch.empty(64, 256, device="cuda").copy_(src[0].expand(64, 256)),    # broadcast
+        lambda: torch.empty(64, 256, device="cuda").copy_(src32),                     # one dtype
+        lambda: torch.empty(64, 256, device="cuda", dtype=torch.bfloat16).copy_(src32),  # narrowing
+        lambda: torch.empty(64, 256, device="cuda").copy_(src.cpu()),                 # host to device
+        lambda: torch.empty(64, 256).copy_(src),                                      # device to host
+        lambda: torch.empty(64, 256, device="cuda", dtype=torch.float64).copy_(src),  # fp64
+        lambda: torch.empty(64, 256, device="cuda").copy_(torch._neg_view(src)),      # a negated view
+    ]
+    for case in cases:
+        out = case()
+        theirs = stock(case)
+        assert (out.dtype, out.shape, out.stride(), out.device) == (theirs.dtype, theirs.shape, theirs.stride(), theirs.device)
+        assert torch.equal(out, theirs)
+    assert fused_count(COPY) == before
+    assert asked_count(COPY) == asked  # the glue keeps these without a call into Rust
+    # Memory shared with the source: stock's error (or result) either way.
+    outcomes = []
+    for on in (True, False):
+        with enabled("mixed_add", on):
+            half_view = storage.view(torch.bfloat16)[: 64 * 256].view(64, 256)
+            target = storage.view(64, 256)
+            try:
+                target.copy_(half_view)
+                outcomes.append(("ok", target.clone()))
+            except RuntimeError as error:
+                outcomes.append(("error", str(error)))
+    assert outcomes[0][0] == outcomes[1][0]
+    if outcomes[0][0] == "error":
+        assert outcomes[0][1] == outcomes[1][1]
+    assert fused_count(COPY) == before
+
+
+def test_a_linears_weight_gradient_cast_back_is_served():
+    """Under bf16 autocast a Linear's fp32 weight gets its bf16 gradient cast back
+    (ToCopyBackward0: copy_ into fp32, through the linear node or stock's nodes alike): served,
+    stock's bits."""
+    torch.manual_seed(fresh_seed())
+    lin = torch.nn.Linear(768, 2304, device="cuda")
+    x = torch.randn(8, 128, 768, device="cuda")
+    dy = torch.randn(8, 128, 2304, device="cuda")
+
+    def grads():
+        lin.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = lin(x)
+        y.backward(dy)
+        return lin.weight.grad.clone(), lin.bias.grad.clone()
+
+    before = fused_count(COPY)
+    ours = grads()
+    assert fused_count(COPY) >= before + 2  # the weight's and the bias's gradients
+    theirs = stock(grads)
     for o, t in zip(ours, theirs):
         assert_stocks(o, t)
