@@ -268,6 +268,7 @@ impl Family for Rotary {
                 &call.sin,
                 &call.grad_q,
                 &call.grad_k,
+                &call.out,
             ],
             true,
         )

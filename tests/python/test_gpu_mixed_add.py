@@ -266,3 +266,35 @@ def test_a_linears_weight_gradient_cast_back_is_served():
     theirs = stock(grads)
     for o, t in zip(ours, theirs):
         assert_stocks(o, t)
+
+
+def test_widening_into_odd_destinations_is_stocks():
+    """0-dim and empty tensors, an unaligned destination of an aligned source and a permuted
+    unaligned pair: stock's bits (served where there is an element to copy); the destination's
+    version counter moves as stock's; a copy-on-write destination gets its own memory first, so
+    the tensor it was cloned from keeps its values."""
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed())
+    src = torch.randn(300, 257, generator=gen, device="cuda").to(torch.bfloat16)
+    cases = {
+        "0-dim": (torch.empty((), device="cuda"), src[0, 0].clone(), True),
+        "empty": (torch.empty(0, 257, device="cuda"), src[:0], False),
+        "unaligned destination": (torch.empty(300 * 257 + 1, device="cuda")[1:].view(300, 257), src, True),
+        "permuted, unaligned": (torch.empty(300 * 257 + 3, device="cuda")[3:].view(257, 300).t(),
+                                torch.empty(300 * 257 + 5, device="cuda", dtype=torch.bfloat16)[5:].view(257, 300).t(), True),
+    }
+    cases["permuted, unaligned"][1].copy_(src)
+    for name, (out, source, served) in cases.items():
+        version, before = out._version, fused_count(COPY)
+        out.copy_(source)
+        assert out._version == version + 1, name
+        assert fused_count(COPY) == before + int(served), name
+        theirs = torch.empty_like(out)
+        stock(theirs.copy_, source)
+        assert torch.equal(bits(out), bits(theirs)), name
+    original = torch.zeros(1024, device="cuda")
+    clone = torch._lazy_clone(original)
+    before = fused_count(COPY)
+    clone.copy_(torch.ones(1024, device="cuda", dtype=torch.bfloat16))
+    assert fused_count(COPY) == before + 1
+    assert torch.equal(original, torch.zeros(1024, device="cuda"))
+    assert torch.equal(clone, torch.ones(1024, device="cuda"))

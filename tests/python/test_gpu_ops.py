@@ -292,6 +292,15 @@ CASES = {
                      randn(BIG // 768 + 1, 768, grad=True), randn(BIG // 768 + 1, 768, dtype=torch.float32)],
         bad=[lambda: [randn(8, 64, dtype=torch.float32), randn(8, 63), None]],  # shapes that do not broadcast
         forward=lambda stream, out, _: stream + out),
+    "mixed_copy": Case(
+        "mixed_add", ("copy_",),
+        # A Linear's bf16 weight gradient cast back to its fp32 parameter's dtype (GPT-2's c_fc);
+        # its own backward narrows, stock's vectorized cast.
+        make=lambda rows=3072, cols=768: [randn(rows, cols, grad=True), randn(rows, cols, dtype=torch.float32)],
+        run=lambda x, dy: grads(x.float(), [x], [dy]),
+        big=lambda: [randn(BIG // 768 + 1, 768, grad=True), randn(BIG // 768 + 1, 768, dtype=torch.float32)],
+        bad=[lambda: [randn(8, 64), randn(8, 63, dtype=torch.float32)]],  # sizes that do not broadcast
+        forward=lambda x, dy: torch.empty_like(dy).copy_(x)),
 }
 
 

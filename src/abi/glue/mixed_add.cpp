@@ -41,7 +41,9 @@ at::Tensor& copy_cuda(at::Tensor& self, const at::Tensor& src, bool non_blocking
       self.has_names() || src.has_names() || self.storage().is_alias_of(src.storage()))
     return stock();
   TfMixedAddCall call{};
-  call.self = describe(self);
+  // Written: a copy-on-write destination gets its own memory first (as stock's write does),
+  // before the source is read.
+  call.self = describe(self, /*written=*/true);
   call.other = describe(src);
   call.alpha_is_one = 1;
   TfOutputs written{};

@@ -402,8 +402,9 @@ std::tuple<at::Tensor, at::Tensor> kv_copy_autograd(const at::Tensor& key, const
 
 void copy_rows_into(const at::Tensor& x, const at::Tensor& out) {
   TfRotaryCall call{};
+  // Written: a copy-on-write view gets its own memory first, as stock's write gives it.
+  call.out = describe(out, /*written=*/true);
   call.q = describe(x);
-  call.out = describe(out);
   call.x_dtype = static_cast<int16_t>(out.scalar_type());
   TfOutputs written{};
   if (!fused_by_rust(TF_ENTRY_KV_COPY, x, call, written)) out.copy_(x);
