@@ -11,7 +11,7 @@ use crate::abi::types::{TfMixedAddCall, TfTensor};
 use crate::gpu::args::{self, kernel_args, Field, KernelArgs};
 use crate::gpu::{self, Launch};
 use crate::runtime::{Entry, OpFamily};
-use crate::select::{dtype_of, StockReason};
+use crate::select::{dtype_of, DType, StockReason};
 use tch::Kind;
 
 /// The kernels of kernels/mixed_add.cu, by name.
@@ -103,38 +103,25 @@ impl Family for MixedAdd {
             return Err(StockReason::EmptyInput);
         }
         let dtype = dtype_of(b_kind).ok_or(StockReason::UnsupportedDtype)?;
-        let Selected {
-            gpu,
-            variant,
-            kernels,
-            params,
-        } = super::select(launch, |sm| Request {
-            op: KernelOp::MixedAdd,
-            dtype,
-            hidden: 1,
-            rows: n,
-            sm,
-            deterministic: false,
-            narrowed: false,
-        })?;
-        let p = MixedAdd::params(params)?;
-        let out = empty(shape, Kind::Float, device)?;
-        let add_args = MixedAddArgs {
-            a: a.addr(),
-            b: b.addr(),
-            out: device_addr(&out),
-            n,
-            vectorized: i32::from(aligned16([a.addr(), b.addr(), device_addr(&out)])),
-        };
-        let config = elementwise::launch_config(n, p)?;
-        let stream = gpu.stream(launch);
-        let mut args = stream.launch_builder(&kernels.get(KERNEL)?.function);
-        args::push(&mut args, &add_args);
-        // SAFETY: mixed_add's parameters are MixedAddArgs's fields (the compile test checks);
-        // a, b and out are contiguous with n elements (fp32, the module's dtype, fp32), and live
-        // until the stream is done with them (PyTorch's allocator orders reuse on it).
-        unsafe { args.launch(config) }.map_err(|e| super::launch_failed(variant, e))?;
-        Ok(Served::new(variant.name.as_str(), [Some(out), None, None]))
+        let mut out = None;
+        // SAFETY: a, b and the output are contiguous with n elements (fp32, the 16-bit dtype,
+        // fp32), and live until the stream is done with them (PyTorch's allocator orders reuse
+        // on it).
+        let kernel = unsafe {
+            one_pass(launch, KernelOp::MixedAdd, dtype, n, || {
+                let made = empty(shape, Kind::Float, device)?;
+                let addr = device_addr(&made);
+                out = Some(made);
+                Ok(MixedAddArgs {
+                    a: a.addr(),
+                    b: b.addr(),
+                    out: addr,
+                    n,
+                    vectorized: i32::from(aligned16([a.addr(), b.addr(), addr])),
+                })
+            })
+        }?;
+        Ok(Served::new(kernel, [out, None, None]))
     }
 
     fn kernels(op: KernelOp) -> &'static [&'static str] {
@@ -189,13 +176,44 @@ fn mixed_copy(launch: Launch, call: &TfMixedAddCall) -> Result<Served, StockReas
         return Err(StockReason::EmptyInput);
     }
     let dtype = dtype_of(src_kind).ok_or(StockReason::UnsupportedDtype)?;
+    // SAFETY: src and out are dense with the same sizes and strides, so each spans n
+    // consecutive elements from its data pointer (the 16-bit dtype, fp32), in separate
+    // storages; both live until the stream is done with them (the caller's, held across the
+    // call).
+    let kernel = unsafe {
+        one_pass(launch, KernelOp::MixedCopy, dtype, n, || {
+            Ok(MixedCopyArgs {
+                b: src.addr(),
+                out: out.addr(),
+                n,
+                vectorized: i32::from(aligned16([src.addr(), out.addr()])),
+            })
+        })
+    }?;
+    Ok(Served::new(kernel, [None, None, None]))
+}
+
+/// One elementwise pass of `op` over n elements (`dtype`: the 16-bit operand's): the registry's
+/// variant, its kernel launched on the call's stream with the arguments `args` makes (after the
+/// variant is found, so that no output is made for a call stock takes). The variant's name.
+///
+/// # Safety
+/// The arguments' pointers address n elements each of the kernel's dtypes, valid until the
+/// stream is done with them; an output does not overlap an input.
+unsafe fn one_pass<A: KernelArgs>(
+    launch: Launch,
+    op: KernelOp,
+    dtype: DType,
+    n: i64,
+    args: impl FnOnce() -> Result<A, StockReason>,
+) -> Result<&'static str, StockReason> {
     let Selected {
         gpu,
         variant,
         kernels,
         params,
     } = super::select(launch, |sm| Request {
-        op: KernelOp::MixedCopy,
+        op,
         dtype,
         hidden: 1,
         rows: n,
@@ -204,22 +222,16 @@ fn mixed_copy(launch: Launch, call: &TfMixedAddCall) -> Result<Served, StockReas
         narrowed: false,
     })?;
     let p = MixedAdd::params(params)?;
-    let copy_args = MixedCopyArgs {
-        b: src.addr(),
-        out: out.addr(),
-        n,
-        vectorized: i32::from(aligned16([src.addr(), out.addr()])),
-    };
+    let kernel_args = args()?;
     let config = elementwise::launch_config(n, p)?;
     let stream = gpu.stream(launch);
-    let mut args = stream.launch_builder(&kernels.get(COPY_KERNEL)?.function);
-    args::push(&mut args, &copy_args);
-    // SAFETY: mixed_copy's parameters are MixedCopyArgs's fields (the compile test checks); src
-    // and out are dense with the same sizes and strides, so each spans n consecutive elements
-    // from its data pointer (the module's dtype, fp32), in separate storages; both live until the
-    // stream is done with them (the caller's, held across the call).
-    unsafe { args.launch(config) }.map_err(|e| super::launch_failed(variant, e))?;
-    Ok(Served::new(variant.name.as_str(), [None, None, None]))
+    let name = MixedAdd::kernels(op)[0];
+    let mut builder = stream.launch_builder(&kernels.get(name)?.function);
+    args::push(&mut builder, &kernel_args);
+    // SAFETY: the kernel's parameters are `A`'s fields (the compile test checks each kernel's
+    // against its struct); the pointers are the caller's promise.
+    unsafe { builder.launch(config) }.map_err(|e| super::launch_failed(variant, e))?;
+    Ok(variant.name.as_str())
 }
 
 #[cfg(test)]
