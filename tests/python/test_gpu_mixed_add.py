@@ -293,8 +293,10 @@ def test_widening_into_odd_destinations_is_stocks():
         assert torch.equal(bits(out), bits(theirs)), name
     original = torch.zeros(1024, device="cuda")
     clone = torch._lazy_clone(original)
+    assert torch._C._is_cow_tensor(clone)
     before = fused_count(COPY)
     clone.copy_(torch.ones(1024, device="cuda", dtype=torch.bfloat16))
     assert fused_count(COPY) == before + 1
+    assert not torch._C._is_cow_tensor(clone)
     assert torch.equal(original, torch.zeros(1024, device="cuda"))
     assert torch.equal(clone, torch.ones(1024, device="cuda"))
