@@ -1,10 +1,11 @@
 //! The layout elementwise families share (kernels/elementwise.cuh): each thread owns `chunks`
 //! chunks of [`CHUNK`] consecutive elements, `threads` threads per CTA; their variants' params
-//! (gelu, swiglu, mixed_add).
+//! and their one launch (gelu, swiglu, mixed_add).
 
-use super::{params, Variant};
-use crate::gpu;
-use crate::select::StockReason;
+use super::{params, Family, KernelOp, Request, Selected, Variant};
+use crate::gpu::args::{self, KernelArgs};
+use crate::gpu::{self, Launch};
+use crate::select::{DType, StockReason};
 use cudarc::driver::LaunchConfig;
 use serde::{Deserialize, Serialize};
 
@@ -48,6 +49,50 @@ pub fn launch_config(n: i64, p: &Params) -> Result<LaunchConfig, StockReason> {
         block_dim: (block, 1, 1),
         shared_mem_bytes: 0,
     })
+}
+
+/// One pass of family `F`'s op `op` over n elements of `dtype`: the registry's variant and its
+/// launch, then the arguments `args` makes (last, so that no output is made for a call stock
+/// takes), then the op's one kernel launched on the call's stream. The variant's name.
+///
+/// # Safety
+/// The arguments' pointers address the elements the kernel reads and writes for n, of the
+/// kernel's dtypes, valid until the stream is done with them; an output does not overlap an
+/// input.
+pub unsafe fn launch_pass<F: Family<Params = Params>, A: KernelArgs>(
+    launch: Launch,
+    op: KernelOp,
+    dtype: DType,
+    n: i64,
+    args: impl FnOnce() -> Result<A, StockReason>,
+) -> Result<&'static str, StockReason> {
+    let Selected {
+        gpu,
+        variant,
+        kernels,
+        params,
+    } = super::select(launch, |sm| Request {
+        op,
+        dtype,
+        hidden: 1,
+        rows: n,
+        sm,
+        deterministic: false,
+        narrowed: false,
+    })?;
+    let p = F::params(params)?;
+    let config = launch_config(n, p)?;
+    let [name] = F::kernels(op) else {
+        return Err(StockReason::InternalError);
+    };
+    let kernel_args = args()?;
+    let stream = gpu.stream(launch);
+    let mut builder = stream.launch_builder(&kernels.get(name)?.function);
+    args::push(&mut builder, &kernel_args);
+    // SAFETY: the kernel's parameters are `A`'s fields (the compile test checks each kernel's
+    // against its struct); the pointers are the caller's promise.
+    unsafe { builder.launch(config) }.map_err(|e| super::launch_failed(variant, e))?;
+    Ok(variant.name.as_str())
 }
 
 #[cfg(test)]

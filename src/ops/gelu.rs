@@ -3,10 +3,10 @@
 //! (PyTorch's `gelu(approximate="tanh")`, in the glue) runs a call.
 
 use super::elementwise;
-use super::{Family, KernelOp, Request, Selected, Served, Variant};
+use super::{Family, KernelOp, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr, empty, kind_of_scalar_type};
 use crate::abi::types::{TfGeluCall, TfTensor};
-use crate::gpu::args::{self, kernel_args, Field, KernelArgs};
+use crate::gpu::args::{kernel_args, Field, KernelArgs};
 use crate::gpu::{self, Launch};
 use crate::runtime::{Entry, OpFamily};
 use crate::select::{dtype_of, StockReason};
@@ -99,56 +99,45 @@ impl Family for Gelu {
         if n == 0 {
             return Err(StockReason::EmptyInput);
         }
-        let Selected {
-            gpu,
-            variant,
-            kernels,
-            params,
-        } = super::select(launch, |sm| Request {
-            op,
-            dtype,
-            hidden: 1,
-            rows: n,
-            sm,
-            deterministic: false,
-            narrowed: false,
-        })?;
-        let p = Gelu::params(params)?;
-        let out = empty(shape, if backward { x_kind } else { other_kind }, device)?;
-        let (x_ptr, out_ptr) = (input.addr(), device_addr(&out));
-        let dy_ptr = grad_out.map(TfTensor::addr);
-        let vectorized = i32::from(aligned16([x_ptr, out_ptr, dy_ptr.unwrap_or(0)]));
-        let config = elementwise::launch_config(n, p)?;
-        let stream = gpu.stream(launch);
-        let kernel = kernels.get(if backward { BWD_KERNEL } else { FWD_KERNEL })?;
-        let mut args = stream.launch_builder(&kernel.function);
-        let (fwd_args, bwd_args);
-        match dy_ptr {
-            Some(dy) => {
-                bwd_args = GeluBwdArgs {
-                    dy,
-                    x: x_ptr,
-                    dx: out_ptr,
-                    n,
-                    vectorized,
-                };
-                args::push(&mut args, &bwd_args);
+        let out_kind = if backward { x_kind } else { other_kind };
+        let x_ptr = input.addr();
+        let mut out = None;
+        let mut made = || -> Result<u64, StockReason> {
+            let t = empty(shape, out_kind, device)?;
+            let ptr = device_addr(&t);
+            out = Some(t);
+            Ok(ptr)
+        };
+        // SAFETY: every tensor is contiguous with n elements of the dtype the module was compiled
+        // for, and lives until the stream is done with it (PyTorch's allocator orders reuse on
+        // it).
+        let kernel = unsafe {
+            // A backward call has its incoming gradient (checked above).
+            match grad_out.map(TfTensor::addr) {
+                Some(dy) if backward => {
+                    elementwise::launch_pass::<Gelu, _>(launch, op, dtype, n, || {
+                        let dx = made()?;
+                        Ok(GeluBwdArgs {
+                            dy,
+                            x: x_ptr,
+                            dx,
+                            n,
+                            vectorized: i32::from(aligned16([x_ptr, dx, dy])),
+                        })
+                    })
+                }
+                _ => elementwise::launch_pass::<Gelu, _>(launch, op, dtype, n, || {
+                    let y = made()?;
+                    Ok(GeluFwdArgs {
+                        x: x_ptr,
+                        y,
+                        n,
+                        vectorized: i32::from(aligned16([x_ptr, y, 0])),
+                    })
+                }),
             }
-            None => {
-                fwd_args = GeluFwdArgs {
-                    x: x_ptr,
-                    y: out_ptr,
-                    n,
-                    vectorized,
-                };
-                args::push(&mut args, &fwd_args);
-            }
-        }
-        // SAFETY: the kernel's parameters are its struct's fields (the compile test checks);
-        // every tensor is contiguous with n elements of the dtype the module was compiled for,
-        // and lives until the stream is done with it (PyTorch's allocator orders reuse on it).
-        unsafe { args.launch(config) }.map_err(|e| super::launch_failed(variant, e))?;
-        Ok(Served::new(variant.name.as_str(), [Some(out), None, None]))
+        }?;
+        Ok(Served::new(kernel, [out, None, None]))
     }
 
     fn kernels(op: KernelOp) -> &'static [&'static str] {

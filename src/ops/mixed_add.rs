@@ -5,13 +5,13 @@
 //! backward), the same way.
 
 use super::elementwise;
-use super::{Family, KernelOp, Request, Selected, Served, Variant};
+use super::{Family, KernelOp, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr, empty};
 use crate::abi::types::{TfMixedAddCall, TfTensor};
-use crate::gpu::args::{self, kernel_args, Field, KernelArgs};
+use crate::gpu::args::{kernel_args, Field, KernelArgs};
 use crate::gpu::{self, Launch};
 use crate::runtime::{Entry, OpFamily};
-use crate::select::{dtype_of, DType, StockReason};
+use crate::select::{dtype_of, StockReason};
 use tch::Kind;
 
 /// The kernels of kernels/mixed_add.cu, by name.
@@ -108,7 +108,7 @@ impl Family for MixedAdd {
         // fp32), and live until the stream is done with them (PyTorch's allocator orders reuse
         // on it).
         let kernel = unsafe {
-            one_pass(launch, KernelOp::MixedAdd, dtype, n, || {
+            elementwise::launch_pass::<MixedAdd, _>(launch, KernelOp::MixedAdd, dtype, n, || {
                 let made = empty(shape, Kind::Float, device)?;
                 let addr = device_addr(&made);
                 out = Some(made);
@@ -181,7 +181,7 @@ fn mixed_copy(launch: Launch, call: &TfMixedAddCall) -> Result<Served, StockReas
     // storages; both live until the stream is done with them (the caller's, held across the
     // call).
     let kernel = unsafe {
-        one_pass(launch, KernelOp::MixedCopy, dtype, n, || {
+        elementwise::launch_pass::<MixedAdd, _>(launch, KernelOp::MixedCopy, dtype, n, || {
             Ok(MixedCopyArgs {
                 b: src.addr(),
                 out: out.addr(),
@@ -191,47 +191,6 @@ fn mixed_copy(launch: Launch, call: &TfMixedAddCall) -> Result<Served, StockReas
         })
     }?;
     Ok(Served::new(kernel, [None, None, None]))
-}
-
-/// One elementwise pass of `op` over n elements (`dtype`: the 16-bit operand's): the registry's
-/// variant, its kernel launched on the call's stream with the arguments `args` makes (after the
-/// variant is found, so that no output is made for a call stock takes). The variant's name.
-///
-/// # Safety
-/// The arguments' pointers address n elements each of the kernel's dtypes, valid until the
-/// stream is done with them; an output does not overlap an input.
-unsafe fn one_pass<A: KernelArgs>(
-    launch: Launch,
-    op: KernelOp,
-    dtype: DType,
-    n: i64,
-    args: impl FnOnce() -> Result<A, StockReason>,
-) -> Result<&'static str, StockReason> {
-    let Selected {
-        gpu,
-        variant,
-        kernels,
-        params,
-    } = super::select(launch, |sm| Request {
-        op,
-        dtype,
-        hidden: 1,
-        rows: n,
-        sm,
-        deterministic: false,
-        narrowed: false,
-    })?;
-    let p = MixedAdd::params(params)?;
-    let kernel_args = args()?;
-    let config = elementwise::launch_config(n, p)?;
-    let stream = gpu.stream(launch);
-    let name = MixedAdd::kernels(op)[0];
-    let mut builder = stream.launch_builder(&kernels.get(name)?.function);
-    args::push(&mut builder, &kernel_args);
-    // SAFETY: the kernel's parameters are `A`'s fields (the compile test checks each kernel's
-    // against its struct); the pointers are the caller's promise.
-    unsafe { builder.launch(config) }.map_err(|e| super::launch_failed(variant, e))?;
-    Ok(variant.name.as_str())
 }
 
 #[cfg(test)]

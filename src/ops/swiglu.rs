@@ -5,10 +5,10 @@
 //! why stock (PyTorch's `act(gate) * up` and its autograd ops, in the glue) runs a call.
 
 use super::elementwise;
-use super::{Family, KernelOp, Request, Selected, Served, Variant};
+use super::{Family, KernelOp, Served, Variant};
 use crate::abi::tensor::{aligned16, describe, device_addr, empty};
 use crate::abi::types::{TfSwigluCall, TfTensor};
-use crate::gpu::args::{self, kernel_args, Field, KernelArgs};
+use crate::gpu::args::{kernel_args, Field, KernelArgs};
 use crate::gpu::{self, Launch};
 use crate::runtime::{Entry, OpFamily};
 use crate::select::{dtype_of, StockReason};
@@ -111,86 +111,69 @@ impl Family for Swiglu {
             (true, false) => KernelOp::GeluTanhMulFwd,
             (true, true) => KernelOp::GeluTanhMulBwd,
         };
-        let [kernel_name] = Swiglu::kernels(op) else {
-            return Err(StockReason::InternalError);
-        };
-        let Selected {
-            gpu,
-            variant,
-            kernels,
-            params,
-        } = super::select(launch, |sm| Request {
-            op,
-            dtype,
-            hidden: 1,
-            rows: layout.n,
-            sm,
-            deterministic: false,
-            narrowed: false,
-        })?;
-        let p = Swiglu::params(params)?;
-        let config = elementwise::launch_config(layout.n, p)?;
-        let stream = gpu.stream(launch);
         let up_offset = layout.up_offset * kind.elt_size_in_bytes() as u64;
         let gate_ptr = gate.addr();
         let up_ptr = up.map_or(gate_ptr + up_offset, TfTensor::addr);
         let (n, width, stride) = (layout.n, layout.width, layout.stride);
         if let Some(dy) = grad_out {
             // silu_mul: dgate and dup; silu_mul_packed: one tensor of gate_up's shape, both.
-            let dgate = empty(shape, kind, device)?;
-            let dup = if packed {
-                None
-            } else {
-                Some(empty(shape, kind, device)?)
-            };
-            let dgate_ptr = device_addr(&dgate);
-            let dup_ptr = dup.as_ref().map_or(dgate_ptr + up_offset, device_addr);
-            // Packed, up's and dup's place inside their tensors is the layout's to align.
-            let dense = [gate_ptr, up.map_or(0, TfTensor::addr), dy.addr(), dgate_ptr];
-            let dense = dense.into_iter().chain(dup.as_ref().map(device_addr));
-            let vectorized = i32::from(layout.vectorizable() && aligned16(dense));
-            let bwd_args = GatedBwdArgs {
-                dy: dy.addr(),
-                gate: gate_ptr,
-                up: up_ptr,
-                dgate: dgate_ptr,
-                dup: dup_ptr,
-                n,
-                vectorized,
-                width,
-                stride,
-            };
-            let kernel = kernels.get(kernel_name)?;
-            let mut args = stream.launch_builder(&kernel.function);
-            args::push(&mut args, &bwd_args);
-            // SAFETY: silu_mul_bwd's and gelu_tanh_mul_bwd's parameters are GatedBwdArgs's
-            // fields (the compile test checks); dy is contiguous with n elements, gate, up, dgate and
-            // dup hold n / width rows of width elements stride apart inside their tensors (the
-            // layout checked above), all of the op's dtype, and live until the stream is done
-            // with them (PyTorch's allocator orders reuse on it).
-            unsafe { args.launch(config) }.map_err(|e| super::launch_failed(variant, e))?;
-            return Ok(Served::new(variant.name.as_str(), [Some(dgate), dup, None]));
+            let (mut dgate, mut dup) = (None, None);
+            // SAFETY: dy is contiguous with n elements, gate, up, dgate and dup hold n / width
+            // rows of width elements stride apart inside their tensors (the layout checked
+            // above), all of the op's dtype, and live until the stream is done with them
+            // (PyTorch's allocator orders reuse on it).
+            let kernel = unsafe {
+                elementwise::launch_pass::<Swiglu, _>(launch, op, dtype, n, || {
+                    let dgate_t = empty(shape, kind, device)?;
+                    let dup_t = if packed {
+                        None
+                    } else {
+                        Some(empty(shape, kind, device)?)
+                    };
+                    let dgate_ptr = device_addr(&dgate_t);
+                    let dup_ptr = dup_t.as_ref().map_or(dgate_ptr + up_offset, device_addr);
+                    // Packed, up's and dup's place inside their tensors is the layout's to align.
+                    let dense = [gate_ptr, up.map_or(0, TfTensor::addr), dy.addr(), dgate_ptr];
+                    let dense = dense.into_iter().chain(dup_t.as_ref().map(device_addr));
+                    let vectorized = i32::from(layout.vectorizable() && aligned16(dense));
+                    (dgate, dup) = (Some(dgate_t), dup_t);
+                    Ok(GatedBwdArgs {
+                        dy: dy.addr(),
+                        gate: gate_ptr,
+                        up: up_ptr,
+                        dgate: dgate_ptr,
+                        dup: dup_ptr,
+                        n,
+                        vectorized,
+                        width,
+                        stride,
+                    })
+                })
+            }?;
+            return Ok(Served::new(kernel, [dgate, dup, None]));
         }
-        let y = empty(&out_shape, kind, device)?;
-        let y_ptr = device_addr(&y);
-        let dense = [gate_ptr, up.map_or(0, TfTensor::addr), y_ptr];
-        let vectorized = i32::from(layout.vectorizable() && aligned16(dense));
-        let kernel = kernels.get(kernel_name)?;
-        let mut args = stream.launch_builder(&kernel.function);
-        let fwd_args = GatedFwdArgs {
-            gate: gate_ptr,
-            up: up_ptr,
-            y: y_ptr,
-            n,
-            vectorized,
-            width,
-            stride,
-        };
-        args::push(&mut args, &fwd_args);
-        // SAFETY: silu_mul_fwd's and gelu_tanh_mul_fwd's parameters are GatedFwdArgs's fields;
-        // as the backward's.
-        unsafe { args.launch(config) }.map_err(|e| super::launch_failed(variant, e))?;
-        Ok(Served::new(variant.name.as_str(), [Some(y), None, None]))
+        let mut y = None;
+        // SAFETY: as the backward's: gate and up hold their rows inside their tensors, y is
+        // contiguous with n elements.
+        let kernel = unsafe {
+            elementwise::launch_pass::<Swiglu, _>(launch, op, dtype, n, || {
+                let y_t = empty(&out_shape, kind, device)?;
+                let y_ptr = device_addr(&y_t);
+                let dense = [gate_ptr, up.map_or(0, TfTensor::addr), y_ptr];
+                let vectorized = i32::from(layout.vectorizable() && aligned16(dense));
+                y = Some(y_t);
+                Ok(GatedFwdArgs {
+                    gate: gate_ptr,
+                    up: up_ptr,
+                    y: y_ptr,
+                    n,
+                    vectorized,
+                    width,
+                    stride,
+                })
+            })
+        }?;
+        Ok(Served::new(kernel, [y, None, None]))
     }
 
     /// The op's one kernel.
