@@ -321,12 +321,10 @@ struct LinearCastBackward : public torch::autograd::Node {
   // the [*lead, heads, head_dim] view (transposed back where it was transposed) is reshaped to;
   // empty without one.
   std::vector<int64_t> output_sizes;
-  bool heads_transposed = true;
-  // The output split into chunks of these widths first (`linear_cast_split`), one output each;
-  // empty without. `sliced`: the chunks stand for slices (Phi-3's), whose zero-padded gradients
-  // the engine sums.
-  std::vector<int64_t> split_sizes;
-  bool sliced = false;
+  // How the forward gave its output (`heads.split_sizes`: chunks of these widths first, one
+  // output each, for `linear_cast_split`; `heads.sliced`: the chunks stand for slices, Phi-3's,
+  // whose zero-padded gradients the engine sums).
+  OutputHeads heads;
   bool has_bias = false;
   // The weight is [in, out], the GEMM's second operand as it is (HF Conv1D); else nn.Linear's
   // [out, in], whose transpose the GEMM takes.
@@ -352,7 +350,7 @@ struct LinearCastBackward : public torch::autograd::Node {
       std::vector<int64_t> chunk_sizes = output_sizes;
       std::vector<at::Tensor> chunks;
       for (size_t i = 0; i < grads.size(); ++i) {
-        chunk_sizes.back() = split_sizes[i];
+        chunk_sizes.back() = heads.split_sizes[i];
         chunks.push_back(grads[i].defined() ? grads[i].transpose(1, 2).reshape(chunk_sizes)
                                             : at::zeros(chunk_sizes, first->options()));
       }
@@ -360,7 +358,7 @@ struct LinearCastBackward : public torch::autograd::Node {
     }
     const auto given = std::count_if(grads.begin(), grads.end(),
                                      [](const at::Tensor& g) { return g.defined(); });
-    if (!sliced || given < 2) return grad;  // one slice's gradient is summed with nothing
+    if (!heads.sliced || given < 2) return grad;  // one slice's gradient is summed with nothing
     return at::GradMode::is_enabled() ? at::add(grad, 0) : grad.add_(0);
   }
 
@@ -380,22 +378,23 @@ struct LinearCastBackward : public torch::autograd::Node {
           g.scalar_type() != g0.scalar_type() || g.device() != g0.device())
         return at::Tensor();
     const int64_t batch = output_sizes[0], tokens = output_sizes[1];
+    const std::vector<int64_t>& widths = heads.split_sizes;
     for (size_t i = 0; i < grads.size(); ++i) {
       const auto& g = grads[i];
-      if (g.size(0) != batch || g.size(2) != tokens || g.size(1) * g.size(3) != split_sizes[i])
+      if (g.size(0) != batch || g.size(2) != tokens || g.size(1) * g.size(3) != widths[i])
         return at::Tensor();
     }
     std::vector<int64_t> sizes = output_sizes;
-    sizes.back() = std::accumulate(split_sizes.begin(), split_sizes.end(), int64_t{0});
+    sizes.back() = std::accumulate(widths.begin(), widths.end(), int64_t{0});
     at::Tensor grad = at::empty(sizes, g0.options());
     int64_t column = 0;
     for (size_t i = 0; i < grads.size(); ++i) {
       const auto& g = grads[i];
-      const at::Tensor columns = grad.narrow(-1, column, split_sizes[i])
+      const at::Tensor columns = grad.narrow(-1, column, widths[i])
                                      .view({batch, tokens, g.size(1), g.size(3)})
                                      .transpose(1, 2);
       copy_rows_into(g, columns);
-      column += split_sizes[i];
+      column += widths[i];
     }
     return grad;
   }
@@ -404,24 +403,24 @@ struct LinearCastBackward : public torch::autograd::Node {
   // reshape's view where the heads' layout allows one, else its contiguous copy, made by
   // kv_copy's rows kernel below autograd (a double backward keeps stock's reshape).
   at::Tensor heads_gradient(const at::Tensor& g) const {
-    const at::Tensor heads = heads_transposed ? g.transpose(1, 2) : g;
-    if (!at::GradMode::is_enabled() && heads.is_cuda() && !traced(heads) && heads.dim() == 4 &&
-        !at::detail::computeStride(heads.sizes(), heads.strides(), output_sizes).has_value()) {
-      at::Tensor copy = at::empty(heads.sizes(), heads.options());
-      copy_rows_into(heads, copy);
+    const at::Tensor g_heads = heads.transpose ? g.transpose(1, 2) : g;
+    if (!at::GradMode::is_enabled() && g_heads.is_cuda() && !traced(g_heads) &&
+        g_heads.dim() == 4 &&
+        !at::detail::computeStride(g_heads.sizes(), g_heads.strides(), output_sizes).has_value()) {
+      at::Tensor copy = at::empty(g_heads.sizes(), g_heads.options());
+      copy_rows_into(g_heads, copy);
       return copy.view(output_sizes);
     }
-    return heads.reshape(output_sizes);
+    return g_heads.reshape(output_sizes);
   }
 
   variable_list apply(variable_list&& grads) override {
     variable_list out(3);
     // A head split's TransposeBackward0 and ViewBackward0 (a split's SplitBackward0 too).
-    const at::Tensor grad =
-        !split_sizes.empty()   ? split_gradient(grads)
-        : !grads[0].defined()  ? at::Tensor()
-        : output_sizes.empty() ? grads[0]
-                               : heads_gradient(grads[0]);
+    const at::Tensor grad = !heads.split_sizes.empty() ? split_gradient(grads)
+                            : !grads[0].defined()       ? at::Tensor()
+                            : output_sizes.empty()      ? grads[0]
+                                                        : heads_gradient(grads[0]);
     if (!grad.defined()) return out;
     // The output's view (or matmul's _unsafe_view) back to the GEMM's [rows, out] gradient.
     const at::Tensor grad_2d = grad.dim() == 2 ? grad : grad.reshape({-1, out_features});
@@ -572,9 +571,7 @@ std::vector<at::Tensor> linear_node(const at::Tensor& input, const at::Tensor& w
   node->in_features = weight.size(weight_in_out ? 0 : 1);
   node->out_features = out_features;
   if (head_dim > 0) node->output_sizes = gemm_output.sizes().vec();
-  node->heads_transposed = heads.transpose;
-  node->split_sizes = heads.split_sizes;
-  node->sliced = heads.sliced;
+  node->heads = heads;
   node->has_bias = bias.defined();
   node->weight_in_out = weight_in_out;
   node->input_column_major = input_column_major;
