@@ -19,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-from bench_models import build  # noqa: E402
+from bench_models import build, timed_steps  # noqa: E402
 
 
 class LayerCall(torch.nn.Module):
@@ -78,24 +78,6 @@ def graph_layers(model, sample_ids):
     return originals
 
 
-def run(model, loss_of, opt, steps):
-    """Per-step ms (CUDA events) and losses."""
-    times, losses = [], []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = loss_of(model)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        end.record()
-        times.append((start, end))
-        losses.append(loss.detach())
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in times], [float(x) for x in losses]
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="llama")
@@ -125,18 +107,17 @@ def main():
         model.load_state_dict(start)
         use(layers)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        losses[side] = run(model, loss_of, opt, 6)[1]
+        losses[side] = timed_steps(torch, model, loss_of, opt, 0, 6)[1]
     # Time: interleaved rounds, one optimizer (the training goes on).
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times, peaks = {"eager": [], "graphed": []}, {}
     for side, layers in (("eager", eager_layers), ("graphed", graphed_layers)):
         use(layers)
-        run(model, loss_of, opt, a.warmup)
+        timed_steps(torch, model, loss_of, opt, 0, a.warmup)  # warm-up: its times are not kept
     for _ in range(a.rounds):
         for side, layers in (("eager", eager_layers), ("graphed", graphed_layers)):
             use(layers)
-            torch.cuda.reset_peak_memory_stats()
-            times[side].append(statistics.median(run(model, loss_of, opt, a.steps)[0]))
+            times[side].append(timed_steps(torch, model, loss_of, opt, 0, a.steps)[0])
             peaks[side] = max(peaks.get(side, 0), torch.cuda.max_memory_allocated())
     eager_calls = sum(getattr(layer, "eager_calls", 0) for layer in graphed_layers)
     print(f"{what}: each decoder layer graphed (make_graphed_callables) against eager, one process")
