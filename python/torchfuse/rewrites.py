@@ -971,12 +971,13 @@ def _partial_rotary(torch, original, form, dependencies=None):
     of it: the rotated features and the rest written into the cat's row-major output (in the
     dtype the cat promotes to), and in the backward the gradient of the whole head at once, in
     place of the original's split, two cats forward and two backward. A rotary dim of the whole
-    head dim takes its rotated slice to the op and the original's cat (that cat's layout is the
-    original's); an odd or too-wide one runs the original. GLM's (GLM-4's, Moonshine's) is the
+    head dim (Phi-3's) is the same call with nothing passed through: the original's cat of an
+    empty rest is a copy into that layout and dtype, made by the op's own store; an odd or
+    too-wide one runs the original. GLM's (GLM-4's, Moonshine's) is the
     same of the interleaved rotary (pairs (2p, 2p+1)) with GLM's tables
     (`_interleaved_tables`), made as the original makes them; GLM-4V's (GLM-OCR's) the
     interleaved one with the tables as given."""
-    op, cat = torch.ops.torchfuse.rotary.default, torch.cat
+    op = torch.ops.torchfuse.rotary.default
     served = _rotary_call(torch, original, dependencies)
     interleaved = form in ("hf_rotary_pairs_partial", "glm4v_rotary_pairs_partial")
     glm_tables = form == "hf_rotary_pairs_partial"
@@ -988,13 +989,8 @@ def _partial_rotary(torch, original, form, dependencies=None):
             # As the original reads it.
             rotary_dim = tables[0].unsqueeze(unsqueeze_dim).shape[-1] if tables is not None else 0
             head_dim = min(q.shape[-1], k.shape[-1])
-            if rotary_dim % 2 == 0 and 0 < rotary_dim < head_dim:
+            if rotary_dim % 2 == 0 and 0 < rotary_dim <= head_dim:
                 return op(q, k, *tables, unsqueeze_dim, interleaved, True)
-            if rotary_dim % 2 == 0 and 0 < rotary_dim == head_dim:
-                q_rot, q_pass = _rotated_and_passed(q, rotary_dim)
-                k_rot, k_pass = _rotated_and_passed(k, rotary_dim)
-                q_embed, k_embed = op(q_rot, k_rot, *tables, unsqueeze_dim, interleaved)
-                return cat([q_embed, q_pass], dim=-1), cat([k_embed, k_pass], dim=-1)
         return original(q, k, cos, sin, unsqueeze_dim)
 
     return apply_rotary_pos_emb
@@ -2087,11 +2083,13 @@ REWRITES = {
     # GPT-NeoX's partial rotary, in its three writings.
     **dict.fromkeys(("hf_partial_rotary", "hf_partial_rotary_glm_doc", "hf_partial_rotary_inline",
                      "nemotron_partial_rotary"),
-                    Rewrite(_partial_rotary, _OPS + "rotary, then the original's cat")),
+                    Rewrite(_partial_rotary, _OPS + "rotary, the rest of the head passed through in the same call")),
     **dict.fromkeys(("hf_rotary_pairs_partial", "glm4v_rotary_pairs_partial"),
-                    Rewrite(_partial_rotary, _OPS + "rotary (interleaved), then the original's cat")),
-    "qwen4_exp_partial_rotary": Rewrite(_optional_k_partial_rotary, _OPS + "rotary of q (and k where given), "
-                                                                 "then the original's cat"),
+                    Rewrite(_partial_rotary, _OPS + "rotary (interleaved), the rest of the head passed through in "
+                                                    "the same call")),
+    "qwen4_exp_partial_rotary": Rewrite(_optional_k_partial_rotary, _OPS + "rotary of q and k, the rest passed "
+                                                                 "through in the same call; of q alone, then the "
+                                                                 "original's cat"),
     "hf_prefix_rotary": Rewrite(_prefix_rotary, _OPS + "rotary of the patch tokens, then the original's cat"),
     "gptj_rotary": Rewrite(_every_two_rotary, _OPS + "rotary (interleaved) of x, of the tables repeated pair by pair"),
     "gpt_oss_rotary": Rewrite(_half_table_rotary, _OPS + "rotary of the half-size tables repeated over both halves"),

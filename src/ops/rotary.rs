@@ -339,7 +339,9 @@ impl Family for Rotary {
             } else {
                 *cos.sizes().last().ok_or(StockReason::InvalidInput)?
             };
-            if r <= 0 || r >= d || r % 2 != 0 {
+            // r == d: all of the head rotates, nothing passes through; the outputs are still
+            // the cat's (row-major), as the original's cat of an empty rest makes them.
+            if r <= 0 || r > d || r % 2 != 0 {
                 return Err(StockReason::InvalidInput);
             }
             // (The backward's gradient is row-major whatever the incoming one's layout.)

@@ -450,9 +450,8 @@ def test_partial_rotary_takes_its_slices_by_one_split_on_cpu_with_the_guard_pass
     bitwise with their strides, and q's and k's gradients bitwise those of the original's two
     slices of each (the same op called on `q[..., :r]`, then cat with `q[..., r:]`: the same
     values, so only the graph tells them apart). A quarter of the head (k's head of another
-    width) is one op with `passthrough`: no split, cat or slice in the backward graph; all of
-    it takes its slice by one split (no slice, whose backward fills a zero tensor per slice and
-    adds them)."""
+    width) and all of it (Phi-3's, nothing passed through) are one op with `passthrough`: no
+    split, cat or slice in the backward graph."""
     out, _ = run(GRAPH_NODES + ROTARY_GUARD_PASSED + """
 import transformers.models.gpt_neox.modeling_gpt_neox as N
 import transformers.models.phi3.modeling_phi3 as P
@@ -485,7 +484,7 @@ for module, form, interleaved in ((N, "hf_partial_rotary", False), (P, "hf_parti
         one_op = not any(n in graph for n in ("SplitWithSizesBackward0", "CatBackward0"))
         result.append([same,
                        torch.equal(qi.grad, qs.grad) and torch.equal(ki.grad, ks.grad),
-                       one_op if rotary_dim < 64 else "SplitWithSizesBackward0" in graph,
+                       one_op,
                        "SliceBackward0" not in graph])
 print(json.dumps(result))
 """)
@@ -513,13 +512,13 @@ for rotary_dim, x_dtype, trig_dtype in ((32, torch.bfloat16, torch.float32), (64
     # Past the first check (the output's node feeds x's leaf directly: here it is the cat's).
     result.append(one_tensor_checks(lambda t, c, s: rewritten(t, cos=c, sin=s, unsqueeze_dim=2),
                                     lambda t, c, s: original(t, cos=c, sin=s, unsqueeze_dim=2), x, cos, sin)[1:])
-    # The op's node (a CppFunction): with k and a part of the head rotated, the output's own (one
-    # op with passthrough); all of it, and without k, under the cat: the rewrite's path, not the
+    # The op's node (a CppFunction): with k, the output's own (one op with passthrough, of a
+    # part of the head or all of it); without k, under the cat: the rewrite's path, not the
     # original's.
     with_k = rewritten(q.requires_grad_(True), k, cos, sin)[0]
     alone = rewritten(x.requires_grad_(True), cos=cos, sin=sin, unsqueeze_dim=2)
     node = lambda t, under_cat: t.grad_fn.next_functions[0][0] if under_cat else t.grad_fn
-    result.append([type(node(with_k, rotary_dim == 64)).__name__ == "CppFunction",
+    result.append([type(node(with_k, False)).__name__ == "CppFunction",
                    type(node(alone, True)).__name__ == "CppFunction"])
 table = torch.randn(2, 5, 80)  # too wide: the original runs
 result.append(size_error(rewritten, torch.randn(2, 4, 5, 64), cos=table, sin=table))
