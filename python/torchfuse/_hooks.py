@@ -6,7 +6,7 @@ import importlib.abc
 import os
 import sys
 
-from . import optim, rewrites
+from . import layer_graphs, optim, rewrites
 
 # Modules whose patches could not act yet (returned False), by name.
 _pending = {}
@@ -26,6 +26,7 @@ PATCHES = {
     "torch": [_retry_pending],
     "torch.optim.adam": [optim.patch_adam],
     "torch.nn.modules.linear": [rewrites.patch_linear],
+    "transformers.modeling_layers": [layer_graphs.patch_layers],
 }
 
 

@@ -12,7 +12,9 @@ the model once (bench_models.build: configs, no downloads), then takes turns: ea
   torchfuse        every op on, the AdamW torchfuse makes fused (built once, shared by the
                    torchfuse sides);
   torchfuse:SPEC   torchfuse with SPEC's toggles switched at run time (`/` for `,`, as
-                   TORCHFUSE_OPS: `torchfuse:-norm_cast/-column_sum`).
+                   TORCHFUSE_OPS: `torchfuse:-norm_cast/-column_sum`);
+  torchfuse+graphs[:SPEC]  the same with layer graphs (TORCHFUSE_LAYER_GRAPHS=1 in the worker,
+                   torchfuse.layer_graphs.switch on for this side only).
 Every step is timed with CUDA events (the step as the GPU's stream sees it: a host-bound step's
 waits included) and on the host (the time to enqueue it). Reported per side: the median step,
 and the median over rounds of its ratio to stock's step of the same round (paired: the
@@ -27,6 +29,7 @@ Losses are not compared here (the sides train one model in turn): bench_models.p
 """
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -44,7 +47,8 @@ def switch_to(side, torchfuse, torch):
     nn.Linear's and HF Conv1D's forwards are their own code where the side has the linear
     rewrite off, as in a process started with it off (their wrappers would otherwise still run,
     to call stock's nodes)."""
-    from torchfuse import rewrites
+    from torchfuse import layer_graphs, rewrites
+    layer_graphs.switch.on = "+graphs" in side
     torchs, _ = rewrites._linear_forwards(torch)
     rewritten = next((r for r, o in rewrites._LINEAR_REWRITTEN.items() if o is torchs), torchs)
     conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
@@ -71,6 +75,8 @@ def worker(a):
     sys.path.insert(0, str(ROOT / "python"))
     import torch
 
+    if any("+graphs" in side for side in a.sides.split(",")):
+        os.environ["TORCHFUSE_LAYER_GRAPHS"] = "1"  # before transformers is imported
     import torchfuse
     if not torchfuse.enable():
         raise SystemExit("torchfuse could not be loaded")

@@ -18,7 +18,8 @@ Every run is also appended to OUT/bench_models.jsonl as it ends; `--merge A.json
 reports the runs of several calls as one table.
 
 A side `torchfuse:SPEC` runs torchfuse with TORCHFUSE_OPS=SPEC, `/` standing for `,` (e.g.
-`torchfuse:-rotary/-swiglu`): which op a loss difference or a slowdown comes from.
+`torchfuse:-rotary/-swiglu`): which op a loss difference or a slowdown comes from. A side
+`torchfuse+graphs[:SPEC]` adds TORCHFUSE_LAYER_GRAPHS=1 (each decoder layer as CUDA graphs).
 
 With two or more rounds the report adds each side's speed-up round by round (rounds are
 interleaved: a pair of runs shares the machine's state) beside the ratio of medians.
@@ -281,13 +282,16 @@ def worker(a):
 def side_env(side, lib_dir):
     """This process's environment without torchfuse's settings (its kernel cache's folder kept:
     where the kernels are cached changes no result), and a side's own: for a side
-    `torchfuse[...]` the library folder, and for `torchfuse:SPEC` TORCHFUSE_OPS=SPEC."""
+    `torchfuse[...]` the library folder, for `torchfuse:SPEC` TORCHFUSE_OPS=SPEC, for
+    `torchfuse+graphs` TORCHFUSE_LAYER_GRAPHS=1."""
     env = {k: v for k, v in os.environ.items()
            if (not k.startswith("TORCHFUSE") or k == "TORCHFUSE_CACHE_DIR") and k != "LD_PRELOAD"}
     if side.startswith("torchfuse"):
         env["TORCHFUSE_LIB_DIR"] = str(Path(lib_dir).resolve())
         if ":" in side:
             env["TORCHFUSE_OPS"] = side.split(":", 1)[1].replace("/", ",")
+        if "+graphs" in side:
+            env["TORCHFUSE_LAYER_GRAPHS"] = "1"
     return env
 
 

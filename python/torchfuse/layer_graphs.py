@@ -1,0 +1,437 @@
+"""Opt-in CUDA graphs of HF decoder layers (TORCHFUSE_LAYER_GRAPHS=1): each recognised layer's
+forward and backward replayed from graphs captured on the layer's third call of one shape,
+everything around the layers (the user's loop, the loss, the optimizer, logging and its syncs)
+unchanged and eager. On a host-bound step the layers' Python, dispatch and autograd work is most
+of the host's time; a replay is one launch. docs/step-capture.md holds the design and the
+measurements.
+
+A call replays only when everything the graph baked in is as it was at capture, checked at every
+call (anything else runs the layer's own code, eager, as if this module were absent):
+- the layer's class is one of LAYERS (their forwards read and write nothing outside their
+  arguments and parameters but the KV cache, below), in training mode (every submodule's flag as
+  captured), grad on, no gradient checkpointing, outside torch.compile, torch.func, inference mode
+  and anomaly mode, no saved-tensor hooks, no module hooks (its own, its submodules', global);
+- the arguments: the same tree of tensors of the same shapes, strides, dtypes, device and
+  requires_grad (their values are copied into the graph's inputs) and the same other values
+  (None, numbers, strings, flags); autocast's state and deterministic mode as captured;
+- the parameters and buffers: the same tensors at the same addresses (`model.to()`, FSDP and
+  `load_state_dict(assign=True)` move them), requires_grad as captured; their values are read at
+  replay, so the optimizer's in-place updates are seen;
+- a KV cache argument is a fresh DynamicCache (HF builds one in every training forward with
+  use_cache on) whose layer for this one is a DynamicLayer or DynamicSlidingWindowLayer: the graph gives back the layer's keys and values and the cache gets them by its
+  own `update` after the replay, a copy, as eager's first append makes (not part of the autograd
+  graph: nothing backpropagates through a training forward's cache);
+- no earlier replay of this layer still waits for its backward (a second forward before the
+  first's backward, gradient accumulation of two forwards into one loss: eager).
+
+What a replay returns is fresh memory (the outputs and the inputs' gradients are copied out of
+the graph), so nothing a user keeps changes at the next replay; parameters' gradients are handed
+to autograd's accumulation, which copies or adds them. The weights are cast inside the graph (the
+autocast cache is off in captures, as PyTorch requires), from their values at each replay.
+A backward of a replay after the layer's next replay (retain_graph, then another forward, then a
+second backward) would read overwritten activations: it raises a RuntimeError naming this switch.
+A capture that fails (a sync inside the layer, an op that cannot be captured) is tried once more
+at the layer's next call, then leaves the layer eager for the process, with one warning. Each layer keeps its own memory pool: its saved
+activations, as eager keeps them until the backward, and its workspace.
+"""
+import contextlib
+import os
+import sys
+import types
+import weakref
+
+from ._library import note, rewrite_switch
+
+# The decoder layers whose forward is known to touch nothing but its arguments, its parameters
+# and a KV cache's update (transformers 5's code, read; each has a GPU test of the whole model).
+LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
+                    "Qwen3DecoderLayer", "Phi3DecoderLayer"})
+
+# Calls of one shape that run eager before the capture: the first steps compile and tune
+# kernels (NVRTC, cuBLAS) outside any capture.
+EAGER_CALLS = 2
+# Captures tried per layer before it stays eager: the process's first capture can fail once
+# (measured on torch 2.11: "operation would make the legacy stream depend on a capturing blocking
+# stream", the next capture of the same layer succeeds).
+CAPTURES = 2
+# Iterations of forward and backward on the capture stream before the capture (its cuBLAS
+# workspace and every lazy allocation made outside the graph's pool).
+STREAM_WARMUP = 2
+
+_ON = ("1", "true", "yes", "on")
+
+# Whether patched layers may replay (on where patched; the tests and benches switch it to compare
+# eager with graphs in one process). torchfuse.disable() turns every substitution off, this too.
+switch = types.SimpleNamespace(on=True)
+
+
+def requested():
+    """Whether TORCHFUSE_LAYER_GRAPHS asks for layer graphs in this process."""
+    return os.environ.get("TORCHFUSE_LAYER_GRAPHS", "").strip().lower() in _ON
+
+
+class _Eager(Exception):
+    """A reason this call runs the layer's own code."""
+
+
+class _RecordingCache:
+    """Stands in for a fresh KV cache during the capture: keeps the layer's one update (its keys
+    and values become the graph's outputs) and answers it as a fresh cache's first append does
+    (the keys and values themselves). Any other use of the cache fails the capture."""
+
+    def __init__(self, layer_idx):
+        self.layer_idx, self.updates = layer_idx, []
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        if layer_idx != self.layer_idx or self.updates:
+            raise _Eager("the layer updates the KV cache in a way a graph cannot replay")
+        self.updates.append((key_states, value_states))
+        return key_states, value_states
+
+    def __getattr__(self, name):
+        raise _Eager(f"the layer reads the KV cache's {name}")
+
+
+class _Token:
+    """Held by a replay's autograd node only: dead or done once its backward cannot come."""
+    __slots__ = ("done", "__weakref__")
+
+    def __init__(self):
+        self.done = False
+
+
+def _global_hooks(torch):
+    hooks = torch.nn.modules.module
+    return (hooks._global_forward_hooks or hooks._global_forward_pre_hooks
+            or hooks._global_backward_hooks or hooks._global_backward_pre_hooks)
+
+
+def _saved_tensor_hooks(torch):
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+    except Exception:
+        return True  # unknown: assume they are set
+
+
+class _Graphs:
+    """One layer's captured forward and backward, their static tensors and its replay state."""
+
+    def __init__(self, key, cache_slot, layer_idx):
+        self.key, self.cache_slot, self.layer_idx = key, cache_slot, layer_idx
+        self.generation, self.pending = 0, None
+
+
+def _describe(torch, layer, args, kwargs, cache_types):
+    """(the call's key, its flattened arguments, their tree, the index of a KV cache among them
+    or None): the key holds everything a graph bakes in. Raises _Eager with the reason a call
+    cannot be replayed."""
+    from torch.utils import _pytree
+    if not layer.training or not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        raise _Eager("not a training call with grad on")
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        raise _Eager("under torch.compile or torch.func")
+    if torch.is_anomaly_enabled() or _saved_tensor_hooks(torch) or _global_hooks(torch):
+        raise _Eager("anomaly mode, saved-tensor hooks or global module hooks")
+    if getattr(layer, "gradient_checkpointing", False):
+        raise _Eager("gradient checkpointing")
+    flags = []
+    for module in layer.modules():
+        if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or "forward" in module.__dict__):
+            raise _Eager(f"hooks on {type(module).__name__}")
+        flags.append(module.training)
+    leaves, tree = _pytree.tree_flatten((args, kwargs))
+    described, cache_slot = [], None
+    for i, x in enumerate(leaves):
+        if type(x) is torch.Tensor:
+            if not x.is_cuda:
+                raise _Eager("an argument not on a CUDA device")
+            described.append((tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad))
+        elif x is None or type(x) in (bool, int, float, str):
+            described.append(x)
+        elif type(x) in cache_types and cache_slot is None:
+            cache_slot = i
+            described.append("cache")
+        else:
+            raise _Eager(f"an argument of type {type(x).__name__}")
+    params = []
+    for p in layer.parameters():
+        if type(p) is not torch.nn.Parameter or not p.is_cuda:
+            raise _Eager("a parameter that is not a plain CUDA tensor")
+        params.append((id(p), p.data_ptr(), p.requires_grad, p.dtype, tuple(p.shape)))
+    buffers = []
+    for b in layer.buffers():
+        if b.requires_grad:
+            raise _Eager("a buffer that requires grad")
+        buffers.append((id(b), b.data_ptr()))
+    autocast = torch.is_autocast_enabled("cuda")
+    # Autocast's dtype counts only where autocast is on (`autocast(enabled=False)` sets one too).
+    state = (autocast, torch.get_autocast_dtype("cuda") if autocast else None,
+             torch.are_deterministic_algorithms_enabled())
+    key = (tree, tuple(described), tuple(params), tuple(buffers), tuple(flags), state)
+    return key, leaves, tree, cache_slot
+
+
+def _fresh_cache(cache, layer_idx, layer_classes):
+    """Whether `cache` (a DynamicCache) holds nothing yet for this layer and will append to a
+    layer of one of `layer_classes` (DynamicLayer, DynamicSlidingWindowLayer: their first append
+    answers the keys and values given, copied), as the recording cache answers for it."""
+    if layer_idx is None or getattr(cache, "offloading", False):
+        return False
+    layers = cache.layers
+    if layer_idx < len(layers):
+        return type(layers[layer_idx]) in layer_classes and not layers[layer_idx].is_initialized
+    return getattr(cache, "layer_class_to_replicate", None) in layer_classes
+
+
+def recognised(cls):
+    """Whether layer graphs may take this class's calls: one of LAYERS, from transformers."""
+    return cls.__name__ in LAYERS and cls.__module__.startswith("transformers.models.")
+
+
+def _layer_idx(layer):
+    attention = getattr(layer, "self_attn", None)
+    return getattr(attention, "layer_idx", getattr(layer, "layer_idx", None))
+
+
+@contextlib.contextmanager
+def _parameter_aliases(torch, layer):
+    """Each of the layer's parameters replaced, for the capture, by a new leaf on the same memory
+    (its values and address): the graph reads and its gradients are the parameter's, but autograd
+    makes the alias's accumulation node on the capture stream. The parameter's own node may be
+    alive on another stream (a loop that keeps the last step's loss keeps it), and a capture
+    that joins it breaks. Yields the aliases in `layer.parameters()`'s order."""
+    aliases, swapped = {}, []
+    try:
+        for module in layer.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None:
+                    alias = aliases.setdefault(id(p), torch.nn.Parameter(p.detach(), p.requires_grad))
+                    module._parameters[name] = alias
+                    swapped.append((module, name, p))
+        yield list(layer.parameters())
+    finally:
+        for module, name, p in swapped:
+            module._parameters[name] = p
+
+
+def _capture(torch, layer, original_call, key, leaves, tree, cache_slot, side_streams):
+    """The layer's forward and backward captured on the call's arguments: a _Graphs."""
+    graphs = _Graphs(key, cache_slot, _layer_idx(layer))
+    statics = []
+    for x in leaves:
+        if type(x) is torch.Tensor:
+            s = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+            s.copy_(x)
+            statics.append(s.requires_grad_(x.requires_grad))
+        else:
+            statics.append(x)
+    tensors = [s for s in statics if type(s) is torch.Tensor]
+    with _parameter_aliases(torch, layer) as params:
+        wants_grad = [t for t in tensors if t.requires_grad] + [p for p in params if p.requires_grad]
+        return _capture_aliased(torch, layer, original_call, graphs, statics, tensors, params,
+                                wants_grad, leaves, tree, cache_slot, side_streams)
+
+
+def _capture_aliased(torch, layer, original_call, graphs, statics, tensors, params, wants_grad,
+                     leaves, tree, cache_slot, side_streams):
+    """_capture's work, the layer's parameters being `params` (aliases) meanwhile."""
+    from torch.utils import _pytree
+    layer_idx = graphs.layer_idx
+
+    def run():
+        args = list(statics)
+        recorder = None
+        if cache_slot is not None:
+            recorder = args[cache_slot] = _RecordingCache(layer_idx)
+        call_args, call_kwargs = _pytree.tree_unflatten(args, tree)
+        out = original_call(layer, *call_args, **call_kwargs)
+        if recorder is not None and len(recorder.updates) != 1:
+            raise _Eager("the layer did not update the KV cache once")
+        return out, (recorder.updates[0] if recorder is not None else ())
+
+    def differentiable(outs):
+        return [o for o in outs if type(o) is torch.Tensor and o.requires_grad]
+
+    device = leaves[next(i for i, x in enumerate(leaves) if type(x) is torch.Tensor)].device
+    stream = side_streams.setdefault(device, torch.cuda.Stream(device))
+    autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+    # Autocast's weight cache is off in the warm-up too: no cast of it outlives it on this stream.
+    no_cache = lambda: torch.autocast("cuda", dtype=autocast[1], enabled=autocast[0],  # noqa: E731
+                                      cache_enabled=False)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream), no_cache():
+        for _ in range(STREAM_WARMUP):
+            out, kv = run()
+            outs = differentiable(_pytree.tree_flatten(out)[0])
+            torch.autograd.grad(outs, wants_grad, [torch.zeros_like(o) for o in outs],
+                                allow_unused=True)
+            del out, kv, outs
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    pool = torch.cuda.graph_pool_handle()
+    forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(forward, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        with no_cache():
+            out, kv = run()
+    out_leaves, out_tree = _pytree.tree_flatten(out)
+    if not all(o is None or type(o) is torch.Tensor for o in out_leaves):
+        raise _Eager("the layer returns something other than tensors")
+    outs = differentiable(out_leaves)
+    grad_outs = [torch.empty_like(o) for o in outs]
+    with torch.cuda.graph(backward, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        grads = torch.autograd.grad(outs, wants_grad, grad_outs, allow_unused=True)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graphs.forward, graphs.backward = forward, backward
+    graphs.statics = [s for s in statics if type(s) is torch.Tensor]
+    graphs.out_leaves, graphs.out_tree, graphs.kv = [
+        o.detach() if o is not None else None for o in out_leaves], out_tree, [t.detach() for t in kv]
+    # Per output tensor (the Nones left out): whether autograd carries a gradient for it.
+    graphs.present = [o.requires_grad for o in out_leaves if o is not None]
+    graphs.grad_outs = grad_outs
+    by_id = {id(t): g for t, g in zip(wants_grad, grads)}
+    graphs.input_grads = [by_id.get(id(t)) if t.requires_grad else None for t in graphs.statics]
+    graphs.param_grads = [by_id.get(id(p)) if p.requires_grad else None for p in params]
+    return graphs
+
+
+def _replay_function(torch):
+    """The autograd Function a replay is: forward replays the forward graph, backward the
+    backward graph."""
+
+    class LayerReplay(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, graphs, token, n_inputs, *tensors):
+            for static, x in zip(graphs.statics, tensors[:n_inputs]):
+                static.copy_(x)
+            graphs.forward.replay()
+            graphs.generation += 1
+            ctx.graphs, ctx.generation, ctx.token = graphs, graphs.generation, token
+            outs = tuple(o.clone() for o in graphs.out_leaves if o is not None)
+            fixed = [o for o, d in zip(outs, graphs.present) if not d]
+            if fixed:
+                ctx.mark_non_differentiable(*fixed)
+            return outs
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, *grads):
+            graphs = ctx.graphs
+            if ctx.generation != graphs.generation:
+                raise RuntimeError(
+                    "torchfuse layer graphs: a backward through a layer's earlier call after the "
+                    "layer ran again (retain_graph and a second backward?): its activations are "
+                    "gone. Run without TORCHFUSE_LAYER_GRAPHS=1.")
+            wanted = iter(graphs.grad_outs)
+            for g, d in zip(grads, graphs.present):
+                if d:
+                    static = next(wanted)
+                    static.zero_() if g is None else static.copy_(g)
+            graphs.backward.replay()
+            ctx.token.done = True
+            inputs = [g.clone() if g is not None else None for g in graphs.input_grads]
+            # The parameters' gradients are the graph's own tensors, which this module also
+            # holds: autograd's accumulation sees a second reference, so it copies them into a
+            # new .grad or adds them to the one there, and never keeps them.
+            return (None, None, None, *inputs, *graphs.param_grads)
+
+    return LayerReplay
+
+
+def _layer_call(torch, original_call):
+    """The decoder layers' __call__: the replay where the call may take it, the original
+    otherwise."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+    from torch.utils import _pytree
+    cache_types, fresh_layers = (DynamicCache,), (DynamicLayer, DynamicSlidingWindowLayer)
+    side_streams, warned = {}, set()
+    replay = _replay_function(torch)
+
+    def warn_once(layer, message):
+        name = type(layer).__name__
+        if name not in warned:
+            warned.add(name)
+            print(f"torchfuse: layer graphs: {name} runs eager: {message}", file=sys.stderr)
+
+    def plan(layer, args, kwargs):
+        state = layer.__dict__.setdefault("_torchfuse_layer_graphs", {"last": None, "seen": 0})
+        if state.get("failed"):
+            return None
+        key, leaves, tree, cache_slot = _describe(torch, layer, args, kwargs, cache_types)
+        if cache_slot is not None and not _fresh_cache(leaves[cache_slot], _layer_idx(layer), fresh_layers):
+            raise _Eager("a KV cache that already holds this layer's keys")
+        graphs = state.get("graphs")
+        if graphs is None:
+            if key != state["last"]:
+                state["last"], state["seen"] = key, 0
+            state["seen"] += 1
+            if state["seen"] <= EAGER_CALLS:
+                return None
+            try:
+                graphs = state["graphs"] = _capture(torch, layer, original_call, key, leaves, tree,
+                                                    cache_slot, side_streams)
+            except Exception as e:  # never break the job: this call runs eager
+                # One more capture at the next call of this shape (a first capture can meet a
+                # lazy initialisation); a second failure leaves the layer eager.
+                state["failures"] = state.get("failures", 0) + 1
+                state["failed"] = state["failures"] >= CAPTURES
+                state["seen"] = EAGER_CALLS
+                first = e.__context__ if e.__context__ is not None else e
+                note(torch, f"layer graphs: {type(layer).__name__} {_layer_idx(layer)}: capture "
+                     f"{state['failures']} of {CAPTURES} failed ({first!r})")
+                if state["failed"]:
+                    warn_once(layer, f"its capture failed twice ({first!r})")
+                return None
+            note(torch, f"layer graphs: {type(layer).__name__} {_layer_idx(layer)} captured")
+        elif key != graphs.key:
+            return None
+        token = graphs.pending() if graphs.pending is not None else None
+        if token is not None and not token.done:
+            return None  # an earlier replay still waits for its backward
+        return graphs, leaves
+
+    def call(layer, *args, **kwargs):
+        if not (switch.on and rewrite_switch.on) or not recognised(type(layer)):
+            return original_call(layer, *args, **kwargs)
+        try:
+            planned = plan(layer, args, kwargs)
+        except _Eager:
+            planned = None
+        if planned is None:
+            return original_call(layer, *args, **kwargs)
+        graphs, leaves = planned
+        tensors = [x for x in leaves if type(x) is torch.Tensor]
+        token = _Token()
+        try:
+            outs = replay.apply(graphs, token, len(tensors), *tensors, *layer.parameters())
+        except Exception as e:  # never break the job: this layer goes eager (nothing was kept)
+            layer.__dict__["_torchfuse_layer_graphs"]["failed"] = True
+            warn_once(layer, f"its replay failed ({e!r})")
+            return original_call(layer, *args, **kwargs)
+        graphs.pending = weakref.ref(token)
+        if graphs.cache_slot is not None:
+            # The cache's own first append copies the replay's keys and values.
+            leaves[graphs.cache_slot].update(*graphs.kv, graphs.layer_idx)
+        produced = iter(outs)
+        out_leaves = [next(produced) if o is not None else None for o in graphs.out_leaves]
+        return _pytree.tree_unflatten(out_leaves, graphs.out_tree)
+
+    return call
+
+
+def patch_layers(module):
+    """transformers.modeling_layers: GradientCheckpointingLayer's __call__ (every HF decoder
+    layer's) takes the layer graphs, where TORCHFUSE_LAYER_GRAPHS asks for them."""
+    if not requested():
+        return True
+    import torch
+    if not torch.cuda.is_available():
+        return True
+    cls = module.GradientCheckpointingLayer
+    if getattr(cls.__call__, "_torchfuse_layer_graphs", False):
+        return True
+    call = _layer_call(torch, cls.__call__)
+    call._torchfuse_layer_graphs = True
+    cls.__call__ = call
+    note(torch, "layer graphs: on (TORCHFUSE_LAYER_GRAPHS)")
+    return True

@@ -1,0 +1,136 @@
+"""Layer graphs' guards (torchfuse.layer_graphs) without a GPU: the switch, which classes are
+recognised, the reasons a call runs eager, what counts as a fresh KV cache, and that a call the
+guards refuse is the layer's own. The replays themselves: test_gpu_layer_graphs.py."""
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "python"))
+from torchfuse import layer_graphs  # noqa: E402
+
+
+def small_llama():
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("value,on", [("1", True), ("on", True), ("TRUE", True), ("", False),
+                                      ("0", False), ("off", False)])
+def test_requested_reads_the_env_var(monkeypatch, value, on):
+    monkeypatch.setenv("TORCHFUSE_LAYER_GRAPHS", value)
+    assert layer_graphs.requested() is on
+
+
+def test_not_requested_leaves_the_layers_alone(monkeypatch):
+    from transformers import modeling_layers
+    monkeypatch.delenv("TORCHFUSE_LAYER_GRAPHS", raising=False)
+    before = modeling_layers.GradientCheckpointingLayer.__call__
+    assert layer_graphs.patch_layers(modeling_layers) is True
+    assert modeling_layers.GradientCheckpointingLayer.__call__ is before
+
+
+def test_recognised_classes():
+    model = small_llama()
+    assert layer_graphs.recognised(type(model.model.layers[0]))
+    assert not layer_graphs.recognised(type(model.model.layers[0].mlp))
+    own = type("LlamaDecoderLayer", (torch.nn.Module,), {"__module__": "my_model"})
+    assert not layer_graphs.recognised(own), "a class of the same name outside transformers"
+
+
+def describe_reason(layer, *args, **kwargs):
+    with pytest.raises(layer_graphs._Eager) as e:
+        layer_graphs._describe(torch, layer, args, kwargs, (DynamicCache,))
+    return str(e.value)
+
+
+def test_the_reasons_a_call_runs_eager():
+    model = small_llama().train()
+    layer = model.model.layers[0]
+    hidden = torch.randn(1, 8, 64, requires_grad=True)
+    assert "CUDA" in describe_reason(layer, hidden)
+    layer.eval()
+    assert "training" in describe_reason(layer, hidden)
+    layer.train()
+    with torch.no_grad():
+        assert "training" in describe_reason(layer, hidden)
+    handle = layer.self_attn.register_forward_pre_hook(lambda m, a: None)
+    assert "hooks on LlamaAttention" in describe_reason(layer, hidden)
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    assert "global" in describe_reason(layer, hidden)
+    handle.remove()
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: x, lambda x: x):
+        assert "saved-tensor" in describe_reason(layer, hidden)
+    layer.gradient_checkpointing = True
+    assert "checkpointing" in describe_reason(layer, hidden)
+    layer.gradient_checkpointing = False
+    with torch.inference_mode():
+        assert "training" in describe_reason(layer, hidden)
+
+
+FRESH = (DynamicLayer, DynamicSlidingWindowLayer)
+
+
+def test_a_fresh_cache_is_one_that_holds_nothing_for_the_layer():
+    cache = DynamicCache()
+    assert layer_graphs._fresh_cache(cache, 0, FRESH)
+    assert layer_graphs._fresh_cache(cache, 3, FRESH)
+    k = torch.randn(1, 2, 4, 8)
+    cache.update(k, k, 0)
+    assert not layer_graphs._fresh_cache(cache, 0, FRESH), "it holds layer 0's keys"
+    assert layer_graphs._fresh_cache(cache, 1, FRESH)
+    assert not layer_graphs._fresh_cache(cache, None, FRESH)
+    windowed = DynamicCache()
+    windowed.layers.append(DynamicSlidingWindowLayer(sliding_window=4))
+    assert layer_graphs._fresh_cache(windowed, 0, FRESH)
+    windowed.update(k, k, 0)
+    assert not layer_graphs._fresh_cache(windowed, 0, FRESH)
+    assert not layer_graphs._fresh_cache(windowed, 0, (DynamicLayer,)), "a class not named"
+    offloaded = DynamicCache()
+    offloaded.offloading = True
+    assert not layer_graphs._fresh_cache(offloaded, 0, FRESH)
+
+
+def test_the_recording_cache_takes_one_update_of_its_layer():
+    cache = layer_graphs._RecordingCache(2)
+    k, v = torch.randn(2), torch.randn(2)
+    assert cache.update(k, v, 2, {"cos": None}) == (k, v)
+    with pytest.raises(layer_graphs._Eager):
+        cache.update(k, v, 2)
+    with pytest.raises(layer_graphs._Eager):
+        layer_graphs._RecordingCache(0).update(k, v, 1)
+    with pytest.raises(layer_graphs._Eager, match="get_seq_length"):
+        layer_graphs._RecordingCache(0).get_seq_length()
+
+
+def test_a_refused_call_is_the_layers_own():
+    """The patched __call__ on a CPU model (every call refused) gives the original's outputs and
+    gradients exactly."""
+    from transformers import modeling_layers
+    cls = modeling_layers.GradientCheckpointingLayer
+    original = cls.__call__
+    model = small_llama().train()
+    ids = torch.randint(0, 100, (2, 8))
+    expected = model(input_ids=ids, labels=ids).loss
+    expected.backward()
+    expected_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    cls.__call__ = layer_graphs._layer_call(torch, original)
+    try:
+        got = model(input_ids=ids, labels=ids).loss
+        got.backward()
+    finally:
+        cls.__call__ = original
+    assert torch.equal(got, expected)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected_grads))
+    assert all("graphs" not in layer.__dict__.get("_torchfuse_layer_graphs", {})
+               for layer in model.model.layers)
