@@ -390,12 +390,19 @@ def _layer_call(torch, original_call):
             return None  # an earlier replay still waits for its backward
         return graphs, leaves
 
+    compiling = torch.compiler.is_compiling
+
     def call(layer, *args, **kwargs):
-        if not (switch.on and rewrite_switch.on) or not recognised(type(layer)):
+        # torch.compile traces the layer's own code (checked first: nothing here is traced).
+        if compiling() or not (switch.on and rewrite_switch.on) or not recognised(type(layer)):
             return original_call(layer, *args, **kwargs)
         try:
             planned = plan(layer, args, kwargs)
         except _Eager:
+            planned = None
+        except Exception as e:  # never break the job: a layer the guards cannot read stays eager
+            layer.__dict__.setdefault("_torchfuse_layer_graphs", {})["failed"] = True
+            warn_once(layer, f"its call could not be checked ({e!r})")
             planned = None
         if planned is None:
             return original_call(layer, *args, **kwargs)

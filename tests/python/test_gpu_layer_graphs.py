@@ -201,3 +201,19 @@ def test_a_capture_that_fails_leaves_the_layer_eager():
     assert replays(graphed) == 0
     assert all(layer.__dict__["_torchfuse_layer_graphs"].get("failed") for layer in graphed.model.layers)
     close(grads(graphed), grads(eager), 1e-4)
+
+
+def test_torch_compile_traces_the_layers_own_code():
+    """Under torch.compile the patched __call__ steps aside before anything else: the compiled
+    model trains with no capture and no replay."""
+    eager, graphed = model_pair("llama", seed=5)
+    compiled = torch.compile(graphed)
+    for i in range(3):
+        ids = batch(i)
+        out = compiled(input_ids=ids, labels=ids)
+        out.loss.backward()
+        ref = eager(input_ids=ids, labels=ids)
+        ref.loss.backward()
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-4, atol=0)
+    assert all("graphs" not in layer.__dict__.get("_torchfuse_layer_graphs", {})
+               for layer in graphed.model.layers)

@@ -134,3 +134,31 @@ def test_a_refused_call_is_the_layers_own():
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected_grads))
     assert all("graphs" not in layer.__dict__.get("_torchfuse_layer_graphs", {})
                for layer in model.model.layers)
+
+
+def test_a_call_the_guards_cannot_read_runs_eager(capsys):
+    """An error inside the guards (here: the description of the call raises) never reaches the
+    user: the call is the layer's own, and the layer is left eager with one warning."""
+    from transformers import modeling_layers
+    cls = modeling_layers.GradientCheckpointingLayer
+    original = cls.__call__
+    model = small_llama().train()
+    layer = model.model.layers[0]
+    hidden = torch.randn(1, 8, 64, requires_grad=True)
+    cos, sin = model.model.rotary_emb(hidden, torch.arange(8)[None])
+    expected = layer(hidden, position_embeddings=(cos, sin))
+    guarded = layer_graphs._layer_call(torch, original)
+
+    def broken(*args, **kwargs):
+        raise ValueError("unreadable")
+
+    layer_graphs.switch.on = True
+    original_describe = layer_graphs._describe
+    layer_graphs._describe = broken
+    try:
+        got = guarded(layer, hidden, position_embeddings=(cos, sin))
+    finally:
+        layer_graphs._describe = original_describe
+    assert torch.equal(got, expected)
+    assert layer.__dict__["_torchfuse_layer_graphs"]["failed"]
+    assert "could not be checked" in capsys.readouterr().err
