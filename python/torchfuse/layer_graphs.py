@@ -13,7 +13,9 @@ call (anything else runs the layer's own code, eager, as if this module were abs
   and anomaly mode, no saved-tensor hooks, no module hooks (its own, its submodules', global);
 - the arguments: the same tree of tensors of the same shapes, strides, dtypes, device and
   requires_grad (their values are copied into the graph's inputs) and the same other values
-  (None, numbers, strings, flags); autocast's state and deterministic mode as captured;
+  (None, numbers, strings, flags); autocast's state, deterministic mode, TF32 and the SDPA
+  backends' switches as captured (torchfuse's own op toggles switched at run time with
+  `set_enabled` are not seen: the graph keeps the ops it was captured with);
 - the parameters and buffers: the same tensors at the same addresses (`model.to()`, FSDP and
   `load_state_dict(assign=True)` move them), requires_grad as captured; their values are read at
   replay, so the optimizer's in-place updates are seen;
@@ -167,9 +169,20 @@ def _describe(torch, layer, args, kwargs, cache_types):
     autocast = torch.is_autocast_enabled("cuda")
     # Autocast's dtype counts only where autocast is on (`autocast(enabled=False)` sets one too).
     state = (autocast, torch.get_autocast_dtype("cuda") if autocast else None,
-             torch.are_deterministic_algorithms_enabled())
+             torch.are_deterministic_algorithms_enabled(), _backend_flags(torch))
     key = (tree, tuple(described), tuple(params), tuple(buffers), tuple(flags), state)
     return key, leaves, tree, cache_slot
+
+
+def _backend_flags(torch):
+    """The switches that pick the kernels a graph bakes in: TF32 and reduced-precision matmuls,
+    the attention backends SDPA may take (`sdpa_kernel(...)` sets them for a block)."""
+    cuda = torch.backends.cuda
+    return (torch.get_float32_matmul_precision(), cuda.matmul.allow_tf32,
+            cuda.matmul.allow_bf16_reduced_precision_reduction,
+            cuda.matmul.allow_fp16_reduced_precision_reduction, torch.backends.cudnn.allow_tf32,
+            cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(),
+            cuda.cudnn_sdp_enabled())
 
 
 def _fresh_cache(cache, layer_idx, layer_classes):

@@ -162,3 +162,18 @@ def test_a_call_the_guards_cannot_read_runs_eager(capsys):
     assert torch.equal(got, expected)
     assert layer.__dict__["_torchfuse_layer_graphs"]["failed"]
     assert "could not be checked" in capsys.readouterr().err
+
+
+def test_the_kernel_switches_are_part_of_the_key():
+    """sdpa_kernel(...) and TF32 change the kernels a graph would bake in: the flags differ."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    plain = layer_graphs._backend_flags(torch)
+    with sdpa_kernel(SDPBackend.MATH):
+        assert layer_graphs._backend_flags(torch) != plain
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = not before
+    try:
+        assert layer_graphs._backend_flags(torch) != plain
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert layer_graphs._backend_flags(torch) == plain
