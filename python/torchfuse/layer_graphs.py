@@ -8,9 +8,12 @@ measurements.
 A call replays only when everything the graph baked in is as it was at capture, checked at every
 call (anything else runs the layer's own code, eager, as if this module were absent):
 - the layer's class is one of LAYERS (their forwards read and write nothing outside their
-  arguments and parameters but the KV cache, below), in training mode (every submodule's flag as
-  captured), grad on, no gradient checkpointing, outside torch.compile, torch.func, inference mode
-  and anomaly mode, no saved-tensor hooks, no module hooks (its own, its submodules', global);
+  arguments and parameters but the KV cache, below), grad on, no gradient checkpointing, outside
+  torch.compile, torch.func, inference mode and anomaly mode, no saved-tensor hooks;
+- every submodule: a class of torch.nn or transformers (not an adapter's or a quantized layer's,
+  whose Python state a graph would freeze), its scalar attributes (`training`, a dropout's `p`,
+  `scaling`, ...) and attention implementation as captured, no hooks (global ones neither), no
+  tensor attribute that is not a parameter or buffer (FSDP1's views of its flat parameter);
 - the arguments: the same tree of tensors of the same shapes, strides, dtypes, device and
   requires_grad (their values are copied into the graph's inputs) and the same other values
   (None, numbers, strings, flags); autocast's state, deterministic mode, TF32 and the SDPA
@@ -20,23 +23,28 @@ call (anything else runs the layer's own code, eager, as if this module were abs
   `load_state_dict(assign=True)` move them), requires_grad as captured; their values are read at
   replay, so the optimizer's in-place updates are seen;
 - a KV cache argument is a fresh DynamicCache (HF builds one in every training forward with
-  use_cache on) whose layer for this one is a DynamicLayer or DynamicSlidingWindowLayer: the graph gives back the layer's keys and values and the cache gets them by its
-  own `update` after the replay, a copy, as eager's first append makes (not part of the autograd
-  graph: nothing backpropagates through a training forward's cache);
+  use_cache on) whose layer for this one is a DynamicLayer or DynamicSlidingWindowLayer: the
+  replay gives back the keys and values the layer appended, as outputs of its autograd node, and
+  the cache gets them by its own `update` after the replay, a copy as eager's first append makes,
+  gradients flowing back through it as through eager's;
 - no earlier replay of this layer still waits for its backward (a second forward before the
   first's backward, gradient accumulation of two forwards into one loss: eager).
 
-What a replay returns is fresh memory (the outputs and the inputs' gradients are copied out of
-the graph), so nothing a user keeps changes at the next replay; parameters' gradients are handed
-to autograd's accumulation, which copies or adds them. The weights are cast inside the graph (the
-autocast cache is off in captures, as PyTorch requires), from their values at each replay.
-A backward of a replay after the layer's next replay (retain_graph, then another forward, then a
-second backward) would read overwritten activations: it raises a RuntimeError naming this switch.
-A capture that fails (a sync inside the layer, an op that cannot be captured) is tried once more
-at the layer's next call, then leaves the layer eager for the process, with one warning. Each layer keeps its own memory pool: its saved
-activations, as eager keeps them until the backward, and its workspace.
+What a replay returns is fresh memory (the outputs and all gradients are copied out of the
+graph), so nothing a user keeps changes at the next replay. The weights are cast inside the graph
+(the autocast cache is off in captures, as PyTorch requires), from their values at each replay.
+The backward graph reuses the memory of the activations it has read: a second backward through
+one replay (retain_graph), or one after the layer's next replay, raises a RuntimeError naming
+this switch instead of reading overwritten activations; a double backward (create_graph=True)
+through a replay raises autograd's once_differentiable error. A capture that fails (a sync inside the layer, an op that
+cannot be captured) is tried once more at the layer's next call, then leaves the layer eager for
+the process, with one warning. Each layer keeps its own memory pool for the process's life: its
+saved activations, as eager keeps them until the backward, and its workspace. Dropout inside a
+layer draws from the graph's registered generator: eager's distribution, not eager's numbers for
+a fixed seed.
 """
 import contextlib
+import operator
 import os
 import sys
 import types
@@ -136,12 +144,7 @@ def _describe(torch, layer, args, kwargs, cache_types):
         raise _Eager("anomaly mode, saved-tensor hooks or global module hooks")
     if getattr(layer, "gradient_checkpointing", False):
         raise _Eager("gradient checkpointing")
-    flags = []
-    for module in layer.modules():
-        if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or "forward" in module.__dict__):
-            raise _Eager(f"hooks on {type(module).__name__}")
-        flags.append(module.training)
+    modules = tuple(_module_state(torch, module) for module in layer.modules())
     leaves, tree = _pytree.tree_flatten((args, kwargs))
     described, cache_slot = [], None
     for i, x in enumerate(leaves):
@@ -170,8 +173,51 @@ def _describe(torch, layer, args, kwargs, cache_types):
     # Autocast's dtype counts only where autocast is on (`autocast(enabled=False)` sets one too).
     state = (autocast, torch.get_autocast_dtype("cuda") if autocast else None,
              torch.are_deterministic_algorithms_enabled(), _backend_flags(torch))
-    key = (tree, tuple(described), tuple(params), tuple(buffers), tuple(flags), state)
+    key = (tree, tuple(described), tuple(params), tuple(buffers), modules, state)
     return key, leaves, tree, cache_slot
+
+
+_SCALARS = (bool, int, float, str, type(None))
+# Module -> (its __dict__'s size when read, the getter of its scalar attributes' values, whether
+# it has a config): a module's attributes read once, and again when their number changes.
+_SCANS = weakref.WeakKeyDictionary()
+
+
+def _scan(torch, module):
+    """(the size of the module's __dict__, a getter of its scalar attributes, whether it has a
+    config) for _module_state; raises _Eager for a tensor attribute that is neither parameter
+    nor buffer."""
+    names = []
+    for name, value in module.__dict__.items():
+        if type(value) in _SCALARS:
+            names.append(name)
+        elif isinstance(value, torch.Tensor):
+            raise _Eager(f"a tensor attribute {name} of {type(module).__name__} (not a parameter "
+                         "or buffer)")
+    getter = operator.itemgetter(*names) if names else (lambda d: ())
+    return len(module.__dict__), getter, "config" in module.__dict__
+
+
+def _module_state(torch, module):
+    """What a graph bakes in of one module of the layer: its class (torch.nn's or transformers'
+    only: an adapter such as PEFT's LoRA or a quantized Linear keeps Python state the graph
+    would freeze) and its scalar attributes (`training`, a dropout's `p`, `scaling`, ...), with
+    its config's attention implementation. Raises _Eager for hooks, a forward set on the
+    instance, or a tensor attribute that is neither parameter nor buffer (FSDP1's views of its
+    flat parameter are such attributes: the graph would read memory FSDP frees, and no gradient
+    would reach the flat parameter). An attribute added or removed changes the __dict__'s size,
+    which reads the module again."""
+    cls, attributes = type(module), module.__dict__
+    if not cls.__module__.startswith(("torch.nn.", "transformers.")):
+        raise _Eager(f"a submodule of class {cls.__module__}.{cls.__name__}")
+    if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+            or module._backward_pre_hooks or "forward" in attributes):
+        raise _Eager(f"hooks on {cls.__name__}")
+    scan = _SCANS.get(module)
+    if scan is None or scan[0] != len(attributes):
+        scan = _SCANS[module] = _scan(torch, module)
+    implementation = getattr(attributes["config"], "_attn_implementation", None) if scan[2] else None
+    return cls, scan[1](attributes), implementation
 
 
 def _backend_flags(torch):
@@ -234,7 +280,12 @@ def _capture(torch, layer, original_call, key, leaves, tree, cache_slot, side_st
     statics = []
     for x in leaves:
         if type(x) is torch.Tensor:
-            s = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+            # An expanded input (HF's masks) cannot be written in place: its static copy is
+            # dense, the same values.
+            if x.is_non_overlapping_and_dense():
+                s = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+            else:
+                s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
             s.copy_(x)
             statics.append(s.requires_grad_(x.requires_grad))
         else:
@@ -290,17 +341,20 @@ def _capture_aliased(torch, layer, original_call, graphs, statics, tensors, para
     out_leaves, out_tree = _pytree.tree_flatten(out)
     if not all(o is None or type(o) is torch.Tensor for o in out_leaves):
         raise _Eager("the layer returns something other than tensors")
-    outs = differentiable(out_leaves)
+    # The replay's outputs: the layer's tensors, then the keys and values its KV cache update
+    # took (outputs too, so that the cache's contents carry gradients as eager's do).
+    produced = [o for o in out_leaves if o is not None] + list(kv)
+    outs = differentiable(produced)
     grad_outs = [torch.empty_like(o) for o in outs]
     with torch.cuda.graph(backward, pool=pool, stream=stream, capture_error_mode="thread_local"):
         grads = torch.autograd.grad(outs, wants_grad, grad_outs, allow_unused=True)
     torch.cuda.current_stream(device).wait_stream(stream)
     graphs.forward, graphs.backward = forward, backward
     graphs.statics = [s for s in statics if type(s) is torch.Tensor]
-    graphs.out_leaves, graphs.out_tree, graphs.kv = [
-        o.detach() if o is not None else None for o in out_leaves], out_tree, [t.detach() for t in kv]
-    # Per output tensor (the Nones left out): whether autograd carries a gradient for it.
-    graphs.present = [o.requires_grad for o in out_leaves if o is not None]
+    graphs.out_tree, graphs.layer_outputs = out_tree, [o is not None for o in out_leaves]
+    graphs.produced, graphs.n_kv = [o.detach() for o in produced], len(kv)
+    # Per produced tensor: whether autograd carries a gradient for it.
+    graphs.present = [o.requires_grad for o in produced]
     graphs.grad_outs = grad_outs
     by_id = {id(t): g for t, g in zip(wants_grad, grads)}
     graphs.input_grads = [by_id.get(id(t)) if t.requires_grad else None for t in graphs.statics]
@@ -320,7 +374,7 @@ def _replay_function(torch):
             graphs.forward.replay()
             graphs.generation += 1
             ctx.graphs, ctx.generation, ctx.token = graphs, graphs.generation, token
-            outs = tuple(o.clone() for o in graphs.out_leaves if o is not None)
+            outs = tuple(o.clone() for o in graphs.produced)
             fixed = [o for o, d in zip(outs, graphs.present) if not d]
             if fixed:
                 ctx.mark_non_differentiable(*fixed)
@@ -330,11 +384,14 @@ def _replay_function(torch):
         @torch.autograd.function.once_differentiable
         def backward(ctx, *grads):
             graphs = ctx.graphs
-            if ctx.generation != graphs.generation:
+            # The backward graph reuses the memory of the activations it has read: a second
+            # backward through one replay, or one after the layer's next replay, would read
+            # overwritten activations.
+            if ctx.token.done or ctx.generation != graphs.generation:
                 raise RuntimeError(
-                    "torchfuse layer graphs: a backward through a layer's earlier call after the "
-                    "layer ran again (retain_graph and a second backward?): its activations are "
-                    "gone. Run without TORCHFUSE_LAYER_GRAPHS=1.")
+                    "torchfuse layer graphs: a second backward through a replayed layer call "
+                    "(retain_graph?), or one after the layer ran again: its activations are gone. "
+                    "Run without TORCHFUSE_LAYER_GRAPHS=1.")
             wanted = iter(graphs.grad_outs)
             for g, d in zip(grads, graphs.present):
                 if d:
@@ -342,11 +399,11 @@ def _replay_function(torch):
                     static.zero_() if g is None else static.copy_(g)
             graphs.backward.replay()
             ctx.token.done = True
-            inputs = [g.clone() if g is not None else None for g in graphs.input_grads]
-            # The parameters' gradients are the graph's own tensors, which this module also
-            # holds: autograd's accumulation sees a second reference, so it copies them into a
-            # new .grad or adds them to the one there, and never keeps them.
-            return (None, None, None, *inputs, *graphs.param_grads)
+            # Copies: autograd.grad(..., inputs=params) hands the gradients to the user as they
+            # are, and the next replay overwrites the graph's own (a .grad of None takes the copy
+            # itself, as eager's does).
+            copied = [g.clone() if g is not None else None for g in graphs.input_grads + graphs.param_grads]
+            return (None, None, None, *copied)
 
     return LayerReplay
 
@@ -424,16 +481,18 @@ def _layer_call(torch, original_call):
         token = _Token()
         try:
             outs = replay.apply(graphs, token, len(tensors), *tensors, *layer.parameters())
+            graphs.pending = weakref.ref(token)
+            if graphs.cache_slot is not None:
+                # The cache's own first append copies the replay's keys and values.
+                leaves[graphs.cache_slot].update(*outs[len(outs) - graphs.n_kv:], graphs.layer_idx)
         except Exception as e:  # never break the job: this layer goes eager (nothing was kept)
-            layer.__dict__["_torchfuse_layer_graphs"]["failed"] = True
+            state = layer.__dict__["_torchfuse_layer_graphs"]
+            state["failed"] = True
+            state.pop("graphs", None)  # its memory back before the eager call
             warn_once(layer, f"its replay failed ({e!r})")
             return original_call(layer, *args, **kwargs)
-        graphs.pending = weakref.ref(token)
-        if graphs.cache_slot is not None:
-            # The cache's own first append copies the replay's keys and values.
-            leaves[graphs.cache_slot].update(*graphs.kv, graphs.layer_idx)
         produced = iter(outs)
-        out_leaves = [next(produced) if o is not None else None for o in graphs.out_leaves]
+        out_leaves = [next(produced) if present else None for present in graphs.layer_outputs]
         return _pytree.tree_unflatten(out_leaves, graphs.out_tree)
 
     return call

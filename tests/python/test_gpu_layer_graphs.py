@@ -62,11 +62,11 @@ def replays(model):
                for layer in model.model.layers)
 
 
-def step(model, ids, graphs, autocast):
+def step(model, ids, graphs, autocast, mask=None):
     layer_graphs.switch.on = graphs
     try:
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            out = model(input_ids=ids, labels=ids)
+            out = model(input_ids=ids, labels=ids, attention_mask=mask)
         out.loss.backward()
     finally:
         layer_graphs.switch.on = True
@@ -103,6 +103,7 @@ def test_graphed_training_is_eagers(family, autocast):
             for le, lg in zip(cache_e.layers, cache_g.layers):
                 close([lg.keys, lg.values], [le.keys, le.values], tol)
                 assert lg.keys.shape == le.keys.shape and lg.keys.dtype == le.keys.dtype
+                assert lg.keys.requires_grad == le.keys.requires_grad
         opt_e.step(), opt_g.step()
         opt_e.zero_grad(), opt_g.zero_grad()
     # From each layer's third call, or its fourth where the process's first capture failed
@@ -136,45 +137,131 @@ def test_gradient_accumulation_and_a_second_forward_are_eagers():
 
 
 def test_what_the_guards_send_to_eager_is_right():
-    """Hooks, eval, no_grad: eager calls (no replay), the same outputs as the model without the
-    graphs. An output kept from a replay does not change at the next replay."""
+    """A hook on a submodule, a dropout's p changed, eval, no_grad: eager calls (no replay), with
+    eager's outputs and gradients. An output kept from a replay does not change at the next
+    replay."""
     eager, graphed = model_pair("llama", seed=2)
+    layers = SMALL["num_hidden_layers"]
     for i in range(3):
+        step(eager, batch(i), False, False)
         step(graphed, batch(i), True, False)
     n = replays(graphed)
     kept = graphed(input_ids=batch(30)).logits
     kept_copy = kept.detach().clone()
     kept.sum().backward()
     graphed(input_ids=batch(31)).logits.sum().backward()
-    assert replays(graphed) == n + 2 * SMALL["num_hidden_layers"]
+    assert replays(graphed) == n + 2 * layers
     torch.testing.assert_close(kept.detach(), kept_copy, rtol=0, atol=0)
-    n = replays(graphed)
-    handle = graphed.model.layers[1].mlp.register_forward_hook(lambda m, i, o: None)
-    graphed(input_ids=batch(32)).logits.sum().backward()
-    handle.remove()
-    assert replays(graphed) == n + SMALL["num_hidden_layers"] - 1, "the hooked layer runs eager"
-    graphed.zero_grad()
-    n = replays(graphed)
+    for model in (eager, graphed):
+        model.zero_grad()
     eager.load_state_dict(graphed.state_dict())
-    with torch.no_grad():
-        torch.testing.assert_close(graphed(input_ids=batch(33)).logits, eager(input_ids=batch(33)).logits)
+
+    def compare(ids, expected_replays):
+        n = replays(graphed)
+        out_g, out_e = step(graphed, ids, True, False), step(eager, ids, False, False)
+        torch.testing.assert_close(out_g.logits, out_e.logits, rtol=1e-4, atol=1e-4)
+        close(grads(graphed), grads(eager), 1e-4)
+        assert replays(graphed) == n + expected_replays
+        for model in (eager, graphed):
+            model.zero_grad()
+
+    handle = graphed.model.layers[1].mlp.register_forward_hook(lambda m, i, o: None)
+    compare(batch(32), layers - 1)  # the hooked layer runs eager
+    handle.remove()
+    graphed.model.layers[0].self_attn.attention_dropout = 0.0 + 1e-9
+    eager.model.layers[0].self_attn.attention_dropout = 0.0 + 1e-9
+    compare(batch(33), layers - 1)  # a scalar attribute changed: eager
+    graphed.model.layers[0].self_attn.attention_dropout = 0.0
+    eager.model.layers[0].self_attn.attention_dropout = 0.0
+    compare(batch(34), layers)
+    n = replays(graphed)
     graphed.eval()
-    graphed(input_ids=batch(34)).logits.sum().backward()
+    graphed(input_ids=batch(35)).logits.sum().backward()
     graphed.train()
+    with torch.no_grad():
+        graphed(input_ids=batch(36))
     assert replays(graphed) == n
 
 
+def test_padded_batches_train_as_eager():
+    """A padded batch (HF's attention mask becomes a 4-D mask, an argument the graph copies):
+    eager's losses and gradients, the graphs replayed."""
+    eager, graphed = model_pair("llama", seed=6)
+    mask = torch.ones(2, 128, dtype=torch.long, device="cuda")
+    mask[1, -37:] = 0  # right padding: every query keeps a key (no all-masked row)
+    for i in range(5):
+        out_e = step(eager, batch(i), False, False, mask)
+        out_g = step(graphed, batch(i), True, False, mask)
+        torch.testing.assert_close(out_g.loss, out_e.loss, rtol=1e-5, atol=0)
+        close(grads(graphed), grads(eager), 1e-4)
+        for model in (eager, graphed):
+            model.zero_grad()
+    assert replays(graphed) >= 2 * SMALL["num_hidden_layers"]
+
+
+def test_gradients_through_the_kv_cache_and_autograd_grad():
+    """A loss through a second forward that reads the first forward's KV cache: the gradient
+    through the cache reaches the replayed layers as in eager. Gradients from autograd.grad are
+    the user's own: the next replay does not change them."""
+    eager, graphed = model_pair("llama", seed=7)
+    for i in range(3):
+        step(eager, batch(i), False, False)
+        step(graphed, batch(i), True, False)
+    for model in (eager, graphed):
+        model.zero_grad()
+    n = replays(graphed)
+    for graphs, model in ((False, eager), (True, graphed)):
+        layer_graphs.switch.on = graphs
+        first = model(input_ids=batch(50), labels=batch(50))
+        second = model(input_ids=batch(51, s=16), past_key_values=first.past_key_values)
+        (first.loss + second.logits.float().pow(2).mean()).backward()
+        layer_graphs.switch.on = True
+    assert replays(graphed) == n + SMALL["num_hidden_layers"], "the first forward replays"
+    close(grads(graphed), grads(eager), 1e-4)
+    params = list(graphed.model.layers[0].parameters())
+    loss = graphed(input_ids=batch(52), labels=batch(52)).loss
+    got = torch.autograd.grad(loss, params)
+    kept = [g.clone() for g in got]
+    graphed(input_ids=batch(53), labels=batch(53)).loss.backward()
+    assert replays(graphed) == n + 3 * SMALL["num_hidden_layers"]
+    for g, k in zip(got, kept):
+        torch.testing.assert_close(g, k, rtol=0, atol=0)
+
+
+def test_dropout_draws_new_numbers_at_each_replay():
+    """Attention dropout inside a graphed layer: two replays of one input give different outputs
+    (the generator advances), as two eager calls do."""
+    config_name, model_name = FAMILIES["llama"]
+    cfg = getattr(transformers, config_name)(**SMALL, attention_dropout=0.5)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(8)
+    model = getattr(transformers, model_name)(cfg).cuda().train()
+    for i in range(3):
+        step(model, batch(i), True, False)
+    n = replays(model)
+    outs = []
+    for _ in range(2):
+        out = model(input_ids=batch(60), labels=batch(60))
+        out.loss.backward()
+        outs.append(out.logits.detach())
+    assert replays(model) == n + 2 * SMALL["num_hidden_layers"]
+    assert not torch.equal(outs[0], outs[1])
+    assert torch.isfinite(outs[0]).all()
+
+
 def test_a_stale_backward_raises():
-    """retain_graph, another replay, then the first graph's second backward: its activations are
-    gone, and the error says so (never a silent wrong gradient)."""
+    """A second backward through one replay (retain_graph), and one after the layer's next replay:
+    its activations are gone, and the error says so (never a silent wrong gradient)."""
     _, graphed = model_pair("llama", seed=3)
     for i in range(3):
         step(graphed, batch(i), True, False)
     first = graphed(input_ids=batch(40), labels=batch(40)).loss
     first.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="TORCHFUSE_LAYER_GRAPHS"):
+        first.backward(retain_graph=True)  # the same replay twice
     graphed(input_ids=batch(41), labels=batch(41)).loss.backward()
     with pytest.raises(RuntimeError, match="TORCHFUSE_LAYER_GRAPHS"):
-        first.backward()
+        first.backward()  # after the layer's next replay
 
 
 def test_a_capture_that_fails_leaves_the_layer_eager():
