@@ -43,6 +43,8 @@ saved activations, as eager keeps them until the backward, and its workspace. Dr
 layer draws from the graph's registered generator: eager's distribution, not eager's numbers for
 a fixed seed.
 """
+import atexit
+import collections
 import contextlib
 import operator
 import os
@@ -70,9 +72,18 @@ STREAM_WARMUP = 2
 
 _ON = ("1", "true", "yes", "on")
 
+# (layer class name, "replayed" or "eager: <reason>") -> calls, in this process: `summary()`,
+# logged at info at exit.
+counts = collections.Counter()
+
 # Whether patched layers may replay (on where patched; the tests and benches switch it to compare
 # eager with graphs in one process). torchfuse.disable() turns every substitution off, this too.
 switch = types.SimpleNamespace(on=True)
+
+
+def summary():
+    """The calls of patched layers in this process, one line per (class, outcome), most first."""
+    return "\n".join(f"  {name}: {outcome} x{n}" for (name, outcome), n in counts.most_common())
 
 
 def requested():
@@ -426,7 +437,7 @@ def _layer_call(torch, original_call):
     def plan(layer, args, kwargs):
         state = layer.__dict__.setdefault("_torchfuse_layer_graphs", {"last": None, "seen": 0})
         if state.get("failed"):
-            return None
+            raise _Eager("its capture failed")
         key, leaves, tree, cache_slot = _describe(torch, layer, args, kwargs, cache_types)
         if cache_slot is not None and not _fresh_cache(leaves[cache_slot], _layer_idx(layer), fresh_layers):
             raise _Eager("a KV cache that already holds this layer's keys")
@@ -436,7 +447,7 @@ def _layer_call(torch, original_call):
                 state["last"], state["seen"] = key, 0
             state["seen"] += 1
             if state["seen"] <= EAGER_CALLS:
-                return None
+                raise _Eager("before its capture (the first calls of a shape)")
             try:
                 graphs = state["graphs"] = _capture(torch, layer, original_call, key, leaves, tree,
                                                     cache_slot, side_streams)
@@ -451,13 +462,13 @@ def _layer_call(torch, original_call):
                      f"{state['failures']} of {CAPTURES} failed ({first!r})")
                 if state["failed"]:
                     warn_once(layer, f"its capture failed twice ({first!r})")
-                return None
+                raise _Eager("its capture failed") from None
             note(torch, f"layer graphs: {type(layer).__name__} {_layer_idx(layer)} captured")
         elif key != graphs.key:
-            return None
+            raise _Eager("a call that differs from the captured one")
         token = graphs.pending() if graphs.pending is not None else None
         if token is not None and not token.done:
-            return None  # an earlier replay still waits for its backward
+            raise _Eager("an earlier replay waits for its backward")
         return graphs, leaves
 
     compiling = torch.compiler.is_compiling
@@ -466,13 +477,16 @@ def _layer_call(torch, original_call):
         # torch.compile traces the layer's own code (checked first: nothing here is traced).
         if compiling() or not (switch.on and rewrite_switch.on) or not recognised(type(layer)):
             return original_call(layer, *args, **kwargs)
+        name = type(layer).__name__
         try:
             planned = plan(layer, args, kwargs)
-        except _Eager:
+        except _Eager as reason:
+            counts[name, f"eager: {reason}"] += 1
             planned = None
         except Exception as e:  # never break the job: a layer the guards cannot read stays eager
             layer.__dict__.setdefault("_torchfuse_layer_graphs", {})["failed"] = True
             warn_once(layer, f"its call could not be checked ({e!r})")
+            counts[name, "eager: its call could not be checked"] += 1
             planned = None
         if planned is None:
             return original_call(layer, *args, **kwargs)
@@ -490,7 +504,9 @@ def _layer_call(torch, original_call):
             state["failed"] = True
             state.pop("graphs", None)  # its memory back before the eager call
             warn_once(layer, f"its replay failed ({e!r})")
+            counts[name, "eager: its replay failed"] += 1
             return original_call(layer, *args, **kwargs)
+        counts[name, "replayed"] += 1
         produced = iter(outs)
         out_leaves = [next(produced) if present else None for present in graphs.layer_outputs]
         return _pytree.tree_unflatten(out_leaves, graphs.out_tree)
@@ -513,4 +529,5 @@ def patch_layers(module):
     call._torchfuse_layer_graphs = True
     cls.__call__ = call
     note(torch, "layer graphs: on (TORCHFUSE_LAYER_GRAPHS)")
+    atexit.register(lambda: counts and note(torch, "layer graphs: calls\n" + summary()))
     return True

@@ -111,6 +111,9 @@ def test_graphed_training_is_eagers(family, autocast):
     layers = SMALL["num_hidden_layers"]
     assert 2 * layers <= replays(graphed) <= 3 * layers, "the graphs replay from the third call"
     assert replays(eager) == 0
+    name = type(graphed.model.layers[0]).__name__
+    assert layer_graphs.counts[name, "replayed"] >= replays(graphed)
+    assert layer_graphs.counts[name, "eager: before its capture (the first calls of a shape)"] >= 2 * layers
 
 
 def test_gradient_accumulation_and_a_second_forward_are_eagers():

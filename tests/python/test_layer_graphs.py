@@ -125,11 +125,15 @@ def test_a_refused_call_is_the_layers_own():
     expected_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     cls.__call__ = layer_graphs._layer_call(torch, original)
+    layer_graphs.counts.clear()
     try:
         got = model(input_ids=ids, labels=ids).loss
         got.backward()
     finally:
         cls.__call__ = original
+    # Each layer's call counted with its reason, and the summary says so.
+    assert layer_graphs.counts == {("LlamaDecoderLayer", "eager: an argument not on a CUDA device"): 2}
+    assert layer_graphs.summary() == "  LlamaDecoderLayer: eager: an argument not on a CUDA device x2"
     assert torch.equal(got, expected)
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected_grads))
     assert all("graphs" not in layer.__dict__.get("_torchfuse_layer_graphs", {})
