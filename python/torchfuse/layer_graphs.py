@@ -10,10 +10,11 @@ call (anything else runs the layer's own code, eager, as if this module were abs
 - the layer's class is one of LAYERS (their forwards read and write nothing outside their
   arguments and parameters but the KV cache, below), grad on, no gradient checkpointing, outside
   torch.compile, torch.func, inference mode and anomaly mode, no saved-tensor hooks;
-- every submodule: a class of torch.nn or transformers (not an adapter's or a quantized layer's,
-  whose Python state a graph would freeze), its scalar attributes (`training`, a dropout's `p`,
-  `scaling`, ...) and attention implementation as captured, no hooks (global ones neither), no
-  tensor attribute that is not a parameter or buffer (FSDP1's views of its flat parameter);
+- every submodule: a class of torch.nn, of a transformers model or of its activations (not an
+  adapter's or a quantized layer's, whose Python state a graph would freeze), its scalar
+  attributes (`training`, a dropout's `p`, `scaling`, ...) and attention implementation as
+  captured, no hooks (global ones neither), no tensor attribute that is not a parameter or
+  buffer (FSDP1's views of its flat parameter);
 - the arguments: the same tree of tensors of the same shapes, strides, dtypes, device and
   requires_grad (their values are copied into the graph's inputs) and the same other values
   (None, numbers, strings, flags); autocast's state, deterministic mode, TF32 and the SDPA
@@ -79,6 +80,20 @@ counts = collections.Counter()
 # Whether patched layers may replay (on where patched; the tests and benches switch it to compare
 # eager with graphs in one process). torchfuse.disable() turns every substitution off, this too.
 switch = types.SimpleNamespace(on=True)
+
+
+# Layer -> its state (calls seen, its graphs, why it stays eager): outside the module, so that
+# copy.deepcopy(model) and pickling (an EMA copy, torch.save) never meet a CUDA graph.
+_STATES = weakref.WeakKeyDictionary()
+
+
+def state_of(layer):
+    """The layer's state: {"last": the last call's key, "seen": calls of it, "graphs": its
+    _Graphs once captured, "failed": why it stays eager, "failures": captures that failed}."""
+    state = _STATES.get(layer)
+    if state is None:
+        state = _STATES[layer] = {"last": None, "seen": 0}
+    return state
 
 
 def summary():
@@ -210,16 +225,16 @@ def _scan(torch, module):
 
 
 def _module_state(torch, module):
-    """What a graph bakes in of one module of the layer: its class (torch.nn's or transformers'
-    only: an adapter such as PEFT's LoRA or a quantized Linear keeps Python state the graph
-    would freeze) and its scalar attributes (`training`, a dropout's `p`, `scaling`, ...), with
+    """What a graph bakes in of one module of the layer: its class (torch.nn's, a model's of
+    transformers or its activations only: an adapter such as PEFT's LoRA or a quantized Linear
+    of transformers.integrations keeps Python state the graph would freeze) and its scalar attributes (`training`, a dropout's `p`, `scaling`, ...), with
     its config's attention implementation. Raises _Eager for hooks, a forward set on the
     instance, or a tensor attribute that is neither parameter nor buffer (FSDP1's views of its
     flat parameter are such attributes: the graph would read memory FSDP frees, and no gradient
     would reach the flat parameter). An attribute added or removed changes the __dict__'s size,
     which reads the module again."""
     cls, attributes = type(module), module.__dict__
-    if not cls.__module__.startswith(("torch.nn.", "transformers.")):
+    if not cls.__module__.startswith(("torch.nn.", "transformers.models.", "transformers.activations")):
         raise _Eager(f"a submodule of class {cls.__module__}.{cls.__name__}")
     if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
             or module._backward_pre_hooks or "forward" in attributes):
@@ -227,8 +242,13 @@ def _module_state(torch, module):
     scan = _SCANS.get(module)
     if scan is None or scan[0] != len(attributes):
         scan = _SCANS[module] = _scan(torch, module)
+    try:
+        values = scan[1](attributes)
+    except KeyError:  # one attribute deleted and another added: read the module again
+        scan = _SCANS[module] = _scan(torch, module)
+        values = scan[1](attributes)
     implementation = getattr(attributes["config"], "_attn_implementation", None) if scan[2] else None
-    return cls, scan[1](attributes), implementation
+    return cls, values, implementation
 
 
 def _backend_flags(torch):
@@ -291,12 +311,9 @@ def _capture(torch, layer, original_call, key, leaves, tree, cache_slot, side_st
     statics = []
     for x in leaves:
         if type(x) is torch.Tensor:
-            # An expanded input (HF's masks) cannot be written in place: its static copy is
-            # dense, the same values.
-            if x.is_non_overlapping_and_dense():
-                s = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
-            else:
-                s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            # empty_like keeps a dense tensor's strides and gives an expanded one (HF's masks,
+            # which cannot be written in place) a dense layout: the same values.
+            s = torch.empty_like(x)
             s.copy_(x)
             statics.append(s.requires_grad_(x.requires_grad))
         else:
@@ -337,8 +354,8 @@ def _capture_aliased(torch, layer, original_call, graphs, statics, tensors, para
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream), no_cache():
         for _ in range(STREAM_WARMUP):
-            out, kv = run()
-            outs = differentiable(_pytree.tree_flatten(out)[0])
+            out, kv = run()  # the capture's outputs, the keys and values too
+            outs = differentiable(_pytree.tree_flatten(out)[0] + list(kv))
             torch.autograd.grad(outs, wants_grad, [torch.zeros_like(o) for o in outs],
                                 allow_unused=True)
             del out, kv, outs
@@ -385,6 +402,7 @@ def _replay_function(torch):
             graphs.forward.replay()
             graphs.generation += 1
             ctx.graphs, ctx.generation, ctx.token = graphs, graphs.generation, token
+            ctx.set_materialize_grads(False)  # an unused output's gradient: None, zeroed below
             outs = tuple(o.clone() for o in graphs.produced)
             fixed = [o for o, d in zip(outs, graphs.present) if not d]
             if fixed:
@@ -434,10 +452,15 @@ def _layer_call(torch, original_call):
             warned.add(name)
             print(f"torchfuse: layer graphs: {name} runs eager: {message}", file=sys.stderr)
 
+    def give_up(layer, state, reason):
+        """The layer eager for the process: its graphs' memory released, the reason kept."""
+        state.pop("graphs", None)
+        state["failed"] = reason
+
     def plan(layer, args, kwargs):
-        state = layer.__dict__.setdefault("_torchfuse_layer_graphs", {"last": None, "seen": 0})
+        state = state_of(layer)
         if state.get("failed"):
-            raise _Eager("its capture failed")
+            raise _Eager(state["failed"])
         key, leaves, tree, cache_slot = _describe(torch, layer, args, kwargs, cache_types)
         if cache_slot is not None and not _fresh_cache(leaves[cache_slot], _layer_idx(layer), fresh_layers):
             raise _Eager("a KV cache that already holds this layer's keys")
@@ -455,12 +478,12 @@ def _layer_call(torch, original_call):
                 # One more capture at the next call of this shape (a first capture can meet a
                 # lazy initialisation); a second failure leaves the layer eager.
                 state["failures"] = state.get("failures", 0) + 1
-                state["failed"] = state["failures"] >= CAPTURES
                 state["seen"] = EAGER_CALLS
                 first = e.__context__ if e.__context__ is not None else e
                 note(torch, f"layer graphs: {type(layer).__name__} {_layer_idx(layer)}: capture "
                      f"{state['failures']} of {CAPTURES} failed ({first!r})")
-                if state["failed"]:
+                if state["failures"] >= CAPTURES:
+                    give_up(layer, state, "its capture failed")
                     warn_once(layer, f"its capture failed twice ({first!r})")
                 raise _Eager("its capture failed") from None
             note(torch, f"layer graphs: {type(layer).__name__} {_layer_idx(layer)} captured")
@@ -473,6 +496,19 @@ def _layer_call(torch, original_call):
 
     compiling = torch.compiler.is_compiling
 
+    def replayed(layer, graphs, leaves):
+        """The replay's result in the layer's output tree; the cache's first append made."""
+        tensors = [x for x in leaves if type(x) is torch.Tensor]
+        token = _Token()
+        outs = replay.apply(graphs, token, len(tensors), *tensors, *layer.parameters())
+        graphs.pending = weakref.ref(token)
+        if graphs.cache_slot is not None:
+            # The cache's own first append copies the replay's keys and values.
+            leaves[graphs.cache_slot].update(*outs[len(outs) - graphs.n_kv:], graphs.layer_idx)
+        produced = iter(outs)
+        out_leaves = [next(produced) if present else None for present in graphs.layer_outputs]
+        return _pytree.tree_unflatten(out_leaves, graphs.out_tree)
+
     def call(layer, *args, **kwargs):
         # torch.compile traces the layer's own code (checked first: nothing here is traced).
         if compiling() or not (switch.on and rewrite_switch.on) or not recognised(type(layer)):
@@ -482,34 +518,27 @@ def _layer_call(torch, original_call):
             planned = plan(layer, args, kwargs)
         except _Eager as reason:
             counts[name, f"eager: {reason}"] += 1
-            planned = None
+            return original_call(layer, *args, **kwargs)
         except Exception as e:  # never break the job: a layer the guards cannot read stays eager
-            layer.__dict__.setdefault("_torchfuse_layer_graphs", {})["failed"] = True
+            give_up(layer, state_of(layer), "its call could not be checked")
             warn_once(layer, f"its call could not be checked ({e!r})")
             counts[name, "eager: its call could not be checked"] += 1
-            planned = None
-        if planned is None:
             return original_call(layer, *args, **kwargs)
-        graphs, leaves = planned
-        tensors = [x for x in leaves if type(x) is torch.Tensor]
-        token = _Token()
+        failure = None
         try:
-            outs = replay.apply(graphs, token, len(tensors), *tensors, *layer.parameters())
-            graphs.pending = weakref.ref(token)
-            if graphs.cache_slot is not None:
-                # The cache's own first append copies the replay's keys and values.
-                leaves[graphs.cache_slot].update(*outs[len(outs) - graphs.n_kv:], graphs.layer_idx)
+            result = replayed(layer, *planned)
         except Exception as e:  # never break the job: this layer goes eager (nothing was kept)
-            state = layer.__dict__["_torchfuse_layer_graphs"]
-            state["failed"] = True
-            state.pop("graphs", None)  # its memory back before the eager call
-            warn_once(layer, f"its replay failed ({e!r})")
-            counts[name, "eager: its replay failed"] += 1
-            return original_call(layer, *args, **kwargs)
-        counts[name, "replayed"] += 1
-        produced = iter(outs)
-        out_leaves = [next(produced) if present else None for present in graphs.layer_outputs]
-        return _pytree.tree_unflatten(out_leaves, graphs.out_tree)
+            failure = repr(e)
+        if failure is None:
+            counts[name, "replayed"] += 1
+            return result
+        # Out of the except block, with no reference left here, so that the graphs' memory is
+        # given back before the eager call.
+        del planned
+        give_up(layer, state_of(layer), "its replay failed")
+        warn_once(layer, f"its replay failed ({failure})")
+        counts[name, "eager: its replay failed"] += 1
+        return original_call(layer, *args, **kwargs)
 
     return call
 

@@ -57,9 +57,8 @@ def batch(seed, b=2, s=128):
 
 
 def replays(model):
-    return sum(layer.__dict__.get("_torchfuse_layer_graphs", {}).get("graphs").generation
-               if layer.__dict__.get("_torchfuse_layer_graphs", {}).get("graphs") else 0
-               for layer in model.model.layers)
+    return sum(layer_graphs.state_of(layer)["graphs"].generation
+               if "graphs" in layer_graphs.state_of(layer) else 0 for layer in model.model.layers)
 
 
 def step(model, ids, graphs, autocast, mask=None):
@@ -289,7 +288,8 @@ def test_a_capture_that_fails_leaves_the_layer_eager():
     finally:
         mlp_class.forward = original
     assert replays(graphed) == 0
-    assert all(layer.__dict__["_torchfuse_layer_graphs"].get("failed") for layer in graphed.model.layers)
+    assert all(layer_graphs.state_of(layer).get("failed") == "its capture failed"
+               for layer in graphed.model.layers)
     close(grads(graphed), grads(eager), 1e-4)
 
 
@@ -305,5 +305,5 @@ def test_torch_compile_traces_the_layers_own_code():
         ref = eager(input_ids=ids, labels=ids)
         ref.loss.backward()
         torch.testing.assert_close(out.loss, ref.loss, rtol=1e-4, atol=0)
-    assert all("graphs" not in layer.__dict__.get("_torchfuse_layer_graphs", {})
+    assert all("graphs" not in layer_graphs.state_of(layer)
                for layer in graphed.model.layers)

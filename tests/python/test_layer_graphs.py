@@ -136,7 +136,7 @@ def test_a_refused_call_is_the_layers_own():
     assert layer_graphs.summary() == "  LlamaDecoderLayer: eager: an argument not on a CUDA device x2"
     assert torch.equal(got, expected)
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected_grads))
-    assert all("graphs" not in layer.__dict__.get("_torchfuse_layer_graphs", {})
+    assert all("graphs" not in layer_graphs.state_of(layer)
                for layer in model.model.layers)
 
 
@@ -164,7 +164,7 @@ def test_a_call_the_guards_cannot_read_runs_eager(capsys):
     finally:
         layer_graphs._describe = original_describe
     assert torch.equal(got, expected)
-    assert layer.__dict__["_torchfuse_layer_graphs"]["failed"]
+    assert layer_graphs.state_of(layer)["failed"] == "its call could not be checked"
     assert "could not be checked" in capsys.readouterr().err
 
 
@@ -181,3 +181,72 @@ def test_the_kernel_switches_are_part_of_the_key():
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
     assert layer_graphs._backend_flags(torch) == plain
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    """CUDA's graph plumbing faked on CPU: a capture runs its code eagerly, a replay does
+    nothing. The capture's own code (static inputs, the recorder, the outputs and gradients it
+    keeps) then runs on a CPU layer, and a replay of the capture's own inputs gives back what
+    the capture computed."""
+    import contextlib
+    import types
+
+    class Graph:
+        def replay(self):
+            pass
+
+    stream = types.SimpleNamespace(wait_stream=lambda other: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+
+
+def layer_call_arguments(model, ids):
+    """(args, kwargs) HF's model passes its first decoder layer in a training forward."""
+    layer = model.model.layers[0]
+    seen = []
+    handle = layer.register_forward_pre_hook(lambda m, a, k: seen.append((a, dict(k))), with_kwargs=True)
+    model(input_ids=ids, labels=ids)
+    handle.remove()
+    return seen[0]
+
+
+def test_a_capture_with_fake_graphs_keeps_what_the_replay_needs(fake_graphs):
+    """_capture on a CPU Llama layer given a fresh KV cache and an expanded mask: the produced
+    tensors are the layer's output, then its keys and values; the input gradients and every
+    parameter's are kept; the parameters are the layer's own again afterwards; a replay of the
+    same inputs gives the eager call's output, keys and values."""
+    from torch.utils import _pytree
+    model = small_llama().train()
+    layer = model.model.layers[0]
+    ids = torch.randint(0, 100, (2, 8))
+    args, kwargs = layer_call_arguments(model, ids)
+    kwargs["attention_mask"] = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril().expand(2, 1, 8, 8)
+    kwargs["past_key_values"] = DynamicCache()
+    own = list(layer.parameters())
+    original = type(layer).__mro__[1].__call__  # GradientCheckpointingLayer's own
+    leaves, tree = _pytree.tree_flatten((args, kwargs))
+    slot = next(i for i, x in enumerate(leaves) if isinstance(x, DynamicCache))
+    graphs = layer_graphs._capture(torch, layer, original, "key", leaves, tree, slot, {})
+    assert [p is q for p, q in zip(layer.parameters(), own)] == [True] * len(own)
+    assert graphs.n_kv == 2 and graphs.present == [True, True, True]
+    hidden = args[0] if args else kwargs["hidden_states"]
+    assert graphs.produced[0].shape == hidden.shape
+    assert graphs.produced[1].shape == (2, 2, 8, 16) and graphs.produced[2].shape == (2, 2, 8, 16)
+    assert [g is not None for g in graphs.input_grads] == [t.requires_grad for t in graphs.statics]
+    assert all(g is not None and g.shape == p.shape for g, p in zip(graphs.param_grads, own))
+    expected_cache = DynamicCache()
+    eager_kwargs = dict(kwargs, past_key_values=expected_cache)
+    expected = original(layer, *args, **eager_kwargs)
+    tensors = [x for x in leaves if type(x) is torch.Tensor]
+    outs = layer_graphs._replay_function(torch).apply(graphs, layer_graphs._Token(), len(tensors),
+                                                      *tensors, *own)
+    torch.testing.assert_close(outs[0], expected)
+    torch.testing.assert_close(outs[1], expected_cache.layers[0].keys)
+    torch.testing.assert_close(outs[2], expected_cache.layers[0].values)
+    assert all(o.requires_grad for o in outs)
