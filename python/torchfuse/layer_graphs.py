@@ -447,9 +447,11 @@ def _layer_call(torch, original_call):
     replay = _replay_function(torch)
 
     def warn_once(layer, message):
+        """One warning per layer class and kind of failure (the message before its details)."""
         name = type(layer).__name__
-        if name not in warned:
-            warned.add(name)
+        kind = (name, message.split(" (")[0])
+        if kind not in warned:
+            warned.add(kind)
             print(f"torchfuse: layer graphs: {name} runs eager: {message}", file=sys.stderr)
 
     def give_up(layer, state, reason):

@@ -186,16 +186,39 @@ def test_what_the_guards_send_to_eager_is_right():
 
 
 def test_padded_batches_train_as_eager():
-    """A padded batch (HF's attention mask becomes a 4-D mask, an argument the graph copies):
-    eager's losses and gradients, the graphs replayed."""
+    """Padded batches, a new padding each step (HF's attention mask becomes a 4-D mask, an
+    argument whose values the replay copies): eager's losses and gradients, the graphs
+    replayed."""
     eager, graphed = model_pair("llama", seed=6)
-    mask = torch.ones(2, 128, dtype=torch.long, device="cuda")
-    mask[1, -37:] = 0  # right padding: every query keeps a key (no all-masked row)
     for i in range(5):
+        mask = torch.ones(2, 128, dtype=torch.long, device="cuda")
+        mask[1, -(17 + 9 * i):] = 0  # right padding (no all-masked row), a new length each step
         out_e = step(eager, batch(i), False, False, mask)
         out_g = step(graphed, batch(i), True, False, mask)
         torch.testing.assert_close(out_g.loss, out_e.loss, rtol=1e-5, atol=0)
         close(grads(graphed), grads(eager), 1e-4)
+        for model in (eager, graphed):
+            model.zero_grad()
+    assert replays(graphed) >= 2 * SMALL["num_hidden_layers"]
+
+
+def test_a_sliding_window_trains_as_eager():
+    """Mistral with a window shorter than the sequence: HF passes a sliding-window mask (an
+    expanded tensor: the graph's copy of it is dense) and the cache's layers are sliding-window
+    ones: eager's losses, gradients and caches, the graphs replayed."""
+    cfg = transformers.MistralConfig(**SMALL, sliding_window=64)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(9)
+    eager = transformers.MistralForCausalLM(cfg).cuda().train()
+    graphed = copy.deepcopy(eager)
+    for i in range(5):
+        out_e = step(eager, batch(i), False, False)
+        out_g = step(graphed, batch(i), True, False)
+        torch.testing.assert_close(out_g.loss, out_e.loss, rtol=1e-5, atol=0)
+        close(grads(graphed), grads(eager), 1e-4)
+        for le, lg in zip(out_e.past_key_values.layers, out_g.past_key_values.layers):
+            assert type(lg) is type(le)
+            close([lg.keys, lg.values], [le.keys, le.values], 1e-4)
         for model in (eager, graphed):
             model.zero_grad()
     assert replays(graphed) >= 2 * SMALL["num_hidden_layers"]
@@ -266,7 +289,7 @@ def test_a_stale_backward_raises():
         first.backward()  # after the layer's next replay
 
 
-def test_a_capture_that_fails_leaves_the_layer_eager():
+def test_a_capture_that_fails_leaves_the_layer_eager(capfd):
     """A layer whose forward syncs (here: a forward pre-hook would be refused, so the MLP's
     forward is patched to call .item()) fails its capture: one warning, eager from then on, and
     the outputs are eager's."""
@@ -290,6 +313,7 @@ def test_a_capture_that_fails_leaves_the_layer_eager():
     assert replays(graphed) == 0
     assert all(layer_graphs.state_of(layer).get("failed") == "its capture failed"
                for layer in graphed.model.layers)
+    assert "runs eager: its capture failed twice" in capfd.readouterr().err
     close(grads(graphed), grads(eager), 1e-4)
 
 
