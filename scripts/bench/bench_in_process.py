@@ -122,9 +122,10 @@ def per_round(times, a, b):
 
 def summary(run, sides):
     """Per side: the median step (GPU events, host enqueue), the median over rounds of stock's
-    step / the side's step in that round, and for a `torchfuse:SPEC` side beside `torchfuse`, its
-    step / torchfuse's round by round (what SPEC's toggles are worth: above 1 where torchfuse
-    is faster) with the rounds torchfuse was faster in."""
+    step / the side's step in that round, and for a `torchfuse:SPEC` or `torchfuse+graphs` side
+    beside `torchfuse`, its step / torchfuse's round by round (what SPEC's toggles or the layer
+    graphs are worth: above 1 where torchfuse is faster) with the rounds torchfuse was faster
+    in."""
     times = run["times"]
     rows = {}
     for side in sides:
@@ -132,7 +133,7 @@ def summary(run, sides):
         host = [h for rnd in times[side] for _, h in rnd]
         paired = statistics.median(per_round(times, "stock", side)) if "stock" in times else None
         against = None
-        if side.startswith("torchfuse:") and "torchfuse" in times:
+        if side != "torchfuse" and side.startswith("torchfuse") and "torchfuse" in times:
             ratios = per_round(times, side, "torchfuse")
             against = (statistics.median(ratios), sum(r > 1 for r in ratios), len(ratios))
         rows[side] = {"ms": statistics.median(gpu), "host_ms": statistics.median(host),
@@ -144,7 +145,7 @@ def report(runs, sides, out, command):
     lines = ["# Whole training steps, every side in one process (step by step)", "",
              f"Command: `{command}`. Median step over CUDA events (and the host's time to enqueue "
              "it); vs stock: the median over rounds of stock's step / the side's in the same round; "
-             "torchfuse vs the side: for a `torchfuse:SPEC` side, the median over rounds of its step / "
+             "torchfuse vs the side: for a `torchfuse:SPEC` or `torchfuse+graphs` side, the median over rounds of its step / "
              "torchfuse's in the same round, and the rounds torchfuse was faster in.",
              "", "| model | side | ms/step | min-max | host ms | vs stock (paired) | torchfuse vs the side (paired) "
              "| tokens or samples/s |",
