@@ -53,7 +53,8 @@ import sys
 import types
 import weakref
 
-from ._library import note, rewrite_switch
+from ._library import note
+from .rewrites import _global_module_hooks, _untraced_call
 
 # The decoder layers whose forward is known to touch nothing but its arguments, its parameters
 # and a KV cache's update (transformers 5's code, read; each has a GPU test of the whole model).
@@ -136,12 +137,6 @@ class _Token:
         self.done = False
 
 
-def _global_hooks(torch):
-    hooks = torch.nn.modules.module
-    return (hooks._global_forward_hooks or hooks._global_forward_pre_hooks
-            or hooks._global_backward_hooks or hooks._global_backward_pre_hooks)
-
-
 def _saved_tensor_hooks(torch):
     try:
         return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
@@ -159,18 +154,16 @@ class _Graphs:
 
 def _describe(torch, layer, args, kwargs, cache_types):
     """(the call's key, its flattened arguments, their tree, the index of a KV cache among them
-    or None): the key holds everything a graph bakes in. Raises _Eager with the reason a call
+    or None, the layer's parameters): the key holds everything a graph bakes in. Raises _Eager with the reason a call
     cannot be replayed."""
     from torch.utils import _pytree
     if not layer.training or not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
         raise _Eager("not a training call with grad on")
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        raise _Eager("under torch.compile or torch.func")
-    if torch.is_anomaly_enabled() or _saved_tensor_hooks(torch) or _global_hooks(torch):
+    if torch.is_anomaly_enabled() or _saved_tensor_hooks(torch) or _global_module_hooks(torch):
         raise _Eager("anomaly mode, saved-tensor hooks or global module hooks")
     if getattr(layer, "gradient_checkpointing", False):
         raise _Eager("gradient checkpointing")
-    modules = tuple(_module_state(torch, module) for module in layer.modules())
+    modules, parameters, buffers = _members(torch, layer)
     leaves, tree = _pytree.tree_flatten((args, kwargs))
     described, cache_slot = [], None
     for i, x in enumerate(leaves):
@@ -186,21 +179,35 @@ def _describe(torch, layer, args, kwargs, cache_types):
         else:
             raise _Eager(f"an argument of type {type(x).__name__}")
     params = []
-    for p in layer.parameters():
+    for p in parameters:
         if type(p) is not torch.nn.Parameter or not p.is_cuda:
             raise _Eager("a parameter that is not a plain CUDA tensor")
         params.append((id(p), p.data_ptr(), p.requires_grad, p.dtype, tuple(p.shape)))
-    buffers = []
-    for b in layer.buffers():
+    for b in buffers:
         if b.requires_grad:
             raise _Eager("a buffer that requires grad")
-        buffers.append((id(b), b.data_ptr()))
     autocast = torch.is_autocast_enabled("cuda")
     # Autocast's dtype counts only where autocast is on (`autocast(enabled=False)` sets one too).
     state = (autocast, torch.get_autocast_dtype("cuda") if autocast else None,
              torch.are_deterministic_algorithms_enabled(), _backend_flags(torch))
-    key = (tree, tuple(described), tuple(params), tuple(buffers), modules, state)
-    return key, leaves, tree, cache_slot
+    key = (tree, tuple(described), tuple(params), tuple((id(b), b.data_ptr()) for b in buffers),
+           modules, state)
+    return key, leaves, tree, cache_slot, parameters
+
+
+def _members(torch, layer):
+    """One walk of the layer's modules: each one's _module_state, and the layer's parameters and
+    buffers in `layer.parameters()`'s and `layer.buffers()`'s order (the same pre-order walk,
+    each tensor once)."""
+    states, parameters, buffers, seen = [], [], [], set()
+    for module in layer.modules():
+        states.append(_module_state(torch, module))
+        for members, found in ((module._parameters, parameters), (module._buffers, buffers)):
+            for t in members.values():
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    found.append(t)
+    return tuple(states), parameters, buffers
 
 
 _SCALARS = (bool, int, float, str, type(None))
@@ -321,13 +328,19 @@ def _capture(torch, layer, original_call, key, leaves, tree, cache_slot, side_st
     tensors = [s for s in statics if type(s) is torch.Tensor]
     with _parameter_aliases(torch, layer) as params:
         wants_grad = [t for t in tensors if t.requires_grad] + [p for p in params if p.requires_grad]
-        return _capture_aliased(torch, layer, original_call, graphs, statics, tensors, params,
-                                wants_grad, leaves, tree, cache_slot, side_streams)
+        grads = _record(torch, layer, original_call, graphs, statics, wants_grad, leaves, tree,
+                        cache_slot, side_streams)
+    graphs.statics = tensors
+    by_id = {id(t): g for t, g in zip(wants_grad, grads)}
+    graphs.input_grads = [by_id.get(id(t)) if t.requires_grad else None for t in tensors]
+    graphs.param_grads = [by_id.get(id(p)) if p.requires_grad else None for p in params]
+    return graphs
 
 
-def _capture_aliased(torch, layer, original_call, graphs, statics, tensors, params, wants_grad,
-                     leaves, tree, cache_slot, side_streams):
-    """_capture's work, the layer's parameters being `params` (aliases) meanwhile."""
+def _record(torch, layer, original_call, graphs, statics, wants_grad, leaves, tree, cache_slot,
+            side_streams):
+    """The capture itself (the layer's parameters being aliases meanwhile): the graphs and the
+    tensors they produce, kept in `graphs`; the gradients of `wants_grad` the backward writes."""
     from torch.utils import _pytree
     layer_idx = graphs.layer_idx
 
@@ -378,16 +391,12 @@ def _capture_aliased(torch, layer, original_call, graphs, statics, tensors, para
         grads = torch.autograd.grad(outs, wants_grad, grad_outs, allow_unused=True)
     torch.cuda.current_stream(device).wait_stream(stream)
     graphs.forward, graphs.backward = forward, backward
-    graphs.statics = [s for s in statics if type(s) is torch.Tensor]
     graphs.out_tree, graphs.layer_outputs = out_tree, [o is not None for o in out_leaves]
     graphs.produced, graphs.n_kv = [o.detach() for o in produced], len(kv)
     # Per produced tensor: whether autograd carries a gradient for it.
     graphs.present = [o.requires_grad for o in produced]
     graphs.grad_outs = grad_outs
-    by_id = {id(t): g for t, g in zip(wants_grad, grads)}
-    graphs.input_grads = [by_id.get(id(t)) if t.requires_grad else None for t in graphs.statics]
-    graphs.param_grads = [by_id.get(id(p)) if p.requires_grad else None for p in params]
-    return graphs
+    return grads
 
 
 def _replay_function(torch):
@@ -463,7 +472,7 @@ def _layer_call(torch, original_call):
         state = state_of(layer)
         if state.get("failed"):
             raise _Eager(state["failed"])
-        key, leaves, tree, cache_slot = _describe(torch, layer, args, kwargs, cache_types)
+        key, leaves, tree, cache_slot, parameters = _describe(torch, layer, args, kwargs, cache_types)
         if cache_slot is not None and not _fresh_cache(leaves[cache_slot], _layer_idx(layer), fresh_layers):
             raise _Eager("a KV cache that already holds this layer's keys")
         graphs = state.get("graphs")
@@ -494,15 +503,15 @@ def _layer_call(torch, original_call):
         token = graphs.pending() if graphs.pending is not None else None
         if token is not None and not token.done:
             raise _Eager("an earlier replay waits for its backward")
-        return graphs, leaves
+        return graphs, leaves, parameters
 
-    compiling = torch.compiler.is_compiling
+    untraced = _untraced_call(torch)
 
-    def replayed(layer, graphs, leaves):
+    def replayed(graphs, leaves, parameters):
         """The replay's result in the layer's output tree; the cache's first append made."""
         tensors = [x for x in leaves if type(x) is torch.Tensor]
         token = _Token()
-        outs = replay.apply(graphs, token, len(tensors), *tensors, *layer.parameters())
+        outs = replay.apply(graphs, token, len(tensors), *tensors, *parameters)
         graphs.pending = weakref.ref(token)
         if graphs.cache_slot is not None:
             # The cache's own first append copies the replay's keys and values.
@@ -512,8 +521,9 @@ def _layer_call(torch, original_call):
         return _pytree.tree_unflatten(out_leaves, graphs.out_tree)
 
     def call(layer, *args, **kwargs):
-        # torch.compile traces the layer's own code (checked first: nothing here is traced).
-        if compiling() or not (switch.on and rewrite_switch.on) or not recognised(type(layer)):
+        # torch.compile and torch.func trace the layer's own code (checked first: nothing here
+        # is traced), as they do the rewrites'.
+        if not (switch.on and untraced()) or not recognised(type(layer)):
             return original_call(layer, *args, **kwargs)
         name = type(layer).__name__
         try:
@@ -528,7 +538,7 @@ def _layer_call(torch, original_call):
             return original_call(layer, *args, **kwargs)
         failure = None
         try:
-            result = replayed(layer, *planned)
+            result = replayed(*planned)
         except Exception as e:  # never break the job: this layer goes eager (nothing was kept)
             failure = repr(e)
         if failure is None:

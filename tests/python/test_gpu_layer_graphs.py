@@ -42,9 +42,11 @@ def graphs_patched():
     cls.__call__ = original
 
 
-def model_pair(family, seed=0):
+def model_pair(family, seed=0, **config):
+    """A small model of the family (SMALL, updated by `config`), sdpa attention, in training on
+    the GPU, and its copy."""
     config_name, model_name = FAMILIES[family]
-    cfg = getattr(transformers, config_name)(**SMALL)
+    cfg = getattr(transformers, config_name)(**{**SMALL, **config})
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(cfg).cuda().train()
@@ -206,11 +208,7 @@ def test_a_sliding_window_trains_as_eager():
     """Mistral with a window shorter than the sequence: HF passes a sliding-window mask (an
     expanded tensor: the graph's copy of it is dense) and the cache's layers are sliding-window
     ones: eager's losses, gradients and caches, the graphs replayed."""
-    cfg = transformers.MistralConfig(**SMALL, sliding_window=64)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(9)
-    eager = transformers.MistralForCausalLM(cfg).cuda().train()
-    graphed = copy.deepcopy(eager)
+    eager, graphed = model_pair("mistral", seed=9, sliding_window=64)
     for i in range(5):
         out_e = step(eager, batch(i), False, False)
         out_g = step(graphed, batch(i), True, False)
@@ -256,11 +254,7 @@ def test_gradients_through_the_kv_cache_and_autograd_grad():
 def test_dropout_draws_new_numbers_at_each_replay():
     """Attention dropout inside a graphed layer: two replays of one input give different outputs
     (the generator advances), as two eager calls do."""
-    config_name, model_name = FAMILIES["llama"]
-    cfg = getattr(transformers, config_name)(**SMALL, attention_dropout=0.5)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(8)
-    model = getattr(transformers, model_name)(cfg).cuda().train()
+    model, _ = model_pair("llama", seed=8, attention_dropout=0.5)
     for i in range(3):
         step(model, batch(i), True, False)
     n = replays(model)

@@ -80,6 +80,20 @@ def test_the_reasons_a_call_runs_eager():
 FRESH = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
+def test_one_walk_finds_the_layers_parameters_and_buffers_in_order():
+    """_members' parameters and buffers are layer.parameters()'s and layer.buffers(), in their
+    order, a tied parameter once; a module state per module."""
+    model = small_llama()
+    layer = model.model.layers[0]
+    layer.register_buffer("scale", torch.ones(2))
+    layer.mlp.register_buffer("scale", torch.ones(3))
+    layer.mlp.down_proj.weight = layer.mlp.up_proj.weight  # tied: once
+    states, parameters, buffers = layer_graphs._members(torch, layer)
+    assert [id(p) for p in parameters] == [id(p) for p in layer.parameters()]
+    assert [id(b) for b in buffers] == [id(b) for b in layer.buffers()] and len(buffers) == 2
+    assert len(states) == len(list(layer.modules()))
+
+
 def test_a_fresh_cache_is_one_that_holds_nothing_for_the_layer():
     cache = DynamicCache()
     assert layer_graphs._fresh_cache(cache, 0, FRESH)
