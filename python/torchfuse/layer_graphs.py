@@ -58,8 +58,29 @@ from .rewrites import _global_module_hooks, _untraced_call
 
 # The decoder layers whose forward is known to touch nothing but its arguments, its parameters
 # and a KV cache's update (transformers 5's code, read; each has a GPU test of the whole model).
-LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
-                    "Qwen3DecoderLayer", "Phi3DecoderLayer"})
+# Not here: GPT-J's block (it moves a tensor attribute, its sinusoids, to the device at its first
+# call: the guards send it eager anyway), the MoE layers (their routing syncs with the host).
+LAYERS = frozenset({
+    "LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
+    "Phi3DecoderLayer",
+    # Gemma's (1 + weight) norms and GELU-tanh MLP; Gemma 2 and 3's four norms a layer, sliding
+    # or global attention set per layer at construction, Gemma 3's q/k norms.
+    "GemmaDecoderLayer", "Gemma2DecoderLayer", "Gemma3DecoderLayer",
+    # Post-norm with q/k norms over the projections; a constant residual multiplier; parallel
+    # attention and MLP after one norm (Cohere's, Phi's); GLM-4's four norms.
+    "Olmo2DecoderLayer", "GraniteDecoderLayer", "CohereDecoderLayer", "PhiDecoderLayer",
+    "Glm4DecoderLayer",
+    # GPT-NeoX's (Pythia's) layer, its cache passed as `layer_past`; GPT-2's block, its
+    # projections transformers' Conv1D (an addmm of its own weight and bias).
+    "GPTNeoXLayer", "GPT2Block",
+})
+
+# Where the classes of a recognised layer's submodules may come from: torch.nn's, a transformers
+# model's, its activations and Conv1D (transformers.pytorch_utils, GPT-2's projections). An
+# adapter (PEFT's LoRA) or a quantized Linear (transformers.integrations) keeps Python state a
+# graph would freeze.
+SUBMODULE_ORIGINS = ("torch.nn.", "transformers.models.", "transformers.activations",
+                     "transformers.pytorch_utils")
 
 # Calls of one shape that run eager before the capture: the first steps compile and tune
 # kernels (NVRTC, cuBLAS) outside any capture.
@@ -232,16 +253,15 @@ def _scan(torch, module):
 
 
 def _module_state(torch, module):
-    """What a graph bakes in of one module of the layer: its class (torch.nn's, a model's of
-    transformers or its activations only: an adapter such as PEFT's LoRA or a quantized Linear
-    of transformers.integrations keeps Python state the graph would freeze) and its scalar attributes (`training`, a dropout's `p`, `scaling`, ...), with
+    """What a graph bakes in of one module of the layer: its class (from SUBMODULE_ORIGINS only)
+    and its scalar attributes (`training`, a dropout's `p`, `scaling`, ...), with
     its config's attention implementation. Raises _Eager for hooks, a forward set on the
     instance, or a tensor attribute that is neither parameter nor buffer (FSDP1's views of its
     flat parameter are such attributes: the graph would read memory FSDP frees, and no gradient
     would reach the flat parameter). An attribute added or removed changes the __dict__'s size,
     which reads the module again."""
     cls, attributes = type(module), module.__dict__
-    if not cls.__module__.startswith(("torch.nn.", "transformers.models.", "transformers.activations")):
+    if not cls.__module__.startswith(SUBMODULE_ORIGINS):
         raise _Eager(f"a submodule of class {cls.__module__}.{cls.__name__}")
     if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
             or module._backward_pre_hooks or "forward" in attributes):
@@ -287,8 +307,13 @@ def recognised(cls):
 
 
 def _layer_idx(layer):
-    attention = getattr(layer, "self_attn", None)
-    return getattr(attention, "layer_idx", getattr(layer, "layer_idx", None))
+    """The index the layer's attention updates a KV cache at: its `self_attn`'s (most families),
+    `attn`'s (GPT-2) or `attention`'s (GPT-NeoX), else the layer's own; None if it has none."""
+    for name in ("self_attn", "attn", "attention"):
+        index = getattr(getattr(layer, name, None), "layer_idx", None)
+        if index is not None:
+            return index
+    return getattr(layer, "layer_idx", None)
 
 
 @contextlib.contextmanager

@@ -17,15 +17,10 @@ from gpu_util import load_torchfuse
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(ROOT / "python"))
 from torchfuse import layer_graphs  # noqa: E402
+import layer_families  # noqa: E402
+from layer_families import DIMS, FAMILIES, decoder_layers  # noqa: E402
 
 pytestmark = requires_cuda
-
-SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256, pad_token_id=0)
-FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-            "mistral": ("MistralConfig", "MistralForCausalLM"), "phi3": ("Phi3Config", "Phi3ForCausalLM"),
-            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
-
 
 @pytest.fixture(scope="module", autouse=True)
 def graphs_patched():
@@ -43,24 +38,20 @@ def graphs_patched():
 
 
 def model_pair(family, seed=0, **config):
-    """A small model of the family (SMALL, updated by `config`), sdpa attention, in training on
-    the GPU, and its copy."""
-    config_name, model_name = FAMILIES[family]
-    cfg = getattr(transformers, config_name)(**{**SMALL, **config})
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(cfg).cuda().train()
+    """A small model of the family (layer_families' dims, updated by `config`), sdpa attention,
+    in training on the GPU, and its copy."""
+    model = layer_families.build(family, seed, **config).cuda()
     return model, copy.deepcopy(model)
 
 
 def batch(seed, b=2, s=128):
     g = torch.Generator(device="cpu").manual_seed(seed)
-    return torch.randint(0, SMALL["vocab_size"], (b, s), generator=g).cuda()
+    return torch.randint(0, DIMS["vocab_size"], (b, s), generator=g).cuda()
 
 
 def replays(model):
     return sum(layer_graphs.state_of(layer)["graphs"].generation
-               if "graphs" in layer_graphs.state_of(layer) else 0 for layer in model.model.layers)
+               if "graphs" in layer_graphs.state_of(layer) else 0 for layer in decoder_layers(model))
 
 
 def step(model, ids, graphs, autocast, mask=None):
@@ -86,7 +77,8 @@ def close(a, b, tol):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 def test_graphed_training_is_eagers(family, autocast):
-    """Five steps of AdamW, graphs from the third call on: the losses, every gradient and the
+    """Five steps of AdamW, graphs from the third call on, every family of LAYERS (GPT-2, Gemma 2
+    and 3 with a window shorter than the sequence): the losses, every gradient and the
     KV cache each forward builds are eager's (fp32: to cuBLAS's reordering under capture;
     bf16: to bf16's rounding), and the graphs were replayed."""
     eager, graphed = model_pair(family)
@@ -109,10 +101,10 @@ def test_graphed_training_is_eagers(family, autocast):
         opt_e.zero_grad(), opt_g.zero_grad()
     # From each layer's third call, or its fourth where the process's first capture failed
     # (layer_graphs.CAPTURES): at most one replay a layer fewer.
-    layers = SMALL["num_hidden_layers"]
+    layers = DIMS["num_hidden_layers"]
     assert 2 * layers <= replays(graphed) <= 3 * layers, "the graphs replay from the third call"
     assert replays(eager) == 0
-    name = type(graphed.model.layers[0]).__name__
+    name = type(decoder_layers(graphed)[0]).__name__
     assert layer_graphs.counts[name, "replayed"] >= replays(graphed)
     assert layer_graphs.counts[name, "eager: before its capture (the first calls of a shape)"] >= 2 * layers
 
@@ -136,7 +128,7 @@ def test_gradient_accumulation_and_a_second_forward_are_eagers():
         a, b = model(input_ids=batch(20), labels=batch(20)), model(input_ids=batch(21), labels=batch(21))
         (a.loss + b.loss).backward()
         layer_graphs.switch.on = True
-    assert replays(graphed) == before + SMALL["num_hidden_layers"], "the first forward replays, the second not"
+    assert replays(graphed) == before + DIMS["num_hidden_layers"], "the first forward replays, the second not"
     close(grads(graphed), grads(eager), 1e-4)
 
 
@@ -145,7 +137,7 @@ def test_what_the_guards_send_to_eager_is_right():
     eager's outputs and gradients. An output kept from a replay does not change at the next
     replay."""
     eager, graphed = model_pair("llama", seed=2)
-    layers = SMALL["num_hidden_layers"]
+    layers = DIMS["num_hidden_layers"]
     for i in range(3):
         step(eager, batch(i), False, False)
         step(graphed, batch(i), True, False)
@@ -201,7 +193,7 @@ def test_padded_batches_train_as_eager():
         close(grads(graphed), grads(eager), 1e-4)
         for model in (eager, graphed):
             model.zero_grad()
-    assert replays(graphed) >= 2 * SMALL["num_hidden_layers"]
+    assert replays(graphed) >= 2 * DIMS["num_hidden_layers"]
 
 
 def test_a_sliding_window_trains_as_eager():
@@ -219,7 +211,7 @@ def test_a_sliding_window_trains_as_eager():
             close([lg.keys, lg.values], [le.keys, le.values], 1e-4)
         for model in (eager, graphed):
             model.zero_grad()
-    assert replays(graphed) >= 2 * SMALL["num_hidden_layers"]
+    assert replays(graphed) >= 2 * DIMS["num_hidden_layers"]
 
 
 def test_gradients_through_the_kv_cache_and_autograd_grad():
@@ -239,14 +231,14 @@ def test_gradients_through_the_kv_cache_and_autograd_grad():
         second = model(input_ids=batch(51, s=16), past_key_values=first.past_key_values)
         (first.loss + second.logits.float().pow(2).mean()).backward()
         layer_graphs.switch.on = True
-    assert replays(graphed) == n + SMALL["num_hidden_layers"], "the first forward replays"
+    assert replays(graphed) == n + DIMS["num_hidden_layers"], "the first forward replays"
     close(grads(graphed), grads(eager), 1e-4)
     params = list(graphed.model.layers[0].parameters())
     loss = graphed(input_ids=batch(52), labels=batch(52)).loss
     got = torch.autograd.grad(loss, params)
     kept = [g.clone() for g in got]
     graphed(input_ids=batch(53), labels=batch(53)).loss.backward()
-    assert replays(graphed) == n + 3 * SMALL["num_hidden_layers"]
+    assert replays(graphed) == n + 3 * DIMS["num_hidden_layers"]
     for g, k in zip(got, kept):
         torch.testing.assert_close(g, k, rtol=0, atol=0)
 
@@ -263,7 +255,7 @@ def test_dropout_draws_new_numbers_at_each_replay():
         out = model(input_ids=batch(60), labels=batch(60))
         out.loss.backward()
         outs.append(out.logits.detach())
-    assert replays(model) == n + 2 * SMALL["num_hidden_layers"]
+    assert replays(model) == n + 2 * DIMS["num_hidden_layers"]
     assert not torch.equal(outs[0], outs[1])
     assert torch.isfinite(outs[0]).all()
 

@@ -14,6 +14,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingW
 
 sys.path.insert(0, str(ROOT / "python"))
 from torchfuse import layer_graphs  # noqa: E402
+import layer_families  # noqa: E402
 
 
 def small_llama():
@@ -264,3 +265,51 @@ def test_a_capture_with_fake_graphs_keeps_what_the_replay_needs(fake_graphs):
     torch.testing.assert_close(outs[1], expected_cache.layers[0].keys)
     torch.testing.assert_close(outs[2], expected_cache.layers[0].values)
     assert all(o.requires_grad for o in outs)
+
+
+def test_every_recognised_class_has_a_family_in_the_tests():
+    """LAYERS is the layer classes of layer_families' models: each one has the GPU tests' whole-
+    model comparison with eager (test_gpu_layer_graphs.py) and the capture test below."""
+    classes = {type(layer_families.decoder_layers(layer_families.build(family))[0]).__name__
+               for family in layer_families.FAMILIES}
+    assert classes == layer_graphs.LAYERS
+
+
+@pytest.mark.parametrize("family", sorted(layer_families.FAMILIES))
+def test_each_familys_capture_replays_its_eager_call(fake_graphs, family):
+    """Every family of LAYERS (its class recognised, its attention's cache index found): the
+    capture of its first layer on HF's own arguments, a fresh KV cache among them, keeps the
+    layer's output and the keys and values it appended; a replay of the same inputs gives the
+    eager call's output, and the cache's own update of the replay's keys and values leaves the
+    cache eager's call leaves."""
+    from transformers import modeling_layers
+    from torch.utils import _pytree
+    model = layer_families.build(family)
+    layer = layer_families.decoder_layers(model)[0]
+    assert layer_graphs.recognised(type(layer)) and layer_graphs._layer_idx(layer) == 0
+    seen = []
+    handle = layer.register_forward_pre_hook(lambda m, a, k: seen.append((a, dict(k))), with_kwargs=True)
+    ids = torch.randint(1, 1000, (2, 16))
+    model(input_ids=ids, labels=ids)
+    handle.remove()
+    leaves, tree = _pytree.tree_flatten(seen[0])
+    slot = next(i for i, x in enumerate(leaves) if isinstance(x, DynamicCache))
+    leaves[slot] = DynamicCache(config=model.config)
+    assert layer_graphs._fresh_cache(leaves[slot], 0, FRESH)
+    original = modeling_layers.GradientCheckpointingLayer.__call__
+    graphs = layer_graphs._capture(torch, layer, original, "key", leaves, tree, slot, {})
+    assert graphs.n_kv == 2 and graphs.layer_idx == 0
+
+    eager_leaves = list(leaves)
+    eager_leaves[slot] = expected_cache = DynamicCache(config=model.config)
+    args, kwargs = _pytree.tree_unflatten(eager_leaves, tree)
+    expected = original(layer, *args, **kwargs)
+    tensors = [x for x in leaves if type(x) is torch.Tensor]
+    outs = layer_graphs._replay_function(torch).apply(graphs, layer_graphs._Token(), len(tensors),
+                                                      *tensors, *layer.parameters())
+    torch.testing.assert_close(outs[0], expected)
+    cache = DynamicCache(config=model.config)
+    cache.update(outs[1], outs[2], 0)
+    assert type(cache.layers[0]) is type(expected_cache.layers[0])
+    torch.testing.assert_close(cache.layers[0].keys, expected_cache.layers[0].keys)
+    torch.testing.assert_close(cache.layers[0].values, expected_cache.layers[0].values)
