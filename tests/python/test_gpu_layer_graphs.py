@@ -317,3 +317,63 @@ def test_torch_compile_traces_the_layers_own_code():
         torch.testing.assert_close(out.loss, ref.loss, rtol=1e-4, atol=0)
     assert all("graphs" not in layer_graphs.state_of(layer)
                for layer in graphed.model.layers)
+
+
+DDP_WORLD_OF_ONE = """
+import json, os, sys, torch, torch.distributed as dist, torchfuse
+sys.path.insert(0, {tests!r})
+torchfuse.enable({lib!r})
+from torchfuse import layer_graphs
+import copy, layer_families
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str({port}), RANK="0", WORLD_SIZE="1")
+dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+from torch.nn.parallel import DistributedDataParallel as DDP
+base = layer_families.build("llama").cuda()
+models = {{"eager": DDP(copy.deepcopy(base)), "graphed": DDP(copy.deepcopy(base),
+                                                          gradient_as_bucket_view=True)}}
+opts = {{k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}}
+result = {{"loss": [], "grads": []}}
+for i in range(6):
+    ids = torch.randint(0, 1000, (2, 128), generator=torch.Generator().manual_seed(i)).cuda()
+    losses, grads = {{}}, {{}}
+    for name, model in models.items():
+        layer_graphs.switch.on = name == "graphed"
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses[name] = loss.item()
+        grads[name] = [p.grad.float().clone() for p in model.parameters()]
+        opts[name].step()
+        opts[name].zero_grad()
+    result["loss"].append([losses["eager"], losses["graphed"]])
+    result["grads"].append(max(((a - b).abs().max() / b.abs().max().clamp_min(1.0)).item()
+                               for a, b in zip(grads["graphed"], grads["eager"])))
+result["replays"] = sum(layer_graphs.state_of(layer)["graphs"].generation
+                        for layer in layer_families.decoder_layers(models["graphed"].module)
+                        if "graphs" in layer_graphs.state_of(layer))
+dist.destroy_process_group()
+print(json.dumps(result))
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_ddp_trains_as_eager():
+    """DistributedDataParallel (a world of one over NCCL; its hooks on the parameters' gradient
+    accumulation, gradients as views of its buckets): the replays' parameter gradients reach
+    DDP's buckets as eager's do, so the losses and gradients are eager's, and the layers
+    replayed."""
+    import json
+    import socket
+    from conftest import LIB_DIR, check, run_python
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = DDP_WORLD_OF_ONE.format(tests=str(ROOT / "tests" / "python"), lib=str(LIB_DIR),
+                                   port=port)
+    proc = check(run_python(code, PYTHONPATH=ROOT / "python", TORCHFUSE_LAYER_GRAPHS="1"))
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for eager, graphed in result["loss"]:
+        assert abs(eager - graphed) <= 2e-3 * abs(eager), result["loss"]
+    assert max(result["grads"]) < 2e-2, result["grads"]
+    assert result["replays"] >= 3 * DIMS["num_hidden_layers"], result
