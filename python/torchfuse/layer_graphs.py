@@ -134,8 +134,10 @@ class _Eager(Exception):
 
 class _RecordingCache:
     """Stands in for a fresh KV cache during the capture: keeps the layer's one update (its keys
-    and values become the graph's outputs) and answers it as a fresh cache's first append does
-    (the keys and values themselves). Any other use of the cache fails the capture."""
+    and values become the graph's outputs) and answers it with the keys and values themselves:
+    a fresh cache's first append answers copies of them, the same values in a dense layout (an
+    attention may then take other kernels, within their rounding). Any other use of the cache
+    fails the capture."""
 
     def __init__(self, layer_idx):
         self.layer_idx, self.updates = layer_idx, []
