@@ -10,10 +10,11 @@ call (anything else runs the layer's own code, eager, as if this module were abs
 - the layer's class is one of LAYERS (their forwards read and write nothing outside their
   arguments and parameters but the KV cache, below), grad on, no gradient checkpointing, outside
   torch.compile, torch.func, inference mode and anomaly mode, no saved-tensor hooks;
-- every submodule: a class of torch.nn, of a transformers model or of its activations (not an
-  adapter's or a quantized layer's, whose Python state a graph would freeze), its scalar
-  attributes (`training`, a dropout's `p`, `scaling`, ...) and attention implementation as
-  captured, no hooks (global ones neither), no tensor attribute that is not a parameter or
+- every submodule: a class of torch.nn, of a transformers model, its activations or Conv1D,
+  or PEFT's LoRA Linear (not a quantized layer's or another adapter's, whose Python state a
+  graph would freeze), its scalar attributes (`training`, a dropout's `p`, `scaling`, ...), the
+  contents of its dict, list, tuple and set attributes (LoRA's adapters' settings) and its
+  attention implementation as captured, no hooks (global ones neither), no tensor attribute that is not a parameter or
   buffer (FSDP1's views of its flat parameter);
 - the arguments: the same tree of tensors of the same shapes, strides, dtypes, device and
   requires_grad (their values are copied into the graph's inputs) and the same other values
@@ -47,6 +48,7 @@ a fixed seed.
 import atexit
 import collections
 import contextlib
+import functools
 import operator
 import os
 import sys
@@ -76,11 +78,16 @@ LAYERS = frozenset({
 })
 
 # Where the classes of a recognised layer's submodules may come from: torch.nn's, a transformers
-# model's, its activations and Conv1D (transformers.pytorch_utils, GPT-2's projections). An
-# adapter (PEFT's LoRA) or a quantized Linear (transformers.integrations) keeps Python state a
+# model's, its activations and Conv1D (transformers.pytorch_utils, GPT-2's projections). Other
+# modules (a quantized Linear of transformers.integrations, an adapter) may keep Python state a
 # graph would freeze.
 SUBMODULE_ORIGINS = ("torch.nn.", "transformers.models.", "transformers.activations",
                      "transformers.pytorch_utils")
+# Classes from elsewhere whose forwards were read: PEFT's LoRA Linear (on torch.nn.Linear or
+# Conv1D). Its forward decides by its adapters' settings, kept in dicts and lists (`scaling`,
+# `_active_adapter`, `merged_adapters`, `use_dora`, `lora_variant`): _frozen puts their contents
+# in the key. A mixed-adapter batch (`adapter_names`) puts hooks on it: eager.
+SUBMODULE_CLASSES = frozenset({("peft.tuners.lora.layer", "Linear")})
 
 # Calls of one shape that run eager before the capture: the first steps compile and tune
 # kernels (NVRTC, cuBLAS) outside any capture.
@@ -234,36 +241,77 @@ def _members(torch, layer):
 
 
 _SCALARS = (bool, int, float, str, type(None))
-# Module -> (its __dict__'s size when read, the getter of its scalar attributes' values, whether
-# it has a config): a module's attributes read once, and again when their number changes.
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+# Module -> _scan's reading of it: its attributes read once, and again when their number changes.
 _SCANS = weakref.WeakKeyDictionary()
+# Class -> whether its modules may be in a replayed layer (SUBMODULE_ORIGINS, SUBMODULE_CLASSES).
+_ALLOWED = {}
+
+
+def _frozen(torch, value):
+    """A container attribute's contents as the key holds them: scalars, dtypes and devices as
+    they are, containers as tuples of their contents' (a dict's with its keys), any other
+    object by its class (as an object attribute, unread, is by nothing). Raises _Eager for a
+    tensor inside: the graph would keep reading its memory after the attribute changes."""
+    kind = type(value)
+    if kind in _SCALARS or kind in (torch.dtype, torch.device):
+        return value
+    if isinstance(value, dict):
+        items = tuple(value.items())
+        if all(type(v) in _SCALARS for _, v in items):  # the common case, without recursion
+            return items
+        return tuple((k, _frozen(torch, v)) for k, v in items)
+    if isinstance(value, (list, tuple)):
+        if all(type(v) in _SCALARS for v in value):
+            return tuple(value)
+        return tuple(_frozen(torch, v) for v in value)
+    if isinstance(value, (set, frozenset)):
+        return frozenset(_frozen(torch, v) for v in value)
+    if isinstance(value, torch.Tensor):
+        raise _Eager("a tensor held in a module's attribute")
+    return kind
 
 
 def _scan(torch, module):
-    """(the size of the module's __dict__, a getter of its scalar attributes, whether it has a
-    config) for _module_state; raises _Eager for a tensor attribute that is neither parameter
+    """(the size of the module's __dict__, a getter of its scalar attributes, the names of its
+    container attributes (dicts, lists, tuples, sets) but torch.nn.Module's own, whether it has
+    a config) for _module_state; raises _Eager for a tensor attribute that is neither parameter
     nor buffer."""
-    names = []
+    names, containers = [], []
     for name, value in module.__dict__.items():
         if type(value) in _SCALARS:
             names.append(name)
         elif isinstance(value, torch.Tensor):
             raise _Eager(f"a tensor attribute {name} of {type(module).__name__} (not a parameter "
                          "or buffer)")
+        elif isinstance(value, _CONTAINERS) and name not in _module_internals(torch):
+            containers.append(name)
     getter = operator.itemgetter(*names) if names else (lambda d: ())
-    return len(module.__dict__), getter, "config" in module.__dict__
+    return len(module.__dict__), getter, tuple(containers), "config" in module.__dict__
+
+
+@functools.cache
+def _module_internals(torch):
+    """The attributes every torch.nn.Module has (its parameters', buffers', submodules' and
+    hooks' dicts): what they hold is checked on its own, not frozen into the key."""
+    return frozenset(torch.nn.Module().__dict__)
 
 
 def _module_state(torch, module):
-    """What a graph bakes in of one module of the layer: its class (from SUBMODULE_ORIGINS only)
-    and its scalar attributes (`training`, a dropout's `p`, `scaling`, ...), with
-    its config's attention implementation. Raises _Eager for hooks, a forward set on the
+    """What a graph bakes in of one module of the layer: its class (SUBMODULE_ORIGINS' or
+    SUBMODULE_CLASSES' only), its scalar attributes (`training`, a dropout's `p`, `scaling`,
+    ...), its container attributes' contents (_frozen) and its config's attention
+    implementation. Raises _Eager for hooks, a forward set on the
     instance, or a tensor attribute that is neither parameter nor buffer (FSDP1's views of its
     flat parameter are such attributes: the graph would read memory FSDP frees, and no gradient
     would reach the flat parameter). An attribute added or removed changes the __dict__'s size,
     which reads the module again."""
     cls, attributes = type(module), module.__dict__
-    if not cls.__module__.startswith(SUBMODULE_ORIGINS):
+    allowed = _ALLOWED.get(cls)
+    if allowed is None:
+        allowed = _ALLOWED[cls] = (cls.__module__.startswith(SUBMODULE_ORIGINS)
+                                   or (cls.__module__, cls.__qualname__) in SUBMODULE_CLASSES)
+    if not allowed:
         raise _Eager(f"a submodule of class {cls.__module__}.{cls.__name__}")
     if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
             or module._backward_pre_hooks or "forward" in attributes):
@@ -273,11 +321,13 @@ def _module_state(torch, module):
         scan = _SCANS[module] = _scan(torch, module)
     try:
         values = scan[1](attributes)
+        contents = tuple([_frozen(torch, attributes[name]) for name in scan[2]]) if scan[2] else ()
     except KeyError:  # one attribute deleted and another added: read the module again
         scan = _SCANS[module] = _scan(torch, module)
         values = scan[1](attributes)
-    implementation = getattr(attributes["config"], "_attn_implementation", None) if scan[2] else None
-    return cls, values, implementation
+        contents = tuple([_frozen(torch, attributes[name]) for name in scan[2]])
+    implementation = getattr(attributes["config"], "_attn_implementation", None) if scan[3] else None
+    return cls, values, contents, implementation
 
 
 def _backend_flags(torch):

@@ -109,6 +109,35 @@ def test_graphed_training_is_eagers(family, autocast):
     assert layer_graphs.counts[name, "eager: before its capture (the first calls of a shape)"] >= 2 * layers
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_lora_training_is_eagers(autocast):
+    """PEFT's LoRA on every Linear of a Llama (frozen base weights, adapters trained, B not
+    zero): five steps of AdamW with and without the graphs give eager's losses and adapter
+    gradients, the frozen weights get none, and the layers replayed."""
+    peft = pytest.importorskip("peft")
+    base = layer_families.build("llama", seed=12).cuda()
+    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                                      target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    eager, graphed = model, copy.deepcopy(model)
+    trained = [[p for p in m.parameters() if p.requires_grad] for m in (eager, graphed)]
+    opt_e, opt_g = (torch.optim.AdamW(t, lr=1e-3) for t in trained)
+    tol = 2e-2 if autocast else 1e-4
+    for i in range(5):
+        ids = batch(i)
+        out_e, out_g = step(eager, ids, False, autocast), step(graphed, ids, True, autocast)
+        torch.testing.assert_close(out_g.loss, out_e.loss, rtol=tol / 10, atol=0)
+        close([p.grad for p in trained[1]], [p.grad for p in trained[0]], tol)
+        assert all(p.grad is None for p in graphed.parameters() if not p.requires_grad)
+        opt_e.step(), opt_g.step()
+        opt_e.zero_grad(), opt_g.zero_grad()
+    layers = DIMS["num_hidden_layers"]
+    assert 2 * layers <= replays(graphed) <= 3 * layers, "the graphs replay from the third call"
+
+
 def test_gradient_accumulation_and_a_second_forward_are_eagers():
     """Two micro-batches accumulated into .grad, then two forwards summed into one loss (the
     second forward runs eager: the first replay waits for its backward): eager's gradients."""

@@ -313,3 +313,96 @@ def test_each_familys_capture_replays_its_eager_call(fake_graphs, family):
     assert type(cache.layers[0]) is type(expected_cache.layers[0])
     torch.testing.assert_close(cache.layers[0].keys, expected_cache.layers[0].keys)
     torch.testing.assert_close(cache.layers[0].values, expected_cache.layers[0].values)
+
+
+def test_container_attributes_are_frozen_into_the_key():
+    """_frozen: a dict's, list's or set's scalars (dtypes, devices too) as values, nested
+    containers copied (a change inside one changes the key), other objects by their class, and
+    a tensor inside one refused."""
+    inner = {"a": 1}
+    value = {"s": 2.0, "inner": inner, "list": [1, "x"], "set": {3}, "dtype": torch.float32,
+             "device": torch.device("cpu"), "object": object()}
+    frozen = layer_graphs._frozen(torch, value)
+    assert hash(frozen) is not None
+    inner["a"] = 2
+    assert layer_graphs._frozen(torch, value) != frozen
+    inner["a"] = 1
+    assert layer_graphs._frozen(torch, value) == frozen
+    assert layer_graphs._frozen(torch, dict(value, object=object())) == frozen, "by class"
+    with pytest.raises(layer_graphs._Eager, match="tensor held"):
+        layer_graphs._frozen(torch, {"t": [torch.ones(2)]})
+
+
+def lora_llama(**lora):
+    peft = pytest.importorskip("peft")
+    model = layer_families.build("llama")
+    config = peft.LoraConfig(**{"r": 8, "lora_alpha": 16, "target_modules": "all-linear",
+                                "lora_dropout": 0.0, **lora})
+    model = peft.get_peft_model(model, config)
+    with torch.no_grad():  # B starts at zero: LoRA would add nothing a test could see
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    return model
+
+
+def test_a_lora_layers_adapter_settings_are_in_the_key():
+    """PEFT's LoRA Linear is a submodule a replayed layer may have; its adapters' settings
+    (scaling, adapters disabled, merged, which adapter is active) change the key; a class of
+    another PEFT module (a quantized LoRA, an embedding) is refused."""
+    model = lora_llama()
+    layer = layer_families.decoder_layers(model)[0]
+    states = layer_graphs._members(torch, layer)[0]
+    q = layer.self_attn.q_proj
+    q.scaling["default"] = 3.0
+    assert layer_graphs._members(torch, layer)[0] != states
+    q.scaling["default"] = 2.0
+    assert layer_graphs._members(torch, layer)[0] == states
+    with model.disable_adapter():
+        assert layer_graphs._members(torch, layer)[0] != states
+    model.merge_adapter()
+    assert layer_graphs._members(torch, layer)[0] != states
+    model.unmerge_adapter()
+    assert layer_graphs._members(torch, layer)[0] == states
+    import peft
+    model.add_adapter("second", peft.LoraConfig(r=4, target_modules="all-linear"))
+    with_second = layer_graphs._members(torch, layer)[0]
+    model.set_adapter("second")
+    assert layer_graphs._members(torch, layer)[0] != with_second
+    for module, name in (("peft.tuners.lora.bnb", "Linear"), ("peft.tuners.lora.layer", "Embedding")):
+        other = type(name, (torch.nn.Module,), {"__module__": module})()
+        with pytest.raises(layer_graphs._Eager, match="a submodule of class"):
+            layer_graphs._module_state(torch, other)
+
+
+def test_a_lora_layers_capture_replays_its_eager_call(fake_graphs):
+    """A LoRA-wrapped Llama layer (frozen base weights, trainable adapters, dropout on) captured
+    with fake graphs: a replay of the same inputs gives the eager call's output; the gradients
+    kept are the adapters' and the inputs', none for the frozen weights."""
+    from transformers import modeling_layers
+    from torch.utils import _pytree
+    model = lora_llama(lora_dropout=0.1).eval()  # dropout off for the comparison, ...
+    layer = layer_families.decoder_layers(model)[0]
+    seen = []
+    handle = layer.register_forward_pre_hook(lambda m, a, k: seen.append((a, dict(k))), with_kwargs=True)
+    ids = torch.randint(1, 1000, (2, 16))
+    model(input_ids=ids, labels=ids)
+    handle.remove()
+    leaves, tree = _pytree.tree_flatten(seen[0])
+    slot = next(i for i, x in enumerate(leaves) if isinstance(x, DynamicCache))
+    leaves[slot] = DynamicCache()
+    leaves = [x.detach().requires_grad_(x.is_floating_point()) if type(x) is torch.Tensor else x
+              for x in leaves]  # ... the hidden states as a layer's input in training
+    original = modeling_layers.GradientCheckpointingLayer.__call__
+    graphs = layer_graphs._capture(torch, layer, original, "key", leaves, tree, slot, {})
+    params = list(layer.parameters())
+    assert [g is not None for g in graphs.param_grads] == [p.requires_grad for p in params]
+    assert any(p.requires_grad for p in params) and not all(p.requires_grad for p in params)
+    eager_leaves = list(leaves)
+    eager_leaves[slot] = DynamicCache()
+    args, kwargs = _pytree.tree_unflatten(eager_leaves, tree)
+    expected = original(layer, *args, **kwargs)
+    tensors = [x for x in leaves if type(x) is torch.Tensor]
+    outs = layer_graphs._replay_function(torch).apply(graphs, layer_graphs._Token(), len(tensors),
+                                                      *tensors, *params)
+    torch.testing.assert_close(outs[0], expected)
