@@ -223,12 +223,23 @@ def fake_graphs(monkeypatch):
 
 def layer_call_arguments(model, ids):
     """(args, kwargs) HF's model passes its first decoder layer in a training forward."""
-    layer = model.model.layers[0]
+    layer = layer_families.decoder_layers(model)[0]
     seen = []
     handle = layer.register_forward_pre_hook(lambda m, a, k: seen.append((a, dict(k))), with_kwargs=True)
     model(input_ids=ids, labels=ids)
     handle.remove()
     return seen[0]
+
+
+def flat_call_with_a_fresh_cache(model, cache=DynamicCache):
+    """The first decoder layer's call in a training forward, flattened: (leaves, their tree, the
+    index of the KV cache among them), the cache replaced by a fresh one made by `cache()`."""
+    from torch.utils import _pytree
+    ids = torch.randint(1, 1000, (2, 16))
+    leaves, tree = _pytree.tree_flatten(layer_call_arguments(model, ids))
+    slot = next(i for i, x in enumerate(leaves) if isinstance(x, DynamicCache))
+    leaves[slot] = cache()
+    return leaves, tree, slot
 
 
 def test_a_capture_with_fake_graphs_keeps_what_the_replay_needs(fake_graphs):
@@ -287,14 +298,7 @@ def test_each_familys_capture_replays_its_eager_call(fake_graphs, family):
     model = layer_families.build(family)
     layer = layer_families.decoder_layers(model)[0]
     assert layer_graphs.recognised(type(layer)) and layer_graphs._layer_idx(layer) == 0
-    seen = []
-    handle = layer.register_forward_pre_hook(lambda m, a, k: seen.append((a, dict(k))), with_kwargs=True)
-    ids = torch.randint(1, 1000, (2, 16))
-    model(input_ids=ids, labels=ids)
-    handle.remove()
-    leaves, tree = _pytree.tree_flatten(seen[0])
-    slot = next(i for i, x in enumerate(leaves) if isinstance(x, DynamicCache))
-    leaves[slot] = DynamicCache(config=model.config)
+    leaves, tree, slot = flat_call_with_a_fresh_cache(model, lambda: DynamicCache(config=model.config))
     assert layer_graphs._fresh_cache(leaves[slot], 0, FRESH)
     original = modeling_layers.GradientCheckpointingLayer.__call__
     graphs = layer_graphs._capture(torch, layer, original, "key", leaves, tree, slot, {})
@@ -383,14 +387,7 @@ def test_a_lora_layers_capture_replays_its_eager_call(fake_graphs):
     from torch.utils import _pytree
     model = lora_llama(lora_dropout=0.1).eval()  # dropout off for the comparison, ...
     layer = layer_families.decoder_layers(model)[0]
-    seen = []
-    handle = layer.register_forward_pre_hook(lambda m, a, k: seen.append((a, dict(k))), with_kwargs=True)
-    ids = torch.randint(1, 1000, (2, 16))
-    model(input_ids=ids, labels=ids)
-    handle.remove()
-    leaves, tree = _pytree.tree_flatten(seen[0])
-    slot = next(i for i, x in enumerate(leaves) if isinstance(x, DynamicCache))
-    leaves[slot] = DynamicCache()
+    leaves, tree, slot = flat_call_with_a_fresh_cache(model)
     leaves = [x.detach().requires_grad_(x.is_floating_point()) if type(x) is torch.Tensor else x
               for x in leaves]  # ... the hidden states as a layer's input in training
     original = modeling_layers.GradientCheckpointingLayer.__call__
