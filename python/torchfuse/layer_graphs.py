@@ -75,6 +75,9 @@ LAYERS = frozenset({
     # GPT-NeoX's (Pythia's) layer, its cache passed as `layer_past`; GPT-2's block, its
     # projections transformers' Conv1D (an addmm of its own weight and bias).
     "GPTNeoXLayer", "GPT2Block",
+    # The encoders' post-norm layer (RoBERTa's is BERT's code): no KV cache in an encoder; a
+    # decoder's cache runs eager (its index is on the attention's inner module).
+    "BertLayer", "RobertaLayer",
 })
 
 # Where the classes of a recognised layer's submodules may come from: torch.nn's, a transformers
@@ -550,8 +553,11 @@ def _layer_call(torch, original_call):
         if state.get("failed"):
             raise _Eager(state["failed"])
         key, leaves, tree, cache_slot, parameters = _describe(torch, layer, args, kwargs, cache_types)
-        if cache_slot is not None and not _fresh_cache(leaves[cache_slot], _layer_idx(layer), fresh_layers):
-            raise _Eager("a KV cache that already holds this layer's keys")
+        if cache_slot is not None:
+            if _layer_idx(layer) is None:
+                raise _Eager("a KV cache, and no layer index found to update it at")
+            if not _fresh_cache(leaves[cache_slot], _layer_idx(layer), fresh_layers):
+                raise _Eager("a KV cache that already holds this layer's keys")
         graphs = state.get("graphs")
         if graphs is None:
             if key != state["last"]:

@@ -22,6 +22,11 @@ FAMILIES = {
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.25}),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel",
              {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
+    # Encoders, trained as masked LMs (the labels: every token), no KV cache.
+    "bert": ("BertConfig", "BertForMaskedLM",
+             {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}),
+    "roberta": ("RobertaConfig", "RobertaForMaskedLM",
+                {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}),
 }
 
 # Dims every family takes (GPT-2's config maps them to its n_embd, n_layer, n_head, n_positions).

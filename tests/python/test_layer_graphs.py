@@ -233,12 +233,14 @@ def layer_call_arguments(model, ids):
 
 def flat_call_with_a_fresh_cache(model, cache=DynamicCache):
     """The first decoder layer's call in a training forward, flattened: (leaves, their tree, the
-    index of the KV cache among them), the cache replaced by a fresh one made by `cache()`."""
+    index of the KV cache among them or None), the cache replaced by a fresh one made by
+    `cache()`."""
     from torch.utils import _pytree
     ids = torch.randint(1, 1000, (2, 16))
     leaves, tree = _pytree.tree_flatten(layer_call_arguments(model, ids))
-    slot = next(i for i, x in enumerate(leaves) if isinstance(x, DynamicCache))
-    leaves[slot] = cache()
+    slot = next((i for i, x in enumerate(leaves) if isinstance(x, DynamicCache)), None)
+    if slot is not None:
+        leaves[slot] = cache()
     return leaves, tree, slot
 
 
@@ -288,35 +290,41 @@ def test_every_recognised_class_has_a_family_in_the_tests():
 
 @pytest.mark.parametrize("family", sorted(layer_families.FAMILIES))
 def test_each_familys_capture_replays_its_eager_call(fake_graphs, family):
-    """Every family of LAYERS (its class recognised, its attention's cache index found): the
-    capture of its first layer on HF's own arguments, a fresh KV cache among them, keeps the
-    layer's output and the keys and values it appended; a replay of the same inputs gives the
-    eager call's output, and the cache's own update of the replay's keys and values leaves the
-    cache eager's call leaves."""
+    """Every family of LAYERS (its class recognised): the capture of its first layer on HF's own
+    arguments keeps the layer's output, and, where a decoder's model passes a fresh KV cache
+    (its attention's cache index found), the keys and values it appended; a replay of the same
+    inputs gives the eager call's output, and the cache's own update of the replay's keys and
+    values leaves the cache eager's call leaves."""
     from transformers import modeling_layers
     from torch.utils import _pytree
     model = layer_families.build(family)
     layer = layer_families.decoder_layers(model)[0]
-    assert layer_graphs.recognised(type(layer)) and layer_graphs._layer_idx(layer) == 0
+    assert layer_graphs.recognised(type(layer))
     leaves, tree, slot = flat_call_with_a_fresh_cache(model, lambda: DynamicCache(config=model.config))
-    assert layer_graphs._fresh_cache(leaves[slot], 0, FRESH)
+    encoder = family in ("bert", "roberta")
+    assert (slot is None) == encoder
+    if not encoder:
+        assert layer_graphs._layer_idx(layer) == 0
+        assert layer_graphs._fresh_cache(leaves[slot], 0, FRESH)
     original = modeling_layers.GradientCheckpointingLayer.__call__
     graphs = layer_graphs._capture(torch, layer, original, "key", leaves, tree, slot, {})
-    assert graphs.n_kv == 2 and graphs.layer_idx == 0
+    assert graphs.n_kv == (0 if encoder else 2)
 
     eager_leaves = list(leaves)
-    eager_leaves[slot] = expected_cache = DynamicCache(config=model.config)
+    if not encoder:
+        eager_leaves[slot] = expected_cache = DynamicCache(config=model.config)
     args, kwargs = _pytree.tree_unflatten(eager_leaves, tree)
     expected = original(layer, *args, **kwargs)
     tensors = [x for x in leaves if type(x) is torch.Tensor]
     outs = layer_graphs._replay_function(torch).apply(graphs, layer_graphs._Token(), len(tensors),
                                                       *tensors, *layer.parameters())
     torch.testing.assert_close(outs[0], expected)
-    cache = DynamicCache(config=model.config)
-    cache.update(outs[1], outs[2], 0)
-    assert type(cache.layers[0]) is type(expected_cache.layers[0])
-    torch.testing.assert_close(cache.layers[0].keys, expected_cache.layers[0].keys)
-    torch.testing.assert_close(cache.layers[0].values, expected_cache.layers[0].values)
+    if not encoder:
+        cache = DynamicCache(config=model.config)
+        cache.update(outs[1], outs[2], 0)
+        assert type(cache.layers[0]) is type(expected_cache.layers[0])
+        torch.testing.assert_close(cache.layers[0].keys, expected_cache.layers[0].keys)
+        torch.testing.assert_close(cache.layers[0].values, expected_cache.layers[0].values)
 
 
 def test_container_attributes_are_frozen_into_the_key():
