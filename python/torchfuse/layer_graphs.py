@@ -1,14 +1,14 @@
-"""Opt-in CUDA graphs of HF decoder layers (TORCHFUSE_LAYER_GRAPHS=1): each recognised layer's
-forward and backward replayed from graphs captured on the layer's third call of one shape,
-everything around the layers (the user's loop, the loss, the optimizer, logging and its syncs)
-unchanged and eager. On a host-bound step the layers' Python, dispatch and autograd work is most
+"""Opt-in CUDA graphs of HF decoder layers and timm's ViT blocks (TORCHFUSE_LAYER_GRAPHS=1): each
+recognised layer's forward and backward replayed from graphs captured on the layer's third call
+of one shape, everything around the layers (the user's loop, the loss, the optimizer, logging
+and its syncs) unchanged and eager. On a host-bound step the layers' Python, dispatch and autograd work is most
 of the host's time; a replay is one launch. docs/step-capture.md holds the design and the
 measurements.
 
 A call replays only when everything the graph baked in is as it was at capture, checked at every
 call (anything else runs the layer's own code, eager, as if this module were absent):
-- the layer's class is one of LAYERS (their forwards read and write nothing outside their
-  arguments and parameters but the KV cache, below), grad on, no gradient checkpointing, outside
+- the layer's class is one of LAYERS or BLOCKS (their forwards read and write nothing outside
+  their arguments and parameters but the KV cache, below), grad on, no gradient checkpointing, outside
   torch.compile, torch.func, inference mode and anomaly mode, no saved-tensor hooks;
 - every submodule: a class of torch.nn, of a transformers model, its activations or Conv1D,
   or PEFT's LoRA Linear (not a quantized layer's or another adapter's, whose Python state a
@@ -80,6 +80,10 @@ LAYERS = frozenset({
     "BertLayer", "RobertaLayer",
 })
 
+# Blocks of other libraries whose forwards were read, by (module, class): timm's ViT block
+# (pre-norm attention and MLP, LayerScale, DropPath; its classes in SUBMODULE_CLASSES).
+BLOCKS = frozenset({("timm.models.vision_transformer", "Block")})
+
 # Where the classes of a recognised layer's submodules may come from: torch.nn's, a transformers
 # model's, its activations and Conv1D (transformers.pytorch_utils, GPT-2's projections). Other
 # modules (a quantized Linear of transformers.integrations, an adapter) may keep Python state a
@@ -90,7 +94,16 @@ SUBMODULE_ORIGINS = ("torch.nn.", "transformers.models.", "transformers.activati
 # Conv1D). Its forward decides by its adapters' settings, kept in dicts and lists (`scaling`,
 # `_active_adapter`, `merged_adapters`, `use_dora`, `lora_variant`): _frozen puts their contents
 # in the key. A mixed-adapter batch (`adapter_names`) puts hooks on it: eager.
-SUBMODULE_CLASSES = frozenset({("peft.tuners.lora.layer", "Linear")})
+SUBMODULE_CLASSES = frozenset({
+    ("peft.tuners.lora.layer", "Linear"),
+    # timm's ViT block's own: its attention (fused SDPA or its math, by a flag set at
+    # construction), MLP, LayerScale and DropPath (a Bernoulli draw: the graph's generator, as
+    # dropout's); older timm kept its attention and LayerScale in vision_transformer.
+    ("timm.layers.attention", "Attention"), ("timm.layers.mlp", "Mlp"),
+    ("timm.layers.layer_scale", "LayerScale"), ("timm.layers.drop", "DropPath"),
+    ("timm.layers.norm", "LayerNorm"),  # torch's, or timm's fast norm by a flag set at construction
+    ("timm.models.vision_transformer", "Attention"), ("timm.models.vision_transformer", "LayerScale"),
+})
 
 # Calls of one shape that run eager before the capture: the first steps compile and tune
 # kernels (NVRTC, cuBLAS) outside any capture.
@@ -312,8 +325,9 @@ def _module_state(torch, module):
     cls, attributes = type(module), module.__dict__
     allowed = _ALLOWED.get(cls)
     if allowed is None:
+        named = (cls.__module__, cls.__qualname__)
         allowed = _ALLOWED[cls] = (cls.__module__.startswith(SUBMODULE_ORIGINS)
-                                   or (cls.__module__, cls.__qualname__) in SUBMODULE_CLASSES)
+                                   or named in SUBMODULE_CLASSES or named in BLOCKS)
     if not allowed:
         raise _Eager(f"a submodule of class {cls.__module__}.{cls.__name__}")
     if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
@@ -357,8 +371,21 @@ def _fresh_cache(cache, layer_idx, layer_classes):
 
 
 def recognised(cls):
-    """Whether layer graphs may take this class's calls: one of LAYERS, from transformers."""
-    return cls.__name__ in LAYERS and cls.__module__.startswith("transformers.models.")
+    """Whether layer graphs may take this class's calls: one of LAYERS, from transformers, or one
+    of BLOCKS."""
+    return ((cls.__name__ in LAYERS and cls.__module__.startswith("transformers.models."))
+            or (cls.__module__, cls.__qualname__) in BLOCKS)
+
+
+def _cache_classes():
+    """(the KV cache classes a call may pass, the cache layers a fresh one appends to):
+    transformers' DynamicCache, where transformers' caches are imported (a job without them
+    has no cache to pass)."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    if cache_utils is None:
+        return (), ()
+    return ((cache_utils.DynamicCache,),
+            (cache_utils.DynamicLayer, cache_utils.DynamicSlidingWindowLayer))
 
 
 def _layer_idx(layer):
@@ -529,9 +556,7 @@ def _replay_function(torch):
 def _layer_call(torch, original_call):
     """The decoder layers' __call__: the replay where the call may take it, the original
     otherwise."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
     from torch.utils import _pytree
-    cache_types, fresh_layers = (DynamicCache,), (DynamicLayer, DynamicSlidingWindowLayer)
     side_streams, warned = {}, set()
     replay = _replay_function(torch)
 
@@ -552,6 +577,7 @@ def _layer_call(torch, original_call):
         state = state_of(layer)
         if state.get("failed"):
             raise _Eager(state["failed"])
+        cache_types, fresh_layers = _cache_classes()
         key, leaves, tree, cache_slot, parameters = _describe(torch, layer, args, kwargs, cache_types)
         if cache_slot is not None:
             if _layer_idx(layer) is None:
@@ -638,20 +664,43 @@ def _layer_call(torch, original_call):
     return call
 
 
-def patch_layers(module):
-    """transformers.modeling_layers: GradientCheckpointingLayer's __call__ (every HF decoder
-    layer's) takes the layer graphs, where TORCHFUSE_LAYER_GRAPHS asks for them."""
+def install(torch, cls):
+    """cls.__call__ (its own or inherited) replaced by the layer graphs' call around it; once.
+    Returns what it replaced, or None where it was installed already."""
+    original = cls.__call__
+    if getattr(original, "_torchfuse_layer_graphs", False):
+        return None
+    call = _layer_call(torch, original)
+    call._torchfuse_layer_graphs = True
+    cls.__call__ = call
+    return original
+
+
+_announced = []
+
+
+def _patch(module, class_name):
+    """The patch of a library module: its class `class_name` takes the layer graphs, where
+    TORCHFUSE_LAYER_GRAPHS asks for them and CUDA is there."""
     if not requested():
         return True
     import torch
     if not torch.cuda.is_available():
         return True
-    cls = module.GradientCheckpointingLayer
-    if getattr(cls.__call__, "_torchfuse_layer_graphs", False):
-        return True
-    call = _layer_call(torch, cls.__call__)
-    call._torchfuse_layer_graphs = True
-    cls.__call__ = call
-    note(torch, "layer graphs: on (TORCHFUSE_LAYER_GRAPHS)")
-    atexit.register(lambda: counts and note(torch, "layer graphs: calls\n" + summary()))
+    install(torch, getattr(module, class_name))
+    if not _announced:
+        _announced.append(True)
+        note(torch, "layer graphs: on (TORCHFUSE_LAYER_GRAPHS)")
+        atexit.register(lambda: counts and note(torch, "layer graphs: calls\n" + summary()))
     return True
+
+
+def patch_layers(module):
+    """transformers.modeling_layers: GradientCheckpointingLayer's __call__ (every HF decoder
+    layer's) takes the layer graphs; the call itself takes only the classes of LAYERS."""
+    return _patch(module, "GradientCheckpointingLayer")
+
+
+def patch_timm_blocks(module):
+    """timm.models.vision_transformer: its Block's __call__ takes the layer graphs."""
+    return _patch(module, "Block")

@@ -24,17 +24,21 @@ pytestmark = requires_cuda
 
 @pytest.fixture(scope="module", autouse=True)
 def graphs_patched():
-    """torchfuse loaded; GradientCheckpointingLayer's __call__ patched as TORCHFUSE_LAYER_GRAPHS=1
-    does; the switch decides per test step."""
+    """torchfuse loaded; GradientCheckpointingLayer's and timm's ViT Block's __call__ patched as
+    TORCHFUSE_LAYER_GRAPHS=1 does; the switch decides per test step."""
     load_torchfuse()
     from transformers import modeling_layers
-    cls = modeling_layers.GradientCheckpointingLayer
-    original = cls.__call__
-    if not getattr(original, "_torchfuse_layer_graphs", False):
-        cls.__call__ = layer_graphs._layer_call(torch, original)
-        cls.__call__._torchfuse_layer_graphs = True
+    classes = [modeling_layers.GradientCheckpointingLayer]
+    try:
+        from timm.models import vision_transformer
+        classes.append(vision_transformer.Block)
+    except ImportError:
+        pass
+    installed = [(cls, layer_graphs.install(torch, cls)) for cls in classes]
     yield
-    cls.__call__ = original
+    for cls, original in installed:
+        if original is not None:
+            cls.__call__ = original
 
 
 def model_pair(family, seed=0, **config):
@@ -136,6 +140,48 @@ def test_lora_training_is_eagers(autocast):
         opt_e.zero_grad(), opt_g.zero_grad()
     layers = DIMS["num_hidden_layers"]
     assert 2 * layers <= replays(graphed) <= 3 * layers, "the graphs replay from the third call"
+
+
+def tiny_vit(seed):
+    """timm's VisionTransformer, small: 64x64 images in 8x8 patches, three blocks with
+    LayerScale, in training on the GPU."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(seed)
+    return timm.models.vision_transformer.VisionTransformer(
+        img_size=64, patch_size=8, embed_dim=256, depth=3, num_heads=4, num_classes=10,
+        init_values=0.1).cuda().train()
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_timm_vit_trains_as_eager(autocast):
+    """timm's ViT (its blocks called by an nn.Sequential): five steps of AdamW with and without
+    the graphs give eager's losses and gradients, and the blocks replayed."""
+    eager = tiny_vit(13)
+    graphed = copy.deepcopy(eager)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3)
+    opt_g = torch.optim.AdamW(graphed.parameters(), lr=1e-3)
+    tol = 2e-2 if autocast else 1e-4
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for i in range(5):
+        images = torch.randn(8, 3, 64, 64, generator=g).cuda()
+        labels = torch.randint(0, 10, (8,), generator=g).cuda()
+        losses = []
+        for graphs, model in ((False, eager), (True, graphed)):
+            layer_graphs.switch.on = graphs
+            try:
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                    loss = torch.nn.functional.cross_entropy(model(images), labels)
+                loss.backward()
+            finally:
+                layer_graphs.switch.on = True
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], rtol=tol / 10, atol=0)
+        close(grads(graphed), grads(eager), tol)
+        opt_e.step(), opt_g.step()
+        opt_e.zero_grad(), opt_g.zero_grad()
+    replayed = sum(layer_graphs.state_of(b)["graphs"].generation
+                   for b in graphed.blocks if "graphs" in layer_graphs.state_of(b))
+    assert 2 * 3 <= replayed <= 3 * 3, "the graphs replay from the third call"
 
 
 def test_gradient_accumulation_and_a_second_forward_are_eagers():

@@ -411,3 +411,40 @@ def test_a_lora_layers_capture_replays_its_eager_call(fake_graphs):
     outs = layer_graphs._replay_function(torch).apply(graphs, layer_graphs._Token(), len(tensors),
                                                       *tensors, *params)
     torch.testing.assert_close(outs[0], expected)
+
+
+def test_timms_vit_block_is_recognised_and_its_capture_replays_its_eager_call(fake_graphs):
+    """timm's ViT Block (LayerScale and DropPath on): recognised, every submodule allowed, and a
+    capture with fake graphs gives back the eager call's output and keeps a gradient for each
+    parameter; install() puts the call on the class once."""
+    pytest.importorskip("timm")
+    from timm.models import vision_transformer
+    torch.manual_seed(0)
+    model = vision_transformer.VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=2,
+                                                 num_heads=4, num_classes=10, init_values=0.1,
+                                                 drop_path_rate=0.1).eval()  # DropPath: off
+    block = model.blocks[1]
+    assert {type(m).__name__ for m in block.modules()} >= {"LayerScale", "DropPath", "Mlp"}
+    assert layer_graphs.recognised(type(block))
+    assert not layer_graphs.recognised(type("Block", (torch.nn.Module,), {"__module__": "mine"}))
+    layer_graphs._members(torch, block)  # no submodule refused
+    x = torch.randn(2, 17, 64, requires_grad=True)
+    graphs = layer_graphs._capture(torch, block, torch.nn.Module.__call__, "key", [x],
+                                   _pytree_spec_of_one_tensor(), None, {})
+    assert all(g is not None for g in graphs.param_grads)
+    outs = layer_graphs._replay_function(torch).apply(graphs, layer_graphs._Token(), 1, x,
+                                                      *block.parameters())
+    torch.testing.assert_close(outs[0], block(x))
+    cls = vision_transformer.Block
+    original = layer_graphs.install(torch, cls)
+    try:
+        assert original is torch.nn.Module.__call__ and cls.__call__._torchfuse_layer_graphs
+        assert layer_graphs.install(torch, cls) is None, "once"
+    finally:
+        cls.__call__ = original
+
+
+def _pytree_spec_of_one_tensor():
+    """The tree of a call with one positional tensor and no keywords."""
+    from torch.utils import _pytree
+    return _pytree.tree_flatten(((torch.empty(0),), {}))[1]
