@@ -37,6 +37,12 @@ def test_not_requested_leaves_the_layers_alone(monkeypatch):
     before = modeling_layers.GradientCheckpointingLayer.__call__
     assert layer_graphs.patch_layers(modeling_layers) is True
     assert modeling_layers.GradientCheckpointingLayer.__call__ is before
+    try:
+        from timm.models import vision_transformer
+    except ImportError:
+        return
+    assert layer_graphs.patch_timm_blocks(vision_transformer) is True
+    assert vision_transformer.Block.__call__ is torch.nn.Module.__call__
 
 
 def test_recognised_classes():
