@@ -209,6 +209,10 @@ def _describe(torch, layer, args, kwargs, cache_types):
         raise _Eager("anomaly mode, saved-tensor hooks or global module hooks")
     if getattr(layer, "gradient_checkpointing", False):
         raise _Eager("gradient checkpointing")
+    # A call inside a backward is a reentrant checkpoint's recomputation: it must draw the
+    # forward's random numbers (dropout), which only eager's RNG state replays.
+    if torch._C._current_graph_task_id() != -1 or torch.jit.is_tracing():
+        raise _Eager("inside a backward (a checkpoint's recomputation) or under torch.jit.trace")
     modules, parameters, buffers = _members(torch, layer)
     leaves, tree = _pytree.tree_flatten((args, kwargs))
     described, cache_slot = [], None
@@ -258,10 +262,24 @@ def _members(torch, layer):
 
 _SCALARS = (bool, int, float, str, type(None))
 _CONTAINERS = (dict, list, tuple, set, frozenset)
-# Module -> _scan's reading of it: its attributes read once, and again when their number changes.
+# Module -> _scan's reading of it: its attributes read once, and again when their names change
+# or one of them is no longer a scalar.
 _SCANS = weakref.WeakKeyDictionary()
 # Class -> whether its modules may be in a replayed layer (SUBMODULE_ORIGINS, SUBMODULE_CLASSES).
 _ALLOWED = {}
+# The container attributes a class's forward reads, where only they are frozen into the key
+# (PEFT's LoRA Linear keeps its init's arguments in a dict too); other classes: all of them.
+FROZEN_ATTRIBUTES = {
+    ("peft.tuners.lora.layer", "Linear"): ("scaling", "_active_adapter", "merged_adapters",
+                                           "use_dora", "lora_variant", "_caches"),
+}
+
+
+@functools.cache
+def _scalar_types(torch):
+    """The attribute types a key holds as they are: Python's scalars, torch's dtypes and
+    devices."""
+    return _SCALARS + (torch.dtype, torch.device)
 
 
 def _frozen(torch, value):
@@ -269,41 +287,47 @@ def _frozen(torch, value):
     they are, containers as tuples of their contents' (a dict's with its keys), any other
     object by its class (as an object attribute, unread, is by nothing). Raises _Eager for a
     tensor inside: the graph would keep reading its memory after the attribute changes."""
-    kind = type(value)
-    if kind in _SCALARS or kind in (torch.dtype, torch.device):
+    scalars = _scalar_types(torch)
+    if type(value) in scalars:
         return value
     if isinstance(value, dict):
         items = tuple(value.items())
-        if all(type(v) in _SCALARS for _, v in items):  # the common case, without recursion
+        if all(type(v) in scalars for _, v in items):  # the common case, without recursion
             return items
         return tuple((k, _frozen(torch, v)) for k, v in items)
     if isinstance(value, (list, tuple)):
-        if all(type(v) in _SCALARS for v in value):
+        if all(type(v) in scalars for v in value):
             return tuple(value)
         return tuple(_frozen(torch, v) for v in value)
     if isinstance(value, (set, frozenset)):
         return frozenset(_frozen(torch, v) for v in value)
     if isinstance(value, torch.Tensor):
         raise _Eager("a tensor held in a module's attribute")
-    return kind
+    return type(value)
 
 
 def _scan(torch, module):
-    """(the size of the module's __dict__, a getter of its scalar attributes, the names of its
-    container attributes (dicts, lists, tuples, sets) but torch.nn.Module's own, whether it has
-    a config) for _module_state; raises _Eager for a tensor attribute that is neither parameter
-    nor buffer."""
-    names, containers = [], []
+    """(the module's attribute names, a getter of its scalar attributes' values as a tuple, the
+    names of its container attributes to freeze (dicts, lists, tuples, sets, but
+    torch.nn.Module's own; FROZEN_ATTRIBUTES' for its class), whether it has a config) for
+    _module_state; raises _Eager for a tensor attribute that is neither parameter nor buffer."""
+    scalars, names, containers = _scalar_types(torch), [], []
+    only = FROZEN_ATTRIBUTES.get((type(module).__module__, type(module).__qualname__))
     for name, value in module.__dict__.items():
-        if type(value) in _SCALARS:
+        if type(value) in scalars:
             names.append(name)
         elif isinstance(value, torch.Tensor):
             raise _Eager(f"a tensor attribute {name} of {type(module).__name__} (not a parameter "
                          "or buffer)")
-        elif isinstance(value, _CONTAINERS) and name not in _module_internals(torch):
+        elif (isinstance(value, _CONTAINERS) and name not in _module_internals(torch)
+              and (only is None or name in only)):
             containers.append(name)
-    getter = operator.itemgetter(*names) if names else (lambda d: ())
-    return len(module.__dict__), getter, tuple(containers), "config" in module.__dict__
+    if len(names) == 1:
+        single = names[0]
+        getter = lambda d: (d[single],)  # noqa: E731 (itemgetter of one name gives no tuple)
+    else:
+        getter = operator.itemgetter(*names) if names else (lambda d: ())
+    return tuple(module.__dict__), getter, tuple(containers), "config" in module.__dict__
 
 
 @functools.cache
@@ -317,11 +341,11 @@ def _module_state(torch, module):
     """What a graph bakes in of one module of the layer: its class (SUBMODULE_ORIGINS' or
     SUBMODULE_CLASSES' only), its scalar attributes (`training`, a dropout's `p`, `scaling`,
     ...), its container attributes' contents (_frozen) and its config's attention
-    implementation. Raises _Eager for hooks, a forward set on the
-    instance, or a tensor attribute that is neither parameter nor buffer (FSDP1's views of its
-    flat parameter are such attributes: the graph would read memory FSDP frees, and no gradient
-    would reach the flat parameter). An attribute added or removed changes the __dict__'s size,
-    which reads the module again."""
+    implementation. Raises _Eager for hooks, a forward set on the instance, or a tensor
+    attribute that is neither parameter nor buffer (FSDP1's views of its flat parameter are
+    such attributes: the graph would read memory FSDP frees, and no gradient would reach the
+    flat parameter). An attribute added, removed, or no longer a scalar reads the module
+    again."""
     cls, attributes = type(module), module.__dict__
     allowed = _ALLOWED.get(cls)
     if allowed is None:
@@ -334,15 +358,14 @@ def _module_state(torch, module):
             or module._backward_pre_hooks or "forward" in attributes):
         raise _Eager(f"hooks on {cls.__name__}")
     scan = _SCANS.get(module)
-    if scan is None or scan[0] != len(attributes):
+    if scan is None or scan[0] != tuple(attributes):
         scan = _SCANS[module] = _scan(torch, module)
-    try:
-        values = scan[1](attributes)
-        contents = tuple([_frozen(torch, attributes[name]) for name in scan[2]]) if scan[2] else ()
-    except KeyError:  # one attribute deleted and another added: read the module again
+    values = scan[1](attributes)
+    scalars = _scalar_types(torch)
+    if not all(type(v) in scalars for v in values):  # one became a container, object or tensor
         scan = _SCANS[module] = _scan(torch, module)
         values = scan[1](attributes)
-        contents = tuple([_frozen(torch, attributes[name]) for name in scan[2]])
+    contents = tuple([_frozen(torch, attributes[name]) for name in scan[2]]) if scan[2] else ()
     implementation = getattr(attributes["config"], "_attn_implementation", None) if scan[3] else None
     return cls, values, contents, implementation
 
@@ -665,15 +688,27 @@ def _layer_call(torch, original_call):
 
 
 def install(torch, cls):
-    """cls.__call__ (its own or inherited) replaced by the layer graphs' call around it; once.
-    Returns what it replaced, or None where it was installed already."""
-    original = cls.__call__
-    if getattr(original, "_torchfuse_layer_graphs", False):
+    """cls.__call__ replaced by the layer graphs' call around what it was (its own, or the next
+    class's in the instance's MRO where it inherits one); once. Returns a function that undoes
+    it, or None where it was installed already."""
+    if getattr(cls.__call__, "_torchfuse_layer_graphs", False):
         return None
+    own = cls.__dict__.get("__call__")
+    if own is not None:
+        original = own
+    else:
+        def original(self, *args, **kwargs):
+            return super(cls, self).__call__(*args, **kwargs)
     call = _layer_call(torch, original)
     call._torchfuse_layer_graphs = True
     cls.__call__ = call
-    return original
+
+    def undo():
+        if own is not None:
+            cls.__call__ = own
+        else:
+            del cls.__call__
+    return undo
 
 
 _announced = []

@@ -32,13 +32,13 @@ def graphs_patched():
     try:
         from timm.models import vision_transformer
         classes.append(vision_transformer.Block)
-    except ImportError:
+    except Exception:  # not installed, or its torchvision does not load
         pass
-    installed = [(cls, layer_graphs.install(torch, cls)) for cls in classes]
+    undos = [layer_graphs.install(torch, cls) for cls in classes]
     yield
-    for cls, original in installed:
-        if original is not None:
-            cls.__call__ = original
+    for undo in undos:
+        if undo is not None:
+            undo()
 
 
 def model_pair(family, seed=0, **config):

@@ -286,6 +286,48 @@ def test_a_capture_with_fake_graphs_keeps_what_the_replay_needs(fake_graphs):
     assert all(o.requires_grad for o in outs)
 
 
+def test_a_call_inside_a_backward_runs_eager():
+    """A reentrant checkpoint recomputes its layers inside the backward, where only eager's RNG
+    state gives the forward's dropout again: _describe refuses such a call."""
+    model = small_llama().train()
+    layer = model.model.layers[0]
+    hidden = torch.randn(1, 8, 64, requires_grad=True)
+    reasons = []
+    x = torch.ones(2, requires_grad=True)
+
+    def recompute(grad):  # as torch.utils.checkpoint's reentrant backward does
+        with torch.enable_grad():
+            reasons.append(describe_reason(layer, hidden))
+
+    x.register_hook(recompute)
+    (x * 2).sum().backward()
+    assert reasons and "inside a backward" in reasons[0]
+
+
+def test_an_attribute_that_changes_kind_is_read_again():
+    """The scan of a module's attributes is read again when one stops being a scalar (a
+    container's contents then in the key, a tensor refused) or another takes a removed one's
+    place in a __dict__ of the same size."""
+    module = torch.nn.Linear(2, 2)
+    first = layer_graphs._module_state(torch, module)
+    module.mode = 1.0
+    with_mode = layer_graphs._module_state(torch, module)
+    assert with_mode != first
+    module.mode = [1.0]
+    as_list = layer_graphs._module_state(torch, module)
+    module.mode.append(2.0)
+    assert layer_graphs._module_state(torch, module) != as_list, "its contents are in the key"
+    module.mode = torch.ones(1)
+    with pytest.raises(layer_graphs._Eager, match="tensor"):
+        layer_graphs._module_state(torch, module)
+    del module.mode
+    module.note = object()
+    before = layer_graphs._module_state(torch, module)
+    del module.note
+    module.scale = 2.0  # the same number of attributes
+    assert layer_graphs._module_state(torch, module) != before
+
+
 def test_every_recognised_class_has_a_family_in_the_tests():
     """LAYERS is the layer classes of layer_families' models: each one has the GPU tests' whole-
     model comparison with eager (test_gpu_layer_graphs.py) and the capture test below."""
@@ -442,12 +484,20 @@ def test_timms_vit_block_is_recognised_and_its_capture_replays_its_eager_call(fa
                                                       *block.parameters())
     torch.testing.assert_close(outs[0], block(x))
     cls = vision_transformer.Block
-    original = layer_graphs.install(torch, cls)
+    assert "__call__" not in cls.__dict__, "timm's Block inherits torch.nn.Module's"
+    undo = layer_graphs.install(torch, cls)
+    if undo is None:
+        pytest.skip("Block is patched in this process already (TORCHFUSE_LAYER_GRAPHS=1)")
     try:
-        assert original is torch.nn.Module.__call__ and cls.__call__._torchfuse_layer_graphs
+        assert cls.__call__._torchfuse_layer_graphs
         assert layer_graphs.install(torch, cls) is None, "once"
+        mixin = type("Mixin", (torch.nn.Module,), {"__call__": lambda self, *a, **k: "the mixin's"})
+        sub = type("Sub", (cls, mixin), {})
+        assert sub(dim=8, num_heads=2)(torch.randn(1, 2, 8)) == "the mixin's", "the MRO kept"
+        torch.testing.assert_close(block(x), outs[0])
     finally:
-        cls.__call__ = original
+        undo()
+    assert "__call__" not in cls.__dict__
 
 
 def _pytree_spec_of_one_tensor():
