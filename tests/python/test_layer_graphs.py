@@ -95,6 +95,8 @@ def test_one_walk_finds_the_layers_parameters_and_buffers_in_order():
     layer.register_buffer("scale", torch.ones(2))
     layer.mlp.register_buffer("scale", torch.ones(3))
     layer.mlp.down_proj.weight = layer.mlp.up_proj.weight  # tied: once
+    layer.mlp.shared = layer.self_attn.q_proj  # a module in two places: at its first
+    assert layer_graphs._walk(layer) == list(layer.modules())
     states, parameters, buffers = layer_graphs._members(torch, layer)
     assert [id(p) for p in parameters] == [id(p) for p in layer.parameters()]
     assert [id(b) for b in buffers] == [id(b) for b in layer.buffers()] and len(buffers) == 2
