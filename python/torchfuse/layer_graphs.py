@@ -670,9 +670,12 @@ def _layer_call(torch, original_call):
     def call(layer, *args, **kwargs):
         # torch.compile and torch.func trace the layer's own code (checked first: nothing here
         # is traced), as they do the rewrites'.
-        if not (switch.on and untraced()) or not recognised(type(layer)):
+        if not (switch.on and untraced()):
             return original_call(layer, *args, **kwargs)
         name = type(layer).__name__
+        if not recognised(type(layer)):  # counted: the summary says why a model got no replays
+            counts[name, "eager: not a class layer graphs know"] += 1
+            return original_call(layer, *args, **kwargs)
         try:
             planned = plan(layer, args, kwargs)
         except _Eager as reason:

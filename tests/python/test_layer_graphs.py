@@ -163,6 +163,24 @@ def test_a_refused_call_is_the_layers_own():
                for layer in model.model.layers)
 
 
+def test_a_layer_of_a_class_not_known_is_its_own_and_counted():
+    """A GradientCheckpointingLayer of a class not in LAYERS (here a copy of Llama's under
+    another name) runs its own code, and the summary names it."""
+    from transformers import modeling_layers
+    original = modeling_layers.GradientCheckpointingLayer.__call__
+    model = small_llama().train()
+    layer = model.model.layers[0]
+    unknown = type("MyDecoderLayer", (type(layer),), {"__module__": "transformers.models.mine"})
+    layer.__class__ = unknown
+    hidden = torch.randn(1, 8, 64)
+    cos, sin = model.model.rotary_emb(hidden, torch.arange(8)[None])
+    expected = original(layer, hidden, position_embeddings=(cos, sin))
+    layer_graphs.counts.clear()
+    got = layer_graphs._layer_call(torch, original)(layer, hidden, position_embeddings=(cos, sin))
+    assert torch.equal(got, expected)
+    assert layer_graphs.counts == {("MyDecoderLayer", "eager: not a class layer graphs know"): 1}
+
+
 def test_a_call_the_guards_cannot_read_runs_eager(capsys):
     """An error inside the guards (here: the description of the call raises) never reaches the
     user: the call is the layer's own, and the layer is left eager with one warning."""
