@@ -163,6 +163,10 @@ def _describe(torch, layer, args, kwargs, cache_types):
         raise _Eager("anomaly mode, saved-tensor hooks or global module hooks")
     if getattr(layer, "gradient_checkpointing", False):
         raise _Eager("gradient checkpointing")
+    # A call inside a backward is a reentrant checkpoint's recomputation: it must draw the
+    # forward's random numbers (dropout), which only eager's RNG state replays.
+    if torch._C._current_graph_task_id() != -1 or torch.jit.is_tracing():
+        raise _Eager("inside a backward (a checkpoint's recomputation) or under torch.jit.trace")
     modules, parameters, buffers = _members(torch, layer)
     leaves, tree = _pytree.tree_flatten((args, kwargs))
     described, cache_slot = [], None
@@ -211,15 +215,16 @@ def _members(torch, layer):
 
 
 _SCALARS = (bool, int, float, str, type(None))
-# Module -> (its __dict__'s size when read, the getter of its scalar attributes' values, whether
-# it has a config): a module's attributes read once, and again when their number changes.
+# Module -> (its attribute names when read, the getter of its scalar attributes' values as a
+# tuple, whether it has a config): a module's attributes read once, and again when their names
+# change or one of them is no longer a scalar.
 _SCANS = weakref.WeakKeyDictionary()
 
 
 def _scan(torch, module):
-    """(the size of the module's __dict__, a getter of its scalar attributes, whether it has a
-    config) for _module_state; raises _Eager for a tensor attribute that is neither parameter
-    nor buffer."""
+    """(the module's attribute names, a getter of its scalar attributes' values as a tuple,
+    whether it has a config) for _module_state; raises _Eager for a tensor attribute that is
+    neither parameter nor buffer."""
     names = []
     for name, value in module.__dict__.items():
         if type(value) in _SCALARS:
@@ -227,8 +232,12 @@ def _scan(torch, module):
         elif isinstance(value, torch.Tensor):
             raise _Eager(f"a tensor attribute {name} of {type(module).__name__} (not a parameter "
                          "or buffer)")
-    getter = operator.itemgetter(*names) if names else (lambda d: ())
-    return len(module.__dict__), getter, "config" in module.__dict__
+    if len(names) == 1:
+        single = names[0]
+        getter = lambda d: (d[single],)  # noqa: E731 (itemgetter of one name gives no tuple)
+    else:
+        getter = operator.itemgetter(*names) if names else (lambda d: ())
+    return tuple(module.__dict__), getter, "config" in module.__dict__
 
 
 def _module_state(torch, module):
@@ -238,8 +247,8 @@ def _module_state(torch, module):
     its config's attention implementation. Raises _Eager for hooks, a forward set on the
     instance, or a tensor attribute that is neither parameter nor buffer (FSDP1's views of its
     flat parameter are such attributes: the graph would read memory FSDP frees, and no gradient
-    would reach the flat parameter). An attribute added or removed changes the __dict__'s size,
-    which reads the module again."""
+    would reach the flat parameter). An attribute added, removed, or no longer a scalar reads
+    the module again."""
     cls, attributes = type(module), module.__dict__
     if not cls.__module__.startswith(("torch.nn.", "transformers.models.", "transformers.activations")):
         raise _Eager(f"a submodule of class {cls.__module__}.{cls.__name__}")
@@ -247,11 +256,10 @@ def _module_state(torch, module):
             or module._backward_pre_hooks or "forward" in attributes):
         raise _Eager(f"hooks on {cls.__name__}")
     scan = _SCANS.get(module)
-    if scan is None or scan[0] != len(attributes):
+    if scan is None or scan[0] != tuple(attributes):
         scan = _SCANS[module] = _scan(torch, module)
-    try:
-        values = scan[1](attributes)
-    except KeyError:  # one attribute deleted and another added: read the module again
+    values = scan[1](attributes)
+    if not all(type(v) in _SCALARS for v in values):  # one is now an object or a tensor
         scan = _SCANS[module] = _scan(torch, module)
         values = scan[1](attributes)
     implementation = getattr(attributes["config"], "_attn_implementation", None) if scan[2] else None

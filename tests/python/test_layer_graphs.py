@@ -77,6 +77,42 @@ def test_the_reasons_a_call_runs_eager():
         assert "training" in describe_reason(layer, hidden)
 
 
+def test_a_call_inside_a_backward_runs_eager():
+    """A reentrant checkpoint recomputes its layers inside the backward, where only eager's RNG
+    state gives the forward's dropout again: _describe refuses such a call."""
+    model = small_llama().train()
+    layer = model.model.layers[0]
+    hidden = torch.randn(1, 8, 64, requires_grad=True)
+    reasons = []
+    x = torch.ones(2, requires_grad=True)
+
+    def recompute(grad):  # as torch.utils.checkpoint's reentrant backward does
+        with torch.enable_grad():
+            reasons.append(describe_reason(layer, hidden))
+
+    x.register_hook(recompute)
+    (x * 2).sum().backward()
+    assert reasons and "inside a backward" in reasons[0]
+
+
+def test_an_attribute_that_changes_kind_is_read_again():
+    """The scan of a module's attributes is read again when one stops being a scalar (a tensor
+    then refused) or another takes a removed one's place in a __dict__ of the same size."""
+    module = torch.nn.Linear(2, 2)
+    first = layer_graphs._module_state(torch, module)
+    module.mode = 1.0
+    assert layer_graphs._module_state(torch, module) != first
+    module.mode = torch.ones(1)
+    with pytest.raises(layer_graphs._Eager, match="tensor attribute mode"):
+        layer_graphs._module_state(torch, module)
+    del module.mode
+    module.note = object()
+    before = layer_graphs._module_state(torch, module)
+    del module.note
+    module.scale = 2.0  # the same number of attributes
+    assert layer_graphs._module_state(torch, module) != before
+
+
 FRESH = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
