@@ -35,15 +35,16 @@ call (anything else runs the layer's own code, eager, as if this module were abs
 What a replay returns is fresh memory (the outputs and all gradients are copied out of the
 graph), so nothing a user keeps changes at the next replay. The weights are cast inside the graph
 (the autocast cache is off in captures, as PyTorch requires), from their values at each replay.
-The backward graph reuses the memory of the activations it has read: a second backward through
-one replay (retain_graph), or one after the layer's next replay, raises a RuntimeError naming
-this switch instead of reading overwritten activations; a double backward (create_graph=True)
-through a replay raises autograd's once_differentiable error. A capture that fails (a sync inside the layer, an op that
-cannot be captured) is tried once more at the layer's next call, then leaves the layer eager for
-the process, with one warning. Each layer keeps its own memory pool for the process's life: its
-saved activations, as eager keeps them until the backward, and its workspace. Dropout inside a
-layer draws from the graph's registered generator: eager's distribution, not eager's numbers for
-a fixed seed.
+The backward graph reuses the memory of the activations it has read: a second backward through one
+replay (retain_graph), or one after the layer's next replay, raises a RuntimeError naming this
+switch instead of reading overwritten activations; a double backward (create_graph=True) through a
+replay raises autograd's once_differentiable error. A capture that fails (a sync inside the layer,
+an op that cannot be captured) gives the device's random generator back (a failed capture leaves it
+marked as capturing, and any later dropout would raise), is tried once more at the layer's next
+call, then leaves the layer eager for the process, with one warning. Each layer keeps its own
+memory pool for the process's life: its saved activations, as eager keeps them until the backward,
+and its workspace. Dropout inside a layer draws from the graph's registered generator: eager's
+distribution, not eager's numbers for a fixed seed.
 """
 import atexit
 import collections
@@ -482,6 +483,32 @@ def _capture(torch, layer, original_call, key, leaves, tree, cache_slot, side_st
     return graphs
 
 
+@contextlib.contextmanager
+def _generator_released(torch, stream, device):
+    """A capture that fails on the GPU (a sync inside it invalidates it, and ending it raises)
+    leaves the device's default generator marked as capturing: every later random draw outside a
+    capture (the eager call this layer falls back to, any dropout of the job) then raises "Offset
+    increment outside graph capture". After such a failure a capture of one kernel, which
+    ends, gives the generator back (measured on an H200: eager's numbers, as if the failed capture
+    had not happened); the failure is raised on."""
+    try:
+        yield
+    except BaseException:
+        try:
+            graph = torch.cuda.CUDAGraph()
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    torch.empty(1, device=device).zero_()
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream(device).wait_stream(stream)
+        except Exception as e:  # the failure raised on is the capture's, this one is noted
+            note(torch, f"layer graphs: the generator could not be given back ({e!r})")
+        raise
+
+
 def _record(torch, layer, original_call, graphs, statics, wants_grad, leaves, tree, cache_slot,
             side_streams):
     """The capture itself (the layer's parameters being aliases meanwhile): the graphs and the
@@ -521,9 +548,10 @@ def _record(torch, layer, original_call, graphs, statics, wants_grad, leaves, tr
     torch.cuda.synchronize(device)
     pool = torch.cuda.graph_pool_handle()
     forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(forward, pool=pool, stream=stream, capture_error_mode="thread_local"):
-        with no_cache():
-            out, kv = run()
+    with _generator_released(torch, stream, device):
+        with torch.cuda.graph(forward, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            with no_cache():
+                out, kv = run()
     out_leaves, out_tree = _pytree.tree_flatten(out)
     if not all(o is None or type(o) is torch.Tensor for o in out_leaves):
         raise _Eager("the layer returns something other than tensors")
@@ -532,8 +560,9 @@ def _record(torch, layer, original_call, graphs, statics, wants_grad, leaves, tr
     produced = [o for o in out_leaves if o is not None] + list(kv)
     outs = differentiable(produced)
     grad_outs = [torch.empty_like(o) for o in outs]
-    with torch.cuda.graph(backward, pool=pool, stream=stream, capture_error_mode="thread_local"):
-        grads = torch.autograd.grad(outs, wants_grad, grad_outs, allow_unused=True)
+    with _generator_released(torch, stream, device):
+        with torch.cuda.graph(backward, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            grads = torch.autograd.grad(outs, wants_grad, grad_outs, allow_unused=True)
     torch.cuda.current_stream(device).wait_stream(stream)
     graphs.forward, graphs.backward = forward, backward
     graphs.out_tree, graphs.layer_outputs = out_tree, [o is not None for o in out_leaves]

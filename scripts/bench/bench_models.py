@@ -286,13 +286,16 @@ def worker(a):
                       "losses": losses}))
 
 
+KEPT_SETTINGS = ("TORCHFUSE_CACHE_DIR", "TORCHFUSE_LOG", "TORCHFUSE_LOG_FILE")
+
+
 def side_env(side, lib_dir):
-    """This process's environment without torchfuse's settings (its kernel cache's folder kept:
-    where the kernels are cached changes no result), and a side's own: for a side
+    """This process's environment without torchfuse's settings (its kernel cache's folder and its
+    log settings kept: neither changes a result), and a side's own: for a side
     `torchfuse[...]` the library folder, for `torchfuse:SPEC` TORCHFUSE_OPS=SPEC, for
     `torchfuse+graphs` TORCHFUSE_LAYER_GRAPHS=1."""
     env = {k: v for k, v in os.environ.items()
-           if (not k.startswith("TORCHFUSE") or k == "TORCHFUSE_CACHE_DIR") and k != "LD_PRELOAD"}
+           if (not k.startswith("TORCHFUSE") or k in KEPT_SETTINGS) and k != "LD_PRELOAD"}
     if side.startswith("torchfuse"):
         env["TORCHFUSE_LIB_DIR"] = str(Path(lib_dir).resolve())
         if ":" in side:

@@ -378,6 +378,37 @@ def test_a_capture_that_fails_leaves_the_layer_eager(capfd):
     close(grads(graphed), grads(eager), 1e-4)
 
 
+def test_a_failed_capture_with_dropout_leaves_the_generator_usable():
+    """A capture that fails on the GPU marks the default generator as capturing; without giving
+    it back, the eager call the layer falls back to (its dropout) raised "Offset increment
+    outside graph capture" (a LoRA fine-tune with dropout did). Each layer's first capture fails
+    here (a sync while capturing), in a model with attention dropout: the steps run, the second
+    captures replay, and a dropout outside the layers still draws."""
+    model, _ = model_pair("llama", seed=9, attention_dropout=0.3)
+    mlp_class = type(model.model.layers[0].mlp)
+    original = mlp_class.forward
+    failing = {"left": DIMS["num_hidden_layers"]}
+
+    def syncs_at_first_captures(self, x):
+        if torch.cuda.is_current_stream_capturing() and failing["left"] > 0:
+            failing["left"] -= 1
+            float(x.float().abs().sum().item())  # invalidates the capture
+        return original(self, x)
+
+    mlp_class.forward = syncs_at_first_captures
+    try:
+        for i in range(6):
+            out = step(model, batch(i), True, False)
+            assert torch.isfinite(out.loss)
+    finally:
+        mlp_class.forward = original
+    assert failing["left"] == 0
+    assert replays(model) > 0
+    assert all("graphs" in layer_graphs.state_of(layer) for layer in model.model.layers)
+    x = torch.ones(1 << 16, device="cuda")
+    assert 0 < torch.nn.functional.dropout(x, 0.5).count_nonzero() < x.numel()
+
+
 def test_torch_compile_traces_the_layers_own_code():
     """Under torch.compile the patched __call__ steps aside before anything else: the compiled
     model trains with no capture and no replay."""
