@@ -7,6 +7,11 @@ TORCHFUSE_TORCH_VERSION=2.11.0
 TORCHFUSE_TRANSFORMERS_VERSION=5.17.0
 # The launcher's test of `torchfuse accelerate launch` (tests/python/test_cli.py).
 TORCHFUSE_ACCELERATE_VERSION=1.15.0
+# Layer graphs' LoRA and ViT tests (tests/python/test_layer_graphs.py): PEFT's LoRA Linear, timm's
+# ViT block (timm needs torchvision: the one built for this torch).
+TORCHFUSE_PEFT_VERSION=0.21.2
+TORCHFUSE_TIMM_VERSION=1.0.31
+TORCHFUSE_TORCHVISION_VERSION=0.26.0
 TORCHFUSE_VENV="${TORCHFUSE_VENV:-$HOME/.cache/torchfuse/venv-torch$TORCHFUSE_TORCH_VERSION}"
 export TORCHFUSE_ROOT TORCHFUSE_VENV
 

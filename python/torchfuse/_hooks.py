@@ -27,6 +27,7 @@ PATCHES = {
     "torch.optim.adam": [optim.patch_adam],
     "torch.nn.modules.linear": [rewrites.patch_linear],
     "transformers.modeling_layers": [layer_graphs.patch_layers],
+    "timm.models.vision_transformer": [layer_graphs.patch_timm_blocks],
 }
 
 

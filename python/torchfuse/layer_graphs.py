@@ -1,19 +1,20 @@
-"""Opt-in CUDA graphs of HF decoder layers (TORCHFUSE_LAYER_GRAPHS=1): each recognised layer's
-forward and backward replayed from graphs captured on the layer's third call of one shape,
-everything around the layers (the user's loop, the loss, the optimizer, logging and its syncs)
-unchanged and eager. On a host-bound step the layers' Python, dispatch and autograd work is most
+"""Opt-in CUDA graphs of HF decoder layers and timm's ViT blocks (TORCHFUSE_LAYER_GRAPHS=1): each
+recognised layer's forward and backward replayed from graphs captured on the layer's third call
+of one shape, everything around the layers (the user's loop, the loss, the optimizer, logging
+and its syncs) unchanged and eager. On a host-bound step the layers' Python, dispatch and autograd work is most
 of the host's time; a replay is one launch. docs/step-capture.md holds the design and the
 measurements.
 
 A call replays only when everything the graph baked in is as it was at capture, checked at every
 call (anything else runs the layer's own code, eager, as if this module were absent):
-- the layer's class is one of LAYERS (their forwards read and write nothing outside their
-  arguments and parameters but the KV cache, below), grad on, no gradient checkpointing, outside
+- the layer's class is one of LAYERS or BLOCKS (their forwards read and write nothing outside
+  their arguments and parameters but the KV cache, below), grad on, no gradient checkpointing, outside
   torch.compile, torch.func, inference mode and anomaly mode, no saved-tensor hooks;
-- every submodule: a class of torch.nn, of a transformers model or of its activations (not an
-  adapter's or a quantized layer's, whose Python state a graph would freeze), its scalar
-  attributes (`training`, a dropout's `p`, `scaling`, ...) and attention implementation as
-  captured, no hooks (global ones neither), no tensor attribute that is not a parameter or
+- every submodule: a class of torch.nn, of a transformers model, its activations or Conv1D,
+  or PEFT's LoRA Linear (not a quantized layer's or another adapter's, whose Python state a
+  graph would freeze), its scalar attributes (`training`, a dropout's `p`, `scaling`, ...), the
+  contents of its dict, list, tuple and set attributes (LoRA's adapters' settings) and its
+  attention implementation as captured, no hooks (global ones neither), no tensor attribute that is not a parameter or
   buffer (FSDP1's views of its flat parameter);
 - the arguments: the same tree of tensors of the same shapes, strides, dtypes, device and
   requires_grad (their values are copied into the graph's inputs) and the same other values
@@ -34,19 +35,21 @@ call (anything else runs the layer's own code, eager, as if this module were abs
 What a replay returns is fresh memory (the outputs and all gradients are copied out of the
 graph), so nothing a user keeps changes at the next replay. The weights are cast inside the graph
 (the autocast cache is off in captures, as PyTorch requires), from their values at each replay.
-The backward graph reuses the memory of the activations it has read: a second backward through
-one replay (retain_graph), or one after the layer's next replay, raises a RuntimeError naming
-this switch instead of reading overwritten activations; a double backward (create_graph=True)
-through a replay raises autograd's once_differentiable error. A capture that fails (a sync inside the layer, an op that
-cannot be captured) is tried once more at the layer's next call, then leaves the layer eager for
-the process, with one warning. Each layer keeps its own memory pool for the process's life: its
-saved activations, as eager keeps them until the backward, and its workspace. Dropout inside a
-layer draws from the graph's registered generator: eager's distribution, not eager's numbers for
-a fixed seed.
+The backward graph reuses the memory of the activations it has read: a second backward through one
+replay (retain_graph), or one after the layer's next replay, raises a RuntimeError naming this
+switch instead of reading overwritten activations; a double backward (create_graph=True) through a
+replay raises autograd's once_differentiable error. A capture that fails (a sync inside the layer,
+an op that cannot be captured) gives the device's random generator back (a failed capture leaves it
+marked as capturing, and any later dropout would raise), is tried once more at the layer's next
+call, then leaves the layer eager for the process, with one warning. Each layer keeps its own
+memory pool for the process's life: its saved activations, as eager keeps them until the backward,
+and its workspace. Dropout inside a layer draws from the graph's registered generator: eager's
+distribution, not eager's numbers for a fixed seed.
 """
 import atexit
 import collections
 import contextlib
+import functools
 import operator
 import os
 import sys
@@ -58,8 +61,50 @@ from .rewrites import _global_module_hooks, _untraced_call
 
 # The decoder layers whose forward is known to touch nothing but its arguments, its parameters
 # and a KV cache's update (transformers 5's code, read; each has a GPU test of the whole model).
-LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
-                    "Qwen3DecoderLayer", "Phi3DecoderLayer"})
+# Not here: GPT-J's block (it moves a tensor attribute, its sinusoids, to the device at its first
+# call: the guards send it eager anyway), the MoE layers (their routing syncs with the host).
+LAYERS = frozenset({
+    "LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
+    "Phi3DecoderLayer",
+    # Gemma's (1 + weight) norms and GELU-tanh MLP; Gemma 2 and 3's four norms a layer, sliding
+    # or global attention set per layer at construction, Gemma 3's q/k norms.
+    "GemmaDecoderLayer", "Gemma2DecoderLayer", "Gemma3DecoderLayer",
+    # Post-norm with q/k norms over the projections; a constant residual multiplier; parallel
+    # attention and MLP after one norm (Cohere's, Phi's); GLM-4's four norms.
+    "Olmo2DecoderLayer", "GraniteDecoderLayer", "CohereDecoderLayer", "PhiDecoderLayer",
+    "Glm4DecoderLayer",
+    # GPT-NeoX's (Pythia's) layer, its cache passed as `layer_past`; GPT-2's block, its
+    # projections transformers' Conv1D (an addmm of its own weight and bias).
+    "GPTNeoXLayer", "GPT2Block",
+    # The encoders' post-norm layer (RoBERTa's is BERT's code): no KV cache in an encoder; a
+    # decoder's cache runs eager (its index is on the attention's inner module).
+    "BertLayer", "RobertaLayer",
+})
+
+# Blocks of other libraries whose forwards were read, by (module, class): timm's ViT block
+# (pre-norm attention and MLP, LayerScale, DropPath; its classes in SUBMODULE_CLASSES).
+BLOCKS = frozenset({("timm.models.vision_transformer", "Block")})
+
+# Where the classes of a recognised layer's submodules may come from: torch.nn's, a transformers
+# model's, its activations and Conv1D (transformers.pytorch_utils, GPT-2's projections). Other
+# modules (a quantized Linear of transformers.integrations, an adapter) may keep Python state a
+# graph would freeze.
+SUBMODULE_ORIGINS = ("torch.nn.", "transformers.models.", "transformers.activations",
+                     "transformers.pytorch_utils")
+# Classes from elsewhere whose forwards were read: PEFT's LoRA Linear (on torch.nn.Linear or
+# Conv1D). Its forward decides by its adapters' settings, kept in dicts and lists (`scaling`,
+# `_active_adapter`, `merged_adapters`, `use_dora`, `lora_variant`): _frozen puts their contents
+# in the key. A mixed-adapter batch (`adapter_names`) puts hooks on it: eager.
+SUBMODULE_CLASSES = frozenset({
+    ("peft.tuners.lora.layer", "Linear"),
+    # timm's ViT block's own: its attention (fused SDPA or its math, by a flag set at
+    # construction), MLP, LayerScale and DropPath (a Bernoulli draw: the graph's generator, as
+    # dropout's); older timm kept its attention and LayerScale in vision_transformer.
+    ("timm.layers.attention", "Attention"), ("timm.layers.mlp", "Mlp"),
+    ("timm.layers.layer_scale", "LayerScale"), ("timm.layers.drop", "DropPath"),
+    ("timm.layers.norm", "LayerNorm"),  # torch's, or timm's fast norm by a flag set at construction
+    ("timm.models.vision_transformer", "Attention"), ("timm.models.vision_transformer", "LayerScale"),
+})
 
 # Calls of one shape that run eager before the capture: the first steps compile and tune
 # kernels (NVRTC, cuBLAS) outside any capture.
@@ -113,8 +158,10 @@ class _Eager(Exception):
 
 class _RecordingCache:
     """Stands in for a fresh KV cache during the capture: keeps the layer's one update (its keys
-    and values become the graph's outputs) and answers it as a fresh cache's first append does
-    (the keys and values themselves). Any other use of the cache fails the capture."""
+    and values become the graph's outputs) and answers it with the keys and values themselves:
+    a fresh cache's first append answers copies of them, the same values in a dense layout (an
+    attention may then take other kernels, within their rounding). Any other use of the cache
+    fails the capture."""
 
     def __init__(self, layer_idx):
         self.layer_idx, self.updates = layer_idx, []
@@ -204,7 +251,7 @@ def _members(torch, layer):
     buffers in `layer.parameters()`'s and `layer.buffers()`'s order (the same pre-order walk,
     each tensor once)."""
     states, parameters, buffers, seen = [], [], [], set()
-    for module in layer.modules():
+    for module in _walk(layer):
         states.append(_module_state(torch, module))
         for members, found in ((module._parameters, parameters), (module._buffers, buffers)):
             for t in members.values():
@@ -214,43 +261,115 @@ def _members(torch, layer):
     return tuple(states), parameters, buffers
 
 
+def _walk(layer):
+    """`layer.modules()`'s modules in its order (pre-order, a shared one at its first place),
+    walked with a stack instead of its generators nested as deep as the module (a LoRA layer's
+    83 modules: a fifth of the guard's time)."""
+    found, seen, stack = [], set(), [layer]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        found.append(module)
+        children = [child for child in module._modules.values() if child is not None]
+        children.reverse()
+        stack.extend(children)
+    return found
+
+
 _SCALARS = (bool, int, float, str, type(None))
-# Module -> (its attribute names when read, the getter of its scalar attributes' values as a
-# tuple, whether it has a config): a module's attributes read once, and again when their names
-# change or one of them is no longer a scalar.
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+# Module -> _scan's reading of it: its attributes read once, and again when their names change
+# or one of them is no longer a scalar.
 _SCANS = weakref.WeakKeyDictionary()
+# Class -> whether its modules may be in a replayed layer (SUBMODULE_ORIGINS, SUBMODULE_CLASSES).
+_ALLOWED = {}
+# The container attributes a class's forward reads, where only they are frozen into the key
+# (PEFT's LoRA Linear keeps its init's arguments in a dict too); other classes: all of them.
+FROZEN_ATTRIBUTES = {
+    ("peft.tuners.lora.layer", "Linear"): ("scaling", "_active_adapter", "merged_adapters",
+                                           "use_dora", "lora_variant", "_caches"),
+}
+
+
+@functools.cache
+def _scalar_types(torch):
+    """The attribute types a key holds as they are: Python's scalars, torch's dtypes and
+    devices (a frozenset: `issuperset(map(type, values))` checks many values in C)."""
+    return frozenset(_SCALARS + (torch.dtype, torch.device))
+
+
+def _frozen(torch, value):
+    """A container attribute's contents as the key holds them: scalars, dtypes and devices as
+    they are, containers as tuples of their contents' (a dict's with its keys), any other
+    object by its class (as an object attribute, unread, is by nothing). Raises _Eager for a
+    tensor inside: the graph would keep reading its memory after the attribute changes."""
+    scalars = _scalar_types(torch)
+    if type(value) in scalars:
+        return value
+    if isinstance(value, dict):
+        if scalars.issuperset(map(type, value.values())):  # the common case, without recursion
+            return tuple(value.items())
+        return tuple((k, _frozen(torch, v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        if scalars.issuperset(map(type, value)):
+            return tuple(value)
+        return tuple(_frozen(torch, v) for v in value)
+    if isinstance(value, (set, frozenset)):
+        return frozenset(_frozen(torch, v) for v in value)
+    if isinstance(value, torch.Tensor):
+        raise _Eager("a tensor held in a module's attribute")
+    return type(value)
 
 
 def _scan(torch, module):
-    """(the module's attribute names, a getter of its scalar attributes' values as a tuple,
-    whether it has a config) for _module_state; raises _Eager for a tensor attribute that is
-    neither parameter nor buffer."""
-    names = []
+    """(the module's attribute names, a getter of its scalar attributes' values as a tuple, the
+    names of its container attributes to freeze (dicts, lists, tuples, sets, but
+    torch.nn.Module's own; FROZEN_ATTRIBUTES' for its class), whether it has a config) for
+    _module_state; raises _Eager for a tensor attribute that is neither parameter nor buffer."""
+    scalars, names, containers = _scalar_types(torch), [], []
+    only = FROZEN_ATTRIBUTES.get((type(module).__module__, type(module).__qualname__))
     for name, value in module.__dict__.items():
-        if type(value) in _SCALARS:
+        if type(value) in scalars:
             names.append(name)
         elif isinstance(value, torch.Tensor):
             raise _Eager(f"a tensor attribute {name} of {type(module).__name__} (not a parameter "
                          "or buffer)")
+        elif (isinstance(value, _CONTAINERS) and name not in _module_internals(torch)
+              and (only is None or name in only)):
+            containers.append(name)
     if len(names) == 1:
         single = names[0]
         getter = lambda d: (d[single],)  # noqa: E731 (itemgetter of one name gives no tuple)
     else:
         getter = operator.itemgetter(*names) if names else (lambda d: ())
-    return tuple(module.__dict__), getter, "config" in module.__dict__
+    return tuple(module.__dict__), getter, tuple(containers), "config" in module.__dict__
+
+
+@functools.cache
+def _module_internals(torch):
+    """The attributes every torch.nn.Module has (its parameters', buffers', submodules' and
+    hooks' dicts): what they hold is checked on its own, not frozen into the key."""
+    return frozenset(torch.nn.Module().__dict__)
 
 
 def _module_state(torch, module):
-    """What a graph bakes in of one module of the layer: its class (torch.nn's, a model's of
-    transformers or its activations only: an adapter such as PEFT's LoRA or a quantized Linear
-    of transformers.integrations keeps Python state the graph would freeze) and its scalar attributes (`training`, a dropout's `p`, `scaling`, ...), with
-    its config's attention implementation. Raises _Eager for hooks, a forward set on the
-    instance, or a tensor attribute that is neither parameter nor buffer (FSDP1's views of its
-    flat parameter are such attributes: the graph would read memory FSDP frees, and no gradient
-    would reach the flat parameter). An attribute added, removed, or no longer a scalar reads
-    the module again."""
+    """What a graph bakes in of one module of the layer: its class (SUBMODULE_ORIGINS' or
+    SUBMODULE_CLASSES' only), its scalar attributes (`training`, a dropout's `p`, `scaling`,
+    ...), its container attributes' contents (_frozen) and its config's attention
+    implementation. Raises _Eager for hooks, a forward set on the instance, or a tensor
+    attribute that is neither parameter nor buffer (FSDP1's views of its flat parameter are
+    such attributes: the graph would read memory FSDP frees, and no gradient would reach the
+    flat parameter). An attribute added, removed, or no longer a scalar reads the module
+    again."""
     cls, attributes = type(module), module.__dict__
-    if not cls.__module__.startswith(("torch.nn.", "transformers.models.", "transformers.activations")):
+    allowed = _ALLOWED.get(cls)
+    if allowed is None:
+        named = (cls.__module__, cls.__qualname__)
+        allowed = _ALLOWED[cls] = (cls.__module__.startswith(SUBMODULE_ORIGINS)
+                                   or named in SUBMODULE_CLASSES or named in BLOCKS)
+    if not allowed:
         raise _Eager(f"a submodule of class {cls.__module__}.{cls.__name__}")
     if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
             or module._backward_pre_hooks or "forward" in attributes):
@@ -259,11 +378,12 @@ def _module_state(torch, module):
     if scan is None or scan[0] != tuple(attributes):
         scan = _SCANS[module] = _scan(torch, module)
     values = scan[1](attributes)
-    if not all(type(v) in _SCALARS for v in values):  # one is now an object or a tensor
+    if not _scalar_types(torch).issuperset(map(type, values)):  # a container, object or tensor now
         scan = _SCANS[module] = _scan(torch, module)
         values = scan[1](attributes)
-    implementation = getattr(attributes["config"], "_attn_implementation", None) if scan[2] else None
-    return cls, values, implementation
+    contents = tuple([_frozen(torch, attributes[name]) for name in scan[2]]) if scan[2] else ()
+    implementation = getattr(attributes["config"], "_attn_implementation", None) if scan[3] else None
+    return cls, values, contents, implementation
 
 
 def _backend_flags(torch):
@@ -290,13 +410,31 @@ def _fresh_cache(cache, layer_idx, layer_classes):
 
 
 def recognised(cls):
-    """Whether layer graphs may take this class's calls: one of LAYERS, from transformers."""
-    return cls.__name__ in LAYERS and cls.__module__.startswith("transformers.models.")
+    """Whether layer graphs may take this class's calls: one of LAYERS, from transformers, or one
+    of BLOCKS."""
+    return ((cls.__name__ in LAYERS and cls.__module__.startswith("transformers.models."))
+            or (cls.__module__, cls.__qualname__) in BLOCKS)
+
+
+def _cache_classes():
+    """(the KV cache classes a call may pass, the cache layers a fresh one appends to):
+    transformers' DynamicCache, where transformers' caches are imported (a job without them
+    has no cache to pass)."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    if cache_utils is None:
+        return (), ()
+    return ((cache_utils.DynamicCache,),
+            (cache_utils.DynamicLayer, cache_utils.DynamicSlidingWindowLayer))
 
 
 def _layer_idx(layer):
-    attention = getattr(layer, "self_attn", None)
-    return getattr(attention, "layer_idx", getattr(layer, "layer_idx", None))
+    """The index the layer's attention updates a KV cache at: its `self_attn`'s (most families),
+    `attn`'s (GPT-2) or `attention`'s (GPT-NeoX), else the layer's own; None if it has none."""
+    for name in ("self_attn", "attn", "attention"):
+        index = getattr(getattr(layer, name, None), "layer_idx", None)
+        if index is not None:
+            return index
+    return getattr(layer, "layer_idx", None)
 
 
 @contextlib.contextmanager
@@ -345,6 +483,32 @@ def _capture(torch, layer, original_call, key, leaves, tree, cache_slot, side_st
     return graphs
 
 
+@contextlib.contextmanager
+def _generator_released(torch, stream, device):
+    """A capture that fails on the GPU (a sync inside it invalidates it, and ending it raises)
+    leaves the device's default generator marked as capturing: every later random draw outside a
+    capture (the eager call this layer falls back to, any dropout of the job) then raises "Offset
+    increment outside graph capture". After such a failure a capture of one kernel, which
+    ends, gives the generator back (measured on an H200: eager's numbers, as if the failed capture
+    had not happened); the failure is raised on."""
+    try:
+        yield
+    except BaseException:
+        try:
+            graph = torch.cuda.CUDAGraph()
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    torch.empty(1, device=device).zero_()
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream(device).wait_stream(stream)
+        except Exception as e:  # the failure raised on is the capture's, this one is noted
+            note(torch, f"layer graphs: the generator could not be given back ({e!r})")
+        raise
+
+
 def _record(torch, layer, original_call, graphs, statics, wants_grad, leaves, tree, cache_slot,
             side_streams):
     """The capture itself (the layer's parameters being aliases meanwhile): the graphs and the
@@ -384,9 +548,10 @@ def _record(torch, layer, original_call, graphs, statics, wants_grad, leaves, tr
     torch.cuda.synchronize(device)
     pool = torch.cuda.graph_pool_handle()
     forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(forward, pool=pool, stream=stream, capture_error_mode="thread_local"):
-        with no_cache():
-            out, kv = run()
+    with _generator_released(torch, stream, device):
+        with torch.cuda.graph(forward, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            with no_cache():
+                out, kv = run()
     out_leaves, out_tree = _pytree.tree_flatten(out)
     if not all(o is None or type(o) is torch.Tensor for o in out_leaves):
         raise _Eager("the layer returns something other than tensors")
@@ -395,8 +560,9 @@ def _record(torch, layer, original_call, graphs, statics, wants_grad, leaves, tr
     produced = [o for o in out_leaves if o is not None] + list(kv)
     outs = differentiable(produced)
     grad_outs = [torch.empty_like(o) for o in outs]
-    with torch.cuda.graph(backward, pool=pool, stream=stream, capture_error_mode="thread_local"):
-        grads = torch.autograd.grad(outs, wants_grad, grad_outs, allow_unused=True)
+    with _generator_released(torch, stream, device):
+        with torch.cuda.graph(backward, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            grads = torch.autograd.grad(outs, wants_grad, grad_outs, allow_unused=True)
     torch.cuda.current_stream(device).wait_stream(stream)
     graphs.forward, graphs.backward = forward, backward
     graphs.out_tree, graphs.layer_outputs = out_tree, [o is not None for o in out_leaves]
@@ -457,9 +623,7 @@ def _replay_function(torch):
 def _layer_call(torch, original_call):
     """The decoder layers' __call__: the replay where the call may take it, the original
     otherwise."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
     from torch.utils import _pytree
-    cache_types, fresh_layers = (DynamicCache,), (DynamicLayer, DynamicSlidingWindowLayer)
     side_streams, warned = {}, set()
     replay = _replay_function(torch)
 
@@ -480,9 +644,13 @@ def _layer_call(torch, original_call):
         state = state_of(layer)
         if state.get("failed"):
             raise _Eager(state["failed"])
+        cache_types, fresh_layers = _cache_classes()
         key, leaves, tree, cache_slot, parameters = _describe(torch, layer, args, kwargs, cache_types)
-        if cache_slot is not None and not _fresh_cache(leaves[cache_slot], _layer_idx(layer), fresh_layers):
-            raise _Eager("a KV cache that already holds this layer's keys")
+        if cache_slot is not None:
+            if _layer_idx(layer) is None:
+                raise _Eager("a KV cache, and no layer index found to update it at")
+            if not _fresh_cache(leaves[cache_slot], _layer_idx(layer), fresh_layers):
+                raise _Eager("a KV cache that already holds this layer's keys")
         graphs = state.get("graphs")
         if graphs is None:
             if key != state["last"]:
@@ -531,9 +699,12 @@ def _layer_call(torch, original_call):
     def call(layer, *args, **kwargs):
         # torch.compile and torch.func trace the layer's own code (checked first: nothing here
         # is traced), as they do the rewrites'.
-        if not (switch.on and untraced()) or not recognised(type(layer)):
+        if not (switch.on and untraced()):
             return original_call(layer, *args, **kwargs)
         name = type(layer).__name__
+        if not recognised(type(layer)):  # counted: the summary says why a model got no replays
+            counts[name, "eager: not a class layer graphs know"] += 1
+            return original_call(layer, *args, **kwargs)
         try:
             planned = plan(layer, args, kwargs)
         except _Eager as reason:
@@ -563,20 +734,55 @@ def _layer_call(torch, original_call):
     return call
 
 
-def patch_layers(module):
-    """transformers.modeling_layers: GradientCheckpointingLayer's __call__ (every HF decoder
-    layer's) takes the layer graphs, where TORCHFUSE_LAYER_GRAPHS asks for them."""
+def install(torch, cls):
+    """cls.__call__ replaced by the layer graphs' call around what it was (its own, or the next
+    class's in the instance's MRO where it inherits one); once. Returns a function that undoes
+    it, or None where it was installed already."""
+    if getattr(cls.__call__, "_torchfuse_layer_graphs", False):
+        return None
+    own = cls.__dict__.get("__call__")
+    if own is not None:
+        original = own
+    else:
+        def original(self, *args, **kwargs):
+            return super(cls, self).__call__(*args, **kwargs)
+    call = _layer_call(torch, original)
+    call._torchfuse_layer_graphs = True
+    cls.__call__ = call
+
+    def undo():
+        if own is not None:
+            cls.__call__ = own
+        else:
+            del cls.__call__
+    return undo
+
+
+_announced = []
+
+
+def _patch(module, class_name):
+    """The patch of a library module: its class `class_name` takes the layer graphs, where
+    TORCHFUSE_LAYER_GRAPHS asks for them and CUDA is there."""
     if not requested():
         return True
     import torch
     if not torch.cuda.is_available():
         return True
-    cls = module.GradientCheckpointingLayer
-    if getattr(cls.__call__, "_torchfuse_layer_graphs", False):
-        return True
-    call = _layer_call(torch, cls.__call__)
-    call._torchfuse_layer_graphs = True
-    cls.__call__ = call
-    note(torch, "layer graphs: on (TORCHFUSE_LAYER_GRAPHS)")
-    atexit.register(lambda: counts and note(torch, "layer graphs: calls\n" + summary()))
+    install(torch, getattr(module, class_name))
+    if not _announced:
+        _announced.append(True)
+        note(torch, "layer graphs: on (TORCHFUSE_LAYER_GRAPHS)")
+        atexit.register(lambda: counts and note(torch, "layer graphs: calls\n" + summary()))
     return True
+
+
+def patch_layers(module):
+    """transformers.modeling_layers: GradientCheckpointingLayer's __call__ (every HF decoder
+    layer's) takes the layer graphs; the call itself takes only the classes of LAYERS."""
+    return _patch(module, "GradientCheckpointingLayer")
+
+
+def patch_timm_blocks(module):
+    """timm.models.vision_transformer: its Block's __call__ takes the layer graphs."""
+    return _patch(module, "Block")

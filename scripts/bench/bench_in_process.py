@@ -187,6 +187,7 @@ def main():
         cmd = [str(ROOT / "scripts" / "torchfuse"), sys.executable, __file__, "--worker", model,
                "--sides", a.sides, "--rounds", str(a.rounds), "--warmup", str(a.warmup), "--turn", str(a.turn)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        (out / f"{model}.stderr").write_text(proc.stderr)  # torchfuse's warnings; a failure's start
         if proc.returncode != 0:
             print(f"{model}: failed\n{proc.stderr[-3000:]}", file=sys.stderr, flush=True)
             continue

@@ -128,13 +128,20 @@ def build(name, torch):
         batch = 32 if name == "gpt2-b32" else 8  # B32: the throughput regime llm.c is run at
         model, (b, s), vocab = GPT2LMHeadModel(cfg), (batch, 1024), 50304
         what = f"HF GPT-2 124M, B{batch} S1024, bf16 autocast"
-    elif name == "llama":
+    elif name in ("llama", "llama-lora"):
         from transformers import LlamaConfig, LlamaForCausalLM
         cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
                           num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
                           max_position_embeddings=1024)
         model, (b, s), vocab = LlamaForCausalLM(cfg), (4, 1024), 32000
         what = "HF Llama-style (12 layers, hidden 1024, GQA 16/8, vocab 32000), B4 S1024, bf16 autocast"
+        if name == "llama-lora":
+            # A LoRA fine-tune as PEFT's docs make one: adapters of rank 16 on every Linear,
+            # dropout 0.05, the base weights frozen (the optimizer steps the adapters only).
+            import peft
+            model = peft.get_peft_model(model, peft.LoraConfig(
+                r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear"))
+            what = what.replace("HF Llama-style", "HF Llama-style + PEFT LoRA r16 on every Linear")
     elif name in FAMILIES:
         import transformers
         config_name, model_name, dims, (b, s), what = FAMILIES[name]
@@ -279,13 +286,16 @@ def worker(a):
                       "losses": losses}))
 
 
+KEPT_SETTINGS = ("TORCHFUSE_CACHE_DIR", "TORCHFUSE_LOG", "TORCHFUSE_LOG_FILE")
+
+
 def side_env(side, lib_dir):
-    """This process's environment without torchfuse's settings (its kernel cache's folder kept:
-    where the kernels are cached changes no result), and a side's own: for a side
+    """This process's environment without torchfuse's settings (its kernel cache's folder and its
+    log settings kept: neither changes a result), and a side's own: for a side
     `torchfuse[...]` the library folder, for `torchfuse:SPEC` TORCHFUSE_OPS=SPEC, for
     `torchfuse+graphs` TORCHFUSE_LAYER_GRAPHS=1."""
     env = {k: v for k, v in os.environ.items()
-           if (not k.startswith("TORCHFUSE") or k == "TORCHFUSE_CACHE_DIR") and k != "LD_PRELOAD"}
+           if (not k.startswith("TORCHFUSE") or k in KEPT_SETTINGS) and k != "LD_PRELOAD"}
     if side.startswith("torchfuse"):
         env["TORCHFUSE_LIB_DIR"] = str(Path(lib_dir).resolve())
         if ":" in side:

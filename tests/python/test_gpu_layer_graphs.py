@@ -17,50 +17,45 @@ from gpu_util import load_torchfuse
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(ROOT / "python"))
 from torchfuse import layer_graphs  # noqa: E402
+import layer_families  # noqa: E402
+from layer_families import DIMS, FAMILIES, decoder_layers  # noqa: E402
 
 pytestmark = requires_cuda
 
-SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256, pad_token_id=0)
-FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-            "mistral": ("MistralConfig", "MistralForCausalLM"), "phi3": ("Phi3Config", "Phi3ForCausalLM"),
-            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
-
-
 @pytest.fixture(scope="module", autouse=True)
 def graphs_patched():
-    """torchfuse loaded; GradientCheckpointingLayer's __call__ patched as TORCHFUSE_LAYER_GRAPHS=1
-    does; the switch decides per test step."""
+    """torchfuse loaded; GradientCheckpointingLayer's and timm's ViT Block's __call__ patched as
+    TORCHFUSE_LAYER_GRAPHS=1 does; the switch decides per test step."""
     load_torchfuse()
     from transformers import modeling_layers
-    cls = modeling_layers.GradientCheckpointingLayer
-    original = cls.__call__
-    if not getattr(original, "_torchfuse_layer_graphs", False):
-        cls.__call__ = layer_graphs._layer_call(torch, original)
-        cls.__call__._torchfuse_layer_graphs = True
+    classes = [modeling_layers.GradientCheckpointingLayer]
+    try:
+        from timm.models import vision_transformer
+        classes.append(vision_transformer.Block)
+    except Exception:  # not installed, or its torchvision does not load
+        pass
+    undos = [layer_graphs.install(torch, cls) for cls in classes]
     yield
-    cls.__call__ = original
+    for undo in undos:
+        if undo is not None:
+            undo()
 
 
 def model_pair(family, seed=0, **config):
-    """A small model of the family (SMALL, updated by `config`), sdpa attention, in training on
-    the GPU, and its copy."""
-    config_name, model_name = FAMILIES[family]
-    cfg = getattr(transformers, config_name)(**{**SMALL, **config})
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(cfg).cuda().train()
+    """A small model of the family (layer_families' dims, updated by `config`), sdpa attention,
+    in training on the GPU, and its copy."""
+    model = layer_families.build(family, seed, **config).cuda()
     return model, copy.deepcopy(model)
 
 
 def batch(seed, b=2, s=128):
     g = torch.Generator(device="cpu").manual_seed(seed)
-    return torch.randint(0, SMALL["vocab_size"], (b, s), generator=g).cuda()
+    return torch.randint(0, DIMS["vocab_size"], (b, s), generator=g).cuda()
 
 
 def replays(model):
     return sum(layer_graphs.state_of(layer)["graphs"].generation
-               if "graphs" in layer_graphs.state_of(layer) else 0 for layer in model.model.layers)
+               if "graphs" in layer_graphs.state_of(layer) else 0 for layer in decoder_layers(model))
 
 
 def step(model, ids, graphs, autocast, mask=None):
@@ -86,7 +81,8 @@ def close(a, b, tol):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 def test_graphed_training_is_eagers(family, autocast):
-    """Five steps of AdamW, graphs from the third call on: the losses, every gradient and the
+    """Five steps of AdamW, graphs from the third call on, every family of LAYERS (GPT-2, Gemma 2
+    and 3 with a window shorter than the sequence): the losses, every gradient and the
     KV cache each forward builds are eager's (fp32: to cuBLAS's reordering under capture;
     bf16: to bf16's rounding), and the graphs were replayed."""
     eager, graphed = model_pair(family)
@@ -98,7 +94,7 @@ def test_graphed_training_is_eagers(family, autocast):
         out_e, out_g = step(eager, ids, False, autocast), step(graphed, ids, True, autocast)
         torch.testing.assert_close(out_g.loss, out_e.loss, rtol=tol / 10, atol=0)
         close(grads(graphed), grads(eager), tol)
-        cache_e, cache_g = out_e.past_key_values, out_g.past_key_values
+        cache_e, cache_g = (getattr(out, "past_key_values", None) for out in (out_e, out_g))
         assert (cache_g is None) == (cache_e is None)
         if cache_e is not None:
             for le, lg in zip(cache_e.layers, cache_g.layers):
@@ -109,12 +105,83 @@ def test_graphed_training_is_eagers(family, autocast):
         opt_e.zero_grad(), opt_g.zero_grad()
     # From each layer's third call, or its fourth where the process's first capture failed
     # (layer_graphs.CAPTURES): at most one replay a layer fewer.
-    layers = SMALL["num_hidden_layers"]
+    layers = DIMS["num_hidden_layers"]
     assert 2 * layers <= replays(graphed) <= 3 * layers, "the graphs replay from the third call"
     assert replays(eager) == 0
-    name = type(graphed.model.layers[0]).__name__
+    name = type(decoder_layers(graphed)[0]).__name__
     assert layer_graphs.counts[name, "replayed"] >= replays(graphed)
     assert layer_graphs.counts[name, "eager: before its capture (the first calls of a shape)"] >= 2 * layers
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_lora_training_is_eagers(autocast):
+    """PEFT's LoRA on every Linear of a Llama (frozen base weights, adapters trained, B not
+    zero): five steps of AdamW with and without the graphs give eager's losses and adapter
+    gradients, the frozen weights get none, and the layers replayed."""
+    peft = pytest.importorskip("peft")
+    base = layer_families.build("llama", seed=12).cuda()
+    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                                      target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    eager, graphed = model, copy.deepcopy(model)
+    trained = [[p for p in m.parameters() if p.requires_grad] for m in (eager, graphed)]
+    opt_e, opt_g = (torch.optim.AdamW(t, lr=1e-3) for t in trained)
+    tol = 2e-2 if autocast else 1e-4
+    for i in range(5):
+        ids = batch(i)
+        out_e, out_g = step(eager, ids, False, autocast), step(graphed, ids, True, autocast)
+        torch.testing.assert_close(out_g.loss, out_e.loss, rtol=tol / 10, atol=0)
+        close([p.grad for p in trained[1]], [p.grad for p in trained[0]], tol)
+        assert all(p.grad is None for p in graphed.parameters() if not p.requires_grad)
+        opt_e.step(), opt_g.step()
+        opt_e.zero_grad(), opt_g.zero_grad()
+    layers = DIMS["num_hidden_layers"]
+    assert 2 * layers <= replays(graphed) <= 3 * layers, "the graphs replay from the third call"
+
+
+def tiny_vit(seed):
+    """timm's VisionTransformer, small: 64x64 images in 8x8 patches, three blocks with
+    LayerScale, in training on the GPU."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(seed)
+    return timm.models.vision_transformer.VisionTransformer(
+        img_size=64, patch_size=8, embed_dim=256, depth=3, num_heads=4, num_classes=10,
+        init_values=0.1).cuda().train()
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_timm_vit_trains_as_eager(autocast):
+    """timm's ViT (its blocks called by an nn.Sequential): five steps of AdamW with and without
+    the graphs give eager's losses and gradients, and the blocks replayed."""
+    eager = tiny_vit(13)
+    graphed = copy.deepcopy(eager)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3)
+    opt_g = torch.optim.AdamW(graphed.parameters(), lr=1e-3)
+    tol = 2e-2 if autocast else 1e-4
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for i in range(5):
+        images = torch.randn(8, 3, 64, 64, generator=g).cuda()
+        labels = torch.randint(0, 10, (8,), generator=g).cuda()
+        losses = []
+        for graphs, model in ((False, eager), (True, graphed)):
+            layer_graphs.switch.on = graphs
+            try:
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                    loss = torch.nn.functional.cross_entropy(model(images), labels)
+                loss.backward()
+            finally:
+                layer_graphs.switch.on = True
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], rtol=tol / 10, atol=0)
+        close(grads(graphed), grads(eager), tol)
+        opt_e.step(), opt_g.step()
+        opt_e.zero_grad(), opt_g.zero_grad()
+    replayed = sum(layer_graphs.state_of(b)["graphs"].generation
+                   for b in graphed.blocks if "graphs" in layer_graphs.state_of(b))
+    assert 2 * 3 <= replayed <= 3 * 3, "the graphs replay from the third call"
 
 
 def test_gradient_accumulation_and_a_second_forward_are_eagers():
@@ -136,7 +203,7 @@ def test_gradient_accumulation_and_a_second_forward_are_eagers():
         a, b = model(input_ids=batch(20), labels=batch(20)), model(input_ids=batch(21), labels=batch(21))
         (a.loss + b.loss).backward()
         layer_graphs.switch.on = True
-    assert replays(graphed) == before + SMALL["num_hidden_layers"], "the first forward replays, the second not"
+    assert replays(graphed) == before + DIMS["num_hidden_layers"], "the first forward replays, the second not"
     close(grads(graphed), grads(eager), 1e-4)
 
 
@@ -145,7 +212,7 @@ def test_what_the_guards_send_to_eager_is_right():
     eager's outputs and gradients. An output kept from a replay does not change at the next
     replay."""
     eager, graphed = model_pair("llama", seed=2)
-    layers = SMALL["num_hidden_layers"]
+    layers = DIMS["num_hidden_layers"]
     for i in range(3):
         step(eager, batch(i), False, False)
         step(graphed, batch(i), True, False)
@@ -201,7 +268,7 @@ def test_padded_batches_train_as_eager():
         close(grads(graphed), grads(eager), 1e-4)
         for model in (eager, graphed):
             model.zero_grad()
-    assert replays(graphed) >= 2 * SMALL["num_hidden_layers"]
+    assert replays(graphed) >= 2 * DIMS["num_hidden_layers"]
 
 
 def test_a_sliding_window_trains_as_eager():
@@ -219,7 +286,7 @@ def test_a_sliding_window_trains_as_eager():
             close([lg.keys, lg.values], [le.keys, le.values], 1e-4)
         for model in (eager, graphed):
             model.zero_grad()
-    assert replays(graphed) >= 2 * SMALL["num_hidden_layers"]
+    assert replays(graphed) >= 2 * DIMS["num_hidden_layers"]
 
 
 def test_gradients_through_the_kv_cache_and_autograd_grad():
@@ -239,14 +306,14 @@ def test_gradients_through_the_kv_cache_and_autograd_grad():
         second = model(input_ids=batch(51, s=16), past_key_values=first.past_key_values)
         (first.loss + second.logits.float().pow(2).mean()).backward()
         layer_graphs.switch.on = True
-    assert replays(graphed) == n + SMALL["num_hidden_layers"], "the first forward replays"
+    assert replays(graphed) == n + DIMS["num_hidden_layers"], "the first forward replays"
     close(grads(graphed), grads(eager), 1e-4)
     params = list(graphed.model.layers[0].parameters())
     loss = graphed(input_ids=batch(52), labels=batch(52)).loss
     got = torch.autograd.grad(loss, params)
     kept = [g.clone() for g in got]
     graphed(input_ids=batch(53), labels=batch(53)).loss.backward()
-    assert replays(graphed) == n + 3 * SMALL["num_hidden_layers"]
+    assert replays(graphed) == n + 3 * DIMS["num_hidden_layers"]
     for g, k in zip(got, kept):
         torch.testing.assert_close(g, k, rtol=0, atol=0)
 
@@ -263,7 +330,7 @@ def test_dropout_draws_new_numbers_at_each_replay():
         out = model(input_ids=batch(60), labels=batch(60))
         out.loss.backward()
         outs.append(out.logits.detach())
-    assert replays(model) == n + 2 * SMALL["num_hidden_layers"]
+    assert replays(model) == n + 2 * DIMS["num_hidden_layers"]
     assert not torch.equal(outs[0], outs[1])
     assert torch.isfinite(outs[0]).all()
 
@@ -311,6 +378,37 @@ def test_a_capture_that_fails_leaves_the_layer_eager(capfd):
     close(grads(graphed), grads(eager), 1e-4)
 
 
+def test_a_failed_capture_with_dropout_leaves_the_generator_usable():
+    """A capture that fails on the GPU marks the default generator as capturing; without giving
+    it back, the eager call the layer falls back to (its dropout) raised "Offset increment
+    outside graph capture" (a LoRA fine-tune with dropout did). Each layer's first capture fails
+    here (a sync while capturing), in a model with attention dropout: the steps run, the second
+    captures replay, and a dropout outside the layers still draws."""
+    model, _ = model_pair("llama", seed=9, attention_dropout=0.3)
+    mlp_class = type(model.model.layers[0].mlp)
+    original = mlp_class.forward
+    failing = {"left": DIMS["num_hidden_layers"]}
+
+    def syncs_at_first_captures(self, x):
+        if torch.cuda.is_current_stream_capturing() and failing["left"] > 0:
+            failing["left"] -= 1
+            float(x.float().abs().sum().item())  # invalidates the capture
+        return original(self, x)
+
+    mlp_class.forward = syncs_at_first_captures
+    try:
+        for i in range(6):
+            out = step(model, batch(i), True, False)
+            assert torch.isfinite(out.loss)
+    finally:
+        mlp_class.forward = original
+    assert failing["left"] == 0
+    assert replays(model) > 0
+    assert all("graphs" in layer_graphs.state_of(layer) for layer in model.model.layers)
+    x = torch.ones(1 << 16, device="cuda")
+    assert 0 < torch.nn.functional.dropout(x, 0.5).count_nonzero() < x.numel()
+
+
 def test_torch_compile_traces_the_layers_own_code():
     """Under torch.compile the patched __call__ steps aside before anything else: the compiled
     model trains with no capture and no replay."""
@@ -325,3 +423,63 @@ def test_torch_compile_traces_the_layers_own_code():
         torch.testing.assert_close(out.loss, ref.loss, rtol=1e-4, atol=0)
     assert all("graphs" not in layer_graphs.state_of(layer)
                for layer in graphed.model.layers)
+
+
+DDP_WORLD_OF_ONE = """
+import json, os, sys, torch, torch.distributed as dist, torchfuse
+sys.path.insert(0, {tests!r})
+torchfuse.enable({lib!r})
+from torchfuse import layer_graphs
+import copy, layer_families
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str({port}), RANK="0", WORLD_SIZE="1")
+dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+from torch.nn.parallel import DistributedDataParallel as DDP
+base = layer_families.build("llama").cuda()
+models = {{"eager": DDP(copy.deepcopy(base)), "graphed": DDP(copy.deepcopy(base),
+                                                          gradient_as_bucket_view=True)}}
+opts = {{k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}}
+result = {{"loss": [], "grads": []}}
+for i in range(6):
+    ids = torch.randint(0, 1000, (2, 128), generator=torch.Generator().manual_seed(i)).cuda()
+    losses, grads = {{}}, {{}}
+    for name, model in models.items():
+        layer_graphs.switch.on = name == "graphed"
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses[name] = loss.item()
+        grads[name] = [p.grad.float().clone() for p in model.parameters()]
+        opts[name].step()
+        opts[name].zero_grad()
+    result["loss"].append([losses["eager"], losses["graphed"]])
+    result["grads"].append(max(((a - b).abs().max() / b.abs().max().clamp_min(1.0)).item()
+                               for a, b in zip(grads["graphed"], grads["eager"])))
+result["replays"] = sum(layer_graphs.state_of(layer)["graphs"].generation
+                        for layer in layer_families.decoder_layers(models["graphed"].module)
+                        if "graphs" in layer_graphs.state_of(layer))
+dist.destroy_process_group()
+print(json.dumps(result))
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_ddp_trains_as_eager():
+    """DistributedDataParallel (a world of one over NCCL; its hooks on the parameters' gradient
+    accumulation, gradients as views of its buckets): the replays' parameter gradients reach
+    DDP's buckets as eager's do, so the losses and gradients are eager's, and the layers
+    replayed."""
+    import json
+    import socket
+    from conftest import LIB_DIR, check, run_python
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = DDP_WORLD_OF_ONE.format(tests=str(ROOT / "tests" / "python"), lib=str(LIB_DIR),
+                                   port=port)
+    proc = check(run_python(code, PYTHONPATH=ROOT / "python", TORCHFUSE_LAYER_GRAPHS="1"))
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for eager, graphed in result["loss"]:
+        assert abs(eager - graphed) <= 2e-3 * abs(eager), result["loss"]
+    assert max(result["grads"]) < 2e-2, result["grads"]
+    assert result["replays"] >= 3 * DIMS["num_hidden_layers"], result

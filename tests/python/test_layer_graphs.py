@@ -14,6 +14,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingW
 
 sys.path.insert(0, str(ROOT / "python"))
 from torchfuse import layer_graphs  # noqa: E402
+import layer_families  # noqa: E402
 
 
 def small_llama():
@@ -36,6 +37,12 @@ def test_not_requested_leaves_the_layers_alone(monkeypatch):
     before = modeling_layers.GradientCheckpointingLayer.__call__
     assert layer_graphs.patch_layers(modeling_layers) is True
     assert modeling_layers.GradientCheckpointingLayer.__call__ is before
+    try:
+        from timm.models import vision_transformer
+    except ImportError:
+        return
+    assert layer_graphs.patch_timm_blocks(vision_transformer) is True
+    assert vision_transformer.Block.__call__ is torch.nn.Module.__call__
 
 
 def test_recognised_classes():
@@ -77,42 +84,6 @@ def test_the_reasons_a_call_runs_eager():
         assert "training" in describe_reason(layer, hidden)
 
 
-def test_a_call_inside_a_backward_runs_eager():
-    """A reentrant checkpoint recomputes its layers inside the backward, where only eager's RNG
-    state gives the forward's dropout again: _describe refuses such a call."""
-    model = small_llama().train()
-    layer = model.model.layers[0]
-    hidden = torch.randn(1, 8, 64, requires_grad=True)
-    reasons = []
-    x = torch.ones(2, requires_grad=True)
-
-    def recompute(grad):  # as torch.utils.checkpoint's reentrant backward does
-        with torch.enable_grad():
-            reasons.append(describe_reason(layer, hidden))
-
-    x.register_hook(recompute)
-    (x * 2).sum().backward()
-    assert reasons and "inside a backward" in reasons[0]
-
-
-def test_an_attribute_that_changes_kind_is_read_again():
-    """The scan of a module's attributes is read again when one stops being a scalar (a tensor
-    then refused) or another takes a removed one's place in a __dict__ of the same size."""
-    module = torch.nn.Linear(2, 2)
-    first = layer_graphs._module_state(torch, module)
-    module.mode = 1.0
-    assert layer_graphs._module_state(torch, module) != first
-    module.mode = torch.ones(1)
-    with pytest.raises(layer_graphs._Eager, match="tensor attribute mode"):
-        layer_graphs._module_state(torch, module)
-    del module.mode
-    module.note = object()
-    before = layer_graphs._module_state(torch, module)
-    del module.note
-    module.scale = 2.0  # the same number of attributes
-    assert layer_graphs._module_state(torch, module) != before
-
-
 FRESH = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
@@ -124,6 +95,8 @@ def test_one_walk_finds_the_layers_parameters_and_buffers_in_order():
     layer.register_buffer("scale", torch.ones(2))
     layer.mlp.register_buffer("scale", torch.ones(3))
     layer.mlp.down_proj.weight = layer.mlp.up_proj.weight  # tied: once
+    layer.mlp.shared = layer.self_attn.q_proj  # a module in two places: at its first
+    assert layer_graphs._walk(layer) == list(layer.modules())
     states, parameters, buffers = layer_graphs._members(torch, layer)
     assert [id(p) for p in parameters] == [id(p) for p in layer.parameters()]
     assert [id(b) for b in buffers] == [id(b) for b in layer.buffers()] and len(buffers) == 2
@@ -188,6 +161,24 @@ def test_a_refused_call_is_the_layers_own():
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected_grads))
     assert all("graphs" not in layer_graphs.state_of(layer)
                for layer in model.model.layers)
+
+
+def test_a_layer_of_a_class_not_known_is_its_own_and_counted():
+    """A GradientCheckpointingLayer of a class not in LAYERS (here a copy of Llama's under
+    another name) runs its own code, and the summary names it."""
+    from transformers import modeling_layers
+    original = modeling_layers.GradientCheckpointingLayer.__call__
+    model = small_llama().train()
+    layer = model.model.layers[0]
+    unknown = type("MyDecoderLayer", (type(layer),), {"__module__": "transformers.models.mine"})
+    layer.__class__ = unknown
+    hidden = torch.randn(1, 8, 64)
+    cos, sin = model.model.rotary_emb(hidden, torch.arange(8)[None])
+    expected = original(layer, hidden, position_embeddings=(cos, sin))
+    layer_graphs.counts.clear()
+    got = layer_graphs._layer_call(torch, original)(layer, hidden, position_embeddings=(cos, sin))
+    assert torch.equal(got, expected)
+    assert layer_graphs.counts == {("MyDecoderLayer", "eager: not a class layer graphs know"): 1}
 
 
 def test_a_call_the_guards_cannot_read_runs_eager(capsys):
@@ -258,12 +249,25 @@ def fake_graphs(monkeypatch):
 
 def layer_call_arguments(model, ids):
     """(args, kwargs) HF's model passes its first decoder layer in a training forward."""
-    layer = model.model.layers[0]
+    layer = layer_families.decoder_layers(model)[0]
     seen = []
     handle = layer.register_forward_pre_hook(lambda m, a, k: seen.append((a, dict(k))), with_kwargs=True)
     model(input_ids=ids, labels=ids)
     handle.remove()
     return seen[0]
+
+
+def flat_call_with_a_fresh_cache(model, cache=DynamicCache):
+    """The first decoder layer's call in a training forward, flattened: (leaves, their tree, the
+    index of the KV cache among them or None), the cache replaced by a fresh one made by
+    `cache()`."""
+    from torch.utils import _pytree
+    ids = torch.randint(1, 1000, (2, 16))
+    leaves, tree = _pytree.tree_flatten(layer_call_arguments(model, ids))
+    slot = next((i for i, x in enumerate(leaves) if isinstance(x, DynamicCache)), None)
+    if slot is not None:
+        leaves[slot] = cache()
+    return leaves, tree, slot
 
 
 def test_a_capture_with_fake_graphs_keeps_what_the_replay_needs(fake_graphs):
@@ -300,3 +304,223 @@ def test_a_capture_with_fake_graphs_keeps_what_the_replay_needs(fake_graphs):
     torch.testing.assert_close(outs[1], expected_cache.layers[0].keys)
     torch.testing.assert_close(outs[2], expected_cache.layers[0].values)
     assert all(o.requires_grad for o in outs)
+
+
+def test_a_call_inside_a_backward_runs_eager():
+    """A reentrant checkpoint recomputes its layers inside the backward, where only eager's RNG
+    state gives the forward's dropout again: _describe refuses such a call."""
+    model = small_llama().train()
+    layer = model.model.layers[0]
+    hidden = torch.randn(1, 8, 64, requires_grad=True)
+    reasons = []
+    x = torch.ones(2, requires_grad=True)
+
+    def recompute(grad):  # as torch.utils.checkpoint's reentrant backward does
+        with torch.enable_grad():
+            reasons.append(describe_reason(layer, hidden))
+
+    x.register_hook(recompute)
+    (x * 2).sum().backward()
+    assert reasons and "inside a backward" in reasons[0]
+
+
+def test_an_attribute_that_changes_kind_is_read_again():
+    """The scan of a module's attributes is read again when one stops being a scalar (a
+    container's contents then in the key, a tensor refused) or another takes a removed one's
+    place in a __dict__ of the same size."""
+    module = torch.nn.Linear(2, 2)
+    first = layer_graphs._module_state(torch, module)
+    module.mode = 1.0
+    with_mode = layer_graphs._module_state(torch, module)
+    assert with_mode != first
+    module.mode = [1.0]
+    as_list = layer_graphs._module_state(torch, module)
+    module.mode.append(2.0)
+    assert layer_graphs._module_state(torch, module) != as_list, "its contents are in the key"
+    module.mode = torch.ones(1)
+    with pytest.raises(layer_graphs._Eager, match="tensor"):
+        layer_graphs._module_state(torch, module)
+    del module.mode
+    module.note = object()
+    before = layer_graphs._module_state(torch, module)
+    del module.note
+    module.scale = 2.0  # the same number of attributes
+    assert layer_graphs._module_state(torch, module) != before
+
+
+def test_every_recognised_class_has_a_family_in_the_tests():
+    """LAYERS is the layer classes of layer_families' models: each one has the GPU tests' whole-
+    model comparison with eager (test_gpu_layer_graphs.py) and the capture test below."""
+    classes = {type(layer_families.decoder_layers(layer_families.build(family))[0]).__name__
+               for family in layer_families.FAMILIES}
+    assert classes == layer_graphs.LAYERS
+
+
+@pytest.mark.parametrize("family", sorted(layer_families.FAMILIES))
+def test_each_familys_capture_replays_its_eager_call(fake_graphs, family):
+    """Every family of LAYERS (its class recognised): the capture of its first layer on HF's own
+    arguments keeps the layer's output, and, where a decoder's model passes a fresh KV cache
+    (its attention's cache index found), the keys and values it appended; a replay of the same
+    inputs gives the eager call's output, and the cache's own update of the replay's keys and
+    values leaves the cache eager's call leaves."""
+    from transformers import modeling_layers
+    from torch.utils import _pytree
+    model = layer_families.build(family)
+    layer = layer_families.decoder_layers(model)[0]
+    assert layer_graphs.recognised(type(layer))
+    leaves, tree, slot = flat_call_with_a_fresh_cache(model, lambda: DynamicCache(config=model.config))
+    encoder = family in ("bert", "roberta")
+    assert (slot is None) == encoder
+    if not encoder:
+        assert layer_graphs._layer_idx(layer) == 0
+        assert layer_graphs._fresh_cache(leaves[slot], 0, FRESH)
+    original = modeling_layers.GradientCheckpointingLayer.__call__
+    graphs = layer_graphs._capture(torch, layer, original, "key", leaves, tree, slot, {})
+    assert graphs.n_kv == (0 if encoder else 2)
+
+    eager_leaves = list(leaves)
+    if not encoder:
+        eager_leaves[slot] = expected_cache = DynamicCache(config=model.config)
+    args, kwargs = _pytree.tree_unflatten(eager_leaves, tree)
+    expected = original(layer, *args, **kwargs)
+    tensors = [x for x in leaves if type(x) is torch.Tensor]
+    outs = layer_graphs._replay_function(torch).apply(graphs, layer_graphs._Token(), len(tensors),
+                                                      *tensors, *layer.parameters())
+    torch.testing.assert_close(outs[0], expected)
+    if not encoder:
+        cache = DynamicCache(config=model.config)
+        cache.update(outs[1], outs[2], 0)
+        assert type(cache.layers[0]) is type(expected_cache.layers[0])
+        torch.testing.assert_close(cache.layers[0].keys, expected_cache.layers[0].keys)
+        torch.testing.assert_close(cache.layers[0].values, expected_cache.layers[0].values)
+
+
+def test_container_attributes_are_frozen_into_the_key():
+    """_frozen: a dict's, list's or set's scalars (dtypes, devices too) as values, nested
+    containers copied (a change inside one changes the key), other objects by their class, and
+    a tensor inside one refused."""
+    inner = {"a": 1}
+    value = {"s": 2.0, "inner": inner, "list": [1, "x"], "set": {3}, "dtype": torch.float32,
+             "device": torch.device("cpu"), "object": object()}
+    frozen = layer_graphs._frozen(torch, value)
+    assert hash(frozen) is not None
+    inner["a"] = 2
+    assert layer_graphs._frozen(torch, value) != frozen
+    inner["a"] = 1
+    assert layer_graphs._frozen(torch, value) == frozen
+    assert layer_graphs._frozen(torch, dict(value, object=object())) == frozen, "by class"
+    with pytest.raises(layer_graphs._Eager, match="tensor held"):
+        layer_graphs._frozen(torch, {"t": [torch.ones(2)]})
+
+
+def lora_llama(**lora):
+    peft = pytest.importorskip("peft")
+    model = layer_families.build("llama")
+    config = peft.LoraConfig(**{"r": 8, "lora_alpha": 16, "target_modules": "all-linear",
+                                "lora_dropout": 0.0, **lora})
+    model = peft.get_peft_model(model, config)
+    with torch.no_grad():  # B starts at zero: LoRA would add nothing a test could see
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    return model
+
+
+def test_a_lora_layers_adapter_settings_are_in_the_key():
+    """PEFT's LoRA Linear is a submodule a replayed layer may have; its adapters' settings
+    (scaling, adapters disabled, merged, which adapter is active) change the key; a class of
+    another PEFT module (a quantized LoRA, an embedding) is refused."""
+    model = lora_llama()
+    layer = layer_families.decoder_layers(model)[0]
+    states = layer_graphs._members(torch, layer)[0]
+    q = layer.self_attn.q_proj
+    q.scaling["default"] = 3.0
+    assert layer_graphs._members(torch, layer)[0] != states
+    q.scaling["default"] = 2.0
+    assert layer_graphs._members(torch, layer)[0] == states
+    with model.disable_adapter():
+        assert layer_graphs._members(torch, layer)[0] != states
+    model.merge_adapter()
+    assert layer_graphs._members(torch, layer)[0] != states
+    model.unmerge_adapter()
+    assert layer_graphs._members(torch, layer)[0] == states
+    import peft
+    model.add_adapter("second", peft.LoraConfig(r=4, target_modules="all-linear"))
+    with_second = layer_graphs._members(torch, layer)[0]
+    model.set_adapter("second")
+    assert layer_graphs._members(torch, layer)[0] != with_second
+    for module, name in (("peft.tuners.lora.bnb", "Linear"), ("peft.tuners.lora.layer", "Embedding")):
+        other = type(name, (torch.nn.Module,), {"__module__": module})()
+        with pytest.raises(layer_graphs._Eager, match="a submodule of class"):
+            layer_graphs._module_state(torch, other)
+
+
+def test_a_lora_layers_capture_replays_its_eager_call(fake_graphs):
+    """A LoRA-wrapped Llama layer (frozen base weights, trainable adapters, dropout on) captured
+    with fake graphs: a replay of the same inputs gives the eager call's output; the gradients
+    kept are the adapters' and the inputs', none for the frozen weights."""
+    from transformers import modeling_layers
+    from torch.utils import _pytree
+    model = lora_llama(lora_dropout=0.1).eval()  # dropout off for the comparison, ...
+    layer = layer_families.decoder_layers(model)[0]
+    leaves, tree, slot = flat_call_with_a_fresh_cache(model)
+    leaves = [x.detach().requires_grad_(x.is_floating_point()) if type(x) is torch.Tensor else x
+              for x in leaves]  # ... the hidden states as a layer's input in training
+    original = modeling_layers.GradientCheckpointingLayer.__call__
+    graphs = layer_graphs._capture(torch, layer, original, "key", leaves, tree, slot, {})
+    params = list(layer.parameters())
+    assert [g is not None for g in graphs.param_grads] == [p.requires_grad for p in params]
+    assert any(p.requires_grad for p in params) and not all(p.requires_grad for p in params)
+    eager_leaves = list(leaves)
+    eager_leaves[slot] = DynamicCache()
+    args, kwargs = _pytree.tree_unflatten(eager_leaves, tree)
+    expected = original(layer, *args, **kwargs)
+    tensors = [x for x in leaves if type(x) is torch.Tensor]
+    outs = layer_graphs._replay_function(torch).apply(graphs, layer_graphs._Token(), len(tensors),
+                                                      *tensors, *params)
+    torch.testing.assert_close(outs[0], expected)
+
+
+def test_timms_vit_block_is_recognised_and_its_capture_replays_its_eager_call(fake_graphs):
+    """timm's ViT Block (LayerScale and DropPath on): recognised, every submodule allowed, and a
+    capture with fake graphs gives back the eager call's output and keeps a gradient for each
+    parameter; install() puts the call on the class once."""
+    pytest.importorskip("timm")
+    from timm.models import vision_transformer
+    torch.manual_seed(0)
+    model = vision_transformer.VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=2,
+                                                 num_heads=4, num_classes=10, init_values=0.1,
+                                                 drop_path_rate=0.1).eval()  # DropPath: off
+    block = model.blocks[1]
+    assert {type(m).__name__ for m in block.modules()} >= {"LayerScale", "DropPath", "Mlp"}
+    assert layer_graphs.recognised(type(block))
+    assert not layer_graphs.recognised(type("Block", (torch.nn.Module,), {"__module__": "mine"}))
+    layer_graphs._members(torch, block)  # no submodule refused
+    x = torch.randn(2, 17, 64, requires_grad=True)
+    graphs = layer_graphs._capture(torch, block, torch.nn.Module.__call__, "key", [x],
+                                   _pytree_spec_of_one_tensor(), None, {})
+    assert all(g is not None for g in graphs.param_grads)
+    outs = layer_graphs._replay_function(torch).apply(graphs, layer_graphs._Token(), 1, x,
+                                                      *block.parameters())
+    torch.testing.assert_close(outs[0], block(x))
+    cls = vision_transformer.Block
+    assert "__call__" not in cls.__dict__, "timm's Block inherits torch.nn.Module's"
+    undo = layer_graphs.install(torch, cls)
+    if undo is None:
+        pytest.skip("Block is patched in this process already (TORCHFUSE_LAYER_GRAPHS=1)")
+    try:
+        assert cls.__call__._torchfuse_layer_graphs
+        assert layer_graphs.install(torch, cls) is None, "once"
+        mixin = type("Mixin", (torch.nn.Module,), {"__call__": lambda self, *a, **k: "the mixin's"})
+        sub = type("Sub", (cls, mixin), {})
+        assert sub(dim=8, num_heads=2)(torch.randn(1, 2, 8)) == "the mixin's", "the MRO kept"
+        torch.testing.assert_close(block(x), outs[0])
+    finally:
+        undo()
+    assert "__call__" not in cls.__dict__
+
+
+def _pytree_spec_of_one_tensor():
+    """The tree of a call with one positional tensor and no keywords."""
+    from torch.utils import _pytree
+    return _pytree.tree_flatten(((torch.empty(0),), {}))[1]
