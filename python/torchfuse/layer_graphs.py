@@ -35,21 +35,24 @@ call (anything else runs the layer's own code, eager, as if this module were abs
 What a replay returns is fresh memory (the outputs and the inputs' gradients are copied out of the
 graph), or, for a parameter's gradient, the backward graph's own buffer lent to autograd: a .grad
 of None becomes it (no copy, no second set of gradients in memory), a .grad of its own adds it in
-place. The backward's buffers have a pool of their own, which no forward replay writes; whatever
-still holds a lent buffer when the next backward replays (a .grad being accumulated into, a
-gradient torch.autograd.grad returned, a hook's) has its values kept, so nothing a user keeps
-changes at the next replay. The weights are cast inside the graph (the autocast cache is off in
-captures, as PyTorch requires), from their values at each replay. The graphs write the same memory
-at every replay: a second backward through one replay (retain_graph), or one after the layer's next
-replay, raises a RuntimeError naming this switch instead of reading overwritten activations; a
-double backward (create_graph=True) through a replay raises autograd's once_differentiable error. A
-capture that fails (a sync inside the layer, an op that cannot be captured) gives the device's
-random generator back (a failed capture leaves it marked as capturing, and any later dropout would
-raise), is tried once more at the layer's next call, then leaves the layer eager for the process,
-with one warning. Each layer keeps its two memory pools for the process's life: its saved
-activations, as eager keeps them until the backward, its workspace and its parameters' gradients.
-Dropout inside a layer draws from the graph's registered generator: eager's distribution, not
-eager's numbers for a fixed seed.
+place. The backward's buffers have a pool of their own, which no forward replay writes. Whatever
+still holds a lent buffer when the next backward replays is counted (references to its storage) and
+looked after first: a .grad being accumulated into moves to a copy of its own (the same tensor, the
+same values); a gradient torch.autograd.grad returned, a hook's, a view has its values put back. So
+nothing a user keeps changes at the next replay, with one exception no count sees: a copy of a
+.grad queued on another stream (record_stream) and the .grad dropped must be waited for before the
+layer's next backward, as a step's synchronisation does. The weights are cast inside the graph (the
+autocast cache is off in captures, as PyTorch requires), from their values at each replay. The
+graphs write the same memory at every replay: a second backward through one replay (retain_graph),
+or one after the layer's next replay, raises a RuntimeError naming this switch instead of reading
+overwritten activations; a double backward (create_graph=True) through a replay raises autograd's
+once_differentiable error. A capture that fails (a sync inside the layer, an op that cannot be
+captured) gives the device's random generator back (a failed capture leaves it marked as capturing,
+and any later dropout would raise), is tried once more at the layer's next call, then leaves the
+layer eager for the process, with one warning. Each layer keeps its two memory pools for the
+process's life: its saved activations, as eager keeps them until the backward, its workspace and
+its parameters' gradients. Dropout inside a layer draws from the graph's registered generator:
+eager's distribution, not eager's numbers for a fixed seed.
 """
 import atexit
 import collections
@@ -486,45 +489,47 @@ def _capture(torch, layer, original_call, key, leaves, tree, cache_slot, side_st
     graphs.input_grads = [by_id.get(id(t)) if t.requires_grad else None for t in tensors]
     graphs.param_grads = [by_id.get(id(p)) if p.requires_grad else None for p in params]
     del grads, by_id
-    graphs.lendable = _lendable(torch, graphs.input_grads + graphs.param_grads)[len(tensors):]
+    others = graphs.statics + graphs.produced + graphs.grad_outs
+    graphs.lendable = _lendable(torch, graphs.input_grads + graphs.param_grads, others)[len(tensors):]
     return graphs
 
 
-# The references to a gradient buffer's storage when only the buffer holds it: the buffer's own,
-# and the storage object _storage_refs makes to ask.
-OWN_REFS = 2
-
-
 def _storage_refs(torch, t):
-    """How many hold t's storage (tensors on it, views included, and storage objects)."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    """How many hold t's storage: tensors on it (views included), and references to its Python
+    storage object (one object however often it is asked for: `untyped_storage()` held
+    elsewhere is seen by its Python references only)."""
+    storage = t.untyped_storage()
+    return torch._C._storage_Use_Count(storage._cdata) + sys.getrefcount(storage)
 
 
-def _lendable(torch, grads):
+@functools.lru_cache(maxsize=None)
+def _own_refs(torch, device):
+    """_storage_refs of a tensor on `device` that nothing else holds (measured once a device: it
+    depends on how this torch keeps storages and their Python objects)."""
+    return _storage_refs(torch, torch.empty(1, device=device))
+
+
+def _moved_off(grad, buffer):
+    """Where `grad` (a .grad) is the lent buffer, it is moved to a copy of its own (the same
+    tensor object, the same values): the buffer is then free for the replay. Whether it was."""
+    if (grad is None or grad.data_ptr() != buffer.data_ptr() or grad.shape != buffer.shape
+            or grad.stride() != buffer.stride()):
+        return False
+    grad.data = grad.clone()
+    return True
+
+
+def _lendable(torch, grads, others=()):
     """Per gradient buffer of the backward graph: whether a replay's backward may hand the buffer
-    itself to autograd (no copy): it alone holds its storage, all of it, and no other buffer
-    shares it, so that who else holds it later can be counted."""
-    storages = collections.Counter(g.untyped_storage().data_ptr() for g in grads if g is not None)
+    itself to autograd (no copy): it alone holds its storage, all of it, and no other buffer nor
+    any of `others` (the graphs' static inputs, outputs and output gradients, which a replay
+    writes) shares it, so that who else holds it later can be counted."""
+    storages = collections.Counter(t.untyped_storage().data_ptr()
+                                   for t in list(grads) + list(others) if t is not None)
     return [g is not None and g._base is None and g.storage_offset() == 0
             and g.untyped_storage().nbytes() == g.numel() * g.element_size() > 0
             and storages[g.untyped_storage().data_ptr()] == 1
-            and _storage_refs(torch, g) == OWN_REFS for g in grads]
-
-
-def _adds_to_its_grad(torch, p, buffer):
-    """Whether this backward's gradient for parameter p goes to p's AccumulateGrad, which adds it
-    in place to p.grad, and p.grad is `buffer` (lent at an earlier backward) with nothing else
-    on it and no tensor hook on p to see the gradient."""
-    grad = p.grad
-    if grad is None or grad.data_ptr() != buffer.data_ptr() or p._backward_hooks:
-        return False
-    try:
-        # Raises under torch.autograd.grad(..., inputs=[p]) (the gradient is handed to the
-        # caller, not added); False where this backward does not reach p's .grad.
-        return bool(torch._C._will_engine_execute_node(
-            torch.autograd.graph.get_gradient_edge(p).node))
-    except RuntimeError:
-        return False
+            and _storage_refs(torch, g) == _own_refs(torch, g.device) for g in grads]
 
 
 @contextlib.contextmanager
@@ -662,15 +667,20 @@ def _replay_function(torch):
             # A parameter's gradient buffer is lent to autograd, not copied: a .grad of None
             # becomes the buffer itself (no copy, no second gradient's memory), a .grad of its own
             # adds it in place. The next replay writes the buffer again, so whatever still holds
-            # it then (.grad, a gradient autograd.grad returned, a hook's) is looked after first:
-            # its values are kept aside and put back, or, where the holder is the .grad that this
-            # backward adds to in place, the kept old values are what is added.
-            params, held = ctx.parameters, {}
+            # it then is looked after first: a .grad on it (gradient accumulation) moves to a copy
+            # of its own, the same tensor with the same values; any other holder (a gradient
+            # autograd.grad returned, a hook's, a view) has the old values put back after the
+            # replay, and autograd gets a copy of the new ones.
+            held = {}
             for i, (buffer, lend) in enumerate(zip(graphs.param_grads, graphs.lendable)):
-                refs = _storage_refs(torch, buffer) if lend else OWN_REFS
-                if refs > OWN_REFS:
-                    held[i] = (buffer.clone(), refs == OWN_REFS + 1
-                               and _adds_to_its_grad(torch, params[i], buffer))
+                if not lend:
+                    continue
+                own = _own_refs(torch, buffer.device)
+                refs = _storage_refs(torch, buffer)
+                if refs == own + 1 and _moved_off(ctx.parameters[i].grad, buffer):
+                    refs = own
+                if refs > own:
+                    held[i] = buffer.clone()
             graphs.backward.replay()
             ctx.token.done = True
             # The inputs' gradients are copies: the previous layer's backward or the user may
@@ -681,11 +691,9 @@ def _replay_function(torch):
                     out.append(buffer if buffer is None else buffer.clone())
                 elif i not in held:
                     out.append(buffer.detach())  # a tensor of its own on the buffer's memory
-                elif held[i][1]:
-                    out.append(held[i][0])  # p.grad holds the new gradient: the old one is added
                 else:
                     new = buffer.clone()
-                    buffer.copy_(held[i][0])
+                    buffer.copy_(held[i])
                     out.append(new)
             return (None, None, None, *out)
 

@@ -594,6 +594,7 @@ def test_what_holds_a_lent_gradient_keeps_its_values():
     assert torch.equal(again, full(2)) and torch.equal(p.grad, full(1))
     replayed_loss(graphs, p).backward()
     assert torch.equal(p.grad, full(4)) and torch.equal(again, full(2))  # 1 + 3
+    del again
     p.grad = None
     returned, = torch.autograd.grad(replayed_loss(graphs, p), [p])
     assert returned.data_ptr() == graphs.param_grads[0].data_ptr()  # lent to the caller
@@ -616,6 +617,33 @@ def test_what_holds_a_lent_gradient_keeps_its_values():
     assert torch.equal(p.grad, full(17))
 
 
+def test_accumulation_hooks_and_held_storages_see_eagers_values():
+    """While gradients accumulate into a lent .grad, a pre-hook on the parameter's AccumulateGrad
+    node sees each backward's own gradient and the .grad keeps its old values until it is added
+    to (it moves off the buffer, the same tensor); a storage object taken from a lent .grad keeps
+    its values after the .grad is dropped."""
+    p = torch.nn.Parameter(torch.zeros(8))
+    graphs = one_parameter_graphs(p)
+    full = lambda v: torch.full((8,), float(v))  # noqa: E731
+    replayed_loss(graphs, p).backward()
+    grad = p.grad
+    seen = []
+    node = torch.autograd.graph.get_gradient_edge(p).node
+    handle = node.register_prehook(lambda grads: seen.append((grads[0].clone(), p.grad.clone())))
+    replayed_loss(graphs, p).backward()
+    handle.remove()
+    assert torch.equal(seen[0][0], full(2)) and torch.equal(seen[0][1], full(1))
+    assert p.grad is grad and torch.equal(grad, full(3))
+    assert grad.data_ptr() != graphs.param_grads[0].data_ptr()
+    p.grad = None
+    replayed_loss(graphs, p).backward()
+    storage = p.grad.untyped_storage()
+    p.grad = None
+    replayed_loss(graphs, p).backward()
+    kept = torch.empty(0).set_(storage, 0, (8,), (1,))
+    assert torch.equal(kept, full(3)) and torch.equal(p.grad, full(4))
+
+
 def test_a_gradient_buffer_that_shares_its_memory_is_copied():
     """Buffers that are views, or share a storage, are not lent: a copy, as before."""
     base = torch.zeros(16)
@@ -624,6 +652,9 @@ def test_a_gradient_buffer_that_shares_its_memory_is_copied():
     twin = alone.view(8)
     assert layer_graphs._lendable(torch, [alone]) == [False]  # the view holds its storage too
     del twin
+    # A replay writes its static tensors: a gradient that is one (passed straight through) is
+    # not lent.
+    assert layer_graphs._lendable(torch, [alone], others=[alone]) == [False]
     p = torch.nn.Parameter(torch.zeros(8))
     graphs = one_parameter_graphs(p)
     graphs.lendable = [False]
