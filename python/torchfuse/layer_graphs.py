@@ -490,7 +490,8 @@ def _capture(torch, layer, original_call, key, leaves, tree, cache_slot, side_st
     graphs.param_grads = [by_id.get(id(p)) if p.requires_grad else None for p in params]
     del grads, by_id
     others = graphs.statics + graphs.produced + graphs.grad_outs
-    graphs.lendable = _lendable(torch, graphs.input_grads + graphs.param_grads, others)[len(tensors):]
+    lendable = _lendable(torch, graphs.input_grads + graphs.param_grads, others)
+    graphs.lendable = lendable[len(tensors):]
     return graphs
 
 
