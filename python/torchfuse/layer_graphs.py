@@ -1,21 +1,21 @@
 """Opt-in CUDA graphs of HF decoder layers and timm's ViT blocks (TORCHFUSE_LAYER_GRAPHS=1): each
 recognised layer's forward and backward replayed from graphs captured on the layer's third call
 of one shape, everything around the layers (the user's loop, the loss, the optimizer, logging
-and its syncs) unchanged and eager. On a host-bound step the layers' Python, dispatch and autograd work is most
-of the host's time; a replay is one launch. docs/step-capture.md holds the design and the
+and its syncs) unchanged and eager. On a host-bound step the layers' Python, dispatch and
+autograd work is most of the host's time; a replay is one launch. docs/step-capture.md holds the design and the
 measurements.
 
 A call replays only when everything the graph baked in is as it was at capture, checked at every
 call (anything else runs the layer's own code, eager, as if this module were absent):
 - the layer's class is one of LAYERS or BLOCKS (their forwards read and write nothing outside
-  their arguments and parameters but the KV cache, below), grad on, no gradient checkpointing, outside
-  torch.compile, torch.func, inference mode and anomaly mode, no saved-tensor hooks;
+  their arguments and parameters but the KV cache, below), grad on, no gradient checkpointing,
+  outside torch.compile, torch.func, inference mode and anomaly mode, no saved-tensor hooks;
 - every submodule: a class of torch.nn, of a transformers model, its activations or Conv1D,
   or PEFT's LoRA Linear (not a quantized layer's or another adapter's, whose Python state a
   graph would freeze), its scalar attributes (`training`, a dropout's `p`, `scaling`, ...), the
   contents of its dict, list, tuple and set attributes (LoRA's adapters' settings) and its
-  attention implementation as captured, no hooks (global ones neither), no tensor attribute that is not a parameter or
-  buffer (FSDP1's views of its flat parameter);
+  attention implementation as captured, no hooks (global ones neither), no tensor attribute
+  that is not a parameter or buffer (FSDP1's views of its flat parameter);
 - the arguments: the same tree of tensors of the same shapes, strides, dtypes, device and
   requires_grad (their values are copied into the graph's inputs) and the same other values
   (None, numbers, strings, flags); autocast's state, deterministic mode, TF32 and the SDPA
@@ -728,9 +728,10 @@ def _layer_call(torch, original_call):
         cache_types, fresh_layers = _cache_classes()
         key, leaves, tree, cache_slot, parameters = _describe(torch, layer, args, kwargs, cache_types)
         if cache_slot is not None:
-            if _layer_idx(layer) is None:
+            layer_idx = _layer_idx(layer)
+            if layer_idx is None:
                 raise _Eager("a KV cache, and no layer index found to update it at")
-            if not _fresh_cache(leaves[cache_slot], _layer_idx(layer), fresh_layers):
+            if not _fresh_cache(leaves[cache_slot], layer_idx, fresh_layers):
                 raise _Eager("a KV cache that already holds this layer's keys")
         graphs = state.get("graphs")
         if graphs is None:
