@@ -488,10 +488,8 @@ def _capture(torch, layer, original_call, key, leaves, tree, cache_slot, side_st
     by_id = {id(t): g for t, g in zip(wants_grad, grads)}
     graphs.input_grads = [by_id.get(id(t)) if t.requires_grad else None for t in tensors]
     graphs.param_grads = [by_id.get(id(p)) if p.requires_grad else None for p in params]
-    del grads, by_id
-    others = graphs.statics + graphs.produced + graphs.grad_outs
-    lendable = _lendable(torch, graphs.input_grads + graphs.param_grads, others)
-    graphs.lendable = lendable[len(tensors):]
+    graphs.lendable = _lendable(torch, graphs.param_grads, graphs.input_grads + graphs.statics
+                                + graphs.produced + graphs.grad_outs)
     return graphs
 
 
@@ -521,10 +519,11 @@ def _moved_off(grad, buffer):
 
 
 def _lendable(torch, grads, others=()):
-    """Per gradient buffer of the backward graph: whether a replay's backward may hand the buffer
-    itself to autograd (no copy): it alone holds its storage, all of it, and no other buffer nor
-    any of `others` (the graphs' static inputs, outputs and output gradients, which a replay
-    writes) shares it, so that who else holds it later can be counted."""
+    """Per parameter's gradient buffer of the backward graph: whether a replay's backward may
+    hand the buffer itself to autograd (no copy): it alone holds its storage, all of it, and no
+    other buffer nor any of `others` (the inputs' gradients, the graphs' static inputs, outputs
+    and output gradients, which a replay writes) shares it, so that who else holds it later can
+    be counted."""
     storages = collections.Counter(t.untyped_storage().data_ptr()
                                    for t in list(grads) + list(others) if t is not None)
     return [g is not None and g._base is None and g.storage_offset() == 0
@@ -688,8 +687,10 @@ def _replay_function(torch):
             # keep them.
             out = [g.clone() if g is not None else None for g in graphs.input_grads]
             for i, (buffer, lend) in enumerate(zip(graphs.param_grads, graphs.lendable)):
-                if buffer is None or not lend:
-                    out.append(buffer if buffer is None else buffer.clone())
+                if buffer is None:
+                    out.append(None)
+                elif not lend:
+                    out.append(buffer.clone())
                 elif i not in held:
                     out.append(buffer.detach())  # a tensor of its own on the buffer's memory
                 else:

@@ -548,7 +548,7 @@ def one_parameter_graphs(p):
         statics=[x_static], produced=[produced], present=[True], grad_outs=[grad_out],
         input_grads=[grad_x], param_grads=[grad_p], generation=0, pending=None,
         forward=Graph(lambda: produced.copy_(x_static * 2)), backward=Graph(backward))
-    graphs.lendable = layer_graphs._lendable(torch, graphs.input_grads + graphs.param_grads)[1:]
+    graphs.lendable = layer_graphs._lendable(torch, graphs.param_grads, graphs.input_grads)
     return graphs
 
 
