@@ -32,19 +32,27 @@ call (anything else runs the layer's own code, eager, as if this module were abs
 - no earlier replay of this layer still waits for its backward (a second forward before the
   first's backward, gradient accumulation of two forwards into one loss: eager).
 
-What a replay returns is fresh memory (the outputs and all gradients are copied out of the
-graph), so nothing a user keeps changes at the next replay. The weights are cast inside the graph
-(the autocast cache is off in captures, as PyTorch requires), from their values at each replay.
-The backward graph reuses the memory of the activations it has read: a second backward through one
-replay (retain_graph), or one after the layer's next replay, raises a RuntimeError naming this
-switch instead of reading overwritten activations; a double backward (create_graph=True) through a
-replay raises autograd's once_differentiable error. A capture that fails (a sync inside the layer,
-an op that cannot be captured) gives the device's random generator back (a failed capture leaves it
-marked as capturing, and any later dropout would raise), is tried once more at the layer's next
-call, then leaves the layer eager for the process, with one warning. Each layer keeps its own
-memory pool for the process's life: its saved activations, as eager keeps them until the backward,
-and its workspace. Dropout inside a layer draws from the graph's registered generator: eager's
-distribution, not eager's numbers for a fixed seed.
+What a replay returns is fresh memory (the outputs and the inputs' gradients are copied out of the
+graph), or, for a parameter's gradient, the backward graph's own buffer lent to autograd: a .grad
+of None becomes it (no copy, no second set of gradients in memory), a .grad of its own adds it in
+place. The backward's buffers have a pool of their own, which no forward replay writes. Whatever
+still holds a lent buffer when the next backward replays is counted (references to its storage) and
+looked after first: a .grad being accumulated into moves to a copy of its own (the same tensor, the
+same values); a gradient torch.autograd.grad returned, a hook's, a view has its values put back. So
+nothing a user keeps changes at the next replay, with one exception no count sees: a copy of a
+.grad queued on another stream (record_stream) and the .grad dropped must be waited for before the
+layer's next backward, as a step's synchronisation does. The weights are cast inside the graph (the
+autocast cache is off in captures, as PyTorch requires), from their values at each replay. The
+graphs write the same memory at every replay: a second backward through one replay (retain_graph),
+or one after the layer's next replay, raises a RuntimeError naming this switch instead of reading
+overwritten activations; a double backward (create_graph=True) through a replay raises autograd's
+once_differentiable error. A capture that fails (a sync inside the layer, an op that cannot be
+captured) gives the device's random generator back (a failed capture leaves it marked as capturing,
+and any later dropout would raise), is tried once more at the layer's next call, then leaves the
+layer eager for the process, with one warning. Each layer keeps its two memory pools for the
+process's life: its saved activations, as eager keeps them until the backward, its workspace and
+its parameters' gradients. Dropout inside a layer draws from the graph's registered generator:
+eager's distribution, not eager's numbers for a fixed seed.
 """
 import atexit
 import collections
@@ -480,7 +488,48 @@ def _capture(torch, layer, original_call, key, leaves, tree, cache_slot, side_st
     by_id = {id(t): g for t, g in zip(wants_grad, grads)}
     graphs.input_grads = [by_id.get(id(t)) if t.requires_grad else None for t in tensors]
     graphs.param_grads = [by_id.get(id(p)) if p.requires_grad else None for p in params]
+    graphs.lendable = _lendable(torch, graphs.param_grads, graphs.input_grads + graphs.statics
+                                + graphs.produced + graphs.grad_outs)
     return graphs
+
+
+def _storage_refs(torch, t):
+    """How many hold t's storage: tensors on it (views included), and references to its Python
+    storage object (one object however often it is asked for: `untyped_storage()` held
+    elsewhere is seen by its Python references only)."""
+    storage = t.untyped_storage()
+    return torch._C._storage_Use_Count(storage._cdata) + sys.getrefcount(storage)
+
+
+@functools.lru_cache(maxsize=None)
+def _own_refs(torch, device):
+    """_storage_refs of a tensor on `device` that nothing else holds (measured once a device: it
+    depends on how this torch keeps storages and their Python objects)."""
+    return _storage_refs(torch, torch.empty(1, device=device))
+
+
+def _moved_off(grad, buffer):
+    """Where `grad` (a .grad) is the lent buffer, it is moved to a copy of its own (the same
+    tensor object, the same values): the buffer is then free for the replay. Whether it was."""
+    if (grad is None or grad.data_ptr() != buffer.data_ptr() or grad.shape != buffer.shape
+            or grad.stride() != buffer.stride()):
+        return False
+    grad.data = grad.clone()
+    return True
+
+
+def _lendable(torch, grads, others=()):
+    """Per parameter's gradient buffer of the backward graph: whether a replay's backward may
+    hand the buffer itself to autograd (no copy): it alone holds its storage, all of it, and no
+    other buffer nor any of `others` (the inputs' gradients, the graphs' static inputs, outputs
+    and output gradients, which a replay writes) shares it, so that who else holds it later can
+    be counted."""
+    storages = collections.Counter(t.untyped_storage().data_ptr()
+                                   for t in list(grads) + list(others) if t is not None)
+    return [g is not None and g._base is None and g.storage_offset() == 0
+            and g.untyped_storage().nbytes() == g.numel() * g.element_size() > 0
+            and storages[g.untyped_storage().data_ptr()] == 1
+            and _storage_refs(torch, g) == _own_refs(torch, g.device) for g in grads]
 
 
 @contextlib.contextmanager
@@ -546,10 +595,14 @@ def _record(torch, layer, original_call, graphs, statics, wants_grad, leaves, tr
             del out, kv, outs
     torch.cuda.current_stream(device).wait_stream(stream)
     torch.cuda.synchronize(device)
-    pool = torch.cuda.graph_pool_handle()
+    # A pool each: the backward's gradient buffers are lent to autograd and may be held (a .grad
+    # across gradient accumulation's next forward), so no forward replay may write their memory,
+    # as it would where the backward's capture took blocks the forward's had freed.
+    forward_pool, backward_pool = torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()
     forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with _generator_released(torch, stream, device):
-        with torch.cuda.graph(forward, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        with torch.cuda.graph(forward, pool=forward_pool, stream=stream,
+                              capture_error_mode="thread_local"):
             with no_cache():
                 out, kv = run()
     out_leaves, out_tree = _pytree.tree_flatten(out)
@@ -561,7 +614,8 @@ def _record(torch, layer, original_call, graphs, statics, wants_grad, leaves, tr
     outs = differentiable(produced)
     grad_outs = [torch.empty_like(o) for o in outs]
     with _generator_released(torch, stream, device):
-        with torch.cuda.graph(backward, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        with torch.cuda.graph(backward, pool=backward_pool, stream=stream,
+                              capture_error_mode="thread_local"):
             grads = torch.autograd.grad(outs, wants_grad, grad_outs, allow_unused=True)
     torch.cuda.current_stream(device).wait_stream(stream)
     graphs.forward, graphs.backward = forward, backward
@@ -585,6 +639,7 @@ def _replay_function(torch):
             graphs.forward.replay()
             graphs.generation += 1
             ctx.graphs, ctx.generation, ctx.token = graphs, graphs.generation, token
+            ctx.parameters = tensors[n_inputs:]
             ctx.set_materialize_grads(False)  # an unused output's gradient: None, zeroed below
             outs = tuple(o.clone() for o in graphs.produced)
             fixed = [o for o, d in zip(outs, graphs.present) if not d]
@@ -609,13 +664,40 @@ def _replay_function(torch):
                 if d:
                     static = next(wanted)
                     static.zero_() if g is None else static.copy_(g)
+            # A parameter's gradient buffer is lent to autograd, not copied: a .grad of None
+            # becomes the buffer itself (no copy, no second gradient's memory), a .grad of its own
+            # adds it in place. The next replay writes the buffer again, so whatever still holds
+            # it then is looked after first: a .grad on it (gradient accumulation) moves to a copy
+            # of its own, the same tensor with the same values; any other holder (a gradient
+            # autograd.grad returned, a hook's, a view) has the old values put back after the
+            # replay, and autograd gets a copy of the new ones.
+            held = {}
+            for i, (buffer, lend) in enumerate(zip(graphs.param_grads, graphs.lendable)):
+                if not lend:
+                    continue
+                own = _own_refs(torch, buffer.device)
+                refs = _storage_refs(torch, buffer)
+                if refs == own + 1 and _moved_off(ctx.parameters[i].grad, buffer):
+                    refs = own
+                if refs > own:
+                    held[i] = buffer.clone()
             graphs.backward.replay()
             ctx.token.done = True
-            # Copies: autograd.grad(..., inputs=params) hands the gradients to the user as they
-            # are, and the next replay overwrites the graph's own (a .grad of None takes the copy
-            # itself, as eager's does).
-            copied = [g.clone() if g is not None else None for g in graphs.input_grads + graphs.param_grads]
-            return (None, None, None, *copied)
+            # The inputs' gradients are copies: the previous layer's backward or the user may
+            # keep them.
+            out = [g.clone() if g is not None else None for g in graphs.input_grads]
+            for i, (buffer, lend) in enumerate(zip(graphs.param_grads, graphs.lendable)):
+                if buffer is None:
+                    out.append(None)
+                elif not lend:
+                    out.append(buffer.clone())
+                elif i not in held:
+                    out.append(buffer.detach())  # a tensor of its own on the buffer's memory
+                else:
+                    new = buffer.clone()
+                    buffer.copy_(held[i])
+                    out.append(new)
+            return (None, None, None, *out)
 
     return LayerReplay
 

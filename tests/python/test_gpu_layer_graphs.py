@@ -207,6 +207,45 @@ def test_gradient_accumulation_and_a_second_forward_are_eagers():
     close(grads(graphed), grads(eager), 1e-4)
 
 
+def test_lent_gradients_train_as_eagers():
+    """Under autocast (fp32 training's weight gradients are transposed views, which
+    AccumulateGrad copies to the weight's layout anyway: copied here too), the parameters'
+    gradients are the backward graph's buffers themselves (no copy); training
+    with zero_grad(set_to_none=False) and two micro-batches a step gives eager's gradients, and
+    a gradient torch.autograd.grad returned is unchanged by the steps after it."""
+    eager, graphed = model_pair("llama", seed=5)
+    for i in range(4):  # the third call captures (the fourth, where a process's first fails)
+        step(graphed, batch(i), True, True)
+        graphed.zero_grad()
+    layer = graphed.model.layers[0]
+    graphs = layer_graphs.state_of(layer)["graphs"]
+    assert any(graphs.lendable), "no gradient buffer could be lent"
+    step(graphed, batch(5), True, True)
+    lent = [p.grad.data_ptr() == b.data_ptr()
+            for p, b, ok in zip(layer.parameters(), graphs.param_grads, graphs.lendable) if ok]
+    assert lent and all(lent)
+    weight = layer.mlp.down_proj.weight
+    graphed.zero_grad()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = graphed(input_ids=batch(4), labels=batch(4)).loss
+    taken, = torch.autograd.grad(loss, [weight])
+    expected = taken.clone()
+    index = next(i for i, p in enumerate(layer.parameters()) if p is weight)
+    assert taken.data_ptr() == graphs.param_grads[index].data_ptr()  # lent to the caller
+    graphed.zero_grad(set_to_none=False)
+    eager.load_state_dict(graphed.state_dict())
+    opt_e = torch.optim.SGD(eager.parameters(), lr=1e-2)
+    opt_g = torch.optim.SGD(graphed.parameters(), lr=1e-2)
+    for i in range(4):
+        for model, graphs_on, opt in ((eager, False, opt_e), (graphed, True, opt_g)):
+            step(model, batch(10 + 2 * i), graphs_on, True)
+            step(model, batch(11 + 2 * i), graphs_on, True)  # accumulated into .grad
+        close(grads(graphed), grads(eager), 2e-2)
+        opt_e.step(), opt_g.step()
+        opt_e.zero_grad(set_to_none=False), opt_g.zero_grad(set_to_none=False)
+    assert torch.equal(taken, expected)
+
+
 def test_what_the_guards_send_to_eager_is_right():
     """A hook on a submodule, a dropout's p changed, eval, no_grad: eager calls (no replay), with
     eager's outputs and gradients. An output kept from a replay does not change at the next

@@ -524,3 +524,162 @@ def _pytree_spec_of_one_tensor():
     """The tree of a call with one positional tensor and no keywords."""
     from torch.utils import _pytree
     return _pytree.tree_flatten(((torch.empty(0),), {}))[1]
+
+
+def one_parameter_graphs(p):
+    """The graphs of a layer `x * 2` with one parameter p, faked on CPU: its forward replay
+    writes the output, its k-th backward replay writes the gradient k (every element) into the
+    parameter's buffer, as a real backward graph rewrites its buffers at each replay."""
+    import types
+
+    class Graph:
+        def __init__(self, run):
+            self.replay = run
+
+    x_static, produced, grad_out, grad_x = (torch.zeros(4) for _ in range(4))
+    grad_p, backwards = torch.zeros_like(p), []
+
+    def backward():
+        backwards.append(None)
+        grad_x.copy_(grad_out * 2)
+        grad_p.fill_(float(len(backwards)))
+
+    graphs = types.SimpleNamespace(
+        statics=[x_static], produced=[produced], present=[True], grad_outs=[grad_out],
+        input_grads=[grad_x], param_grads=[grad_p], generation=0, pending=None,
+        forward=Graph(lambda: produced.copy_(x_static * 2)), backward=Graph(backward))
+    graphs.lendable = layer_graphs._lendable(torch, graphs.param_grads, graphs.input_grads)
+    return graphs
+
+
+def replayed_loss(graphs, p):
+    x = torch.ones(4, requires_grad=True)
+    out, = layer_graphs._replay_function(torch).apply(graphs, layer_graphs._Token(), 1, x, p)
+    return out.sum()
+
+
+def test_a_parameters_gradient_is_lent_and_accumulates_as_eagers():
+    """A .grad of None becomes the backward graph's buffer itself (no copy); backwards without
+    zeroing add to it in place (the .grad keeps its identity, as eager's does); zeroed in place
+    (zero_grad(set_to_none=False)) it holds the next gradient alone."""
+    p = torch.nn.Parameter(torch.zeros(8))
+    graphs = one_parameter_graphs(p)
+    assert graphs.lendable == [True]
+    replayed_loss(graphs, p).backward()
+    grad = p.grad
+    assert grad.data_ptr() == graphs.param_grads[0].data_ptr()
+    assert torch.equal(grad, torch.full((8,), 1.0))
+    replayed_loss(graphs, p).backward()
+    replayed_loss(graphs, p).backward()
+    assert p.grad is grad and torch.equal(grad, torch.full((8,), 6.0))  # 1 + 2 + 3
+    p.grad.zero_()
+    replayed_loss(graphs, p).backward()
+    assert p.grad is grad and torch.equal(grad, torch.full((8,), 4.0))
+    p.grad = None
+    replayed_loss(graphs, p).backward()
+    assert torch.equal(p.grad, torch.full((8,), 5.0))
+
+
+def test_what_holds_a_lent_gradient_keeps_its_values():
+    """torch.autograd.grad while the .grad holds the buffer returns the new gradient and leaves
+    the .grad alone; a gradient autograd.grad returned, and a tensor on an earlier .grad's
+    memory, are unchanged by the next backward; a hook on the parameter sees each backward's own
+    gradient, accumulation steps included."""
+    p = torch.nn.Parameter(torch.zeros(8))
+    graphs = one_parameter_graphs(p)
+    full = lambda v: torch.full((8,), float(v))  # noqa: E731
+    replayed_loss(graphs, p).backward()
+    assert p.grad.data_ptr() == graphs.param_grads[0].data_ptr()  # lent
+    again, = torch.autograd.grad(replayed_loss(graphs, p), [p])
+    assert torch.equal(again, full(2)) and torch.equal(p.grad, full(1))
+    replayed_loss(graphs, p).backward()
+    assert torch.equal(p.grad, full(4)) and torch.equal(again, full(2))  # 1 + 3
+    del again
+    p.grad = None
+    returned, = torch.autograd.grad(replayed_loss(graphs, p), [p])
+    assert returned.data_ptr() == graphs.param_grads[0].data_ptr()  # lent to the caller
+    replayed_loss(graphs, p).backward()
+    assert torch.equal(returned, full(4)) and torch.equal(p.grad, full(5))
+    del returned
+    p.grad = None
+    replayed_loss(graphs, p).backward()
+    kept = p.grad.detach()
+    p.grad = None
+    replayed_loss(graphs, p).backward()
+    assert torch.equal(kept, full(6)) and torch.equal(p.grad, full(7))
+    del kept
+    p.grad = None
+    seen = []
+    p.register_hook(lambda g: seen.append(g.clone()))
+    replayed_loss(graphs, p).backward()
+    replayed_loss(graphs, p).backward()  # adds to the lent .grad: the hook still sees 9
+    assert [g[0].item() for g in seen] == [8.0, 9.0]
+    assert torch.equal(p.grad, full(17))
+
+
+def test_accumulation_hooks_and_held_storages_see_eagers_values():
+    """While gradients accumulate into a lent .grad, a pre-hook on the parameter's AccumulateGrad
+    node sees each backward's own gradient and the .grad keeps its old values until it is added
+    to (it moves off the buffer, the same tensor); a storage object taken from a lent .grad keeps
+    its values after the .grad is dropped."""
+    p = torch.nn.Parameter(torch.zeros(8))
+    graphs = one_parameter_graphs(p)
+    full = lambda v: torch.full((8,), float(v))  # noqa: E731
+    replayed_loss(graphs, p).backward()
+    grad = p.grad
+    seen = []
+    node = torch.autograd.graph.get_gradient_edge(p).node
+    handle = node.register_prehook(lambda grads: seen.append((grads[0].clone(), p.grad.clone())))
+    replayed_loss(graphs, p).backward()
+    handle.remove()
+    assert torch.equal(seen[0][0], full(2)) and torch.equal(seen[0][1], full(1))
+    assert p.grad is grad and torch.equal(grad, full(3))
+    assert grad.data_ptr() != graphs.param_grads[0].data_ptr()
+    p.grad = None
+    replayed_loss(graphs, p).backward()
+    storage = p.grad.untyped_storage()
+    p.grad = None
+    replayed_loss(graphs, p).backward()
+    kept = torch.empty(0).set_(storage, 0, (8,), (1,))
+    assert torch.equal(kept, full(3)) and torch.equal(p.grad, full(4))
+
+
+def test_a_gradient_buffer_that_shares_its_memory_is_copied():
+    """Buffers that are views, or share a storage, are not lent: a copy, as before."""
+    base = torch.zeros(16)
+    a, b, alone = base[:8], base[8:], torch.zeros(8)
+    assert layer_graphs._lendable(torch, [a, b, alone, None]) == [False, False, True, False]
+    twin = alone.view(8)
+    assert layer_graphs._lendable(torch, [alone]) == [False]  # the view holds its storage too
+    del twin
+    # A replay writes its static tensors: a gradient that is one (passed straight through) is
+    # not lent.
+    assert layer_graphs._lendable(torch, [alone], others=[alone]) == [False]
+    p = torch.nn.Parameter(torch.zeros(8))
+    graphs = one_parameter_graphs(p)
+    graphs.lendable = [False]
+    replayed_loss(graphs, p).backward()
+    assert p.grad.data_ptr() != graphs.param_grads[0].data_ptr()
+    assert torch.equal(p.grad, torch.full((8,), 1.0))
+
+
+def test_the_backward_graph_has_a_pool_of_its_own(fake_graphs, monkeypatch):
+    """The parameters' gradient buffers are lent to autograd and may be held across the next
+    forward (a .grad being accumulated into): the backward is captured into a pool of its own,
+    so that no forward replay writes blocks the backward's capture took for them."""
+    import contextlib
+    import itertools
+    handles, pools = itertools.count(1), []
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
+
+    def graph(cuda_graph, pool=None, **kwargs):
+        pools.append(pool)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    model = layer_families.build("llama")
+    layer = layer_families.decoder_layers(model)[0]
+    leaves, tree, slot = flat_call_with_a_fresh_cache(model, lambda: DynamicCache(config=model.config))
+    original = type(layer).__mro__[1].__call__
+    layer_graphs._capture(torch, layer, original, "key", leaves, tree, slot, {})
+    assert len(pools) == 2 and None not in pools and pools[0] != pools[1]
