@@ -117,9 +117,8 @@ SUBMODULE_CLASSES = frozenset({
 # Calls of one shape that run eager before the capture: the first steps compile and tune
 # kernels (NVRTC, cuBLAS) outside any capture.
 EAGER_CALLS = 2
-# Captures tried per layer before it stays eager: the process's first capture can fail once
-# (measured on torch 2.11: "operation would make the legacy stream depend on a capturing blocking
-# stream", the next capture of the same layer succeeds).
+# Captures tried per layer before it stays eager: a second try for a failure that a lazy
+# initialisation or a passing condition of the job's (a sync somewhere while capturing) causes.
 CAPTURES = 2
 # Iterations of forward and backward on the capture stream before the capture (its cuBLAS
 # workspace and every lazy allocation made outside the graph's pool).
@@ -469,16 +468,7 @@ def _parameter_aliases(torch, layer):
 def _capture(torch, layer, original_call, key, leaves, tree, cache_slot, side_streams):
     """The layer's forward and backward captured on the call's arguments: a _Graphs."""
     graphs = _Graphs(key, cache_slot, _layer_idx(layer))
-    statics = []
-    for x in leaves:
-        if type(x) is torch.Tensor:
-            # empty_like keeps a dense tensor's strides and gives an expanded one (HF's masks,
-            # which cannot be written in place) a dense layout: the same values.
-            s = torch.empty_like(x)
-            s.copy_(x)
-            statics.append(s.requires_grad_(x.requires_grad))
-        else:
-            statics.append(x)
+    statics = [_static_copy(torch, x) if type(x) is torch.Tensor else x for x in leaves]
     tensors = [s for s in statics if type(s) is torch.Tensor]
     with _parameter_aliases(torch, layer) as params:
         wants_grad = [t for t in tensors if t.requires_grad] + [p for p in params if p.requires_grad]
@@ -491,6 +481,21 @@ def _capture(torch, layer, original_call, key, leaves, tree, cache_slot, side_st
     graphs.lendable = _lendable(torch, graphs.param_grads, graphs.input_grads + graphs.statics
                                 + graphs.produced + graphs.grad_outs)
     return graphs
+
+
+def _static_copy(torch, x):
+    """A capture's input for the argument x: a new leaf with x's values (requiring a gradient
+    where x does), joined to nothing. A copy that autograd recorded would join the capture's
+    backward to the job's own graph, whose nodes sit on the default stream: the capture's
+    backward then waits on that stream and fails ("operation would make the legacy stream depend
+    on a capturing blocking stream", measured at each process's first layer whose input carries
+    a gradient)."""
+    with torch.no_grad():
+        # empty_like keeps a dense tensor's strides and gives an expanded one (HF's masks, which
+        # cannot be written in place) a dense layout: the same values.
+        s = torch.empty_like(x)
+        s.copy_(x)
+    return s.requires_grad_(x.requires_grad)
 
 
 def _storage_refs(torch, t):
@@ -533,26 +538,29 @@ def _lendable(torch, grads, others=()):
 
 
 @contextlib.contextmanager
-def _generator_released(torch, stream, device):
-    """A capture that fails on the GPU (a sync inside it invalidates it, and ending it raises)
-    leaves the device's default generator marked as capturing: every later random draw outside a
-    capture (the eager call this layer falls back to, any dropout of the job) then raises "Offset
-    increment outside graph capture". After such a failure a capture of one kernel, which
-    ends, gives the generator back (measured on an H200: eager's numbers, as if the failed capture
-    had not happened); the failure is raised on."""
+def _failure_undone(torch, stream, device):
+    """What a capture that fails on the GPU leaves behind, undone; the failure is raised on.
+    Ending such a capture (a sync inside it invalidates it) raises before torch.cuda.graph gives
+    the thread its stream back: the job would go on on the capture's stream. And the device's
+    default generator stays marked as capturing: every later random draw outside a capture (the
+    eager call this layer falls back to, any dropout of the job) then raises "Offset increment
+    outside graph capture". A capture of one kernel, which ends, gives the generator back
+    (measured on an H200: eager's numbers, as if the failed capture had not happened)."""
+    prior = torch.cuda.current_stream(device)
     try:
         yield
     except BaseException:
+        torch.cuda.set_stream(prior)
         try:
             graph = torch.cuda.CUDAGraph()
-            stream.wait_stream(torch.cuda.current_stream(device))
+            stream.wait_stream(prior)
             with torch.cuda.stream(stream):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
                     torch.empty(1, device=device).zero_()
                 finally:
                     graph.capture_end()
-            torch.cuda.current_stream(device).wait_stream(stream)
+            prior.wait_stream(stream)
         except Exception as e:  # the failure raised on is the capture's, this one is noted
             note(torch, f"layer graphs: the generator could not be given back ({e!r})")
         raise
@@ -600,7 +608,7 @@ def _record(torch, layer, original_call, graphs, statics, wants_grad, leaves, tr
     # as it would where the backward's capture took blocks the forward's had freed.
     forward_pool, backward_pool = torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()
     forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with _generator_released(torch, stream, device):
+    with _failure_undone(torch, stream, device):
         with torch.cuda.graph(forward, pool=forward_pool, stream=stream,
                               capture_error_mode="thread_local"):
             with no_cache():
@@ -613,7 +621,7 @@ def _record(torch, layer, original_call, graphs, statics, wants_grad, leaves, tr
     produced = [o for o in out_leaves if o is not None] + list(kv)
     outs = differentiable(produced)
     grad_outs = [torch.empty_like(o) for o in outs]
-    with _generator_released(torch, stream, device):
+    with _failure_undone(torch, stream, device):
         with torch.cuda.graph(backward, pool=backward_pool, stream=stream,
                               capture_error_mode="thread_local"):
             grads = torch.autograd.grad(outs, wants_grad, grad_outs, allow_unused=True)

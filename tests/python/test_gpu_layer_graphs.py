@@ -422,7 +422,8 @@ def test_a_failed_capture_with_dropout_leaves_the_generator_usable():
     it back, the eager call the layer falls back to (its dropout) raised "Offset increment
     outside graph capture" (a LoRA fine-tune with dropout did). Each layer's first capture fails
     here (a sync while capturing), in a model with attention dropout: the steps run, the second
-    captures replay, and a dropout outside the layers still draws."""
+    captures replay, the job is back on its own stream, and a dropout outside the layers still
+    draws."""
     model, _ = model_pair("llama", seed=9, attention_dropout=0.3)
     mlp_class = type(model.model.layers[0].mlp)
     original = mlp_class.forward
@@ -442,10 +443,29 @@ def test_a_failed_capture_with_dropout_leaves_the_generator_usable():
     finally:
         mlp_class.forward = original
     assert failing["left"] == 0
+    # Ending a failed capture raises before torch.cuda.graph gives the stream back: the job
+    # went on on the capture's stream.
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
     assert replays(model) > 0
     assert all("graphs" in layer_graphs.state_of(layer) for layer in model.model.layers)
     x = torch.ones(1 << 16, device="cuda")
     assert 0 < torch.nn.functional.dropout(x, 0.5).count_nonzero() < x.numel()
+
+
+def test_every_layer_captures_at_its_first_try():
+    """Each layer's input carries a gradient (the embedding trains): the first capture of each
+    layer, the process's first among them, succeeds on the job's default stream. (A static input
+    copied with autograd recording joined the capture's backward to the job's graph on the
+    default stream: each process's first capture of such a layer failed.)"""
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    for family in ("llama", "gpt2"):
+        model, _ = model_pair(family, seed=11)
+        for i in range(4):
+            step(model, batch(i), True, True)
+        states = [layer_graphs.state_of(layer) for layer in decoder_layers(model)]
+        assert [s.get("failures", 0) for s in states] == [0] * len(states), family
+        assert all("graphs" in s for s in states) and replays(model) > 0, family
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
 
 
 def test_torch_compile_traces_the_layers_own_code():

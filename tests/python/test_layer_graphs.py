@@ -306,6 +306,27 @@ def test_a_capture_with_fake_graphs_keeps_what_the_replay_needs(fake_graphs):
     assert all(o.requires_grad for o in outs)
 
 
+def test_a_captures_inputs_are_leaves_joined_to_nothing(fake_graphs):
+    """The capture's static inputs are new leaves with the call's values, requiring a gradient
+    where the argument does: the hidden states a layer gets carry the job's graph (here the
+    embedding's), and a static copy that autograd recorded joined the capture's backward to it
+    (on the GPU its first capture then failed: that graph's nodes sit on the default stream)."""
+    from torch.utils import _pytree
+    model = small_llama().train()
+    layer = model.model.layers[0]
+    args, kwargs = layer_call_arguments(model, torch.randint(0, 100, (2, 8)))
+    kwargs["past_key_values"] = None  # the forward's cache holds its keys already
+    leaves, tree = _pytree.tree_flatten((args, kwargs))
+    tensors = [x for x in leaves if type(x) is torch.Tensor]
+    assert any(t.grad_fn is not None for t in tensors)  # the hidden states: the embedding's output
+    original = type(layer).__mro__[1].__call__
+    graphs = layer_graphs._capture(torch, layer, original, "key", leaves, tree, None, {})
+    assert [s.is_leaf for s in graphs.statics] == [True] * len(tensors)
+    assert [s.requires_grad for s in graphs.statics] == [t.requires_grad for t in tensors]
+    for s, t in zip(graphs.statics, tensors):
+        torch.testing.assert_close(s, t, rtol=0, atol=0)
+
+
 def test_a_call_inside_a_backward_runs_eager():
     """A reentrant checkpoint recomputes its layers inside the backward, where only eager's RNG
     state gives the forward's dropout again: _describe refuses such a call."""
