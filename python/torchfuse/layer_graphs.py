@@ -378,9 +378,11 @@ def _module_state(torch, module):
                                    or named in SUBMODULE_CLASSES or named in BLOCKS)
     if not allowed:
         raise _Eager(f"a submodule of class {cls.__module__}.{cls.__name__}")
-    if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-            or module._backward_pre_hooks or "forward" in attributes):
+    if (module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+            or "forward" in attributes):
         raise _Eager(f"hooks on {cls.__name__}")
+    if module._forward_hooks and not _idle_output_capture(module._forward_hooks):
+        raise _Eager(f"hooks on {cls.__name__}, or transformers' output capture on")
     scan = _SCANS.get(module)
     if scan is None or scan[0] != tuple(attributes):
         scan = _SCANS[module] = _scan(torch, module)
@@ -391,6 +393,26 @@ def _module_state(torch, module):
     contents = tuple([_frozen(torch, attributes[name]) for name in scan[2]]) if scan[2] else ()
     implementation = getattr(attributes["config"], "_attn_implementation", None) if scan[3] else None
     return cls, values, contents, implementation
+
+
+def _idle_output_capture(hooks):
+    """Whether a module's forward hooks are all transformers' output-capturing hooks and no
+    capture is on. transformers puts them on the layers and their attention for good the first
+    time a call asks for hidden states or attentions; with no capture on, each returns at once,
+    so a replay that skips them is the call. A call that captures runs eager: its hooks must see
+    the layer's outputs."""
+    for hook in hooks.values():
+        if (getattr(hook, "__module__", None) != _OUTPUT_CAPTURING
+                or not getattr(hook, "__qualname__", "").endswith(".output_capturing_hook")):
+            return False
+    collector = getattr(sys.modules.get(_OUTPUT_CAPTURING), "_active_collector", None)
+    try:
+        return collector is not None and collector.get() is None
+    except Exception:  # a transformers this was not read for: the hooks run, eager
+        return False
+
+
+_OUTPUT_CAPTURING = "transformers.utils.output_capturing"
 
 
 def _backend_flags(torch):

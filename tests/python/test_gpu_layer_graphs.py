@@ -468,6 +468,32 @@ def test_every_layer_captures_at_its_first_try():
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
 
 
+def test_layers_replay_after_a_call_that_asked_for_hidden_states():
+    """A call with output_hidden_states puts transformers' capturing hooks on the layers for
+    good: that call runs eager and gets every hidden state; later calls, with no capture on,
+    replay and train as eager does."""
+    eager, graphed = model_pair("llama", seed=13)
+    states = {}
+    for name, model in (("eager", eager), ("graphed", graphed)):
+        layer_graphs.switch.on = name == "graphed"
+        try:
+            out = model(input_ids=batch(0), labels=batch(0), output_hidden_states=True)
+        finally:
+            layer_graphs.switch.on = True
+        states[name] = out.hidden_states
+        out.loss.backward()
+        model.zero_grad()
+    assert len(states["graphed"]) == DIMS["num_hidden_layers"] + 1
+    close(states["graphed"], states["eager"], 1e-4)
+    assert decoder_layers(graphed)[0]._forward_hooks  # transformers' hooks stay
+    for i in range(1, 5):
+        out_e, out_g = step(eager, batch(i), False, True), step(graphed, batch(i), True, True)
+        torch.testing.assert_close(out_g.loss, out_e.loss, rtol=2e-3, atol=0)
+        close(grads(graphed), grads(eager), 2e-2)
+        eager.zero_grad(), graphed.zero_grad()
+    assert replays(graphed) > 0
+
+
 def test_torch_compile_traces_the_layers_own_code():
     """Under torch.compile the patched __call__ steps aside before anything else: the compiled
     model trains with no capture and no replay."""

@@ -84,6 +84,29 @@ def test_the_reasons_a_call_runs_eager():
         assert "training" in describe_reason(layer, hidden)
 
 
+def test_transformers_output_capture_hooks_stand_aside_while_idle():
+    """transformers puts its output-capturing hooks on the layers and their attention for good
+    at the first call that asks for hidden states: with no capture on they return at once and
+    are not a reason to run eager (the call then fails on its CPU tensors only); a call that
+    captures runs eager; any other forward hook beside them does too."""
+    model = small_llama().train()
+    layer = model.model.layers[0]
+    hidden = torch.randn(1, 8, 64, requires_grad=True)
+    ids = torch.randint(0, 100, (1, 8))
+    model(input_ids=ids, output_hidden_states=True)
+    assert layer._forward_hooks and layer.self_attn._forward_hooks  # installed for good
+    assert "CUDA" in describe_reason(layer, hidden)
+    seen = []  # the reason while a call captures (a hook outside the layer asks)
+    handle = model.model.norm.register_forward_pre_hook(
+        lambda m, a: seen.append(describe_reason(layer, hidden)))
+    model(input_ids=ids, output_hidden_states=True)
+    handle.remove()
+    assert len(seen) == 1 and "output capture" in seen[0]
+    handle = layer.register_forward_hook(lambda m, a, o: None)
+    assert "hooks on LlamaDecoderLayer" in describe_reason(layer, hidden)
+    handle.remove()
+
+
 FRESH = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
