@@ -137,8 +137,11 @@ def test_lora_training_is_eagers(autocast):
         assert all(p.grad is None for p in graphed.parameters() if not p.requires_grad)
         opt_e.step(), opt_g.step()
         opt_e.zero_grad(), opt_g.zero_grad()
+    # From each layer's third call: layer 1's first capture, the first to compute an input's
+    # gradient here (the embedding is frozen), failed once a process before the statics were
+    # copied without autograd recording.
     layers = DIMS["num_hidden_layers"]
-    assert 2 * layers <= replays(graphed) <= 3 * layers, "the graphs replay from the third call"
+    assert replays(graphed) == 3 * layers, "the graphs replay from the third call"
 
 
 def tiny_vit(seed):
