@@ -788,6 +788,14 @@ def _layer_call(torch, original_call):
                 raise _Eager("its capture failed") from None
             note(torch, f"layer graphs: {type(layer).__name__} {_layer_idx(layer)} captured")
         elif key != graphs.key:
+            if key[2:4] != graphs.key[2:4]:
+                # Parameters or buffers moved or changed since the capture (model.to(),
+                # load_state_dict(assign=True), a parameter frozen): the graphs can never replay
+                # again. Their memory goes (an earlier replay's pending backward keeps what it
+                # needs), and this call is the first of a new capture's.
+                del state["graphs"]
+                state["last"], state["seen"] = key, 1
+                raise _Eager("parameters or buffers moved since the capture")
             raise _Eager("a call that differs from the captured one")
         token = graphs.pending() if graphs.pending is not None else None
         if token is not None and not token.done:
