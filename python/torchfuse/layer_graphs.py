@@ -426,6 +426,11 @@ def _backend_flags(torch):
             cuda.cudnn_sdp_enabled())
 
 
+def _addresses(key):
+    """The parameters' and buffers' identities and addresses in a call's key (_describe)."""
+    return [p[:2] for p in key[2]], key[3]
+
+
 def _fresh_cache(cache, layer_idx, layer_classes):
     """Whether `cache` (a DynamicCache) holds nothing yet for this layer and will append to a
     layer of one of `layer_classes` (DynamicLayer, DynamicSlidingWindowLayer: their first append
@@ -788,11 +793,16 @@ def _layer_call(torch, original_call):
                 raise _Eager("its capture failed") from None
             note(torch, f"layer graphs: {type(layer).__name__} {_layer_idx(layer)} captured")
         elif key != graphs.key:
-            if key[2:4] != graphs.key[2:4]:
-                # Parameters or buffers moved or changed since the capture (model.to(),
-                # load_state_dict(assign=True), a parameter frozen): the graphs can never replay
-                # again. Their memory goes (an earlier replay's pending backward keeps what it
-                # needs), and this call is the first of a new capture's.
+            if _addresses(key) != _addresses(graphs.key):
+                # Parameters or buffers moved since the capture (model.to(),
+                # load_state_dict(assign=True)): the graphs can never replay again. Their memory
+                # goes (an earlier replay's pending backward keeps what it needs), and this call
+                # is the first of a new capture's; a second move (parameters that move every
+                # step, offloaded) leaves the layer eager.
+                state["moves"] = state.get("moves", 0) + 1
+                if state["moves"] > 1:
+                    give_up(layer, state, "its parameters move between calls")
+                    raise _Eager("its parameters move between calls")
                 del state["graphs"]
                 state["last"], state["seen"] = key, 1
                 raise _Eager("parameters or buffers moved since the capture")

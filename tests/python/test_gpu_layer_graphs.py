@@ -362,7 +362,8 @@ def test_gradients_through_the_kv_cache_and_autograd_grad():
 def test_parameters_loaded_anew_free_the_old_graphs_and_capture_again():
     """load_state_dict(assign=True) gives the layers new parameter tensors: the old graphs can
     never replay again, so they are dropped (their memory freed), the layers run eager, capture
-    anew at their third call and replay, training as eager does."""
+    anew at their third call and replay, training as eager does; after a second move they stay
+    eager."""
     import gc
     import weakref
     eager, graphed = model_pair("llama", seed=14)
@@ -381,6 +382,16 @@ def test_parameters_loaded_anew_free_the_old_graphs_and_capture_again():
     assert all(ref() is None for ref in old), "the old graphs are freed"
     states = [layer_graphs.state_of(layer) for layer in decoder_layers(graphed)]
     assert all(s["graphs"].generation == 2 for s in states), "captured at the third call anew"
+    # A second move (parameters that move every step): eager from then on, the graphs freed.
+    for model in (eager, graphed):
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+        model.zero_grad()
+    for i in range(7, 9):
+        out_e, out_g = step(eager, batch(i), False, False), step(graphed, batch(i), True, False)
+        torch.testing.assert_close(out_g.loss, out_e.loss, rtol=1e-5, atol=0)
+        close(grads(graphed), grads(eager), 1e-4)
+        eager.zero_grad(), graphed.zero_grad()
+    assert all("graphs" not in s and s["failed"] for s in states)
 
 
 def test_dropout_draws_new_numbers_at_each_replay():
