@@ -361,11 +361,18 @@ def _module_internals(torch):
     return frozenset(torch.nn.Module().__dict__)
 
 
+# The config attributes the recognised classes' forwards read at each call rather than at
+# construction (transformers 5.17, read): the attention implementation (every attention), the
+# sliding window (Mistral's, Phi-3's, StarCoder2's), Phi-3's head count, OLMo's q/k/v clip. A
+# graph bakes in what they were: their values are in the key.
+CALL_TIME_CONFIG = ("_attn_implementation", "sliding_window", "num_attention_heads", "clip_qkv")
+
+
 def _module_state(torch, module):
     """What a graph bakes in of one module of the layer: its class (SUBMODULE_ORIGINS' or
     SUBMODULE_CLASSES' only), its scalar attributes (`training`, a dropout's `p`, `scaling`,
-    ...), its container attributes' contents (_frozen) and its config's attention
-    implementation. Raises _Eager for hooks, a forward set on the instance, or a tensor
+    ...), its container attributes' contents (_frozen) and the config attributes it reads at
+    each call (CALL_TIME_CONFIG). Raises _Eager for hooks, a forward set on the instance, or a tensor
     attribute that is neither parameter nor buffer (FSDP1's views of its flat parameter are
     such attributes: the graph would read memory FSDP frees, and no gradient would reach the
     flat parameter). An attribute added, removed, or no longer a scalar reads the module
@@ -391,8 +398,10 @@ def _module_state(torch, module):
         scan = _SCANS[module] = _scan(torch, module)
         values = scan[1](attributes)
     contents = tuple([_frozen(torch, attributes[name]) for name in scan[2]]) if scan[2] else ()
-    implementation = getattr(attributes["config"], "_attn_implementation", None) if scan[3] else None
-    return cls, values, contents, implementation
+    config = attributes["config"] if scan[3] else None
+    read = (tuple([_frozen(torch, getattr(config, name, None)) for name in CALL_TIME_CONFIG])
+            if config is not None else None)
+    return cls, values, contents, read
 
 
 def _idle_output_capture(hooks):

@@ -107,6 +107,21 @@ def test_transformers_output_capture_hooks_stand_aside_while_idle():
     handle.remove()
 
 
+def test_config_read_at_each_call_is_part_of_the_key():
+    """Mistral's attention reads its config's sliding window at each call (and OLMo's its q/k/v
+    clip): a graph bakes in what it was, so a config changed after the capture changes the
+    key (eager), and changed back replays again."""
+    model = layer_families.build("mistral", sliding_window=64)
+    attention = layer_families.decoder_layers(model)[0].self_attn
+    before = layer_graphs._module_state(torch, attention)
+    for name, value in (("sliding_window", 32), ("clip_qkv", 0.5), ("_attn_implementation", "eager")):
+        old = getattr(model.config, name, None)
+        setattr(model.config, name, value)
+        assert layer_graphs._module_state(torch, attention) != before, name
+        setattr(model.config, name, old)
+        assert layer_graphs._module_state(torch, attention) == before, name
+
+
 FRESH = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
