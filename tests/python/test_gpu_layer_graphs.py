@@ -367,30 +367,30 @@ def test_parameters_loaded_anew_free_the_old_graphs_and_capture_again():
     import gc
     import weakref
     eager, graphed = model_pair("llama", seed=14)
-    for i in range(3):
-        step(eager, batch(i), False, False), step(graphed, batch(i), True, False)
+
+    def load_anew():
+        for model in (eager, graphed):
+            model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()},
+                                  assign=True)
+            model.zero_grad()
+
+    def train(steps):
+        for i in steps:
+            out_e, out_g = step(eager, batch(i), False, False), step(graphed, batch(i), True, False)
+            torch.testing.assert_close(out_g.loss, out_e.loss, rtol=1e-5, atol=0)
+            close(grads(graphed), grads(eager), 1e-4)
+            eager.zero_grad(), graphed.zero_grad()
+
+    train(range(3))
     old = [weakref.ref(layer_graphs.state_of(layer)["graphs"]) for layer in decoder_layers(graphed)]
-    for model in (eager, graphed):
-        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
-        model.zero_grad()
-    for i in range(3, 7):
-        out_e, out_g = step(eager, batch(i), False, False), step(graphed, batch(i), True, False)
-        torch.testing.assert_close(out_g.loss, out_e.loss, rtol=1e-5, atol=0)
-        close(grads(graphed), grads(eager), 1e-4)
-        eager.zero_grad(), graphed.zero_grad()
+    load_anew()
+    train(range(3, 7))
     gc.collect()
     assert all(ref() is None for ref in old), "the old graphs are freed"
     states = [layer_graphs.state_of(layer) for layer in decoder_layers(graphed)]
     assert all(s["graphs"].generation == 2 for s in states), "captured at the third call anew"
-    # A second move (parameters that move every step): eager from then on, the graphs freed.
-    for model in (eager, graphed):
-        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
-        model.zero_grad()
-    for i in range(7, 9):
-        out_e, out_g = step(eager, batch(i), False, False), step(graphed, batch(i), True, False)
-        torch.testing.assert_close(out_g.loss, out_e.loss, rtol=1e-5, atol=0)
-        close(grads(graphed), grads(eager), 1e-4)
-        eager.zero_grad(), graphed.zero_grad()
+    load_anew()  # a second move (parameters that move every step): eager, the graphs freed
+    train(range(7, 9))
     assert all("graphs" not in s and s["failed"] for s in states)
 
 
