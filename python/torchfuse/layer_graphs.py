@@ -2,28 +2,32 @@
 recognised layer's forward and backward replayed from graphs captured on the layer's third call
 of one shape, everything around the layers (the user's loop, the loss, the optimizer, logging
 and its syncs) unchanged and eager. On a host-bound step the layers' Python, dispatch and
-autograd work is most of the host's time; a replay is one launch. docs/step-capture.md holds the design and the
-measurements.
+autograd work is most of the host's time; a replay is one launch. docs/step-capture.md holds the
+design and the measurements.
 
 A call replays only when everything the graph baked in is as it was at capture, checked at every
 call (anything else runs the layer's own code, eager, as if this module were absent):
 - the layer's class is one of LAYERS or BLOCKS (their forwards read and write nothing outside
   their arguments and parameters but the KV cache, below), grad on, no gradient checkpointing,
   outside torch.compile, torch.func, inference mode and anomaly mode, no saved-tensor hooks;
-- every submodule: a class of torch.nn, of a transformers model, its activations or Conv1D,
-  or PEFT's LoRA Linear (not a quantized layer's or another adapter's, whose Python state a
-  graph would freeze), its scalar attributes (`training`, a dropout's `p`, `scaling`, ...), the
-  contents of its dict, list, tuple and set attributes (LoRA's adapters' settings) and its
-  attention implementation as captured, no hooks (global ones neither), no tensor attribute
-  that is not a parameter or buffer (FSDP1's views of its flat parameter);
+- every submodule: a class of torch.nn, of a transformers model, its activations or Conv1D, or
+  PEFT's LoRA Linear (not a quantized layer's or another adapter's, whose Python state a graph
+  would freeze), its scalar attributes (`training`, a dropout's `p`, `scaling`, ...), the
+  contents of its dict, list, tuple and set attributes (LoRA's adapters' settings) and the
+  config attributes it reads at each call (CALL_TIME_CONFIG: the attention implementation, a
+  sliding window, ...) as captured, no hooks (global ones neither; transformers' output-
+  capturing hooks pass while no capture is on), no tensor attribute that is not a parameter or
+  buffer (FSDP1's views of its flat parameter);
 - the arguments: the same tree of tensors of the same shapes, strides, dtypes, device and
   requires_grad (their values are copied into the graph's inputs) and the same other values
   (None, numbers, strings, flags); autocast's state, deterministic mode, TF32 and the SDPA
   backends' switches as captured (torchfuse's own op toggles switched at run time with
   `set_enabled` are not seen: the graph keeps the ops it was captured with);
-- the parameters and buffers: the same tensors at the same addresses (`model.to()`, FSDP and
-  `load_state_dict(assign=True)` move them), requires_grad as captured; their values are read at
-  replay, so the optimizer's in-place updates are seen;
+- the parameters and buffers: the same tensors at the same addresses, requires_grad as captured;
+  their values are read at replay, so the optimizer's in-place updates are seen. `model.to()`
+  and `load_state_dict(assign=True)` move them: the graphs, which can never replay again, are
+  dropped and the layer captures anew, once (a second move, as of parameters offloaded every
+  step, leaves it eager);
 - a KV cache argument is a fresh DynamicCache (HF builds one in every training forward with
   use_cache on) whose layer for this one is a DynamicLayer or DynamicSlidingWindowLayer: the
   replay gives back the keys and values the layer appended, as outputs of its autograd node, and
@@ -47,12 +51,12 @@ graphs write the same memory at every replay: a second backward through one repl
 or one after the layer's next replay, raises a RuntimeError naming this switch instead of reading
 overwritten activations; a double backward (create_graph=True) through a replay raises autograd's
 once_differentiable error. A capture that fails (a sync inside the layer, an op that cannot be
-captured) gives the device's random generator back (a failed capture leaves it marked as capturing,
-and any later dropout would raise), is tried once more at the layer's next call, then leaves the
-layer eager for the process, with one warning. Each layer keeps its two memory pools for the
-process's life: its saved activations, as eager keeps them until the backward, its workspace and
-its parameters' gradients. Dropout inside a layer draws from the graph's registered generator:
-eager's distribution, not eager's numbers for a fixed seed.
+captured) gives the thread its stream and the device's random generator back (a failed capture
+leaves the generator marked as capturing, and any later dropout would raise), is tried once more at
+the layer's next call, then leaves the layer eager for the process, with one warning. Each layer
+keeps its two memory pools for the process's life: its saved activations, as eager keeps them until
+the backward, its workspace and its parameters' gradients. Dropout inside a layer draws from the
+graph's registered generator: eager's distribution, not eager's numbers for a fixed seed.
 """
 import atexit
 import collections
@@ -372,8 +376,8 @@ def _module_state(torch, module):
     """What a graph bakes in of one module of the layer: its class (SUBMODULE_ORIGINS' or
     SUBMODULE_CLASSES' only), its scalar attributes (`training`, a dropout's `p`, `scaling`,
     ...), its container attributes' contents (_frozen) and the config attributes it reads at
-    each call (CALL_TIME_CONFIG). Raises _Eager for hooks, a forward set on the instance, or a tensor
-    attribute that is neither parameter nor buffer (FSDP1's views of its flat parameter are
+    each call (CALL_TIME_CONFIG). Raises _Eager for hooks, a forward set on the instance, or a
+    tensor attribute that is neither parameter nor buffer (FSDP1's views of its flat parameter are
     such attributes: the graph would read memory FSDP frees, and no gradient would reach the
     flat parameter). An attribute added, removed, or no longer a scalar reads the module
     again."""
@@ -404,6 +408,9 @@ def _module_state(torch, module):
     return cls, values, contents, read
 
 
+_OUTPUT_CAPTURING = "transformers.utils.output_capturing"
+
+
 def _idle_output_capture(hooks):
     """Whether a module's forward hooks are all transformers' output-capturing hooks and no
     capture is on. transformers puts them on the layers and their attention for good the first
@@ -419,9 +426,6 @@ def _idle_output_capture(hooks):
         return collector is not None and collector.get() is None
     except Exception:  # a transformers this was not read for: the hooks run, eager
         return False
-
-
-_OUTPUT_CAPTURING = "transformers.utils.output_capturing"
 
 
 def _backend_flags(torch):
@@ -811,7 +815,7 @@ def _layer_call(torch, original_call):
                 state["moves"] = state.get("moves", 0) + 1
                 if state["moves"] > 1:
                     give_up(layer, state, "its parameters move between calls")
-                    raise _Eager("its parameters move between calls")
+                    raise _Eager(state["failed"])
                 del state["graphs"]
                 state["last"], state["seen"] = key, 1
                 raise _Eager("parameters or buffers moved since the capture")

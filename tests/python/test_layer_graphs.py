@@ -114,7 +114,8 @@ def test_config_read_at_each_call_is_part_of_the_key():
     model = layer_families.build("mistral", sliding_window=64)
     attention = layer_families.decoder_layers(model)[0].self_attn
     before = layer_graphs._module_state(torch, attention)
-    for name, value in (("sliding_window", 32), ("clip_qkv", 0.5), ("_attn_implementation", "eager")):
+    changes = (("sliding_window", 32), ("clip_qkv", 0.5), ("_attn_implementation", "eager"))
+    for name, value in changes:
         old = getattr(model.config, name, None)
         setattr(model.config, name, value)
         assert layer_graphs._module_state(torch, attention) != before, name
